@@ -1,0 +1,171 @@
+"""The ``nonstop`` command: ``run``, ``demo``, ``gc``.
+
+User errors print one line (``nonstop: error: ...``) and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from nonstop.config import DetectorConfig, JobConfig
+from nonstop.errors import JobFailedError, NonstopError, UsageError
+
+__all__ = ["main"]
+
+
+def _detector_args(p: argparse.ArgumentParser) -> None:
+    d = DetectorConfig()
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=d.heartbeat_timeout_s,
+        help="seconds of heartbeat silence before a worker counts as hung (default %(default)s)",
+    )
+    p.add_argument(
+        "--hang-factor",
+        type=float,
+        default=d.hang_factor,
+        help="no progress for this many median step times counts as a hang (default %(default)s)",
+    )
+    p.add_argument(
+        "--hang-min-s",
+        type=float,
+        default=d.hang_min_s,
+        help="floor of the progress-based hang timeout, seconds (default %(default)s)",
+    )
+
+
+def _detector(ns: argparse.Namespace) -> DetectorConfig:
+    return DetectorConfig(
+        heartbeat_timeout_s=ns.heartbeat_timeout, hang_factor=ns.hang_factor, hang_min_s=ns.hang_min_s
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="nonstop", description="Keep PyTorch training running through failures."
+    )
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    run = sub.add_parser("run", help="launch a training script (torchrun-like)")
+    run.add_argument("--nproc-per-node", type=int, default=1)
+    run.add_argument("--spares", type=int, default=0, help="hot spare processes to keep ready")
+    run.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
+    run.add_argument("--host", default="127.0.0.1", help="address the control server binds")
+    run.add_argument("--port", type=int, default=0, help="control port (0: any free port)")
+    run.add_argument("--max-restarts", type=int, default=10)
+    run.add_argument("--fail", action="append", default=[], metavar="SPEC", help="inject a fault (see demo)")
+    run.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name")
+    _detector_args(run)
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+
+    demo = sub.add_parser("demo", help="train the demo model with injected failures")
+    demo.add_argument("--nproc", type=int, default=3)
+    demo.add_argument("--steps", type=int, default=60)
+    demo.add_argument("--spares", type=int, default=1)
+    demo.add_argument("--model", default="small", choices=["tiny", "small", "medium"])
+    demo.add_argument(
+        "--fail",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="kill:rank=R,step=S | hang:rank=R,step=S | exit:rank=R,step=S,code=C "
+        "(add ,at=recovery to fire during a recovery); repeatable",
+    )
+    demo.add_argument(
+        "--verify",
+        action="store_true",
+        help="also run without faults and check the final weights are bitwise equal",
+    )
+    demo.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
+    demo.add_argument("--job-dir", type=Path, default=Path(".nonstop/demo"))
+    _detector_args(demo)
+
+    gc = sub.add_parser("gc", help="remove shared memory and processes left by crashed jobs")
+    gc.add_argument("--dry-run", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if ns.verbose else logging.WARNING, format="nonstop: %(levelname)s %(message)s"
+    )
+    try:
+        return _dispatch(ns)
+    except UsageError as e:
+        print(f"nonstop: error: {e}", file=sys.stderr)
+        return 2
+    except JobFailedError as e:
+        print(f"nonstop: job failed: {e}", file=sys.stderr)
+        return 1
+    except NonstopError as e:
+        print(f"nonstop: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def _dispatch(ns: argparse.Namespace) -> int:
+    if ns.cmd == "run":
+        from nonstop.runtime.coordinator import JobState
+        from nonstop.runtime.launcher import run_job
+
+        cfg = JobConfig(
+            script=f"-m {ns.script}" if ns.module else ns.script,
+            script_args=tuple(ns.script_args),
+            nproc_per_node=ns.nproc_per_node,
+            spares=ns.spares,
+            job_dir=ns.job_dir,
+            host=ns.host,
+            port=ns.port,
+            max_restarts=ns.max_restarts,
+            faults=tuple(ns.fail),
+            detector=_detector(ns),
+        )
+        result = run_job(cfg)
+        if result.state is not JobState.DONE:
+            raise JobFailedError(result.error or str(result.state))
+        print(
+            f"nonstop: job done at step {result.final_step}, generation {result.generation}, "
+            f"{len(result.failures)} failure(s) recovered; events in {ns.job_dir / 'events.jsonl'}"
+        )
+        return 0
+    if ns.cmd == "demo":
+        from nonstop.demo.runner import DemoOptions, run_demo
+
+        opts = DemoOptions(
+            nproc=ns.nproc,
+            steps=ns.steps,
+            spares=ns.spares,
+            model=ns.model,
+            faults=tuple(ns.fail),
+            verify=ns.verify,
+            job_dir=ns.job_dir,
+            detector=_detector(ns),
+        )
+        report = run_demo(opts)
+        if ns.json is not None:
+            ns.json.parent.mkdir(parents=True, exist_ok=True)
+            ns.json.write_text(json.dumps(report, indent=2))
+        return 0 if report["equal"] in (None, True) else 1
+    if ns.cmd == "gc":
+        from nonstop.runtime.gc import collect_garbage
+        from nonstop.runtime.launcher import default_shm_dir
+
+        rep = collect_garbage(default_shm_dir(), dry_run=ns.dry_run)
+        verb = "would remove" if ns.dry_run else "removed"
+        print(
+            f"nonstop gc: {verb} {len(rep.segments)} segment(s) of {len(rep.jobs)} orphaned job(s), "
+            f"killed {len(rep.killed)} process(es); {len(rep.live_jobs)} live job(s) left alone"
+        )
+        return 0
+    raise AssertionError(ns.cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

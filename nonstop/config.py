@@ -1,0 +1,123 @@
+"""Small typed configs and the one place where environment variables are read.
+
+Each component owns a frozen keyword-only dataclass; the CLI composes them.
+Validation happens in ``__post_init__`` so a bad value fails at start, not at
+step 10,000.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nonstop.errors import UsageError
+
+__all__ = ["DetectorConfig", "JobConfig", "WorkerEnv", "ENV"]
+
+
+class ENV:
+    """Names of the environment variables the launcher hands to every worker."""
+
+    JOB_ID = "NONSTOP_JOB_ID"
+    JOB_DIR = "NONSTOP_JOB_DIR"
+    CONTROL = "NONSTOP_CONTROL_ADDR"
+    SECRET_FILE = "NONSTOP_SECRET_FILE"
+    ROLE = "NONSTOP_ROLE"
+    SPAWN_ID = "NONSTOP_SPAWN_ID"
+    SHM_DIR = "NONSTOP_SHM_DIR"
+    FAULTS = "NONSTOP_FAULTS"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetectorConfig:
+    """How failures are detected.
+
+    heartbeat_interval_s: how often a worker's heartbeat thread reports.
+    heartbeat_timeout_s: silence after which a live process counts as hung
+        (a SIGSTOPped or GIL-deadlocked worker sends nothing).
+    hang_factor: no step progress for ``hang_factor`` x the median step time
+        (and no collective pending on that rank) counts as a hang.
+    hang_min_s: floor for the progress-based hang timeout.
+    startup_grace_s: before a rank's first step, only process exit and
+        heartbeat silence count (the first step includes lazy init).
+    """
+
+    heartbeat_interval_s: float = 0.1
+    heartbeat_timeout_s: float = 1.0
+    hang_factor: float = 10.0
+    hang_min_s: float = 3.0
+    startup_grace_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise UsageError(
+                "heartbeat timeout must be greater than the heartbeat interval (both > 0); "
+                f"got interval={self.heartbeat_interval_s}, timeout={self.heartbeat_timeout_s}"
+            )
+        if self.hang_factor <= 1 or self.hang_min_s <= 0:
+            raise UsageError("--hang-factor must be > 1 and --hang-min-s > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """Everything ``nonstop run`` needs to start a single-node job."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    nproc_per_node: int = 1
+    spares: int = 0
+    job_dir: Path = field(default_factory=lambda: Path(".nonstop") / "job")
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_restarts: int = 10
+    rebuild_timeout_s: float = 30.0
+    detector: DetectorConfig = field(default_factory=DetectorConfig)
+    faults: tuple[str, ...] = ()
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise UsageError(f"--nproc-per-node must be >= 1 (got {self.nproc_per_node})")
+        if self.spares < 0:
+            raise UsageError(f"--spares must be >= 0 (got {self.spares})")
+        if not 0 <= self.port <= 65535:
+            raise UsageError(f"--port must be in 0..65535 (got {self.port}); 0 picks a free port")
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEnv:
+    """What a worker process learns from its environment (set by the agent)."""
+
+    job_id: str
+    job_dir: Path
+    control_addr: tuple[str, int]
+    secret: bytes
+    role: str
+    spawn_id: int
+    shm_dir: Path
+    faults_json: str
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
+        env = dict(os.environ if environ is None else environ)
+        missing = [v for v in (ENV.JOB_ID, ENV.CONTROL, ENV.SECRET_FILE) if v not in env]
+        if missing:
+            raise UsageError(
+                f"not running under a nonstop agent ({', '.join(missing)} unset): "
+                "start the script with `nonstop run SCRIPT`"
+            )
+        host, _, port = env[ENV.CONTROL].rpartition(":")
+        secret = Path(env[ENV.SECRET_FILE]).read_bytes().strip()
+        return cls(
+            job_id=env[ENV.JOB_ID],
+            job_dir=Path(env.get(ENV.JOB_DIR, ".")),
+            control_addr=(host, int(port)),
+            secret=secret,
+            role=env.get(ENV.ROLE, "worker"),
+            spawn_id=int(env.get(ENV.SPAWN_ID, "0")),
+            shm_dir=Path(env.get(ENV.SHM_DIR, "/dev/shm")),
+            faults_json=env.get(ENV.FAULTS, "[]"),
+        )

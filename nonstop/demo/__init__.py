@@ -1,0 +1,1 @@
+"""The demo job: a small decoder-only transformer trained on generated data."""

@@ -1,0 +1,95 @@
+"""The demo training script. Run it under the launcher::
+
+    nonstop run --nproc-per-node 3 --spares 1 -m nonstop.demo.train --steps 60
+
+Rank 0 writes ``--result`` (JSON: final loss, SHA-256 of the final weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import nonstop
+from nonstop.demo.data import MarkovCorpus
+from nonstop.demo.model import GPT, PRESETS
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--model", choices=sorted(PRESETS), default="small")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--result", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    cfg = PRESETS[args.model]
+    torch.manual_seed(args.seed)
+    # Everything that does not depend on the rank is built before joining, so a
+    # hot spare has it ready when it is given a rank.
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
+    session = nonstop.init()  # a hot spare waits here
+    data = {"samples_seen": 0}
+    rank = session.rank
+    assert rank is not None
+
+    def train_step(ddp: torch.nn.Module, step: int) -> float:
+        x, y = corpus.batch(step=step, rank=rank, batch=args.batch, seq=cfg.seq)
+        loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        data["samples_seen"] += args.batch
+        return float(loss.item())
+
+    def load_extras(extras: dict[str, Any]) -> None:
+        data.update(extras)
+
+    t0 = time.time()
+    result = session.run(
+        train_step,
+        model=model,
+        optimizer=opt,
+        num_steps=args.steps,
+        extras=lambda: dict(data),
+        load_extras=load_extras,
+    )
+    if rank == 0 and args.result is not None:
+        args.result.write_text(
+            json.dumps(
+                {
+                    "final_loss": result.last_loss,
+                    "final_hash": weights_hash(model),
+                    "step": result.step,
+                    "generation": result.generation,
+                    "samples_seen_rank0": data["samples_seen"],
+                    "world_size": session.world_size,
+                    "num_params": sum(p.numel() for p in model.parameters()),
+                    "seconds": time.time() - t0,
+                }
+            )
+        )
+    session.close()
+
+
+if __name__ == "__main__":
+    main()

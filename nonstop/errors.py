@@ -1,0 +1,54 @@
+"""One error hierarchy for nonstop.
+
+Every error nonstop raises on purpose derives from :class:`NonstopError`. User
+mistakes (bad CLI input, bad config) are :class:`UsageError`: their message is
+one line that says what to do, and the CLI prints it without a traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthError",
+    "ControlError",
+    "FencedError",
+    "JobFailedError",
+    "NonstopError",
+    "SnapshotError",
+    "SnapshotMissingError",
+    "UsageError",
+]
+
+
+class NonstopError(Exception):
+    """Base of every error nonstop raises on purpose."""
+
+
+class UsageError(NonstopError, ValueError):
+    """A user mistake: bad flag, bad fault spec, unwritable job dir, busy port.
+
+    The message is a single line that tells the user what to do instead.
+    """
+
+
+class SnapshotError(NonstopError):
+    """A snapshot could not be written or read (layout mismatch, bad header)."""
+
+
+class SnapshotMissingError(SnapshotError):
+    """No complete snapshot of the requested step exists for this rank."""
+
+
+class ControlError(NonstopError):
+    """The control channel between a worker and the coordinator failed."""
+
+
+class AuthError(ControlError):
+    """A peer failed the per-job secret handshake; the connection was refused."""
+
+
+class FencedError(ControlError):
+    """A message came from an older generation than the current one and was refused."""
+
+
+class JobFailedError(NonstopError):
+    """The job could not continue (restart budget exhausted, no way to recover)."""

@@ -1,0 +1,119 @@
+"""Fault injection: one API used by the demo, the tests and the benchmarks.
+
+A fault spec is ``KIND:key=value,...``:
+
+* ``kill:rank=R,step=S``            SIGKILL the worker playing rank R when it starts step S
+* ``hang:rank=R,step=S``            SIGSTOP it (it stops sending heartbeats; the agent kills it)
+* ``exit:rank=R,step=S,code=C``     the worker exits with status C
+* any of them with ``at=recovery``  fire instead the first time rank R is asked to
+  restore to a step >= S during a recovery (a failure *during* recovery)
+
+Each fault fires once per job: the first worker to reach it creates a marker
+file with ``O_EXCL`` in ``<job_dir>/faults/``; a replacement that redoes step S
+finds the marker and carries on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from nonstop.errors import UsageError
+
+__all__ = ["FaultInjector", "FaultSpec", "parse_fault"]
+
+KINDS = ("kill", "hang", "exit")
+PHASES = ("step", "recovery")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    kind: str
+    rank: int
+    step: int
+    code: int = 1
+    at: str = "step"
+
+    def to_text(self) -> str:
+        extra = f",code={self.code}" if self.kind == "exit" else ""
+        at = f",at={self.at}" if self.at != "step" else ""
+        return f"{self.kind}:rank={self.rank},step={self.step}{extra}{at}"
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """Parse a fault spec; raise UsageError with the expected syntax if it is bad."""
+    usage = (
+        "expected kill:rank=R,step=S | hang:rank=R,step=S | exit:rank=R,step=S,code=C "
+        "(optionally ,at=recovery)"
+    )
+    kind, sep, rest = text.partition(":")
+    if not sep or kind not in KINDS:
+        raise UsageError(f"bad fault spec {text!r}: {usage}")
+    fields: dict[str, str] = {}
+    for part in rest.split(","):
+        key, eq, value = part.partition("=")
+        if not eq or not key or key in fields:
+            raise UsageError(f"bad fault spec {text!r}: {usage}")
+        fields[key.strip()] = value.strip()
+    allowed = {"rank", "step", "at"} | ({"code"} if kind == "exit" else set())
+    unknown = set(fields) - allowed
+    if unknown or not {"rank", "step"} <= set(fields):
+        raise UsageError(f"bad fault spec {text!r}: {usage}")
+    try:
+        rank, step = int(fields["rank"]), int(fields["step"])
+        code = int(fields.get("code", "1"))
+    except ValueError:
+        raise UsageError(f"bad fault spec {text!r}: rank, step and code must be integers") from None
+    at = fields.get("at", "step")
+    if rank < 0 or step < 0 or at not in PHASES or not 0 <= code <= 255:
+        raise UsageError(f"bad fault spec {text!r}: rank, step >= 0, code in 0..255, at=step|recovery")
+    return FaultSpec(kind=kind, rank=rank, step=step, code=code, at=at)
+
+
+def faults_to_json(faults: list[FaultSpec]) -> str:
+    return json.dumps([asdict(f) for f in faults])
+
+
+class FaultInjector:
+    """Worker-side: fires the faults meant for this rank at the right moment."""
+
+    def __init__(self, faults: list[FaultSpec], marker_dir: Path) -> None:
+        self.faults = list(enumerate(faults))
+        self.marker_dir = marker_dir
+
+    @classmethod
+    def from_json(cls, raw: str, marker_dir: Path) -> FaultInjector:
+        return cls([FaultSpec(**d) for d in json.loads(raw)], marker_dir)
+
+    def due(self, *, rank: int, step: int, phase: str) -> tuple[int, FaultSpec] | None:
+        for index, f in self.faults:
+            if f.rank != rank or f.at != phase:
+                continue
+            if (phase == "step" and step == f.step) or (phase == "recovery" and step >= f.step):
+                if self._claim(index):
+                    return index, f
+        return None
+
+    def _claim(self, index: int) -> bool:
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.marker_dir / f"fault-{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            return False
+        os.write(fd, str(time.time()).encode())
+        os.close(fd)
+        return True
+
+    @staticmethod
+    def fire(fault: FaultSpec) -> None:
+        """Carry the fault out on this process. Returns only for a resumed hang."""
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os._exit(fault.code)

@@ -1,0 +1,166 @@
+"""The node agent: spawns workers and hot spares, watches them, owns snapshot memory.
+
+Process contract:
+
+* Every child runs in its own session (Ctrl-C in the terminal reaches only the
+  launcher, which then shuts the job down in order) and is bound to the agent
+  with ``PR_SET_PDEATHSIG = SIGKILL``: if the agent dies, so do its children.
+* :meth:`Agent.poll` reports each exit exactly once, as soon as it is observed.
+* :meth:`Agent.shutdown` terminates every child (SIGTERM, then SIGKILL after a
+  grace period) and deletes every shared-memory segment of the job.
+
+Memory contract: slots are created by the workers under the names the agent
+hands them (``/dev/shm/nonstop-<job>-r<rank>-s<i>``), they outlive any worker,
+and only the agent (or ``nonstop gc``) deletes them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from nonstop.config import ENV
+from nonstop.snapshot import RankSnapshotStore, segment_prefix
+
+__all__ = ["Agent", "SpawnedProcess"]
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _bind_to_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class SpawnedProcess:
+    spawn_id: int
+    role: str
+    proc: subprocess.Popen[bytes]
+    started_at: float
+    log_file: IO[bytes] | None
+    rank: int | None = None
+
+
+class Agent:
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        job_dir: Path,
+        shm_dir: Path,
+        command: list[str],
+        env: dict[str, str],
+        redirect_output: bool,
+    ) -> None:
+        self.job_id = job_id
+        self.job_dir = job_dir
+        self.shm_dir = shm_dir
+        self.command = command
+        self.env = env
+        self.redirect_output = redirect_output
+        self.procs: dict[int, SpawnedProcess] = {}
+        self._next_id = 0
+        self._stores: dict[int, RankSnapshotStore] = {}
+
+    def spawn(self, role: str, *, rank: int | None = None) -> int:
+        """Start a worker (for ``rank``) or a hot spare; return its spawn id."""
+        spawn_id = self._next_id
+        self._next_id += 1
+        env = dict(self.env)
+        env[ENV.ROLE] = role
+        env[ENV.SPAWN_ID] = str(spawn_id)
+        log_file = None
+        if self.redirect_output:
+            logs = self.job_dir / "logs"
+            logs.mkdir(exist_ok=True)
+            log_file = (logs / f"{role}-{spawn_id}.log").open("ab")
+        proc = subprocess.Popen(
+            self.command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT if log_file else None,
+            start_new_session=True,
+            preexec_fn=_bind_to_parent,
+        )
+        self.procs[spawn_id] = SpawnedProcess(spawn_id, role, proc, time.monotonic(), log_file, rank)
+        return spawn_id
+
+    def poll(self) -> list[tuple[int, int]]:
+        """``(spawn_id, returncode)`` of every child that exited since the last call."""
+        exited = []
+        for sid, sp in list(self.procs.items()):
+            rc = sp.proc.poll()
+            if rc is not None:
+                exited.append((sid, rc))
+                if sp.log_file is not None:
+                    sp.log_file.close()
+                del self.procs[sid]
+        return exited
+
+    def kill(self, spawn_id: int, sig: int = signal.SIGKILL) -> None:
+        sp = self.procs.get(spawn_id)
+        if sp is not None and sp.proc.poll() is None:
+            try:
+                os.kill(sp.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def pid(self, spawn_id: int) -> int | None:
+        sp = self.procs.get(spawn_id)
+        return sp.proc.pid if sp is not None else None
+
+    def complete_steps(self, world_size: int) -> dict[int, list[int]]:
+        """Steps with a complete snapshot in memory, per rank (read from slot headers)."""
+        out = {}
+        for rank in range(world_size):
+            store = self._stores.get(rank)
+            if store is None:
+                store = self._stores[rank] = RankSnapshotStore(
+                    shm_dir=self.shm_dir, job_id=self.job_id, rank=rank
+                )
+            out[rank] = store.complete_steps()
+        return out
+
+    def wait_all(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.procs and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.01)
+        return not self.procs
+
+    def shutdown(self, grace_s: float = 3.0) -> None:
+        """Stop every child and delete the job's shared memory. Idempotent."""
+        for sid in list(self.procs):
+            self.kill(sid, signal.SIGTERM)
+            self.kill(sid, signal.SIGCONT)  # a stopped (hung) child cannot act on SIGTERM
+        if not self.wait_all(grace_s):
+            for sid in list(self.procs):
+                self.kill(sid, signal.SIGKILL)
+            self.wait_all(5.0)
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
+        remove_segments(self.shm_dir, self.job_id)
+
+
+def remove_segments(shm_dir: Path, job_id: str) -> list[Path]:
+    """Delete every shared-memory segment of ``job_id``; return what was removed."""
+    removed = []
+    for path in shm_dir.glob(f"{segment_prefix(job_id)}*"):
+        try:
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed

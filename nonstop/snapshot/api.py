@@ -1,0 +1,77 @@
+"""Contract of the snapshot subpackage: value types and the on-memory layout.
+
+Slot file layout (little-endian)::
+
+    [0, 4096)                      header: struct HEADER_FMT, rest zero
+    [4096, 4096 + data_cap)        tensor bytes, each tensor 64-byte aligned
+    [4096 + data_cap, + meta_cap)  JSON meta: {"tree": ..., "tensors": [...]}
+
+Header fields: magic, format version, state (:class:`SlotState`), step,
+data_len, meta_len, data_cap, meta_cap, written_at (unix time).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+__all__ = [
+    "ALIGN",
+    "FORMAT_VERSION",
+    "HEADER_FMT",
+    "HEADER_SIZE",
+    "MAGIC",
+    "SlotState",
+    "SnapshotInfo",
+    "TensorEntry",
+]
+
+MAGIC = b"NSTPSLOT"
+FORMAT_VERSION = 1
+HEADER_FMT = "<8sIIqQQQQd"
+HEADER_SIZE = 4096
+ALIGN = 64
+assert struct.calcsize(HEADER_FMT) <= HEADER_SIZE
+
+
+class SlotState(enum.IntEnum):
+    """State word of a slot header. Only ``COMPLETE`` slots are ever read."""
+
+    EMPTY = 0
+    WRITING = 1
+    COMPLETE = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorEntry:
+    """Where one tensor lives in a slot's data area."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def to_json(self) -> list[object]:
+        return [self.dtype, list(self.shape), self.offset, self.nbytes]
+
+    @classmethod
+    def from_json(cls, raw: list[object]) -> TensorEntry:
+        dtype, shape, offset, nbytes = raw
+        assert isinstance(dtype, str) and isinstance(shape, list)
+        return cls(
+            dtype=dtype, shape=tuple(int(s) for s in shape), offset=int(str(offset)), nbytes=int(str(nbytes))
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotInfo:
+    """What a slot header says about the snapshot it holds."""
+
+    rank: int
+    slot: int
+    state: SlotState
+    step: int
+    data_len: int
+    meta_len: int
+    written_at: float

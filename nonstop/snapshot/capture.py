@@ -1,0 +1,102 @@
+"""What a rank's state is, and how to put it back.
+
+:class:`StateCapture` gathers the model, the optimizer, the RNGs (torch,
+numpy, python) and the user's extras (data position and anything else) into
+one nested structure for :class:`~nonstop.snapshot.store.RankSnapshotStore`,
+and restores it.
+
+Memory contract of :meth:`StateCapture.restore`: the model copies out of the
+snapshot (``load_state_dict`` copies into parameters); the optimizer is given
+fresh tensors, because ``Optimizer.load_state_dict`` keeps references to the
+tensors it receives and would otherwise alias snapshot memory that the next
+snapshot overwrites.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["StateCapture"]
+
+Extras = dict[str, Any]
+
+
+def _rng_state() -> dict[str, Any]:
+    py = random.getstate()
+    np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)
+    return {
+        "torch": torch.get_rng_state(),
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1], int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].clone())
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+class StateCapture:
+    """Captures and restores everything that makes up a rank's training state.
+
+    ``extras`` returns a JSON-like dict (tensors allowed) each time it is
+    called, e.g. ``{"samples_seen": n}``; ``load_extras`` receives that dict
+    back on restore.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        extras: Callable[[], Extras] | None = None,
+        load_extras: Callable[[Extras], None] | None = None,
+    ) -> None:
+        if (extras is None) != (load_extras is None):
+            raise ValueError("give both extras= and load_extras=, or neither")
+        self.model = model
+        self.optimizer = optimizer
+        self._extras = extras
+        self._load_extras = load_extras
+
+    def state(self, step: int) -> dict[str, Any]:
+        """The state after ``step`` optimizer steps (tensors are not copied)."""
+        return {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "rng": _rng_state(),
+            "extras": self._extras() if self._extras is not None else {},
+        }
+
+    def restore(self, state: dict[str, Any]) -> int:
+        """Load ``state`` (from ``RankSnapshotStore.read(..., copy=False)``); return its step."""
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            owned = _clone_tensors(state["optimizer"])
+            self.optimizer.load_state_dict(owned)
+        _set_rng_state(state["rng"])
+        if self._load_extras is not None:
+            self._load_extras(_clone_tensors(state["extras"]))
+        return int(state["step"])
+
+
+def _clone_tensors(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _clone_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_tensors(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone_tensors(v) for v in obj)
+    return obj

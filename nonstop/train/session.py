@@ -1,0 +1,323 @@
+"""The worker side of nonstop: join the job, train, snapshot every step, recover.
+
+Usage in a training script (run it with ``nonstop run``)::
+
+    import nonstop
+    session = nonstop.init()               # a hot spare blocks here until it gets a rank
+    model, opt = build()                   # same on every rank
+    def train_step(ddp_model, step):       # one optimizer step; returns the loss
+        ...
+    session.run(train_step, model=model, optimizer=opt, num_steps=1000)
+
+Contract of :meth:`Session.run`:
+
+* ``train_step(ddp_model, step)`` performs optimizer step number ``step``
+  (0-based). It must derive its batch from ``step`` (or from state it returns
+  through ``extras``/``load_extras``) so a step can be redone.
+* After each step the state after ``step + 1`` steps is snapshotted into the
+  agent's shared memory before the next step starts.
+* When any rank fails, ``train_step`` may raise (a collective error) or the
+  loop may be told to stop between steps; either way every rank restores the
+  **committed step** (newest step snapshotted by all ranks), rejoins a new
+  process group and continues. ``ddp_model`` is a new object after a recovery:
+  do not keep it between calls.
+* An exception that is not caused by another rank's failure is re-raised (the
+  worker then exits and the agent restarts the rank, within its budget).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nonstop.config import WorkerEnv
+from nonstop.control.channel import Channel, Message, connect
+from nonstop.errors import ControlError, JobFailedError
+from nonstop.faults import FaultInjector
+from nonstop.snapshot import RankSnapshotStore, StateCapture
+from nonstop.train.ddp import CanonicalGradSync, wrap_ddp
+
+__all__ = ["RunResult", "Session", "init"]
+
+log = logging.getLogger(__name__)
+
+TrainStep = Callable[[torch.nn.Module, int], float | None]
+EXIT_COORDINATOR_LOST = 75
+# Imported by a hot spare before it waits: the first torch.optim construction
+# imports torch._dynamo (~1 s on these machines), which a spare must not pay
+# after it has been given a rank.
+PREWARM_MODULES = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.algorithms")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What :meth:`Session.run` returns on every rank once the job finished."""
+
+    step: int
+    last_loss: float | None
+    generation: int
+
+
+class _Reconfigure(Exception):
+    def __init__(self, msg: Message) -> None:
+        super().__init__(f"reconfigure to generation {msg['gen']}")
+        self.msg = msg
+
+
+class Session:
+    """A worker's connection to its job. Create it with :func:`init`."""
+
+    def __init__(
+        self, env: WorkerEnv, *, connect_timeout: float = 30.0, prewarm: tuple[str, ...] = PREWARM_MODULES
+    ) -> None:
+        self.env = env
+        self.rank: int | None = None
+        self.world_size = 0
+        self.generation = 0
+        self._inbox: queue.Queue[Message] = queue.Queue()
+        self._closing = False
+        self._sync: CanonicalGradSync | None = None
+        self._step = 0
+        self._faults = FaultInjector.from_json(env.faults_json, env.job_dir / "faults")
+        hello = {"role": env.role, "spawn_id": env.spawn_id, "pid": os.getpid()}
+        self._chan: Channel = connect(env.control_addr, env.secret, hello, timeout=connect_timeout)
+        threading.Thread(target=self._reader, name="nonstop-reader", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name="nonstop-heartbeat", daemon=True).start()
+        # A spare waits here, imported and connected, until it is given a rank. Pay
+        # the lazy imports a first optimizer / DDP construction would pay now.
+        if env.role == "spare":
+            for name in prewarm:
+                importlib.import_module(name)
+        first = self._wait_for("reconfigure", "finish")
+        if first["t"] == "finish":  # the job ended while this process waited as a spare
+            self._closing = True
+            self._chan.close()
+            raise SystemExit(0)
+        self._pending_reconfigure: Message | None = first
+        self.rank = int(first["rank"])
+        self.world_size = int(first["world_size"])
+        os.environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.rank),
+            LOCAL_WORLD_SIZE=str(self.world_size),
+        )
+
+    # -- channel threads -------------------------------------------------------------------
+    def _reader(self) -> None:
+        try:
+            while True:
+                self._inbox.put(self._chan.recv())
+        except (ControlError, OSError, ValueError):
+            if not self._closing:
+                # The coordinator is gone: nobody can recover this job; do not linger.
+                os._exit(EXIT_COORDINATOR_LOST)
+
+    def _heartbeat(self) -> None:
+        interval = float(os.environ.get("NONSTOP_HEARTBEAT_INTERVAL_S", "0.1"))
+        while not self._closing:
+            since = self._sync.pending_since if self._sync is not None else None
+            try:
+                self._chan.send({"t": "hb", "coll": since is not None, "step": self._step})
+            except ControlError:
+                return
+            time.sleep(interval)
+
+    def _send(self, msg: Message) -> None:
+        self._chan.send(msg)
+
+    def _wait_for(self, *kinds: str) -> Message:
+        while True:
+            msg = self._inbox.get()
+            if msg["t"] in kinds:
+                return msg
+            if msg["t"] == "abort":
+                raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
+
+    def _poll_reconfigure(self) -> Message | None:
+        """A reconfigure that arrived between steps, if any (newest wins)."""
+        found = None
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return found
+            if msg["t"] == "reconfigure":
+                found = msg
+            elif msg["t"] == "abort":
+                raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
+
+    # -- the training loop -----------------------------------------------------------------
+    def run(
+        self,
+        train_step: TrainStep,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        num_steps: int,
+        extras: Callable[[], dict[str, Any]] | None = None,
+        load_extras: Callable[[dict[str, Any]], None] | None = None,
+        deterministic: bool = True,
+    ) -> RunResult:
+        """Train ``num_steps`` steps through failures. See the module docstring."""
+        assert self.rank is not None
+        capture = StateCapture(model=model, optimizer=optimizer, extras=extras, load_extras=load_extras)
+        store = RankSnapshotStore(shm_dir=self.env.shm_dir, job_id=self.env.job_id, rank=self.rank)
+        self._sync = CanonicalGradSync(model) if deterministic else None
+        ddp: torch.nn.Module | None = None
+        loss: float | None = None
+        msg = self._pending_reconfigure
+        self._pending_reconfigure = None
+        try:
+            while True:
+                if msg is not None:
+                    ddp = self._reconfigure(msg, model, capture, store)
+                    msg = None
+                assert ddp is not None
+                try:
+                    while self._step < num_steps:
+                        pending = self._poll_reconfigure()
+                        if pending is not None:
+                            raise _Reconfigure(pending)
+                        self._maybe_inject("step", self._step)
+                        t0 = time.monotonic()
+                        loss = train_step(ddp, self._step)
+                        step_s = time.monotonic() - t0
+                        self._step += 1
+                        t1 = time.monotonic()
+                        nbytes = store.write(self._step, capture.state(self._step))
+                        self._send(
+                            {
+                                "t": "step",
+                                "gen": self.generation,
+                                "step": self._step,
+                                "step_s": step_s,
+                                "snap_s": time.monotonic() - t1,
+                                "bytes": nbytes,
+                                "loss": loss,
+                            }
+                        )
+                    self._send({"t": "done", "gen": self.generation, "step": self._step})
+                    reply = self._wait_for("finish", "reconfigure")
+                    if reply["t"] == "finish":
+                        self._closing = True
+                        return RunResult(step=self._step, last_loss=loss, generation=self.generation)
+                    msg = reply
+                except _Reconfigure as r:
+                    msg = r.msg
+                except Exception as e:  # a collective failed, or the user's code raised
+                    msg = self._on_step_error(e)
+        finally:
+            store.close()
+
+    def _on_step_error(self, err: Exception) -> Message:
+        """Tear down the group at once (so blocked peers fail fast), then ask what to do."""
+        self._destroy_group()
+        self._send(
+            {
+                "t": "fault",
+                "gen": self.generation,
+                "step": self._step,
+                "error": f"{type(err).__name__}: {err}"[:500],
+            }
+        )
+        reply = self._wait_for("reconfigure", "raise")
+        if reply["t"] == "raise":
+            raise err
+        return reply
+
+    def _maybe_inject(self, phase: str, step: int) -> None:
+        assert self.rank is not None
+        due = self._faults.due(rank=self.rank, step=step, phase=phase)
+        if due is not None:
+            index, fault = due
+            self._send(
+                {
+                    "t": "injected",
+                    "index": index,
+                    "kind": fault.kind,
+                    "rank": self.rank,
+                    "step": step,
+                    "ts": time.time(),
+                }
+            )
+            FaultInjector.fire(fault)
+
+    def _destroy_group(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # a broken group may refuse a clean teardown
+                log.warning("destroying the old process group failed: %s", e)
+
+    def _reconfigure(
+        self, msg: Message, model: torch.nn.Module, capture: StateCapture, store: RankSnapshotStore
+    ) -> torch.nn.Module:
+        """Restore the committed step, then rebuild the process group for a new generation."""
+        while True:
+            gen = int(msg["gen"])
+            restore_step = msg.get("restore_step")
+            self.generation = gen
+            self.world_size = int(msg["world_size"])
+            self._destroy_group()
+            if restore_step is not None and msg.get("recovery"):
+                self._maybe_inject("recovery", int(restore_step))
+            t0 = time.monotonic()
+            if restore_step is None:
+                self._step = 0
+            else:
+                self._step = capture.restore(store.read(int(restore_step), copy=False))
+            self._send({"t": "restored", "gen": gen, "step": self._step, "restore_s": time.monotonic() - t0})
+            reply = self._wait_for("rebuild", "reconfigure")
+            if reply["t"] == "reconfigure":
+                msg = reply
+                continue
+            if int(reply["gen"]) != gen:
+                continue
+            t1 = time.monotonic()
+            try:
+                ddp = self._join_group(gen, model)
+            except Exception as e:
+                msg = self._on_step_error(e)
+                continue
+            if restore_step is None:
+                store.write(0, capture.state(0))
+            self._send({"t": "ready", "gen": gen, "rebuild_s": time.monotonic() - t1})
+            return ddp
+
+    def _join_group(self, gen: int, model: torch.nn.Module) -> torch.nn.Module:
+        assert self.rank is not None
+        rdzv = self.env.job_dir / "rdzv"
+        store = dist.FileStore(  # type: ignore[attr-defined]
+            str(rdzv / f"gen-{gen}"), self.world_size
+        )
+        timeout = datetime.timedelta(seconds=float(os.environ.get("NONSTOP_REBUILD_TIMEOUT_S", "30")))
+        dist.init_process_group(
+            "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
+        )
+        return wrap_ddp(model, self._sync, dist.group.WORLD)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self._closing = True
+        self._destroy_group()
+        self._chan.close()
+
+
+def init() -> Session:
+    """Join the job this process was started for by ``nonstop run``.
+
+    A hot spare returns only when it has been given a rank. Raises UsageError
+    when the process was not started by ``nonstop run``.
+    """
+    return Session(WorkerEnv.from_environ())
