@@ -4,6 +4,8 @@ A fault spec is ``KIND:key=value,...``:
 
 * ``kill:rank=R,step=S``            SIGKILL the worker playing rank R when it starts step S
 * ``hang:rank=R,step=S``            SIGSTOP it (it stops sending heartbeats; the agent kills it)
+* ``stall:rank=R,step=S``           its training loop sleeps forever while its heartbeat thread
+                                    goes on (caught by the no-progress rule, not by heartbeats)
 * ``exit:rank=R,step=S,code=C``     the worker exits with status C
 * any of them with ``at=recovery``  fire instead the first time rank R is asked to
   restore to a step >= S during a recovery (a failure *during* recovery)
@@ -26,7 +28,7 @@ from nonstop.errors import UsageError
 
 __all__ = ["FaultInjector", "FaultSpec", "parse_fault"]
 
-KINDS = ("kill", "hang", "exit")
+KINDS = ("kill", "hang", "stall", "exit")
 PHASES = ("step", "recovery")
 
 
@@ -115,5 +117,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind == "stall":
+            while True:
+                time.sleep(3600)
         else:
             os._exit(fault.code)

@@ -1,0 +1,87 @@
+"""Shared helpers: run a real demo job and inspect what it left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nonstop.config import DetectorConfig, JobConfig
+from nonstop.runtime.coordinator import JobResult
+from nonstop.runtime.eventlog import read_events
+from nonstop.runtime.launcher import default_shm_dir, run_job
+
+STEPS = 16
+
+
+@dataclass
+class DemoRun:
+    result: JobResult
+    out: dict[str, Any] | None
+    job_dir: Path
+    events: list[dict[str, Any]]
+
+    @property
+    def job_id(self) -> str:
+        return str(next(e["job_id"] for e in self.events if e["event"] == "job_start"))
+
+
+def run_demo_job(
+    job_dir: Path,
+    *,
+    nproc: int = 3,
+    spares: int = 1,
+    steps: int = STEPS,
+    faults: tuple[str, ...] = (),
+    model: str = "tiny",
+    **cfg: Any,
+) -> DemoRun:
+    result_file = job_dir / "result.json"
+    config = JobConfig(
+        script="-m nonstop.demo.train",
+        script_args=("--steps", str(steps), "--model", model, "--batch", "4", "--result", str(result_file)),
+        nproc_per_node=nproc,
+        spares=spares,
+        job_dir=job_dir,
+        faults=faults,
+        detector=cfg.pop("detector", DetectorConfig()),
+        **cfg,
+    )
+    result = run_job(config, redirect_output=True)
+    out = json.loads(result_file.read_text()) if result_file.exists() else None
+    return DemoRun(result, out, job_dir, read_events(job_dir / "events.jsonl"))
+
+
+def processes_of_job(job_id: str) -> list[int]:
+    needle = f"NONSTOP_JOB_ID={job_id}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def leftovers(job_id: str) -> tuple[list[Path], list[int]]:
+    """Shared-memory files and live processes a finished job left behind (must be none)."""
+    shm = sorted(default_shm_dir().glob(f"nonstop-{job_id}*"))
+    return shm, processes_of_job(job_id)
+
+
+@pytest.fixture(scope="session")
+def reference_hash(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Final weights of an uninterrupted 3-rank run of the tiny demo (the bitwise reference)."""
+    run = run_demo_job(tmp_path_factory.mktemp("reference"), spares=0)
+    assert run.out is not None, "the reference job failed"
+    return str(run.out["final_hash"])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")

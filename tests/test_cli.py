@@ -1,0 +1,147 @@
+"""The ``nonstop`` command as a user runs it: bad input, signals, crashed launcher, gc."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nonstop.runtime.launcher import default_shm_dir
+from tests.conftest import processes_of_job
+
+NONSTOP = [sys.executable, "-m", "nonstop.cli"]
+
+
+def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*NONSTOP, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line_error(proc: subprocess.CompletedProcess[str], match: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nonstop: error: "), proc.stderr
+    assert match in lines[0]
+
+
+def test_missing_script(tmp_path: Path) -> None:
+    _one_line_error(_run("run", "--job-dir", str(tmp_path), str(tmp_path / "nope.py")), "not found")
+
+
+def test_bad_fault_spec(tmp_path: Path) -> None:
+    _one_line_error(_run("demo", "--job-dir", str(tmp_path), "--fail", "kill:rank=one"), "bad fault spec")
+
+
+def test_fault_on_a_rank_that_does_not_exist(tmp_path: Path) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    proc = _run(
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--job-dir",
+        str(tmp_path),
+        "--fail",
+        "kill:rank=5,step=1",
+        str(script),
+    )
+    _one_line_error(proc, "names rank 5")
+
+
+@pytest.mark.parametrize("flag", ["--nproc-per-node=0", "--nproc-per-node=-3"])
+def test_nproc_below_one(tmp_path: Path, flag: str) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    _one_line_error(_run("run", flag, "--job-dir", str(tmp_path), str(script)), "must be >= 1")
+
+
+def test_busy_port(tmp_path: Path) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = _run("run", "--port", str(port), "--job-dir", str(tmp_path / "job"), str(script))
+    _one_line_error(proc, "already in use")
+
+
+def test_job_dir_not_writable(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    script = tmp_path / "t.py"
+    script.write_text("")
+    _one_line_error(_run("run", "--job-dir", str(blocker / "job"), str(script)), "is not writable")
+
+
+def _wait_for_event(events: Path, name: str, timeout: float = 60) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if events.exists():
+            for line in events.read_text().splitlines():
+                ev = json.loads(line)
+                if ev["event"] == name:
+                    return dict(ev)
+        time.sleep(0.1)
+    raise AssertionError(f"no {name} event in {events}")
+
+
+def _start_long_job(job_dir: Path) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [
+            *NONSTOP,
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--spares",
+            "1",
+            "--job-dir",
+            str(job_dir),
+            "-m",
+            "nonstop.demo.train",
+            "--steps",
+            "100000",
+            "--model",
+            "tiny",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    events = job_dir / "events.jsonl"
+    job_id = str(_wait_for_event(events, "job_start")["job_id"])
+    _wait_for_event(events, "stage")  # the job has formed
+    return proc, job_id
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_job_and_leaves_nothing(tmp_path: Path) -> None:
+    proc, job_id = _start_long_job(tmp_path)
+    assert processes_of_job(job_id)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert proc.returncode != 0
+    assert processes_of_job(job_id) == []
+    assert list(default_shm_dir().glob(f"nonstop-{job_id}*")) == []
+
+
+@pytest.mark.slow
+def test_crashed_launcher_takes_its_children_and_gc_cleans_memory(tmp_path: Path) -> None:
+    proc, job_id = _start_long_job(tmp_path)
+    time.sleep(1.0)  # let the workers write snapshots
+    assert list(default_shm_dir().glob(f"nonstop-{job_id}-*"))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while processes_of_job(job_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_of_job(job_id) == []  # PR_SET_PDEATHSIG took the workers and the spare
+    gc = _run("gc")
+    assert gc.returncode == 0 and "removed" in gc.stdout
+    assert list(default_shm_dir().glob(f"nonstop-{job_id}*")) == []

@@ -1,0 +1,96 @@
+"""End to end: real launcher, agent, workers, gloo groups and signals.
+
+Every faulty run must finish with weights bitwise equal to an uninterrupted
+run (the world size never changes), lose no committed step, and leave no
+process or shared-memory segment behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nonstop.runtime.coordinator import JobState
+from tests.conftest import DemoRun, leftovers, run_demo_job
+
+pytestmark = pytest.mark.slow
+
+
+def _check_recovered(run: DemoRun, reference_hash: str, n_failures: int) -> None:
+    assert run.result.state is JobState.DONE, run.result.error
+    assert run.out is not None
+    assert len(run.result.failures) == n_failures, run.result.failures
+    for f in run.result.failures:
+        assert f["lost_steps"] == 0
+        assert f["restore_step"] is not None and f["mttr_s"] > 0
+        assert set(f["stages"]) == {"detect", "plan", "launch", "restore", "rebuild", "resume"}
+        assert all(v >= 0 for v in f["stages"].values())
+    assert run.out["final_hash"] == reference_hash
+    assert leftovers(run.job_id) == ([], [])
+    stage_events = [e for e in run.events if e["event"] == "stage"]
+    assert stage_events, "stages are logged to events.jsonl"
+
+
+def test_killed_worker_recovers_from_spare_bitwise(tmp_path: Path, reference_hash: str) -> None:
+    run = run_demo_job(tmp_path, faults=("kill:rank=1,step=5",))
+    _check_recovered(run, reference_hash, 1)
+    (f,) = run.result.failures
+    assert (f["kind"], f["rank"], f["replacement"], f["restore_step"]) == ("kill", 1, "spare", 5)
+    assert f["detect_s"] < 0.5  # a process exit is seen at once
+
+
+def test_hung_worker_is_detected_killed_and_replaced(tmp_path: Path, reference_hash: str) -> None:
+    run = run_demo_job(tmp_path, faults=("hang:rank=2,step=6",))
+    _check_recovered(run, reference_hash, 1)
+    (f,) = run.result.failures
+    assert f["kind"] == "hang" and "no heartbeat" in f["detail"]
+    assert 0.9 <= f["detect_s"] < 3.0
+    assert any(e["event"] == "hang_detected" and e["rank"] == 2 for e in run.events)
+
+
+def test_stalled_worker_is_caught_by_the_progress_rule(tmp_path: Path, reference_hash: str) -> None:
+    from nonstop.config import DetectorConfig
+
+    det = DetectorConfig(hang_factor=5.0, hang_min_s=1.5)
+    run = run_demo_job(tmp_path, faults=("stall:rank=1,step=6",), detector=det)
+    _check_recovered(run, reference_hash, 1)
+    (f,) = run.result.failures
+    assert f["kind"] == "hang" and "no step progress" in f["detail"]  # its heartbeat never stopped
+    assert 1.5 <= f["detect_s"] < 6.0
+
+
+def test_rank0_exit_code_recovers(tmp_path: Path, reference_hash: str) -> None:
+    run = run_demo_job(tmp_path, faults=("exit:rank=0,step=7,code=3",))
+    _check_recovered(run, reference_hash, 1)
+    (f,) = run.result.failures
+    assert (f["kind"], f["rank"], f["detail"]) == ("exit", 0, "exit code 3")
+
+
+def test_two_failures_at_once(tmp_path: Path, reference_hash: str) -> None:
+    run = run_demo_job(tmp_path, faults=("kill:rank=1,step=6", "kill:rank=2,step=6"))
+    _check_recovered(run, reference_hash, 2)
+    assert {f["rank"] for f in run.result.failures} == {1, 2}
+    # one spare for two failures: the other rank needs a process (cold, or a spare that came up first)
+    assert {f["replacement"] for f in run.result.failures} <= {"spare", "cold"}
+
+
+def test_failure_during_recovery(tmp_path: Path, reference_hash: str) -> None:
+    run = run_demo_job(tmp_path, faults=("kill:rank=1,step=5", "kill:rank=2,step=5,at=recovery"))
+    _check_recovered(run, reference_hash, 2)
+    assert max(f["replans"] for f in run.result.failures) >= 1
+    gens = [e for e in run.events if e["event"] == "generation"]
+    assert len(gens) >= 3  # start, first recovery, re-plan after the second failure
+
+
+def test_without_spares_a_cold_process_takes_the_rank(tmp_path: Path, reference_hash: str) -> None:
+    run = run_demo_job(tmp_path, spares=0, faults=("kill:rank=2,step=4",))
+    _check_recovered(run, reference_hash, 1)
+    assert run.result.failures[0]["replacement"] == "cold"
+
+
+def test_restart_budget_exhausted_fails_cleanly(tmp_path: Path) -> None:
+    run = run_demo_job(tmp_path, spares=0, max_restarts=0, faults=("kill:rank=1,step=3",))
+    assert run.result.state is JobState.FAILED
+    assert run.result.error is not None and "restart budget exhausted" in run.result.error
+    assert leftovers(run.job_id) == ([], [])

@@ -1,0 +1,173 @@
+"""Fault specs, configs and pure policies (no processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nonstop.config import DetectorConfig, JobConfig, WorkerEnv
+from nonstop.errors import UsageError
+from nonstop.faults import FaultInjector, FaultSpec, parse_fault
+from nonstop.runtime.policy import (
+    FailureKind,
+    RankObservation,
+    ReplacementSource,
+    classify_exit,
+    committed_step,
+    find_hung_ranks,
+    plan_recovery,
+)
+from nonstop.runtime.recovery import Failure, Reconfiguration, Stage, next_stage
+
+
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        ("kill:rank=1,step=10", FaultSpec(kind="kill", rank=1, step=10)),
+        ("hang:rank=0,step=0", FaultSpec(kind="hang", rank=0, step=0)),
+        ("exit:rank=2,step=5,code=3", FaultSpec(kind="exit", rank=2, step=5, code=3)),
+        ("kill:rank=2,step=5,at=recovery", FaultSpec(kind="kill", rank=2, step=5, at="recovery")),
+    ],
+)
+def test_parse_fault(text: str, expect: FaultSpec) -> None:
+    assert parse_fault(text) == expect
+    assert parse_fault(expect.to_text()) == expect
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "kill",
+        "boom:rank=1,step=1",
+        "kill:rank=1",
+        "kill:rank=x,step=1",
+        "kill:rank=-1,step=1",
+        "kill:rank=1,step=1,code=2",
+        "exit:rank=1,step=1,code=300",
+        "kill:rank=1,step=1,at=never",
+        "kill:rank=1,rank=2,step=1",
+        "kill:rank=1,step=1,color=red",
+    ],
+)
+def test_bad_fault_specs_say_what_is_expected(text: str) -> None:
+    with pytest.raises(UsageError, match="bad fault spec"):
+        parse_fault(text)
+
+
+def test_fault_fires_once_per_job(tmp_path: Path) -> None:
+    faults = [FaultSpec(kind="kill", rank=1, step=4)]
+    first = FaultInjector(faults, tmp_path)
+    second = FaultInjector(faults, tmp_path)  # the replacement worker, same job dir
+    assert first.due(rank=0, step=4, phase="step") is None
+    assert first.due(rank=1, step=3, phase="step") is None
+    assert first.due(rank=1, step=4, phase="step") == (0, faults[0])
+    assert second.due(rank=1, step=4, phase="step") is None
+
+
+def test_recovery_phase_fault_fires_at_or_after_step(tmp_path: Path) -> None:
+    inj = FaultInjector([FaultSpec(kind="kill", rank=2, step=5, at="recovery")], tmp_path)
+    assert inj.due(rank=2, step=7, phase="step") is None
+    assert inj.due(rank=2, step=4, phase="recovery") is None
+    assert inj.due(rank=2, step=7, phase="recovery") is not None
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"nproc_per_node": 0}, "nproc-per-node must be >= 1"),
+        ({"spares": -1}, "spares must be >= 0"),
+        ({"port": 70000}, "port must be in 0..65535"),
+    ],
+)
+def test_job_config_rejects_bad_values(kwargs: dict[str, int], match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        JobConfig(script="x.py", **kwargs)  # type: ignore[arg-type]
+
+
+def test_detector_config_rejects_timeout_below_interval() -> None:
+    with pytest.raises(UsageError, match="heartbeat timeout must be greater"):
+        DetectorConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=0.2)
+
+
+def test_worker_env_outside_launcher_says_how_to_start() -> None:
+    with pytest.raises(UsageError, match="start the script with `nonstop run SCRIPT`"):
+        WorkerEnv.from_environ({})
+
+
+def test_committed_step_is_newest_common_step() -> None:
+    assert committed_step({0: [4, 5], 1: [4, 5], 2: [3, 4]}, 3) == 4
+    assert committed_step({0: [4, 5], 1: [5, 6]}, 2) == 5
+    assert committed_step({0: [4, 5], 1: []}, 2) is None
+    assert committed_step({0: [1]}, 2) is None  # rank 1 has nothing
+
+
+def _obs(hb: float, prog: float, coll: bool = False, stepped: bool = True) -> RankObservation:
+    return RankObservation(last_heartbeat=hb, last_progress=prog, collective_pending=coll, stepped=stepped)
+
+
+def test_silent_heartbeat_is_a_hang() -> None:
+    cfg = DetectorConfig(heartbeat_timeout_s=1.0)
+    hung = find_hung_ranks({0: _obs(9.5, 9.5), 1: _obs(8.9, 9.5)}, now=10.0, median_step_s=0.1, config=cfg)
+    assert list(hung) == [1] and "no heartbeat" in hung[1]
+
+
+def test_stalled_rank_is_blamed_not_its_waiting_peers() -> None:
+    cfg = DetectorConfig(hang_factor=10, hang_min_s=1.0)
+    obs = {0: _obs(99.9, 90.0, coll=True), 1: _obs(99.9, 90.0, coll=False), 2: _obs(99.9, 90.0, coll=True)}
+    hung = find_hung_ranks(obs, now=100.0, median_step_s=0.2, config=cfg)
+    assert list(hung) == [1] and "no step progress" in hung[1]
+
+
+def test_progress_limit_scales_with_median_and_has_a_floor() -> None:
+    cfg = DetectorConfig(hang_factor=10, hang_min_s=3.0)
+    obs = {0: _obs(99.9, 96.0)}
+    assert find_hung_ranks(obs, now=100.0, median_step_s=0.1, config=cfg)  # 4s > max(1s, 3s)
+    assert not find_hung_ranks(obs, now=100.0, median_step_s=0.5, config=cfg)  # 4s < 5s
+    # before its first step only the (long) startup grace applies
+    assert not find_hung_ranks({0: _obs(99.9, 50.0, stepped=False)}, now=100.0, median_step_s=0.1, config=cfg)
+
+
+def test_plan_prefers_spares_then_cold_and_restores_committed_step() -> None:
+    plan = plan_recovery(
+        failed_ranks=[2, 0], idle_spares=[7], complete_steps={0: [3, 4], 1: [4, 5], 2: [4]}, world_size=3
+    )
+    assert plan.restore_step == 4
+    assert plan.replacements == {0: ReplacementSource.SPARE, 2: ReplacementSource.COLD}
+    assert plan.spares_used == (7,)
+
+
+def test_classify_exit() -> None:
+    assert classify_exit(-9, killed_for_hang=False) is FailureKind.KILLED
+    assert classify_exit(-9, killed_for_hang=True) is FailureKind.HANG
+    assert classify_exit(3, killed_for_hang=False) is FailureKind.EXIT
+
+
+def test_stage_transitions_are_ordered_and_skip_nothing() -> None:
+    assert next_stage(Stage.LAUNCH, launched=False, restored=True, ready=True, stepped=True) is Stage.LAUNCH
+    assert next_stage(Stage.LAUNCH, launched=True, restored=False, ready=True, stepped=True) is Stage.RESTORE
+    assert (
+        next_stage(Stage.RESTORE, launched=True, restored=True, ready=False, stepped=False) is Stage.REBUILD
+    )
+    assert next_stage(Stage.REBUILD, launched=True, restored=True, ready=True, stepped=True) is Stage.DONE
+    assert Stage.DONE.is_terminal and not Stage.RESUME.is_terminal
+
+
+def test_reconfiguration_report_times_each_stage() -> None:
+    f = Failure(
+        kind="kill", rank=1, spawn_id=4, detail="signal SIGKILL", detected_at=100.05, step=7, fault_at=100.0
+    )
+    r = Reconfiguration(generation=2, world_size=2, failures=[f], restore_step=7)
+    r.marks = {
+        "detect": 100.05,
+        "plan": 100.06,
+        "launch": 100.07,
+        "restore": 100.10,
+        "rebuild": 100.15,
+        "resume": 100.35,
+    }
+    (rec,) = r.report()
+    assert rec["detect_s"] == pytest.approx(0.05)
+    assert rec["stages"]["restore"] == pytest.approx(0.03)
+    assert rec["training_again_s"] == pytest.approx(0.15)
+    assert rec["mttr_s"] == pytest.approx(0.35)
