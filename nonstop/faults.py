@@ -26,7 +26,7 @@ from pathlib import Path
 
 from nonstop.errors import UsageError
 
-__all__ = ["FaultInjector", "FaultSpec", "parse_fault"]
+__all__ = ["FaultInjector", "FaultSpec", "fired_at", "parse_fault"]
 
 KINDS = ("kill", "hang", "stall", "exit")
 PHASES = ("step", "recovery")
@@ -76,6 +76,18 @@ def parse_fault(text: str) -> FaultSpec:
     return FaultSpec(kind=kind, rank=rank, step=step, code=code, at=at)
 
 
+def fired_at(marker_dir: Path, pid: int) -> float | None:
+    """When the process ``pid`` fired an injected fault (from the markers), if it did."""
+    for marker in marker_dir.glob("fault-*"):
+        try:
+            rec = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            continue
+        if rec.get("pid") == pid:
+            return float(rec["ts"])
+    return None
+
+
 def faults_to_json(faults: list[FaultSpec]) -> str:
     return json.dumps([asdict(f) for f in faults])
 
@@ -106,7 +118,7 @@ class FaultInjector:
             fd = os.open(self.marker_dir / f"fault-{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         except FileExistsError:
             return False
-        os.write(fd, str(time.time()).encode())
+        os.write(fd, json.dumps({"ts": time.time(), "pid": os.getpid()}).encode())
         os.close(fd)
         return True
 

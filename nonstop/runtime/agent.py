@@ -69,6 +69,7 @@ class Agent:
         self.env = env
         self.redirect_output = redirect_output
         self.procs: dict[int, SpawnedProcess] = {}
+        self.exited_pids: dict[int, int] = {}  # spawn id -> pid, for processes already reaped
         self._next_id = 0
         self._stores: dict[int, RankSnapshotStore] = {}
 
@@ -103,6 +104,7 @@ class Agent:
             rc = sp.proc.poll()
             if rc is not None:
                 exited.append((sid, rc))
+                self.exited_pids[sid] = sp.proc.pid
                 if sp.log_file is not None:
                     sp.log_file.close()
                 del self.procs[sid]

@@ -23,6 +23,7 @@ from typing import Any
 from nonstop.config import JobConfig
 from nonstop.control.channel import Channel, ControlServer, Message
 from nonstop.errors import ControlError, JobFailedError
+from nonstop.faults import fired_at
 from nonstop.runtime.agent import Agent
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.policy import (
@@ -253,6 +254,7 @@ class Coordinator:
     def _handle_exits(self) -> None:
         failures = []
         for sid, rc in self.agent.poll():
+            pid = self.agent.exited_pids.get(sid)
             w = self.workers.pop(sid, None)
             if w is None:
                 continue
@@ -273,6 +275,8 @@ class Coordinator:
             if w.fault_report is not None and kind is FailureKind.EXIT:
                 kind = FailureKind.ERROR
             detail = w.killed_for_hang or describe_exit(rc)
+            if w.fault_at is None and pid is not None:  # its 'injected' message may still be in flight
+                w.fault_at = fired_at(self.agent.job_dir / "faults", pid)
             failures.append(
                 Failure(
                     kind=kind.value,
