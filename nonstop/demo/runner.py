@@ -90,7 +90,8 @@ def run_demo(opts: DemoOptions, *, echo: bool = True) -> dict[str, Any]:
         )
     say(
         f"final loss {out['final_loss']:.4f} after {out['step']} steps "
-        f"(generation {result.generation}), weights sha256 {out['final_hash'][:16]}"
+        f"(generation {result.generation}, median step {(result.median_step_s or 0) * 1000:.0f}ms), "
+        f"weights sha256 {out['final_hash'][:16]}"
     )
     report: dict[str, Any] = {
         "nproc": opts.nproc,
@@ -99,6 +100,7 @@ def run_demo(opts: DemoOptions, *, echo: bool = True) -> dict[str, Any]:
         "model": opts.model,
         "faults": list(opts.faults),
         "failures": result.failures,
+        "median_step_s": result.median_step_s,
         "final_loss": out["final_loss"],
         "final_hash": out["final_hash"],
         "generation": result.generation,

@@ -50,7 +50,6 @@ def main(argv: list[str] | None = None) -> None:
     session = nonstop.init()  # a hot spare waits here
     data = {"samples_seen": 0}
     rank = session.rank
-    assert rank is not None
 
     def train_step(ddp: torch.nn.Module, step: int) -> float:
         x, y = corpus.batch(step=step, rank=rank, batch=args.batch, seq=cfg.seq)

@@ -77,6 +77,7 @@ class JobResult:
     final_step: int
     failures: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+    median_step_s: float | None = None
 
 
 class Coordinator:
@@ -120,6 +121,7 @@ class Coordinator:
             final_step=final,
             failures=self.reports,
             error=self.error,
+            median_step_s=median_step_time(list(self.step_times)),
         )
 
     def _spawn(self, role: str, rank: int | None) -> int:
@@ -318,11 +320,13 @@ class Coordinator:
                 f"rank {failures[-1].rank} {failures[-1].detail}"
             )
             return
-        inherited = (
-            self.reconf.failures if self.reconf is not None and self.state is JobState.RECONFIGURING else []
-        )
-        replans = self.reconf.replans + 1 if inherited and self.reconf is not None else 0
-        self._begin_generation(inherited + failures, replans=replans)
+        previous = self.reconf if self.state is JobState.RECONFIGURING else None
+        if previous is None:
+            self._begin_generation(failures)
+        else:  # a failure during a recovery: re-plan, keeping what the interrupted plan did
+            self._begin_generation(
+                previous.failures + failures, replans=previous.replans + 1, replacements=previous.replacements
+            )
 
     def _detect_hangs(self) -> None:
         if self.state not in (JobState.RUNNING, JobState.RECONFIGURING):
@@ -389,7 +393,9 @@ class Coordinator:
             r.deadline = time.time() + self.config.rebuild_timeout_s  # one kill round per period
 
     # -- reconfiguration -------------------------------------------------------------------------
-    def _begin_generation(self, failures: list[Failure], *, replans: int = 0) -> None:
+    def _begin_generation(
+        self, failures: list[Failure], *, replans: int = 0, replacements: dict[int, str] | None = None
+    ) -> None:
         now = time.time()
         self.generation += 1
         self.state = JobState.RECONFIGURING
@@ -410,6 +416,7 @@ class Coordinator:
             failures=failures,
             restore_step=plan.restore_step,
             replans=replans,
+            replacements=dict(replacements or {}),
         )
         r.marks["detect"] = max((f.detected_at for f in failures), default=now)
         if failures and plan.restore_step is not None:

@@ -27,11 +27,13 @@ Contract of :meth:`Session.run`:
 
 from __future__ import annotations
 
+import _thread
 import datetime
 import importlib
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.config import WorkerEnv
 from nonstop.control.channel import Channel, Message, connect
@@ -69,6 +72,12 @@ class RunResult:
     generation: int
 
 
+class _PeerFailed(BaseException):
+    """Raised in the main thread inside ``train_step`` when the coordinator has started a
+    recovery: the rank stops computing a step that cannot complete. A BaseException, like
+    KeyboardInterrupt, so a broad ``except Exception`` in user code does not swallow it."""
+
+
 class _Reconfigure(Exception):
     def __init__(self, msg: Message) -> None:
         super().__init__(f"reconfigure to generation {msg['gen']}")
@@ -82,15 +91,19 @@ class Session:
         self, env: WorkerEnv, *, connect_timeout: float = 30.0, prewarm: tuple[str, ...] = PREWARM_MODULES
     ) -> None:
         self.env = env
-        self.rank: int | None = None
         self.world_size = 0
         self.generation = 0
         self._inbox: queue.Queue[Message] = queue.Queue()
         self._closing = False
         self._sync: CanonicalGradSync | None = None
+        self._ddp: DistributedDataParallel | None = None
         self._step = 0
         self._faults = FaultInjector.from_json(env.faults_json, env.job_dir / "faults")
         hello = {"role": env.role, "spawn_id": env.spawn_id, "pid": os.getpid()}
+        self._in_step = False
+        self._can_interrupt = threading.current_thread() is threading.main_thread()
+        if self._can_interrupt:
+            signal.signal(signal.SIGUSR1, self._on_interrupt)
         self._chan: Channel = connect(env.control_addr, env.secret, hello, timeout=connect_timeout)
         threading.Thread(target=self._reader, name="nonstop-reader", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="nonstop-heartbeat", daemon=True).start()
@@ -105,7 +118,7 @@ class Session:
             self._chan.close()
             raise SystemExit(0)
         self._pending_reconfigure: Message | None = first
-        self.rank = int(first["rank"])
+        self.rank: int = int(first["rank"])
         self.world_size = int(first["world_size"])
         os.environ.update(
             RANK=str(self.rank),
@@ -118,11 +131,19 @@ class Session:
     def _reader(self) -> None:
         try:
             while True:
-                self._inbox.put(self._chan.recv())
+                msg = self._chan.recv()
+                self._inbox.put(msg)
+                if msg.get("t") == "reconfigure" and self._in_step and self._can_interrupt:
+                    _thread.interrupt_main(signal.SIGUSR1)
         except (ControlError, OSError, ValueError):
             if not self._closing:
                 # The coordinator is gone: nobody can recover this job; do not linger.
                 os._exit(EXIT_COORDINATOR_LOST)
+
+    def _on_interrupt(self, _signum: int, _frame: object) -> None:
+        if self._in_step:  # outside train_step the loop sees the message between steps
+            self._in_step = False
+            raise _PeerFailed("a peer failed; abandoning this step")
 
     def _heartbeat(self) -> None:
         interval = float(os.environ.get("NONSTOP_HEARTBEAT_INTERVAL_S", "0.1"))
@@ -171,11 +192,9 @@ class Session:
         deterministic: bool = True,
     ) -> RunResult:
         """Train ``num_steps`` steps through failures. See the module docstring."""
-        assert self.rank is not None
         capture = StateCapture(model=model, optimizer=optimizer, extras=extras, load_extras=load_extras)
         store = RankSnapshotStore(shm_dir=self.env.shm_dir, job_id=self.env.job_id, rank=self.rank)
         self._sync = CanonicalGradSync(model) if deterministic else None
-        ddp: torch.nn.Module | None = None
         loss: float | None = None
         msg = self._pending_reconfigure
         self._pending_reconfigure = None
@@ -184,7 +203,6 @@ class Session:
                 if msg is not None:
                     ddp = self._reconfigure(msg, model, capture, store)
                     msg = None
-                assert ddp is not None
                 try:
                     while self._step < num_steps:
                         pending = self._poll_reconfigure()
@@ -192,7 +210,9 @@ class Session:
                             raise _Reconfigure(pending)
                         self._maybe_inject("step", self._step)
                         t0 = time.monotonic()
+                        self._in_step = True
                         loss = train_step(ddp, self._step)
+                        self._in_step = False
                         step_s = time.monotonic() - t0
                         self._step += 1
                         t1 = time.monotonic()
@@ -216,12 +236,15 @@ class Session:
                     msg = reply
                 except _Reconfigure as r:
                     msg = r.msg
+                except _PeerFailed as e:
+                    msg = self._on_step_error(e)
                 except Exception as e:  # a collective failed, or the user's code raised
+                    self._in_step = False
                     msg = self._on_step_error(e)
         finally:
             store.close()
 
-    def _on_step_error(self, err: Exception) -> Message:
+    def _on_step_error(self, err: BaseException) -> Message:
         """Tear down the group at once (so blocked peers fail fast), then ask what to do."""
         self._destroy_group()
         self._send(
@@ -238,7 +261,6 @@ class Session:
         return reply
 
     def _maybe_inject(self, phase: str, step: int) -> None:
-        assert self.rank is not None
         due = self._faults.due(rank=self.rank, step=step, phase=phase)
         if due is not None:
             index, fault = due
@@ -255,6 +277,15 @@ class Session:
             FaultInjector.fire(fault)
 
     def _destroy_group(self) -> None:
+        """Drop this generation's DDP wrapper and process group.
+
+        The wrapper's reducer is unhooked from autograd first: otherwise it stays
+        attached to the parameters, fires on later backward passes and keeps the
+        dead group (and its threads) alive until interpreter exit.
+        """
+        if self._ddp is not None:
+            self._ddp._remove_autograd_hooks()  # type: ignore[no-untyped-call]
+            self._ddp = None
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -297,7 +328,6 @@ class Session:
             return ddp
 
     def _join_group(self, gen: int, model: torch.nn.Module) -> torch.nn.Module:
-        assert self.rank is not None
         rdzv = self.env.job_dir / "rdzv"
         store = dist.FileStore(  # type: ignore[attr-defined]
             str(rdzv / f"gen-{gen}"), self.world_size
@@ -306,7 +336,8 @@ class Session:
         dist.init_process_group(
             "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
-        return wrap_ddp(model, self._sync, dist.group.WORLD)  # type: ignore[arg-type]
+        self._ddp = wrap_ddp(model, self._sync, dist.group.WORLD)  # type: ignore[arg-type]
+        return self._ddp
 
     def close(self) -> None:
         self._closing = True
