@@ -80,6 +80,81 @@ def test_job_dir_not_writable(tmp_path: Path) -> None:
     _one_line_error(_run("run", "--job-dir", str(blocker / "job"), str(script)), "is not writable")
 
 
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        ("raise SystemExit(3)", "exited with exit code 3 before joining the job"),
+        ("print('no nonstop here')", "the script must call nonstop.init()"),
+    ],
+)
+def test_script_that_cannot_start_fails_fast(tmp_path: Path, body: str, match: str) -> None:
+    script = tmp_path / "t.py"
+    script.write_text(body)
+    t0 = time.monotonic()
+    proc = _run(
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--spares",
+        "1",
+        "--job-dir",
+        str(tmp_path / "job"),
+        str(script),
+        timeout=60,
+    )
+    assert proc.returncode == 1 and match in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 30  # not retried until the restart budget runs out
+
+
+USER_SCRIPT = """
+import sys, torch, nonstop
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+session = nonstop.init()
+seen = {"n": 0}
+
+def train_step(ddp_model, step):
+    g = torch.Generator().manual_seed(step * 100 + session.rank)
+    x = torch.randn(8, 16, generator=g)
+    loss = (ddp_model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    seen["n"] += 8
+    return loss.item()
+
+result = session.run(train_step, model=model, optimizer=opt, num_steps=12,
+                     extras=lambda: dict(seen), load_extras=seen.update)
+if session.rank == 0:
+    print("USER-RESULT", result.step, seen["n"], sum(p.sum().item() for p in model.parameters()))
+session.close()
+"""
+
+
+@pytest.mark.slow
+def test_run_a_user_script_through_a_kill(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(USER_SCRIPT)
+    outs = []
+    for faults in ((), ("--fail", "kill:rank=1,step=6")):
+        proc = _run(
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--spares",
+            "1",
+            "--job-dir",
+            str(tmp_path / "job"),
+            *faults,
+            str(script),
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "job done at step 12" in proc.stdout
+        outs.append([line for line in proc.stdout.splitlines() if line.startswith("USER-RESULT")])
+    assert outs[0] == outs[1] and len(outs[0]) == 1  # same step, samples seen and weights
+    assert "USER-RESULT 12 96 " in outs[0][0]  # extras (data position) restored: 12 steps x 8 samples
+
+
 def _wait_for_event(events: Path, name: str, timeout: float = 60) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -264,6 +264,18 @@ class Coordinator:
                 "exit", spawn_id=sid, role=w.role, rank=w.rank, returncode=rc, how=describe_exit(rc)
             )
             is_member = w.rank is not None and self.members.get(w.rank) == sid
+            if w.chan is None and (self.state is JobState.STARTING or w.role == "spare"):
+                # It died before reaching nonstop.init(): the script itself cannot start, and
+                # starting it again would fail the same way.
+                who = f"rank {w.rank}" if w.rank is not None else "a hot spare"
+                hint = (
+                    "the script must call nonstop.init()"
+                    if rc == 0
+                    else "see its output"
+                    + (f" in {self.agent.job_dir / 'logs'}" if self.agent.redirect_output else "")
+                )
+                self._fail(f"{who} exited with {describe_exit(rc)} before joining the job: {hint}")
+                continue
             if self.state in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
                 if is_member and rc != 0 and self.state is JobState.FINISHING:
                     log.warning("rank %s exited with %s after finishing", w.rank, describe_exit(rc))
