@@ -10,7 +10,6 @@ are ignored, so a late message can never complete a newer reconfiguration.
 
 from __future__ import annotations
 
-import collections
 import enum
 import logging
 import queue
@@ -25,14 +24,12 @@ from nonstop.control.channel import Channel, ControlServer, Message
 from nonstop.errors import ControlError, JobFailedError
 from nonstop.faults import fired_at
 from nonstop.runtime.agent import Agent
+from nonstop.runtime.detector import FailureDetector, WorkerRecord
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.policy import (
     FailureKind,
-    RankObservation,
     classify_exit,
     describe_exit,
-    find_hung_ranks,
-    median_step_time,
     plan_recovery,
 )
 from nonstop.runtime.recovery import Failure, Reconfiguration, Stage
@@ -42,7 +39,6 @@ __all__ = ["Coordinator", "JobResult", "JobState"]
 log = logging.getLogger(__name__)
 
 TICK_S = 0.005
-CLOSE_GRACE_S = 0.5
 
 
 class JobState(enum.StrEnum):
@@ -52,22 +48,6 @@ class JobState(enum.StrEnum):
     FINISHING = "finishing"
     DONE = "done"
     FAILED = "failed"
-
-
-@dataclass
-class _Worker:
-    spawn_id: int
-    role: str
-    rank: int | None = None
-    chan: Channel | None = None
-    last_hb: float = 0.0
-    last_progress: float = 0.0
-    coll: bool = False
-    stepped: bool = False
-    killed_for_hang: str | None = None
-    fault_at: float | None = None
-    fault_report: tuple[float, str] | None = None
-    chan_closed_at: float | None = None
 
 
 @dataclass
@@ -89,12 +69,12 @@ class Coordinator:
         self.world_size = config.nproc_per_node
         self.state = JobState.STARTING
         self.generation = 0
-        self.workers: dict[int, _Worker] = {}
+        self.workers: dict[int, WorkerRecord] = {}
         self.members: dict[int, int] = {}  # rank -> spawn_id
         self.reconf: Reconfiguration | None = None
         self.failures_total = 0
         self.reports: list[dict[str, Any]] = []
-        self.step_times: collections.deque[float] = collections.deque(maxlen=64)
+        self.detector = FailureDetector(config.detector)
         self.latest_step: dict[int, int] = {}
         self.done_ranks: set[int] = set()
         self.error: str | None = None
@@ -112,7 +92,7 @@ class Coordinator:
                 break
             self._pump_events(TICK_S)
             self._handle_exits()
-            self._detect_hangs()
+            self._detect()
             self._check_timeouts()
         final = min(self.latest_step.values()) if self.latest_step else 0
         return JobResult(
@@ -121,13 +101,13 @@ class Coordinator:
             final_step=final,
             failures=self.reports,
             error=self.error,
-            median_step_s=median_step_time(list(self.step_times)),
+            median_step_s=self.detector.median_step_s,
         )
 
     def _spawn(self, role: str, rank: int | None) -> int:
         sid = self.agent.spawn(role, rank=rank)
         now = time.monotonic()
-        self.workers[sid] = _Worker(spawn_id=sid, role=role, rank=rank, last_hb=now, last_progress=now)
+        self.workers[sid] = WorkerRecord(spawn_id=sid, role=role, rank=rank, last_hb=now, last_progress=now)
         if rank is not None:
             self.members[rank] = sid
         self.events.emit("spawn", spawn_id=sid, role=role, rank=rank, pid=self.agent.pid(sid))
@@ -140,7 +120,7 @@ class Coordinator:
         for w in self.workers.values():
             self._send(w, {"t": "abort", "error": error})
 
-    def _send(self, w: _Worker, msg: Message) -> None:
+    def _send(self, w: WorkerRecord, msg: Message) -> None:
         if w.chan is not None and not w.chan.closed:
             try:
                 w.chan.send(msg)
@@ -182,7 +162,7 @@ class Coordinator:
             if w is not None:
                 w.chan_closed_at = time.monotonic()
 
-    def _on_connect(self, w: _Worker) -> None:
+    def _on_connect(self, w: WorkerRecord) -> None:
         if self.state is JobState.STARTING:
             if all(self.workers[sid].chan is not None for sid in self.members.values()):
                 self._begin_generation([])
@@ -203,7 +183,7 @@ class Coordinator:
             self._send_reconfigure(w)
             self._advance()
 
-    def _on_message(self, w: _Worker, msg: Message) -> None:
+    def _on_message(self, w: WorkerRecord, msg: Message) -> None:
         t = msg.get("t")
         now = time.monotonic()
         if t == "hb":
@@ -226,7 +206,7 @@ class Coordinator:
         rank = w.rank
         if t == "step":
             w.last_progress, w.stepped = now, True
-            self.step_times.append(float(msg["step_s"]))
+            self.detector.record_step(float(msg["step_s"]))
             self.latest_step[rank] = int(msg["step"])
             if self.reconf is not None:
                 self.reconf.stepped.add(rank)
@@ -340,54 +320,29 @@ class Coordinator:
                 previous.failures + failures, replans=previous.replans + 1, replacements=previous.replacements
             )
 
-    def _detect_hangs(self) -> None:
+    def _detect(self) -> None:
         if self.state not in (JobState.RUNNING, JobState.RECONFIGURING):
             return
-        now = time.monotonic()
-        obs = {}
-        for rank, sid in self.members.items():
+        in_training = self.state is JobState.RUNNING or (
+            self.reconf is not None and self.reconf.stage is Stage.RESUME
+        )
+        verdicts = self.detector.scan(
+            now=time.monotonic(),
+            members={rank: self.workers[sid] for rank, sid in self.members.items()},
+            everyone=list(self.workers.values()),
+            alive=lambda sid: sid in self.agent.procs,
+            in_training=in_training,
+        )
+        for sid, reason in verdicts.kill.items():
             w = self.workers[sid]
-            if w.chan is None or w.killed_for_hang:
-                continue
-            in_training = self.state is JobState.RUNNING or (
-                self.reconf is not None and self.reconf.stage is Stage.RESUME
-            )
-            obs[rank] = RankObservation(
-                last_heartbeat=w.last_hb,
-                # progress is only judged while training; during a reconfiguration the
-                # stage timeout applies instead
-                last_progress=w.last_progress if in_training else now,
-                collective_pending=w.coll,
-                stepped=w.stepped,
-            )
-        med = median_step_time(list(self.step_times))
-        for rank, reason in find_hung_ranks(
-            obs, now=now, median_step_s=med, config=self.config.detector
-        ).items():
-            w = self.workers[self.members[rank]]
             w.killed_for_hang = reason
-            self.events.emit("hang_detected", rank=rank, spawn_id=w.spawn_id, reason=reason)
-            self.agent.kill(w.spawn_id, signal.SIGKILL)
-        # A channel closed but the process lives on: it can no longer be steered. (A dying
-        # process closes its socket a moment before its exit is seen: give that a grace.)
-        for w in self.workers.values():
-            if (
-                w.chan_closed_at is not None
-                and not w.killed_for_hang
-                and now - w.chan_closed_at > CLOSE_GRACE_S
-                and w.spawn_id in self.agent.procs
-            ):
-                w.killed_for_hang = "control channel closed"
-                self.events.emit("hang_detected", rank=w.rank, spawn_id=w.spawn_id, reason=w.killed_for_hang)
-                self.agent.kill(w.spawn_id)
-        # A rank that reported an exception nobody else explains raised on its own: let it raise.
-        for _rank, sid in self.members.items():
+            self.events.emit("hang_detected", rank=w.rank, spawn_id=sid, reason=reason)
+            self.agent.kill(sid, signal.SIGKILL)
+        for sid in verdicts.reraise:
             w = self.workers[sid]
-            if w.fault_report is not None:
-                since, _err = w.fault_report
-                if now - since > self.config.detector.heartbeat_timeout_s * 2:
-                    w.fault_report = (float("inf"), _err)
-                    self._send(w, {"t": "raise"})
+            assert w.fault_report is not None
+            w.fault_report = (float("inf"), w.fault_report[1])  # tell it once
+            self._send(w, {"t": "raise"})
 
     def _check_timeouts(self) -> None:
         r = self.reconf
@@ -463,7 +418,7 @@ class Coordinator:
         r.stage = Stage.LAUNCH
         self._advance()
 
-    def _send_reconfigure(self, w: _Worker) -> None:
+    def _send_reconfigure(self, w: WorkerRecord) -> None:
         r = self.reconf
         assert r is not None and w.rank is not None
         w.stepped, w.coll, w.fault_report = False, False, None

@@ -1,0 +1,107 @@
+"""Failure detection: what the coordinator sees of each worker, turned into verdicts.
+
+The coordinator records observations on :class:`WorkerRecord` as messages
+arrive (heartbeats, steps, fault reports, a closed channel); once per tick it
+asks :meth:`FailureDetector.scan` which workers to kill (hung, unsteerable)
+and which to tell to re-raise their own exception. The hang rule itself is the
+pure :func:`~nonstop.runtime.policy.find_hung_ranks`; this module adds the
+bookkeeping around it. A process exit needs no verdict: the agent reports it.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from nonstop.config import DetectorConfig
+from nonstop.control.channel import Channel
+from nonstop.runtime.policy import RankObservation, find_hung_ranks, median_step_time
+
+__all__ = ["FailureDetector", "Verdicts", "WorkerRecord"]
+
+# A dying process closes its socket a moment before its exit is seen: only a channel
+# closed for longer than this while the process lives counts as a failure.
+CLOSE_GRACE_S = 0.5
+
+
+@dataclass
+class WorkerRecord:
+    """The coordinator's view of one spawned process. Times are ``time.monotonic()``."""
+
+    spawn_id: int
+    role: str  # "worker" or "spare"
+    rank: int | None = None
+    chan: Channel | None = None
+    last_hb: float = 0.0
+    last_progress: float = 0.0
+    coll: bool = False  # a gradient allreduce is pending on this rank
+    stepped: bool = False  # completed a step in the current generation
+    killed_for_hang: str | None = None  # why nonstop killed it, if it did
+    fault_at: float | None = None  # wall time an injected fault fired on it
+    fault_report: tuple[float, str] | None = None  # (when, error) of a reported exception
+    chan_closed_at: float | None = None
+
+
+@dataclass
+class Verdicts:
+    kill: dict[int, str] = field(default_factory=dict)  # spawn id -> reason
+    reraise: list[int] = field(default_factory=list)  # spawn ids told to re-raise
+
+
+class FailureDetector:
+    """Applies the detection rules of :class:`~nonstop.config.DetectorConfig`."""
+
+    def __init__(self, config: DetectorConfig) -> None:
+        self.config = config
+        self.step_times: collections.deque[float] = collections.deque(maxlen=64)
+
+    def record_step(self, seconds: float) -> None:
+        self.step_times.append(seconds)
+
+    @property
+    def median_step_s(self) -> float | None:
+        return median_step_time(list(self.step_times))
+
+    def scan(
+        self,
+        *,
+        now: float,
+        members: Mapping[int, WorkerRecord],
+        everyone: Iterable[WorkerRecord],
+        alive: Callable[[int], bool],
+        in_training: bool,
+    ) -> Verdicts:
+        """Verdicts for this tick. ``members`` maps rank -> worker playing it.
+
+        Progress is judged only ``in_training``; during a reconfiguration the
+        coordinator's stage deadline applies instead, and only heartbeats count.
+        """
+        v = Verdicts()
+        obs = {
+            rank: RankObservation(
+                last_heartbeat=w.last_hb,
+                last_progress=w.last_progress if in_training else now,
+                collective_pending=w.coll,
+                stepped=w.stepped,
+            )
+            for rank, w in members.items()
+            if w.chan is not None and not w.killed_for_hang
+        }
+        hung = find_hung_ranks(obs, now=now, median_step_s=self.median_step_s, config=self.config)
+        for rank, reason in hung.items():
+            v.kill[members[rank].spawn_id] = reason
+        for w in everyone:
+            if (
+                w.chan_closed_at is not None
+                and not w.killed_for_hang
+                and now - w.chan_closed_at > CLOSE_GRACE_S
+                and alive(w.spawn_id)
+            ):
+                v.kill.setdefault(w.spawn_id, "control channel closed")
+        # An exception no other failure explains within two heartbeat timeouts was the
+        # rank's own: it must raise (and exit, and be restarted like any crash).
+        for w in members.values():
+            if w.fault_report is not None and now - w.fault_report[0] > 2 * self.config.heartbeat_timeout_s:
+                v.reraise.append(w.spawn_id)
+        return v

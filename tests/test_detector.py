@@ -1,0 +1,81 @@
+"""FailureDetector verdicts on hand-built worker records (no processes, no clock)."""
+
+from __future__ import annotations
+
+from nonstop.config import DetectorConfig
+from nonstop.runtime.detector import CLOSE_GRACE_S, FailureDetector, WorkerRecord
+
+CFG = DetectorConfig(heartbeat_timeout_s=1.0, hang_factor=10, hang_min_s=2.0)
+
+
+class _Chan:  # stands in for a connected channel; scan() only checks it is there
+    closed = False
+
+
+def _rec(sid: int, rank: int | None, now: float, **kw: object) -> WorkerRecord:
+    w = WorkerRecord(
+        spawn_id=sid,
+        role="worker" if rank is not None else "spare",
+        rank=rank,
+        chan=_Chan(),
+        last_hb=now,
+        last_progress=now,
+        stepped=True,
+    )  # type: ignore[arg-type]
+    for k, v in kw.items():
+        setattr(w, k, v)
+    return w
+
+
+def _scan(
+    det: FailureDetector,
+    now: float,
+    recs: list[WorkerRecord],
+    alive: set[int] | None = None,
+    in_training: bool = True,
+) -> tuple[dict[int, str], list[int]]:
+    members = {w.rank: w for w in recs if w.rank is not None}
+    v = det.scan(
+        now=now,
+        members=members,
+        everyone=recs,
+        alive=lambda sid: alive is None or sid in alive,
+        in_training=in_training,
+    )
+    return v.kill, v.reraise
+
+
+def test_healthy_workers_get_no_verdict() -> None:
+    det = FailureDetector(CFG)
+    det.record_step(0.1)
+    assert _scan(det, 100.0, [_rec(0, 0, 99.9), _rec(1, 1, 99.9)]) == ({}, [])
+
+
+def test_hung_rank_is_reported_by_spawn_id() -> None:
+    det = FailureDetector(CFG)
+    det.record_step(0.1)
+    kill, _ = _scan(det, 100.0, [_rec(5, 0, 99.9), _rec(9, 1, 99.9, last_hb=98.5)])
+    assert list(kill) == [9] and "no heartbeat" in kill[9]
+
+
+def test_progress_is_not_judged_during_a_reconfiguration() -> None:
+    det = FailureDetector(CFG)
+    det.record_step(0.1)
+    stalled = _rec(3, 0, 99.9, last_progress=50.0)
+    assert list(_scan(det, 100.0, [stalled])[0]) == [3]
+    assert _scan(det, 100.0, [stalled], in_training=False) == ({}, [])
+
+
+def test_closed_channel_of_a_live_process_is_killed_after_a_grace() -> None:
+    det = FailureDetector(CFG)
+    w = _rec(4, None, 100.0, chan_closed_at=100.0)
+    assert _scan(det, 100.0 + CLOSE_GRACE_S / 2, [w])[0] == {}
+    assert _scan(det, 100.0 + CLOSE_GRACE_S * 2, [w], alive=set())[0] == {}  # already dead: its exit tells
+    assert _scan(det, 100.0 + CLOSE_GRACE_S * 2, [w])[0] == {4: "control channel closed"}
+
+
+def test_unexplained_exception_is_reraised_after_two_heartbeat_timeouts() -> None:
+    det = FailureDetector(CFG)
+    w = _rec(2, 1, 100.0, fault_report=(100.0, "ValueError: bug"))
+    assert _scan(det, 101.5, [w])[1] == []
+    assert _scan(det, 102.5, [w])[1] == [2]
