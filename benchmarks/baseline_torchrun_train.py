@@ -15,6 +15,7 @@ Each rank appends JSON lines to ``--events`` (one ``os.write`` of one line per e
 
     {"event": "start", "ts": <process start, from /proc>, "rank", "attempt", "pid"}
     {"event": "imported"}                 main() reached, torch imported
+    {"event": "built"}                    model, optimizer and data built
     {"event": "pg_ready"}                 init_process_group returned
     {"event": "ckpt_loaded", "step"}      checkpoint loaded (step = steps it holds; 0: none)
     {"event": "ddp_ready"}                model wrapped in DDP, about to train
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
+    ev.emit("built")
 
     dist.init_process_group("gloo")  # env:// rendezvous from torchrun's variables
     ev.emit("pg_ready")
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         x, y = corpus.batch(step=step, rank=rank, batch=args.batch, seq=cfg.seq)
         loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        torch.autograd.backward(loss)
         opt.step()
         loss.item()
         ev.emit("step", step=step, step_s=time.monotonic() - t0)
@@ -150,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
             save_checkpoint(ckpt, model, opt, step + 1)
             ev.emit("ckpt_saved", step=step + 1, save_s=time.monotonic() - t1)
     ev.emit("done", step=args.steps)
+    # Without this barrier rank 0, which hosts the store (see bench_mttr.py), may exit while
+    # another rank is still tearing its group down, and that rank then hangs.
+    dist.barrier()
     dist.destroy_process_group()
 
 

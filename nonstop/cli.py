@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="SPEC",
-        help="kill:rank=R,step=S | hang:rank=R,step=S | stall:rank=R,step=S | exit:rank=R,step=S,code=C "
+        help="kill:rank=R,step=S | hang:rank=R,step=S | stall:rank=R,step=S | exit:rank=R,step=S,code=C | "
+        "slow:rank=R,step=S,seconds=X "
         "(add ,at=recovery to fire during a recovery); repeatable",
     )
     demo.add_argument(

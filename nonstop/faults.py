@@ -7,6 +7,8 @@ A fault spec is ``KIND:key=value,...``:
 * ``stall:rank=R,step=S``           its training loop sleeps forever while its heartbeat thread
                                     goes on (caught by the no-progress rule, not by heartbeats)
 * ``exit:rank=R,step=S,code=C``     the worker exits with status C
+* ``slow:rank=R,step=S,seconds=X``  a straggler: the rank computes X seconds longer in step S
+                                    (interruptibly, in 10 ms slices, like a real step)
 * any of them with ``at=recovery``  fire instead the first time rank R is asked to
   restore to a step >= S during a recovery (a failure *during* recovery)
 
@@ -28,7 +30,7 @@ from nonstop.errors import UsageError
 
 __all__ = ["FaultInjector", "FaultSpec", "fired_at", "parse_fault"]
 
-KINDS = ("kill", "hang", "stall", "exit")
+KINDS = ("kill", "hang", "stall", "exit", "slow")
 PHASES = ("step", "recovery")
 
 
@@ -38,10 +40,12 @@ class FaultSpec:
     rank: int
     step: int
     code: int = 1
+    seconds: float = 0.0
     at: str = "step"
 
     def to_text(self) -> str:
         extra = f",code={self.code}" if self.kind == "exit" else ""
+        extra += f",seconds={self.seconds:g}" if self.kind == "slow" else ""
         at = f",at={self.at}" if self.at != "step" else ""
         return f"{self.kind}:rank={self.rank},step={self.step}{extra}{at}"
 
@@ -62,18 +66,25 @@ def parse_fault(text: str) -> FaultSpec:
             raise UsageError(f"bad fault spec {text!r}: {usage}")
         fields[key.strip()] = value.strip()
     allowed = {"rank", "step", "at"} | ({"code"} if kind == "exit" else set())
+    allowed |= {"seconds"} if kind == "slow" else set()
     unknown = set(fields) - allowed
-    if unknown or not {"rank", "step"} <= set(fields):
+    required = {"rank", "step"} | ({"seconds"} if kind == "slow" else set())
+    if unknown or not required <= set(fields):
         raise UsageError(f"bad fault spec {text!r}: {usage}")
     try:
         rank, step = int(fields["rank"]), int(fields["step"])
         code = int(fields.get("code", "1"))
+        seconds = float(fields.get("seconds", "0"))
     except ValueError:
-        raise UsageError(f"bad fault spec {text!r}: rank, step and code must be integers") from None
+        raise UsageError(
+            f"bad fault spec {text!r}: rank, step and code must be integers, seconds a number"
+        ) from None
     at = fields.get("at", "step")
-    if rank < 0 or step < 0 or at not in PHASES or not 0 <= code <= 255:
-        raise UsageError(f"bad fault spec {text!r}: rank, step >= 0, code in 0..255, at=step|recovery")
-    return FaultSpec(kind=kind, rank=rank, step=step, code=code, at=at)
+    if rank < 0 or step < 0 or at not in PHASES or not 0 <= code <= 255 or not 0 <= seconds <= 3600:
+        raise UsageError(
+            f"bad fault spec {text!r}: rank, step >= 0, code in 0..255, seconds in 0..3600, at=step|recovery"
+        )
+    return FaultSpec(kind=kind, rank=rank, step=step, code=code, seconds=seconds, at=at)
 
 
 def fired_at(marker_dir: Path, pid: int) -> float | None:
@@ -124,11 +135,15 @@ class FaultInjector:
 
     @staticmethod
     def fire(fault: FaultSpec) -> None:
-        """Carry the fault out on this process. Returns only for a resumed hang."""
+        """Carry the fault out on this process. Returns only after ``slow`` (or a resumed hang)."""
         if fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind == "slow":
+            end = time.monotonic() + fault.seconds
+            while time.monotonic() < end:
+                time.sleep(0.01)
         elif fault.kind == "stall":
             while True:
                 time.sleep(3600)

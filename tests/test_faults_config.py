@@ -28,6 +28,7 @@ from nonstop.runtime.recovery import Failure, Reconfiguration, Stage, next_stage
         ("hang:rank=0,step=0", FaultSpec(kind="hang", rank=0, step=0)),
         ("exit:rank=2,step=5,code=3", FaultSpec(kind="exit", rank=2, step=5, code=3)),
         ("kill:rank=2,step=5,at=recovery", FaultSpec(kind="kill", rank=2, step=5, at="recovery")),
+        ("slow:rank=0,step=3,seconds=1.5", FaultSpec(kind="slow", rank=0, step=3, seconds=1.5)),
     ],
 )
 def test_parse_fault(text: str, expect: FaultSpec) -> None:
@@ -171,3 +172,22 @@ def test_reconfiguration_report_times_each_stage() -> None:
     assert rec["stages"]["restore"] == pytest.approx(0.03)
     assert rec["training_again_s"] == pytest.approx(0.15)
     assert rec["mttr_s"] == pytest.approx(0.35)
+    assert sum(rec["stages"].values()) == pytest.approx(rec["mttr_s"])
+
+
+def test_stages_of_an_earlier_failure_include_the_interrupted_attempt() -> None:
+    first = Failure(kind="kill", rank=1, spawn_id=1, detail="", detected_at=10.0, step=3, fault_at=9.9)
+    second = Failure(kind="kill", rank=2, spawn_id=2, detail="", detected_at=10.4, step=3)
+    r = Reconfiguration(generation=3, world_size=3, failures=[first, second], restore_step=3, replans=1)
+    r.marks = {
+        "detect": 10.4,
+        "plan": 10.41,
+        "launch": 10.42,
+        "restore": 10.5,
+        "rebuild": 10.6,
+        "resume": 10.9,
+    }
+    rec1, rec2 = r.report()
+    assert rec1["stages"]["replan"] == pytest.approx(0.4) and rec2["stages"]["replan"] == 0
+    for rec in (rec1, rec2):
+        assert sum(rec["stages"].values()) == pytest.approx(rec["mttr_s"])

@@ -122,16 +122,25 @@ class Agent:
         sp = self.procs.get(spawn_id)
         return sp.proc.pid if sp is not None else None
 
+    def _store(self, rank: int) -> RankSnapshotStore:
+        store = self._stores.get(rank)
+        if store is None:
+            store = self._stores[rank] = RankSnapshotStore(
+                shm_dir=self.shm_dir, job_id=self.job_id, rank=rank
+            )
+        return store
+
     def complete_steps(self, world_size: int) -> dict[int, list[int]]:
         """Steps with a complete snapshot in memory, per rank (read from slot headers)."""
+        return {rank: self._store(rank).complete_steps() for rank in range(world_size)}
+
+    def writing_steps(self, ranks: list[int]) -> dict[int, int]:
+        """rank -> step it is writing right now, for the given ranks that are mid-write."""
         out = {}
-        for rank in range(world_size):
-            store = self._stores.get(rank)
-            if store is None:
-                store = self._stores[rank] = RankSnapshotStore(
-                    shm_dir=self.shm_dir, job_id=self.job_id, rank=rank
-                )
-            out[rank] = store.complete_steps()
+        for rank in ranks:
+            step = self._store(rank).writing_step()
+            if step is not None:
+                out[rank] = step
         return out
 
     def wait_all(self, timeout: float) -> bool:

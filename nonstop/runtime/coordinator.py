@@ -39,6 +39,7 @@ __all__ = ["Coordinator", "JobResult", "JobState"]
 log = logging.getLogger(__name__)
 
 TICK_S = 0.005
+PLAN_WAIT_S = 2.0
 
 
 class JobState(enum.StrEnum):
@@ -373,7 +374,7 @@ class Coordinator:
             for sid, w in self.workers.items()
             if w.role == "spare" and w.rank is None and w.chan is not None and not w.killed_for_hang
         ]
-        complete = self.agent.complete_steps(self.world_size) if failures else {}
+        complete = self._settled_snapshots() if failures else {}
         plan = plan_recovery(
             failed_ranks=missing, idle_spares=idle, complete_steps=complete, world_size=self.world_size
         )
@@ -387,8 +388,9 @@ class Coordinator:
         )
         r.marks["detect"] = max((f.detected_at for f in failures), default=now)
         if failures and plan.restore_step is not None:
-            newest = max((max(s) for s in complete.values() if s), default=plan.restore_step)
-            r.lost_steps = max(0, newest - plan.restore_step)
+            # committed steps redone: what every rank had reported done, minus where we restart
+            committed = min((self.latest_step.get(rank, 0) for rank in range(self.world_size)), default=0)
+            r.lost_steps = max(0, committed - plan.restore_step)
         spares = list(plan.spares_used)
         for rank, source in plan.replacements.items():
             r.replacements[rank] = source.value
@@ -413,10 +415,28 @@ class Coordinator:
             replans=replans,
         )
         for rank, sid in self.members.items():
-            if rank not in r.waiting_launch:
+            if self.workers[sid].chan is None:  # still starting (e.g. launched by a re-planned generation)
+                r.waiting_launch.add(rank)
+            elif rank not in r.waiting_launch:
                 self._send_reconfigure(self.workers[sid])
         r.stage = Stage.LAUNCH
         self._advance()
+
+    def _settled_snapshots(self) -> dict[int, list[int]]:
+        """Complete steps per rank, after live members finish the snapshot they are writing.
+
+        A survivor may be copying the very step the failed rank already committed;
+        waiting the few milliseconds that takes saves redoing that step. Bounded: a
+        member that does not finish within PLAN_WAIT_S is planned around.
+        """
+        live = [rank for rank, sid in self.members.items() if sid in self.agent.procs]
+        deadline = time.monotonic() + PLAN_WAIT_S
+        while True:
+            complete = self.agent.complete_steps(self.world_size)
+            writing = self.agent.writing_steps(live)
+            if not writing or time.monotonic() > deadline:
+                return complete
+            time.sleep(0.002)
 
     def _send_reconfigure(self, w: WorkerRecord) -> None:
         r = self.reconf
@@ -440,6 +460,8 @@ class Coordinator:
             return
         before = r.stage
         after = r.advance()
+        if after is not before:
+            r.deadline = 0.0  # each stage gets its own rebuild_timeout_s
         order = [Stage.LAUNCH, Stage.RESTORE, Stage.REBUILD, Stage.RESUME, Stage.DONE]
         now = time.time()
         for s in order[order.index(before) : order.index(after)]:

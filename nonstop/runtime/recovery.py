@@ -7,6 +7,7 @@ failures. A reconfiguration moves through named stages, each timed::
     DETECT -> PLAN -> LAUNCH -> RESTORE -> REBUILD -> RESUME -> DONE
 
 * DETECT  fault (injected timestamp, when known) -> the coordinator declares it
+* (REPLAN time lost to a reconfiguration that another failure interrupted)
 * PLAN    pick the committed step and who replaces each failed rank
 * LAUNCH  replacements exist and are connected (a hot spare: immediate;
           a cold process: interpreter + torch import)
@@ -99,13 +100,20 @@ class Reconfiguration:
         return self.stage
 
     def report(self) -> list[dict[str, Any]]:
-        """One record per failure: detection, each stage, MTTR and lost steps (seconds)."""
+        """One record per failure: detection, each stage, MTTR and lost steps (seconds).
+
+        The stages of a failure add up to its MTTR: ``replan`` is the time spent in
+        reconfigurations that a later failure interrupted (0 without one); the
+        other stages are those of the reconfiguration that completed.
+        """
         m = self.marks
         out = []
         for f in self.failures:
             start = f.fault_at if f.fault_at is not None else f.detected_at
             stages = {
                 "detect": f.detected_at - start,
+                # time lost to reconfigurations that a later failure interrupted
+                "replan": m["detect"] - f.detected_at,
                 "plan": m["plan"] - m["detect"],
                 "launch": m["launch"] - m["plan"],
                 "restore": m["restore"] - m["launch"],

@@ -6,7 +6,8 @@ Slot file layout (little-endian)::
     [4096, 4096 + data_cap)        tensor bytes, each tensor 64-byte aligned
     [4096 + data_cap, + meta_cap)  JSON meta: {"tree": ..., "tensors": [...]}
 
-Header fields: magic, format version, state (:class:`SlotState`), step,
+Header fields: magic, format version, state (:class:`SlotState`), step (while
+WRITING: the step being written),
 data_len, meta_len, data_cap, meta_cap, written_at (unix time).
 """
 

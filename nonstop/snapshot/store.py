@@ -210,7 +210,7 @@ class RankSnapshotStore:
         ).encode()
         slot = self._slots[step % self.num_slots]
         slot.ensure_capacity(data_len, len(meta))
-        slot._write_header(SlotState.WRITING, -1, 0, 0, 0.0)
+        slot._write_header(SlotState.WRITING, step, 0, 0, 0.0)
         data = slot.data_view()
         for e, t in zip(entries, tensors, strict=True):
             if e.nbytes:
@@ -246,6 +246,18 @@ class RankSnapshotStore:
             if inf is not None and inf.state is SlotState.COMPLETE:
                 out.append(inf.step)
         return sorted(out)
+
+    def writing_step(self) -> int | None:
+        """The step being written right now (a slot in WRITING state), if any.
+
+        A writer that died mid-write leaves this too: callers must know whether
+        the writer is alive.
+        """
+        for i in range(self.num_slots):
+            inf = self.info(i)
+            if inf is not None and inf.state is SlotState.WRITING:
+                return inf.step
+        return None
 
     def read(self, step: int, *, copy: bool = True) -> Any:
         index = step % self.num_slots

@@ -36,6 +36,7 @@ import queue
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ from nonstop.control.channel import Channel, Message, connect
 from nonstop.errors import ControlError, JobFailedError
 from nonstop.faults import FaultInjector
 from nonstop.snapshot import RankSnapshotStore, StateCapture
+from nonstop.train.abort import SocketWatch
 from nonstop.train.ddp import CanonicalGradSync, wrap_ddp
 
 __all__ = ["RunResult", "Session", "init"]
@@ -97,6 +99,7 @@ class Session:
         self._closing = False
         self._sync: CanonicalGradSync | None = None
         self._ddp: DistributedDataParallel | None = None
+        self._group_sockets: SocketWatch | None = None
         self._step = 0
         self._faults = FaultInjector.from_json(env.faults_json, env.job_dir / "faults")
         hello = {"role": env.role, "spawn_id": env.spawn_id, "pid": os.getpid()}
@@ -208,9 +211,9 @@ class Session:
                         pending = self._poll_reconfigure()
                         if pending is not None:
                             raise _Reconfigure(pending)
-                        self._maybe_inject("step", self._step)
                         t0 = time.monotonic()
-                        self._in_step = True
+                        self._in_step = True  # from here a recovery interrupts the step
+                        self._maybe_inject("step", self._step)
                         loss = train_step(ddp, self._step)
                         self._in_step = False
                         step_s = time.monotonic() - t0
@@ -246,6 +249,8 @@ class Session:
 
     def _on_step_error(self, err: BaseException) -> Message:
         """Tear down the group at once (so blocked peers fail fast), then ask what to do."""
+        if err.__traceback__ is not None:
+            traceback.clear_frames(err.__traceback__)  # frames hold the old DDP and its group
         self._destroy_group()
         self._send(
             {
@@ -283,6 +288,9 @@ class Session:
         attached to the parameters, fires on later backward passes and keeps the
         dead group (and its threads) alive until interpreter exit.
         """
+        if self._group_sockets is not None:
+            self._group_sockets.half_close()  # peers blocked on us fail now, not at the timeout
+            self._group_sockets = None
         if self._ddp is not None:
             self._ddp._remove_autograd_hooks()  # type: ignore[no-untyped-call]
             self._ddp = None
@@ -333,9 +341,12 @@ class Session:
             str(rdzv / f"gen-{gen}"), self.world_size
         )
         timeout = datetime.timedelta(seconds=float(os.environ.get("NONSTOP_REBUILD_TIMEOUT_S", "30")))
+        watch = SocketWatch()
         dist.init_process_group(
             "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
+        watch.stop()
+        self._group_sockets = watch
         self._ddp = wrap_ddp(model, self._sync, dist.group.WORLD)  # type: ignore[arg-type]
         return self._ddp
 

@@ -1,0 +1,64 @@
+"""Hard abort of a process group's connections, so no peer waits on a group we left.
+
+Why: a survivor that abandons a step (it was interrupted, or its own collective
+failed) tears its gloo group down, but ``destroy_process_group`` only drops
+the registry's reference: the sockets close when the last reference to the
+group dies, and DDP's reducer, comm hooks and tracebacks can keep it alive.
+A peer blocked in the allreduce, waiting for this rank's contribution, would
+then wait for the full collective timeout instead of failing at once.
+
+How: gloo connects its full mesh while the group is created, so the sockets
+that appear in this process during ``init_process_group`` are the group's.
+:class:`SocketWatch` records them; :meth:`SocketWatch.half_close` sends a FIN on
+each (``shutdown(SHUT_WR)``): peers read EOF and their pending collectives
+fail immediately, while our own side can still read, so gloo's event loop is
+not handed an error it does not expect (a full ``SHUT_RDWR`` under a pending
+operation can make gloo call ``std::terminate``). Linux only (``/proc/self/fd``).
+Sockets another thread happens to create during the group's creation would be
+included; nonstop's own threads create none.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+__all__ = ["SocketWatch"]
+
+
+def _socket_inodes() -> dict[int, int]:
+    """fd -> socket inode for every socket this process has open."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out[int(name)] = int(link[8:-1])
+    return out
+
+
+class SocketWatch:
+    """Records the sockets created between construction and :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self._before = set(_socket_inodes().values())
+        self.created: frozenset[int] = frozenset()
+
+    def stop(self) -> None:
+        self.created = frozenset(set(_socket_inodes().values()) - self._before)
+
+    def half_close(self) -> int:
+        """Send FIN on every recorded socket still open; return how many."""
+        closed = 0
+        for fd, inode in _socket_inodes().items():
+            if inode not in self.created:
+                continue
+            try:
+                with socket.socket(fileno=os.dup(fd)) as s:
+                    s.shutdown(socket.SHUT_WR)
+                closed += 1
+            except OSError:
+                pass  # already closed by gloo or not connected (a listener)
+        return closed

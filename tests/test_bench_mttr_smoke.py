@@ -1,0 +1,54 @@
+"""Smoke test of ``benchmarks/bench_mttr.py --quick``: every contender recovers and reports an MTTR.
+
+Runs the benchmark's quick mode (tiny model, 3 ranks, one run of each contender) into a
+temporary directory, about a minute on two cores. Run it with::
+
+    .venv/bin/python -m pytest -q tests/test_bench_mttr_smoke.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_mttr_quick(tmp_path: Path) -> None:
+    out = tmp_path / "mttr.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "bench_mttr.py"),
+            "--quick",
+            "--out",
+            str(out),
+            "--work-dir",
+            str(tmp_path / "work"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    contenders = report["contenders"]
+    assert set(contenders) == {"nonstop_hot", "nonstop_cold", "torchrun_ckpt"}
+    for name, c in contenders.items():
+        runs = c["runs"]
+        assert runs and all(r["ok"] for r in runs), (name, runs)
+        assert all(r["mttr_s"] > 0 for r in runs), (name, runs)
+        assert c["summary"]["mttr_s"]["median"] > 0
+    for name in ("nonstop_hot", "nonstop_cold"):
+        assert all(r["lost_steps"] == 0 for r in contenders[name]["runs"]), contenders[name]["runs"]
+    base = contenders["torchrun_ckpt"]["runs"][0]
+    w = report["workload"]
+    assert base["lost_steps"] == w["fault_step"] - (w["fault_step"] // w["ckpt_every"]) * w["ckpt_every"]
+    assert report["ratios"]["torchrun_ckpt/nonstop_hot"]["median"] > 0
