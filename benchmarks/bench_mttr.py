@@ -2,7 +2,7 @@
 
 What is measured. A data-parallel job of ``--nproc`` ranks (3 by default, gloo, CPU) trains the
 demo's decoder-only transformer (``nonstop.demo.model``, preset ``--model``, ``medium`` = ~26M
-parameters by default) on the demo's generated data (batch 8 x seq per rank, AdamW). Rank 1 is
+parameters by default) on the demo's generated data (``--batch`` x seq per rank, default 8, AdamW). Rank 1 is
 SIGKILLed when it starts step ``K`` (``--fault-step``). Three contenders run the same workload,
 alternating run by run (A B C A B C ...; one warm-up round is not counted):
 
@@ -110,6 +110,7 @@ class Options:
     omp_threads: int
     timeout_s: float
     quick: bool
+    batch: int = 8
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -149,7 +150,16 @@ def run_nonstop(opts: Options, *, spares: int, run_dir: Path) -> dict[str, Any]:
     result_file = run_dir / "result.json"
     cfg = JobConfig(
         script="-m nonstop.demo.train",
-        script_args=("--steps", str(opts.steps), "--model", opts.model, "--result", str(result_file)),
+        script_args=(
+            "--steps",
+            str(opts.steps),
+            "--model",
+            opts.model,
+            "--batch",
+            str(opts.batch),
+            "--result",
+            str(result_file),
+        ),
         nproc_per_node=opts.nproc,
         spares=spares,
         job_dir=run_dir / "job",
@@ -247,6 +257,8 @@ def run_baseline(opts: Options, *, run_dir: Path) -> dict[str, Any]:
         str(BASELINE_SCRIPT),
         "--model",
         opts.model,
+        "--batch",
+        str(opts.batch),
         "--steps",
         str(opts.steps),
         "--ckpt-every",
@@ -508,7 +520,7 @@ def run_benchmark(opts: Options, work: Path, out: Path) -> dict[str, Any]:
         "workload": {
             **asdict(opts),
             "num_params": num_params,
-            "batch_per_rank": 8,
+            "batch_per_rank": opts.batch,
             "step_s_median": step_s,
             "step_s_note": "median optimizer-step time of the baseline's ranks before the fault "
             "(steps > 0); nonstop's per-run approx_step_s also includes its per-step snapshot",
@@ -544,6 +556,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path, Path | None, bool
     ap.add_argument("--fault-step", type=int, default=None, help="K: rank 1 dies at step K (default 15)")
     ap.add_argument("--ckpt-every", type=int, default=None, help="baseline checkpoint period (default 10)")
     ap.add_argument("--steps", type=int, default=None, help="steps per job (default K + 5)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step (both contenders)")
     ap.add_argument("--runs", type=int, default=None, help="counted runs per contender (default 5)")
     ap.add_argument("--warmup", type=int, default=None, help="uncounted rounds first (default 1)")
     ap.add_argument("--omp-threads", type=int, default=None, help="OMP_NUM_THREADS for every worker")
@@ -572,6 +585,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path, Path | None, bool
         omp_threads=a.omp_threads or max(1, (os.cpu_count() or 1) // nproc),
         timeout_s=a.timeout if a.timeout is not None else (120.0 if q else 900.0),
         quick=q,
+        batch=a.batch,
     )
     if opts.nproc < 2 or opts.runs < 1 or opts.warmup < 0 or opts.ckpt_every < 1:
         ap.error("need --nproc >= 2, --runs >= 1, --warmup >= 0, --ckpt-every >= 1")
