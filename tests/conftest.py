@@ -13,6 +13,7 @@ import pytest
 from nonstop.config import DetectorConfig, JobConfig
 from nonstop.runtime.coordinator import JobResult
 from nonstop.runtime.eventlog import read_events
+from nonstop.runtime.gc import processes_of_job
 from nonstop.runtime.launcher import default_shm_dir, run_job
 
 STEPS = 16
@@ -54,19 +55,6 @@ def run_demo_job(
     result = run_job(config, redirect_output=True)
     out = json.loads(result_file.read_text()) if result_file.exists() else None
     return DemoRun(result, out, job_dir, read_events(job_dir / "events.jsonl"))
-
-
-def processes_of_job(job_id: str) -> list[int]:
-    needle = f"NONSTOP_JOB_ID={job_id}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
 
 
 def leftovers(job_id: str) -> tuple[list[Path], list[int]]:

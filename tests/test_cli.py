@@ -13,14 +13,24 @@ from pathlib import Path
 
 import pytest
 
+from nonstop.runtime.gc import processes_of_job
 from nonstop.runtime.launcher import default_shm_dir
-from tests.conftest import processes_of_job
 
 NONSTOP = [sys.executable, "-m", "nonstop.cli"]
 
 
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*NONSTOP, *args], capture_output=True, text=True, timeout=timeout)
+
+
+TWO_RANKS = ("--nproc-per-node", "2", "--spares", "1")
+
+
+def _run_two_ranks(
+    script: Path, job_dir: Path, *extra: str, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``nonstop run`` of ``script`` on 2 ranks with a hot spare."""
+    return _run("run", *TWO_RANKS, "--job-dir", str(job_dir), *extra, str(script), timeout=timeout)
 
 
 def _one_line_error(proc: subprocess.CompletedProcess[str], match: str) -> None:
@@ -91,17 +101,7 @@ def test_script_that_cannot_start_fails_fast(tmp_path: Path, body: str, match: s
     script = tmp_path / "t.py"
     script.write_text(body)
     t0 = time.monotonic()
-    proc = _run(
-        "run",
-        "--nproc-per-node",
-        "2",
-        "--spares",
-        "1",
-        "--job-dir",
-        str(tmp_path / "job"),
-        str(script),
-        timeout=60,
-    )
+    proc = _run_two_ranks(script, tmp_path / "job", timeout=60)
     assert proc.returncode == 1 and match in proc.stderr, proc.stderr
     assert time.monotonic() - t0 < 30  # not retried until the restart budget runs out
 
@@ -136,18 +136,7 @@ def test_run_a_user_script_through_a_kill(tmp_path: Path) -> None:
     script.write_text(USER_SCRIPT)
     outs = []
     for faults in ((), ("--fail", "kill:rank=1,step=6")):
-        proc = _run(
-            "run",
-            "--nproc-per-node",
-            "2",
-            "--spares",
-            "1",
-            "--job-dir",
-            str(tmp_path / "job"),
-            *faults,
-            str(script),
-            timeout=120,
-        )
+        proc = _run_two_ranks(script, tmp_path / "job", *faults, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert "job done at step 12" in proc.stdout
         outs.append([line for line in proc.stdout.splitlines() if line.startswith("USER-RESULT")])
@@ -172,10 +161,7 @@ def _start_long_job(job_dir: Path) -> tuple[subprocess.Popen[str], str]:
         [
             *NONSTOP,
             "run",
-            "--nproc-per-node",
-            "2",
-            "--spares",
-            "1",
+            *TWO_RANKS,
             "--job-dir",
             str(job_dir),
             "-m",

@@ -192,3 +192,35 @@ def _train_one_step_linear(model: torch.nn.Module, opt: torch.optim.Optimizer) -
 def test_capture_requires_extras_pair() -> None:
     with pytest.raises(ValueError, match="both extras= and load_extras="):
         StateCapture(model=torch.nn.Linear(1, 1), extras=dict)
+
+
+def test_fresh_optimizer_is_restored_with_owned_tensors(store: RankSnapshotStore) -> None:
+    """A replacement's optimizer has no state yet: it gets clones, equal and not aliased."""
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train_one_step_linear(model, opt)
+    store.write(1, StateCapture(model=model, optimizer=opt).state(1))
+    fresh_model = torch.nn.Linear(4, 4)
+    fresh_opt = torch.optim.AdamW(fresh_model.parameters(), lr=0.5)
+    StateCapture(model=fresh_model, optimizer=fresh_opt).restore(store.read(1, copy=False))
+    assert fresh_opt.param_groups[0]["lr"] == 0.01
+    want = opt.state[model.weight]["exp_avg"]
+    got = fresh_opt.state[fresh_model.weight]["exp_avg"]
+    assert torch.equal(got, want)
+    store.write(3, {"junk": torch.zeros(10_000)})
+    assert torch.equal(fresh_opt.state[fresh_model.weight]["exp_avg"], want)
+
+
+def test_survivor_optimizer_is_restored_in_place(store: RankSnapshotStore) -> None:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    cap = StateCapture(model=model, optimizer=opt)
+    _train_one_step_linear(model, opt)
+    store.write(1, cap.state(1))
+    saved = opt.state[model.weight]["exp_avg"].clone()
+    tensor_before = opt.state[model.weight]["exp_avg"]
+    _train_one_step_linear(model, opt)
+    cap.restore(store.read(1, copy=False))
+    assert opt.state[model.weight]["exp_avg"] is tensor_before  # same tensor, no new allocation
+    assert torch.equal(tensor_before, saved)

@@ -18,7 +18,7 @@ from pathlib import Path
 from nonstop.config import ENV
 from nonstop.runtime.agent import remove_segments
 
-__all__ = ["GcReport", "collect_garbage"]
+__all__ = ["GcReport", "collect_garbage", "processes_of_job"]
 
 _NAME = re.compile(r"^nonstop-([0-9a-f]+)(?:\.lock|-.*)$")
 
@@ -45,7 +45,8 @@ def _is_live(lock: Path) -> bool:
     return False
 
 
-def _processes_of(job_id: str) -> list[int]:
+def processes_of_job(job_id: str) -> list[int]:
+    """PIDs of live processes (other than this one) started for ``job_id``."""
     needle = f"{ENV.JOB_ID}={job_id}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
@@ -72,7 +73,7 @@ def collect_garbage(shm_dir: Path, *, dry_run: bool = False) -> GcReport:
             report.live_jobs.append(job_id)
             continue
         report.jobs.append(job_id)
-        for pid in _processes_of(job_id):
+        for pid in processes_of_job(job_id):
             report.killed.append(pid)
             if not dry_run:
                 try:

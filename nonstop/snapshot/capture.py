@@ -5,11 +5,12 @@ numpy, python) and the user's extras (data position and anything else) into
 one nested structure for :class:`~nonstop.snapshot.store.RankSnapshotStore`,
 and restores it.
 
-Memory contract of :meth:`StateCapture.restore`: the model copies out of the
-snapshot (``load_state_dict`` copies into parameters); the optimizer is given
-fresh tensors, because ``Optimizer.load_state_dict`` keeps references to the
-tensors it receives and would otherwise alias snapshot memory that the next
-snapshot overwrites.
+Memory contract of :meth:`StateCapture.restore`: nothing restored aliases
+snapshot memory (which the next snapshot overwrites). The model copies out
+(``load_state_dict`` copies into parameters). The optimizer's existing state
+tensors are overwritten in place when their layout matches (a survivor); else
+(a fresh replacement) it is given clones, because ``Optimizer.load_state_dict``
+keeps references to the tensors it receives.
 """
 
 from __future__ import annotations
@@ -82,12 +83,50 @@ class StateCapture:
         """Load ``state`` (from ``RankSnapshotStore.read(..., copy=False)``); return its step."""
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None and state["optimizer"] is not None:
-            owned = _clone_tensors(state["optimizer"])
-            self.optimizer.load_state_dict(owned)
+            if not _copy_into_optimizer(self.optimizer, state["optimizer"]):
+                self.optimizer.load_state_dict(_clone_tensors(state["optimizer"]))
         _set_rng_state(state["rng"])
         if self._load_extras is not None:
             self._load_extras(_clone_tensors(state["extras"]))
         return int(state["step"])
+
+
+def _copy_into_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> bool:
+    """Copy ``saved`` into the optimizer's existing state tensors, in place.
+
+    A survivor already holds state of the same shapes: copying into it avoids
+    allocating (and page-faulting) a second copy of the optimizer, and never
+    aliases snapshot memory. Returns False, changing nothing, when the layouts
+    differ (e.g. a fresh replacement whose optimizer has no state yet).
+    """
+    params = [p for group in opt.param_groups for p in group["params"]]
+    saved_state: dict[int, dict[str, Any]] = saved["state"]
+    if len(saved["param_groups"]) != len(opt.param_groups) or set(saved_state) != {
+        i for i, p in enumerate(params) if p in opt.state
+    }:
+        return False
+    for i, entries in saved_state.items():
+        live = opt.state[params[i]]
+        if set(entries) != set(live):
+            return False
+        for key, value in entries.items():
+            cur = live[key]
+            if isinstance(value, torch.Tensor) != isinstance(cur, torch.Tensor):
+                return False
+            if isinstance(value, torch.Tensor) and (value.shape != cur.shape or value.dtype != cur.dtype):
+                return False
+    for i, entries in saved_state.items():
+        live = opt.state[params[i]]
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                live[key].copy_(value)
+            else:
+                live[key] = value
+    for group, saved_group in zip(opt.param_groups, saved["param_groups"], strict=True):
+        for key, value in saved_group.items():
+            if key != "params":
+                group[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return True
 
 
 def _clone_tensors(obj: Any) -> Any:

@@ -84,11 +84,21 @@ class CanonicalGradSync:
 
 
 def wrap_ddp(
-    module: torch.nn.Module, sync: CanonicalGradSync | None, process_group: dist.ProcessGroup
+    module: torch.nn.Module,
+    sync: CanonicalGradSync | None,
+    process_group: dist.ProcessGroup,
+    *,
+    init_sync: bool = True,
 ) -> DistributedDataParallel:
-    """Wrap ``module`` in DDP on ``process_group``; deterministic when ``sync`` is given."""
+    """Wrap ``module`` in DDP on ``process_group``; deterministic when ``sync`` is given.
+
+    ``init_sync=False`` skips DDP's broadcast of rank 0's parameters: only for
+    when every rank has just restored the same committed step.
+    """
     if sync is None:
-        return DistributedDataParallel(module, process_group=process_group)
-    ddp = DistributedDataParallel(module, process_group=process_group, bucket_cap_mb=_ONE_BUCKET_MB)
+        return DistributedDataParallel(module, process_group=process_group, init_sync=init_sync)
+    ddp = DistributedDataParallel(
+        module, process_group=process_group, bucket_cap_mb=_ONE_BUCKET_MB, init_sync=init_sync
+    )
     ddp.register_comm_hook(None, sync.hook(process_group))
     return ddp

@@ -326,7 +326,7 @@ class Session:
                 continue
             t1 = time.monotonic()
             try:
-                ddp = self._join_group(gen, model)
+                ddp = self._join_group(gen, model, restored=restore_step is not None)
             except Exception as e:
                 msg = self._on_step_error(e)
                 continue
@@ -335,7 +335,7 @@ class Session:
             self._send({"t": "ready", "gen": gen, "rebuild_s": time.monotonic() - t1})
             return ddp
 
-    def _join_group(self, gen: int, model: torch.nn.Module) -> torch.nn.Module:
+    def _join_group(self, gen: int, model: torch.nn.Module, *, restored: bool) -> torch.nn.Module:
         rdzv = self.env.job_dir / "rdzv"
         store = dist.FileStore(  # type: ignore[attr-defined]
             str(rdzv / f"gen-{gen}"), self.world_size
@@ -347,7 +347,8 @@ class Session:
         )
         watch.stop()
         self._group_sockets = watch
-        self._ddp = wrap_ddp(model, self._sync, dist.group.WORLD)  # type: ignore[arg-type]
+        # After a restore every rank holds the same committed step: skip DDP's broadcast.
+        self._ddp = wrap_ddp(model, self._sync, dist.group.WORLD, init_sync=not restored)  # type: ignore[arg-type]
         return self._ddp
 
     def close(self) -> None:
