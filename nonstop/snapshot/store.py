@@ -65,6 +65,8 @@ class _Slot:
         self.path = path
         self._mm: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None
+        self._views: list[torch.Tensor | None] = []
+        self._views_plan = -1
         self.data_cap = 0
         self.meta_cap = 0
 
@@ -117,7 +119,22 @@ class _Slot:
         self.data_cap, self.meta_cap = data_cap, meta_cap
         self._write_header(SlotState.EMPTY, -1, 0, 0, 0.0)
 
+    def views(self, plan_id: int, entries: list[TensorEntry]) -> list[torch.Tensor | None]:
+        """Destination tensors for ``entries`` in this slot (None for empty ones), made once
+        per layout and mapping."""
+        if self._views_plan != plan_id:
+            data = self.data_view()
+            self._views = [
+                data[e.offset : e.offset + e.nbytes].view(_dtype_from_name(e.dtype)).view(e.shape)
+                if e.nbytes
+                else None
+                for e in entries
+            ]
+            self._views_plan = plan_id
+        return self._views
+
     def close(self) -> None:
+        self._views, self._views_plan = [], -1
         self._bytes = None
         if self._mm is not None:
             self._mm.close()
@@ -185,36 +202,44 @@ class RankSnapshotStore:
         self.rank = rank
         self.num_slots = num_slots
         self._slots = [_Slot(slot_path(shm_dir, job_id, rank, i)) for i in range(num_slots)]
-        self._plan_key: tuple[tuple[str, tuple[int, ...]], ...] | None = None
+        self._plan_key: tuple[tuple[torch.dtype, torch.Size], ...] | None = None
         self._plan: list[TensorEntry] = []
+        self._plan_json = "[]"
+        self._plan_id = 0
 
     # -- writing ---------------------------------------------------------------
     def _layout(self, tensors: list[torch.Tensor]) -> list[TensorEntry]:
-        key = tuple((str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors)
+        """Offsets of ``tensors`` in a slot; recomputed only when dtypes or shapes change."""
+        key = tuple((t.dtype, t.shape) for t in tensors)
         if key != self._plan_key:
             entries, off = [], 0
-            for (dtype, shape), t in zip(key, tensors, strict=True):
+            for t in tensors:
                 nbytes = t.numel() * t.element_size()
-                entries.append(TensorEntry(dtype=dtype, shape=shape, offset=off, nbytes=nbytes))
+                dtype = str(t.dtype).removeprefix("torch.")
+                entries.append(TensorEntry(dtype=dtype, shape=tuple(t.shape), offset=off, nbytes=nbytes))
                 off = _align(off + nbytes)
             self._plan_key, self._plan = key, entries
+            self._plan_json = json.dumps([e.to_json() for e in entries], separators=(",", ":"))
+            self._plan_id += 1
         return self._plan
 
     def write(self, step: int, state: Any) -> int:
-        """Write the snapshot of ``step``; return the number of tensor bytes copied."""
+        """Write the snapshot of ``step``; return the number of tensor bytes copied.
+
+        Per call this only walks the state, copies each tensor into a destination
+        view made once per (slot, layout), and writes a small JSON tree: no buffer
+        is allocated while the layout stays the same.
+        """
         tree, tensors = flatten_state(state)
         entries = self._layout(tensors)
         data_len = (entries[-1].offset + entries[-1].nbytes) if entries else 0
-        meta = json.dumps(
-            {"tree": tree, "tensors": [e.to_json() for e in entries]}, separators=(",", ":")
-        ).encode()
+        tree_json = json.dumps(tree, separators=(",", ":"))
+        meta = ('{"tree":' + tree_json + ',"tensors":' + self._plan_json + "}").encode()
         slot = self._slots[step % self.num_slots]
         slot.ensure_capacity(data_len, len(meta))
         slot._write_header(SlotState.WRITING, step, 0, 0, 0.0)
-        data = slot.data_view()
-        for e, t in zip(entries, tensors, strict=True):
-            if e.nbytes:
-                dst = data[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape)
+        for dst, t in zip(slot.views(self._plan_id, entries), tensors, strict=True):
+            if dst is not None:
                 dst.copy_(t)
         slot.meta_view()[: len(meta)] = meta
         slot._write_header(SlotState.COMPLETE, step, data_len, len(meta), time.time())
