@@ -27,6 +27,8 @@ class ENV:
     SPAWN_ID = "NONSTOP_SPAWN_ID"
     SHM_DIR = "NONSTOP_SHM_DIR"
     FAULTS = "NONSTOP_FAULTS"
+    HEARTBEAT_INTERVAL = "NONSTOP_HEARTBEAT_INTERVAL_S"
+    REBUILD_TIMEOUT = "NONSTOP_REBUILD_TIMEOUT_S"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +101,8 @@ class WorkerEnv:
     spawn_id: int
     shm_dir: Path
     faults_json: str
+    heartbeat_interval_s: float = 0.1
+    rebuild_timeout_s: float = 30.0
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -120,4 +124,6 @@ class WorkerEnv:
             spawn_id=int(env.get(ENV.SPAWN_ID, "0")),
             shm_dir=Path(env.get(ENV.SHM_DIR, "/dev/shm")),
             faults_json=env.get(ENV.FAULTS, "[]"),
+            heartbeat_interval_s=float(env.get(ENV.HEARTBEAT_INTERVAL, "0.1")),
+            rebuild_timeout_s=float(env.get(ENV.REBUILD_TIMEOUT, "30")),
         )

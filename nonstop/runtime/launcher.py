@@ -117,8 +117,8 @@ def run_job(
             ENV.SECRET_FILE: str(secret_file),
             ENV.SHM_DIR: str(shm_dir),
             ENV.FAULTS: faults_to_json(faults),
-            "NONSTOP_HEARTBEAT_INTERVAL_S": str(config.detector.heartbeat_interval_s),
-            "NONSTOP_REBUILD_TIMEOUT_S": str(config.rebuild_timeout_s),
+            ENV.HEARTBEAT_INTERVAL: str(config.detector.heartbeat_interval_s),
+            ENV.REBUILD_TIMEOUT: str(config.rebuild_timeout_s),
         }
     )
     if config.host in ("127.0.0.1", "localhost", "::1"):

@@ -149,7 +149,7 @@ class Session:
             raise _PeerFailed("a peer failed; abandoning this step")
 
     def _heartbeat(self) -> None:
-        interval = float(os.environ.get("NONSTOP_HEARTBEAT_INTERVAL_S", "0.1"))
+        interval = self.env.heartbeat_interval_s
         while not self._closing:
             since = self._sync.pending_since if self._sync is not None else None
             try:
@@ -340,7 +340,7 @@ class Session:
         store = dist.FileStore(  # type: ignore[attr-defined]
             str(rdzv / f"gen-{gen}"), self.world_size
         )
-        timeout = datetime.timedelta(seconds=float(os.environ.get("NONSTOP_REBUILD_TIMEOUT_S", "30")))
+        timeout = datetime.timedelta(seconds=self.env.rebuild_timeout_s)
         watch = SocketWatch()
         dist.init_process_group(
             "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
