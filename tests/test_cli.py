@@ -80,6 +80,7 @@ def test_busy_port(tmp_path: Path) -> None:
         port = s.getsockname()[1]
         proc = _run("run", "--port", str(port), "--job-dir", str(tmp_path / "job"), str(script))
     _one_line_error(proc, "already in use")
+    assert not (tmp_path / "job" / "secret").exists()  # no credential left behind
 
 
 def test_job_dir_not_writable(tmp_path: Path) -> None:

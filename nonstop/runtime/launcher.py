@@ -89,19 +89,22 @@ def run_job(
     job_id = uuid.uuid4().hex[:12]
     shm_dir = default_shm_dir()
     secret = new_secret()
+    events = EventLog(job_dir / "events.jsonl")
+    stop = stop or threading.Event()
+    try:  # bind first: a busy port must leave no secret file behind
+        server = ControlServer(
+            host=config.host,
+            port=config.port,
+            secret=secret,
+            on_refused=lambda peer, why: events.emit("refused", peer=peer, reason=why),
+        )
+    except BaseException:
+        events.close()
+        raise
     secret_file = job_dir / "secret"
     fd = os.open(secret_file, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
     os.write(fd, secret)
     os.close(fd)
-
-    events = EventLog(job_dir / "events.jsonl")
-    stop = stop or threading.Event()
-    server = ControlServer(
-        host=config.host,
-        port=config.port,
-        secret=secret,
-        on_refused=lambda peer, why: events.emit("refused", peer=peer, reason=why),
-    )
     lock = lock_path(shm_dir, job_id)
     lock_fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(lock_fd, fcntl.LOCK_EX)
