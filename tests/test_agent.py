@@ -37,14 +37,14 @@ def _poll_until(agent: Agent, n: int, timeout: float = 10.0) -> list[tuple[int, 
 
 def test_exit_is_reported_once_with_its_code(tmp_path: Path) -> None:
     agent = _agent(tmp_path, "import sys; sys.exit(7)")
-    sid = agent.spawn("worker", rank=0)
+    sid = agent.spawn("worker")
     assert _poll_until(agent, 1) == [(sid, 7)]
     assert agent.poll() == []
 
 
 def test_kill_is_reported_as_the_signal(tmp_path: Path) -> None:
     agent = _agent(tmp_path, "import time; time.sleep(60)")
-    sid = agent.spawn("worker", rank=0)
+    sid = agent.spawn("worker")
     agent.kill(sid, signal.SIGKILL)
     assert _poll_until(agent, 1) == [(sid, -signal.SIGKILL)]
 
@@ -53,7 +53,7 @@ def test_shutdown_stops_even_stopped_children_and_removes_shared_memory(tmp_path
     agent = _agent(
         tmp_path, "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
     )
-    sids = [agent.spawn("worker", rank=r) for r in range(2)] + [agent.spawn("spare")]
+    sids = [agent.spawn("worker") for _ in range(2)] + [agent.spawn("spare")]
     pids = [agent.pid(s) for s in sids]
     agent.kill(sids[0], signal.SIGSTOP)
     store = RankSnapshotStore(shm_dir=tmp_path, job_id="a1b2c3", rank=0)
@@ -73,7 +73,7 @@ def test_shutdown_stops_even_stopped_children_and_removes_shared_memory(tmp_path
 
 def test_children_run_in_their_own_session(tmp_path: Path) -> None:
     agent = _agent(tmp_path, "import time; time.sleep(60)")
-    sid = agent.spawn("worker", rank=0)
+    sid = agent.spawn("worker")
     pid = agent.pid(sid)
     assert pid is not None and os.getsid(pid) == pid  # Ctrl-C in the terminal does not reach it
     agent.shutdown(grace_s=0.5)

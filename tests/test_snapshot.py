@@ -172,12 +172,20 @@ def test_capture_restores_model_optimizer_rng_and_extras(store: RankSnapshotStor
     assert torch.equal(got[0], expect_draws[0]) and got[1:] == expect_draws[1:]
 
 
-def test_restored_optimizer_does_not_alias_snapshot_memory(store: RankSnapshotStore) -> None:
+def _snapshotted_linear(
+    store: RankSnapshotStore,
+) -> tuple[torch.nn.Linear, torch.optim.Optimizer, StateCapture]:
+    """A Linear + AdamW after one step, snapshotted as step 1."""
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     cap = StateCapture(model=model, optimizer=opt)
     _train_one_step_linear(model, opt)
     store.write(1, cap.state(1))
+    return model, opt, cap
+
+
+def test_restored_optimizer_does_not_alias_snapshot_memory(store: RankSnapshotStore) -> None:
+    model, opt, cap = _snapshotted_linear(store)
     cap.restore(store.read(1, copy=False))
     moment = opt.state[model.weight]["exp_avg"].clone()
     store.write(3, {"junk": torch.zeros(10_000)})  # overwrite the same slot with other bytes
@@ -213,11 +221,7 @@ def test_fresh_optimizer_is_restored_with_owned_tensors(store: RankSnapshotStore
 
 
 def test_survivor_optimizer_is_restored_in_place(store: RankSnapshotStore) -> None:
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.AdamW(model.parameters())
-    cap = StateCapture(model=model, optimizer=opt)
-    _train_one_step_linear(model, opt)
-    store.write(1, cap.state(1))
+    model, opt, cap = _snapshotted_linear(store)
     saved = opt.state[model.weight]["exp_avg"].clone()
     tensor_before = opt.state[model.weight]["exp_avg"]
     _train_one_step_linear(model, opt)

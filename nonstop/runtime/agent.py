@@ -46,9 +46,7 @@ class SpawnedProcess:
     spawn_id: int
     role: str
     proc: subprocess.Popen[bytes]
-    started_at: float
     log_file: IO[bytes] | None
-    rank: int | None = None
 
 
 class Agent:
@@ -73,8 +71,8 @@ class Agent:
         self._next_id = 0
         self._stores: dict[int, RankSnapshotStore] = {}
 
-    def spawn(self, role: str, *, rank: int | None = None) -> int:
-        """Start a worker (for ``rank``) or a hot spare; return its spawn id."""
+    def spawn(self, role: str) -> int:
+        """Start a worker or a hot spare; return its spawn id (the coordinator tells it its rank)."""
         spawn_id = self._next_id
         self._next_id += 1
         env = dict(self.env)
@@ -94,7 +92,7 @@ class Agent:
             start_new_session=True,
             preexec_fn=_bind_to_parent,
         )
-        self.procs[spawn_id] = SpawnedProcess(spawn_id, role, proc, time.monotonic(), log_file, rank)
+        self.procs[spawn_id] = SpawnedProcess(spawn_id, role, proc, log_file)
         return spawn_id
 
     def poll(self) -> list[tuple[int, int]]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from nonstop.config import JobConfig
 from nonstop.control.channel import Channel, ControlServer, Message
-from nonstop.errors import ControlError, JobFailedError
+from nonstop.errors import ControlError
 from nonstop.faults import fired_at
 from nonstop.runtime.agent import Agent
 from nonstop.runtime.detector import FailureDetector, WorkerRecord
@@ -79,7 +79,6 @@ class Coordinator:
         self.latest_step: dict[int, int] = {}
         self.done_ranks: set[int] = set()
         self.error: str | None = None
-        self._running_since = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> JobResult:
@@ -106,7 +105,7 @@ class Coordinator:
         )
 
     def _spawn(self, role: str, rank: int | None) -> int:
-        sid = self.agent.spawn(role, rank=rank)
+        sid = self.agent.spawn(role)
         now = time.monotonic()
         self.workers[sid] = WorkerRecord(spawn_id=sid, role=role, rank=rank, last_hb=now, last_progress=now)
         if rank is not None:
@@ -214,11 +213,9 @@ class Coordinator:
                 self._advance()
         elif t == "restored" and self.reconf is not None:
             self.reconf.restored.add(rank)
-            self.reconf.worker_times.setdefault("restore_s", {})[rank] = float(msg["restore_s"])
             self._advance()
         elif t == "ready" and self.reconf is not None:
             self.reconf.ready.add(rank)
-            self.reconf.worker_times.setdefault("rebuild_s", {})[rank] = float(msg["rebuild_s"])
             w.last_progress = now
             self._advance()
         elif t == "done":
@@ -512,8 +509,3 @@ def _previous(stage: Stage) -> str:
         Stage.RESUME: "rebuild",
         Stage.DONE: "resume",
     }.get(stage, "plan")
-
-
-def raise_for(result: JobResult) -> None:
-    if result.state is not JobState.DONE:
-        raise JobFailedError(result.error or f"job ended in state {result.state}")

@@ -86,7 +86,6 @@ class Reconfiguration:
     stepped: set[int] = field(default_factory=set)
     marks: dict[str, float] = field(default_factory=dict)
     deadline: float = 0.0  # wall time by which RESTORE/REBUILD must finish
-    worker_times: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def advance(self) -> Stage:
         everyone = set(range(self.world_size))
