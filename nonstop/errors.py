@@ -13,6 +13,7 @@ __all__ = [
     "FencedError",
     "JobFailedError",
     "NonstopError",
+    "SnapshotCorruptError",
     "SnapshotError",
     "SnapshotMissingError",
     "UsageError",
@@ -36,6 +37,12 @@ class SnapshotError(NonstopError):
 
 class SnapshotMissingError(SnapshotError):
     """No complete snapshot of the requested step exists for this rank."""
+
+
+class SnapshotCorruptError(SnapshotError):
+    """Stored snapshot bytes fail their checksum, are truncated, or their manifest is missing
+    or malformed. The message is one line naming what is bad and where; readers skip to the
+    next good snapshot instead of loading it."""
 
 
 class ControlError(NonstopError):
