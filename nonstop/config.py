@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nonstop.errors import UsageError
 
-__all__ = ["DetectorConfig", "JobConfig", "WorkerEnv", "ENV"]
+__all__ = ["DetectorConfig", "JobConfig", "WorkerEnv", "ENV", "SNAPSHOT_MODES"]
 
 
 class ENV:
@@ -29,6 +29,10 @@ class ENV:
     FAULTS = "NONSTOP_FAULTS"
     HEARTBEAT_INTERVAL = "NONSTOP_HEARTBEAT_INTERVAL_S"
     REBUILD_TIMEOUT = "NONSTOP_REBUILD_TIMEOUT_S"
+    SNAPSHOT = "NONSTOP_SNAPSHOT"
+
+
+SNAPSHOT_MODES = ("overlapped", "sync", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,8 +81,11 @@ class JobConfig:
     detector: DetectorConfig = field(default_factory=DetectorConfig)
     faults: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
+    snapshot: str = "overlapped"
 
     def __post_init__(self) -> None:
+        if self.snapshot not in SNAPSHOT_MODES:
+            raise UsageError(f"--snapshot must be one of {', '.join(SNAPSHOT_MODES)} (got {self.snapshot!r})")
         if self.nproc_per_node < 1:
             raise UsageError(f"--nproc-per-node must be >= 1 (got {self.nproc_per_node})")
         if self.spares < 0:
@@ -103,6 +110,7 @@ class WorkerEnv:
     faults_json: str
     heartbeat_interval_s: float = 0.1
     rebuild_timeout_s: float = 30.0
+    snapshot: str = "overlapped"
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -126,4 +134,5 @@ class WorkerEnv:
             faults_json=env.get(ENV.FAULTS, "[]"),
             heartbeat_interval_s=float(env.get(ENV.HEARTBEAT_INTERVAL, "0.1")),
             rebuild_timeout_s=float(env.get(ENV.REBUILD_TIMEOUT, "30")),
+            snapshot=env.get(ENV.SNAPSHOT, "overlapped"),
         )

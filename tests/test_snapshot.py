@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import struct
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -188,8 +190,14 @@ def test_restored_optimizer_does_not_alias_snapshot_memory(store: RankSnapshotSt
     model, opt, cap = _snapshotted_linear(store)
     cap.restore(store.read(1, copy=False))
     moment = opt.state[model.weight]["exp_avg"].clone()
-    store.write(3, {"junk": torch.zeros(10_000)})  # overwrite the same slot with other bytes
+    _overwrite_all_slots(store)
     assert torch.equal(opt.state[model.weight]["exp_avg"], moment)
+
+
+def _overwrite_all_slots(store: RankSnapshotStore) -> None:
+    for step in (3, 4):
+        store.write(step, {"junk": torch.zeros(10_000)})
+    assert store.complete_steps() == [3, 4]
 
 
 def _train_one_step_linear(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -216,7 +224,7 @@ def test_fresh_optimizer_is_restored_with_owned_tensors(store: RankSnapshotStore
     want = opt.state[model.weight]["exp_avg"]
     got = fresh_opt.state[fresh_model.weight]["exp_avg"]
     assert torch.equal(got, want)
-    store.write(3, {"junk": torch.zeros(10_000)})
+    _overwrite_all_slots(store)
     assert torch.equal(fresh_opt.state[fresh_model.weight]["exp_avg"], want)
 
 
@@ -228,3 +236,119 @@ def test_survivor_optimizer_is_restored_in_place(store: RankSnapshotStore) -> No
     cap.restore(store.read(1, copy=False))
     assert opt.state[model.weight]["exp_avg"] is tensor_before  # same tensor, no new allocation
     assert torch.equal(tensor_before, saved)
+
+
+def _flat_clone(state: object) -> list[torch.Tensor]:
+    return [t.clone() for t in flatten_state(state)[1]]
+
+
+def test_overlapped_snapshot_is_step_k_while_step_k_plus_1_runs(
+    store: RankSnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The background copy of step k races step k+1's forward, backward and optimizer step:
+    the optimizer step is fenced until the copy is done, so the slot holds exactly step k."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    cap = StateCapture(model=model, optimizer=opt)
+    x = torch.randn(16, 64)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    want = _flat_clone(cap.state(1))
+    gate = threading.Event()
+    real_copy = RankSnapshotStore._copy_pairs
+
+    def held_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        assert gate.wait(10)
+        real_copy(pairs)
+
+    monkeypatch.setattr(RankSnapshotStore, "_copy_pairs", staticmethod(held_copy))
+    pending = store.begin(1, cap.state(1), deferred=cap.deferrable())
+    assert not pending.done() and store.complete_steps() == []  # bulk copy still held
+    opt.register_step_pre_hook(lambda *_: pending.fence())
+    model(x).pow(2).mean().backward()  # step k+1 runs: BatchNorm's running stats change now
+    threading.Timer(0.2, gate.set).start()
+    t0 = time.monotonic()
+    opt.step()  # must wait for the copy before changing parameters and moments
+    assert time.monotonic() - t0 >= 0.15
+    got = flatten_state(store.read(1))[1]
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    now = flatten_state(cap.state(2))[1]
+    assert not all(torch.equal(a, b) for a, b in zip(now, want, strict=True))  # step k+1 did change state
+
+
+def test_copy_failure_surfaces_on_wait(store: RankSnapshotStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(pairs: object) -> None:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(RankSnapshotStore, "_copy_pairs", staticmethod(broken))
+    w = torch.zeros(8)
+    pending = store.begin(1, {"w": w}, deferred=lambda t: True)
+    with pytest.raises(SnapshotError, match="snapshot of step 1 failed: device lost"):
+        pending.wait()
+    assert store.complete_steps() == []  # never marked complete
+
+
+def test_pinned_slot_is_not_overwritten(store: RankSnapshotStore, tmp_path: Path) -> None:
+    store.write(1, {"w": torch.full((4,), 1.0)})
+    store.write(2, {"w": torch.full((4,), 2.0)})
+    reader = RankSnapshotStore(shm_dir=tmp_path, job_id="t", rank=3)
+    slot = next(i for i in range(2) if reader.info(i).step == 1)  # type: ignore[union-attr]
+    reader._slots[slot].set_pinned(True)
+    for step in (3, 4, 5):
+        store.write(step, {"w": torch.full((4,), float(step))})
+    assert 1 in store.complete_steps() and torch.equal(reader.read(1)["w"], torch.full((4,), 1.0))
+    assert store.complete_steps() == [1, 5]
+    reader._slots[slot].set_pinned(False)
+    store.write(6, {"w": torch.zeros(4)})
+    assert store.complete_steps() == [5, 6]
+    reader.close()
+
+
+def test_copy_out_detects_a_racing_write(store: RankSnapshotStore, tmp_path: Path) -> None:
+    store.write(1, {"w": torch.arange(1000.0)})
+    store.write(2, {"w": torch.arange(1000.0) + 1})
+    reader = RankSnapshotStore(shm_dir=tmp_path, job_id="t", rank=3)
+    raw = reader.copy_out(2)
+    assert raw.step == 2 and bytes(raw.data) == (torch.arange(1000.0) + 1).numpy().tobytes()
+    assert not any(reader.info(i).pinned for i in range(2))  # type: ignore[union-attr]
+    real_info = RankSnapshotStore.info
+
+    def info_racing_a_writer(self: RankSnapshotStore, i: int) -> object:
+        inf = real_info(self, i)
+        if inf is not None and inf.pinned:
+            # A writer that chose this slot just before the pin became visible starts now.
+            store._slots[i].write_header(SlotState.WRITING, 3, 0, 0, 0.0)
+            return real_info(self, i)
+        return inf
+
+    reader.info = info_racing_a_writer.__get__(reader)  # type: ignore[method-assign]
+    with pytest.raises(SnapshotMissingError, match="no complete snapshot of step 2"):
+        reader.copy_out(2)
+    reader.close()
+
+
+def test_write_raw_installs_a_serialized_snapshot(store: RankSnapshotStore, tmp_path: Path) -> None:
+    store.write(7, {"w": torch.arange(10.0), "n": 3})
+    raw = RankSnapshotStore(shm_dir=tmp_path, job_id="t", rank=3).copy_out(7)
+    other = RankSnapshotStore(shm_dir=tmp_path, job_id="u", rank=0)
+    other.write_raw(7, raw.meta, raw.data)
+    got = other.read(7)
+    assert got["n"] == 3 and torch.equal(got["w"], torch.arange(10.0))
+    other.close()
+
+
+def test_growth_is_in_place_and_seen_by_other_mappers(store: RankSnapshotStore, tmp_path: Path) -> None:
+    store.write(0, {"w": torch.zeros(4)})
+    store.write(1, {"w": torch.zeros(4)})
+    reader = RankSnapshotStore(shm_dir=tmp_path, job_id="t", rank=3)
+    assert reader.complete_steps() == [0, 1]  # the reader has both slots mapped now
+    inodes = [slot_path(tmp_path, "t", 3, i).stat().st_ino for i in range(2)]
+    big = torch.arange(200_000, dtype=torch.float32)
+    store.write(2, {"w": big})
+    store.write(3, {"w": big + 1})
+    assert [slot_path(tmp_path, "t", 3, i).stat().st_ino for i in range(2)] == inodes
+    assert reader.complete_steps() == [2, 3]
+    assert torch.equal(reader.read(3)["w"], big + 1)
+    reader.close()

@@ -122,6 +122,7 @@ def run_job(
             ENV.FAULTS: faults_to_json(faults),
             ENV.HEARTBEAT_INTERVAL: str(config.detector.heartbeat_interval_s),
             ENV.REBUILD_TIMEOUT: str(config.rebuild_timeout_s),
+            ENV.SNAPSHOT: config.snapshot,
         }
     )
     if config.host in ("127.0.0.1", "localhost", "::1"):

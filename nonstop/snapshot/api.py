@@ -7,8 +7,11 @@ Slot file layout (little-endian)::
     [4096 + data_cap, + meta_cap)  JSON meta: {"tree": ..., "tensors": [...]}
 
 Header fields: magic, format version, state (:class:`SlotState`), step (while
-WRITING: the step being written),
-data_len, meta_len, data_cap, meta_cap, written_at (unix time).
+WRITING: the step being written), data_len, meta_len, data_cap, meta_cap,
+written_at (unix time, also the write's identity for readers that copy a slot
+out: see ``RankSnapshotStore.copy_out``), pinned (non-zero while a reader in
+another process, the agent's persister, holds the slot: the writer picks
+another slot).
 """
 
 from __future__ import annotations
@@ -23,17 +26,20 @@ __all__ = [
     "HEADER_FMT",
     "HEADER_SIZE",
     "MAGIC",
+    "PIN_OFFSET",
     "SlotState",
     "SnapshotInfo",
     "TensorEntry",
 ]
 
 MAGIC = b"NSTPSLOT"
-FORMAT_VERSION = 1
-HEADER_FMT = "<8sIIqQQQQd"
+FORMAT_VERSION = 2
+HEADER_FMT = "<8sIIqQQQQdI"
+PIN_OFFSET = 64  # byte offset of the ``pinned`` word in the header
 HEADER_SIZE = 4096
 ALIGN = 64
 assert struct.calcsize(HEADER_FMT) <= HEADER_SIZE
+assert struct.calcsize(HEADER_FMT[:-1]) == PIN_OFFSET
 
 
 class SlotState(enum.IntEnum):
@@ -76,3 +82,4 @@ class SnapshotInfo:
     data_len: int
     meta_len: int
     written_at: float
+    pinned: bool = False

@@ -79,6 +79,25 @@ class StateCapture:
             "extras": self._extras() if self._extras is not None else {},
         }
 
+    def deferrable(self) -> Callable[[torch.Tensor], bool]:
+        """Predicate for :meth:`RankSnapshotStore.begin`: true for the tensors only
+        ``optimizer.step()`` changes (parameters the optimizer owns, and its state), so
+        their copy may run in the background until the next step is fenced. Buffers,
+        parameters outside the optimizer, RNG and extras are copied at once.
+
+        Contract for overlapped capture: between two snapshots, the training step
+        changes parameters and optimizer state only through ``optimizer.step()``.
+        """
+        ptrs: set[int] = set()
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    ptrs.add(p.data_ptr())
+                    for value in self.optimizer.state.get(p, {}).values():
+                        if isinstance(value, torch.Tensor):
+                            ptrs.add(value.data_ptr())
+        return lambda t: t.data_ptr() in ptrs
+
     def restore(self, state: dict[str, Any]) -> int:
         """Load ``state`` (from ``RankSnapshotStore.read(..., copy=False)``); return its step."""
         self.model.load_state_dict(state["model"])

@@ -5,9 +5,28 @@ exit; ``nonstop gc`` deletes orphans), the **worker** playing the rank writes
 it. Because slots are plain files in ``/dev/shm``, they survive the death of
 the worker that wrote them, and a replacement worker maps the same files.
 
-Threading: one writer per rank at a time (the worker playing it). Readers
-read only slots whose header says COMPLETE; a write flips the header to
-WRITING first and to COMPLETE last, so a torn write is never read as valid.
+Protocol:
+
+* One writer per rank at a time (the worker playing it). A write flips the
+  slot header to WRITING first and to COMPLETE last, so a torn write is never
+  read as valid. Readers look for the step in every slot (``num_slots`` is
+  small).
+* The writer picks, for each step, a slot that is neither the newest complete
+  one nor **pinned**; among those the emptiest / oldest. So the newest complete
+  snapshot always survives the next write, and a pinned slot (held by the
+  agent's persister while it copies the slot out) is never overwritten.
+* A reader in another process that needs a stable copy (``copy_out``) pins the
+  slot, copies it, and checks afterwards that the header still names the same
+  write (seqlock-style): a write that raced the pin is detected, never returned.
+
+Overlapped capture (:meth:`RankSnapshotStore.begin`): the small, volatile part
+of the state (RNG, buffers, extras, the JSON tree) is copied at once; the bulk
+(tensors the caller marks *deferred*: parameters and optimizer state, which only
+``optimizer.step`` changes) is copied by a background thread while the next
+step's forward and backward run. The caller fences the pending write before the
+optimizer changes those tensors (:meth:`PendingWrite.fence`). On CUDA the
+copies are asynchronous on a side stream into page-locked slot memory and the
+fence is a stream dependency, not a host wait.
 """
 
 from __future__ import annotations
@@ -15,8 +34,11 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import queue
 import struct
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +51,14 @@ from nonstop.snapshot.api import (
     HEADER_FMT,
     HEADER_SIZE,
     MAGIC,
+    PIN_OFFSET,
     SlotState,
     SnapshotInfo,
     TensorEntry,
 )
 from nonstop.snapshot.flatten import flatten_state, unflatten_state
 
-__all__ = ["RankSnapshotStore", "segment_prefix", "slot_path"]
+__all__ = ["PendingWrite", "RankSnapshotStore", "RawSnapshot", "segment_prefix", "slot_path"]
 
 
 def segment_prefix(job_id: str) -> str:
@@ -51,7 +74,7 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise SnapshotError(f"unknown dtype {name!r} in snapshot meta")
@@ -59,7 +82,7 @@ def _dtype_from_name(name: str) -> torch.dtype:
 
 
 class _Slot:
-    """One mapped slot file. Grows (re-creates its mapping) only when needed."""
+    """One mapped slot file. Grows in place (same inode, larger mapping) only when needed."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -67,6 +90,7 @@ class _Slot:
         self._bytes: torch.Tensor | None = None
         self._views: list[torch.Tensor | None] = []
         self._views_plan = -1
+        self._registered: int | None = None  # data_ptr registered with cudaHostRegister
         self.data_cap = 0
         self.meta_cap = 0
 
@@ -102,7 +126,7 @@ class _Slot:
         if hdr is not None:
             self.data_cap, self.meta_cap = hdr[6], hdr[7]
             if self._mm is not None and len(self._mm) < HEADER_SIZE + self.data_cap + self.meta_cap:
-                # Another process grew the file: remap to the new size.
+                # The writer grew the file: remap to the new size.
                 self._map(0, create=False)
 
     def ensure_capacity(self, data_len: int, meta_len: int) -> None:
@@ -112,12 +136,11 @@ class _Slot:
             return
         data_cap = _align(max(data_len, self.data_cap))
         meta_cap = _align(max(int(meta_len * 1.5) + 4096, self.meta_cap))
-        self.close()
-        if self.path.exists():
-            self.path.unlink()
+        # Grow in place: other processes keep the same inode mapped and remap when the
+        # header's capacities exceed their mapping.
         self._map(HEADER_SIZE + data_cap + meta_cap, create=True)
         self.data_cap, self.meta_cap = data_cap, meta_cap
-        self._write_header(SlotState.EMPTY, -1, 0, 0, 0.0)
+        self.write_header(SlotState.EMPTY, -1, 0, 0, 0.0)
 
     def views(self, plan_id: int, entries: list[TensorEntry]) -> list[torch.Tensor | None]:
         """Destination tensors for ``entries`` in this slot (None for empty ones), made once
@@ -125,7 +148,7 @@ class _Slot:
         if self._views_plan != plan_id:
             data = self.data_view()
             self._views = [
-                data[e.offset : e.offset + e.nbytes].view(_dtype_from_name(e.dtype)).view(e.shape)
+                data[e.offset : e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
                 if e.nbytes
                 else None
                 for e in entries
@@ -133,8 +156,21 @@ class _Slot:
             self._views_plan = plan_id
         return self._views
 
+    def pin_for_cuda(self) -> None:
+        """Page-lock the data area so device-to-host copies into it are truly asynchronous."""
+        if self._bytes is None or not torch.cuda.is_available():
+            return
+        ptr = self._bytes.data_ptr()
+        if self._registered == ptr:
+            return
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, self._bytes.numel(), 0)  # type: ignore[no-untyped-call]
+        self._registered = ptr if int(rc) == 0 else None
+
     def close(self) -> None:
         self._views, self._views_plan = [], -1
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)  # type: ignore[no-untyped-call]
+            self._registered = None
         self._bytes = None
         if self._mm is not None:
             self._mm.close()
@@ -153,10 +189,12 @@ class _Slot:
             )
         return raw
 
-    def _write_header(
+    def write_header(
         self, state: SlotState, step: int, data_len: int, meta_len: int, written_at: float
     ) -> None:
+        """Everything but the ``pinned`` word, which belongs to readers."""
         assert self._mm is not None
+        pinned = struct.unpack_from("<I", self._mm, PIN_OFFSET)[0]
         struct.pack_into(
             HEADER_FMT,
             self._mm,
@@ -170,11 +208,20 @@ class _Slot:
             self.data_cap,
             self.meta_cap,
             written_at,
+            pinned,
         )
+
+    def set_pinned(self, pinned: bool) -> None:
+        assert self._mm is not None
+        struct.pack_into("<I", self._mm, PIN_OFFSET, int(pinned))
 
     def data_view(self) -> torch.Tensor:
         assert self._bytes is not None
         return self._bytes[HEADER_SIZE : HEADER_SIZE + self.data_cap]
+
+    def data_memoryview(self) -> memoryview:
+        assert self._mm is not None
+        return memoryview(self._mm)[HEADER_SIZE : HEADER_SIZE + self.data_cap]
 
     def meta_view(self) -> memoryview:
         assert self._mm is not None
@@ -182,13 +229,70 @@ class _Slot:
         return memoryview(self._mm)[start : start + self.meta_cap]
 
 
+class PendingWrite:
+    """A snapshot whose bulk copy may still be running (see :meth:`RankSnapshotStore.begin`).
+
+    ``fence()`` must be called before anything changes the deferred tensors (the
+    optimizer step); ``wait()`` before the state is restored or the store closed.
+    Both are idempotent and cheap once the write is complete.
+    """
+
+    def __init__(self, step: int, nbytes: int) -> None:
+        self.step = step
+        self.nbytes = nbytes
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._cuda_event: Any = None  # torch.cuda.Event recorded after the device copies
+        self.waited_s = 0.0  # host time callers spent blocked on this write
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self) -> None:
+        """Block until the snapshot is COMPLETE in its slot; re-raise a copy failure."""
+        if not self._done.is_set():
+            t0 = time.monotonic()
+            self._done.wait()
+            self.waited_s += time.monotonic() - t0
+        if self._error is not None:
+            raise SnapshotError(f"snapshot of step {self.step} failed: {self._error}") from self._error
+
+    def fence(self) -> None:
+        """Make later changes to the deferred tensors wait for their copy.
+
+        CPU: blocks until the copy is done. CUDA: makes the current stream wait
+        for the side stream's copies (no host wait)."""
+        if self._cuda_event is not None and not self._done.is_set():
+            torch.cuda.current_stream().wait_event(self._cuda_event)
+            return
+        self.wait()
+
+
+class RawSnapshot:
+    """A stable private copy of one slot (``RankSnapshotStore.copy_out``)."""
+
+    def __init__(self, *, rank: int, step: int, meta: bytes, data: bytearray, written_at: float) -> None:
+        self.rank, self.step, self.meta, self.data, self.written_at = rank, step, meta, data, written_at
+
+    def entries(self) -> list[TensorEntry]:
+        return [TensorEntry.from_json(raw) for raw in json.loads(self.meta)["tensors"]]
+
+
+_Job = tuple[list[tuple[torch.Tensor, torch.Tensor]], Callable[[], None], PendingWrite]
+
+
 class RankSnapshotStore:
     """The snapshot slots of one rank.
 
     ``write(step, state)`` copies ``state`` (any nested structure accepted by
-    :func:`~nonstop.snapshot.flatten.flatten_state`) into slot ``step %
-    num_slots``. When it returns, the snapshot is complete and visible to any
-    process that maps the same files, and ``state`` may be mutated freely.
+    :func:`~nonstop.snapshot.flatten.flatten_state`) into a free slot. When it
+    returns, the snapshot is complete and visible to any process that maps the
+    same files, and ``state`` may be mutated freely. ``begin`` is the overlapped
+    form.
 
     ``read(step)`` returns the state of ``step``. Tensors are fresh copies unless
     ``copy=False``, in which case they are views into shared memory that stay
@@ -206,6 +310,10 @@ class RankSnapshotStore:
         self._plan: list[TensorEntry] = []
         self._plan_json = "[]"
         self._plan_id = 0
+        self._pending: PendingWrite | None = None
+        self._jobs: queue.Queue[_Job | None] | None = None
+        self._copier: threading.Thread | None = None
+        self._side_stream: Any = None
 
     # -- writing ---------------------------------------------------------------
     def _layout(self, tensors: list[torch.Tensor]) -> list[TensorEntry]:
@@ -223,27 +331,164 @@ class RankSnapshotStore:
             self._plan_id += 1
         return self._plan
 
-    def write(self, step: int, state: Any) -> int:
-        """Write the snapshot of ``step``; return the number of tensor bytes copied.
+    def _choose_slot(self) -> _Slot:
+        """A slot that is neither pinned nor the newest complete one; the emptiest/oldest."""
+        newest: tuple[int, int] | None = None  # (step, index) of the newest complete slot
+        infos = [self.info(i) for i in range(self.num_slots)]
+        for inf in infos:
+            if (
+                inf is not None
+                and inf.state is SlotState.COMPLETE
+                and (newest is None or inf.step > newest[0])
+            ):
+                newest = (inf.step, inf.slot)
+        best: tuple[float, int] | None = None
+        for i, inf in enumerate(infos):
+            if inf is not None and (inf.pinned or (newest is not None and i == newest[1])):
+                continue
+            # Missing/EMPTY/WRITING (a dead writer's leftovers) first, then the oldest write.
+            key = -1.0 if inf is None or inf.state is not SlotState.COMPLETE else inf.written_at
+            if best is None or key < best[0]:
+                best = (key, i)
+        if best is None:
+            # Every other slot is pinned: overwrite the newest unpinned one rather than
+            # stall; the pinned snapshot stays the committed one meanwhile.
+            best = next((0.0, i) for i, inf in enumerate(infos) if inf is None or not inf.pinned)
+        return self._slots[best[1]]
 
-        Per call this only walks the state, copies each tensor into a destination
-        view made once per (slot, layout), and writes a small JSON tree: no buffer
-        is allocated while the layout stays the same.
+    def write(self, step: int, state: Any) -> int:
+        """Write the snapshot of ``step`` synchronously; return the number of tensor bytes."""
+        pending = self.begin(step, state, deferred=None)
+        pending.wait()
+        return pending.nbytes
+
+    def begin(
+        self, step: int, state: Any, *, deferred: Callable[[torch.Tensor], bool] | None
+    ) -> PendingWrite:
+        """Start writing the snapshot of ``step``; return its :class:`PendingWrite`.
+
+        Tensors for which ``deferred(t)`` is true are copied in the background;
+        the caller promises not to change them before ``fence()``. Everything
+        else (and everything, when ``deferred`` is None) is copied before this
+        returns. A previous pending write is completed first. No buffer is
+        allocated while the state's layout stays the same.
         """
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
         tree, tensors = flatten_state(state)
         entries = self._layout(tensors)
         data_len = (entries[-1].offset + entries[-1].nbytes) if entries else 0
         tree_json = json.dumps(tree, separators=(",", ":"))
         meta = ('{"tree":' + tree_json + ',"tensors":' + self._plan_json + "}").encode()
-        slot = self._slots[step % self.num_slots]
+        slot = self._choose_slot()
         slot.ensure_capacity(data_len, len(meta))
-        slot._write_header(SlotState.WRITING, step, 0, 0, 0.0)
+        slot.write_header(SlotState.WRITING, step, 0, 0, 0.0)
+        pending = PendingWrite(step, data_len)
+        cpu_later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        dev_now: list[tuple[torch.Tensor, torch.Tensor]] = []
+        dev_later: list[tuple[torch.Tensor, torch.Tensor]] = []
         for dst, t in zip(slot.views(self._plan_id, entries), tensors, strict=True):
-            if dst is not None:
+            if dst is None:
+                continue
+            later = deferred is not None and deferred(t)
+            if t.is_cuda:
+                (dev_later if later else dev_now).append((dst, t))
+            elif later:
+                cpu_later.append((dst, t))
+            else:
                 dst.copy_(t)
         slot.meta_view()[: len(meta)] = meta
-        slot._write_header(SlotState.COMPLETE, step, data_len, len(meta), time.time())
-        return data_len
+
+        def complete() -> None:
+            slot.write_header(SlotState.COMPLETE, step, data_len, len(meta), time.time())
+
+        if dev_now or dev_later:
+            slot.pin_for_cuda()
+            pending._cuda_event = self._start_device_copies(dev_now, dev_later)
+        elif not cpu_later:
+            complete()
+            pending._finish()
+            return pending
+        self._submit((cpu_later, complete, pending))
+        if deferred is None:
+            pending.wait()
+        else:
+            self._pending = pending
+        return pending
+
+    def _start_device_copies(
+        self, now: list[tuple[torch.Tensor, torch.Tensor]], later: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> Any:
+        """Issue device-to-host copies on a side stream, ordered after the current stream's
+        work. The current stream waits for the ``now`` copies at once (a device-side
+        dependency: the next forward may change those tensors); the returned event marks
+        the end of all copies, for :meth:`PendingWrite.fence`."""
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side = self._side_stream
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for dst, t in now:
+                dst.copy_(t, non_blocking=True)
+            volatile_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            volatile_done.record(side)
+            for dst, t in later:
+                dst.copy_(t, non_blocking=True)
+            all_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            all_done.record(side)
+        main.wait_event(volatile_done)
+        return all_done
+
+    def _submit(self, job: _Job) -> None:
+        if self._copier is None:
+            self._jobs = queue.Queue()
+            self._copier = threading.Thread(
+                target=self._copy_loop, name=f"nonstop-snap-r{self.rank}", daemon=True
+            )
+            self._copier.start()
+        assert self._jobs is not None
+        self._jobs.put(job)
+
+    def _copy_loop(self) -> None:
+        assert self._jobs is not None
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            pairs, complete, pending = job
+            try:
+                self._copy_pairs(pairs)
+                if pending._cuda_event is not None:
+                    pending._cuda_event.synchronize()
+                complete()
+            except BaseException as e:  # reported to whoever waits on the write
+                pending._finish(e)
+            else:
+                pending._finish()
+
+    @staticmethod
+    def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for dst, t in pairs:
+            dst.copy_(t)
+
+    @property
+    def pending(self) -> PendingWrite | None:
+        """The write still in flight, if any."""
+        if self._pending is not None and self._pending.done():
+            self._pending.wait()  # surfaces a failed copy once
+            self._pending = None
+        return self._pending
+
+    def write_raw(self, step: int, meta: bytes, data: bytes | bytearray | memoryview) -> None:
+        """Install a snapshot given as its serialized form (e.g. loaded from the durable tier)."""
+        slot = self._choose_slot()
+        slot.ensure_capacity(len(data), len(meta))
+        slot.write_header(SlotState.WRITING, step, 0, 0, 0.0)
+        slot.data_memoryview()[: len(data)] = data
+        slot.meta_view()[: len(meta)] = meta
+        slot.write_header(SlotState.COMPLETE, step, len(data), len(meta), time.time())
 
     # -- reading ---------------------------------------------------------------
     def info(self, slot_index: int) -> SnapshotInfo | None:
@@ -261,7 +506,15 @@ class RankSnapshotStore:
             data_len=hdr[4],
             meta_len=hdr[5],
             written_at=hdr[8],
+            pinned=bool(hdr[9]),
         )
+
+    def _find(self, step: int) -> SnapshotInfo | None:
+        for i in range(self.num_slots):
+            inf = self.info(i)
+            if inf is not None and inf.state is SlotState.COMPLETE and inf.step == step:
+                return inf
+        return None
 
     def complete_steps(self) -> list[int]:
         """Steps with a COMPLETE snapshot in this rank's slots, ascending."""
@@ -284,25 +537,71 @@ class RankSnapshotStore:
                 return inf.step
         return None
 
+    def _missing(self, step: int) -> SnapshotMissingError:
+        return SnapshotMissingError(
+            f"rank {self.rank}: no complete snapshot of step {step} (have steps {self.complete_steps()})"
+        )
+
     def read(self, step: int, *, copy: bool = True) -> Any:
-        index = step % self.num_slots
-        inf = self.info(index)
-        if inf is None or inf.state is not SlotState.COMPLETE or inf.step != step:
-            have = self.complete_steps()
-            raise SnapshotMissingError(
-                f"rank {self.rank}: no complete snapshot of step {step} (have steps {have})"
-            )
-        slot = self._slots[index]
+        inf = self._find(step)
+        if inf is None:
+            raise self._missing(step)
+        slot = self._slots[inf.slot]
         meta = json.loads(bytes(slot.meta_view()[: inf.meta_len]))
         data = slot.data_view()
         tensors = []
         for raw in meta["tensors"]:
             e = TensorEntry.from_json(raw)
-            dt = _dtype_from_name(e.dtype)
+            dt = dtype_from_name(e.dtype)
             view = data[e.offset : e.offset + e.nbytes].view(dt).view(e.shape)
             tensors.append(view.clone() if copy else view)
         return unflatten_state(meta["tree"], tensors)
 
+    def copy_out(self, step: int) -> RawSnapshot:
+        """A private copy of the snapshot of ``step`` that no later write can tear.
+
+        For readers in another process than the writer (the agent's persister).
+        The slot is pinned while it is copied, so the writer leaves it alone, and
+        the header is checked again afterwards: a write that started before the
+        pin was seen raises :class:`SnapshotMissingError` (retry with a newer step).
+        """
+        inf = self._find(step)
+        if inf is None:
+            raise self._missing(step)
+        slot = self._slots[inf.slot]
+        slot.set_pinned(True)
+        try:
+            again = self.info(inf.slot)
+            if again is None or (again.state, again.step, again.written_at) != (
+                inf.state,
+                step,
+                inf.written_at,
+            ):
+                raise self._missing(step)
+            data = bytearray(slot.data_memoryview()[: inf.data_len])
+            meta = bytes(slot.meta_view()[: inf.meta_len])
+            after = self.info(inf.slot)
+            if after is None or (after.state, after.step, after.written_at) != (
+                inf.state,
+                step,
+                inf.written_at,
+            ):
+                raise self._missing(step)
+        finally:
+            slot.set_pinned(False)
+        return RawSnapshot(rank=self.rank, step=step, meta=meta, data=data, written_at=inf.written_at)
+
     def close(self) -> None:
+        if self._pending is not None:
+            try:
+                self._pending.wait()
+            except SnapshotError:
+                pass
+            self._pending = None
+        if self._jobs is not None:
+            self._jobs.put(None)
+            assert self._copier is not None
+            self._copier.join()
+            self._jobs, self._copier = None, None
         for s in self._slots:
             s.close()

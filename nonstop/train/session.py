@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.config import WorkerEnv
 from nonstop.control.channel import Channel, Message, connect
-from nonstop.errors import ControlError, JobFailedError
+from nonstop.errors import ControlError, JobFailedError, SnapshotError
 from nonstop.faults import FaultInjector
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.train.abort import SocketWatch
@@ -101,6 +101,7 @@ class Session:
         self._ddp: DistributedDataParallel | None = None
         self._group_sockets: SocketWatch | None = None
         self._step = 0
+        self._fence_wait_s = 0.0
         self._faults = FaultInjector.from_json(env.faults_json, env.job_dir / "faults")
         hello = {"role": env.role, "spawn_id": env.spawn_id, "pid": os.getpid()}
         self._in_step = False
@@ -198,6 +199,11 @@ class Session:
         capture = StateCapture(model=model, optimizer=optimizer, extras=extras, load_extras=load_extras)
         store = RankSnapshotStore(shm_dir=self.env.shm_dir, job_id=self.env.job_id, rank=self.rank)
         self._sync = CanonicalGradSync(model) if deterministic else None
+        mode = self.env.snapshot
+        fence_hook = None
+        if mode == "overlapped" and optimizer is not None:
+            # The bulk copy of step k runs during step k+1 until its optimizer step.
+            fence_hook = optimizer.register_step_pre_hook(lambda *_: self._fence(store))
         loss: float | None = None
         msg = self._pending_reconfigure
         self._pending_reconfigure = None
@@ -219,18 +225,23 @@ class Session:
                         step_s = time.monotonic() - t0
                         self._step += 1
                         t1 = time.monotonic()
-                        nbytes = store.write(self._step, capture.state(self._step))
+                        nbytes = self._snapshot(mode, store, capture)
+                        # Stall: time the loop spent on this snapshot now, plus what the
+                        # step just run waited for the previous snapshot's background copy.
+                        stall_s = time.monotonic() - t1 + self._fence_wait_s
+                        self._fence_wait_s = 0.0
                         self._send(
                             {
                                 "t": "step",
                                 "gen": self.generation,
                                 "step": self._step,
                                 "step_s": step_s,
-                                "snap_s": time.monotonic() - t1,
+                                "snap_s": stall_s,
                                 "bytes": nbytes,
                                 "loss": loss,
                             }
                         )
+                    self._drain(store)  # the last snapshot is complete before we report done
                     self._send({"t": "done", "gen": self.generation, "step": self._step})
                     reply = self._wait_for("finish", "reconfigure")
                     if reply["t"] == "finish":
@@ -245,7 +256,34 @@ class Session:
                     self._in_step = False
                     msg = self._on_step_error(e)
         finally:
+            if fence_hook is not None:
+                fence_hook.remove()
             store.close()
+
+    def _snapshot(self, mode: str, store: RankSnapshotStore, capture: StateCapture) -> int:
+        """Snapshot the state after ``self._step`` steps per the job's snapshot mode."""
+        if mode == "sync":
+            return store.write(self._step, capture.state(self._step))
+        if mode == "overlapped":
+            return store.begin(self._step, capture.state(self._step), deferred=capture.deferrable()).nbytes
+        return 0  # "off": only for measuring what snapshots cost; nothing to recover from
+
+    def _fence(self, store: RankSnapshotStore) -> None:
+        pending = store.pending
+        if pending is not None:
+            before = pending.waited_s
+            pending.fence()
+            self._fence_wait_s += pending.waited_s - before
+
+    @staticmethod
+    def _drain(store: RankSnapshotStore) -> None:
+        """Finish an in-flight snapshot; a failed one is simply not complete (not committed)."""
+        pending = store.pending
+        if pending is not None:
+            try:
+                pending.wait()
+            except SnapshotError as e:
+                log.warning("%s", e)
 
     def _on_step_error(self, err: BaseException) -> Message:
         """Tear down the group at once (so blocked peers fail fast), then ask what to do."""
@@ -312,6 +350,7 @@ class Session:
             self._destroy_group()
             if restore_step is not None and msg.get("recovery"):
                 self._maybe_inject("recovery", int(restore_step))
+            self._drain(store)  # never restore under a copy still writing into the slots
             t0 = time.monotonic()
             if restore_step is None:
                 self._step = 0
