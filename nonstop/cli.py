@@ -1,4 +1,4 @@
-"""The ``nonstop`` command: ``run``, ``demo``, ``gc``.
+"""The ``nonstop`` command: ``run``, ``demo``, ``persist``, ``inspect``, ``gc``.
 
 User errors print one line (``nonstop: error: ...``) and exit with status 2.
 """
@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from nonstop.config import DetectorConfig, JobConfig
+from nonstop.config import SNAPSHOT_MODES, DetectorConfig, JobConfig
 from nonstop.errors import JobFailedError, NonstopError, UsageError
 
 __all__ = ["main"]
@@ -45,6 +45,45 @@ def _detector(ns: argparse.Namespace) -> DetectorConfig:
     )
 
 
+def _snapshot_args(p: argparse.ArgumentParser) -> None:
+    c = JobConfig(script="")
+    p.add_argument(
+        "--snapshot",
+        choices=SNAPSHOT_MODES,
+        default=c.snapshot,
+        help="per-step capture: overlapped with the next step, sync, or off (default %(default)s)",
+    )
+    p.add_argument(
+        "--persist",
+        default=None,
+        metavar="URL",
+        help="durable tier: directory or fsspec URL (default JOB_DIR/checkpoints)",
+    )
+    p.add_argument(
+        "--persist-every",
+        type=int,
+        default=c.persist_every,
+        help="persist the committed step every N steps, lazily; 0: only on demand, SIGTERM and exit "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--keep", type=int, default=c.keep, help="durable checkpoints to retain (default %(default)s)"
+    )
+    p.add_argument(
+        "--lossy", action="store_true", help="quantise delta checkpoints (optimizer moments, weight deltas)"
+    )
+
+
+def _snapshot_config(ns: argparse.Namespace) -> dict[str, object]:
+    return {
+        "snapshot": ns.snapshot,
+        "persist_url": ns.persist,
+        "persist_every": ns.persist_every,
+        "keep": ns.keep,
+        "lossy": ns.lossy,
+    }
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="nonstop", description="Keep PyTorch training running through failures."
@@ -62,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--fail", action="append", default=[], metavar="SPEC", help="inject a fault (see demo)")
     run.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name")
     _detector_args(run)
+    _snapshot_args(run)
+    run.add_argument(
+        "--resume",
+        default=None,
+        metavar="URL",
+        help="restart the whole job from the newest good checkpoint here",
+    )
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -87,6 +133,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     demo.add_argument("--job-dir", type=Path, default=Path(".nonstop/demo"))
     _detector_args(demo)
+
+    persist = sub.add_parser("persist", help="make a running job's committed step durable now")
+    persist.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
+    persist.add_argument("--timeout", type=float, default=300.0)
+
+    inspect = sub.add_parser("inspect", help="list the checkpoints at a durable URL and verify them")
+    inspect.add_argument("url", help="a directory or fsspec URL (e.g. .nonstop/job/checkpoints)")
+    inspect.add_argument("--no-verify", action="store_true", help="skip reading every chunk")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
 
     gc = sub.add_parser("gc", help="remove shared memory and processes left by crashed jobs")
     gc.add_argument("--dry-run", action="store_true")
@@ -127,6 +182,8 @@ def _dispatch(ns: argparse.Namespace) -> int:
             max_restarts=ns.max_restarts,
             faults=tuple(ns.fail),
             detector=_detector(ns),
+            resume=ns.resume,
+            **_snapshot_config(ns),  # type: ignore[arg-type]
         )
         result = run_job(cfg)
         if result.state is not JobState.DONE:
@@ -154,6 +211,21 @@ def _dispatch(ns: argparse.Namespace) -> int:
             ns.json.parent.mkdir(parents=True, exist_ok=True)
             ns.json.write_text(json.dumps(report, indent=2))
         return 0 if report["equal"] in (None, True) else 1
+    if ns.cmd == "persist":
+        from nonstop.runtime.client import request_persist
+
+        reply = request_persist(ns.job_dir, timeout=ns.timeout)
+        print(
+            f"nonstop persist: step {reply['step']} is durable at {reply['url']} "
+            f"({reply['stored_bytes']} bytes stored)"
+        )
+        return 0
+    if ns.cmd == "inspect":
+        from nonstop.snapshot.durable import DurableStore, format_inspect
+
+        report = DurableStore(ns.url).describe(verify=not ns.no_verify)
+        print(json.dumps(report, indent=2) if ns.json else format_inspect(report))
+        return 0
     if ns.cmd == "gc":
         from nonstop.runtime.gc import collect_garbage
         from nonstop.runtime.launcher import default_shm_dir

@@ -82,8 +82,26 @@ class JobConfig:
     faults: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
     snapshot: str = "overlapped"
+    persist_url: str | None = None  # None: <job_dir>/checkpoints
+    persist_every: int = 100  # steps between lazy persists; 0: only on demand, SIGTERM and exit
+    keep: int = 3
+    resume: str | None = None  # durable URL to restart the whole job from
+    lossy: bool = False
+    persist_timeout_s: float = 120.0
+
+    @property
+    def checkpoint_url(self) -> str:
+        return (
+            self.persist_url if self.persist_url is not None else str(self.job_dir.resolve() / "checkpoints")
+        )
 
     def __post_init__(self) -> None:
+        if self.persist_every < 0:
+            raise UsageError(
+                f"--persist-every must be >= 0 (got {self.persist_every}); 0 persists only on demand"
+            )
+        if self.keep < 1:
+            raise UsageError(f"--keep must be >= 1 (got {self.keep})")
         if self.snapshot not in SNAPSHOT_MODES:
             raise UsageError(f"--snapshot must be one of {', '.join(SNAPSHOT_MODES)} (got {self.snapshot!r})")
         if self.nproc_per_node < 1:

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result", type=Path, default=None)
+    ap.add_argument(
+        "--step-delay", type=float, default=0.0, help="extra seconds per step (to watch or interrupt a run)"
+    )
     args = ap.parse_args(argv)
 
     cfg = PRESETS[args.model]
@@ -51,11 +54,16 @@ def main(argv: list[str] | None = None) -> None:
     data = {"samples_seen": 0}
     rank = session.rank
 
+    starts: list[float] = []  # when each train_step began: the loop's pace, snapshots included
+
     def train_step(ddp: torch.nn.Module, step: int) -> float:
+        starts.append(time.perf_counter())
         x, y = corpus.batch(step=step, rank=rank, batch=args.batch, seq=cfg.seq)
         loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if args.step_delay:
+            time.sleep(args.step_delay)
         opt.step()
         data["samples_seen"] += args.batch
         return float(loss.item())
@@ -84,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                     "world_size": session.world_size,
                     "num_params": sum(p.numel() for p in model.parameters()),
                     "seconds": time.time() - t0,
+                    "step_intervals_s": [b - a for a, b in zip(starts, starts[1:], strict=False)],
                 }
             )
         )

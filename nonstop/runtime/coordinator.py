@@ -33,6 +33,7 @@ from nonstop.runtime.policy import (
     plan_recovery,
 )
 from nonstop.runtime.recovery import Failure, Reconfiguration, Stage
+from nonstop.snapshot.persist import Persister
 
 __all__ = ["Coordinator", "JobResult", "JobState"]
 
@@ -62,8 +63,21 @@ class JobResult:
 
 
 class Coordinator:
-    def __init__(self, *, config: JobConfig, agent: Agent, server: ControlServer, events: EventLog) -> None:
+    def __init__(
+        self,
+        *,
+        config: JobConfig,
+        agent: Agent,
+        server: ControlServer,
+        events: EventLog,
+        persister: Persister | None = None,
+        initial_step: int | None = None,
+    ) -> None:
         self.config = config
+        self.persister = persister
+        self.initial_step = initial_step  # resumed from the durable tier: restore this first
+        self.clients: dict[int, Channel] = {}  # `nonstop persist` and other control clients
+        self.client_tickets: list[tuple[Channel, int]] = []
         self.agent = agent
         self.server = server
         self.events = events
@@ -94,6 +108,7 @@ class Coordinator:
             self._handle_exits()
             self._detect()
             self._check_timeouts()
+            self._answer_clients()
         final = min(self.latest_step.values()) if self.latest_step else 0
         return JobResult(
             state=self.state,
@@ -141,6 +156,14 @@ class Coordinator:
                 return
 
     def _on_event(self, kind: str, chan: Channel, msg: Message | None) -> None:
+        if kind == "open" and chan.hello.get("role") == "client":
+            chan.tag = -1 - len(self.clients)
+            self.clients[chan.tag] = chan
+            self.events.emit("client", peer=chan.peer)
+            return
+        if kind == "msg" and msg is not None and chan.tag in self.clients:
+            self._on_client(chan, msg)
+            return
         if kind == "open":
             sid = int(chan.hello.get("spawn_id", -1))
             w = self.workers.get(sid)
@@ -161,6 +184,33 @@ class Coordinator:
             w = self.workers.get(chan.tag)
             if w is not None:
                 w.chan_closed_at = time.monotonic()
+
+    def _on_client(self, chan: Channel, msg: Message) -> None:
+        if msg.get("t") == "persist":
+            if self.persister is None:
+                chan.send({"t": "persisted", "error": "this job has no durable tier"})
+                return
+            self.client_tickets.append((chan, self.persister.request()))
+        else:
+            chan.send({"t": "error", "error": f"unknown request {msg.get('t')!r}"})
+
+    def _answer_clients(self) -> None:
+        if not self.client_tickets or self.persister is None:
+            return
+        pending = []
+        for chan, ticket in self.client_tickets:
+            if not self.persister.wait(ticket, 0):
+                pending.append((chan, ticket))
+                continue
+            last = self.persister.last
+            reply: Message = {"t": "persisted", "error": self.persister.last_error}
+            if last is not None:
+                reply.update(step=last.step, url=self.persister.durable.url, stored_bytes=last.stored_bytes)
+            try:
+                chan.send(reply)
+            except ControlError:
+                pass
+        self.client_tickets = pending
 
     def _on_connect(self, w: WorkerRecord) -> None:
         if self.state is JobState.STARTING:
@@ -371,7 +421,13 @@ class Coordinator:
             for sid, w in self.workers.items()
             if w.role == "spare" and w.rank is None and w.chan is not None and not w.killed_for_hang
         ]
-        complete = self._settled_snapshots() if failures else {}
+        if failures:
+            complete = self._settled_snapshots()
+        elif self.initial_step is not None:  # resumed: the durable checkpoint is in every rank's slots
+            complete = self.agent.complete_steps(self.world_size)
+            self.initial_step = None
+        else:
+            complete = {}
         plan = plan_recovery(
             failed_ranks=missing, idle_spares=idle, complete_steps=complete, world_size=self.world_size
         )

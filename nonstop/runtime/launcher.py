@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 import signal
@@ -26,11 +27,17 @@ from types import FrameType
 
 from nonstop.config import ENV, JobConfig
 from nonstop.control.channel import ControlServer, new_secret
-from nonstop.errors import UsageError
+from nonstop.errors import SnapshotMissingError, UsageError
 from nonstop.faults import faults_to_json, parse_fault
 from nonstop.runtime.agent import Agent
 from nonstop.runtime.coordinator import Coordinator, JobResult
 from nonstop.runtime.eventlog import EventLog
+from nonstop.snapshot.codec import CodecConfig
+from nonstop.snapshot.durable import DurableStore, LoadedCheckpoint
+from nonstop.snapshot.persist import Persister
+from nonstop.snapshot.store import RankSnapshotStore
+
+log = logging.getLogger(__name__)
 
 __all__ = ["default_shm_dir", "lock_path", "run_job", "worker_command"]
 
@@ -86,6 +93,8 @@ def run_job(
             )
     job_dir = config.job_dir.resolve()
     _prepare_job_dir(job_dir)
+    durable = DurableStore(config.checkpoint_url, keep=config.keep)  # a bad URL fails here
+    resume = _load_resume(config) if config.resume else None
     job_id = uuid.uuid4().hex[:12]
     shm_dir = default_shm_dir()
     secret = new_secret()
@@ -138,7 +147,32 @@ def run_job(
         env=env,
         redirect_output=redirect_output,
     )
-    coordinator = Coordinator(config=config, agent=agent, server=server, events=events)
+    initial_step = None
+    if resume is not None:
+        for rank in range(config.nproc_per_node):
+            store = RankSnapshotStore(shm_dir=shm_dir, job_id=job_id, rank=rank)
+            store.write_raw(resume.step, resume.meta(rank), resume.data(rank))
+            store.close()
+        initial_step = resume.step
+        events.emit("resume", url=config.resume, step=resume.step, world_size=resume.world_size)
+    persister = Persister(
+        durable=durable,
+        shm_dir=shm_dir,
+        job_id=job_id,
+        world_size=config.nproc_per_node,
+        codec=CodecConfig(lossy=config.lossy),
+        every=config.persist_every,
+        emit=events.emit,
+    )
+    coordinator = Coordinator(
+        config=config,
+        agent=agent,
+        server=server,
+        events=events,
+        persister=persister,
+        initial_step=initial_step,
+    )
+    _write_job_info(job_dir, job_id=job_id, control=server.address, checkpoints=durable.url)
     restore_handlers = _install_signal_handlers(stop)
     events.emit(
         "job_start",
@@ -150,9 +184,16 @@ def run_job(
         faults=[f.to_text() for f in faults],
     )
     t0 = time.monotonic()
+    persister.start()
     try:
         result = coordinator.run(stop)
     finally:
+        # Before exit (done, failed, SIGTERM): make the committed step durable while the
+        # snapshot memory still exists.
+        done = persister.flush(config.persist_timeout_s)
+        if done is None and persister.last_error:
+            log.warning("final persist failed: %s", persister.last_error)
+        persister.stop()
         agent.shutdown()
         server.close()
         events.emit(
@@ -168,7 +209,33 @@ def run_job(
         os.close(lock_fd)
         lock.unlink(missing_ok=True)
         secret_file.unlink(missing_ok=True)
+        (job_dir / JOB_INFO).unlink(missing_ok=True)
     return result
+
+
+JOB_INFO = "job.json"
+
+
+def _write_job_info(job_dir: Path, *, job_id: str, control: tuple[str, int], checkpoints: str) -> None:
+    """What ``nonstop persist`` needs to reach this job (the secret is a separate 0600 file)."""
+    info = {
+        "job_id": job_id,
+        "pid": os.getpid(),
+        "control": f"{control[0]}:{control[1]}",
+        "checkpoints": checkpoints,
+    }
+    tmp = job_dir / f".{JOB_INFO}.tmp"
+    tmp.write_text(json.dumps(info))
+    tmp.replace(job_dir / JOB_INFO)
+
+
+def _load_resume(config: JobConfig) -> LoadedCheckpoint:
+    """The newest good checkpoint at ``--resume``, checked against the job's world size."""
+    assert config.resume is not None
+    try:
+        return DurableStore(config.resume, keep=config.keep).load(world_size=config.nproc_per_node)
+    except SnapshotMissingError as e:
+        raise UsageError(f"--resume {config.resume}: no loadable checkpoint ({e})") from None
 
 
 def _install_signal_handlers(stop: threading.Event) -> Callable[[], None]:

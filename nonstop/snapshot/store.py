@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from nonstop.errors import SnapshotError, SnapshotMissingError
@@ -275,7 +276,7 @@ class PendingWrite:
 class RawSnapshot:
     """A stable private copy of one slot (``RankSnapshotStore.copy_out``)."""
 
-    def __init__(self, *, rank: int, step: int, meta: bytes, data: bytearray, written_at: float) -> None:
+    def __init__(self, *, rank: int, step: int, meta: bytes, data: np.ndarray, written_at: float) -> None:
         self.rank, self.step, self.meta, self.data, self.written_at = rank, step, meta, data, written_at
 
     def entries(self) -> list[TensorEntry]:
@@ -578,7 +579,8 @@ class RankSnapshotStore:
                 inf.written_at,
             ):
                 raise self._missing(step)
-            data = bytearray(slot.data_memoryview()[: inf.data_len])
+            # numpy copies without holding the GIL: the agent's other threads keep running.
+            data = np.frombuffer(slot.data_memoryview(), dtype=np.uint8, count=inf.data_len).copy()
             meta = bytes(slot.meta_view()[: inf.meta_len])
             after = self.info(inf.slot)
             if after is None or (after.state, after.step, after.written_at) != (

@@ -1,0 +1,275 @@
+"""Lazy persistence: committed snapshots from shared memory to the durable tier.
+
+The :class:`Persister` runs in the agent (which outlives every worker) on one
+background thread at the lowest CPU priority, so on a busy machine it uses
+what training leaves idle. It persists the **committed step** (the newest step
+whose snapshot is complete for every rank):
+
+* every ``every`` steps (when the committed step has advanced that far since the
+  last persist), and
+* on demand (:meth:`Persister.request` / :meth:`Persister.flush`): ``nonstop
+  persist``, SIGTERM, and the end of the job.
+
+Each rank's slot is copied out under a pin (the worker writes elsewhere
+meanwhile, see :meth:`RankSnapshotStore.copy_out`), encoded off the critical
+path (XOR delta against the rank's last FULL checkpoint, shuffle, zstd; a full
+base every ``codec.full_every`` persists or whenever the layout changes), and
+written with :class:`~nonstop.snapshot.durable.DurableStore`'s atomic commit.
+In lossy mode only deltas are quantised; full bases stay exact, so a reader's
+base is bit-identical to the one the encoder used and every chunk checksum holds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nonstop.errors import NonstopError, SnapshotMissingError
+from nonstop.snapshot.api import TensorEntry
+from nonstop.snapshot.codec import CodecConfig, Encoder, segments_for
+from nonstop.snapshot.durable import DurableStore
+from nonstop.snapshot.store import RankSnapshotStore, RawSnapshot
+
+__all__ = ["PersistResult", "Persister", "lossy_roles"]
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[..., None]
+POLL_S = 0.05
+COPY_ATTEMPTS = 20
+
+
+@dataclass(frozen=True)
+class PersistResult:
+    step: int
+    raw_bytes: int
+    stored_bytes: int
+    seconds: float
+    full: bool
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.raw_bytes / max(self.seconds, 1e-9) / 1e6
+
+
+def lossy_roles(meta: bytes) -> dict[int, str]:
+    """Tensor index -> lossy kind for a snapshot meta: model floats and Adam-style first
+    moments are ``linear``, second moments (``exp_avg_sq``) ``sqrt``; the rest (step
+    counters, RNG, integer buffers, extras) stays exact."""
+    doc = json.loads(meta)
+    entries = [TensorEntry.from_json(raw) for raw in doc["tensors"]]
+    floats = {"float32", "bfloat16", "float16"}
+    roles: dict[int, str] = {}
+
+    def walk(obj: Any, role: str | None) -> None:
+        if isinstance(obj, dict):
+            if "__t__" in obj:
+                i = int(obj["__t__"])
+                if role is not None and entries[i].dtype in floats:
+                    roles[i] = role
+                return
+            if "__dict__" in obj:
+                for key, value in obj["__dict__"]:
+                    walk(value, _child_role(role, key))
+                return
+            for key, value in obj.items():
+                walk(value, _child_role(role, key))
+        elif isinstance(obj, list):
+            for value in obj:
+                walk(value, role)
+
+    tree = doc["tree"]
+    walk(tree.get("model"), "linear")
+    optimizer = tree.get("optimizer")
+    if isinstance(optimizer, dict):
+        walk(optimizer.get("state"), "moments")
+    return {i: r for i, r in roles.items() if r in ("linear", "sqrt")}
+
+
+def _child_role(role: str | None, key: object) -> str | None:
+    if role == "moments":
+        return {"exp_avg": "linear", "exp_avg_sq": "sqrt"}.get(str(key), "moments")
+    return role
+
+
+class Persister:
+    """Background persistence of one job's committed snapshots (see module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        durable: DurableStore,
+        shm_dir: Path,
+        job_id: str,
+        world_size: int,
+        codec: CodecConfig,
+        every: int = 0,
+        emit: Emit | None = None,
+    ) -> None:
+        if every < 0:
+            raise ValueError("every must be >= 0 (0: only on demand)")
+        self.durable = durable
+        self.world_size = world_size
+        self.codec = codec
+        self.every = every
+        self._emit = emit or (lambda *_a, **_k: None)
+        self._stores = [RankSnapshotStore(shm_dir=shm_dir, job_id=job_id, rank=r) for r in range(world_size)]
+        self._encoder = Encoder(codec)
+        # rank -> (step, layout key, raw bytes) of its last FULL checkpoint: the delta base
+        self._bases: dict[int, tuple[int, str, np.ndarray]] = {}
+        self._since_full = 0
+        self._cond = threading.Condition()
+        self._requested = 0  # tickets handed out
+        self._served = 0  # tickets satisfied (by a persist that started after they were asked)
+        self._stop = False
+        self.last: PersistResult | None = None
+        self.last_error: str | None = None
+        self._last_step = durable.latest_step() if durable.steps() else None
+        self._thread = threading.Thread(target=self._loop, name="nonstop-persist", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- requests ------------------------------------------------------------------------
+    def request(self) -> int:
+        """Ask for a persist of the newest committed step; returns a ticket for :meth:`wait`."""
+        with self._cond:
+            self._requested += 1
+            self._cond.notify_all()
+            return self._requested
+
+    def wait(self, ticket: int, timeout: float) -> bool:
+        """True once a persist that started after ``ticket`` was asked has finished."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._served < ticket:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def flush(self, timeout: float) -> PersistResult | None:
+        """Persist the committed step now and wait (bounded) for it."""
+        if not self._thread.is_alive():
+            self._persist_once()
+            return self.last
+        return self.last if self.wait(self.request(), timeout) else None
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._encoder.close()
+        for s in self._stores:
+            s.close()
+
+    # -- the loop ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:  # training first: this thread only gets CPU the workers leave idle
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+        while True:
+            with self._cond:
+                if self._stop:
+                    return
+                self._cond.wait(POLL_S)
+                wanted = self._requested
+            if wanted > self._served or self._due():
+                self._persist_once()
+                with self._cond:
+                    self._served = max(self._served, wanted)
+                    self._cond.notify_all()
+
+    def _committed(self) -> int | None:
+        common: set[int] | None = None
+        for s in self._stores:
+            have = set(s.complete_steps())
+            common = have if common is None else common & have
+        return max(common) if common else None
+
+    def _due(self) -> bool:
+        if self.every <= 0:
+            return False
+        step = self._committed()
+        if step is None:
+            return False
+        return step >= (self._last_step or 0) + self.every
+
+    def _copy_committed(self) -> list[RawSnapshot] | None:
+        for _ in range(COPY_ATTEMPTS):
+            step = self._committed()
+            if step is None:
+                return None
+            try:
+                return [s.copy_out(step) for s in self._stores]
+            except SnapshotMissingError:
+                continue  # a writer overtook us between choosing and pinning: take the newer step
+        return None
+
+    def _persist_once(self) -> None:
+        try:
+            self._persist()
+            self.last_error = None
+        except (NonstopError, OSError) as e:
+            self.last_error = f"{type(e).__name__}: {e}"
+            log.warning("persist failed: %s", self.last_error)
+            self._emit("persist_failed", error=self.last_error)
+
+    def _persist(self) -> None:
+        t0 = time.monotonic()
+        snaps = self._copy_committed()
+        if snaps is None:
+            return
+        step = snaps[0].step
+        if step == self._last_step:
+            return  # already durable
+        full = self._since_full == 0 or self._since_full >= self.codec.full_every
+        raw_total = stored_total = 0
+        with self.durable.begin(step, self.world_size, self.codec.describe()) as writer:
+            new_bases: dict[int, tuple[int, str, np.ndarray]] = {}
+            for snap in snaps:
+                layout = json.dumps(json.loads(snap.meta)["tensors"])
+                base = self._bases.get(snap.rank)
+                use_base = not full and base is not None and base[1] == layout
+                lossy = lossy_roles(snap.meta) if self.codec.lossy and use_base else None
+                segments = segments_for(snap.entries(), len(snap.data), lossy)
+                chunks = self._encoder.encode(snap.data, segments, base[2] if use_base and base else None)
+                stored_total += writer.add_rank(
+                    snap.rank, snap.meta, len(snap.data), chunks, base[0] if use_base and base else None
+                )
+                raw_total += len(snap.data)
+                if not use_base:
+                    new_bases[snap.rank] = (step, layout, snap.data)
+            writer.commit()
+        self._bases.update(new_bases)
+        self._since_full = 1 if new_bases else self._since_full + 1
+        self._last_step = step
+        self.last = PersistResult(
+            step=step,
+            raw_bytes=raw_total,
+            stored_bytes=stored_total,
+            seconds=time.monotonic() - t0,
+            full=bool(new_bases),
+        )
+        self._emit(
+            "persist",
+            step=step,
+            raw_bytes=raw_total,
+            stored_bytes=stored_total,
+            seconds=round(self.last.seconds, 4),
+            full=self.last.full,
+            url=self.durable.storage.url if hasattr(self.durable, "storage") else None,
+        )
