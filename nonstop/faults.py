@@ -7,6 +7,8 @@ A fault spec is ``KIND:key=value,...``:
 * ``stall:rank=R,step=S``           its training loop sleeps forever while its heartbeat thread
                                     goes on (caught by the no-progress rule, not by heartbeats)
 * ``exit:rank=R,step=S,code=C``     the worker exits with status C
+* ``wipe:rank=R,step=S``            like ``kill``, and rank R's snapshot memory is deleted first
+                                    (a host lost with its memory: recovery needs the durable tier)
 * ``slow:rank=R,step=S,seconds=X``  a straggler: the rank computes X seconds longer in step S
                                     (interruptibly, in 10 ms slices, like a real step)
 * any of them with ``at=recovery``  fire instead the first time rank R is asked to
@@ -23,6 +25,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,7 +33,7 @@ from nonstop.errors import UsageError
 
 __all__ = ["FaultInjector", "FaultSpec", "fired_at", "parse_fault"]
 
-KINDS = ("kill", "hang", "stall", "exit", "slow")
+KINDS = ("kill", "hang", "stall", "exit", "slow", "wipe")
 PHASES = ("step", "recovery")
 
 
@@ -134,9 +137,12 @@ class FaultInjector:
         return True
 
     @staticmethod
-    def fire(fault: FaultSpec) -> None:
-        """Carry the fault out on this process. Returns only after ``slow`` (or a resumed hang)."""
-        if fault.kind == "kill":
+    def fire(fault: FaultSpec, *, wipe: Callable[[], None] | None = None) -> None:
+        """Carry the fault out on this process. Returns only after ``slow`` (or a resumed hang).
+        ``wipe`` deletes this rank's snapshot memory (for ``wipe``)."""
+        if fault.kind == "wipe" and wipe is not None:
+            wipe()
+        if fault.kind in ("kill", "wipe"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)

@@ -39,12 +39,23 @@ def run_demo_job(
     steps: int = STEPS,
     faults: tuple[str, ...] = (),
     model: str = "tiny",
+    script_extra: tuple[str, ...] = (),
     **cfg: Any,
 ) -> DemoRun:
     result_file = job_dir / "result.json"
     config = JobConfig(
         script="-m nonstop.demo.train",
-        script_args=("--steps", str(steps), "--model", model, "--batch", "4", "--result", str(result_file)),
+        script_args=(
+            "--steps",
+            str(steps),
+            "--model",
+            model,
+            "--batch",
+            "4",
+            "--result",
+            str(result_file),
+            *script_extra,
+        ),
         nproc_per_node=nproc,
         spares=spares,
         job_dir=job_dir,

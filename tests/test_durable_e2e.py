@@ -139,3 +139,27 @@ def test_resume_with_wrong_world_size_fails_at_start(tmp_path: Path) -> None:
                    "-m", "nonstop.demo.train", "--steps", "4")  # fmt: skip
     assert out.returncode == 2
     assert "--nproc-per-node 2" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_rank_memory_lost_recovers_from_the_durable_tier(tmp_path: Path, reference_hash: str) -> None:
+    """Rank 1 dies and its snapshot memory with it: no step is in every rank's memory, so the
+    coordinator restores the newest durable checkpoint, and the result is still exact."""
+    run = run_demo_job(
+        tmp_path / "job",
+        persist_url=str(tmp_path / "ckpt"),
+        persist_every=3,
+        faults=("wipe:rank=1,step=10",),
+        script_extra=("--step-delay", "0.15"),  # time for the lazy persister to commit some steps
+    )
+    assert run.out is not None, run.result.error
+    restored = [e for e in run.events if e["event"] == "restore_from_durable"]
+    assert len(restored) == 1 and 0 < restored[0]["step"] <= 10
+    gen = [e for e in run.events if e["event"] == "generation" and e["cause"]]
+    assert gen[0]["restore_step"] == restored[0]["step"]
+    assert run.out["final_hash"] == reference_hash
+
+
+def test_lost_memory_without_a_durable_checkpoint_fails_the_job_clearly(tmp_path: Path) -> None:
+    run = run_demo_job(tmp_path / "job", persist_every=0, faults=("wipe:rank=1,step=5",))
+    assert run.out is None and run.result.error is not None
+    assert "no step is snapshotted for every rank in memory or in the durable tier" in run.result.error

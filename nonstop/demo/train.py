@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import time
 from pathlib import Path
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                     "world_size": session.world_size,
                     "num_params": sum(p.numel() for p in model.parameters()),
                     "seconds": time.time() - t0,
-                    "step_intervals_s": [b - a for a, b in zip(starts, starts[1:], strict=False)],
+                    "step_intervals_s": [b - a for a, b in itertools.pairwise(starts)],
                 }
             )
         )

@@ -132,6 +132,11 @@ class Agent:
         """Steps with a complete snapshot in memory, per rank (read from slot headers)."""
         return {rank: self._store(rank).complete_steps() for rank in range(world_size)}
 
+    def install(self, step: int, ranks: list[tuple[bytes, bytearray]]) -> None:
+        """Put a loaded checkpoint (rank -> (meta, data)) into every rank's slots as ``step``."""
+        for rank, (meta, data) in enumerate(ranks):
+            self._store(rank).write_raw(step, meta, data)
+
     def writing_steps(self, ranks: list[int]) -> dict[int, int]:
         """rank -> step it is writing right now, for the given ranks that are mid-write."""
         out = {}

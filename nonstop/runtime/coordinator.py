@@ -21,7 +21,7 @@ from typing import Any
 
 from nonstop.config import JobConfig
 from nonstop.control.channel import Channel, ControlServer, Message
-from nonstop.errors import ControlError
+from nonstop.errors import ControlError, NonstopError
 from nonstop.faults import fired_at
 from nonstop.runtime.agent import Agent
 from nonstop.runtime.detector import FailureDetector, WorkerRecord
@@ -431,6 +431,20 @@ class Coordinator:
         plan = plan_recovery(
             failed_ranks=missing, idle_spares=idle, complete_steps=complete, world_size=self.world_size
         )
+        if failures and plan.restore_step is None and self._restore_from_durable():
+            # Memory has no step every rank holds (a rank's memory was lost): next tier.
+            complete = self.agent.complete_steps(self.world_size)
+            plan = plan_recovery(
+                failed_ranks=missing, idle_spares=idle, complete_steps=complete, world_size=self.world_size
+            )
+        if failures and plan.restore_step is None:
+            # Survivors hold later state than any fresh process could: never mix them.
+            self._fail(
+                "no step is snapshotted for every rank in memory or in the durable tier "
+                f"({self.persister.durable.url if self.persister else 'none configured'}); "
+                "cannot recover this failure (persist more often with --persist-every)"
+            )
+            return
         r = Reconfiguration(
             generation=self.generation,
             world_size=self.world_size,
@@ -474,6 +488,25 @@ class Coordinator:
                 self._send_reconfigure(self.workers[sid])
         r.stage = Stage.LAUNCH
         self._advance()
+
+    def _restore_from_durable(self) -> bool:
+        """Install the newest good durable checkpoint into every rank's slots."""
+        if self.persister is None:
+            return False
+        t0 = time.monotonic()
+        try:
+            ckpt = self.persister.durable.load(world_size=self.world_size)
+        except NonstopError as e:
+            self.events.emit("durable_unavailable", error=str(e))
+            return False
+        self.agent.install(ckpt.step, [ckpt.ranks[r] for r in range(self.world_size)])
+        self.events.emit(
+            "restore_from_durable",
+            step=ckpt.step,
+            url=self.persister.durable.url,
+            seconds=time.monotonic() - t0,
+        )
+        return True
 
     def _settled_snapshots(self) -> dict[int, list[int]]:
         """Complete steps per rank, after live members finish the snapshot they are writing.

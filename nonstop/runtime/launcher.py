@@ -35,7 +35,6 @@ from nonstop.runtime.eventlog import EventLog
 from nonstop.snapshot.codec import CodecConfig
 from nonstop.snapshot.durable import DurableStore, LoadedCheckpoint
 from nonstop.snapshot.persist import Persister
-from nonstop.snapshot.store import RankSnapshotStore
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +148,7 @@ def run_job(
     )
     initial_step = None
     if resume is not None:
-        for rank in range(config.nproc_per_node):
-            store = RankSnapshotStore(shm_dir=shm_dir, job_id=job_id, rank=rank)
-            store.write_raw(resume.step, resume.meta(rank), resume.data(rank))
-            store.close()
+        agent.install(resume.step, resume.ranks)
         initial_step = resume.step
         events.emit("resume", url=config.resume, step=resume.step, world_size=resume.world_size)
     persister = Persister(

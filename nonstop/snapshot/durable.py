@@ -35,9 +35,12 @@ delta only against a committed FULL checkpoint of that rank with the identical t
 (same ``data_len`` and ``meta["tensors"]``); retention never deletes a base that a retained
 checkpoint needs.
 
-Commit protocol (one writer per root at a time): every ``.bin`` is written to a temporary
-name, fsynced and renamed (local disks; object stores publish an object whole on close);
-then ``manifest.json`` likewise; then ``latest``; then retention removes checkpoints that
+Commit protocol (one writer per root at a time): every ``.bin`` is written and made durable
+(local disks: a temporary name, fsync, rename, fsync of the directory; object stores publish
+an object whole when its upload completes; on other fsspec file systems an object being
+written may be visible early, which the checksums and the write order make harmless);
+then ``manifest.json``, whose presence marks the step committed; then ``latest``; then
+retention removes checkpoints that
 are neither among the ``keep`` newest (up to the one just committed) nor a base of one of
 them, abandoned (manifest-less) step directories, checkpoints newer than the one just
 committed (a superseded timeline: training resumed from an older step), and leftover

@@ -224,6 +224,10 @@ class Persister:
             self._persist()
             self.last_error = None
         except (NonstopError, OSError) as e:
+            # Next attempt writes full checkpoints: a delta base may be what went wrong
+            # (deleted or corrupted on the durable side).
+            self._bases.clear()
+            self._since_full = 0
             self.last_error = f"{type(e).__name__}: {e}"
             log.warning("persist failed: %s", self.last_error)
             self._emit("persist_failed", error=self.last_error)

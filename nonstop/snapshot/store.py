@@ -92,6 +92,7 @@ class _Slot:
         self._views: list[torch.Tensor | None] = []
         self._views_plan = -1
         self._registered: int | None = None  # data_ptr registered with cudaHostRegister
+        self._inode = -1  # of the mapped file: a deleted or replaced file is noticed
         self.data_cap = 0
         self.meta_cap = 0
 
@@ -103,7 +104,8 @@ class _Slot:
         try:
             if create and os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size, self._inode = st.st_size, st.st_ino
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -111,8 +113,14 @@ class _Slot:
 
     def open_existing(self) -> bool:
         if self._mm is not None:
-            self._refresh_caps()
-            return True
+            try:
+                same = os.stat(self.path).st_ino == self._inode
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._refresh_caps()
+                return True
+            self.close()  # the file was deleted (lost memory) or replaced: forget the old mapping
         if not self.path.exists():
             return False
         self._map(0, create=False)

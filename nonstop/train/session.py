@@ -49,7 +49,7 @@ from nonstop.config import WorkerEnv
 from nonstop.control.channel import Channel, Message, connect
 from nonstop.errors import ControlError, JobFailedError, SnapshotError
 from nonstop.faults import FaultInjector
-from nonstop.snapshot import RankSnapshotStore, StateCapture
+from nonstop.snapshot import RankSnapshotStore, StateCapture, segment_prefix
 from nonstop.train.abort import SocketWatch
 from nonstop.train.ddp import CanonicalGradSync, wrap_ddp
 
@@ -317,7 +317,11 @@ class Session:
                     "ts": time.time(),
                 }
             )
-            FaultInjector.fire(fault)
+            FaultInjector.fire(fault, wipe=self._wipe_snapshots)
+
+    def _wipe_snapshots(self) -> None:
+        for path in self.env.shm_dir.glob(f"{segment_prefix(self.env.job_id)}r{self.rank}-s*"):
+            path.unlink(missing_ok=True)
 
     def _destroy_group(self) -> None:
         """Drop this generation's DDP wrapper and process group.
