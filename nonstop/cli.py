@@ -72,6 +72,7 @@ def _snapshot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lossy", action="store_true", help="quantise delta checkpoints (optimizer moments, weight deltas)"
     )
+    p.add_argument("--lossy-bits", type=int, default=c.lossy_bits, help="4 or 8 (default %(default)s)")
 
 
 def _snapshot_config(ns: argparse.Namespace) -> dict[str, object]:
@@ -81,6 +82,7 @@ def _snapshot_config(ns: argparse.Namespace) -> dict[str, object]:
         "persist_every": ns.persist_every,
         "keep": ns.keep,
         "lossy": ns.lossy,
+        "lossy_bits": ns.lossy_bits,
     }
 
 

@@ -87,6 +87,7 @@ class JobConfig:
     keep: int = 3
     resume: str | None = None  # durable URL to restart the whole job from
     lossy: bool = False
+    lossy_bits: int = 8
     persist_timeout_s: float = 120.0
 
     @property
@@ -100,6 +101,8 @@ class JobConfig:
             raise UsageError(
                 f"--persist-every must be >= 0 (got {self.persist_every}); 0 persists only on demand"
             )
+        if self.lossy_bits not in (4, 8):
+            raise UsageError(f"--lossy-bits must be 4 or 8 (got {self.lossy_bits})")
         if self.keep < 1:
             raise UsageError(f"--keep must be >= 1 (got {self.keep})")
         if self.snapshot not in SNAPSHOT_MODES:

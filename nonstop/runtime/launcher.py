@@ -156,7 +156,7 @@ def run_job(
         shm_dir=shm_dir,
         job_id=job_id,
         world_size=config.nproc_per_node,
-        codec=CodecConfig(lossy=config.lossy),
+        codec=CodecConfig(lossy=config.lossy, lossy_bits=config.lossy_bits),
         every=config.persist_every,
         emit=events.emit,
     )
