@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import zlib
 from typing import Any
 
+import crc32c
 import numpy as np
 import pytest
 import torch
@@ -142,8 +142,8 @@ def test_lossless_roundtrip_is_byte_exact(
         assert info.offset + info.length <= seg.offset + seg.length
         assert info.typesize == seg.typesize and info.length % info.typesize == 0
         assert info.delta is use_base
-        assert info.enc_len == len(payload) and info.crc_enc == zlib.crc32(payload)
-        assert info.crc_raw == zlib.crc32(raw_arr[info.offset : info.offset + info.length].tobytes())
+        assert info.enc_len == len(payload) and info.crc_enc == checksum(payload)
+        assert info.crc_raw == checksum(raw_arr[info.offset : info.offset + info.length].tobytes())
         assert ChunkInfo.from_json(json.loads(json.dumps(info.to_json()))) == info
         pos += info.length
     assert pos == len(raw_arr)
@@ -362,12 +362,12 @@ def test_lying_checksums_are_still_caught() -> None:
     big = np.zeros(4 * info.length, np.uint8).tobytes()
     with Encoder(CodecConfig()) as enc:
         ((_, frame),) = enc.encode(big, [Segment(offset=0, length=len(big), typesize=4)])
-    forged = dataclasses.replace(info, enc_len=len(frame), crc_enc=zlib.crc32(frame))
+    forged = dataclasses.replace(info, enc_len=len(frame), crc_enc=checksum(frame))
     with pytest.raises(SnapshotCorruptError, match="frame says"):
         decode_chunk(forged, frame, np.empty(info.length, np.uint8), None)
     bad = bytearray(payload)
     bad[-1] ^= 0xFF
-    forged = dataclasses.replace(info, crc_enc=zlib.crc32(bad))
+    forged = dataclasses.replace(info, crc_enc=checksum(bad))
     with pytest.raises(SnapshotCorruptError):
         decode_chunk(forged, bytes(bad), np.empty(info.length, np.uint8), None)
 
@@ -426,9 +426,9 @@ def test_chunkinfo_json_validation() -> None:
             ChunkInfo.from_json(d)
 
 
-def test_checksum_is_zlib_crc32() -> None:
+def test_checksum_is_crc32c() -> None:
     data = np.arange(100, dtype=np.float64)
-    assert checksum(data) == zlib.crc32(data.tobytes()) == checksum(memoryview(data.tobytes()))
+    assert checksum(data) == crc32c.crc32c(data.tobytes()) == checksum(memoryview(data.tobytes()))
     assert checksum(b"") == 0
 
 
@@ -458,7 +458,7 @@ def _check_bound(
     lossy_chunks, worst = 0, 0.0
     for info, _ in chunks:
         sl = slice(info.offset, info.offset + info.length)
-        assert zlib.crc32(out[sl].tobytes()) == info.crc_raw
+        assert checksum(out[sl].tobytes()) == info.crc_raw
         if not info.codec.startswith("q"):
             assert out[sl].tobytes() == raw[sl].tobytes(), info
             continue
@@ -608,6 +608,16 @@ def test_lossy_all_zero_and_tiny_blocks() -> None:
         assert np.abs(y[-5:] - x[-5:]).max() <= 0.501 * 5.0 / qmax
 
 
+def test_bfloat16_rounding_matches_torch() -> None:
+    from nonstop.snapshot.codec import _from_f32
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(10_000) * 10.0 ** rng.integers(-30, 30, 10_000)).astype(np.float32)
+    x[:4] = np.array([0x3F808000, 0x3F818000, 0x3F80C000, 0x00008000], np.uint32).view(np.float32)  # ties
+    want = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.uint8).numpy()
+    assert _from_f32(x, "bfloat16").tobytes() == want.tobytes()
+
+
 # --------------------------------------------------------------------------- config
 
 
@@ -638,9 +648,9 @@ def test_codec_config_validation(kwargs: dict[str, Any]) -> None:
 
 
 def test_codec_config_describe() -> None:
-    assert CodecConfig().describe() == "zstd1+shuffle"
-    assert CodecConfig(codec="lz4", shuffle="bit").describe() == "lz4-1+bitshuffle"
-    assert CodecConfig(codec="none").describe() == "raw"
+    assert CodecConfig().describe() == "zstd1+shuffle+sub"
+    assert CodecConfig(codec="lz4", shuffle="bit", delta="xor").describe() == "lz4-1+bitshuffle+xor"
+    assert CodecConfig(codec="none").describe() == "raw+sub"
     assert CodecConfig(delta="sub", lossy=True, lossy_bits=4).describe() == "zstd1+shuffle+sub+lossy4"
     with pytest.raises(dataclasses.FrozenInstanceError):
         CodecConfig().level = 2  # type: ignore[misc]
