@@ -6,8 +6,9 @@ times after a warm-up:
 
 * ``dd``: ``dd if=/dev/zero of=FILE bs=16M count=N oflag=direct conv=fsync`` of the same
   total bytes on the same disk: the sequential write speed;
-* ``persist_<codec>``: ``Persister.flush()`` end to end on one thread, exactly what the
-  agent does at a persist: copy every rank's slot out under a pin, encode (full
+* ``persist_<codec>``: ``Persister.flush()`` end to end on one thread (one long-lived
+  persister per contender, a new committed step each round, full checkpoints), exactly what
+  the agent does at a persist: copy every rank's slot out under a pin, encode (full
   checkpoint: shuffle + codec, CRC-32C per chunk), write each rank's ``.bin`` (O_DIRECT,
   fsync), the manifest, ``latest``; retention. Codecs: ``none`` (raw bytes) and ``zstd``
   (zstd-1 + shuffle) with ``--threads`` encode threads.
@@ -28,7 +29,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -89,29 +89,36 @@ def main(argv: list[str] | None = None) -> int:
         total += store.write(1, cap.state(1))
         store.close()
     args.disk_dir.mkdir(parents=True, exist_ok=True)
-    contenders = {
-        "persist_none": CodecConfig(codec="none"),
-        "persist_zstd": CodecConfig(threads=args.threads),
+    contenders = {  # full checkpoints every time (full_every=1): the throughput case
+        "persist_none": CodecConfig(codec="none", full_every=1),
+        "persist_zstd": CodecConfig(threads=args.threads, full_every=1),
     }
     rows: list[dict[str, Any]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="nonstop-bench-persist-", dir=args.disk_dir) as tmp:
+            # One long-lived persister per contender, as in a job: its copy-out buffers are reused.
+            persisters = {
+                name: Persister(
+                    durable=DurableStore(str(Path(tmp) / name), keep=1),
+                    shm_dir=SHM,
+                    job_id=job_id,
+                    world_size=args.ranks,
+                    codec=codec,
+                )
+                for name, codec in contenders.items()
+            }
             for i in range(args.runs + 1):
+                step = i + 2
+                for rank in range(args.ranks):  # a new committed step to persist (untimed)
+                    store = RankSnapshotStore(shm_dir=SHM, job_id=job_id, rank=rank)
+                    store.write(step, cap.state(step))
+                    store.close()
                 row: dict[str, Any] = {"dd_gb_per_s": dd_write(Path(tmp) / "dd.bin", total)}
-                for name, codec in contenders.items():
-                    url = Path(tmp) / name
-                    persister = Persister(
-                        durable=DurableStore(str(url), keep=1),
-                        shm_dir=SHM,
-                        job_id=job_id,
-                        world_size=args.ranks,
-                        codec=codec,
-                    )
+                for name, persister in persisters.items():
                     t0 = time.perf_counter()
                     result = persister.flush(600)
                     seconds = time.perf_counter() - t0
-                    persister.stop()
-                    if result is None:
+                    if result is None or result.step != step:
                         raise RuntimeError(f"{name}: persist failed: {persister.last_error}")
                     row[name] = {
                         "seconds": seconds,
@@ -120,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
                         "ratio_to_dd": result.raw_bytes / seconds / 1e9 / row["dd_gb_per_s"],
                         "compression": result.raw_bytes / result.stored_bytes,
                     }
-                    shutil.rmtree(url)
                 print(
                     f"[bench] round {i}: dd {row['dd_gb_per_s']:.2f} GB/s  "
                     + "  ".join(f"{n} {row[n]['raw_gb_per_s']:.2f} GB/s raw" for n in contenders),
@@ -128,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 if i > 0:
                     rows.append(row)
+            for persister in persisters.values():
+                persister.stop()
     finally:
         remove_segments(SHM, job_id)
     summary: dict[str, Any] = {"dd_gb_per_s": statistics.median(r["dd_gb_per_s"] for r in rows)}

@@ -170,7 +170,7 @@ def test_compresses_structured_data_and_stores_noise_raw() -> None:
     assert out.tobytes() == raw.tobytes()
     (c_smooth, p_smooth), (c_noise, p_noise) = chunks
     assert c_smooth.codec == "zstd1+shuffle" and len(p_smooth) < smooth.nbytes / 4
-    assert c_noise.codec == "raw" and p_noise == noise.tobytes()
+    assert c_noise.codec == "raw" and bytes(p_noise) == noise.tobytes()
 
 
 @pytest.mark.parametrize("delta", ["xor", "sub"])

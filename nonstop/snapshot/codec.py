@@ -728,7 +728,7 @@ class Encoder:
 
     def encode(
         self, raw: Buffer, segments: Sequence[Segment], base: Buffer | None = None
-    ) -> list[tuple[ChunkInfo, bytes]]:
+    ) -> list[tuple[ChunkInfo, Buffer]]:
         """Encode ``raw``; return ``(info, payload)`` per chunk, in offset order.
 
         ``segments`` must tile ``[0, len(raw))`` exactly (as :func:`segments_for` does).
@@ -740,7 +740,8 @@ class Encoder:
         *given at decode*, and their ``crc_raw`` is computed with the base given here:
         pass the base as the reader will have it (for a lossy base, its decoded bytes),
         else the chunk fails its checksum at decode. Neither buffer is modified; both
-        must stay unchanged until ``encode`` returns.
+        must stay unchanged until ``encode`` returns, and ``raw`` until the payloads are
+        used: a chunk stored raw without a delta is a view of ``raw``, not a copy.
         """
         cfg = self.config
         r = _u8(raw, "raw")
@@ -765,7 +766,7 @@ class Encoder:
                 f"segments cover [0, {pos}) but raw is {len(r)} bytes: build them with segments_for()"
             )
 
-        def one(job: tuple[int, int, Segment]) -> tuple[ChunkInfo, bytes]:
+        def one(job: tuple[int, int, Segment]) -> tuple[ChunkInfo, Buffer]:
             off, n, seg = job
             return self._encode_chunk(r[off : off + n], None if b is None else b[off : off + n], off, seg)
 
@@ -781,38 +782,30 @@ class Encoder:
             and element_size(seg.dtype) == seg.typesize
         )
 
-    def _encode_chunk(self, x: _U8, b: _U8 | None, off: int, seg: Segment) -> tuple[ChunkInfo, bytes]:
+    def _encode_chunk(self, x: _U8, b: _U8 | None, off: int, seg: Segment) -> tuple[ChunkInfo, Buffer]:
         cfg, ts, n = self.config, seg.typesize, len(x)
-        if self._lossy_ok(seg):
-            got = _lossy_encode(x, b, seg, cfg)
-            if got is not None:
-                codec, payload, crc_raw = got
-                info = ChunkInfo(
-                    offset=off,
-                    length=n,
-                    typesize=ts,
-                    codec=codec,
-                    delta=b is not None,
-                    enc_len=len(payload),
-                    crc_enc=_crc(payload),
-                    crc_raw=crc_raw,
-                )
-                return info, payload
-        crc_raw = _crc(x.data)
-        data, prefix = x, ""
-        if b is not None:
-            data = _SCRATCH.get(0, n)
-            if cfg.delta == "xor":
-                _xor_into(x, b, data)
-            else:
-                _sub_encode(x, b, ts, data, _SCRATCH.get(1, n))
-            prefix = cfg.delta + "+"
-        comp = _blosc_compress(data, ts, cfg, cfg.shuffle)
-        if comp is None:
-            codec, payload = prefix + "raw", data.tobytes()
+        got = _lossy_encode(x, b, seg, cfg) if self._lossy_ok(seg) else None
+        payload: Buffer
+        if got is not None:
+            codec, payload, crc_raw = got
         else:
-            shuf = {"byte": "+shuffle", "bit": "+bitshuffle", "none": ""}[cfg.shuffle]
-            codec, payload = prefix + cfg.codec_token() + shuf, comp
+            crc_raw = _crc(x.data)
+            data, prefix = x, ""
+            if b is not None:
+                data = _SCRATCH.get(0, n)
+                if cfg.delta == "xor":
+                    _xor_into(x, b, data)
+                else:
+                    _sub_encode(x, b, ts, data, _SCRATCH.get(1, n))
+                prefix = cfg.delta + "+"
+            comp = _blosc_compress(data, ts, cfg, cfg.shuffle)
+            if comp is None:
+                # Stored as is. Without a delta this is a view of the caller's buffer (no copy:
+                # fresh memory costs a page fault per 4 KiB); a delta lives in per-thread scratch.
+                codec, payload = prefix + "raw", (x if b is None else data.tobytes())
+            else:
+                shuf = {"byte": "+shuffle", "bit": "+bitshuffle", "none": ""}[cfg.shuffle]
+                codec, payload = prefix + cfg.codec_token() + shuf, comp
         info = ChunkInfo(
             offset=off,
             length=n,

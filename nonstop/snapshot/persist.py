@@ -101,6 +101,11 @@ def _child_role(role: str | None, key: object) -> str | None:
     return role
 
 
+def _whole(view: np.ndarray) -> np.ndarray:
+    """The array a copy-out view was cut from (or the array itself)."""
+    return view.base if isinstance(view.base, np.ndarray) else view
+
+
 class Persister:
     """Background persistence of one job's committed snapshots (see module docstring)."""
 
@@ -127,6 +132,7 @@ class Persister:
         # rank -> (step, layout key, raw bytes) of its last FULL checkpoint: the delta base
         self._bases: dict[int, tuple[int, str, np.ndarray]] = {}
         self._since_full = 0
+        self._scratch: dict[int, np.ndarray | None] = {}  # rank -> reusable copy-out buffer
         self._cond = threading.Condition()
         self._requested = 0  # tickets handed out
         self._served = 0  # tickets satisfied (by a persist that started after they were asked)
@@ -214,7 +220,7 @@ class Persister:
             if step is None:
                 return None
             try:
-                return [s.copy_out(step) for s in self._stores]
+                return [s.copy_out(step, out=self._scratch.get(s.rank)) for s in self._stores]
             except SnapshotMissingError:
                 continue  # a writer overtook us between choosing and pinning: take the newer step
         return None
@@ -258,6 +264,12 @@ class Persister:
                 if not use_base:
                     new_bases[snap.rank] = (step, layout, snap.data)
             writer.commit()
+        for snap in snaps:  # reuse this copy's memory next time, unless it became a base
+            if snap.rank in new_bases:
+                old = self._bases.get(snap.rank)  # the replaced base's memory is free now
+                self._scratch[snap.rank] = None if old is None else _whole(old[2])
+            else:
+                self._scratch[snap.rank] = _whole(snap.data)
         self._bases.update(new_bases)
         self._since_full = 1 if new_bases else self._since_full + 1
         self._last_step = step
