@@ -37,7 +37,10 @@ def test_killed_worker_recovers_from_spare_bitwise(tmp_path: Path, reference_has
     run = run_demo_job(tmp_path, faults=("kill:rank=1,step=5",))
     _check_recovered(run, reference_hash, 1)
     (f,) = run.result.failures
-    assert (f["kind"], f["rank"], f["replacement"], f["restore_step"]) == ("kill", 1, "spare", 5)
+    assert (f["kind"], f["rank"], f["replacement"]) == ("kill", 1, "spare")
+    # Killed as step 5 begins: snapshot 5 (state after step 4's compute) may still have been in
+    # its overlapped copy, then step 4 is restored; either way no *reported* step is redone.
+    assert f["restore_step"] in (4, 5) and f["lost_steps"] == 0
     assert f["detect_s"] < 0.5  # a process exit is seen at once
 
 

@@ -32,6 +32,7 @@ fence is a stream dependency, not a host wait.
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import queue
@@ -58,6 +59,8 @@ from nonstop.snapshot.api import (
     TensorEntry,
 )
 from nonstop.snapshot.flatten import flatten_state, unflatten_state
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PendingWrite", "RankSnapshotStore", "RawSnapshot", "segment_prefix", "slot_path"]
 
@@ -250,6 +253,8 @@ class PendingWrite:
         self.step = step
         self.nbytes = nbytes
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
         self._error: BaseException | None = None
         self._cuda_event: Any = None  # torch.cuda.Event recorded after the device copies
         self.waited_s = 0.0  # host time callers spent blocked on this write
@@ -257,8 +262,26 @@ class PendingWrite:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def on_complete(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the snapshot is COMPLETE (now, if it already is); not on failure.
+        It runs on the copier thread, before ``wait()`` returns to anyone."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        if self._error is None:
+            fn()
+
     def _finish(self, error: BaseException | None = None) -> None:
-        self._error = error
+        with self._lock:
+            self._error = error
+            callbacks, self._callbacks = self._callbacks, []
+        if error is None:
+            for fn in callbacks:
+                try:
+                    fn()
+                except Exception:  # a callback must not lose the snapshot
+                    log.exception("snapshot completion callback failed")
         self._done.set()
 
     def wait(self) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import _thread
 import datetime
+import functools
 import importlib
 import logging
 import os
@@ -50,6 +51,7 @@ from nonstop.control.channel import Channel, Message, connect
 from nonstop.errors import ControlError, JobFailedError, SnapshotError
 from nonstop.faults import FaultInjector
 from nonstop.snapshot import RankSnapshotStore, StateCapture, segment_prefix
+from nonstop.snapshot.store import PendingWrite
 from nonstop.train.abort import SocketWatch
 from nonstop.train.ddp import CanonicalGradSync, wrap_ddp
 
@@ -225,22 +227,26 @@ class Session:
                         step_s = time.monotonic() - t0
                         self._step += 1
                         t1 = time.monotonic()
-                        nbytes = self._snapshot(mode, store, capture)
+                        snap = self._snapshot(mode, store, capture)
                         # Stall: time the loop spent on this snapshot now, plus what the
                         # step just run waited for the previous snapshot's background copy.
                         stall_s = time.monotonic() - t1 + self._fence_wait_s
                         self._fence_wait_s = 0.0
-                        self._send(
-                            {
-                                "t": "step",
-                                "gen": self.generation,
-                                "step": self._step,
-                                "step_s": step_s,
-                                "snap_s": stall_s,
-                                "bytes": nbytes,
-                                "loss": loss,
-                            }
-                        )
+                        report = {
+                            "t": "step",
+                            "gen": self.generation,
+                            "step": self._step,
+                            "step_s": step_s,
+                            "snap_s": stall_s,
+                            "bytes": snap.nbytes if snap is not None else 0,
+                            "loss": loss,
+                        }
+                        # A step counts as done (committed) once its snapshot is complete:
+                        # with overlapped capture that is when the background copy finishes.
+                        if snap is None:
+                            self._send(report)
+                        else:
+                            snap.on_complete(functools.partial(self._send_quietly, report))
                     self._drain(store)  # the last snapshot is complete before we report done
                     self._send({"t": "done", "gen": self.generation, "step": self._step})
                     reply = self._wait_for("finish", "reconfigure")
@@ -260,13 +266,19 @@ class Session:
                 fence_hook.remove()
             store.close()
 
-    def _snapshot(self, mode: str, store: RankSnapshotStore, capture: StateCapture) -> int:
+    def _snapshot(self, mode: str, store: RankSnapshotStore, capture: StateCapture) -> PendingWrite | None:
         """Snapshot the state after ``self._step`` steps per the job's snapshot mode."""
-        if mode == "sync":
-            return store.write(self._step, capture.state(self._step))
-        if mode == "overlapped":
-            return store.begin(self._step, capture.state(self._step), deferred=capture.deferrable()).nbytes
-        return 0  # "off": only for measuring what snapshots cost; nothing to recover from
+        if mode == "off":  # only for measuring what snapshots cost; nothing to recover from
+            return None
+        deferred = capture.deferrable() if mode == "overlapped" else None
+        return store.begin(self._step, capture.state(self._step), deferred=deferred)
+
+    def _send_quietly(self, msg: Message) -> None:
+        """Send from a helper thread: a lost coordinator is the reader thread's business."""
+        try:
+            self._chan.send(msg)
+        except ControlError:
+            pass
 
     def _fence(self, store: RankSnapshotStore) -> None:
         pending = store.pending
