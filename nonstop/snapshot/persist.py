@@ -21,7 +21,6 @@ base is bit-identical to the one the encoder used and every chunk checksum holds
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -61,11 +60,10 @@ class PersistResult:
         return self.raw_bytes / max(self.seconds, 1e-9) / 1e6
 
 
-def lossy_roles(meta: bytes) -> dict[int, str]:
-    """Tensor index -> lossy kind for a snapshot meta: model floats and Adam-style first
-    moments are ``linear``, second moments (``exp_avg_sq``) ``sqrt``; the rest (step
+def lossy_roles(doc: dict[str, Any]) -> dict[int, str]:
+    """Tensor index -> lossy kind for a parsed snapshot meta: model floats and Adam-style
+    first moments are ``linear``, second moments (``exp_avg_sq``) ``sqrt``; the rest (step
     counters, RNG, integer buffers, extras) stays exact."""
-    doc = json.loads(meta)
     entries = [TensorEntry.from_json(raw) for raw in doc["tensors"]]
     floats = {"float32", "bfloat16", "float16"}
     roles: dict[int, str] = {}
@@ -129,8 +127,8 @@ class Persister:
         self._emit = emit or (lambda *_a, **_k: None)
         self._stores = [RankSnapshotStore(shm_dir=shm_dir, job_id=job_id, rank=r) for r in range(world_size)]
         self._encoder = Encoder(codec)
-        # rank -> (step, layout key, raw bytes) of its last FULL checkpoint: the delta base
-        self._bases: dict[int, tuple[int, str, np.ndarray]] = {}
+        # rank -> (step, tensor layout, raw bytes) of its last FULL checkpoint: the delta base
+        self._bases: dict[int, tuple[int, list[Any], np.ndarray]] = {}
         self._since_full = 0
         self._scratch: dict[int, np.ndarray | None] = {}  # rank -> reusable copy-out buffer
         self._cond = threading.Condition()
@@ -249,12 +247,12 @@ class Persister:
         full = self._since_full == 0 or self._since_full >= self.codec.full_every
         raw_total = stored_total = 0
         with self.durable.begin(step, self.world_size, self.codec.describe()) as writer:
-            new_bases: dict[int, tuple[int, str, np.ndarray]] = {}
+            new_bases: dict[int, tuple[int, list[Any], np.ndarray]] = {}
             for snap in snaps:
-                layout = json.dumps(json.loads(snap.meta)["tensors"])
+                layout = snap.doc["tensors"]
                 base = self._bases.get(snap.rank)
                 use_base = not full and base is not None and base[1] == layout
-                lossy = lossy_roles(snap.meta) if self.codec.lossy and use_base else None
+                lossy = lossy_roles(snap.doc) if self.codec.lossy and use_base else None
                 segments = segments_for(snap.entries(), len(snap.data), lossy)
                 chunks = self._encoder.encode(snap.data, segments, base[2] if use_base and base else None)
                 stored_total += writer.add_rank(

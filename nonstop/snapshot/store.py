@@ -31,6 +31,7 @@ fence is a stream dependency, not a host wait.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import mmap
@@ -310,8 +311,14 @@ class RawSnapshot:
     def __init__(self, *, rank: int, step: int, meta: bytes, data: np.ndarray, written_at: float) -> None:
         self.rank, self.step, self.meta, self.data, self.written_at = rank, step, meta, data, written_at
 
+    @functools.cached_property
+    def doc(self) -> dict[str, Any]:
+        """The meta, parsed once: ``{"tree": ..., "tensors": [...]}``."""
+        doc: dict[str, Any] = json.loads(self.meta)
+        return doc
+
     def entries(self) -> list[TensorEntry]:
-        return [TensorEntry.from_json(raw) for raw in json.loads(self.meta)["tensors"]]
+        return [TensorEntry.from_json(raw) for raw in self.doc["tensors"]]
 
 
 _Job = tuple[list[tuple[torch.Tensor, torch.Tensor]], Callable[[], None], PendingWrite]
@@ -390,9 +397,7 @@ class RankSnapshotStore:
 
     def write(self, step: int, state: Any) -> int:
         """Write the snapshot of ``step`` synchronously; return the number of tensor bytes."""
-        pending = self.begin(step, state, deferred=None)
-        pending.wait()
-        return pending.nbytes
+        return self.begin(step, state, deferred=None).nbytes  # deferred=None: complete on return
 
     def begin(
         self, step: int, state: Any, *, deferred: Callable[[torch.Tensor], bool] | None
