@@ -38,7 +38,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from nonstop.config import JobConfig  # noqa: E402
+from nonstop.demo.runner import demo_job_config  # noqa: E402
 from nonstop.runtime.eventlog import read_events  # noqa: E402
 from nonstop.runtime.launcher import run_job  # noqa: E402
 from nonstop.snapshot.durable import DurableStore  # noqa: E402
@@ -52,20 +52,12 @@ def one_run(
     job_dir = work / name
     result_file = job_dir / "result.json"
     ckpt = job_dir / "ckpt"
-    cfg = JobConfig(
-        script="-m nonstop.demo.train",
-        script_args=(
-            "--steps",
-            str(args.steps),
-            "--model",
-            args.model,
-            "--batch",
-            str(args.batch),
-            "--step-delay",
-            str(args.step_delay),
-            "--result",
-            str(result_file),
-        ),
+    cfg = demo_job_config(
+        result=result_file,
+        steps=args.steps,
+        model=args.model,
+        batch=args.batch,
+        script_extra=("--step-delay", str(args.step_delay)),
         nproc_per_node=args.nproc,
         spares=1,
         job_dir=job_dir,

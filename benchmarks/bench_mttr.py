@@ -78,7 +78,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere: import nonstop from this checkout
     sys.path.insert(0, str(REPO))
 
-from nonstop.config import JobConfig  # noqa: E402
+from nonstop.demo.runner import demo_job_config  # noqa: E402
 from nonstop.runtime.coordinator import JobState  # noqa: E402
 from nonstop.runtime.launcher import run_job  # noqa: E402
 
@@ -148,18 +148,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def run_nonstop(opts: Options, *, spares: int, run_dir: Path) -> dict[str, Any]:
     """One nonstop job with a kill of rank ``fault_rank`` at step ``fault_step``."""
     result_file = run_dir / "result.json"
-    cfg = JobConfig(
-        script="-m nonstop.demo.train",
-        script_args=(
-            "--steps",
-            str(opts.steps),
-            "--model",
-            opts.model,
-            "--batch",
-            str(opts.batch),
-            "--result",
-            str(result_file),
-        ),
+    cfg = demo_job_config(
+        result=result_file,
+        steps=opts.steps,
+        model=opts.model,
+        batch=opts.batch,
         nproc_per_node=opts.nproc,
         spares=spares,
         job_dir=run_dir / "job",

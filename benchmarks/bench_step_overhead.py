@@ -44,7 +44,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from nonstop.config import JobConfig  # noqa: E402
+from nonstop.demo.runner import demo_job_config  # noqa: E402
 from nonstop.runtime.coordinator import JobState  # noqa: E402
 from nonstop.runtime.launcher import run_job  # noqa: E402
 
@@ -55,18 +55,11 @@ DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "step_overhead.json"
 def one_job(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     job_dir = work / f"job-{mode}-{time.monotonic_ns()}"
     result_file = job_dir / "result.json"
-    cfg = JobConfig(
-        script="-m nonstop.demo.train",
-        script_args=(
-            "--steps",
-            str(args.steps),
-            "--model",
-            args.model,
-            "--batch",
-            str(args.batch),
-            "--result",
-            str(result_file),
-        ),
+    cfg = demo_job_config(
+        result=result_file,
+        steps=args.steps,
+        model=args.model,
+        batch=args.batch,
         nproc_per_node=args.nproc,
         job_dir=job_dir,
         snapshot=mode,

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from nonstop.config import DetectorConfig, JobConfig
+from nonstop.config import DetectorConfig
+from nonstop.demo.runner import demo_job_config
 from nonstop.runtime.coordinator import JobResult
 from nonstop.runtime.eventlog import read_events
 from nonstop.runtime.gc import processes_of_job
@@ -43,19 +46,12 @@ def run_demo_job(
     **cfg: Any,
 ) -> DemoRun:
     result_file = job_dir / "result.json"
-    config = JobConfig(
-        script="-m nonstop.demo.train",
-        script_args=(
-            "--steps",
-            str(steps),
-            "--model",
-            model,
-            "--batch",
-            "4",
-            "--result",
-            str(result_file),
-            *script_extra,
-        ),
+    config = demo_job_config(
+        result=result_file,
+        steps=steps,
+        model=model,
+        batch=4,
+        script_extra=script_extra,
         nproc_per_node=nproc,
         spares=spares,
         job_dir=job_dir,
@@ -66,6 +62,21 @@ def run_demo_job(
     result = run_job(config, redirect_output=True)
     out = json.loads(result_file.read_text()) if result_file.exists() else None
     return DemoRun(result, out, job_dir, read_events(job_dir / "events.jsonl"))
+
+
+def run_benchmark_quick(name: str, out: Path, *args: str, timeout: float) -> dict[str, Any]:
+    """Run ``benchmarks/<name>.py --quick --out OUT ARGS`` as a subprocess; return its JSON report."""
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out), *args],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
 
 
 def leftovers(job_id: str) -> tuple[list[Path], list[int]]:

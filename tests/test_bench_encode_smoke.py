@@ -9,36 +9,17 @@ directory, about 10 s on two cores::
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import run_benchmark_quick
 
 
 @pytest.mark.timeout(180)
 def test_bench_encode_quick(tmp_path: Path) -> None:
     out = tmp_path / "encode-quick.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "bench_encode.py"),
-            "--quick",
-            "--out",
-            str(out),
-            "--cache-dir",
-            str(tmp_path / "cache"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = run_benchmark_quick("bench_encode", out, "--cache-dir", str(tmp_path / "cache"), timeout=170)
     assert report["benchmark"] == "encode" and report["config"]["quick"] is True
     assert report["workload"]["training"]["last_loss"] < report["workload"]["training"]["first_loss"]
     results = report["results"]

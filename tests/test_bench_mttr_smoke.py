@@ -8,37 +8,18 @@ temporary directory, about a minute on two cores. Run it with::
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import run_benchmark_quick
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_mttr_quick(tmp_path: Path) -> None:
     out = tmp_path / "mttr.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "bench_mttr.py"),
-            "--quick",
-            "--out",
-            str(out),
-            "--work-dir",
-            str(tmp_path / "work"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=230,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = run_benchmark_quick("bench_mttr", out, "--work-dir", str(tmp_path / "work"), timeout=230)
     contenders = report["contenders"]
     assert set(contenders) == {"nonstop_hot", "nonstop_cold", "torchrun_ckpt"}
     for name, c in contenders.items():

@@ -48,13 +48,34 @@ class DemoOptions:
                 )
 
 
+def demo_job_config(
+    *,
+    result: Path,
+    steps: int,
+    model: str,
+    batch: int | None = None,
+    script_extra: tuple[str, ...] = (),
+    **config: Any,
+) -> JobConfig:
+    """A job that runs the demo training script (``nonstop.demo.train``) for ``steps`` steps of
+    ``model``; rank 0 writes its result JSON (final loss and weights hash) to ``result``.
+    ``batch`` None keeps the script's default; ``script_extra`` are more script flags;
+    ``config`` goes to :class:`JobConfig` (``job_dir``, ``nproc_per_node``, faults, ...)."""
+    args = ["--steps", str(steps), "--model", model]
+    if batch is not None:
+        args += ["--batch", str(batch)]
+    args += ["--result", str(result), *script_extra]
+    return JobConfig(script="-m nonstop.demo.train", script_args=tuple(args), **config)
+
+
 def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple[JobResult, dict[str, Any]]:
     if job_dir.exists():
         shutil.rmtree(job_dir)
     result_file = job_dir / "result.json"
-    cfg = JobConfig(
-        script="-m nonstop.demo.train",
-        script_args=("--steps", str(opts.steps), "--model", opts.model, "--result", str(result_file)),
+    cfg = demo_job_config(
+        result=result_file,
+        steps=opts.steps,
+        model=opts.model,
         nproc_per_node=opts.nproc,
         spares=opts.spares,
         job_dir=job_dir,
