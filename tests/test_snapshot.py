@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 import threading
@@ -351,4 +352,20 @@ def test_growth_is_in_place_and_seen_by_other_mappers(store: RankSnapshotStore, 
     assert [slot_path(tmp_path, "t", 3, i).stat().st_ino for i in range(2)] == inodes
     assert reader.complete_steps() == [2, 3]
     assert torch.equal(reader.read(3)["w"], big + 1)
+    reader.close()
+
+
+def test_a_dead_writers_torn_slot_is_not_a_write_in_progress(
+    store: RankSnapshotStore, tmp_path: Path
+) -> None:
+    """The planner waits for writes in progress; a slot left WRITING by a dead process is not one."""
+    store.write(1, {"w": torch.zeros(4)})
+    slot = next(s for s in store._slots if s.header() is None or s.header()[3] != 1)  # type: ignore[index]
+    slot.ensure_capacity(64, 64)
+    slot.write_header(SlotState.WRITING, 2, 0, 0, 0.0)  # as this process would mid-write
+    reader = RankSnapshotStore(shm_dir=tmp_path, job_id="t", rank=3)
+    (inf,) = [reader.info(i) for i in range(2) if reader.info(i).state is SlotState.WRITING]  # type: ignore[union-attr]
+    assert inf is not None and inf.writer_pid == os.getpid()
+    assert reader.writing_step({os.getpid()}) == 2
+    assert reader.writing_step({os.getpid() + 1}) is None  # the writer is gone: torn leftovers
     reader.close()

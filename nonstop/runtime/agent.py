@@ -137,11 +137,13 @@ class Agent:
         for rank, (meta, data) in enumerate(ranks):
             self._store(rank).write_raw(step, meta, data)
 
-    def writing_steps(self, ranks: list[int]) -> dict[int, int]:
-        """rank -> step it is writing right now, for the given ranks that are mid-write."""
+    def writing_steps(self, world_size: int) -> dict[int, int]:
+        """rank -> step a live child process is writing into that rank's slots right now."""
+        # poll(): a child SIGKILLed a moment ago is a zombie, alive to os.kill but not writing.
+        live = {sp.proc.pid for sp in self.procs.values() if sp.proc.poll() is None}
         out = {}
-        for rank in ranks:
-            step = self._store(rank).writing_step()
+        for rank in range(world_size):
+            step = self._store(rank).writing_step(live)
             if step is not None:
                 out[rank] = step
         return out

@@ -106,6 +106,9 @@ class Coordinator:
                 break
             self._pump_events(TICK_S)
             self._handle_exits()
+            # Handling an exit can take a while (planning waits for in-flight snapshot
+            # writes): read the heartbeats that arrived meanwhile before judging silence.
+            self._pump_events(0)
             self._detect()
             self._check_timeouts()
             self._answer_clients()
@@ -509,17 +512,17 @@ class Coordinator:
         return True
 
     def _settled_snapshots(self) -> dict[int, list[int]]:
-        """Complete steps per rank, after live members finish the snapshot they are writing.
+        """Complete steps per rank, after live processes finish the snapshot they are writing.
 
         A survivor may be copying the very step the failed rank already committed;
-        waiting the few milliseconds that takes saves redoing that step. Bounded: a
-        member that does not finish within PLAN_WAIT_S is planned around.
+        waiting the few milliseconds that takes saves redoing that step. A slot left
+        WRITING by a dead writer is not waited for (the slot names its writer's pid).
+        Bounded: a writer that does not finish within PLAN_WAIT_S is planned around.
         """
-        live = [rank for rank, sid in self.members.items() if sid in self.agent.procs]
         deadline = time.monotonic() + PLAN_WAIT_S
         while True:
             complete = self.agent.complete_steps(self.world_size)
-            writing = self.agent.writing_steps(live)
+            writing = self.agent.writing_steps(self.world_size)
             if not writing or time.monotonic() > deadline:
                 return complete
             time.sleep(0.002)

@@ -11,7 +11,8 @@ WRITING: the step being written), data_len, meta_len, data_cap, meta_cap,
 written_at (unix time, also the write's identity for readers that copy a slot
 out: see ``RankSnapshotStore.copy_out``), pinned (non-zero while a reader in
 another process, the agent's persister, holds the slot: the writer picks
-another slot).
+another slot), writer_pid (the process that wrote the header last: a WRITING
+slot whose writer is dead is a torn leftover, not a write in progress).
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ __all__ = [
 
 MAGIC = b"NSTPSLOT"
 FORMAT_VERSION = 2
-HEADER_FMT = "<8sIIqQQQQdI"
+HEADER_FMT = "<8sIIqQQQQdIi"
 PIN_OFFSET = 64  # byte offset of the ``pinned`` word in the header
 HEADER_SIZE = 4096
 ALIGN = 64
 assert struct.calcsize(HEADER_FMT) <= HEADER_SIZE
-assert struct.calcsize(HEADER_FMT[:-1]) == PIN_OFFSET
+assert struct.calcsize(HEADER_FMT[:-2]) == PIN_OFFSET
 
 
 class SlotState(enum.IntEnum):
@@ -83,3 +84,4 @@ class SnapshotInfo:
     meta_len: int
     written_at: float
     pinned: bool = False
+    writer_pid: int = 0

@@ -40,7 +40,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +222,7 @@ class _Slot:
             self.meta_cap,
             written_at,
             pinned,
+            os.getpid(),
         )
 
     def set_pinned(self, pinned: bool) -> None:
@@ -544,6 +545,7 @@ class RankSnapshotStore:
             meta_len=hdr[5],
             written_at=hdr[8],
             pinned=bool(hdr[9]),
+            writer_pid=hdr[10],
         )
 
     def _find(self, step: int) -> SnapshotInfo | None:
@@ -562,15 +564,16 @@ class RankSnapshotStore:
                 out.append(inf.step)
         return sorted(out)
 
-    def writing_step(self) -> int | None:
-        """The step being written right now (a slot in WRITING state), if any.
+    def writing_step(self, live_pids: Collection[int]) -> int | None:
+        """The step a live process is writing right now (a slot in WRITING state), if any.
 
-        A writer that died mid-write leaves this too: callers must know whether
-        the writer is alive.
+        A writer that died mid-write leaves a WRITING slot too; it counts only if its
+        ``writer_pid`` is in ``live_pids`` (a replacement playing the rank is not that
+        writer and will never finish it).
         """
         for i in range(self.num_slots):
             inf = self.info(i)
-            if inf is not None and inf.state is SlotState.WRITING:
+            if inf is not None and inf.state is SlotState.WRITING and inf.writer_pid in live_pids:
                 return inf.step
         return None
 
