@@ -17,6 +17,14 @@ from nonstop.config import DetectorConfig
 
 __all__ = [
     "FailureKind",
+    "Placement",
+    "QuarantinePolicy",
+    "RecoveryAction",
+    "Tier",
+    "choose_replacements",
+    "choose_tier",
+    "place_replicas",
+    "recovery_action",
     "RankObservation",
     "RecoveryPlan",
     "ReplacementSource",
@@ -36,6 +44,24 @@ class FailureKind(enum.StrEnum):
     HANG = "hang"  # no heartbeat / no progress; nonstop killed it
     EXIT = "exit"  # exited on its own before the job finished
     ERROR = "error"  # raised an exception that was not a peer's failure
+    NODE_LOST = "node"  # the node's agent vanished (lease expired or its channel died)
+
+
+class RecoveryAction(enum.StrEnum):
+    """What the control plane does about a failure (see :func:`recovery_action`)."""
+
+    RESTART_IN_PLACE = "restart_in_place"  # process died, node healthy: same node, local memory
+    REPLACE_NODE = "replace_node"  # node lost: another node, restore from a peer replica
+    QUARANTINE = "quarantine"  # node failed too often: move its ranks off, place nothing there
+    MIGRATE = "migrate"  # a planned event (maintenance, preemption notice): move live
+
+
+class Tier(enum.StrEnum):
+    """Where a rank's restore step is read from, fastest first."""
+
+    LOCAL = "local"  # the rank's own node's snapshot memory
+    PEER = "peer"  # a replica in another node's memory
+    DURABLE = "durable"  # the durable tier (disk / object store)
 
 
 class ReplacementSource(enum.StrEnum):
@@ -150,3 +176,132 @@ def plan_recovery(
         replacements=replacements,
         spares_used=tuple(used),
     )
+
+
+def recovery_action(kind: FailureKind, *, quarantined: bool = False, planned: bool = False) -> RecoveryAction:
+    """The recovery path for one failure.
+
+    A planned event migrates; a node that the quarantine policy has flagged is
+    vacated; a lost node is replaced; any process-level failure (crash, hang,
+    exit, error) restarts the rank in place, where its snapshot memory is.
+    """
+    if planned:
+        return RecoveryAction.MIGRATE
+    if quarantined:
+        return RecoveryAction.QUARANTINE
+    if kind is FailureKind.NODE_LOST:
+        return RecoveryAction.REPLACE_NODE
+    return RecoveryAction.RESTART_IN_PLACE
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuarantinePolicy:
+    """A node that fails ``max_failures`` times within ``window_s`` seconds is quarantined."""
+
+    max_failures: int = 3
+    window_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_failures < 1 or self.window_s <= 0:
+            raise ValueError("quarantine needs max_failures >= 1 and window_s > 0")
+
+    def should_quarantine(self, failure_times: Sequence[float], *, now: float) -> bool:
+        """``failure_times``: when this node's failures happened (any clock, same as ``now``)."""
+        recent = [t for t in failure_times if now - t <= self.window_s]
+        return len(recent) >= self.max_failures
+
+
+def place_replicas(nodes: Sequence[str], domains: Mapping[str, str], r: int) -> dict[str, list[str]]:
+    """For each node, the ``r`` nodes holding replicas of its ranks' snapshots.
+
+    Walks the ring of ``nodes`` (in the given order) from each node and takes the
+    next nodes in a *different* failure domain; if there are not enough of those,
+    the remaining slots go to other nodes of the same domain (a replica on
+    another node still survives a process or node loss). Deterministic.
+    """
+    out: dict[str, list[str]] = {}
+    n = len(nodes)
+    for i, node in enumerate(nodes):
+        ring = [nodes[(i + k) % n] for k in range(1, n)]
+        dom = domains.get(node, node)
+        other = [m for m in ring if domains.get(m, m) != dom]
+        same = [m for m in ring if domains.get(m, m) == dom]
+        out[node] = (other + same)[: max(0, r)]
+    return out
+
+
+def choose_tier(*, local_alive: bool, has_local: bool, peer_has: bool, durable_has: bool) -> Tier | None:
+    """Fastest tier holding a rank's restore step, or None if no tier has it."""
+    if local_alive and has_local:
+        return Tier.LOCAL
+    if peer_has:
+        return Tier.PEER
+    if durable_has:
+        return Tier.DURABLE
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where a failed rank is played next: on ``node``, by hot spare ``spare`` or a cold process."""
+
+    node: str
+    spare: int | None  # spare id, or None for a cold process
+
+    @property
+    def source(self) -> ReplacementSource:
+        return ReplacementSource.COLD if self.spare is None else ReplacementSource.SPARE
+
+
+def choose_replacements(
+    *,
+    failed: Mapping[int, str | None],
+    spares: Mapping[int, str],
+    data_nodes: Mapping[int, Sequence[str]],
+    live_nodes: Sequence[str],
+    load: Mapping[str, int],
+    quarantined: Sequence[str] = (),
+) -> dict[int, Placement]:
+    """Who plays each failed rank, and on which node (pure, deterministic).
+
+    ``failed``: rank -> the node it ran on (None if unknown). ``spares``: idle
+    spare id -> its node. ``data_nodes``: rank -> nodes whose memory holds its
+    restore step (own node first, then replica holders). ``load``: ranks each
+    live node plays now. Preference, per rank in ascending order:
+
+    1. a spare on a node that holds the rank's data (its own node first:
+       restart in place; then a replica holder: no transfer needed);
+    2. any spare on a usable node, least loaded node first;
+    3. a cold process on the rank's own node, if usable;
+    4. a cold process on the least loaded usable node.
+
+    Usable: live and not quarantined. Raises ValueError if no node is usable.
+    """
+    bad = set(quarantined)
+    usable = [n for n in live_nodes if n not in bad]
+    if not usable:
+        raise ValueError("no live, unquarantined node to place ranks on")
+    free = {sid: node for sid, node in sorted(spares.items()) if node in usable}
+    load_now = {n: load.get(n, 0) for n in usable}
+    out: dict[int, Placement] = {}
+    for rank in sorted(failed):
+        own = failed[rank]
+        prefer = [n for n in ([own] if own else []) + list(data_nodes.get(rank, ())) if n in usable]
+        pick: Placement | None = None
+        for node in prefer:
+            sid = next((s for s, n in free.items() if n == node), None)
+            if sid is not None:
+                pick = Placement(node=node, spare=sid)
+                break
+        if pick is None and free:
+            sid = min(free, key=lambda s: (load_now[free[s]], usable.index(free[s]), s))
+            pick = Placement(node=free[sid], spare=sid)
+        if pick is None:
+            node = own if own in usable else min(usable, key=lambda n: (load_now[n], usable.index(n)))
+            assert node is not None
+            pick = Placement(node=node, spare=None)
+        if pick.spare is not None:
+            del free[pick.spare]
+        load_now[pick.node] += 1
+        out[rank] = pick
+    return out

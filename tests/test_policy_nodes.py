@@ -1,0 +1,83 @@
+"""Node-level pure policies: recovery action, quarantine, replica placement, tiers, spare choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from nonstop.runtime.policy import (
+    FailureKind,
+    Placement,
+    QuarantinePolicy,
+    RecoveryAction,
+    ReplacementSource,
+    Tier,
+    choose_replacements,
+    choose_tier,
+    place_replicas,
+    recovery_action,
+)
+
+
+def test_recovery_action_by_kind() -> None:
+    assert recovery_action(FailureKind.KILLED) is RecoveryAction.RESTART_IN_PLACE
+    assert recovery_action(FailureKind.HANG) is RecoveryAction.RESTART_IN_PLACE
+    assert recovery_action(FailureKind.NODE_LOST) is RecoveryAction.REPLACE_NODE
+    assert recovery_action(FailureKind.KILLED, quarantined=True) is RecoveryAction.QUARANTINE
+    assert recovery_action(FailureKind.NODE_LOST, planned=True) is RecoveryAction.MIGRATE
+
+
+def test_quarantine_counts_only_the_window() -> None:
+    q = QuarantinePolicy(max_failures=3, window_s=60)
+    assert not q.should_quarantine([0.0, 10.0], now=20.0)
+    assert q.should_quarantine([0.0, 10.0, 20.0], now=20.0)
+    assert not q.should_quarantine([0.0, 10.0, 20.0], now=65.0)  # the first one aged out
+    with pytest.raises(ValueError):
+        QuarantinePolicy(max_failures=0)
+
+
+def test_replicas_go_to_another_failure_domain() -> None:
+    nodes = ["a", "b", "c", "d"]
+    domains = {"a": "rack1", "b": "rack1", "c": "rack2", "d": "rack2"}
+    out = place_replicas(nodes, domains, 1)
+    assert out == {"a": ["c"], "b": ["c"], "c": ["a"], "d": ["a"]}
+    for node, holders in place_replicas(nodes, domains, 2).items():
+        assert node not in holders and len(holders) == 2
+    # one domain only: still another node
+    assert place_replicas(["x", "y"], {}, 1) == {"x": ["y"], "y": ["x"]}
+    assert place_replicas(["x"], {}, 1) == {"x": []}
+
+
+def test_tier_order() -> None:
+    assert choose_tier(local_alive=True, has_local=True, peer_has=True, durable_has=True) is Tier.LOCAL
+    assert choose_tier(local_alive=False, has_local=True, peer_has=True, durable_has=True) is Tier.PEER
+    assert choose_tier(local_alive=False, has_local=False, peer_has=False, durable_has=True) is Tier.DURABLE
+    assert choose_tier(local_alive=False, has_local=False, peer_has=False, durable_has=False) is None
+
+
+def test_spare_on_own_node_first_then_replica_holder() -> None:
+    out = choose_replacements(
+        failed={0: "a", 2: "b"},
+        spares={10: "c", 11: "a"},
+        data_nodes={0: ["a", "b"], 2: ["c"]},
+        live_nodes=["a", "c"],
+        load={"a": 1, "c": 1},
+    )
+    assert out[0] == Placement(node="a", spare=11)  # restart in place on its own node
+    assert out[2] == Placement(node="c", spare=10)  # its node is gone: the replica holder's spare
+    assert out[2].source is ReplacementSource.SPARE
+
+
+def test_cold_when_no_spare_and_never_on_quarantined_or_dead_nodes() -> None:
+    out = choose_replacements(
+        failed={1: "b", 3: "d"},
+        spares={5: "q"},
+        data_nodes={1: ["q"], 3: []},
+        live_nodes=["a", "c", "q"],
+        load={"a": 2, "c": 1, "q": 0},
+        quarantined=["q"],
+    )
+    assert out[1] == Placement(node="c", spare=None)  # least loaded usable node
+    assert out[3] == Placement(node="a", spare=None)  # c now has 2 as well; ties go in node order
+    assert out[3].source is ReplacementSource.COLD
+    with pytest.raises(ValueError):
+        choose_replacements(failed={0: "a"}, spares={}, data_nodes={}, live_nodes=["q"], load={}, quarantined=["q"])
