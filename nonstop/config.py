@@ -30,6 +30,10 @@ class ENV:
     HEARTBEAT_INTERVAL = "NONSTOP_HEARTBEAT_INTERVAL_S"
     REBUILD_TIMEOUT = "NONSTOP_REBUILD_TIMEOUT_S"
     SNAPSHOT = "NONSTOP_SNAPSHOT"
+    NODE = "NONSTOP_NODE"
+    AGENT_PID = "NONSTOP_AGENT_PID"
+    SLOTS = "NONSTOP_SNAPSHOT_SLOTS"
+    SECRET = "NONSTOP_SECRET"  # alternative to a secret file for node agents
 
 
 SNAPSHOT_MODES = ("overlapped", "sync", "off")
@@ -89,6 +93,29 @@ class JobConfig:
     lossy: bool = False
     lossy_bits: int = 8
     persist_timeout_s: float = 120.0
+    # -- many nodes ------------------------------------------------------------------
+    nnodes: int = 1
+    node_rank: int = 0
+    coordinator: str | None = None  # HOST:PORT; node 0 listens there, the others connect
+    domain: str | None = None  # failure domain of this node (rack, zone); default: the node itself
+    lease_ttl_s: float = 1.0  # a node silent this long is lost (and fences itself)
+    replicas: int = 1  # peer copies of each rank's snapshot (0: none); needs nnodes > 1
+    replica_bandwidth_mb_s: float | None = None  # cap per node for replication traffic
+    secret_file: Path | None = None  # nodes other than 0: where the job secret is
+    quarantine_failures: int = 3  # a node failing this often ...
+    quarantine_window_s: float = 600.0  # ... within this window is quarantined
+    join_timeout_s: float = 300.0  # how long node 0 waits for every node to join
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def coordinator_addr(self) -> tuple[str, int]:
+        if self.coordinator is None:
+            return (self.host, self.port)
+        host, _, port = self.coordinator.rpartition(":")
+        return (host, int(port))
 
     @property
     def checkpoint_url(self) -> str:
@@ -115,6 +142,28 @@ class JobConfig:
             raise UsageError(f"--port must be in 0..65535 (got {self.port}); 0 picks a free port")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(
+                f"--node-rank must be in 0..{self.nnodes - 1} for --nnodes {self.nnodes} "
+                f"(got {self.node_rank})"
+            )
+        if self.nnodes > 1 and self.coordinator is None:
+            raise UsageError("a job of several nodes needs --coordinator HOST:PORT (node 0 listens there)")
+        if self.coordinator is not None:
+            host, sep, port = self.coordinator.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise UsageError(f"--coordinator must be HOST:PORT (got {self.coordinator!r})")
+        if self.lease_ttl_s <= 0.05:
+            raise UsageError(f"--lease-ttl must be > 0.05 seconds (got {self.lease_ttl_s})")
+        if self.replicas < 0 or (self.nnodes > 1 and self.replicas > self.nnodes - 1):
+            raise UsageError(
+                f"--replicas must be in 0..{max(0, self.nnodes - 1)} (a replica lives on another node; "
+                f"got {self.replicas})"
+            )
+        if self.replica_bandwidth_mb_s is not None and self.replica_bandwidth_mb_s <= 0:
+            raise UsageError("--replica-bandwidth must be > 0 MB/s (omit it for no cap)")
+        if self.quarantine_failures < 1 or self.quarantine_window_s <= 0:
+            raise UsageError("--quarantine-failures must be >= 1 and --quarantine-window > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,6 +181,9 @@ class WorkerEnv:
     heartbeat_interval_s: float = 0.1
     rebuild_timeout_s: float = 30.0
     snapshot: str = "overlapped"
+    node: str = "0"
+    agent_pid: int | None = None
+    num_slots: int = 2
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -156,4 +208,7 @@ class WorkerEnv:
             heartbeat_interval_s=float(env.get(ENV.HEARTBEAT_INTERVAL, "0.1")),
             rebuild_timeout_s=float(env.get(ENV.REBUILD_TIMEOUT, "30")),
             snapshot=env.get(ENV.SNAPSHOT, "overlapped"),
+            node=env.get(ENV.NODE, "0"),
+            agent_pid=int(env[ENV.AGENT_PID]) if ENV.AGENT_PID in env else None,
+            num_slots=int(env.get(ENV.SLOTS, "2")),
         )

@@ -9,6 +9,9 @@ A fault spec is ``KIND:key=value,...``:
 * ``exit:rank=R,step=S,code=C``     the worker exits with status C
 * ``wipe:rank=R,step=S``            like ``kill``, and rank R's snapshot memory is deleted first
                                     (a host lost with its memory: recovery needs the durable tier)
+* ``node:node=I,step=S``           node I is lost: when a worker on it starts step S, its node
+                                    agent and every process of the node are SIGKILLed (the node's
+                                    memory, with the replicas it held, is gone with them)
 * ``slow:rank=R,step=S,seconds=X``  a straggler: the rank computes X seconds longer in step S
                                     (interruptibly, in 10 ms slices, like a real step)
 * any of them with ``at=recovery``  fire instead the first time rank R is asked to
@@ -33,7 +36,7 @@ from nonstop.errors import UsageError
 
 __all__ = ["FaultInjector", "FaultSpec", "fired_at", "parse_fault"]
 
-KINDS = ("kill", "hang", "stall", "exit", "slow", "wipe")
+KINDS = ("kill", "hang", "stall", "exit", "slow", "wipe", "node")
 PHASES = ("step", "recovery")
 
 
@@ -45,8 +48,11 @@ class FaultSpec:
     code: int = 1
     seconds: float = 0.0
     at: str = "step"
+    node: int = -1  # for kind "node"
 
     def to_text(self) -> str:
+        if self.kind == "node":
+            return f"node:node={self.node},step={self.step}" + (f",at={self.at}" if self.at != "step" else "")
         extra = f",code={self.code}" if self.kind == "exit" else ""
         extra += f",seconds={self.seconds:g}" if self.kind == "slow" else ""
         at = f",at={self.at}" if self.at != "step" else ""
@@ -56,7 +62,7 @@ class FaultSpec:
 def parse_fault(text: str) -> FaultSpec:
     """Parse a fault spec; raise UsageError with the expected syntax if it is bad."""
     usage = (
-        "expected kill:rank=R,step=S | hang:rank=R,step=S | exit:rank=R,step=S,code=C "
+        "expected kill:rank=R,step=S | hang:rank=R,step=S | exit:rank=R,step=S,code=C | node:node=I,step=S "
         "(optionally ,at=recovery)"
     )
     kind, sep, rest = text.partition(":")
@@ -68,14 +74,16 @@ def parse_fault(text: str) -> FaultSpec:
         if not eq or not key or key in fields:
             raise UsageError(f"bad fault spec {text!r}: {usage}")
         fields[key.strip()] = value.strip()
-    allowed = {"rank", "step", "at"} | ({"code"} if kind == "exit" else set())
+    who = "node" if kind == "node" else "rank"
+    allowed = {who, "step", "at"} | ({"code"} if kind == "exit" else set())
     allowed |= {"seconds"} if kind == "slow" else set()
     unknown = set(fields) - allowed
-    required = {"rank", "step"} | ({"seconds"} if kind == "slow" else set())
+    required = {who, "step"} | ({"seconds"} if kind == "slow" else set())
     if unknown or not required <= set(fields):
         raise UsageError(f"bad fault spec {text!r}: {usage}")
     try:
-        rank, step = int(fields["rank"]), int(fields["step"])
+        rank, step = int(fields.get("rank", "0")), int(fields["step"])
+        node = int(fields.get("node", "-1"))
         code = int(fields.get("code", "1"))
         seconds = float(fields.get("seconds", "0"))
     except ValueError:
@@ -83,11 +91,19 @@ def parse_fault(text: str) -> FaultSpec:
             f"bad fault spec {text!r}: rank, step and code must be integers, seconds a number"
         ) from None
     at = fields.get("at", "step")
-    if rank < 0 or step < 0 or at not in PHASES or not 0 <= code <= 255 or not 0 <= seconds <= 3600:
+    if (
+        rank < 0
+        or step < 0
+        or (kind == "node" and node < 0)
+        or at not in PHASES
+        or not 0 <= code <= 255
+        or not 0 <= seconds <= 3600
+    ):
         raise UsageError(
-            f"bad fault spec {text!r}: rank, step >= 0, code in 0..255, seconds in 0..3600, at=step|recovery"
+            f"bad fault spec {text!r}: rank, node, step >= 0, code in 0..255, seconds in 0..3600, "
+            "at=step|recovery"
         )
-    return FaultSpec(kind=kind, rank=rank, step=step, code=code, seconds=seconds, at=at)
+    return FaultSpec(kind=kind, rank=rank, step=step, code=code, seconds=seconds, at=at, node=node)
 
 
 def fired_at(marker_dir: Path, pid: int) -> float | None:
@@ -117,9 +133,9 @@ class FaultInjector:
     def from_json(cls, raw: str, marker_dir: Path) -> FaultInjector:
         return cls([FaultSpec(**d) for d in json.loads(raw)], marker_dir)
 
-    def due(self, *, rank: int, step: int, phase: str) -> tuple[int, FaultSpec] | None:
+    def due(self, *, rank: int, step: int, phase: str, node: int = -1) -> tuple[int, FaultSpec] | None:
         for index, f in self.faults:
-            if f.rank != rank or f.at != phase:
+            if f.at != phase or (f.node != node if f.kind == "node" else f.rank != rank):
                 continue
             if (phase == "step" and step == f.step) or (phase == "recovery" and step >= f.step):
                 if self._claim(index):
@@ -137,11 +153,17 @@ class FaultInjector:
         return True
 
     @staticmethod
-    def fire(fault: FaultSpec, *, wipe: Callable[[], None] | None = None) -> None:
+    def fire(
+        fault: FaultSpec, *, wipe: Callable[[], None] | None = None, agent_pid: int | None = None
+    ) -> None:
         """Carry the fault out on this process. Returns only after ``slow`` (or a resumed hang).
-        ``wipe`` deletes this rank's snapshot memory (for ``wipe``)."""
+        ``wipe`` deletes this rank's snapshot memory (for ``wipe``); ``agent_pid`` is the node
+        agent to kill with the node (for ``node``; its other processes die with it)."""
         if fault.kind == "wipe" and wipe is not None:
             wipe()
+        if fault.kind == "node" and agent_pid is not None:
+            os.kill(agent_pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind in ("kill", "wipe"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":

@@ -197,7 +197,7 @@ def test_sigterm_stops_the_job_and_leaves_nothing(tmp_path: Path) -> None:
 def test_crashed_launcher_takes_its_children_and_gc_cleans_memory(tmp_path: Path) -> None:
     proc, job_id = _start_long_job(tmp_path)
     time.sleep(1.0)  # let the workers write snapshots
-    assert list(default_shm_dir().glob(f"nonstop-{job_id}-*"))
+    assert list(default_shm_dir().glob(f"nonstop-{job_id}.0-*"))  # node 0 keeps its ranks here
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     deadline = time.monotonic() + 10

@@ -1,9 +1,12 @@
 """Authenticated JSON message channel over TCP.
 
 Wire format: each frame is ``len:u32be | mac:32 bytes | payload`` where
-``payload`` is UTF-8 JSON of one object and ``mac = HMAC-SHA256(session_key,
-seq:u64be | payload)``; ``seq`` counts frames per direction from 0, so a
-replayed, dropped or reordered frame fails verification.
+``payload = jlen:u32be | json | blob``: ``json`` is UTF-8 JSON of one object
+(at most 1 MiB) and ``blob`` optional raw bytes (at most 64 MiB; snapshot
+chunks on the data plane). ``mac = HMAC-SHA256(session_key, seq:u64be |
+payload)``; ``seq`` counts frames per direction from 0, so a replayed, dropped
+or reordered frame fails verification. Nothing received is ever unpickled: a
+blob is handed to the receiver as bytes, JSON is parsed as JSON.
 
 Handshake (before any frame)::
 
@@ -32,11 +35,13 @@ from typing import Any
 
 from nonstop.errors import AuthError, ControlError, UsageError
 
-__all__ = ["Channel", "ControlServer", "connect", "new_secret"]
+__all__ = ["BLOB", "Channel", "ControlServer", "connect", "new_secret"]
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME = 1 << 20
+MAX_FRAME = 1 << 20  # JSON part of a frame
+MAX_BLOB = 64 << 20  # binary part of a frame
+BLOB = "_blob"  # key under which recv() returns a frame's binary part
 HANDSHAKE_TIMEOUT_S = 5.0
 Message = dict[str, Any]
 
@@ -58,6 +63,18 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ControlError("connection closed")
         buf += chunk
     return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ControlError("connection closed")
+        got += k
+    return buf
 
 
 def _send_plain(sock: socket.socket, obj: Message) -> None:
@@ -89,33 +106,51 @@ class Channel:
         self.closed = False
         self.tag: Any = None  # owner's bookkeeping (e.g. which worker this is)
 
-    def send(self, msg: Message) -> None:
+    def send(self, msg: Message, blob: bytes | bytearray | memoryview | None = None) -> None:
+        """Send one message, with an optional binary part (returned by ``recv`` under BLOB)."""
         payload = json.dumps(msg, separators=(",", ":")).encode()
         if len(payload) > MAX_FRAME:
             raise ControlError(f"message too large ({len(payload)} bytes)")
+        body = memoryview(b"") if blob is None else memoryview(blob).cast("B")
+        if len(body) > MAX_BLOB:
+            raise ControlError(f"binary part too large ({len(body)} bytes, limit {MAX_BLOB})")
+        head = struct.pack(">I", len(payload))
+        total = len(head) + len(payload) + len(body)
         with self._send_lock:
-            mac = _mac(self._key, struct.pack(">Q", self._send_seq), payload)
+            h = hmac.new(self._key, struct.pack(">Q", self._send_seq), hashlib.sha256)
+            h.update(head)
+            h.update(payload)
+            if len(body):
+                h.update(body)
             self._send_seq += 1
             try:
-                self._sock.sendall(struct.pack(">I", len(payload)) + mac + payload)
+                self._sock.sendall(struct.pack(">I", total) + h.digest() + head + payload)
+                if len(body):
+                    self._sock.sendall(body)
             except OSError as e:
                 self.closed = True
                 raise ControlError(f"send failed: {e}") from e
 
     def recv(self) -> Message:
-        """Block for the next message. Raises ControlError on close or a bad MAC."""
+        """Block for the next message. Raises ControlError on close or a bad MAC.
+        A binary part, if the frame has one, is under ``msg[BLOB]`` (bytearray)."""
         (n,) = struct.unpack(">I", _recv_exact(self._sock, 4))
-        if n > MAX_FRAME:
-            raise ControlError(f"frame too large ({n} bytes)")
+        if n > MAX_FRAME + MAX_BLOB + 4 or n < 4:
+            raise ControlError(f"bad frame length {n}")
         mac = _recv_exact(self._sock, 32)
-        payload = _recv_exact(self._sock, n)
-        expect = _mac(self._key, struct.pack(">Q", self._recv_seq), payload)
+        payload = _recv_into(self._sock, n)
+        expect = _mac(self._key, struct.pack(">Q", self._recv_seq), bytes(payload))
         if not hmac.compare_digest(mac, expect):
             raise AuthError(f"bad message MAC from {self.peer}; dropping the connection")
         self._recv_seq += 1
-        obj = json.loads(payload)
+        (jlen,) = struct.unpack_from(">I", payload)
+        if jlen > MAX_FRAME or 4 + jlen > n:
+            raise ControlError(f"bad JSON length {jlen} in a frame of {n} bytes")
+        obj = json.loads(bytes(payload[4 : 4 + jlen]))
         if not isinstance(obj, dict):
             raise ControlError("frame is not a JSON object")
+        if n > 4 + jlen:
+            obj[BLOB] = memoryview(payload)[4 + jlen :]
         return obj
 
     def close(self) -> None:

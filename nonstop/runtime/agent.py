@@ -59,8 +59,10 @@ class Agent:
         command: list[str],
         env: dict[str, str],
         redirect_output: bool,
+        num_slots: int = 2,
     ) -> None:
         self.job_id = job_id
+        self.num_slots = num_slots
         self.job_dir = job_dir
         self.shm_dir = shm_dir
         self.command = command
@@ -71,10 +73,12 @@ class Agent:
         self._next_id = 0
         self._stores: dict[int, RankSnapshotStore] = {}
 
-    def spawn(self, role: str) -> int:
-        """Start a worker or a hot spare; return its spawn id (the coordinator tells it its rank)."""
-        spawn_id = self._next_id
-        self._next_id += 1
+    def spawn(self, role: str, spawn_id: int | None = None) -> int:
+        """Start a worker or a hot spare; return its spawn id (the coordinator tells it its rank).
+        ``spawn_id``: the id the coordinator chose (unique in the job); default the next local one."""
+        if spawn_id is None:
+            spawn_id = self._next_id
+        self._next_id = max(self._next_id, spawn_id) + 1
         env = dict(self.env)
         env[ENV.ROLE] = role
         env[ENV.SPAWN_ID] = str(spawn_id)
@@ -124,25 +128,34 @@ class Agent:
         store = self._stores.get(rank)
         if store is None:
             store = self._stores[rank] = RankSnapshotStore(
-                shm_dir=self.shm_dir, job_id=self.job_id, rank=rank
+                shm_dir=self.shm_dir, job_id=self.job_id, rank=rank, num_slots=self.num_slots
             )
         return store
 
-    def complete_steps(self, world_size: int) -> dict[int, list[int]]:
-        """Steps with a complete snapshot in memory, per rank (read from slot headers)."""
-        return {rank: self._store(rank).complete_steps() for rank in range(world_size)}
+    def ranks_in_memory(self) -> list[int]:
+        """Ranks that have snapshot slots in this agent's shared memory."""
+        return ranks_with_segments(self.shm_dir, self.job_id)
 
-    def install(self, step: int, ranks: list[tuple[bytes, bytearray]]) -> None:
-        """Put a loaded checkpoint (rank -> (meta, data)) into every rank's slots as ``step``."""
-        for rank, (meta, data) in enumerate(ranks):
+    def complete_steps(self, world_size: int | None = None) -> dict[int, list[int]]:
+        """Steps with a complete snapshot in memory, per rank (read from slot headers).
+        ``world_size``: ranks ``0..world_size-1``; None: every rank with slots here."""
+        ranks = range(world_size) if world_size is not None else self.ranks_in_memory()
+        return {rank: self._store(rank).complete_steps() for rank in ranks}
+
+    def install(
+        self, step: int, ranks: list[tuple[bytes, bytearray]] | dict[int, tuple[bytes, bytearray]]
+    ) -> None:
+        """Put loaded snapshots (rank -> (meta, data)) into those ranks' slots as ``step``."""
+        items = ranks.items() if isinstance(ranks, dict) else enumerate(ranks)
+        for rank, (meta, data) in items:
             self._store(rank).write_raw(step, meta, data)
 
-    def writing_steps(self, world_size: int) -> dict[int, int]:
+    def writing_steps(self, world_size: int | None = None) -> dict[int, int]:
         """rank -> step a live child process is writing into that rank's slots right now."""
         # poll(): a child SIGKILLed a moment ago is a zombie, alive to os.kill but not writing.
         live = {sp.proc.pid for sp in self.procs.values() if sp.proc.poll() is None}
         out = {}
-        for rank in range(world_size):
+        for rank in range(world_size) if world_size is not None else self.ranks_in_memory():
             step = self._store(rank).writing_step(live)
             if step is not None:
                 out[rank] = step
@@ -168,6 +181,17 @@ class Agent:
             store.close()
         self._stores.clear()
         remove_segments(self.shm_dir, self.job_id)
+
+
+def ranks_with_segments(shm_dir: Path, job_id: str) -> list[int]:
+    """Ranks with at least one slot file of ``job_id`` (``<prefix>r<rank>-s<i>``), ascending."""
+    prefix = segment_prefix(job_id)
+    ranks = set()
+    for path in shm_dir.glob(f"{prefix}r*-s*"):
+        head = path.name[len(prefix) + 1 :].partition("-s")[0]
+        if head.isdigit():
+            ranks.add(int(head))
+    return sorted(ranks)
 
 
 def remove_segments(shm_dir: Path, job_id: str) -> list[Path]:

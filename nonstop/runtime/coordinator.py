@@ -1,16 +1,34 @@
-"""The coordinator: membership, generations, failure detection, recovery.
+"""The coordinator: nodes, membership, generations, leases, detection, recovery, replication.
 
 Threading: one thread (the caller of :meth:`Coordinator.run`) owns all state.
-The control server's threads only put events on a queue; the agent is polled.
+The control server's threads only put events on a queue.
+
+Peers (all on authenticated channels):
+
+* **node agents** (``role: agent``; :mod:`nonstop.runtime.node`): one per node.
+  They hold a lease, renewed every TTL/5; a node whose lease expires, or whose
+  agent channel closes, is **lost**: every rank on it fails at once, and the
+  agent has already killed its processes (it fences itself first, see there).
+* **workers and spares**: heartbeats, step reports, rendezvous (``kv``).
+* **clients** (``nonstop persist``).
 
 Fencing: every message from a worker carries the generation it was sent in;
-``restored``/``ready``/``step``/``done``/``fault`` from an older generation
-are ignored, so a late message can never complete a newer reconfiguration.
+``restored``/``ready``/``step``/``done``/``fault``/``kv`` from an older
+generation, from a process that is no longer a member, or from a lost node are
+ignored or refused, so two processes never play one rank in one generation.
+
+Recovery planning (see :func:`~nonstop.runtime.policy.choose_replacements`):
+the coordinator asks every live node what its memory holds (its own ranks'
+slots and the replicas it keeps), picks the newest step every rank has
+somewhere, places failed ranks (spare on the node holding the data first),
+has nodes fetch what they lack from a peer, and falls back to the durable
+tier when memory has no common step.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import queue
 import signal
@@ -21,26 +39,29 @@ from typing import Any
 
 from nonstop.config import JobConfig
 from nonstop.control.channel import Channel, ControlServer, Message
+from nonstop.control.rdzv import KeyValueTable
 from nonstop.errors import ControlError, NonstopError
-from nonstop.faults import fired_at
-from nonstop.runtime.agent import Agent
 from nonstop.runtime.detector import FailureDetector, WorkerRecord
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.policy import (
     FailureKind,
+    QuarantinePolicy,
+    choose_replacements,
     classify_exit,
+    committed_step,
     describe_exit,
-    plan_recovery,
+    place_replicas,
 )
 from nonstop.runtime.recovery import Failure, Reconfiguration, Stage
 from nonstop.snapshot.persist import Persister
 
-__all__ = ["Coordinator", "JobResult", "JobState"]
+__all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.005
-PLAN_WAIT_S = 2.0
+PLAN_WAIT_S = 3.0  # longest planning waits for the nodes' inventories
+REPLICATED_EVENT_EVERY_S = 1.0
 
 
 class JobState(enum.StrEnum):
@@ -60,6 +81,43 @@ class JobResult:
     failures: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
     median_step_s: float | None = None
+    replication: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class NodeRecord:
+    """The coordinator's view of one node (its agent)."""
+
+    name: str
+    chan: Channel
+    nproc: int
+    spares: int
+    domain: str
+    data_addr: str
+    last_lease: float
+    alive: bool = True
+    quarantined: bool = False
+    failure_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Round:
+    """One replication round: step ``step`` of every rank to its holders."""
+
+    step: int
+    pending: set[int]
+    started: float
+    raw: int = 0
+    wire: int = 0
+
+
+@dataclass
+class _Exit:
+    sid: int
+    rc: int
+    pid: int | None
+    fault_at: float | None
+    node_lost: str | None = None  # why, if the whole node was lost
 
 
 class Coordinator:
@@ -67,51 +125,78 @@ class Coordinator:
         self,
         *,
         config: JobConfig,
-        agent: Agent,
         server: ControlServer,
         events: EventLog,
+        job_id: str,
+        worker_env: dict[str, str],
         persister: Persister | None = None,
+        durable_url: str | None = None,
         initial_step: int | None = None,
     ) -> None:
         self.config = config
+        self.job_id = job_id
+        self.worker_env = worker_env
         self.persister = persister
-        self.initial_step = initial_step  # resumed from the durable tier: restore this first
-        self.clients: dict[int, Channel] = {}  # `nonstop persist` and other control clients
-        self.client_tickets: list[tuple[Channel, int]] = []
-        self.agent = agent
+        self.durable_url = durable_url
+        self.initial_step = initial_step  # resumed from the durable tier: install this first
         self.server = server
         self.events = events
-        self.world_size = config.nproc_per_node
+        self.world_size = config.world_size
+        self.num_slots = 3 if config.replicas > 0 and config.nnodes > 1 else 2
         self.state = JobState.STARTING
         self.generation = 0
+        self.nodes: dict[str, NodeRecord] = {}
         self.workers: dict[int, WorkerRecord] = {}
+        self.worker_node: dict[int, str] = {}
+        self.live: set[int] = set()  # spawned and not yet reported exited
         self.members: dict[int, int] = {}  # rank -> spawn_id
+        self.rank_node: dict[int, str] = {}  # rank -> node that plays it
         self.reconf: Reconfiguration | None = None
         self.failures_total = 0
         self.reports: list[dict[str, Any]] = []
         self.detector = FailureDetector(config.detector)
+        self.quarantine = QuarantinePolicy(
+            max_failures=config.quarantine_failures, window_s=config.quarantine_window_s
+        )
         self.latest_step: dict[int, int] = {}
         self.done_ranks: set[int] = set()
         self.error: str | None = None
+        self.clients: dict[int, Channel] = {}
+        self.client_tickets: list[tuple[Channel, int]] = []
+        self.kv = KeyValueTable()
+        self._exits: list[_Exit] = []
+        self._sid = itertools.count()
+        self._req = itertools.count()
+        self._replies: dict[int, Message] = {}
+        self._req_node: dict[int, str] = {}
+        self._waiting_fetch: dict[int, tuple[int, int]] = {}  # request id -> (rank, generation)
+        self.replicated_step: int | None = None
+        self._round: _Round | None = None
+        self._rep_totals: dict[str, int] = {"rounds": 0, "raw_bytes": 0, "wire_bytes": 0, "failed_rounds": 0}
+        self._rep_event_at = 0.0
+        self._started_at = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def replication_on(self) -> bool:
+        return self.config.replicas > 0 and self.config.nnodes > 1
+
     def run(self, stop: threading.Event) -> JobResult:
-        for rank in range(self.world_size):
-            self._spawn("worker", rank)
-        for _ in range(self.config.spares):
-            self._spawn("spare", None)
         while self.state not in (JobState.DONE, JobState.FAILED):
             if stop.is_set():
                 self._fail("stopped by signal")
                 break
             self._pump_events(TICK_S)
+            self._check_leases()
+            self._check_join()
             self._handle_exits()
-            # Handling an exit can take a while (planning waits for in-flight snapshot
-            # writes): read the heartbeats that arrived meanwhile before judging silence.
             self._pump_events(0)
             self._detect()
             self._check_timeouts()
+            self._replicate()
             self._answer_clients()
+        for node in self.nodes.values():
+            self._send_node(node, {"t": "finish", "failed": self.state is JobState.FAILED})
         final = min(self.latest_step.values()) if self.latest_step else 0
         return JobResult(
             state=self.state,
@@ -120,15 +205,59 @@ class Coordinator:
             failures=self.reports,
             error=self.error,
             median_step_s=self.detector.median_step_s,
+            replication=self.replication_stats(),
         )
 
-    def _spawn(self, role: str, rank: int | None) -> int:
-        sid = self.agent.spawn(role)
+    def replication_stats(self) -> dict[str, Any]:
+        t: dict[str, Any] = dict(self._rep_totals)
+        t["replicated_step"] = self.replicated_step
+        t["wire_over_raw"] = (t["wire_bytes"] / t["raw_bytes"]) if t["raw_bytes"] else None
+        return t
+
+    def _check_join(self) -> None:
+        if self.state is not JobState.STARTING or self.members:
+            return
+        alive = self._alive_nodes()
+        if len(alive) >= self.config.nnodes:
+            self._start_job(alive[: self.config.nnodes])
+        elif time.monotonic() - self._started_at > self.config.join_timeout_s:
+            self._fail(
+                f"only {len(alive)} of {self.config.nnodes} nodes joined within "
+                f"{self.config.join_timeout_s:g}s; start `nonstop run --node-rank I` on every node"
+            )
+
+    def _start_job(self, nodes: list[str]) -> None:
+        self.events.emit("nodes_joined", nodes=nodes)
+        if self.initial_step is not None:
+            placement = {
+                n: list(range(i * self.config.nproc_per_node, (i + 1) * self.config.nproc_per_node))
+                for i, n in enumerate(nodes)
+            }
+            url = self.config.resume or self.durable_url
+            if url is None or not self._install_durable(self.initial_step, placement, url):
+                self._fail(f"could not install the resumed checkpoint step {self.initial_step} on every node")
+                return
+        for i, name in enumerate(nodes):
+            for k in range(self.config.nproc_per_node):
+                self._spawn(name, "worker", i * self.config.nproc_per_node + k)
+            for _ in range(self.nodes[name].spares):
+                self._spawn(name, "spare", None)
+
+    def _alive_nodes(self) -> list[str]:
+        names = [n for n, r in self.nodes.items() if r.alive and not r.quarantined]
+        return sorted(names, key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
+
+    def _spawn(self, node: str, role: str, rank: int | None) -> int:
+        sid = next(self._sid)
         now = time.monotonic()
         self.workers[sid] = WorkerRecord(spawn_id=sid, role=role, rank=rank, last_hb=now, last_progress=now)
+        self.worker_node[sid] = node
+        self.live.add(sid)
         if rank is not None:
             self.members[rank] = sid
-        self.events.emit("spawn", spawn_id=sid, role=role, rank=rank, pid=self.agent.pid(sid))
+            self.rank_node[rank] = node
+        self._send_node(self.nodes[node], {"t": "spawn", "spawn_id": sid, "role": role})
+        self.events.emit("spawn", spawn_id=sid, role=role, rank=rank, node=node)
         return sid
 
     def _fail(self, error: str) -> None:
@@ -145,6 +274,18 @@ class Coordinator:
             except ControlError:
                 pass
 
+    def _send_node(self, node: NodeRecord, msg: Message) -> None:
+        if node.alive and not node.chan.closed:
+            try:
+                node.chan.send(msg)
+            except ControlError:
+                pass
+
+    def _kill(self, sid: int, sig: int = signal.SIGKILL) -> None:
+        node = self.nodes.get(self.worker_node.get(sid, ""))
+        if node is not None:
+            self._send_node(node, {"t": "kill", "spawn_id": sid, "sig": int(sig)})
+
     # -- events ------------------------------------------------------------------------------
     def _pump_events(self, timeout: float) -> None:
         try:
@@ -159,19 +300,37 @@ class Coordinator:
                 return
 
     def _on_event(self, kind: str, chan: Channel, msg: Message | None) -> None:
-        if kind == "open" and chan.hello.get("role") == "client":
-            chan.tag = -1 - len(self.clients)
-            self.clients[chan.tag] = chan
+        role = chan.hello.get("role")
+        if kind == "open" and role == "client":
+            chan.tag = ("client", len(self.clients))
+            self.clients[len(self.clients)] = chan
             self.events.emit("client", peer=chan.peer)
             return
-        if kind == "msg" and msg is not None and chan.tag in self.clients:
-            self._on_client(chan, msg)
+        if kind == "open" and role == "agent":
+            self._on_agent_open(chan)
+            return
+        tag = chan.tag
+        if isinstance(tag, tuple) and tag[0] == "client":
+            if kind == "msg" and msg is not None:
+                self._on_client(chan, msg)
+            return
+        if isinstance(tag, tuple) and tag[0] == "node":
+            node = self.nodes.get(tag[1])
+            if node is None or node.chan is not chan:
+                return
+            if kind == "msg" and msg is not None:
+                self._on_agent_message(node, msg)
+            elif kind == "close" and node.alive:
+                self._lose_node(node, "its agent's connection closed")
             return
         if kind == "open":
             sid = int(chan.hello.get("spawn_id", -1))
             w = self.workers.get(sid)
-            if w is None or w.chan is not None:
-                self.events.emit("refused", peer=chan.peer, reason=f"unknown or duplicate spawn id {sid}")
+            node = self.nodes.get(self.worker_node.get(sid, ""))
+            if w is None or w.chan is not None or node is None or not node.alive:
+                self.events.emit(
+                    "refused", peer=chan.peer, reason=f"unknown, duplicate or fenced spawn id {sid}"
+                )
                 chan.close()
                 return
             chan.tag = sid
@@ -181,17 +340,124 @@ class Coordinator:
             self._on_connect(w)
         elif kind == "msg" and msg is not None:
             w = self.workers.get(chan.tag)
-            if w is not None:
+            if w is not None and w.chan is chan:
                 self._on_message(w, msg)
         elif kind == "close":
             w = self.workers.get(chan.tag)
-            if w is not None:
+            if w is not None and w.chan is chan:
                 w.chan_closed_at = time.monotonic()
 
+    # -- node agents -----------------------------------------------------------------------------
+    def _on_agent_open(self, chan: Channel) -> None:
+        h = chan.hello
+        name = str(h.get("node", ""))
+        old = self.nodes.get(name)
+
+        def refuse(why: str) -> None:
+            self.events.emit("refused", peer=chan.peer, node=name, reason=why)
+            try:
+                chan.send({"t": "refused", "error": why})
+            except ControlError:
+                pass
+            chan.close()
+
+        if not name:
+            return refuse("hello without a node name")
+        if old is not None and old.alive:
+            return refuse(f"node {name} is already part of the job")
+        if old is not None and old.quarantined:
+            return refuse(f"node {name} is quarantined after {len(old.failure_times)} failures")
+        if int(h.get("nproc", -1)) != self.config.nproc_per_node:
+            return refuse(
+                f"node {name} runs --nproc-per-node {h.get('nproc')} but the job has "
+                f"{self.config.nproc_per_node} per node; use the same value on every node"
+            )
+        if self.state in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
+            return refuse("the job is ending")
+        node = NodeRecord(
+            name=name,
+            chan=chan,
+            nproc=int(h["nproc"]),
+            spares=int(h.get("spares", 0)),
+            domain=str(h.get("domain") or name),
+            data_addr=str(h.get("data_addr", "")),
+            last_lease=time.monotonic(),
+            failure_times=old.failure_times if old is not None else [],
+        )
+        chan.tag = ("node", name)
+        self.nodes[name] = node
+        chan.send(
+            {
+                "t": "welcome",
+                "job_id": self.job_id,
+                "lease_ttl_s": self.config.lease_ttl_s,
+                "num_slots": self.num_slots,
+                "env": self.worker_env,
+            }
+        )
+        self.events.emit(
+            "node_join", node=name, domain=node.domain, data=node.data_addr, rejoin=old is not None
+        )
+        if self.state is not JobState.STARTING:  # a node joining a running job brings capacity: spares
+            for _ in range(node.spares):
+                self._spawn(name, "spare", None)
+
+    def _on_agent_message(self, node: NodeRecord, msg: Message) -> None:
+        t = msg.get("t")
+        if t == "lease":
+            node.last_lease = time.monotonic()
+            self._send_node(node, {"t": "lease_ok", "seq": msg.get("seq")})
+        elif t == "exit":
+            sid = int(msg["spawn_id"])
+            if sid in self.live:
+                self.live.discard(sid)
+                self._exits.append(
+                    _Exit(sid=sid, rc=int(msg["rc"]), pid=msg.get("pid"), fault_at=msg.get("fault_at"))
+                )
+        elif t == "spawned":
+            self.events.emit("spawned", spawn_id=msg.get("spawn_id"), pid=msg.get("pid"), node=node.name)
+        elif t in ("inventory", "installed"):
+            self._replies[int(msg["id"])] = msg
+        elif t == "fetched":
+            self._on_fetched(node, msg)
+        elif t == "replicated":
+            self._on_replicated(node, msg)
+
+    def _check_leases(self) -> None:
+        now = time.monotonic()
+        for node in list(self.nodes.values()):
+            if node.alive and now - node.last_lease > self.config.lease_ttl_s:
+                self._lose_node(node, f"lease expired ({now - node.last_lease:.2f}s without renewal)")
+
+    def _lose_node(self, node: NodeRecord, why: str, *, quarantine: bool = False) -> None:
+        """Every process on ``node`` is gone (its agent fenced them): fail its ranks at once."""
+        node.alive = False
+        node.failure_times.append(time.monotonic())
+        if quarantine:
+            node.quarantined = True
+            try:
+                node.chan.send({"t": "fenced", "error": why})
+            except ControlError:
+                pass
+        node.chan.close()
+        self.events.emit("node_lost", node=node.name, reason=why, quarantined=quarantine)
+        for sid in sorted(s for s in self.live if self.worker_node.get(s) == node.name):
+            self.live.discard(sid)
+            w = self.workers.get(sid)
+            if w is not None and w.chan is not None:
+                w.chan.close()
+            self._exits.append(_Exit(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why))
+        for req, n in list(self._req_node.items()):
+            if n == node.name:
+                self._replies.setdefault(req, {"t": "lost", "ok": False, "error": f"node {node.name} lost"})
+        if self._round is not None:
+            self._round = None  # its holders or senders may be gone: start over
+
+    # -- workers -----------------------------------------------------------------------------------
     def _on_client(self, chan: Channel, msg: Message) -> None:
         if msg.get("t") == "persist":
             if self.persister is None:
-                chan.send({"t": "persisted", "error": "this job has no durable tier"})
+                chan.send({"t": "persisted", "error": "this job has no durable tier on this node"})
                 return
             self.client_tickets.append((chan, self.persister.request()))
         else:
@@ -217,23 +483,27 @@ class Coordinator:
 
     def _on_connect(self, w: WorkerRecord) -> None:
         if self.state is JobState.STARTING:
-            if all(self.workers[sid].chan is not None for sid in self.members.values()):
+            if self.members and all(self.workers[sid].chan is not None for sid in self.members.values()):
                 self._begin_generation([])
             return
         r = self.reconf
         if r is not None and w.role == "spare" and r.waiting_launch:
-            # A spare came up before the cold process launched for a rank: it takes the
-            # rank, and the cold process will wait as a spare when it connects.
-            rank = min(r.waiting_launch)
-            cold = self.workers[self.members[rank]]
-            cold.role, cold.rank = "spare", None
-            w.role, w.rank = "worker", rank
-            self.members[rank] = w.spawn_id
-            r.replacements[rank] = "spare"
-            self.events.emit("spare_takes_over", rank=rank, spawn_id=w.spawn_id, cold_spawn_id=cold.spawn_id)
+            # A spare came up before a cold process launched for a rank on the same node: it
+            # takes the rank, and the cold process will wait as a spare when it connects.
+            node = self.worker_node[w.spawn_id]
+            rank = min((k for k in r.waiting_launch if self.rank_node.get(k) == node), default=None)
+            if rank is not None:
+                cold = self.workers[self.members[rank]]
+                cold.role, cold.rank = "spare", None
+                w.role, w.rank = "worker", rank
+                self.members[rank] = w.spawn_id
+                r.replacements[rank] = "spare"
+                self.events.emit(
+                    "spare_takes_over", rank=rank, spawn_id=w.spawn_id, cold_spawn_id=cold.spawn_id
+                )
         if r is not None and w.rank is not None and w.rank in r.waiting_launch:
             r.waiting_launch.discard(w.rank)
-            self._send_reconfigure(w)
+            self._maybe_reconfigure(w.rank)
             self._advance()
 
     def _on_message(self, w: WorkerRecord, msg: Message) -> None:
@@ -251,13 +521,26 @@ class Coordinator:
                 step=msg.get("step"),
                 kind=msg.get("kind"),
                 spawn_id=w.spawn_id,
+                node=self.worker_node.get(w.spawn_id),
             )
             return
         gen = int(msg.get("gen", -1))
         if gen != self.generation or w.rank is None or self.members.get(w.rank) != w.spawn_id:
+            if t == "kv":
+                self._send(
+                    w, {"t": "kv", "id": msg.get("id"), "error": "fenced: not a member of this generation"}
+                )
             return  # fenced: an older generation, or not (any more) a member
         rank = w.rank
-        if t == "step":
+        if t == "kv":
+            chan = w.chan
+            assert chan is not None
+            for reply, out in self.kv.handle(msg, chan.send):
+                try:
+                    reply(out)
+                except ControlError:
+                    pass
+        elif t == "step":
             w.last_progress, w.stepped = now, True
             self.detector.record_step(float(msg["step_s"]))
             self.latest_step[rank] = int(msg["step"])
@@ -286,24 +569,35 @@ class Coordinator:
     # -- failures ----------------------------------------------------------------------------
     def _handle_exits(self) -> None:
         failures = []
-        for sid, rc in self.agent.poll():
-            pid = self.agent.exited_pids.get(sid)
+        exits, self._exits = self._exits, []
+        for ex in exits:
+            sid, rc = ex.sid, ex.rc
             w = self.workers.pop(sid, None)
             if w is None:
                 continue
+            node = self.worker_node.get(sid, "?")
             self.events.emit(
-                "exit", spawn_id=sid, role=w.role, rank=w.rank, returncode=rc, how=describe_exit(rc)
+                "exit",
+                spawn_id=sid,
+                role=w.role,
+                rank=w.rank,
+                returncode=rc,
+                how=describe_exit(rc),
+                node=node,
             )
             is_member = w.rank is not None and self.members.get(w.rank) == sid
-            if w.chan is None and (self.state is JobState.STARTING or w.role == "spare"):
+            if (
+                ex.node_lost is None
+                and w.chan is None
+                and (self.state is JobState.STARTING or w.role == "spare")
+            ):
                 # It died before reaching nonstop.init(): the script itself cannot start, and
                 # starting it again would fail the same way.
                 who = f"rank {w.rank}" if w.rank is not None else "a hot spare"
                 hint = (
                     "the script must call nonstop.init()"
                     if rc == 0
-                    else "see its output"
-                    + (f" in {self.agent.job_dir / 'logs'}" if self.agent.redirect_output else "")
+                    else f"see its output (logs under the job dir of node {node})"
                 )
                 self._fail(f"{who} exited with {describe_exit(rc)} before joining the job: {hint}")
                 continue
@@ -312,16 +606,24 @@ class Coordinator:
                     log.warning("rank %s exited with %s after finishing", w.rank, describe_exit(rc))
                 continue
             if not is_member:
-                if w.role == "spare":
-                    self._spawn("spare", None)  # keep K spares; a lost spare costs nothing else
+                if (
+                    w.role == "spare"
+                    and ex.node_lost is None
+                    and node in self.nodes
+                    and self.nodes[node].alive
+                ):
+                    self._spawn(node, "spare", None)  # keep K spares; a lost spare costs nothing else
                 continue
             assert w.rank is not None
-            kind = classify_exit(rc, killed_for_hang=w.killed_for_hang is not None)
-            if w.fault_report is not None and kind is FailureKind.EXIT:
-                kind = FailureKind.ERROR
-            detail = w.killed_for_hang or describe_exit(rc)
-            if w.fault_at is None and pid is not None:  # its 'injected' message may still be in flight
-                w.fault_at = fired_at(self.agent.job_dir / "faults", pid)
+            if ex.node_lost is not None:
+                kind, detail = FailureKind.NODE_LOST, f"node {node} lost: {ex.node_lost}"
+            else:
+                kind = classify_exit(rc, killed_for_hang=w.killed_for_hang is not None)
+                if w.fault_report is not None and kind is FailureKind.EXIT:
+                    kind = FailureKind.ERROR
+                detail = w.killed_for_hang or describe_exit(rc)
+                self._node_failed(node)
+            fault_at = w.fault_at if w.fault_at is not None else ex.fault_at
             failures.append(
                 Failure(
                     kind=kind.value,
@@ -329,7 +631,7 @@ class Coordinator:
                     spawn_id=sid,
                     detail=detail,
                     detected_at=time.time(),
-                    fault_at=w.fault_at,
+                    fault_at=fault_at,
                     step=self.latest_step.get(w.rank, 0),
                 )
             )
@@ -337,8 +639,22 @@ class Coordinator:
         if self.state is JobState.FINISHING and not self._members_alive():
             self.state = JobState.DONE
             self.events.emit("job_done", generation=self.generation)
-        if failures:
+        if failures and self.state not in (JobState.DONE, JobState.FAILED):
             self._on_failures(failures)
+
+    def _node_failed(self, name: str) -> None:
+        """A process failure on ``name``: quarantine the node if it fails too often."""
+        node = self.nodes.get(name)
+        if node is None or not node.alive:
+            return
+        now = time.monotonic()
+        node.failure_times.append(now)
+        if self.quarantine.should_quarantine(node.failure_times, now=now):
+            self._lose_node(
+                node,
+                f"{len(node.failure_times)} failures within {self.quarantine.window_s:g}s: quarantined",
+                quarantine=True,
+            )
 
     def _on_failures(self, failures: list[Failure]) -> None:
         for f in failures:
@@ -355,7 +671,11 @@ class Coordinator:
         if self.state is JobState.STARTING:  # died before the job formed: just start it again
             if self.failures_total <= self.config.max_restarts:
                 for f in failures:
-                    self._spawn("worker", f.rank)
+                    node = self.rank_node.get(f.rank)
+                    alive = self._alive_nodes()
+                    if not alive:
+                        break
+                    self._spawn(node if node in alive else alive[0], "worker", f.rank)
                 return
         if self.failures_total > self.config.max_restarts:
             self._fail(
@@ -381,14 +701,16 @@ class Coordinator:
             now=time.monotonic(),
             members={rank: self.workers[sid] for rank, sid in self.members.items()},
             everyone=list(self.workers.values()),
-            alive=lambda sid: sid in self.agent.procs,
+            alive=lambda sid: sid in self.live,
             in_training=in_training,
         )
         for sid, reason in verdicts.kill.items():
             w = self.workers[sid]
+            if w.killed_for_hang:
+                continue
             w.killed_for_hang = reason
             self.events.emit("hang_detected", rank=w.rank, spawn_id=sid, reason=reason)
-            self.agent.kill(sid, signal.SIGKILL)
+            self._kill(sid, signal.SIGKILL)
         for sid in verdicts.reraise:
             w = self.workers[sid]
             assert w.fault_report is not None
@@ -407,136 +729,256 @@ class Coordinator:
                 sid = self.members.get(rank)
                 if sid is not None and sid in self.workers:
                     self.workers[sid].killed_for_hang = f"stage {r.stage} timed out"
-                    self.agent.kill(sid)
+                    self._kill(sid)
             r.deadline = time.time() + self.config.rebuild_timeout_s  # one kill round per period
 
-    # -- reconfiguration -------------------------------------------------------------------------
+    # -- planning ---------------------------------------------------------------------------------
+    def _request(self, node: NodeRecord, msg: Message) -> int:
+        req = next(self._req)
+        self._req_node[req] = node.name
+        self._send_node(node, {**msg, "id": req})
+        return req
+
+    def _await(self, reqs: list[int], timeout: float) -> dict[int, Message]:
+        """Wait for the replies to ``reqs`` while serving every other event (leases included)."""
+        deadline = time.monotonic() + timeout
+        while any(r not in self._replies for r in reqs) and time.monotonic() < deadline:
+            self._pump_events(0.002)
+            self._check_leases()
+        out = {r: self._replies.pop(r) for r in reqs if r in self._replies}
+        for r in reqs:
+            self._req_node.pop(r, None)
+        return out
+
+    def _inventories(self) -> dict[int, dict[int, list[tuple[str, str]]]]:
+        """rank -> step -> [(node, "local"|"replica")] over every live node's memory."""
+        reqs = {self._request(self.nodes[n], {"t": "inventory"}): n for n in self._alive_nodes()}
+        replies = self._await(list(reqs), PLAN_WAIT_S)
+        avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
+        for req, node in reqs.items():
+            msg = replies.get(req)
+            if msg is None or msg.get("t") != "inventory" or not self.nodes[node].alive:
+                continue
+            for kind in ("local", "replica"):
+                for rank_s, steps in dict(msg.get("local" if kind == "local" else "replicas", {})).items():
+                    for step in steps:
+                        avail.setdefault(int(rank_s), {}).setdefault(int(step), []).append((node, kind))
+        return avail
+
     def _begin_generation(
         self, failures: list[Failure], *, replans: int = 0, replacements: dict[int, str] | None = None
     ) -> None:
         now = time.time()
         self.generation += 1
         self.state = JobState.RECONFIGURING
+        self.reconf = None
+        self._round = None
+        for reply, msg in self.kv.new_generation(self.generation):
+            try:
+                reply(msg)
+            except ControlError:
+                pass
         self.done_ranks.clear()
-        missing = [r for r in range(self.world_size) if r not in self.members]
-        idle = [
-            sid
-            for sid, w in self.workers.items()
-            if w.role == "spare" and w.rank is None and w.chan is not None and not w.killed_for_hang
-        ]
-        if failures:
-            complete = self._settled_snapshots()
-        elif self.initial_step is not None:  # resumed: the durable checkpoint is in every rank's slots
-            complete = self.agent.complete_steps(self.world_size)
-            self.initial_step = None
-        else:
-            complete = {}
-        plan = plan_recovery(
-            failed_ranks=missing, idle_spares=idle, complete_steps=complete, world_size=self.world_size
-        )
-        if failures and plan.restore_step is None and self._restore_from_durable():
-            # Memory has no step every rank holds (a rank's memory was lost): next tier.
-            complete = self.agent.complete_steps(self.world_size)
-            plan = plan_recovery(
-                failed_ranks=missing, idle_spares=idle, complete_steps=complete, world_size=self.world_size
-            )
-        if failures and plan.restore_step is None:
-            # Survivors hold later state than any fresh process could: never mix them.
-            self._fail(
-                "no step is snapshotted for every rank in memory or in the durable tier "
-                f"({self.persister.durable.url if self.persister else 'none configured'}); "
-                "cannot recover this failure (persist more often with --persist-every)"
-            )
+        alive_nodes = self._alive_nodes()
+        if not alive_nodes:
+            self._fail("every node is lost or quarantined; nothing left to run on")
             return
+        restore_step: int | None = None
+        avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
+        if failures or self.initial_step is not None:
+            avail = self._inventories()
+            restore_step = committed_step({r: list(s) for r, s in avail.items()}, self.world_size)
+            self.initial_step = None
+        missing = [r for r in range(self.world_size) if r not in self.members]
+        idle = {
+            sid: self.worker_node[sid]
+            for sid, w in self.workers.items()
+            if w.role == "spare"
+            and w.rank is None
+            and w.chan is not None
+            and not w.killed_for_hang
+            and sid in self.live
+        }
+        load = {n: sum(1 for r in self.members if self.rank_node.get(r) == n) for n in alive_nodes}
+        placements = choose_replacements(
+            failed={r: self.rank_node.get(r) for r in missing},
+            spares=idle,
+            data_nodes={
+                r: [n for n, _ in avail.get(r, {}).get(restore_step, [])] if restore_step is not None else []
+                for r in missing
+            },
+            live_nodes=alive_nodes,
+            load=load,
+        )
+        for rank, p in placements.items():
+            self.rank_node[rank] = p.node
+        tier = "memory"
+        if failures and restore_step is None:
+            restore_step = self._restore_from_durable()
+            tier = "durable"
+            if restore_step is None:
+                # Survivors hold later state than any fresh process could: never mix them.
+                self._fail(
+                    "no step is snapshotted for every rank in memory or in the durable tier "
+                    f"({self.durable_url or 'none configured'}); "
+                    "cannot recover this failure (persist more often with --persist-every)"
+                )
+                return
+            avail = {}
         r = Reconfiguration(
             generation=self.generation,
             world_size=self.world_size,
             failures=failures,
-            restore_step=plan.restore_step,
+            restore_step=restore_step,
             replans=replans,
             replacements=dict(replacements or {}),
         )
         r.marks["detect"] = max((f.detected_at for f in failures), default=now)
-        if failures and plan.restore_step is not None:
-            # committed steps redone: what every rank had reported done, minus where we restart
-            committed = min((self.latest_step.get(rank, 0) for rank in range(self.world_size)), default=0)
-            r.lost_steps = max(0, committed - plan.restore_step)
-        spares = list(plan.spares_used)
-        for rank, source in plan.replacements.items():
-            r.replacements[rank] = source.value
-            if source.value == "spare":
-                sid = spares.pop(0)
-                w = self.workers[sid]
+        if failures and restore_step is not None:
+            r.lost_steps = max(0, self.committed() - restore_step)
+        for rank, p in sorted(placements.items()):
+            r.replacements[rank] = p.source.value
+            if p.spare is not None:
+                w = self.workers[p.spare]
                 w.rank, w.role = rank, "worker"
                 w.last_progress, w.stepped = time.monotonic(), False
-                self.members[rank] = sid
+                self.members[rank] = p.spare
             else:
-                self._spawn("worker", rank)
+                self._spawn(p.node, "worker", rank)
                 r.waiting_launch.add(rank)
         r.marks["plan"] = time.time()
         self.reconf = r
+        fetches = (
+            self._plan_fetches(restore_step, avail) if tier == "memory" and restore_step is not None else {}
+        )
         self.events.emit(
             "generation",
             generation=self.generation,
-            restore_step=plan.restore_step,
+            restore_step=restore_step,
+            tier=tier,
             members={str(k): v for k, v in sorted(self.members.items())},
+            nodes={str(k): self.rank_node.get(k) for k in sorted(self.members)},
             replacements=r.replacements,
             cause=[f.rank for f in failures],
+            fetches={str(k): v for k, v in fetches.items()},
             replans=replans,
         )
         for rank, sid in self.members.items():
             if self.workers[sid].chan is None:  # still starting (e.g. launched by a re-planned generation)
                 r.waiting_launch.add(rank)
-            elif rank not in r.waiting_launch:
-                self._send_reconfigure(self.workers[sid])
+            self._maybe_reconfigure(rank)
         r.stage = Stage.LAUNCH
         self._advance()
 
-    def _restore_from_durable(self) -> bool:
-        """Install the newest good durable checkpoint into every rank's slots."""
-        if self.persister is None:
-            return False
-        t0 = time.monotonic()
+    def _plan_fetches(self, step: int, avail: dict[int, dict[int, list[tuple[str, str]]]]) -> dict[int, str]:
+        """Have each node that will play a rank without holding ``step`` of it fetch it from a peer."""
+        r = self.reconf
+        assert r is not None
+        out: dict[int, str] = {}
+        for rank in range(self.world_size):
+            target = self.rank_node[rank]
+            sources = avail.get(rank, {}).get(step, [])
+            if any(n == target and k == "local" for n, k in sources):
+                continue
+            # prefer the target's own replica (a copy within the node), then any other holder
+            src = sorted(sources, key=lambda s: (s[0] != target, s[1] != "replica", s[0]))[0]
+            req = self._request(
+                self.nodes[target],
+                {
+                    "t": "fetch",
+                    "rank": rank,
+                    "step": step,
+                    "addr": self.nodes[src[0]].data_addr,
+                    "kind": src[1],
+                },
+            )
+            self._waiting_fetch[req] = (rank, self.generation)
+            r.waiting_fetch.add(rank)
+            out[rank] = f"{src[0]}:{src[1]}"
+        return out
+
+    def _on_fetched(self, node: NodeRecord, msg: Message) -> None:
+        req = int(msg["id"])
+        rank, gen = self._waiting_fetch.pop(req, (-1, -1))
+        self._req_node.pop(req, None)
+        r = self.reconf
+        self.events.emit(
+            "fetched",
+            node=node.name,
+            rank=rank,
+            ok=msg.get("ok"),
+            seconds=msg.get("seconds"),
+            error=msg.get("error"),
+        )
+        if r is None or gen != r.generation:
+            return
+        if not msg.get("ok"):
+            self._fail(f"rank {rank} could not be fetched to node {node.name}: {msg.get('error')}")
+            return
+        r.waiting_fetch.discard(rank)
+        self._maybe_reconfigure(rank)
+        self._advance()
+
+    def _restore_from_durable(self) -> int | None:
+        """Have every node install its ranks from the newest durable checkpoint that loads."""
+        if self.durable_url is None:
+            return None
+        from nonstop.snapshot.durable import DurableStore
+
         try:
-            ckpt = self.persister.durable.load(world_size=self.world_size)
+            steps = DurableStore(self.durable_url).steps()
         except NonstopError as e:
             self.events.emit("durable_unavailable", error=str(e))
+            return None
+        placement: dict[str, list[int]] = {}
+        for rank in range(self.world_size):
+            placement.setdefault(self.rank_node[rank], []).append(rank)
+        for step in sorted(steps, reverse=True):
+            t0 = time.monotonic()
+            if self._install_durable(step, placement, self.durable_url):
+                self.events.emit(
+                    "restore_from_durable", step=step, url=self.durable_url, seconds=time.monotonic() - t0
+                )
+                return step
+        return None
+
+    def _install_durable(self, step: int, placement: dict[str, list[int]], url: str) -> bool:
+        reqs = [
+            self._request(
+                self.nodes[n], {"t": "install_durable", "url": url, "step": step, "ranks": ranks}
+            )
+            for n, ranks in placement.items()
+        ]
+        replies = self._await(reqs, self.config.persist_timeout_s)
+        bad = [m.get("error") for m in replies.values() if not m.get("ok")]
+        if bad or len(replies) < len(reqs):
+            self.events.emit("durable_install_failed", step=step, errors=bad or ["timed out"])
             return False
-        self.agent.install(ckpt.step, [ckpt.ranks[r] for r in range(self.world_size)])
-        self.events.emit(
-            "restore_from_durable",
-            step=ckpt.step,
-            url=self.persister.durable.url,
-            seconds=time.monotonic() - t0,
-        )
         return True
 
-    def _settled_snapshots(self) -> dict[int, list[int]]:
-        """Complete steps per rank, after live processes finish the snapshot they are writing.
+    def committed(self) -> int:
+        """The committed step: what is replicated to peers (with replication), else in memory."""
+        if self.replication_on and self.replicated_step is not None:
+            return self.replicated_step
+        return min((self.latest_step.get(rank, 0) for rank in range(self.world_size)), default=0)
 
-        A survivor may be copying the very step the failed rank already committed;
-        waiting the few milliseconds that takes saves redoing that step. A slot left
-        WRITING by a dead writer is not waited for (the slot names its writer's pid).
-        Bounded: a writer that does not finish within PLAN_WAIT_S is planned around.
-        """
-        deadline = time.monotonic() + PLAN_WAIT_S
-        while True:
-            complete = self.agent.complete_steps(self.world_size)
-            writing = self.agent.writing_steps(self.world_size)
-            if not writing or time.monotonic() > deadline:
-                return complete
-            time.sleep(0.002)
-
-    def _send_reconfigure(self, w: WorkerRecord) -> None:
+    def _maybe_reconfigure(self, rank: int) -> None:
         r = self.reconf
-        assert r is not None and w.rank is not None
+        if r is None or rank in r.waiting_launch or rank in r.waiting_fetch:
+            return
+        sid = self.members.get(rank)
+        if sid is None:
+            return
+        w = self.workers[sid]
+        if w.chan is None:
+            return
         w.stepped, w.coll, w.fault_report = False, False, None
         self._send(
             w,
             {
                 "t": "reconfigure",
                 "gen": r.generation,
-                "rank": w.rank,
+                "rank": rank,
                 "world_size": self.world_size,
                 "restore_step": r.restore_step,
                 "recovery": bool(r.failures),
@@ -577,6 +1019,61 @@ class Coordinator:
             if self.done_ranks >= set(range(self.world_size)) and self.state is JobState.RUNNING:
                 self._finish()
 
+    # -- replication -------------------------------------------------------------------------------
+    def _replicate(self) -> None:
+        """Start the next replication round when the previous one is done (RUNNING only)."""
+        if not self.replication_on or self.state is not JobState.RUNNING or self._round is not None:
+            return
+        if len(self.latest_step) < self.world_size:
+            return
+        step = min(self.latest_step.values())
+        if self.replicated_step is not None and step <= self.replicated_step:
+            return
+        alive = self._alive_nodes()
+        holders = place_replicas(alive, {n: self.nodes[n].domain for n in alive}, self.config.replicas)
+        per_node: dict[str, dict[str, list[str]]] = {}
+        for rank in range(self.world_size):
+            node = self.rank_node[rank]
+            addrs = [self.nodes[h].data_addr for h in holders.get(node, [])]
+            if not addrs:
+                return  # not enough live nodes to hold a replica
+            per_node.setdefault(node, {})[str(rank)] = addrs
+        self._round = _Round(step=step, pending=set(range(self.world_size)), started=time.monotonic())
+        for node, ranks in per_node.items():
+            self._send_node(self.nodes[node], {"t": "replicate", "step": step, "ranks": ranks})
+
+    def _on_replicated(self, node: NodeRecord, msg: Message) -> None:
+        rd = self._round
+        if rd is None or int(msg["step"]) != rd.step:
+            return
+        if not msg.get("ok"):
+            self._rep_totals["failed_rounds"] += 1
+            log.info("replication of step %s failed on node %s: %s", rd.step, node.name, msg.get("error"))
+            self._round = None
+            return
+        rd.pending.discard(int(msg["rank"]))
+        rd.raw += int(msg.get("raw", 0))
+        rd.wire += int(msg.get("wire", 0))
+        if rd.pending:
+            return
+        self._round = None
+        self.replicated_step = rd.step
+        self._rep_totals["rounds"] += 1
+        self._rep_totals["raw_bytes"] += rd.raw
+        self._rep_totals["wire_bytes"] += rd.wire
+        now = time.monotonic()
+        if now - self._rep_event_at >= REPLICATED_EVENT_EVERY_S:
+            self._rep_event_at = now
+            self.events.emit(
+                "replicated",
+                step=rd.step,
+                seconds=now - rd.started,
+                raw_bytes=rd.raw,
+                wire_bytes=rd.wire,
+                rounds=self._rep_totals["rounds"],
+            )
+
+    # -- the end -----------------------------------------------------------------------------------
     def _finish(self) -> None:
         """Every rank has the final step snapshotted: release members and spares."""
         self.state = JobState.FINISHING
@@ -585,12 +1082,18 @@ class Coordinator:
             self._send(w, {"t": "finish"})
 
     def _members_alive(self) -> bool:
-        return any(sid in self.agent.procs for sid in self.members.values())
+        return any(sid in self.live for sid in self.members.values())
 
     def _replenish_spares(self) -> None:
-        have = sum(1 for w in self.workers.values() if w.role == "spare")
-        for _ in range(self.config.spares - have):
-            self._spawn("spare", None)
+        for name in self._alive_nodes():
+            node = self.nodes[name]
+            have = sum(
+                1
+                for sid, w in self.workers.items()
+                if w.role == "spare" and self.worker_node.get(sid) == name and sid in self.live
+            )
+            for _ in range(node.spares - have):
+                self._spawn(name, "spare", None)
 
 
 def _previous(stage: Stage) -> str:

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nonstop.config import ENV
-from nonstop.runtime.agent import remove_segments
 
 __all__ = ["GcReport", "collect_garbage", "processes_of_job"]
 
-_NAME = re.compile(r"^nonstop-([0-9a-f]+)(?:\.lock|-.*)$")
+_NAME = re.compile(r"^nonstop-([0-9a-f]+)(?:\.lock|[.-].*)$")
 
 
 @dataclass
@@ -48,12 +47,14 @@ def _is_live(lock: Path) -> bool:
 def processes_of_job(job_id: str) -> list[int]:
     """PIDs of live processes (other than this one) started for ``job_id``."""
     needle = f"{ENV.JOB_ID}={job_id}".encode()
+    node_needle = needle + b"."  # a node's processes carry <job>.<node>
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
+            env = (entry / "environ").read_bytes().split(b"\0")
+            if any(v == needle or v.startswith(node_needle) for v in env):
                 pids.append(int(entry.name))
         except OSError:
             continue
@@ -68,8 +69,9 @@ def collect_garbage(shm_dir: Path, *, dry_run: bool = False) -> GcReport:
         if m:
             jobs.add(m.group(1))
     for job_id in sorted(jobs):
-        lock = shm_dir / f"nonstop-{job_id}.lock"
-        if _is_live(lock):
+        # the launcher's lock, and one per node agent (nonstop-<job>.<node>.lock)
+        locks = [shm_dir / f"nonstop-{job_id}.lock", *shm_dir.glob(f"nonstop-{job_id}.*.lock")]
+        if any(_is_live(lock) for lock in locks):
             report.live_jobs.append(job_id)
             continue
         report.jobs.append(job_id)
@@ -80,9 +82,16 @@ def collect_garbage(shm_dir: Path, *, dry_run: bool = False) -> GcReport:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        if dry_run:
-            report.segments.extend(shm_dir.glob(f"nonstop-{job_id}-*"))
-        else:
-            report.segments.extend(remove_segments(shm_dir, job_id))
-            lock.unlink(missing_ok=True)
+        segments = [
+            p
+            for p in shm_dir.glob(f"nonstop-{job_id}*")
+            if p.name.startswith((f"nonstop-{job_id}-", f"nonstop-{job_id}."))
+            and not p.name.endswith(".lock")
+        ]
+        report.segments.extend(segments)
+        if not dry_run:
+            for seg in segments:
+                seg.unlink(missing_ok=True)
+            for lock in locks:
+                lock.unlink(missing_ok=True)
     return report

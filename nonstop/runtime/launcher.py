@@ -27,11 +27,12 @@ from types import FrameType
 
 from nonstop.config import ENV, JobConfig
 from nonstop.control.channel import ControlServer, new_secret
-from nonstop.errors import SnapshotMissingError, UsageError
-from nonstop.faults import faults_to_json, parse_fault
-from nonstop.runtime.agent import Agent
-from nonstop.runtime.coordinator import Coordinator, JobResult
+from nonstop.errors import ControlError, SnapshotMissingError, UsageError
+from nonstop.faults import FaultSpec, faults_to_json, parse_fault
+from nonstop.replica.peer import local_store_id
+from nonstop.runtime.coordinator import Coordinator, JobResult, JobState
 from nonstop.runtime.eventlog import EventLog
+from nonstop.runtime.node import NodeAgent, NodeSpec
 from nonstop.snapshot.codec import CodecConfig
 from nonstop.snapshot.durable import DurableStore, LoadedCheckpoint
 from nonstop.snapshot.persist import Persister
@@ -60,7 +61,8 @@ def worker_command(script: str, args: tuple[str, ...]) -> list[str]:
     return [sys.executable, "-u", str(path), *args]
 
 
-def _prepare_job_dir(job_dir: Path) -> None:
+def _prepare_job_dir(job_dir: Path, *, owner: bool) -> None:
+    """Create and check the job dir; the owner (node 0) also clears the fault markers."""
     try:
         job_dir.mkdir(parents=True, exist_ok=True)
         probe = job_dir / f".write-test-{os.getpid()}"
@@ -70,143 +72,261 @@ def _prepare_job_dir(job_dir: Path) -> None:
         raise UsageError(
             f"job dir {str(job_dir)!r} is not writable ({e.strerror or e}): choose another with --job-dir"
         ) from None
-    for sub in ("rdzv", "faults"):
-        shutil.rmtree(job_dir / sub, ignore_errors=True)
-        (job_dir / sub).mkdir()
+    if owner:
+        shutil.rmtree(job_dir / "faults", ignore_errors=True)
+        (job_dir / "faults").mkdir()
+    else:
+        (job_dir / "faults").mkdir(exist_ok=True)
+
+
+def _check_faults(config: JobConfig) -> list[FaultSpec]:
+    faults = [parse_fault(f) for f in config.faults]
+    for f in faults:
+        if f.kind == "node":
+            if f.node >= config.nnodes:
+                raise UsageError(
+                    f"fault {f.to_text()!r} names node {f.node}, but the job has nodes 0..{config.nnodes - 1}"
+                )
+            if f.node == 0:
+                raise UsageError(
+                    f"fault {f.to_text()!r}: node 0 hosts the coordinator; inject node loss on another node"
+                )
+        elif f.rank >= config.world_size:
+            raise UsageError(
+                f"fault {f.to_text()!r} names rank {f.rank}, but the job has ranks 0..{config.world_size - 1}"
+            )
+    return faults
+
+
+def _node_spec(config: JobConfig) -> NodeSpec:
+    name = str(config.node_rank)
+    host = config.coordinator_addr[0] if config.nnodes > 1 else config.host
+    return NodeSpec(
+        node=name,
+        nproc=config.nproc_per_node,
+        spares=config.spares,
+        domain=config.domain or name,
+        data_host=host,
+        replica_bandwidth_mb_s=config.replica_bandwidth_mb_s,
+    )
+
+
+def _node_env(config: JobConfig, host: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(dict(config.extra_env))
+    if host in ("127.0.0.1", "localhost", "::1"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def hold_lock(shm_dir: Path, name: str, job_dir: Path) -> tuple[int, Path]:
+    """An exclusive flock held for the process's lifetime (``nonstop gc`` spares live jobs)."""
+    lock = shm_dir / f"nonstop-{name}.lock"
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, json.dumps({"pid": os.getpid(), "job_dir": str(job_dir)}).encode())
+    return fd, lock
 
 
 def run_job(
     config: JobConfig, *, redirect_output: bool = False, stop: threading.Event | None = None
 ) -> JobResult:
-    """Run the job described by ``config`` to the end; always cleans up.
+    """Run this process's part of the job described by ``config`` to the end; always cleans up.
 
-    Raises UsageError for bad input before starting anything.
+    Node 0 (every single-node job) hosts the coordinator and runs its own node
+    agent on a thread; any other node runs only its agent. Raises UsageError for
+    bad input before starting anything.
     """
     command = worker_command(config.script, config.script_args)
-    faults = [parse_fault(f) for f in config.faults]
-    for f in faults:
-        if f.rank >= config.nproc_per_node:
-            raise UsageError(
-                f"fault {f.to_text()!r} names rank {f.rank}, but the job has ranks "
-                f"0..{config.nproc_per_node - 1}"
-            )
+    faults = _check_faults(config)
     job_dir = config.job_dir.resolve()
-    _prepare_job_dir(job_dir)
+    stop = stop or threading.Event()
+    if config.node_rank != 0:
+        return _run_node(config, command=command, job_dir=job_dir, stop=stop, redirect_output=redirect_output)
+    _prepare_job_dir(job_dir, owner=True)
     durable = DurableStore(config.checkpoint_url, keep=config.keep)  # a bad URL fails here
     resume = _load_resume(config) if config.resume else None
     job_id = uuid.uuid4().hex[:12]
     shm_dir = default_shm_dir()
-    secret = new_secret()
+    secret = _read_secret(config, job_dir, create=True)
     events = EventLog(job_dir / "events.jsonl")
-    stop = stop or threading.Event()
+    host, port = config.coordinator_addr
     try:  # bind first: a busy port must leave no secret file behind
         server = ControlServer(
-            host=config.host,
-            port=config.port,
+            host=host,
+            port=port,
             secret=secret,
             on_refused=lambda peer, why: events.emit("refused", peer=peer, reason=why),
         )
     except BaseException:
         events.close()
         raise
-    secret_file = job_dir / "secret"
-    fd = os.open(secret_file, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
-    os.write(fd, secret)
-    os.close(fd)
-    lock = lock_path(shm_dir, job_id)
-    lock_fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(lock_fd, fcntl.LOCK_EX)
-    os.write(lock_fd, json.dumps({"pid": os.getpid(), "job_dir": str(job_dir)}).encode())
-
-    env = dict(os.environ)
-    env.update(dict(config.extra_env))
-    env.update(
-        {
-            ENV.JOB_ID: job_id,
-            ENV.JOB_DIR: str(job_dir),
-            ENV.CONTROL: f"{server.address[0]}:{server.address[1]}",
-            ENV.SECRET_FILE: str(secret_file),
-            ENV.SHM_DIR: str(shm_dir),
-            ENV.FAULTS: faults_to_json(faults),
-            ENV.HEARTBEAT_INTERVAL: str(config.detector.heartbeat_interval_s),
-            ENV.REBUILD_TIMEOUT: str(config.rebuild_timeout_s),
-            ENV.SNAPSHOT: config.snapshot,
-        }
-    )
-    if config.host in ("127.0.0.1", "localhost", "::1"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # Like torchrun: do not let N workers each start one thread per core.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.nproc_per_node)))
-
-    agent = Agent(
-        job_id=job_id,
-        job_dir=job_dir,
-        shm_dir=shm_dir,
-        command=command,
-        env=env,
-        redirect_output=redirect_output,
-    )
-    initial_step = None
-    if resume is not None:
-        agent.install(resume.step, resume.ranks)
-        initial_step = resume.step
-        events.emit("resume", url=config.resume, step=resume.step, world_size=resume.world_size)
-    persister = Persister(
-        durable=durable,
-        shm_dir=shm_dir,
-        job_id=job_id,
-        world_size=config.nproc_per_node,
-        codec=CodecConfig(lossy=config.lossy, lossy_bits=config.lossy_bits),
-        every=config.persist_every,
-        emit=events.emit,
-    )
+    secret_file = config.secret_file or job_dir / "secret"
+    if config.secret_file is None:
+        fd = os.open(secret_file, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+        os.write(fd, secret)
+        os.close(fd)
+    lock_fd, lock = hold_lock(shm_dir, job_id, job_dir)
+    control = f"{server.address[0]}:{server.address[1]}"
+    worker_env = {
+        ENV.FAULTS: faults_to_json(faults),
+        ENV.HEARTBEAT_INTERVAL: str(config.detector.heartbeat_interval_s),
+        ENV.REBUILD_TIMEOUT: str(config.rebuild_timeout_s),
+        ENV.SNAPSHOT: config.snapshot,
+    }
+    persister = None
+    if config.nnodes == 1:  # the whole job's memory is on this node
+        persister = Persister(
+            durable=durable,
+            shm_dir=shm_dir,
+            job_id=local_store_id(job_id, "0"),
+            world_size=config.nproc_per_node,
+            codec=CodecConfig(lossy=config.lossy, lossy_bits=config.lossy_bits),
+            every=config.persist_every,
+            emit=events.emit,
+        )
     coordinator = Coordinator(
         config=config,
-        agent=agent,
         server=server,
         events=events,
+        job_id=job_id,
+        worker_env=worker_env,
         persister=persister,
-        initial_step=initial_step,
+        durable_url=durable.url,
+        initial_step=resume.step if resume is not None else None,
     )
+    if resume is not None:
+        events.emit("resume", url=config.resume, step=resume.step, world_size=resume.world_size)
+    node = NodeAgent(
+        spec=_node_spec(config),
+        coordinator=server.address,
+        secret=secret,
+        secret_file=secret_file,
+        command=command,
+        env=_node_env(config, host),
+        job_dir=job_dir,
+        shm_dir=shm_dir,
+        redirect_output=redirect_output,
+    )
+    node_stop = threading.Event()
+    keep_memory = threading.Event()  # the local node frees its memory after the final persist
+    node.release = keep_memory
+    node_thread = threading.Thread(target=node.run, args=(node_stop,), name="nonstop-node", daemon=True)
     _write_job_info(job_dir, job_id=job_id, control=server.address, checkpoints=durable.url)
     restore_handlers = _install_signal_handlers(stop)
     events.emit(
         "job_start",
         job_id=job_id,
+        nnodes=config.nnodes,
         nproc=config.nproc_per_node,
         spares=config.spares,
-        control=f"{server.address[0]}:{server.address[1]}",
+        control=control,
         command=command,
         faults=[f.to_text() for f in faults],
     )
     t0 = time.monotonic()
-    persister.start()
+    if persister is not None:
+        persister.start()
+    node_thread.start()
     try:
         result = coordinator.run(stop)
     finally:
-        # Before exit (done, failed, SIGTERM): make the committed step durable while the
-        # snapshot memory still exists.
-        done = persister.flush(config.persist_timeout_s)
-        if done is None and persister.last_error:
-            log.warning("final persist failed: %s", persister.last_error)
-        persister.stop()
-        agent.shutdown()
-        server.close()
-        events.emit(
-            "job_end",
-            state=str(coordinator.state),
-            seconds=time.monotonic() - t0,
-            generation=coordinator.generation,
-            error=coordinator.error,
-        )
-        events.close()
-        restore_handlers()
-        shutil.rmtree(job_dir / "rdzv", ignore_errors=True)
-        os.close(lock_fd)
-        lock.unlink(missing_ok=True)
-        secret_file.unlink(missing_ok=True)
-        (job_dir / JOB_INFO).unlink(missing_ok=True)
+        try:
+            # Before exit (done, failed, SIGTERM): make the committed step durable while the
+            # snapshot memory still exists.
+            if persister is not None:
+                done = persister.flush(config.persist_timeout_s)
+                if done is None and persister.last_error:
+                    log.warning("final persist failed: %s", persister.last_error)
+                persister.stop()
+        finally:
+            keep_memory.set()
+            node_stop.set()
+            node_thread.join(timeout=30.0)
+            server.close()
+            events.emit(
+                "job_end",
+                state=str(coordinator.state),
+                seconds=time.monotonic() - t0,
+                generation=coordinator.generation,
+                error=coordinator.error,
+                replication=coordinator.replication_stats(),
+            )
+            events.close()
+            restore_handlers()
+            os.close(lock_fd)
+            lock.unlink(missing_ok=True)
+            if config.secret_file is None:
+                secret_file.unlink(missing_ok=True)
+            (job_dir / JOB_INFO).unlink(missing_ok=True)
     return result
+
+
+def _read_secret(config: JobConfig, job_dir: Path, *, create: bool) -> bytes:
+    """The job secret: ``--secret-file``, else $NONSTOP_SECRET, else (node 0) a fresh one;
+    other nodes default to ``JOB_DIR/secret`` (a shared job dir)."""
+    if config.secret_file is not None:
+        try:
+            secret = config.secret_file.read_bytes().strip()
+        except OSError as e:
+            raise UsageError(f"cannot read --secret-file {config.secret_file}: {e.strerror or e}") from None
+        if len(secret) < 16:
+            raise UsageError(
+                f"--secret-file {config.secret_file} holds fewer than 16 bytes: use a real secret"
+            )
+        return secret
+    if os.environ.get(ENV.SECRET):
+        return os.environ[ENV.SECRET].encode()
+    if create:
+        return new_secret()
+    path = job_dir / "secret"
+    try:
+        return path.read_bytes().strip()
+    except OSError:
+        raise UsageError(
+            f"node {config.node_rank}: no job secret: pass --secret-file (node 0 writes {path}) "
+            f"or set {ENV.SECRET}"
+        ) from None
+
+
+def _run_node(
+    config: JobConfig, *, command: list[str], job_dir: Path, stop: threading.Event, redirect_output: bool
+) -> JobResult:
+    """A node other than 0: run its agent until the job ends or the node is fenced."""
+    _prepare_job_dir(job_dir, owner=False)
+    secret_file = config.secret_file or job_dir / "secret"
+    secret = _read_secret(config, job_dir, create=False)
+    if config.secret_file is None and not secret_file.exists():
+        # the secret came from the environment: workers read it from a private file
+        secret_file = job_dir / f".secret-node-{config.node_rank}"
+        fd = os.open(secret_file, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+        os.write(fd, secret)
+        os.close(fd)
+    shm_dir = default_shm_dir()
+    spec = _node_spec(config)
+    node = NodeAgent(
+        spec=spec,
+        coordinator=config.coordinator_addr,
+        secret=secret,
+        secret_file=secret_file,
+        command=command,
+        env=_node_env(config, spec.data_host),
+        job_dir=job_dir,
+        shm_dir=shm_dir,
+        redirect_output=redirect_output,
+    )
+    restore_handlers = _install_signal_handlers(stop)
+    try:
+        rc = node.run(stop)
+    except (ControlError, OSError) as e:
+        raise UsageError(
+            f"node {config.node_rank}: cannot join the job at {config.coordinator}: {e}"
+        ) from None
+    finally:
+        restore_handlers()
+    state = JobState.DONE if rc == 0 else JobState.FAILED
+    error = None if rc == 0 else (node.fenced or "the job failed (see node 0's events)")
+    return JobResult(state=state, generation=0, final_step=0, error=error)
 
 
 JOB_INFO = "job.json"
@@ -229,7 +349,7 @@ def _load_resume(config: JobConfig) -> LoadedCheckpoint:
     """The newest good checkpoint at ``--resume``, checked against the job's world size."""
     assert config.resume is not None
     try:
-        return DurableStore(config.resume, keep=config.keep).load(world_size=config.nproc_per_node)
+        return DurableStore(config.resume, keep=config.keep).load(world_size=config.world_size)
     except SnapshotMissingError as e:
         raise UsageError(f"--resume {config.resume}: no loadable checkpoint ({e})") from None
 

@@ -10,7 +10,8 @@ failures. A reconfiguration moves through named stages, each timed::
 * (REPLAN time lost to a reconfiguration that another failure interrupted)
 * PLAN    pick the committed step and who replaces each failed rank
 * LAUNCH  replacements exist and are connected (a hot spare: immediate;
-          a cold process: interpreter + torch import)
+          a cold process: interpreter + torch import), and every node that
+          lacks a rank's restore step in its memory has fetched it from a peer
 * RESTORE every rank has loaded the committed step from snapshot memory
 * REBUILD every rank is in the new process group (survivors kept their processes)
 * RESUME  every rank has completed one step in the new generation
@@ -81,6 +82,7 @@ class Reconfiguration:
     replans: int = 0
     stage: Stage = Stage.PLAN
     waiting_launch: set[int] = field(default_factory=set)
+    waiting_fetch: set[int] = field(default_factory=set)  # ranks whose snapshot is being fetched
     restored: set[int] = field(default_factory=set)
     ready: set[int] = field(default_factory=set)
     stepped: set[int] = field(default_factory=set)
@@ -91,7 +93,7 @@ class Reconfiguration:
         everyone = set(range(self.world_size))
         self.stage = next_stage(
             self.stage,
-            launched=not self.waiting_launch,
+            launched=not self.waiting_launch and not self.waiting_fetch,
             restored=self.restored >= everyone,
             ready=self.ready >= everyone,
             stepped=self.stepped >= everyone,

@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.config import WorkerEnv
 from nonstop.control.channel import Channel, Message, connect
+from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import ControlError, JobFailedError, SnapshotError
 from nonstop.faults import FaultInjector
 from nonstop.snapshot import RankSnapshotStore, StateCapture, segment_prefix
@@ -102,6 +103,7 @@ class Session:
         self._sync: CanonicalGradSync | None = None
         self._ddp: DistributedDataParallel | None = None
         self._group_sockets: SocketWatch | None = None
+        self._rdzv: ChannelStore | None = None
         self._step = 0
         self._fence_wait_s = 0.0
         self._faults = FaultInjector.from_json(env.faults_json, env.job_dir / "faults")
@@ -138,6 +140,13 @@ class Session:
         try:
             while True:
                 msg = self._chan.recv()
+                if msg.get("t") == "kv":
+                    rdzv = self._rdzv
+                    if rdzv is not None:
+                        rdzv.deliver(msg)
+                    continue
+                if msg.get("t") in ("reconfigure", "abort") and self._rdzv is not None:
+                    self._rdzv.abort("a newer generation started")  # unblock a rendezvous in progress
                 self._inbox.put(msg)
                 if msg.get("t") == "reconfigure" and self._in_step and self._can_interrupt:
                     _thread.interrupt_main(signal.SIGUSR1)
@@ -199,7 +208,9 @@ class Session:
     ) -> RunResult:
         """Train ``num_steps`` steps through failures. See the module docstring."""
         capture = StateCapture(model=model, optimizer=optimizer, extras=extras, load_extras=load_extras)
-        store = RankSnapshotStore(shm_dir=self.env.shm_dir, job_id=self.env.job_id, rank=self.rank)
+        store = RankSnapshotStore(
+            shm_dir=self.env.shm_dir, job_id=self.env.job_id, rank=self.rank, num_slots=self.env.num_slots
+        )
         self._sync = CanonicalGradSync(model) if deterministic else None
         mode = self.env.snapshot
         fence_hook = None
@@ -316,7 +327,8 @@ class Session:
         return reply
 
     def _maybe_inject(self, phase: str, step: int) -> None:
-        due = self._faults.due(rank=self.rank, step=step, phase=phase)
+        node = int(self.env.node) if self.env.node.isdigit() else -1
+        due = self._faults.due(rank=self.rank, step=step, phase=phase, node=node)
         if due is not None:
             index, fault = due
             self._send(
@@ -329,7 +341,7 @@ class Session:
                     "ts": time.time(),
                 }
             )
-            FaultInjector.fire(fault, wipe=self._wipe_snapshots)
+            FaultInjector.fire(fault, wipe=self._wipe_snapshots, agent_pid=self.env.agent_pid)
 
     def _wipe_snapshots(self) -> None:
         for path in self.env.shm_dir.glob(f"{segment_prefix(self.env.job_id)}r{self.rank}-s*"):
@@ -342,6 +354,9 @@ class Session:
         attached to the parameters, fires on later backward passes and keeps the
         dead group (and its threads) alive until interpreter exit.
         """
+        if self._rdzv is not None:
+            self._rdzv.abort("the process group was torn down")
+            self._rdzv = None
         if self._group_sockets is not None:
             self._group_sockets.half_close()  # peers blocked on us fail now, not at the timeout
             self._group_sockets = None
@@ -391,16 +406,19 @@ class Session:
             return ddp
 
     def _join_group(self, gen: int, model: torch.nn.Module, *, restored: bool) -> torch.nn.Module:
-        rdzv = self.env.job_dir / "rdzv"
-        store = dist.FileStore(  # type: ignore[attr-defined]
-            str(rdzv / f"gen-{gen}"), self.world_size
-        )
+        # Rendezvous through the coordinator (authenticated, fenced by generation, abortable).
+        store = ChannelStore(self._chan.send, gen, self.env.rebuild_timeout_s)
+        self._rdzv = store
+        if not self._inbox.empty() and any(m.get("t") == "reconfigure" for m in list(self._inbox.queue)):
+            store.abort("a newer generation started")
         timeout = datetime.timedelta(seconds=self.env.rebuild_timeout_s)
         watch = SocketWatch()
-        dist.init_process_group(
-            "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
-        )
-        watch.stop()
+        try:
+            dist.init_process_group(
+                "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
+            )
+        finally:
+            watch.stop()
         self._group_sockets = watch
         # After a restore every rank holds the same committed step: skip DDP's broadcast.
         self._ddp = wrap_ddp(model, self._sync, dist.group.WORLD, init_sync=not restored)  # type: ignore[arg-type]

@@ -1,0 +1,231 @@
+"""Process-group rendezvous over the authenticated control channel.
+
+gloo needs a key-value store to exchange addresses when a process group is
+built. torchrun uses an unauthenticated TCPStore; nonstop's workers instead
+ask the coordinator over their (HMAC-authenticated) control channel, so:
+
+* a peer without the job secret cannot read or plant rendezvous keys;
+* requests carry the worker's generation and the coordinator refuses keys of
+  any generation but the current one (a fenced worker cannot join a group);
+* a blocked ``get`` is interruptible: when the coordinator starts a newer
+  generation every waiting call fails at once (a ``FileStore`` wait could
+  only time out).
+
+Coordinator side: :class:`KeyValueTable` (no I/O; ``get`` of a missing key
+parks the request until a ``set``). Worker side: :class:`ChannelStore`, a
+``torch.distributed.Store`` whose calls become ``kv`` messages.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from nonstop.errors import ControlError
+
+__all__ = ["ChannelStore", "KeyValueTable", "KvWaiter"]
+
+Message = dict[str, Any]
+Reply = Callable[[Message], None]
+
+
+def _b64(value: bytes) -> str:
+    return base64.b64encode(value).decode()
+
+
+def _unb64(text: object) -> bytes:
+    return base64.b64decode(str(text).encode(), validate=True)
+
+
+@dataclass
+class KvWaiter:
+    """A parked ``get``/``wait``: who asked, under which request id, for which keys."""
+
+    reply: Callable[[Message], None]
+    req_id: int
+    keys: list[str]
+    op: str
+
+
+@dataclass
+class KeyValueTable:
+    """The coordinator's rendezvous keys of the current generation.
+
+    :meth:`handle` takes one ``kv`` request and returns the replies to send now
+    (to the caller, and to parked callers the request released).
+    """
+
+    generation: int = 0
+    data: dict[str, bytes] = field(default_factory=dict)
+    waiters: list[KvWaiter] = field(default_factory=list)
+
+    def new_generation(self, generation: int) -> list[tuple[Reply, Message]]:
+        """Drop every key of older generations; fail their parked calls."""
+        self.generation = generation
+        self.data.clear()
+        failed: list[tuple[Reply, Message]] = [
+            (w.reply, {"t": "kv", "id": w.req_id, "error": "reconfigured"}) for w in self.waiters
+        ]
+        self.waiters.clear()
+        return failed
+
+    def handle(
+        self, msg: Message, reply: Callable[[Message], None]
+    ) -> list[tuple[Callable[[Message], None], Message]]:
+        req_id = int(msg.get("id", -1))
+        out: list[tuple[Callable[[Message], None], Message]] = []
+        if int(msg.get("gen", -1)) != self.generation:
+            return [
+                (
+                    reply,
+                    {"t": "kv", "id": req_id, "error": f"fenced: generation {msg.get('gen')} is not current"},
+                )
+            ]
+        op = msg.get("op")
+        key = str(msg.get("key", ""))
+        if op == "set":
+            self.data[key] = _unb64(msg.get("value", ""))
+            out.append((reply, {"t": "kv", "id": req_id}))
+            out.extend(self._release())
+        elif op == "add":
+            value = int(self.data.get(key, b"0")) + int(msg.get("amount", 0))
+            self.data[key] = str(value).encode()
+            out.append((reply, {"t": "kv", "id": req_id, "value": value}))
+            out.extend(self._release())
+        elif op == "compare_set":
+            cur = self.data.get(key)
+            expected, desired = _unb64(msg.get("expected", "")), _unb64(msg.get("desired", ""))
+            if (cur is None and expected == b"") or cur == expected:
+                self.data[key] = cur = desired
+                out.extend(self._release())
+            result = cur if cur is not None else expected
+            out.append((reply, {"t": "kv", "id": req_id, "value": _b64(result)}))
+        elif op in ("get", "wait"):
+            keys = [str(k) for k in msg.get("keys", [key])]
+            waiter = KvWaiter(reply=reply, req_id=req_id, keys=keys, op=op)
+            done = self._answer(waiter)
+            if done is None:
+                self.waiters.append(waiter)
+            else:
+                out.append((reply, done))
+        elif op == "check":
+            keys = [str(k) for k in msg.get("keys", [])]
+            out.append((reply, {"t": "kv", "id": req_id, "value": all(k in self.data for k in keys)}))
+        elif op == "delete":
+            out.append((reply, {"t": "kv", "id": req_id, "value": self.data.pop(key, None) is not None}))
+        elif op == "num_keys":
+            out.append((reply, {"t": "kv", "id": req_id, "value": len(self.data)}))
+        else:
+            out.append((reply, {"t": "kv", "id": req_id, "error": f"unknown kv op {op!r}"}))
+        return out
+
+    def _answer(self, w: KvWaiter) -> Message | None:
+        if not all(k in self.data for k in w.keys):
+            return None
+        if w.op == "get":
+            return {"t": "kv", "id": w.req_id, "value": _b64(self.data[w.keys[0]])}
+        return {"t": "kv", "id": w.req_id}
+
+    def _release(self) -> list[tuple[Reply, Message]]:
+        out: list[tuple[Reply, Message]] = []
+        keep: list[KvWaiter] = []
+        for w in self.waiters:
+            done = self._answer(w)
+            if done is None:
+                keep.append(w)
+            else:
+                out.append((w.reply, done))
+        self.waiters = keep
+        return out
+
+
+class ChannelStore(dist.Store):  # type: ignore[name-defined,misc]
+    """A ``torch.distributed.Store`` served by the coordinator (worker side).
+
+    ``send`` sends one message on the control channel; the channel's reader
+    thread must pass every ``kv`` reply to :meth:`deliver`. :meth:`abort` fails
+    every call in flight (a newer generation started).
+    """
+
+    def __init__(self, send: Callable[[Message], None], generation: int, timeout_s: float) -> None:
+        super().__init__()
+        self._send = send
+        self._gen = generation
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._next = 0
+        self._pending: dict[int, tuple[threading.Event, list[Message]]] = {}
+        self._aborted: str | None = None
+
+    def deliver(self, msg: Message) -> None:
+        with self._lock:
+            got = self._pending.get(int(msg.get("id", -1)))
+        if got is not None:
+            got[1].append(msg)
+            got[0].set()
+
+    def abort(self, why: str) -> None:
+        with self._lock:
+            self._aborted = why
+            pending = list(self._pending.values())
+        for ev, box in pending:
+            box.append({"error": why})
+            ev.set()
+
+    def _call(self, op: str, **fields: Any) -> Message:
+        ev: threading.Event = threading.Event()
+        box: list[Message] = []
+        with self._lock:
+            if self._aborted is not None:
+                raise ControlError(f"rendezvous aborted: {self._aborted}")
+            req_id = self._next
+            self._next += 1
+            self._pending[req_id] = (ev, box)
+        try:
+            self._send({"t": "kv", "id": req_id, "gen": self._gen, "op": op, **fields})
+            if not ev.wait(self._timeout_s):
+                raise ControlError(f"rendezvous {op} {fields.get('key', fields.get('keys'))} timed out")
+        finally:
+            with self._lock:
+                self._pending.pop(req_id, None)
+        reply = box[0]
+        if reply.get("error"):
+            raise ControlError(f"rendezvous {op} failed: {reply['error']}")
+        return reply
+
+    # -- torch.distributed.Store ------------------------------------------------------------
+    def set(self, key: str, value: bytes | str) -> None:
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        self._call("set", key=key, value=_b64(raw))
+
+    def get(self, key: str) -> bytes:
+        return _unb64(self._call("get", key=key, keys=[key])["value"])
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call("add", key=key, amount=int(amount))["value"])
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        e = expected.encode() if isinstance(expected, str) else bytes(expected)
+        d = desired.encode() if isinstance(desired, str) else bytes(desired)
+        return _unb64(self._call("compare_set", key=key, expected=_b64(e), desired=_b64(d))["value"])
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._call("wait", keys=list(keys))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", keys=list(keys))["value"])
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._call("delete", key=key)["value"])
+
+    def num_keys(self) -> int:
+        return int(self._call("num_keys")["value"])
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout_s = timeout.total_seconds()

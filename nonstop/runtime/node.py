@@ -1,0 +1,375 @@
+"""The node agent: one per node, between the coordinator and the node's processes.
+
+It owns what is local to a node: the worker and spare processes (through
+:class:`~nonstop.runtime.agent.Agent`), the node's snapshot memory, the
+replicas it holds for other nodes and its data plane
+(:class:`~nonstop.replica.DataPlane`). It obeys the coordinator's commands
+and reports what only it can see (process exits, what memory holds).
+
+Protocol on the agent's control channel (JSON, authenticated)::
+
+    agent -> coordinator   hello {role: agent, node, nproc, spares, domain, data_addr, pid}
+    coordinator -> agent   welcome {job_id, lease_ttl_s, num_slots, env}  |  refused {error}
+    agent -> coordinator   lease {seq}            every lease_ttl_s / 5
+    coordinator -> agent   lease_ok {seq}
+    coordinator -> agent   spawn {spawn_id, role}        -> spawned {spawn_id, pid}
+    coordinator -> agent   kill {spawn_id, sig}
+    agent -> coordinator   exit {spawn_id, rc, pid, fault_at}
+    coordinator -> agent   inventory {id}                 -> inventory {id, local, replicas}
+    coordinator -> agent   replicate {step, ranks: {rank: [addr]}}
+                                                          -> replicated {step, rank, ok, raw, wire}
+    coordinator -> agent   fetch {id, rank, step, addr, kind}   -> fetched {id, rank, ok, error}
+    coordinator -> agent   install_durable {id, url, step, ranks} -> installed {id, ok, error}
+    coordinator -> agent   finish | fenced {error}
+
+**Lease and self-fencing.** The agent renews its lease every TTL/5. If no
+renewal has been acknowledged for TTL, measured from when the last
+acknowledged renewal was *sent* (so always before the coordinator, which
+measures from when it *received* it, can expire the lease), the agent
+SIGKILLs every process of the node and exits: a node cut off from the
+coordinator stops playing its ranks before anyone else is given them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from nonstop.config import ENV
+from nonstop.control.channel import Channel, Message, connect
+from nonstop.errors import ControlError, NonstopError
+from nonstop.faults import fired_at
+from nonstop.replica.peer import (
+    DataPlane,
+    Replicator,
+    fetch_snapshot,
+    local_store_id,
+    replica_store_id,
+    shm_stores,
+)
+from nonstop.runtime.agent import Agent, ranks_with_segments, remove_segments
+from nonstop.snapshot.durable import DurableStore
+
+__all__ = ["EXIT_FENCED", "NodeAgent", "NodeSpec"]
+
+log = logging.getLogger(__name__)
+
+EXIT_FENCED = 3
+TICK_S = 0.005
+SETTLE_S = 2.0  # longest an inventory waits for a live writer to finish its snapshot
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeSpec:
+    """What a node brings to the job."""
+
+    node: str
+    nproc: int
+    spares: int
+    domain: str
+    data_host: str = "127.0.0.1"
+    replica_bandwidth_mb_s: float | None = None
+
+
+class NodeAgent:
+    """Runs one node of a job until the job ends or the node is fenced."""
+
+    def __init__(
+        self,
+        *,
+        spec: NodeSpec,
+        coordinator: tuple[str, int],
+        secret: bytes,
+        secret_file: Path,
+        command: list[str],
+        env: dict[str, str],
+        job_dir: Path,
+        shm_dir: Path,
+        redirect_output: bool,
+    ) -> None:
+        self.spec = spec
+        self.coordinator = coordinator
+        self.secret = secret
+        self.secret_file = secret_file
+        self.command = command
+        self.base_env = env
+        self.job_dir = job_dir
+        self.shm_dir = shm_dir
+        self.redirect_output = redirect_output
+        self.fenced: str | None = None
+        self._inbox: queue.Queue[Message | None] = queue.Queue()
+        self._work: queue.Queue[Message | None] = queue.Queue()
+        self.agent: Agent | None = None
+        self.data: DataPlane | None = None
+        self._chan: Channel | None = None
+        self.job_id = ""
+        self._lock: tuple[int, Path] | None = None
+        # set by the owner when the node may free its memory (node 0: after the final persist)
+        self.release = threading.Event()
+        self.release.set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> int:
+        """Serve the job; return 0 when it finished, EXIT_FENCED when this node was cut off."""
+        self.data = DataPlane(
+            host=self.spec.data_host,
+            port=0,
+            secret=self.secret,
+            local=lambda r: self._local(r),
+            replica=lambda r: self._replica(r),
+            on_refused=lambda peer, why: log.warning("data plane refused %s: %s", peer, why),
+        )
+        try:
+            self._chan = connect(
+                self.coordinator,
+                self.secret,
+                {
+                    "role": "agent",
+                    "node": self.spec.node,
+                    "nproc": self.spec.nproc,
+                    "spares": self.spec.spares,
+                    "domain": self.spec.domain,
+                    "data_addr": self.data.addr,
+                    "pid": os.getpid(),
+                },
+            )
+            welcome = self._chan.recv()
+            if welcome.get("t") != "welcome":
+                raise NonstopError(f"coordinator refused node {self.spec.node}: {welcome.get('error')}")
+            self._setup(welcome)
+            threading.Thread(target=self._reader, name="nonstop-agent-reader", daemon=True).start()
+            threading.Thread(target=self._worker, name="nonstop-agent-work", daemon=True).start()
+            return self._loop(stop, float(welcome["lease_ttl_s"]))
+        finally:
+            if self.agent is not None:
+                self.agent.wait_all(0.5)
+            self.release.wait(timeout=600.0)
+            self._shutdown()
+
+    def _setup(self, welcome: Message) -> None:
+        self.job_id = str(welcome["job_id"])
+        from nonstop.runtime.launcher import hold_lock  # the lock protocol lives with the launcher
+
+        self._lock = hold_lock(self.shm_dir, local_store_id(self.job_id, self.spec.node), self.job_dir)
+        self.num_slots = int(welcome.get("num_slots", 2))
+        env = dict(self.base_env)
+        env.update({str(k): str(v) for k, v in dict(welcome.get("env", {})).items()})
+        env.update(
+            {
+                ENV.JOB_ID: local_store_id(self.job_id, self.spec.node),
+                ENV.JOB_DIR: str(self.job_dir),
+                ENV.CONTROL: f"{self.coordinator[0]}:{self.coordinator[1]}",
+                ENV.SECRET_FILE: str(self.secret_file),
+                ENV.SHM_DIR: str(self.shm_dir),
+                ENV.NODE: self.spec.node,
+                ENV.AGENT_PID: str(os.getpid()),
+                ENV.SLOTS: str(self.num_slots),
+            }
+        )
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, self.spec.nproc))))
+        self.agent = Agent(
+            job_id=local_store_id(self.job_id, self.spec.node),
+            job_dir=self.job_dir,
+            shm_dir=self.shm_dir,
+            command=self.command,
+            env=env,
+            redirect_output=self.redirect_output,
+            num_slots=self.num_slots,
+        )
+        self._local = shm_stores(self.shm_dir, local_store_id(self.job_id, self.spec.node), self.num_slots)
+        self._replica = shm_stores(self.shm_dir, replica_store_id(self.job_id, self.spec.node), 2)
+        mb = self.spec.replica_bandwidth_mb_s
+        self.replicator = Replicator(
+            node=self.spec.node,
+            secret=self.secret,
+            local=self._local,
+            bandwidth_bytes_s=mb * 1e6 if mb else None,
+        )
+
+    def _reader(self) -> None:
+        assert self._chan is not None
+        try:
+            while True:
+                self._inbox.put(self._chan.recv())
+        except (ControlError, OSError, ValueError):
+            self._inbox.put(None)
+
+    def _send(self, msg: Message) -> None:
+        if self._chan is not None:
+            try:
+                self._chan.send(msg)
+            except ControlError:
+                pass
+
+    def _loop(self, stop: threading.Event, ttl: float) -> int:
+        assert self.agent is not None
+        renew_every = ttl / 5
+        seq = 0
+        sent_at: dict[int, float] = {}
+        acked_sent_at = time.monotonic()
+        next_renew = 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= next_renew:
+                seq += 1
+                sent_at[seq] = now
+                self._send({"t": "lease", "seq": seq})
+                next_renew = now + renew_every
+            if now - acked_sent_at > ttl:
+                return self._fence(f"no lease renewal acknowledged for {now - acked_sent_at:.2f}s")
+            for sid, rc in self.agent.poll():
+                pid = self.agent.exited_pids.get(sid)
+                fault_at = fired_at(self.job_dir / "faults", pid) if pid is not None else None
+                self._send({"t": "exit", "spawn_id": sid, "rc": rc, "pid": pid, "fault_at": fault_at})
+            try:
+                msg = self._inbox.get(timeout=TICK_S)
+            except queue.Empty:
+                continue
+            while True:
+                if msg is None:
+                    return self._fence("lost the connection to the coordinator")
+                t = msg.get("t")
+                if t == "lease_ok":
+                    acked_sent_at = max(acked_sent_at, sent_at.pop(int(msg["seq"]), acked_sent_at))
+                    for old in [k for k in sent_at if k < int(msg["seq"])]:
+                        del sent_at[old]
+                elif t == "spawn":
+                    sid = self.agent.spawn(str(msg["role"]), int(msg["spawn_id"]))
+                    self._send({"t": "spawned", "spawn_id": sid, "pid": self.agent.pid(sid)})
+                elif t == "kill":
+                    self.agent.kill(int(msg["spawn_id"]), int(msg.get("sig", signal.SIGKILL)))
+                elif t == "finish":
+                    self.agent.wait_all(10.0)
+                    return 1 if msg.get("failed") else 0
+                elif t == "fenced":
+                    return self._fence(str(msg.get("error", "fenced by the coordinator")))
+                elif t in ("inventory", "replicate", "fetch", "install_durable", "forget"):
+                    self._work.put(msg)
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+        return 0
+
+    def _fence(self, why: str) -> int:
+        self.fenced = why
+        log.error("node %s fenced: %s; killing its processes", self.spec.node, why)
+        if self.agent is not None:
+            for sid in list(self.agent.procs):
+                self.agent.kill(sid, signal.SIGKILL)
+        return EXIT_FENCED
+
+    def _shutdown(self) -> None:
+        self._work.put(None)
+        if self.agent is not None:
+            self.agent.shutdown()
+        if self.data is not None:
+            self.data.close()
+        if getattr(self, "replicator", None) is not None:
+            self.replicator.close()
+        if self._chan is not None:
+            self._chan.close()
+        if self.job_id:
+            remove_segments(self.shm_dir, local_store_id(self.job_id, self.spec.node))
+            remove_segments(self.shm_dir, replica_store_id(self.job_id, self.spec.node))
+        if self._lock is not None:
+            os.close(self._lock[0])
+            self._lock[1].unlink(missing_ok=True)
+
+    # -- background work (one thread: inventories, replication, fetches) ------------------------
+    def _worker(self) -> None:
+        while True:
+            msg = self._work.get()
+            if msg is None:
+                return
+            t = msg.get("t")
+            try:
+                if t == "inventory":
+                    self._send(self._inventory(int(msg["id"])))
+                elif t == "replicate":
+                    self._replicate(msg)
+                elif t == "fetch":
+                    self._fetch(msg)
+                elif t == "install_durable":
+                    self._install_durable(msg)
+                elif t == "forget":
+                    self.replicator.forget(int(msg["rank"]))
+            except Exception as e:  # report, never die: the coordinator decides
+                log.warning("node %s: %s failed: %s", self.spec.node, t, e)
+
+    def _inventory(self, req_id: int) -> Message:
+        assert self.agent is not None
+        deadline = time.monotonic() + SETTLE_S
+        while self.agent.writing_steps() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        local = self.agent.complete_steps()
+        rep_id = replica_store_id(self.job_id, self.spec.node)
+        replicas = {r: self._replica(r).complete_steps() for r in ranks_with_segments(self.shm_dir, rep_id)}
+        return {
+            "t": "inventory",
+            "id": req_id,
+            "local": {str(r): s for r, s in local.items() if s},
+            "replicas": {str(r): s for r, s in replicas.items() if s},
+        }
+
+    def _replicate(self, msg: Message) -> None:
+        step = int(msg["step"])
+        for rank_s, holders in dict(msg["ranks"]).items():
+            rank = int(rank_s)
+            try:
+                st = self.replicator.replicate(rank, step, [str(a) for a in holders])
+                self._send(
+                    {
+                        "t": "replicated",
+                        "step": step,
+                        "rank": rank,
+                        "ok": True,
+                        "raw": st.raw_bytes,
+                        "wire": st.wire_bytes,
+                        "seconds": st.seconds,
+                        "full": st.full,
+                    }
+                )
+            except (NonstopError, OSError) as e:
+                self._send(
+                    {"t": "replicated", "step": step, "rank": rank, "ok": False, "error": str(e)[:300]}
+                )
+
+    def _fetch(self, msg: Message) -> None:
+        assert self.data is not None
+        rank, step, kind, addr = int(msg["rank"]), int(msg["step"]), str(msg["kind"]), str(msg["addr"])
+        t0 = time.monotonic()
+        try:
+            if addr == self.data.addr:  # this node holds it: copy between its own stores
+                src = self._replica(rank) if kind == "replica" else self._local(rank)
+                snap = src.copy_out(step)
+                meta, data = snap.meta, snap.data
+                self._local(rank).write_raw(step, meta, data.data)
+            else:
+                meta, buf = fetch_snapshot(
+                    addr, self.secret, node=self.spec.node, rank=rank, step=step, kind=kind
+                )
+                self._local(rank).write_raw(step, meta, buf)
+            self._send(
+                {"t": "fetched", "id": msg["id"], "rank": rank, "ok": True, "seconds": time.monotonic() - t0}
+            )
+        except (NonstopError, OSError) as e:
+            self._send({"t": "fetched", "id": msg["id"], "rank": rank, "ok": False, "error": str(e)[:300]})
+
+    def _install_durable(self, msg: Message) -> None:
+        step = int(msg["step"])
+        t0 = time.monotonic()
+        try:
+            durable = DurableStore(str(msg["url"]))
+            for rank in msg["ranks"]:
+                meta, data = durable.load_rank(step, int(rank))
+                self._local(int(rank)).write_raw(step, meta, data)
+            self._send({"t": "installed", "id": msg["id"], "ok": True, "seconds": time.monotonic() - t0})
+        except (NonstopError, OSError) as e:
+            self._send({"t": "installed", "id": msg["id"], "ok": False, "error": str(e)[:300]})
