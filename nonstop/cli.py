@@ -86,6 +86,57 @@ def _snapshot_config(ns: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def _node_args(p: argparse.ArgumentParser) -> None:
+    c = JobConfig(script="")
+    g = p.add_argument_group("many nodes")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default %(default)s)")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 hosts the coordinator")
+    g.add_argument(
+        "--coordinator", default=None, metavar="HOST:PORT", help="where node 0 listens and the others connect"
+    )
+    g.add_argument(
+        "--domain", default=None, help="this node's failure domain (rack, zone); replicas avoid it"
+    )
+    g.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=c.lease_ttl_s,
+        help="seconds without a lease renewal after which a node is lost (default %(default)s)",
+    )
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=c.replicas,
+        help="peer copies of each rank's snapshot (default %(default)s)",
+    )
+    g.add_argument("--replica-bandwidth", type=float, default=None, metavar="MB/S", help="cap on replication")
+    g.add_argument(
+        "--secret-file",
+        type=Path,
+        default=None,
+        help="job secret (default: JOB_DIR/secret, written by node 0)",
+    )
+    g.add_argument("--quarantine-failures", type=int, default=c.quarantine_failures)
+    g.add_argument("--quarantine-window", type=float, default=c.quarantine_window_s, metavar="SECONDS")
+    g.add_argument("--join-timeout", type=float, default=c.join_timeout_s, metavar="SECONDS")
+
+
+def _node_config(ns: argparse.Namespace) -> dict[str, object]:
+    return {
+        "nnodes": ns.nnodes,
+        "node_rank": ns.node_rank,
+        "coordinator": ns.coordinator,
+        "domain": ns.domain,
+        "lease_ttl_s": ns.lease_ttl,
+        "replicas": ns.replicas,
+        "replica_bandwidth_mb_s": ns.replica_bandwidth,
+        "secret_file": ns.secret_file,
+        "quarantine_failures": ns.quarantine_failures,
+        "quarantine_window_s": ns.quarantine_window,
+        "join_timeout_s": ns.join_timeout,
+    }
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="nonstop", description="Keep PyTorch training running through failures."
@@ -104,6 +155,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name")
     _detector_args(run)
     _snapshot_args(run)
+    _node_args(run)
     run.add_argument(
         "--resume",
         default=None,
@@ -114,7 +166,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER)
 
     demo = sub.add_parser("demo", help="train the demo model with injected failures")
-    demo.add_argument("--nproc", type=int, default=3)
+    demo.add_argument("--nproc", type=int, default=3, help="ranks per node")
+    demo.add_argument("--nnodes", type=int, default=1, help="nodes, each a separate agent on this machine")
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--spares", type=int, default=1)
     demo.add_argument("--model", default="small", choices=["tiny", "small", "medium"])
@@ -124,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="kill:rank=R,step=S | hang:rank=R,step=S | stall:rank=R,step=S | exit:rank=R,step=S,code=C | "
-        "slow:rank=R,step=S,seconds=X "
+        "slow:rank=R,step=S,seconds=X | node:node=I,step=S "
         "(add ,at=recovery to fire during a recovery); repeatable",
     )
     demo.add_argument(
@@ -186,8 +239,14 @@ def _dispatch(ns: argparse.Namespace) -> int:
             detector=_detector(ns),
             resume=ns.resume,
             **_snapshot_config(ns),  # type: ignore[arg-type]
+            **_node_config(ns),  # type: ignore[arg-type]
         )
         result = run_job(cfg)
+        if cfg.node_rank != 0:
+            if result.state is not JobState.DONE:
+                raise JobFailedError(f"node {cfg.node_rank}: {result.error or result.state}")
+            print(f"nonstop: node {cfg.node_rank} finished its part of the job")
+            return 0
         if result.state is not JobState.DONE:
             raise JobFailedError(result.error or str(result.state))
         print(
@@ -200,6 +259,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
 
         opts = DemoOptions(
             nproc=ns.nproc,
+            nnodes=ns.nnodes,
             steps=ns.steps,
             spares=ns.spares,
             model=ns.model,

@@ -18,6 +18,7 @@ from nonstop.runtime.coordinator import JobResult
 from nonstop.runtime.eventlog import read_events
 from nonstop.runtime.gc import processes_of_job
 from nonstop.runtime.launcher import default_shm_dir, run_job
+from nonstop.runtime.localnodes import run_local_nodes
 
 STEPS = 16
 
@@ -59,7 +60,10 @@ def run_demo_job(
         detector=cfg.pop("detector", DetectorConfig()),
         **cfg,
     )
-    result = run_job(config, redirect_output=True)
+    if config.nnodes > 1:
+        result = run_local_nodes(config, redirect_output=True)
+    else:
+        result = run_job(config, redirect_output=True)
     out = json.loads(result_file.read_text()) if result_file.exists() else None
     return DemoRun(result, out, job_dir, read_events(job_dir / "events.jsonl"))
 

@@ -80,4 +80,6 @@ def test_cold_when_no_spare_and_never_on_quarantined_or_dead_nodes() -> None:
     assert out[3] == Placement(node="a", spare=None)  # c now has 2 as well; ties go in node order
     assert out[3].source is ReplacementSource.COLD
     with pytest.raises(ValueError):
-        choose_replacements(failed={0: "a"}, spares={}, data_nodes={}, live_nodes=["q"], load={}, quarantined=["q"])
+        choose_replacements(
+            failed={0: "a"}, spares={}, data_nodes={}, live_nodes=["q"], load={}, quarantined=["q"]
+        )

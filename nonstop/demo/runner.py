@@ -18,7 +18,7 @@ from nonstop.config import DetectorConfig, JobConfig
 from nonstop.errors import JobFailedError, UsageError
 from nonstop.faults import parse_fault
 from nonstop.runtime.coordinator import JobResult, JobState
-from nonstop.runtime.launcher import run_job
+from nonstop.runtime.localnodes import run_local_nodes
 
 __all__ = ["DemoOptions", "run_demo"]
 
@@ -26,6 +26,7 @@ __all__ = ["DemoOptions", "run_demo"]
 @dataclass(frozen=True, kw_only=True)
 class DemoOptions:
     nproc: int = 3
+    nnodes: int = 1
     steps: int = 60
     spares: int = 1
     model: str = "small"
@@ -37,6 +38,8 @@ class DemoOptions:
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise UsageError(f"--nproc must be >= 1 (got {self.nproc})")
+        if self.nnodes < 1:
+            raise UsageError(f"--nnodes must be >= 1 (got {self.nnodes})")
         if self.steps < 1:
             raise UsageError(f"--steps must be >= 1 (got {self.steps})")
         for f in self.faults:
@@ -81,8 +84,10 @@ def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple
         job_dir=job_dir,
         faults=faults,
         detector=opts.detector,
+        nnodes=opts.nnodes,
+        coordinator="127.0.0.1:0" if opts.nnodes > 1 else None,
     )
-    result = run_job(cfg, redirect_output=True)
+    result = run_local_nodes(cfg, redirect_output=True)
     if result.state is not JobState.DONE or not result_file.exists():
         raise JobFailedError(
             f"demo job failed ({result.error or result.state}); worker logs are in {job_dir / 'logs'}"
@@ -93,15 +98,16 @@ def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple
 def run_demo(opts: DemoOptions, *, echo: bool = True) -> dict[str, Any]:
     """Run the demo; return the report (also what ``--json`` writes)."""
     say = print if echo else (lambda *a, **k: None)
+    where = f"{opts.nnodes} nodes x {opts.nproc}" if opts.nnodes > 1 else f"{opts.nproc}"
     say(
-        f"nonstop demo: {opts.nproc} ranks, {opts.spares} hot spare(s), {opts.steps} steps, "
+        f"nonstop demo: {where} ranks, {opts.spares} hot spare(s) per node, {opts.steps} steps, "
         f"model {opts.model}, faults: {', '.join(opts.faults) or 'none'}"
     )
     result, out = _one_run(opts, opts.job_dir / "run", opts.faults)
     for i, f in enumerate(result.failures, 1):
         st = f["stages"]
         say(
-            f"failure {i}: {f['kind']} rank {f['rank']} at step {f['step']} ({f['detail']}) -> "
+            f"failure {i}: {f['kind']} rank {f['rank']} after step {f['step']} ({f['detail']}) -> "
             f"replacement {f['replacement']}, restored step {f['restore_step']}"
         )
         say(
@@ -114,8 +120,16 @@ def run_demo(opts: DemoOptions, *, echo: bool = True) -> dict[str, Any]:
         f"(generation {result.generation}, median step {(result.median_step_s or 0) * 1000:.0f}ms), "
         f"weights sha256 {out['final_hash'][:16]}"
     )
+    if result.replication.get("rounds"):
+        rep = result.replication
+        say(
+            f"replication: {rep['rounds']} rounds, last replicated step {rep['replicated_step']}, "
+            f"wire/raw {rep['wire_over_raw']:.3f}"
+        )
     report: dict[str, Any] = {
         "nproc": opts.nproc,
+        "nnodes": opts.nnodes,
+        "replication": result.replication,
         "steps": opts.steps,
         "spares": opts.spares,
         "model": opts.model,

@@ -944,9 +944,7 @@ class Coordinator:
 
     def _install_durable(self, step: int, placement: dict[str, list[int]], url: str) -> bool:
         reqs = [
-            self._request(
-                self.nodes[n], {"t": "install_durable", "url": url, "step": step, "ranks": ranks}
-            )
+            self._request(self.nodes[n], {"t": "install_durable", "url": url, "step": step, "ranks": ranks})
             for n, ranks in placement.items()
         ]
         replies = self._await(reqs, self.config.persist_timeout_s)
@@ -1048,7 +1046,14 @@ class Coordinator:
             return
         if not msg.get("ok"):
             self._rep_totals["failed_rounds"] += 1
-            log.info("replication of step %s failed on node %s: %s", rd.step, node.name, msg.get("error"))
+            if self._rep_totals["failed_rounds"] <= 3 or self._rep_totals["failed_rounds"] % 100 == 0:
+                self.events.emit(
+                    "replication_failed",
+                    step=rd.step,
+                    node=node.name,
+                    error=msg.get("error"),
+                    failed_rounds=self._rep_totals["failed_rounds"],
+                )
             self._round = None
             return
         rd.pending.discard(int(msg["rank"]))

@@ -1,0 +1,96 @@
+"""Run every node of a job on this machine: node 0 in this process, the others as
+``nonstop run --node-rank K`` subprocesses.
+
+Each node is a separate agent process with its own snapshot memory (its own
+shared-memory names), its own data plane and its own lease, exactly as on
+separate hosts; only the job dir (secret, fault markers, logs) is shared. Used
+by ``nonstop demo --nnodes``, the tests and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+
+from nonstop.config import JobConfig
+from nonstop.errors import JobFailedError
+from nonstop.runtime.coordinator import JobResult
+from nonstop.runtime.launcher import JOB_INFO, run_job
+
+__all__ = ["node_command", "run_local_nodes"]
+
+
+def node_command(config: JobConfig, node_rank: int, coordinator: str) -> list[str]:
+    """The ``nonstop run`` command line of node ``node_rank`` of ``config``'s job."""
+    c = config
+    cmd = [sys.executable, "-m", "nonstop.cli", "run"]
+    cmd += ["--nnodes", str(c.nnodes), "--node-rank", str(node_rank), "--coordinator", coordinator]
+    cmd += ["--nproc-per-node", str(c.nproc_per_node), "--spares", str(c.spares), "--job-dir", str(c.job_dir)]
+    cmd += ["--lease-ttl", str(c.lease_ttl_s), "--replicas", str(c.replicas), "--snapshot", c.snapshot]
+    cmd += ["--heartbeat-timeout", str(c.detector.heartbeat_timeout_s)]
+    if c.replica_bandwidth_mb_s:
+        cmd += ["--replica-bandwidth", str(c.replica_bandwidth_mb_s)]
+    if c.secret_file is not None:
+        cmd += ["--secret-file", str(c.secret_file)]
+    script = c.script
+    if script.startswith("-m "):
+        cmd += ["-m", script[3:].strip()]
+    else:
+        cmd += [script]
+    return cmd + list(c.script_args)
+
+
+def run_local_nodes(
+    config: JobConfig, *, redirect_output: bool = False, domains: dict[int, str] | None = None
+) -> JobResult:
+    """Run all ``config.nnodes`` nodes here; return node 0's (the coordinator's) result."""
+    if config.nnodes == 1:
+        return run_job(config, redirect_output=redirect_output)
+    cfg0 = replace(config, node_rank=0, coordinator=config.coordinator or "127.0.0.1:0")
+    box: list[JobResult | BaseException] = []
+
+    def node0() -> None:
+        try:
+            box.append(run_job(cfg0, redirect_output=redirect_output))
+        except BaseException as e:
+            box.append(e)
+
+    info = config.job_dir.resolve() / JOB_INFO
+    info.unlink(missing_ok=True)
+    thread = threading.Thread(target=node0, name="nonstop-node0", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not info.exists() and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not info.exists():
+        thread.join(timeout=5)
+        if box and isinstance(box[0], BaseException):
+            raise box[0]
+        raise JobFailedError("node 0 did not start its coordinator within 60s")
+    addr = json.loads(info.read_text())["control"]
+    logs = config.job_dir.resolve() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for k in range(1, config.nnodes):
+        cmd = node_command(config, k, addr)
+        if domains and k in domains:
+            cmd[cmd.index("--job-dir") : cmd.index("--job-dir")] = ["--domain", domains[k]]
+        with (logs / f"node-{k}.log").open("ab") as log_file:
+            procs.append(
+                subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            )
+    thread.join()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    got = box[0]
+    if isinstance(got, BaseException):
+        raise got
+    return got

@@ -1,0 +1,106 @@
+"""Jobs of several nodes on one machine: each node a separate agent process with its own
+snapshot memory and data plane; nodes are lost by SIGKILLing the agent with its workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import DemoRun, run_demo_job
+
+pytestmark = pytest.mark.slow
+
+
+def _nodes(job_dir: Path, **kw: Any) -> DemoRun:
+    kw.setdefault("nproc", 1)
+    # steps long enough that replication rounds (tens of ms each) keep up, as with real steps
+    kw.setdefault("script_extra", ("--step-delay", "0.05"))
+    kw.setdefault("coordinator", "127.0.0.1:0")
+    return run_demo_job(job_dir, **kw)
+
+
+def _events(run: DemoRun, name: str) -> list[dict[str, Any]]:
+    return [e for e in run.events if e["event"] == name]
+
+
+def test_node_loss_is_recovered_from_a_peer_replica_bitwise(tmp_path: Path, reference_hash: str) -> None:
+    run = _nodes(tmp_path / "job", nnodes=3, spares=1, faults=("node:node=2,step=8",))
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference_hash  # 3 ranks, as the single-node reference
+    (lost,) = _events(run, "node_lost")
+    assert lost["node"] == "2"
+    (f,) = run.result.failures
+    assert f["kind"] == "node" and f["replacement"] == "spare" and f["lost_steps"] == 0
+    gen = next(g for g in _events(run, "generation") if g["cause"])
+    assert gen["tier"] == "memory"
+    assert gen["nodes"]["2"] in ("0", "1")  # rank 2 now runs on a surviving node
+    # rank 2's snapshot existed only on node 2 and in its replica: it was fetched or copied
+    assert "2" in gen["fetches"] and gen["fetches"]["2"].endswith(":replica")
+    assert run.result.replication["rounds"] > 0
+    # the surviving nodes freed their memory; the lost node (SIGKILLed) could not: gc does
+    from nonstop.runtime.gc import collect_garbage
+    from nonstop.runtime.launcher import default_shm_dir
+
+    left = list(default_shm_dir().glob(f"nonstop-{run.job_id}*"))
+    assert left and all(p.name.startswith(f"nonstop-{run.job_id}.2") for p in left), left
+    collect_garbage(default_shm_dir())
+    assert list(default_shm_dir().glob(f"nonstop-{run.job_id}*")) == []
+
+
+def test_a_node_that_fails_too_often_is_quarantined(tmp_path: Path, reference_hash: str) -> None:
+    run = _nodes(
+        tmp_path / "job",
+        nnodes=3,
+        spares=1,
+        faults=("kill:rank=1,step=4", "kill:rank=1,step=9"),
+        quarantine_failures=2,
+    )
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference_hash
+    lost = _events(run, "node_lost")
+    assert [e["node"] for e in lost] == ["1"] and lost[0]["quarantined"] is True
+    gens = [g for g in _events(run, "generation") if g["cause"]]
+    assert gens[0]["nodes"]["1"] == "1"  # the first failure restarts in place (its own node's spare)
+    assert gens[-1]["nodes"]["1"] != "1"  # after quarantine, rank 1 lives elsewhere
+    assert all(f["lost_steps"] == 0 for f in run.result.failures)
+
+
+def test_nodes_must_agree_on_ranks_per_node(tmp_path: Path) -> None:
+    """A node started with a different --nproc-per-node is refused with a clear reason."""
+    import json
+    import subprocess
+    import threading
+    import time
+    from dataclasses import replace
+
+    from nonstop.demo.runner import demo_job_config
+    from nonstop.runtime.launcher import JOB_INFO, run_job
+    from nonstop.runtime.localnodes import node_command
+
+    job_dir = tmp_path / "job"
+    cfg = demo_job_config(
+        result=job_dir / "result.json",
+        steps=4,
+        model="tiny",
+        nproc_per_node=1,
+        nnodes=2,
+        coordinator="127.0.0.1:0",
+        job_dir=job_dir,
+        join_timeout_s=8.0,
+    )
+    box: list[Any] = []
+    t = threading.Thread(target=lambda: box.append(run_job(cfg)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not (job_dir / JOB_INFO).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    addr = json.loads((job_dir / JOB_INFO).read_text())["control"]
+    bad = node_command(replace(cfg, nproc_per_node=2), 1, addr)
+    proc = subprocess.run(bad, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--nproc-per-node" in proc.stderr
+    t.join(timeout=60)
+    assert box and "nodes joined" in str(box[0].error)
+    refused = [json.loads(x) for x in (job_dir / "events.jsonl").read_text().splitlines() if '"refused"' in x]
+    assert refused and "nproc-per-node" in refused[0]["reason"]

@@ -1,0 +1,181 @@
+"""Peer data plane and rendezvous table: real sockets, real shared memory, no workers."""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from nonstop.control.channel import BLOB, connect, new_secret
+from nonstop.control.rdzv import KeyValueTable
+from nonstop.errors import AuthError, ControlError
+from nonstop.replica.peer import DataPlane, FetchError, Replicator, fetch_snapshot, shm_stores
+from nonstop.snapshot import RankSnapshotStore
+
+Msg = dict[str, object]
+
+
+def _state(seed: int, drift: float = 0.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(256, 64, generator=g)
+    return {
+        "w": w + drift,
+        "b": torch.arange(100, dtype=torch.int64),
+        "h": torch.randn(1000, generator=g).bfloat16(),
+    }
+
+
+@pytest.fixture
+def planes(tmp_path: Path) -> Iterator[tuple[DataPlane, Replicator, bytes, Path, str]]:
+    """Two nodes on one machine: node a (the sender) and node b (the holder)."""
+    secret = new_secret()
+    job = uuid.uuid4().hex[:8]
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    local_a = shm_stores(shm, f"{job}.a", 2)
+    holder = DataPlane(
+        host="127.0.0.1",
+        port=0,
+        secret=secret,
+        local=shm_stores(shm, f"{job}.b", 2),
+        replica=shm_stores(shm, f"{job}.b.rep", 2),
+    )
+    rep = Replicator(node="a", secret=secret, local=local_a)
+    try:
+        yield holder, rep, secret, shm, job
+    finally:
+        rep.close()
+        holder.close()
+
+
+def _write(shm: Path, store_id: str, rank: int, step: int, state: dict[str, torch.Tensor]) -> None:
+    s = RankSnapshotStore(shm_dir=shm, job_id=store_id, rank=rank)
+    s.write(step, state)
+    s.close()
+
+
+def test_replicate_full_then_delta_and_fetch_back(
+    planes: tuple[DataPlane, Replicator, bytes, Path, str],
+) -> None:
+    holder, rep, secret, shm, job = planes
+    _write(shm, f"{job}.a", 3, 10, _state(1))
+    first = rep.replicate(3, 10, [holder.addr])
+    assert first.full and first.wire_bytes > 0
+    _write(shm, f"{job}.a", 3, 11, _state(1, drift=1e-3))
+    second = rep.replicate(3, 11, [holder.addr])
+    assert not second.full  # a delta against step 10, which the holder acknowledged
+    held = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b.rep", rank=3)
+    assert held.complete_steps() == [10, 11]
+    got = held.read(11)
+    assert torch.equal(got["w"], _state(1, drift=1e-3)["w"]) and torch.equal(got["h"], _state(1)["h"])
+    _meta, data = fetch_snapshot(holder.addr, secret, node="c", rank=3, step=11, kind="replica")
+    assert bytes(data) == bytes(held.copy_out(11).data)
+    with pytest.raises(FetchError, match="step 99"):
+        fetch_snapshot(holder.addr, secret, node="c", rank=3, step=99, kind="replica")
+    held.close()
+
+
+def test_holder_without_the_base_gets_a_full_copy(
+    planes: tuple[DataPlane, Replicator, bytes, Path, str],
+) -> None:
+    holder, rep, _secret, shm, job = planes
+    _write(shm, f"{job}.a", 0, 1, _state(2))
+    rep.replicate(0, 1, [holder.addr])
+    for p in shm.glob(f"nonstop-{job}.b.rep-r0-*"):  # the holder lost its memory (restarted)
+        p.unlink()
+    _write(shm, f"{job}.a", 0, 2, _state(2, drift=0.5))
+    stats = rep.replicate(0, 2, [holder.addr])
+    assert stats.full  # the delta was refused (need_full) and a full copy sent instead
+    held = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b.rep", rank=0)
+    assert held.complete_steps() == [2]
+    held.close()
+
+
+def test_corrupt_chunk_is_rejected_and_nothing_installed(
+    planes: tuple[DataPlane, Replicator, bytes, Path, str],
+) -> None:
+    holder, _rep, secret, shm, job = planes
+    ch = connect(holder.address, secret, {"role": "peer", "node": "evil"})
+    ch.send(
+        {"t": "rep", "rank": 5, "step": 7, "base": None, "data_len": 8, "nchunks": 1},
+        b'{"tree": 0, "tensors": []}',
+    )
+    info = {
+        "offset": 0,
+        "length": 8,
+        "typesize": 1,
+        "codec": "raw",
+        "delta": False,
+        "enc_len": 8,
+        "crc_enc": 1,
+        "crc_raw": 1,
+    }
+    ch.send({"t": "chunk", "info": info}, b"12345678")
+    ack = ch.recv()
+    assert ack["ok"] is False and "crc32c" in str(ack["error"])
+    assert RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b.rep", rank=5).complete_steps() == []
+    ch.close()
+
+
+def test_data_plane_refuses_a_wrong_secret(planes: tuple[DataPlane, Replicator, bytes, Path, str]) -> None:
+    holder, _rep, _secret, _shm, _job = planes
+    with pytest.raises((AuthError, ControlError)):
+        connect(holder.address, new_secret(), {"role": "peer", "node": "intruder"})
+    with pytest.raises(FetchError):
+        fetch_snapshot(holder.addr, new_secret(), node="x", rank=0, step=0, kind="replica")
+
+
+def test_blob_frames_round_trip_and_are_authenticated(
+    planes: tuple[DataPlane, Replicator, bytes, Path, str],
+) -> None:
+    from nonstop.control.channel import ControlServer
+
+    secret = new_secret()
+    srv = ControlServer(host="127.0.0.1", port=0, secret=secret)
+    try:
+        ch = connect(srv.address, secret, {"role": "t"})
+        payload = bytes(range(256)) * 1000
+        ch.send({"t": "x", "n": 1}, payload)
+        ch.send({"t": "y"})
+        got = []
+        while len(got) < 2:
+            kind, _c, msg = srv.events.get(timeout=5)
+            if kind == "msg" and msg is not None:
+                got.append(msg)
+        assert bytes(got[0][BLOB]) == payload and got[0]["n"] == 1
+        assert BLOB not in got[1]
+        ch.close()
+    finally:
+        srv.close()
+
+
+def _table_call(t: KeyValueTable, out: list[Msg], **msg: object) -> list[Msg]:
+    replies: list[Msg] = []
+    for reply, m in t.handle({"t": "kv", "gen": t.generation, **msg}, out.append):
+        reply(m)
+        replies.append(m)
+    return replies
+
+
+def test_kv_get_blocks_until_set_and_generations_fence() -> None:
+    t = KeyValueTable()
+    t.new_generation(3)
+    box: list[Msg] = []
+    assert _table_call(t, box, id=1, op="get", key="a", keys=["a"]) == []  # parked
+    _table_call(t, box, id=2, op="set", key="a", value=base64.b64encode(b"addr").decode())
+    assert {"t": "kv", "id": 1, "value": base64.b64encode(b"addr").decode()} in box
+    assert _table_call(t, box, id=3, op="add", key="n", amount=2)[0]["value"] == 2
+    assert _table_call(t, box, id=4, op="check", keys=["a", "n"])[0]["value"] is True
+    stale = []
+    for reply, m in t.handle({"t": "kv", "gen": 2, "id": 5, "op": "get", "key": "a"}, stale.append):
+        reply(m)
+    assert "fenced" in str(stale[0]["error"])  # an older generation cannot read the rendezvous
+    parked: list[Msg] = []
+    _table_call(t, parked, id=6, op="get", key="never", keys=["never"])
+    for reply, m in t.new_generation(4):
+        reply(m)
+    assert parked and parked[0]["error"] == "reconfigured" and t.data == {}
