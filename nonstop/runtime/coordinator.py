@@ -41,6 +41,7 @@ from nonstop.config import JobConfig
 from nonstop.control.channel import Channel, ControlServer, Message
 from nonstop.control.rdzv import KeyValueTable
 from nonstop.errors import ControlError, NonstopError
+from nonstop.faults import fired_at
 from nonstop.runtime.detector import FailureDetector, WorkerRecord
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.policy import (
@@ -148,6 +149,7 @@ class Coordinator:
         self.nodes: dict[str, NodeRecord] = {}
         self.workers: dict[int, WorkerRecord] = {}
         self.worker_node: dict[int, str] = {}
+        self.worker_pid: dict[int, int] = {}
         self.live: set[int] = set()  # spawned and not yet reported exited
         self.members: dict[int, int] = {}  # rank -> spawn_id
         self.rank_node: dict[int, str] = {}  # rank -> node that plays it
@@ -415,6 +417,8 @@ class Coordinator:
                     _Exit(sid=sid, rc=int(msg["rc"]), pid=msg.get("pid"), fault_at=msg.get("fault_at"))
                 )
         elif t == "spawned":
+            if msg.get("pid") is not None:
+                self.worker_pid[int(msg["spawn_id"])] = int(msg["pid"])
             self.events.emit("spawned", spawn_id=msg.get("spawn_id"), pid=msg.get("pid"), node=node.name)
         elif t in ("inventory", "installed"):
             self._replies[int(msg["id"])] = msg
@@ -553,6 +557,8 @@ class Coordinator:
         elif t == "ready" and self.reconf is not None:
             self.reconf.ready.add(rank)
             w.last_progress = now
+            if self.reconf.restore_step is None:  # a fresh start: step 0 is snapshotted (replicable)
+                self.latest_step.setdefault(rank, 0)
             self._advance()
         elif t == "done":
             self.latest_step[rank] = int(msg["step"])
@@ -624,6 +630,8 @@ class Coordinator:
                 detail = w.killed_for_hang or describe_exit(rc)
                 self._node_failed(node)
             fault_at = w.fault_at if w.fault_at is not None else ex.fault_at
+            if fault_at is None and sid in self.worker_pid:  # its 'injected' message may be lost with it
+                fault_at = fired_at(self.config.job_dir.resolve() / "faults", self.worker_pid[sid])
             failures.append(
                 Failure(
                     kind=kind.value,
@@ -636,6 +644,15 @@ class Coordinator:
                 )
             )
             del self.members[w.rank]
+        # the ranks of one lost node failed at one instant: the fault time one of them recorded
+        by_node: dict[str, float] = {}
+        for f in failures:
+            if f.kind == FailureKind.NODE_LOST.value and f.fault_at is not None:
+                node = self.worker_node.get(f.spawn_id, "")
+                by_node[node] = min(by_node.get(node, f.fault_at), f.fault_at)
+        for f in failures:
+            if f.kind == FailureKind.NODE_LOST.value and f.fault_at is None:
+                f.fault_at = by_node.get(self.worker_node.get(f.spawn_id, ""))
         if self.state is JobState.FINISHING and not self._members_alive():
             self.state = JobState.DONE
             self.events.emit("job_done", generation=self.generation)
