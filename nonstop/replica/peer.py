@@ -155,7 +155,9 @@ class Replicator:
         """Send ``rank``'s snapshot of ``step`` to every holder address; raise on any failure."""
         t0 = time.monotonic()
         store = self._local(rank)
-        snap = store.copy_out(step, out=self._scratch.get(rank))
+        # keep=True: the step stays in this node's memory until a newer round is committed
+        # (the agent releases it), so survivors can always return to the replicated step.
+        snap = store.copy_out(step, out=self._scratch.get(rank), keep=True)
         if self._scratch.get(rank) is None or self._scratch[rank].size < snap.data.size:
             self._scratch[rank] = snap.data
         segments = segments_for(snap.entries(), len(snap.data))
@@ -163,8 +165,9 @@ class Replicator:
         for addr in holders:
             try:
                 stats.wire_bytes += self._send(addr, rank, step, snap, segments, stats)
-            except (ControlError, OSError) as e:
+            except (ControlError, OSError, FetchError) as e:
                 self._chans.pop(addr, None)
+                self._bases.pop((rank, addr), None)  # next time send it whole
                 raise FetchError(f"replicating rank {rank} step {step} to {addr} failed: {e}") from e
         stats.seconds = time.monotonic() - t0
         return stats
@@ -266,7 +269,7 @@ class DataPlane:
         self._replica = replica
         self._server = ControlServer(host=host, port=port, secret=secret, on_refused=on_refused)
         self.address = self._server.address
-        self._partial: dict[int, tuple[Message, list[Message]]] = {}
+        self._partial: dict[Channel, tuple[Message, list[Message]]] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()  # replica stores are written by the dispatcher only
         self._thread = threading.Thread(target=self._loop, name="nonstop-dataplane", daemon=True)
@@ -283,7 +286,7 @@ class DataPlane:
             except queue.Empty:
                 continue
             if kind == "close":
-                self._partial.pop(id(chan), None)
+                self._partial.pop(chan, None)
                 continue
             if kind != "msg" or msg is None:
                 continue
@@ -291,7 +294,7 @@ class DataPlane:
                 self._on_message(chan, msg)
             except Exception as e:  # a bad peer message must not kill the data plane
                 log.warning("data plane: dropping %s after %s", chan.peer, e)
-                self._partial.pop(id(chan), None)
+                self._partial.pop(chan, None)
                 try:
                     chan.send({"t": "rep_ack", "ok": False, "error": str(e)[:300]})
                 except ControlError:
@@ -303,15 +306,15 @@ class DataPlane:
             if int(msg["nchunks"]) == 0:
                 self._install(chan, msg, [])
             else:
-                self._partial[id(chan)] = (msg, [])
+                self._partial[chan] = (msg, [])
         elif t == "chunk":
-            got = self._partial.get(id(chan))
+            got = self._partial.get(chan)
             if got is None:
                 raise FetchError("chunk without a rep header")
             msg[BLOB] = bytes(msg.get(BLOB, b""))  # the frame buffer is reused by nobody, but be explicit
             got[1].append(msg)
             if len(got[1]) == int(got[0]["nchunks"]):
-                del self._partial[id(chan)]
+                del self._partial[chan]
                 self._install(chan, got[0], got[1])
         elif t == "fetch":
             threading.Thread(target=self._serve_fetch, args=(chan, msg), daemon=True).start()
@@ -329,7 +332,15 @@ class DataPlane:
                 chan.send({"t": "rep_ack", "ok": False, "need_full": True, "error": "base not held"})
                 return
         it = iter(chunks)
-        meta, data = _recv_snapshot(head, lambda: next(it), base_data)
+        try:
+            meta, data = _recv_snapshot(head, lambda: next(it), base_data)
+        except SnapshotError as e:
+            if base_data is None:
+                raise
+            # A delta that does not decode against our copy of the base (a base we hold differs
+            # from the sender's): nothing is installed; ask for the whole snapshot instead.
+            chan.send({"t": "rep_ack", "ok": False, "need_full": True, "error": f"delta rejected: {e}"})
+            return
         with self._lock:
             store.write_raw(step, meta, data)
         chan.send({"t": "rep_ack", "ok": True, "rank": rank, "step": step})

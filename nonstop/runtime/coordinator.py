@@ -143,7 +143,8 @@ class Coordinator:
         self.server = server
         self.events = events
         self.world_size = config.world_size
-        self.num_slots = 3 if config.replicas > 0 and config.nnodes > 1 else 2
+        # replicating: the held replicated step, the one a round is sending, the newest, one to write
+        self.num_slots = 4 if config.replicas > 0 and config.nnodes > 1 else 2
         self.state = JobState.STARTING
         self.generation = 0
         self.nodes: dict[str, NodeRecord] = {}
@@ -1063,6 +1064,7 @@ class Coordinator:
             return
         if not msg.get("ok"):
             self._rep_totals["failed_rounds"] += 1
+            self._broadcast_committed()  # release the failed round's holds
             if self._rep_totals["failed_rounds"] <= 3 or self._rep_totals["failed_rounds"] % 100 == 0:
                 self.events.emit(
                     "replication_failed",
@@ -1080,6 +1082,7 @@ class Coordinator:
             return
         self._round = None
         self.replicated_step = rd.step
+        self._broadcast_committed()
         self._rep_totals["rounds"] += 1
         self._rep_totals["raw_bytes"] += rd.raw
         self._rep_totals["wire_bytes"] += rd.wire
@@ -1094,6 +1097,10 @@ class Coordinator:
                 wire_bytes=rd.wire,
                 rounds=self._rep_totals["rounds"],
             )
+
+    def _broadcast_committed(self) -> None:
+        for name in self._alive_nodes():
+            self._send_node(self.nodes[name], {"t": "committed", "step": self.replicated_step})
 
     # -- the end -----------------------------------------------------------------------------------
     def _finish(self) -> None:

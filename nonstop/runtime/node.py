@@ -183,7 +183,7 @@ class NodeAgent:
             num_slots=self.num_slots,
         )
         self._local = shm_stores(self.shm_dir, local_store_id(self.job_id, self.spec.node), self.num_slots)
-        self._replica = shm_stores(self.shm_dir, replica_store_id(self.job_id, self.spec.node), 2)
+        self._replica = shm_stores(self.shm_dir, replica_store_id(self.job_id, self.spec.node), 3)
         mb = self.spec.replica_bandwidth_mb_s
         self.replicator = Replicator(
             node=self.spec.node,
@@ -249,7 +249,7 @@ class NodeAgent:
                     return 1 if msg.get("failed") else 0
                 elif t == "fenced":
                     return self._fence(str(msg.get("error", "fenced by the coordinator")))
-                elif t in ("inventory", "replicate", "fetch", "install_durable", "forget"):
+                elif t in ("inventory", "replicate", "fetch", "install_durable", "forget", "committed"):
                     self._work.put(msg)
                 try:
                     msg = self._inbox.get_nowait()
@@ -300,8 +300,20 @@ class NodeAgent:
                     self._install_durable(msg)
                 elif t == "forget":
                     self.replicator.forget(int(msg["rank"]))
+                elif t == "committed":
+                    self._keep(msg.get("step"))
             except Exception as e:  # report, never die: the coordinator decides
                 log.warning("node %s: %s failed: %s", self.spec.node, t, e)
+
+    def _keep(self, step: object) -> None:
+        """Hold the replicated (committed) step in this node's memory, its ranks' and its replicas';
+        release older holds. Until a newer round commits, every rank can return to it."""
+        steps = set() if step is None else {int(str(step))}
+        local = local_store_id(self.job_id, self.spec.node)
+        for rank in ranks_with_segments(self.shm_dir, local):
+            self._local(rank).keep_only(steps)
+        for rank in ranks_with_segments(self.shm_dir, replica_store_id(self.job_id, self.spec.node)):
+            self._replica(rank).keep_only(steps)
 
     def _inventory(self, req_id: int) -> Message:
         assert self.agent is not None

@@ -86,6 +86,11 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dt
 
 
+READ_PIN = 1  # a reader is copying the slot (transient)
+KEEP_PIN = 2  # the node agent keeps this snapshot (the replicated step, or one being replicated)
+_PIN_LOCK = threading.Lock()
+
+
 class _Slot:
     """One mapped slot file. Grows in place (same inode, larger mapping) only when needed."""
 
@@ -225,9 +230,14 @@ class _Slot:
             os.getpid(),
         )
 
-    def set_pinned(self, pinned: bool) -> None:
+    def set_pinned(self, pinned: bool, bit: int = 1) -> None:
+        """Set or clear one pin bit (READ_PIN: a reader is copying; KEEP_PIN: the agent keeps this
+        snapshot, e.g. the replicated step). Bits of other holders are left alone."""
         assert self._mm is not None
-        struct.pack_into("<I", self._mm, PIN_OFFSET, int(pinned))
+        with _PIN_LOCK:  # the readers of one process (persister, replicator, data plane) share slots
+            value = struct.unpack_from("<I", self._mm, PIN_OFFSET)[0]
+            value = value | bit if pinned else value & ~bit
+            struct.pack_into("<I", self._mm, PIN_OFFSET, value)
 
     def data_view(self) -> torch.Tensor:
         assert self._bytes is not None
@@ -597,7 +607,21 @@ class RankSnapshotStore:
             tensors.append(view.clone() if copy else view)
         return unflatten_state(meta["tree"], tensors)
 
-    def copy_out(self, step: int, *, out: np.ndarray | None = None) -> RawSnapshot:
+    def keep_only(self, steps: Collection[int]) -> list[int]:
+        """Hold the complete snapshots of ``steps`` (KEEP_PIN: the writer leaves them alone) and
+        release every other slot's hold. Returns the steps found and held."""
+        held = []
+        for i in range(self.num_slots):
+            inf = self.info(i)
+            if inf is None:
+                continue
+            keep = inf.state is SlotState.COMPLETE and inf.step in steps and inf.step not in held
+            self._slots[i].set_pinned(keep, KEEP_PIN)
+            if keep:
+                held.append(inf.step)
+        return held
+
+    def copy_out(self, step: int, *, out: np.ndarray | None = None, keep: bool = False) -> RawSnapshot:
         """A private copy of the snapshot of ``step`` that no later write can tear.
 
         For readers in another process than the writer (the agent's persister).
@@ -606,6 +630,8 @@ class RankSnapshotStore:
         pin was seen raises :class:`SnapshotMissingError` (retry with a newer step).
         ``out`` (a uint8 array) is reused for the data when it is large enough:
         fresh memory costs a page fault per 4 KiB, slower than the copy itself.
+        ``keep``: also set KEEP_PIN on the slot (before the read pin is released, so no
+        write can slip in between): it stays until :meth:`keep_only` releases it.
         """
         inf = self._find(step)
         if inf is None:
@@ -620,7 +646,7 @@ class RankSnapshotStore:
                 inf.written_at,
             )
 
-        slot.set_pinned(True)
+        slot.set_pinned(True, READ_PIN)
         try:
             if not same_write():
                 raise self._missing(step)
@@ -633,8 +659,10 @@ class RankSnapshotStore:
             meta = bytes(slot.meta_view()[: inf.meta_len])
             if not same_write():
                 raise self._missing(step)
+            if keep:
+                slot.set_pinned(True, KEEP_PIN)
         finally:
-            slot.set_pinned(False)
+            slot.set_pinned(False, READ_PIN)
         return RawSnapshot(rank=self.rank, step=step, meta=meta, data=data, written_at=inf.written_at)
 
     def close(self) -> None:
