@@ -10,7 +10,7 @@ and ``--replicas 1``. When a worker of the last node starts step
 with them. Each run reports, from the fault's timestamp:
 
 * ``detect_s``: until the coordinator declares the failure (the agent's channel closes; the
-  lease (TTL 1 s) is the backstop for a silent node);
+  lease, ``--lease-ttl``, is the backstop for a silent node and plays no part here);
 * the stages PLAN, LAUNCH (spares take the ranks and fetch the replicated step from a peer's
   memory), RESTORE, REBUILD, RESUME, ``training_again_s`` (end of REBUILD: every rank in the
   new group with its state restored) and ``mttr_s`` (end of RESUME: every rank has completed
@@ -85,6 +85,7 @@ def one_run(args: argparse.Namespace, nnodes: int, nproc: int, run_dir: Path) ->
         job_dir=run_dir,
         faults=(f"node:node={nnodes - 1},step={args.fault_step}",),
         persist_every=0,
+        lease_ttl_s=args.lease_ttl,
         script_extra=("--step-delay", str(args.step_delay)) if args.step_delay else (),
     )
     result = run_local_nodes(cfg, redirect_output=True)
@@ -128,6 +129,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--fault-step", type=int, default=14)
+    ap.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=3.0,
+        help="node lease TTL (default 3 s here: with 4 node processes and 8 workers on 2 cores, a process "
+        "can be starved for over 1 s and a 1 s lease then fences healthy nodes)",
+    )
     ap.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (demo flag)")
     ap.add_argument("--quick", action="store_true", help="tiny model, one 2x2 run (smoke test)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "node_loss.json")

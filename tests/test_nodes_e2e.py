@@ -18,6 +18,8 @@ def _nodes(job_dir: Path, **kw: Any) -> DemoRun:
     # steps long enough that replication rounds (tens of ms each) keep up, as with real steps
     kw.setdefault("script_extra", ("--step-delay", "0.05"))
     kw.setdefault("coordinator", "127.0.0.1:0")
+    # a loaded 2-core CI machine can starve a process for over a second: no spurious fencing
+    kw.setdefault("lease_ttl_s", 3.0)
     return run_demo_job(job_dir, **kw)
 
 

@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 TICK_S = 0.005
 PLAN_WAIT_S = 3.0  # longest planning waits for the nodes' inventories
 REPLICATED_EVENT_EVERY_S = 1.0
+ROUND_RETRY_S = 0.05
 
 
 class JobState(enum.StrEnum):
@@ -175,6 +176,7 @@ class Coordinator:
         self._waiting_fetch: dict[int, tuple[int, int]] = {}  # request id -> (rank, generation)
         self.replicated_step: int | None = None
         self._round: _Round | None = None
+        self._round_retry_at = 0.0  # after a failed round, wait a moment before the next
         self._rep_totals: dict[str, int] = {"rounds": 0, "raw_bytes": 0, "wire_bytes": 0, "failed_rounds": 0}
         self._rep_event_at = 0.0
         self._started_at = time.monotonic()
@@ -854,6 +856,10 @@ class Coordinator:
         r.marks["detect"] = max((f.detected_at for f in failures), default=now)
         if failures and restore_step is not None:
             r.lost_steps = max(0, self.committed() - restore_step)
+        if restore_step is not None:  # every rank goes back there: later reports are void
+            self.latest_step = {rank: restore_step for rank in range(self.world_size)}
+            if self.replicated_step is not None and self.replicated_step > restore_step:
+                self.replicated_step = restore_step
         for rank, p in sorted(placements.items()):
             r.replacements[rank] = p.source.value
             if p.spare is not None:
@@ -1040,6 +1046,8 @@ class Coordinator:
         """Start the next replication round when the previous one is done (RUNNING only)."""
         if not self.replication_on or self.state is not JobState.RUNNING or self._round is not None:
             return
+        if time.monotonic() < self._round_retry_at:
+            return
         if len(self.latest_step) < self.world_size:
             return
         step = min(self.latest_step.values())
@@ -1065,6 +1073,7 @@ class Coordinator:
         if not msg.get("ok"):
             self._rep_totals["failed_rounds"] += 1
             self._broadcast_committed()  # release the failed round's holds
+            self._round_retry_at = time.monotonic() + ROUND_RETRY_S
             if self._rep_totals["failed_rounds"] <= 3 or self._rep_totals["failed_rounds"] % 100 == 0:
                 self.events.emit(
                     "replication_failed",

@@ -221,17 +221,20 @@ class NodeAgent:
                 sent_at[seq] = now
                 self._send({"t": "lease", "seq": seq})
                 next_renew = now + renew_every
-            if now - acked_sent_at > ttl:
-                return self._fence(f"no lease renewal acknowledged for {now - acked_sent_at:.2f}s")
             for sid, rc in self.agent.poll():
                 pid = self.agent.exited_pids.get(sid)
                 fault_at = fired_at(self.job_dir / "faults", pid) if pid is not None else None
                 self._send({"t": "exit", "spawn_id": sid, "rc": rc, "pid": pid, "fault_at": fault_at})
+            # Read what arrived before judging the lease: after a stall of this process the
+            # acknowledgements are already queued.
             try:
-                msg = self._inbox.get(timeout=TICK_S)
+                msg: Message | None = self._inbox.get(timeout=TICK_S)
             except queue.Empty:
-                continue
-            while True:
+                msg = None
+                empty = True
+            else:
+                empty = False
+            while not empty:
                 if msg is None:
                     return self._fence("lost the connection to the coordinator")
                 t = msg.get("t")
@@ -255,6 +258,9 @@ class NodeAgent:
                     msg = self._inbox.get_nowait()
                 except queue.Empty:
                     break
+            now = time.monotonic()
+            if now - acked_sent_at > ttl:
+                return self._fence(f"no lease renewal acknowledged for {now - acked_sent_at:.2f}s")
         return 0
 
     def _fence(self, why: str) -> int:
