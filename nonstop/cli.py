@@ -1,4 +1,4 @@
-"""The ``nonstop`` command: ``run``, ``demo``, ``persist``, ``inspect``, ``gc``.
+"""The ``nonstop`` command: ``run``, ``demo``, ``persist``, ``inspect``, ``gc``, ``simulate``, ``advise``.
 
 User errors print one line (``nonstop: error: ...``) and exit with status 2.
 """
@@ -143,6 +143,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    from nonstop.sim import cli as sim_cli  # `nonstop simulate`, `nonstop advise`
+
+    sim_cli.add_parsers(sub)
 
     run = sub.add_parser("run", help="launch a training script (torchrun-like)")
     run.add_argument("--nproc-per-node", type=int, default=1)
@@ -222,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(ns: argparse.Namespace) -> int:
+    if ns.cmd in ("simulate", "advise"):
+        from nonstop.sim.cli import dispatch as sim_dispatch
+
+        return sim_dispatch(ns)
     if ns.cmd == "run":
         from nonstop.runtime.coordinator import JobState
         from nonstop.runtime.launcher import run_job

@@ -1,0 +1,50 @@
+"""Cluster-scale simulator and policy advisor, calibrated on the runtime's measured costs.
+
+Concepts (each in its own module):
+
+* :mod:`~nonstop.sim.api` — the contract: :class:`JobSpec`, :class:`FailureEvents`, the
+  :class:`Strategy` protocol, :class:`Recovery` (a strategy's answer to one failure) and
+  :class:`SimResult`. Losses are GPU-seconds booked per (cause, stage).
+* :mod:`~nonstop.sim.failures` — failure processes (Poisson / Weibull per node, lemon nodes),
+  Llama 3's cause mix, Meta's rates, spot-trace replay; :mod:`~nonstop.sim.traces` reads traces.
+* :mod:`~nonstop.sim.engine` — the discrete-event engine (:func:`simulate`).
+* :mod:`~nonstop.sim.strategies` — :class:`CheckpointRestart` (DCP + torchrun) and
+  :class:`TorchftLike`; :mod:`~nonstop.sim.nonstop_strategy` — :class:`Nonstop`, which decides
+  through the runtime's own policies (:mod:`nonstop.runtime.policy`).
+* :mod:`~nonstop.sim.calibrate` — costs read from ``benchmarks/results`` and the scaling laws.
+* :mod:`~nonstop.sim.theory` — Young/Daly, the exact renewal formula, Meta's E[ETTR].
+* :mod:`~nonstop.sim.metrics` — ETTR, goodput, breakdowns, JSON, plots.
+* :mod:`~nonstop.sim.advisor` / :mod:`~nonstop.sim.predictor` — ``nonstop advise``: settings
+  under a host-memory budget, the goodput frontier, spot-availability forecasting.
+* :mod:`~nonstop.sim.cli` — ``nonstop simulate`` / ``nonstop advise``.
+
+docs/simulator.md describes the model, the laws and their sources, and the validation.
+"""
+
+from nonstop.sim.api import FailureEvents, JobSpec, Recovery, SimResult, Strategy
+from nonstop.sim.calibrate import Calibration, load_calibration
+from nonstop.sim.engine import simulate
+from nonstop.sim.failures import LLAMA3_CAUSES, PRESETS, Cause, FailureModel, TraceFailures, preset
+from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
+from nonstop.sim.strategies import CheckpointRestart, TorchftLike
+
+__all__ = [
+    "LLAMA3_CAUSES",
+    "PRESETS",
+    "Calibration",
+    "Cause",
+    "CheckpointRestart",
+    "FailureEvents",
+    "FailureModel",
+    "JobSpec",
+    "Nonstop",
+    "NonstopParams",
+    "Recovery",
+    "SimResult",
+    "Strategy",
+    "TorchftLike",
+    "TraceFailures",
+    "load_calibration",
+    "preset",
+    "simulate",
+]

@@ -1,0 +1,210 @@
+"""``nonstop advise``: pick nonstop's settings for a cluster, and show the goodput frontier.
+
+Search, in two stages (replication x snapshot interval x persist interval at the default spare
+count, then the spare count for each replication factor's best); every candidate is simulated
+with the same failures (common random numbers), so the comparison is not drowned in noise:
+
+* replication factor r, under the host-memory budget: each node holds its own 2 snapshot slots
+  and r other nodes' replicas, ``gpus_per_node x state_bytes x (2 + r)`` bytes;
+* snapshot interval (every k steps): stall / k against ~k/2 steps redone per in-memory restore;
+* persist interval: at least ``10 x`` the time one persist takes (the durable tier stays <= 10%
+  busy), and the multiples 2x, 4x of that;
+* spare nodes: 0 up to ~5% of the job's nodes.
+
+The objective is goodput per *provisioned* GPU (spares cost GPUs). The frontier is, for each host
+memory level (each r), the best goodput reachable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nonstop.sim.api import JobSpec, SimResult, default_spare_nodes, require
+from nonstop.sim.calibrate import Calibration
+from nonstop.sim.engine import simulate
+from nonstop.sim.failures import FailureModel
+from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
+
+__all__ = ["Advice", "Candidate", "advise", "plot_frontier"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    replicas: int
+    snapshot_every: int
+    persist_every_s: float
+    spare_nodes: int
+    host_bytes_per_node: float
+    ettr: float
+    goodput_per_provisioned_gpu: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "replicas": self.replicas,
+            "snapshot_every": self.snapshot_every,
+            "persist_every_s": self.persist_every_s,
+            "spare_nodes": self.spare_nodes,
+            "host_gb_per_node": self.host_bytes_per_node / 1e9,
+            "ettr": self.ettr,
+            "goodput_per_provisioned_gpu": self.goodput_per_provisioned_gpu,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Advice:
+    best: Candidate
+    frontier: list[Candidate]
+    candidates: list[Candidate]
+    rejected_for_memory: list[int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "best": self.best.to_json(),
+            "frontier": [c.to_json() for c in self.frontier],
+            "rejected_replicas_for_memory": self.rejected_for_memory,
+            "candidates_evaluated": len(self.candidates),
+        }
+
+    def table(self) -> str:
+        rows = [
+            "| replicas | host GB/node | snapshot every | persist every | spare nodes | ETTR "
+            "| goodput/provisioned GPU |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in self.frontier:
+            mark = " **(chosen)**" if c == self.best else ""
+            rows.append(
+                f"| {c.replicas} | {c.host_bytes_per_node / 1e9:,.0f} | {c.snapshot_every} steps | "
+                f"{c.persist_every_s:,.0f} s | {c.spare_nodes} | {c.ettr:.4f} | "
+                f"{c.goodput_per_provisioned_gpu:.4f}{mark} |"
+            )
+        return "\n".join(rows)
+
+
+def host_bytes(job: JobSpec, replicas: int) -> float:
+    return job.gpus_per_node * job.state_bytes_per_gpu * (2 + replicas)
+
+
+def advise(
+    *,
+    job: JobSpec,
+    model: FailureModel,
+    calibration: Calibration,
+    host_budget_bytes: float,
+    seeds: tuple[int, ...] = (0, 1),
+    max_replicas: int = 3,
+) -> Advice:
+    """Evaluate the grid (see module docstring) and return the best setting and the frontier."""
+    require(host_budget_bytes > 0, "--host-mem-gb must be > 0")
+    feasible = [r for r in range(max_replicas + 1) if host_bytes(job, r) <= host_budget_bytes]
+    require(
+        bool(feasible),
+        f"two snapshot slots of {job.gpus_per_node} x {job.state_bytes_per_gpu / 1e9:.1f} GB need "
+        f"{host_bytes(job, 0) / 1e9:.0f} GB of host memory per node: raise --host-mem-gb",
+    )
+    rejected = [r for r in range(max_replicas + 1) if r not in feasible]
+    write = calibration.durable_write_s(job.state_bytes_per_gpu, job.num_gpus, job.gpus_per_node)
+    base_persist = max(10 * write, 300.0)
+    persists = [base_persist, 2 * base_persist, 4 * base_persist]
+    top = max(1, math.ceil(0.05 * job.num_nodes))
+    spares = sorted({0, 1, 2, 4, *(2**i for i in range(3, 16) if 2**i <= top), top})
+    snaps = [1, 2, 4, 8]
+    evaluated: dict[tuple[int, int, float, int], Candidate] = {}
+
+    def run(r: int, k: int, pe: float, s: int) -> Candidate | None:
+        key = (r, k, pe, s)
+        if key not in evaluated:
+            params = NonstopParams(replicas=r, snapshot_every=k, persist_every_s=pe, spare_nodes=s)
+            try:
+                strat = Nonstop(job=job, params=params, calibration=calibration)
+            except ValueError:
+                return None  # e.g. the stall does not fit in the step
+            runs: list[SimResult] = [simulate(job, model, strat, seed=seed) for seed in seeds]
+            evaluated[key] = Candidate(
+                replicas=r,
+                snapshot_every=k,
+                persist_every_s=pe,
+                spare_nodes=s,
+                host_bytes_per_node=host_bytes(job, r),
+                ettr=sum(x.ettr for x in runs) / len(runs),
+                goodput_per_provisioned_gpu=sum(x.goodput_per_provisioned_gpu for x in runs) / len(runs),
+            )
+        return evaluated[key]
+
+    # stage 1: replicas x snapshot interval x persist interval, at the default spare count;
+    # stage 2: for each replication factor's best, the number of spares.
+    default_spares = default_spare_nodes(job.num_nodes)
+    for r, k, pe in itertools.product(feasible, snaps, persists):
+        run(r, k, pe, default_spares)
+    for r in feasible:
+        mine = [c for c in evaluated.values() if c.replicas == r]
+        if mine:
+            b = max(mine, key=lambda c: c.goodput_per_provisioned_gpu)
+            for s in spares:
+                run(r, b.snapshot_every, b.persist_every_s, s)
+    out = list(evaluated.values())
+    require(bool(out), "no feasible setting: the snapshot stall exceeds the step time at every interval")
+    frontier = []
+    for r in feasible:
+        mine = [c for c in out if c.replicas == r]
+        if mine:
+            frontier.append(max(mine, key=lambda c: c.goodput_per_provisioned_gpu))
+    best = max(frontier, key=lambda c: (c.goodput_per_provisioned_gpu, -c.host_bytes_per_node))
+    return Advice(best=best, frontier=frontier, candidates=out, rejected_for_memory=rejected)
+
+
+def plot_frontier(advice: Advice, path: Path, *, title: str = "") -> Path:
+    """Left: goodput per provisioned GPU vs host memory per node (each r's best); right: the
+    chosen replication factor's goodput vs spare nodes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    ax = axes[0]
+    for c in advice.candidates:
+        ax.scatter(c.host_bytes_per_node / 1e9, c.goodput_per_provisioned_gpu, s=6, color="#bbbbbb")
+    xs = [c.host_bytes_per_node / 1e9 for c in advice.frontier]
+    ys = [c.goodput_per_provisioned_gpu for c in advice.frontier]
+    ax.plot(xs, ys, "o-", color="#2a7ab0", label="best per replication factor")
+    for c in advice.frontier:
+        ax.annotate(f"r={c.replicas}", (c.host_bytes_per_node / 1e9, c.goodput_per_provisioned_gpu))
+    b = advice.best
+    ax.scatter(
+        [b.host_bytes_per_node / 1e9],
+        [b.goodput_per_provisioned_gpu],
+        s=120,
+        marker="*",
+        color="red",
+        zorder=3,
+        label="chosen",
+    )
+    ax.set_xlabel("host memory per node for snapshots (GB)")
+    ax.set_ylabel("goodput per provisioned GPU")
+    ax.set_title("goodput frontier")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    same = [
+        c
+        for c in advice.candidates
+        if (c.replicas, c.snapshot_every, c.persist_every_s)
+        == (b.replicas, b.snapshot_every, b.persist_every_s)
+    ]
+    same.sort(key=lambda c: c.spare_nodes)
+    ax.plot([c.spare_nodes for c in same], [c.goodput_per_provisioned_gpu for c in same], "o-")
+    ax.axvline(b.spare_nodes, color="red", linestyle=":")
+    ax.set_xlabel("spare nodes")
+    ax.set_ylabel("goodput per provisioned GPU")
+    ax.set_title(f"spares (r={b.replicas}, snapshot every {b.snapshot_every})")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

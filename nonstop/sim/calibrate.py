@@ -1,0 +1,250 @@
+"""Costs measured by the runtime's benchmarks, and the laws that scale them to a cluster.
+
+:func:`load_calibration` reads ``benchmarks/results/{mttr,snapshot_stall,step_overhead,persist}.json``
+(and ``migration.json`` once a migration benchmark exists). Every figure of :class:`Calibration`
+records where it came from in ``sources``: ``measured: <file>:<field>``, ``law: ...`` or
+``assumption: ...``. A missing file or field falls back to the documented default and says so.
+
+Laws (docs/simulator.md has the derivations):
+
+* **Restart of a whole job on n nodes** (torchrun + load, everything but the checkpoint read):
+  ``restart_s(n) = 28.8 + 2.82 * log2(n)`` — a logarithm fitted through Parcae's measured 28.8 s at
+  1 node and 42.9 s at 32 nodes (Duan et al., NSDI'24): group formation is a tree/ring of
+  rendezvous rounds, so it grows with log n; 14.1 s over 5 doublings = 2.82 s per doubling.
+* **Rendezvous on n nodes**: ``rendezvous_s(n) = 6.6 * restart_s(n) / restart_s(32)`` — Parcae's
+  6.6 s rendezvous, taken at its 32-node scale and scaled like the restart.
+* **Snapshot stall per step at scale**: ``stall = overlapped_ratio * bytes / d2h_gbps`` — the
+  measured overlapped stall as a fraction of a bare copy (snapshot_stall.json), times the time of
+  a bare device-to-host copy of the GPU's state.
+* **Restore from memory**: ``bytes / restore_local_gbps``, the rate measured for the in-place
+  restore stage (mttr.json, 26.3 M parameters x 12 bytes of fp32 + Adam per rank).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEFAULT_RESULTS",
+    "PARCAE_RESTART_1_S",
+    "PARCAE_RESTART_32_S",
+    "PARCAE_RENDEZVOUS_S",
+    "Calibration",
+    "load_calibration",
+    "rendezvous_s",
+    "restart_s",
+]
+
+DEFAULT_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+PARCAE_RESTART_1_S = 28.8
+PARCAE_RESTART_32_S = 42.9
+PARCAE_RENDEZVOUS_S = 6.6
+_SLOPE = (PARCAE_RESTART_32_S - PARCAE_RESTART_1_S) / math.log2(32)
+
+
+def restart_s(num_nodes: float) -> float:
+    """Seconds to restart a job on ``num_nodes`` nodes (Parcae, log fit; see module docstring)."""
+    return PARCAE_RESTART_1_S + _SLOPE * math.log2(max(1.0, num_nodes))
+
+
+def rendezvous_s(num_nodes: float) -> float:
+    """Seconds for all ranks of ``num_nodes`` nodes to form a new group."""
+    return PARCAE_RENDEZVOUS_S * restart_s(num_nodes) / restart_s(32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Every cost constant the strategies use. ``sources[field]`` says where each came from."""
+
+    # measured by benchmarks/bench_mttr.py (nonstop on one node, CPU)
+    detect_exit_s: float = 0.164
+    plan_s: float = 0.001
+    launch_spare_s: float = 0.003
+    launch_cold_s: float = 2.67
+    restore_local_gbps: float = 1.5
+    rebuild_local_s: float = 0.02
+    baseline_detect_exit_s: float = 0.131
+    baseline_first_step_factor: float = 1.7  # first step after a torchrun restart / a normal step
+    # measured by benchmarks/bench_snapshot_stall.py
+    overlapped_stall_ratio: float = 0.058  # overlapped stall / bare copy
+    dcp_async_stall_ratio: float = 1.41  # dcp.async_save blocking / bare copy
+    host_copy_gbps: float = 13.2
+    # measured by benchmarks/bench_step_overhead.py (CPU, compute and copy share 2 cores)
+    cpu_every_step_throughput: float = 0.918
+    # measured by benchmarks/bench_persist.py
+    persist_node_gbps: float = 0.93
+    # not measured yet (no migration benchmark): live-migration pause in median steps
+    migration_pause_steps: float = 2.0
+    # assumptions about a GPU cluster (documented in docs/simulator.md)
+    d2h_gbps: float = 25.0
+    peer_gbps_per_gpu: float = 25.0
+    durable_aggregate_gbps: float = 2000.0
+    heartbeat_timeout_s: float = 1.0
+    node_lease_s: float = 5.0
+    collective_timeout_s: float = 600.0
+    torchft_heartbeat_s: float = 5.0
+    quorum_s: float = 1.0
+    node_provision_s: float = 300.0
+    repair_s: float = 2 * 86_400.0
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, _DEFAULT_SOURCES.get(name, "default"))
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("sources")
+        return {k: {"value": v, "source": self.source(k)} for k, v in d.items()}
+
+    def restore_local_s(self, state_bytes: float) -> float:
+        return state_bytes / (self.restore_local_gbps * 1e9)
+
+    def snapshot_stall_s(self, state_bytes: float) -> float:
+        """Per-step stall of nonstop's overlapped snapshot of ``state_bytes`` (one GPU)."""
+        return self.overlapped_stall_ratio * state_bytes / (self.d2h_gbps * 1e9)
+
+    def dcp_blocking_s(self, state_bytes: float) -> float:
+        """Blocking part of a ``dcp.async_save`` of ``state_bytes`` (one GPU)."""
+        return self.dcp_async_stall_ratio * state_bytes / (self.d2h_gbps * 1e9)
+
+    def peer_transfer_s(self, state_bytes: float) -> float:
+        """Fetch one GPU's state from another node's memory (each GPU has its own NIC share)."""
+        return state_bytes / (self.peer_gbps_per_gpu * 1e9)
+
+    def durable_read_s(self, state_bytes: float, num_gpus: int, gpus_per_node: int) -> float:
+        """Every GPU reads its state from the durable tier at once: the slower of the
+        aggregate storage bandwidth and each node's share of it."""
+        agg = state_bytes * num_gpus / (self.durable_aggregate_gbps * 1e9)
+        per_node = state_bytes * gpus_per_node / (self.peer_gbps_per_gpu * gpus_per_node * 1e9)
+        return max(agg, per_node)
+
+    def durable_write_s(self, state_bytes: float, num_gpus: int, gpus_per_node: int) -> float:
+        """Persist every GPU's state: aggregate bandwidth or the node's own write rate."""
+        agg = state_bytes * num_gpus / (self.durable_aggregate_gbps * 1e9)
+        per_node = state_bytes * gpus_per_node / (self.persist_node_gbps * gpus_per_node * 1e9)
+        return max(agg, per_node)
+
+
+_DEFAULT_SOURCES = {
+    "migration_pause_steps": "assumption: no migration benchmark yet; 2 steps (drain the step in "
+    "flight + hand over), BENCH.md's figure 'migration pause / median step'",
+    "d2h_gbps": "assumption: pinned device-to-host copy over PCIe Gen5 x16 at ~40% of its 64 GB/s",
+    "peer_gbps_per_gpu": "assumption: half of one 400 Gb/s NIC per GPU (Llama 3's fabric: 400 Gbps per GPU)",
+    "durable_aggregate_gbps": "Llama 3 paper: Tectonic storage sustains 2 TB/s (7 TB/s peak)",
+    "heartbeat_timeout_s": "nonstop default (config.DetectorConfig.heartbeat_timeout_s)",
+    "node_lease_s": "assumption: a node agent's lease, like torchft's 5 s heartbeat",
+    "collective_timeout_s": "PyTorch default NCCL process-group timeout (10 min)",
+    "torchft_heartbeat_s": "torchft default heartbeat timeout (5 s), shared/brief/BENCH.md",
+    "quorum_s": "assumption: one torchft quorum round incl. process-group reconfiguration",
+    "node_provision_s": "assumption: the scheduler hands a fresh node from its free pool in 5 min",
+    "repair_s": "assumption: a drained machine is repaired and back as a spare in 2 days",
+}
+
+
+def _get(doc: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(doc, dict) or key not in doc:
+            return None
+        doc = doc[key]
+    return doc
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and math.isfinite(v) and v > 0 else None
+
+
+def load_calibration(results_dir: Path = DEFAULT_RESULTS, **overrides: float) -> Calibration:
+    """Read the runtime benchmark results; fields not found keep their defaults (and say so)."""
+    values: dict[str, float] = {}
+    sources: dict[str, str] = {}
+
+    def take(name: str, value: float | None, source: str) -> None:
+        if value is not None:
+            values[name] = value
+            sources[name] = f"measured: {source}"
+        else:
+            sources[name] = f"default {getattr(Calibration(), name)!r} ({source} not found)"
+
+    def load(fname: str) -> Any:
+        p = results_dir / fname
+        try:
+            return json.loads(p.read_text())
+        except (OSError, ValueError):
+            return None
+
+    mttr = load("mttr.json")
+    hot = _get(mttr, "contenders", "nonstop_hot", "summary", "stages")
+    cold = _get(mttr, "contenders", "nonstop_cold", "summary", "stages")
+    base = _get(mttr, "contenders", "torchrun_ckpt", "summary", "stages")
+    take("detect_exit_s", _num(_get(hot, "detect", "median")), "mttr.json nonstop_hot detect")
+    take("plan_s", _num(_get(hot, "plan", "median")), "mttr.json nonstop_hot plan")
+    take("launch_spare_s", _num(_get(hot, "launch", "median")), "mttr.json nonstop_hot launch")
+    take("launch_cold_s", _num(_get(cold, "launch", "median")), "mttr.json nonstop_cold launch")
+    take("rebuild_local_s", _num(_get(hot, "rebuild", "median")), "mttr.json nonstop_hot rebuild")
+    params = _num(_get(mttr, "workload", "num_params"))
+    restore = _num(_get(hot, "restore", "median"))
+    take(
+        "restore_local_gbps",
+        params * 12 / restore / 1e9 if params and restore else None,
+        "mttr.json num_params x 12 B (fp32 + Adam) / nonstop_hot restore",
+    )
+    take("baseline_detect_exit_s", _num(_get(base, "detect", "median")), "mttr.json torchrun_ckpt detect")
+    first = _num(_get(base, "first_step", "median"))
+    step = _num(_get(mttr, "workload", "step_s_median"))
+    take(
+        "baseline_first_step_factor",
+        first / step if first and step else None,
+        "mttr.json torchrun_ckpt first_step / workload step_s_median",
+    )
+
+    stall = load("snapshot_stall.json")
+    cases = _get(stall, "cases") or []
+
+    def ratio(contender: str) -> float | None:
+        vals = [
+            _num(_get(c, "contenders", contender, "ratio_to_floor", "median"))
+            for c in cases
+            if isinstance(c, dict)
+        ]
+        ok = [v for v in vals if v is not None]
+        return statistics.median(ok) if ok else None
+
+    take("overlapped_stall_ratio", ratio("nonstop_overlapped"), "snapshot_stall.json median over cases")
+    take("dcp_async_stall_ratio", ratio("dcp_async"), "snapshot_stall.json median over cases")
+    gbps = [_num(_get(c, "contenders", "floor", "gb_per_s_at_median")) for c in cases if isinstance(c, dict)]
+    ok = [g for g in gbps if g is not None]
+    take("host_copy_gbps", statistics.median(ok) if ok else None, "snapshot_stall.json floor GB/s")
+
+    over = load("step_overhead.json")
+    take(
+        "cpu_every_step_throughput",
+        _num(_get(over, "summary", "overlapped", "throughput_vs_off", "median")),
+        "step_overhead.json overlapped throughput_vs_off",
+    )
+    persist = load("persist.json")
+    take(
+        "persist_node_gbps",
+        _num(_get(persist, "summary", "persist_none", "raw_gb_per_s")),
+        "persist.json persist_none raw GB/s",
+    )
+    migration = load("migration.json")
+    take(
+        "migration_pause_steps",
+        _num(_get(migration, "summary", "pause_over_step", "median")),
+        "migration.json summary.pause_over_step",
+    )
+    for name, v in overrides.items():
+        if not hasattr(Calibration(), name) or name == "sources":
+            raise ValueError(f"unknown calibration field {name!r}")
+        values[name] = float(v)
+        sources[name] = "override"
+    for name, src in _DEFAULT_SOURCES.items():
+        sources.setdefault(name, src)
+    if sources.get("migration_pause_steps", "").startswith("default"):
+        sources["migration_pause_steps"] = _DEFAULT_SOURCES["migration_pause_steps"]
+    return Calibration(**values, sources=sources)
