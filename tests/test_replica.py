@@ -179,3 +179,19 @@ def test_kv_get_blocks_until_set_and_generations_fence() -> None:
     for reply, m in t.new_generation(4):
         reply(m)
     assert parked and parked[0]["error"] == "reconfigured" and t.data == {}
+
+
+def test_kept_step_survives_later_writes_until_released(tmp_path: Path) -> None:
+    store = RankSnapshotStore(shm_dir=tmp_path, job_id="keep", rank=0, num_slots=3)
+    store.write(1, _state(1))
+    reader = RankSnapshotStore(shm_dir=tmp_path, job_id="keep", rank=0, num_slots=3)
+    reader.copy_out(1, keep=True)  # the replicator holds step 1 while it is replicated
+    for step in range(2, 8):
+        store.write(step, _state(step))
+        assert 1 in store.complete_steps()  # never overwritten while held
+    assert reader.keep_only({6}) == [6]  # a newer round committed: step 1 released, 6 held
+    store.write(8, _state(8))
+    store.write(9, _state(9))
+    assert store.complete_steps() == [6, 8, 9]
+    store.close()
+    reader.close()
