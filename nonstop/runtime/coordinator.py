@@ -99,6 +99,7 @@ class NodeRecord:
     last_lease: float
     alive: bool = True
     quarantined: bool = False
+    in_process: bool = False  # the coordinator's own node: no lease (they fail together)
     failure_times: list[float] = field(default_factory=list)
 
 
@@ -388,6 +389,7 @@ class Coordinator:
             data_addr=str(h.get("data_addr", "")),
             last_lease=time.monotonic(),
             failure_times=old.failure_times if old is not None else [],
+            in_process=bool(h.get("in_process", False)),
         )
         chan.tag = ("node", name)
         self.nodes[name] = node
@@ -433,7 +435,7 @@ class Coordinator:
     def _check_leases(self) -> None:
         now = time.monotonic()
         for node in list(self.nodes.values()):
-            if node.alive and now - node.last_lease > self.config.lease_ttl_s:
+            if node.alive and not node.in_process and now - node.last_lease > self.config.lease_ttl_s:
                 self._lose_node(node, f"lease expired ({now - node.last_lease:.2f}s without renewal)")
 
     def _lose_node(self, node: NodeRecord, why: str, *, quarantine: bool = False) -> None:

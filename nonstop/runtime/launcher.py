@@ -175,6 +175,12 @@ def run_job(
         ENV.SNAPSHOT: config.snapshot,
     }
     persister = None
+    if config.nnodes > 1 and config.persist_every > 0:
+        log.warning(
+            "a job of several nodes is not persisted to %s yet (coming next): it relies on peer "
+            "replicas; --resume from an existing checkpoint still works",
+            durable.url,
+        )
     if config.nnodes == 1:  # the whole job's memory is on this node
         persister = Persister(
             durable=durable,
@@ -207,6 +213,7 @@ def run_job(
         job_dir=job_dir,
         shm_dir=shm_dir,
         redirect_output=redirect_output,
+        in_process=True,
     )
     node_stop = threading.Event()
     keep_memory = threading.Event()  # the local node frees its memory after the final persist

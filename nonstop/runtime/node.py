@@ -92,7 +92,11 @@ class NodeAgent:
         job_dir: Path,
         shm_dir: Path,
         redirect_output: bool,
+        in_process: bool = False,
     ) -> None:
+        # in_process: node 0's agent, a thread of the coordinator's own process. It cannot be cut
+        # off from the coordinator (they live and die together), so it holds no lease.
+        self.in_process = in_process
         self.spec = spec
         self.coordinator = coordinator
         self.secret = secret
@@ -137,6 +141,7 @@ class NodeAgent:
                     "domain": self.spec.domain,
                     "data_addr": self.data.addr,
                     "pid": os.getpid(),
+                    "in_process": self.in_process,
                 },
             )
             welcome = self._chan.recv()
@@ -259,7 +264,7 @@ class NodeAgent:
                 except queue.Empty:
                     break
             now = time.monotonic()
-            if now - acked_sent_at > ttl:
+            if now - acked_sent_at > ttl and not self.in_process:
                 return self._fence(f"no lease renewal acknowledged for {now - acked_sent_at:.2f}s")
         return 0
 
