@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def _nodes(job_dir: Path, **kw: Any) -> DemoRun:
     kw.setdefault("nproc", 1)
     # steps long enough that replication rounds (tens of ms each) keep up, as with real steps
-    kw.setdefault("script_extra", ("--step-delay", "0.05"))
+    kw.setdefault("script_extra", ("--step-delay", "0.1"))
     kw.setdefault("coordinator", "127.0.0.1:0")
     # a loaded 2-core CI machine can starve a process for over a second: no spurious fencing
     kw.setdefault("lease_ttl_s", 3.0)
@@ -28,7 +28,7 @@ def _events(run: DemoRun, name: str) -> list[dict[str, Any]]:
 
 
 def test_node_loss_is_recovered_from_a_peer_replica_bitwise(tmp_path: Path, reference_hash: str) -> None:
-    run = _nodes(tmp_path / "job", nnodes=3, spares=1, faults=("node:node=2,step=8",))
+    run = _nodes(tmp_path / "job", nnodes=3, spares=1, faults=("node:node=2,step=12",))
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash  # 3 ranks, as the single-node reference
     (lost,) = _events(run, "node_lost")

@@ -295,6 +295,9 @@ class NodeAgent:
 
     # -- background work (one thread: inventories, replication, fetches) ------------------------
     def _worker(self) -> None:
+        from nonstop.snapshot.codec import _b2
+
+        _b2()  # import the codec library now, not in the first replication round
         while True:
             msg = self._work.get()
             if msg is None:
