@@ -106,3 +106,13 @@ def test_nodes_must_agree_on_ranks_per_node(tmp_path: Path) -> None:
     assert box and "nodes joined" in str(box[0].error)
     refused = [json.loads(x) for x in (job_dir / "events.jsonl").read_text().splitlines() if '"refused"' in x]
     assert refused and "nproc-per-node" in refused[0]["reason"]
+
+
+def test_the_last_node_is_never_quarantined(tmp_path: Path, reference_hash: str) -> None:
+    """Three failures on a single-node job (the default quarantine threshold) restart in place."""
+    run = run_demo_job(
+        tmp_path / "job", faults=("kill:rank=1,step=3", "kill:rank=2,step=6", "kill:rank=0,step=9")
+    )
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference_hash
+    assert len(run.result.failures) == 3 and _events(run, "node_lost") == []

@@ -31,6 +31,7 @@ def test_quarantine_counts_only_the_window() -> None:
     assert not q.should_quarantine([0.0, 10.0], now=20.0)
     assert q.should_quarantine([0.0, 10.0, 20.0], now=20.0)
     assert not q.should_quarantine([0.0, 10.0, 20.0], now=65.0)  # the first one aged out
+    assert not q.should_quarantine([0.0, 10.0, 20.0], now=20.0, others_usable=0)  # the last node stays
     with pytest.raises(ValueError):
         QuarantinePolicy(max_failures=0)
 

@@ -671,7 +671,8 @@ class Coordinator:
             return
         now = time.monotonic()
         node.failure_times.append(now)
-        if self.quarantine.should_quarantine(node.failure_times, now=now):
+        others = len([n for n in self._alive_nodes() if n != name])
+        if self.quarantine.should_quarantine(node.failure_times, now=now, others_usable=others):
             self._lose_node(
                 node,
                 f"{len(node.failure_times)} failures within {self.quarantine.window_s:g}s: quarantined",

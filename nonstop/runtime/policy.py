@@ -205,8 +205,14 @@ class QuarantinePolicy:
         if self.max_failures < 1 or self.window_s <= 0:
             raise ValueError("quarantine needs max_failures >= 1 and window_s > 0")
 
-    def should_quarantine(self, failure_times: Sequence[float], *, now: float) -> bool:
-        """``failure_times``: when this node's failures happened (any clock, same as ``now``)."""
+    def should_quarantine(
+        self, failure_times: Sequence[float], *, now: float, others_usable: int = 1
+    ) -> bool:
+        """``failure_times``: when this node's failures happened (any clock, same as ``now``).
+        ``others_usable``: live, unquarantined nodes besides this one; the last usable node is
+        never quarantined (the job would have nowhere to run: it restarts in place instead)."""
+        if others_usable < 1:
+            return False
         recent = [t for t in failure_times if now - t <= self.window_s]
         return len(recent) >= self.max_failures
 
