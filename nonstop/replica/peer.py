@@ -28,7 +28,6 @@ import numpy as np
 
 from nonstop.control.channel import BLOB, Channel, ControlServer, Message, connect
 from nonstop.errors import ControlError, NonstopError, SnapshotError, SnapshotMissingError
-from nonstop.snapshot.api import TensorEntry
 from nonstop.snapshot.codec import ChunkInfo, CodecConfig, Encoder, decode, segments_for
 from nonstop.snapshot.store import RankSnapshotStore, RawSnapshot
 
@@ -59,11 +58,6 @@ def replica_store_id(job_id: str, node: str) -> str:
 
 class FetchError(NonstopError):
     """A snapshot could not be fetched from (or replicated to) a peer."""
-
-
-def _entries(meta: bytes) -> list[TensorEntry]:
-    snap = RawSnapshot(rank=0, step=0, meta=meta, data=np.empty(0, np.uint8), written_at=0.0)
-    return snap.entries()
 
 
 def _send_chunks(chan: Channel, chunks: list[tuple[ChunkInfo, Any]], throttle: Callable[[int], None]) -> int:
@@ -364,11 +358,6 @@ class DataPlane:
         self._stop.set()
         self._server.close()
         self._thread.join(timeout=2.0)
-
-
-def install(store: RankSnapshotStore, step: int, meta: bytes, data: bytearray) -> None:
-    """Put a fetched snapshot into ``store`` as ``step``."""
-    store.write_raw(step, meta, data)
 
 
 def shm_stores(shm_dir: Path, store_id: str, num_slots: int) -> Callable[[int], RankSnapshotStore]:

@@ -136,26 +136,16 @@ class Agent:
         """Ranks that have snapshot slots in this agent's shared memory."""
         return ranks_with_segments(self.shm_dir, self.job_id)
 
-    def complete_steps(self, world_size: int | None = None) -> dict[int, list[int]]:
-        """Steps with a complete snapshot in memory, per rank (read from slot headers).
-        ``world_size``: ranks ``0..world_size-1``; None: every rank with slots here."""
-        ranks = range(world_size) if world_size is not None else self.ranks_in_memory()
-        return {rank: self._store(rank).complete_steps() for rank in ranks}
+    def complete_steps(self) -> dict[int, list[int]]:
+        """Steps with a complete snapshot in memory, per rank with slots here (slot headers)."""
+        return {rank: self._store(rank).complete_steps() for rank in self.ranks_in_memory()}
 
-    def install(
-        self, step: int, ranks: list[tuple[bytes, bytearray]] | dict[int, tuple[bytes, bytearray]]
-    ) -> None:
-        """Put loaded snapshots (rank -> (meta, data)) into those ranks' slots as ``step``."""
-        items = ranks.items() if isinstance(ranks, dict) else enumerate(ranks)
-        for rank, (meta, data) in items:
-            self._store(rank).write_raw(step, meta, data)
-
-    def writing_steps(self, world_size: int | None = None) -> dict[int, int]:
+    def writing_steps(self) -> dict[int, int]:
         """rank -> step a live child process is writing into that rank's slots right now."""
         # poll(): a child SIGKILLed a moment ago is a zombie, alive to os.kill but not writing.
         live = {sp.proc.pid for sp in self.procs.values() if sp.proc.poll() is None}
         out = {}
-        for rank in range(world_size) if world_size is not None else self.ranks_in_memory():
+        for rank in self.ranks_in_memory():
             step = self._store(rank).writing_step(live)
             if step is not None:
                 out[rank] = step

@@ -1,14 +1,16 @@
 """``nonstop gc``: find and remove what a crashed launcher left behind.
 
 A live launcher holds an exclusive ``flock`` on ``nonstop-<job>.lock`` in the
-shared-memory directory for the whole job. A job whose lock can be taken (or
-whose segments have no lock file at all) is an orphan: its segments are
-deleted and any process still carrying its ``NONSTOP_JOB_ID`` is killed.
+shared-memory directory for the whole job, and every node agent one on
+``nonstop-<job>.<node>.lock`` (:func:`hold_lock`). A job none of whose locks is
+held (or whose segments have no lock file at all) is an orphan: its segments
+are deleted and any process still carrying its ``NONSTOP_JOB_ID`` is killed.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import signal
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from nonstop.config import ENV
 
-__all__ = ["GcReport", "collect_garbage", "processes_of_job"]
+__all__ = ["GcReport", "collect_garbage", "hold_lock", "lock_path", "processes_of_job"]
 
 _NAME = re.compile(r"^nonstop-([0-9a-f]+)(?:\.lock|[.-].*)$")
 
@@ -28,6 +30,21 @@ class GcReport:
     segments: list[Path] = field(default_factory=list)
     killed: list[int] = field(default_factory=list)
     live_jobs: list[str] = field(default_factory=list)
+
+
+def lock_path(shm_dir: Path, name: str) -> Path:
+    """The lock file of ``name``: a job id (its launcher) or ``<job>.<node>`` (a node agent)."""
+    return shm_dir / f"nonstop-{name}.lock"
+
+
+def hold_lock(shm_dir: Path, name: str, job_dir: Path) -> tuple[int, Path]:
+    """Take ``name``'s lock (exclusive flock) for the caller's lifetime: while it is held,
+    ``nonstop gc`` leaves the job's memory and processes alone. Returns (fd, path)."""
+    lock = lock_path(shm_dir, name)
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, json.dumps({"pid": os.getpid(), "job_dir": str(job_dir)}).encode())
+    return fd, lock
 
 
 def _is_live(lock: Path) -> bool:
@@ -70,7 +87,7 @@ def collect_garbage(shm_dir: Path, *, dry_run: bool = False) -> GcReport:
             jobs.add(m.group(1))
     for job_id in sorted(jobs):
         # the launcher's lock, and one per node agent (nonstop-<job>.<node>.lock)
-        locks = [shm_dir / f"nonstop-{job_id}.lock", *shm_dir.glob(f"nonstop-{job_id}.*.lock")]
+        locks = [lock_path(shm_dir, job_id), *shm_dir.glob(f"nonstop-{job_id}.*.lock")]
         if any(_is_live(lock) for lock in locks):
             report.live_jobs.append(job_id)
             continue

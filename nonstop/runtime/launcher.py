@@ -11,7 +11,6 @@ stopped and every shared-memory segment of the job is deleted.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from nonstop.faults import FaultSpec, faults_to_json, parse_fault
 from nonstop.replica.peer import local_store_id
 from nonstop.runtime.coordinator import Coordinator, JobResult, JobState
 from nonstop.runtime.eventlog import EventLog
+from nonstop.runtime.gc import hold_lock
 from nonstop.runtime.node import NodeAgent, NodeSpec
 from nonstop.snapshot.codec import CodecConfig
 from nonstop.snapshot.durable import DurableStore, LoadedCheckpoint
@@ -39,16 +39,12 @@ from nonstop.snapshot.persist import Persister
 
 log = logging.getLogger(__name__)
 
-__all__ = ["default_shm_dir", "lock_path", "run_job", "worker_command"]
+__all__ = ["default_shm_dir", "run_job", "worker_command"]
 
 
 def default_shm_dir() -> Path:
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path("/tmp")
-
-
-def lock_path(shm_dir: Path, job_id: str) -> Path:
-    return shm_dir / f"nonstop-{job_id}.lock"
 
 
 def worker_command(script: str, args: tuple[str, ...]) -> list[str]:
@@ -117,15 +113,6 @@ def _node_env(config: JobConfig, host: str) -> dict[str, str]:
     if host in ("127.0.0.1", "localhost", "::1"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
-
-
-def hold_lock(shm_dir: Path, name: str, job_dir: Path) -> tuple[int, Path]:
-    """An exclusive flock held for the process's lifetime (``nonstop gc`` spares live jobs)."""
-    lock = shm_dir / f"nonstop-{name}.lock"
-    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.write(fd, json.dumps({"pid": os.getpid(), "job_dir": str(job_dir)}).encode())
-    return fd, lock
 
 
 def run_job(

@@ -54,6 +54,7 @@ from nonstop.replica.peer import (
     shm_stores,
 )
 from nonstop.runtime.agent import Agent, ranks_with_segments, remove_segments
+from nonstop.runtime.gc import hold_lock
 from nonstop.snapshot.durable import DurableStore
 
 __all__ = ["EXIT_FENCED", "NodeAgent", "NodeSpec"]
@@ -159,8 +160,6 @@ class NodeAgent:
 
     def _setup(self, welcome: Message) -> None:
         self.job_id = str(welcome["job_id"])
-        from nonstop.runtime.launcher import hold_lock  # the lock protocol lives with the launcher
-
         self._lock = hold_lock(self.shm_dir, local_store_id(self.job_id, self.spec.node), self.job_dir)
         self.num_slots = int(welcome.get("num_slots", 2))
         env = dict(self.base_env)
