@@ -51,8 +51,12 @@ def new_secret() -> bytes:
     return secrets.token_hex(32).encode()
 
 
-def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+def _mac(key: bytes, *parts: bytes | bytearray | memoryview) -> bytes:
+    """HMAC-SHA256 of the concatenated ``parts``, fed one by one (a snapshot chunk is not copied)."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        h.update(part)
+    return h.digest()
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -117,14 +121,10 @@ class Channel:
         head = struct.pack(">I", len(payload))
         total = len(head) + len(payload) + len(body)
         with self._send_lock:
-            h = hmac.new(self._key, struct.pack(">Q", self._send_seq), hashlib.sha256)
-            h.update(head)
-            h.update(payload)
-            if len(body):
-                h.update(body)
+            mac = _mac(self._key, struct.pack(">Q", self._send_seq), head, payload, body)
             self._send_seq += 1
             try:
-                self._sock.sendall(struct.pack(">I", total) + h.digest() + head + payload)
+                self._sock.sendall(struct.pack(">I", total) + mac + head + payload)
                 if len(body):
                     self._sock.sendall(body)
             except OSError as e:
@@ -139,7 +139,7 @@ class Channel:
             raise ControlError(f"bad frame length {n}")
         mac = _recv_exact(self._sock, 32)
         payload = _recv_into(self._sock, n)
-        expect = _mac(self._key, struct.pack(">Q", self._recv_seq), bytes(payload))
+        expect = _mac(self._key, struct.pack(">Q", self._recv_seq), payload)
         if not hmac.compare_digest(mac, expect):
             raise AuthError(f"bad message MAC from {self.peer}; dropping the connection")
         self._recv_seq += 1

@@ -305,8 +305,7 @@ class DataPlane:
             got = self._partial.get(chan)
             if got is None:
                 raise FetchError("chunk without a rep header")
-            msg[BLOB] = bytes(msg.get(BLOB, b""))  # the frame buffer is reused by nobody, but be explicit
-            got[1].append(msg)
+            got[1].append(msg)  # its BLOB views a buffer of its own (one per received frame)
             if len(got[1]) == int(got[0]["nchunks"]):
                 del self._partial[chan]
                 self._install(chan, got[0], got[1])

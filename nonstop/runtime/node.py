@@ -55,6 +55,7 @@ from nonstop.replica.peer import (
 )
 from nonstop.runtime.agent import Agent, ranks_with_segments, remove_segments
 from nonstop.runtime.gc import hold_lock
+from nonstop.snapshot.codec import preload
 from nonstop.snapshot.durable import DurableStore
 
 __all__ = ["EXIT_FENCED", "NodeAgent", "NodeSpec"]
@@ -294,9 +295,7 @@ class NodeAgent:
 
     # -- background work (one thread: inventories, replication, fetches) ------------------------
     def _worker(self) -> None:
-        from nonstop.snapshot.codec import _b2
-
-        _b2()  # import the codec library now, not in the first replication round
+        preload()  # the codec library: now, not in the first replication round
         while True:
             msg = self._work.get()
             if msg is None:

@@ -126,6 +126,11 @@ _ELEM_SIZE = {
 }
 
 
+def preload() -> None:
+    """Import the compression library now (~0.3 s), e.g. before a first time-critical encode."""
+    _b2()
+
+
 def element_size(dtype: str) -> int:
     """Shuffle width of a torch dtype name: its element size, the component size for
     complex dtypes, 1 for names it does not know (always correct, just less compact)."""
