@@ -30,13 +30,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
-import os
-import platform
 import shutil
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,28 +42,17 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench_mttr import machine_info, summarize  # noqa: E402  (a sibling script)
+
 from nonstop.config import JobConfig  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402
 from nonstop.runtime.eventlog import read_events  # noqa: E402
 from nonstop.runtime.localnodes import run_local_nodes  # noqa: E402
 
 
-def machine_info() -> dict[str, Any]:
-    return {
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "torch": importlib.metadata.version("torch"),
-        "loadavg_at_start": list(os.getloadavg()),
-    }
-
-
-def summarize(values: Sequence[float | None]) -> dict[str, float] | None:
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return None
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+def summarize_present(values: Sequence[float | None]) -> dict[str, float] | None:
+    """bench_mttr's summary (median, min, max, n) of the values that were measured."""
+    return summarize([v for v in values if v is not None])
 
 
 def one_run(args: argparse.Namespace, nnodes: int, nproc: int, run_dir: Path) -> dict[str, Any]:
@@ -162,14 +146,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             summary: dict[str, Any] = {
                 "runs": runs,
                 "ok_runs": len(ok),
-                "detect_s": summarize([r["detect_s"] for r in ok]),
-                "training_again_s": summarize([r["training_again_s"] for r in ok]),
-                "mttr_s": summarize([r["mttr_s"] for r in ok]),
+                "detect_s": summarize_present([r["detect_s"] for r in ok]),
+                "training_again_s": summarize_present([r["training_again_s"] for r in ok]),
+                "mttr_s": summarize_present([r["mttr_s"] for r in ok]),
                 "lost_steps_max": max((r["lost_steps"] for r in ok), default=None),
-                "median_step_s": summarize([r["median_step_s"] for r in ok]),
-                "wire_over_raw": summarize([r["replication"]["wire_over_raw"] for r in ok]),
+                "median_step_s": summarize_present([r["median_step_s"] for r in ok]),
+                "wire_over_raw": summarize_present([r["replication"]["wire_over_raw"] for r in ok]),
                 "stages": {
-                    s: summarize([r["stages"][s] for r in ok]) for s in (ok[0]["stages"] if ok else {})
+                    s: summarize_present([r["stages"][s] for r in ok])
+                    for s in (ok[0]["stages"] if ok else {})
                 },
             }
             report["layouts"][f"{nnodes}x{nproc}"] = summary

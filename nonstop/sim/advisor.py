@@ -27,6 +27,7 @@ from nonstop.sim.api import JobSpec, SimResult, default_spare_nodes, require
 from nonstop.sim.calibrate import Calibration
 from nonstop.sim.engine import simulate
 from nonstop.sim.failures import FailureModel
+from nonstop.sim.metrics import pyplot, save_figure
 from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
 
 __all__ = ["Advice", "Candidate", "advise", "plot_frontier"]
@@ -160,11 +161,7 @@ def advise(
 def plot_frontier(advice: Advice, path: Path, *, title: str = "") -> Path:
     """Left: goodput per provisioned GPU vs host memory per node (each r's best); right: the
     chosen replication factor's goodput vs spare nodes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     ax = axes[0]
     for c in advice.candidates:
@@ -201,10 +198,4 @@ def plot_frontier(advice: Advice, path: Path, *, title: str = "") -> Path:
     ax.set_xlabel("spare nodes")
     ax.set_ylabel("goodput per provisioned GPU")
     ax.set_title(f"spares (r={b.replicas}, snapshot every {b.snapshot_every})")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)

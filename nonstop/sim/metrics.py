@@ -17,7 +17,7 @@ from typing import Any
 
 from nonstop.sim.api import STAGES, SimResult
 
-__all__ = ["aggregate", "markdown_table", "plot_results", "result_json"]
+__all__ = ["aggregate", "markdown_table", "plot_results", "pyplot", "result_json", "save_figure"]
 
 
 def result_json(r: SimResult) -> dict[str, Any]:
@@ -81,14 +81,31 @@ def markdown_table(results: Sequence[SimResult]) -> str:
     return "\n".join(rows)
 
 
-def plot_results(results: Sequence[SimResult], path: Path, *, title: str = "") -> Path:
-    """One figure, three panels: ETTR per strategy; lost GPU-hours/day by stage (stacked);
-    lost GPU-hours/day by cause (the 8 biggest)."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display), imported on first use."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig: Any, path: Path, title: str = "") -> Path:
+    """Title, lay out and write ``fig`` to ``path`` (parent dirs created), then free it."""
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
+
+
+def plot_results(results: Sequence[SimResult], path: Path, *, title: str = "") -> Path:
+    """One figure, three panels: ETTR per strategy; lost GPU-hours/day by stage (stacked);
+    lost GPU-hours/day by cause (the 8 biggest)."""
+    plt = pyplot()
     names = [r.strategy for r in results]
     fig, axes = plt.subplots(1, 3, figsize=(16, 5.2), gridspec_kw={"width_ratios": [1, 1.3, 1.6]})
     ax = axes[0]
@@ -134,10 +151,4 @@ def plot_results(results: Sequence[SimResult], path: Path, *, title: str = "") -
     ax.set_xlabel("lost GPU-hours per day")
     ax.set_title("by cause (8 biggest)")
     ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
