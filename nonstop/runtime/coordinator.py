@@ -457,7 +457,7 @@ class Coordinator:
                 w.chan.close()
             self._exits.append(_Exit(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why))
         for req, n in list(self._req_node.items()):
-            if n == node.name:
+            if n == node.name and req not in self._waiting_fetch:  # fetches end with the generation
                 self._replies.setdefault(req, {"t": "lost", "ok": False, "error": f"node {node.name} lost"})
         if self._round is not None:
             self._round = None  # its holders or senders may be gone: start over
@@ -795,6 +795,9 @@ class Coordinator:
         self.generation += 1
         self.state = JobState.RECONFIGURING
         self.reconf = None
+        for req in [q for q, (_, gen) in self._waiting_fetch.items() if gen < self.generation]:
+            del self._waiting_fetch[req]  # a late answer is ignored (its generation is over)
+            self._req_node.pop(req, None)
         self._round = None
         for reply, msg in self.kv.new_generation(self.generation):
             try:

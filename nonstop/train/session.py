@@ -407,10 +407,9 @@ class Session:
 
     def _join_group(self, gen: int, model: torch.nn.Module, *, restored: bool) -> torch.nn.Module:
         # Rendezvous through the coordinator (authenticated, fenced by generation, abortable).
+        # A generation that is already stale fails at once: the coordinator refuses its keys.
         store = ChannelStore(self._chan.send, gen, self.env.rebuild_timeout_s)
         self._rdzv = store
-        if not self._inbox.empty() and any(m.get("t") == "reconfigure" for m in list(self._inbox.queue)):
-            store.abort("a newer generation started")
         timeout = datetime.timedelta(seconds=self.env.rebuild_timeout_s)
         watch = SocketWatch()
         try:
