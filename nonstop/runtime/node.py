@@ -8,7 +8,7 @@ and reports what only it can see (process exits, what memory holds).
 
 Protocol on the agent's control channel (JSON, authenticated)::
 
-    agent -> coordinator   hello {role: agent, node, nproc, spares, domain, data_addr, pid}
+    agent -> coordinator   hello {role: agent, node, nproc, spares, domain, data_addr, pid, in_process}
     coordinator -> agent   welcome {job_id, lease_ttl_s, num_slots, env}  |  refused {error}
     agent -> coordinator   lease {seq}            every lease_ttl_s / 5
     coordinator -> agent   lease_ok {seq}
@@ -20,14 +20,16 @@ Protocol on the agent's control channel (JSON, authenticated)::
                                                           -> replicated {step, rank, ok, raw, wire}
     coordinator -> agent   fetch {id, rank, step, addr, kind}   -> fetched {id, rank, ok, error}
     coordinator -> agent   install_durable {id, url, step, ranks} -> installed {id, ok, error}
-    coordinator -> agent   finish | fenced {error}
+    coordinator -> agent   committed {step}   hold that step in memory, release older holds
+    coordinator -> agent   finish {failed} | fenced {error}
 
 **Lease and self-fencing.** The agent renews its lease every TTL/5. If no
 renewal has been acknowledged for TTL, measured from when the last
 acknowledged renewal was *sent* (so always before the coordinator, which
 measures from when it *received* it, can expire the lease), the agent
 SIGKILLs every process of the node and exits: a node cut off from the
-coordinator stops playing its ranks before anyone else is given them.
+coordinator stops playing its ranks before anyone else is given them. Node 0's
+agent (``in_process``: a thread of the coordinator's process) holds no lease.
 """
 
 from __future__ import annotations
