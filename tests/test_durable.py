@@ -374,6 +374,74 @@ def test_writer_rules(tmp_path: Path) -> None:
     assert store.steps() == [10, 20] and store.verify(20) == []
 
 
+def _contribute(store: DurableStore, step: int, rank: int, rd: RankData, base: RankData | None) -> dict:
+    """One contributor (a node) writes one rank of checkpoint ``step``; returns its record."""
+    cfg = CodecConfig(codec="zstd", chunk_bytes=CHUNK)
+    meta, data, entries = rd
+    enc = Encoder(cfg)
+    try:
+        chunks = enc.encode(
+            bytes(data), segments_for(entries, len(data)), base=None if base is None else bytes(base[1])
+        )
+    finally:
+        enc.close()
+    part = store.contribute(step, WORLD, cfg.describe())
+    part.add_rank(rank, meta, len(data), chunks, None if base is None else 10)
+    with pytest.raises(UsageError, match="contributor cannot commit"):
+        part.commit()
+    return part.record(rank)
+
+
+def test_checkpoint_written_by_several_contributors(tmp_path: Path) -> None:
+    """Nodes write their own ranks; the owner adopts their records (validated) and commits."""
+    store = DurableStore(tmp_path, keep=5)
+    a = full_ckpt(10)
+    owner = store.begin(10, WORLD, "zstd")
+    records = [json.loads(json.dumps(_contribute(store, 10, r, a[r], None))) for r in range(WORLD)]
+    assert not store.steps()  # nothing exists until the owner commits
+    for rec in reversed(records):
+        owner.adopt(rec)
+    owner.commit()
+    assert_loaded(store, None, 10, a)
+
+    b = delta_ckpt(20, a)
+    owner = store.begin(20, WORLD, "zstd")
+    good = _contribute(store, 20, 0, b[0], a[0])  # a delta against the owner's step 10
+    assert good["base_step"] == 10
+    with pytest.raises(SnapshotCorruptError, match="not a rank entry"):
+        owner.adopt({"rank": True})
+    with pytest.raises(SnapshotCorruptError, match="outside"):
+        owner.adopt({**good, "rank": WORLD})
+    with pytest.raises(SnapshotCorruptError, match="meta"):
+        owner.adopt({**good, "meta": good["meta"].replace("rank-", "rank_")})
+    with pytest.raises(SnapshotCorruptError, match="file"):
+        owner.adopt({**good, "file": rank_file(1)})
+    owner.adopt(good)
+    with pytest.raises(SnapshotCorruptError, match="twice"):
+        owner.adopt(good)
+    truncated = _contribute(store, 20, 1, b[1], a[1])
+    (tmp_path / step_dir(20) / rank_file(1)).write_bytes(b"short")
+    with pytest.raises(SnapshotCorruptError, match="bytes"):
+        owner.adopt(truncated)
+    with pytest.raises(UsageError, match=r"ranks \[1, 2\]"):
+        owner.commit()
+    owner.abort()
+    assert store.steps() == [10] and not (tmp_path / step_dir(20)).exists()
+
+    # A contributor's abort removes only its own files.
+    owner = store.begin(30, WORLD, "zstd")
+    kept = _contribute(store, 30, 0, b[0], None)
+    part = store.contribute(30, WORLD, "zstd")
+    cfg = CodecConfig(codec="zstd", chunk_bytes=CHUNK)
+    meta, data, entries = b[1]
+    part.add_rank(
+        1, meta, len(data), Encoder(cfg).encode(bytes(data), segments_for(entries, len(data))), None
+    )
+    part.abort()
+    assert sorted(p.name for p in (tmp_path / step_dir(30)).iterdir()) == [rank_file(0)]
+    owner.adopt(kept)
+
+
 # ---------------------------------------------------------------------------- retention
 def test_retention_keeps_newest_and_their_bases(tmp_path: Path) -> None:
     store = DurableStore(tmp_path, keep=2)

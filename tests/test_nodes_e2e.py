@@ -116,3 +116,30 @@ def test_the_last_node_is_never_quarantined(tmp_path: Path, reference_hash: str)
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash
     assert len(run.result.failures) == 3 and _events(run, "node_lost") == []
+
+
+def test_a_node_and_its_replica_holder_lost_recover_from_durable(tmp_path: Path, reference_hash: str) -> None:
+    """Nodes 1 and 2 die together: rank 1's snapshot lived on node 1 and its replica on node 2
+    (the ring), so no memory holds it; every rank returns to the newest durable checkpoint,
+    which the three nodes wrote together (persist rounds), and the result is still bitwise."""
+    run = _nodes(
+        tmp_path / "job",
+        nnodes=3,
+        spares=2,
+        persist_every=4,
+        faults=("node:node=1,step=12", "node:node=2,step=12"),
+    )
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference_hash
+    assert sorted(e["node"] for e in _events(run, "node_lost")) == ["1", "2"]
+    persisted = _events(run, "persist")
+    assert persisted and all(p["nodes"] == ["0", "1", "2"] for p in persisted if p["step"] < 12)
+    restored = _events(run, "restore_from_durable")
+    assert restored and restored[-1]["step"] in {p["step"] for p in persisted}
+    gen = [g for g in _events(run, "generation") if g["cause"]][-1]
+    assert gen["tier"] == "durable" and set(gen["nodes"].values()) == {"0"}
+    # the final persist wrote the finished job's last step from the surviving node
+    from nonstop.snapshot.durable import DurableStore
+
+    store = DurableStore(str(run.job_dir / "checkpoints"))
+    assert store.latest_step() == 16 and not store.verify(16)

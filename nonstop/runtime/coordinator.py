@@ -44,6 +44,7 @@ from nonstop.errors import ControlError, NonstopError
 from nonstop.faults import fired_at
 from nonstop.runtime.detector import FailureDetector, WorkerRecord
 from nonstop.runtime.eventlog import EventLog
+from nonstop.runtime.persistence import ClusterPersister
 from nonstop.runtime.policy import (
     FailureKind,
     QuarantinePolicy,
@@ -132,14 +133,18 @@ class Coordinator:
         events: EventLog,
         job_id: str,
         worker_env: dict[str, str],
-        persister: Persister | None = None,
+        persister: Persister | ClusterPersister | None = None,
         durable_url: str | None = None,
         initial_step: int | None = None,
     ) -> None:
         self.config = config
         self.job_id = job_id
         self.worker_env = worker_env
+        # one node: a Persister over the node's memory; several: rounds across the nodes
         self.persister = persister
+        self.rounds = persister if isinstance(persister, ClusterPersister) else None
+        if self.rounds is not None:
+            self.rounds.attach(self._send_to)
         self.durable_url = durable_url
         self.initial_step = initial_step  # resumed from the durable tier: install this first
         self.server = server
@@ -175,6 +180,8 @@ class Coordinator:
         self._replies: dict[int, Message] = {}
         self._req_node: dict[int, str] = {}
         self._waiting_fetch: dict[int, tuple[int, int]] = {}  # request id -> (rank, generation)
+        # a planning interrupted by more failures: (failures, replans, replacements) to merge
+        self._deferred: tuple[list[Failure], int, dict[int, str]] | None = None
         self.replicated_step: int | None = None
         self._round: _Round | None = None
         self._round_retry_at = 0.0  # after a failed round, wait a moment before the next
@@ -200,7 +207,9 @@ class Coordinator:
             self._detect()
             self._check_timeouts()
             self._replicate()
+            self._persist()
             self._answer_clients()
+        self._final_persist()
         for node in self.nodes.values():
             self._send_node(node, {"t": "finish", "failed": self.state is JobState.FAILED})
         final = min(self.latest_step.values()) if self.latest_step else 0
@@ -286,6 +295,13 @@ class Coordinator:
                 node.chan.send(msg)
             except ControlError:
                 pass
+
+    def _send_to(self, name: str, msg: Message) -> bool:
+        node = self.nodes.get(name)
+        if node is None or not node.alive or node.chan.closed:
+            return False
+        self._send_node(node, msg)
+        return True
 
     def _kill(self, sid: int, sig: int = signal.SIGKILL) -> None:
         node = self.nodes.get(self.worker_node.get(sid, ""))
@@ -431,6 +447,8 @@ class Coordinator:
             self._on_fetched(node, msg)
         elif t == "replicated":
             self._on_replicated(node, msg)
+        elif t == "persisted" and self.rounds is not None:
+            self.rounds.on_reply(node.name, msg)
 
     def _check_leases(self) -> None:
         now = time.monotonic()
@@ -706,6 +724,11 @@ class Coordinator:
                 f"rank {failures[-1].rank} {failures[-1].detail}"
             )
             return
+        if self._deferred is not None:
+            before, replans, replacements = self._deferred
+            self._deferred = None
+            self._begin_generation(before + failures, replans=replans + 1, replacements=replacements)
+            return
         previous = self.reconf if self.state is JobState.RECONFIGURING else None
         if previous is None:
             self._begin_generation(failures)
@@ -758,6 +781,9 @@ class Coordinator:
     # -- planning ---------------------------------------------------------------------------------
     def _request(self, node: NodeRecord, msg: Message) -> int:
         req = next(self._req)
+        if not node.alive:  # answered at once: nobody is there to answer
+            self._replies[req] = {"t": "lost", "ok": False, "error": f"node {node.name} lost"}
+            return req
         self._req_node[req] = node.name
         self._send_node(node, {**msg, "id": req})
         return req
@@ -813,6 +839,13 @@ class Coordinator:
         avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
         if failures or self.initial_step is not None:
             avail = self._inventories()
+            members = set(self.members.values())
+            if any(ex.sid in members for ex in self._exits):
+                # More ranks were lost while the nodes answered (a second node going down with
+                # the first): plan once for all of them when their exits are handled.
+                self._deferred = (failures, replans, dict(replacements or {}))
+                self.events.emit("replan_deferred", generation=self.generation)
+                return
             restore_step = committed_step({r: list(s) for r, s in avail.items()}, self.world_size)
             self.initial_step = None
         missing = [r for r in range(self.world_size) if r not in self.members]
@@ -960,9 +993,7 @@ class Coordinator:
         except NonstopError as e:
             self.events.emit("durable_unavailable", error=str(e))
             return None
-        placement: dict[str, list[int]] = {}
-        for rank in range(self.world_size):
-            placement.setdefault(self.rank_node[rank], []).append(rank)
+        placement = self._placement()
         for step in sorted(steps, reverse=True):
             t0 = time.monotonic()
             if self._install_durable(step, placement, self.durable_url):
@@ -1112,6 +1143,47 @@ class Coordinator:
                 wire_bytes=rd.wire,
                 rounds=self._rep_totals["rounds"],
             )
+
+    # -- durable persistence of several nodes (runtime/persistence.py) ---------------------------
+    def _placement(self) -> dict[str, list[int]]:
+        placement: dict[str, list[int]] = {}
+        for rank in range(self.world_size):
+            placement.setdefault(self.rank_node[rank], []).append(rank)
+        return placement
+
+    def _persist(self) -> None:
+        """Check the persist round in flight; start the next one when due (RUNNING only)."""
+        rounds = self.rounds
+        if rounds is None:
+            return
+        rounds.check(set(self._alive_nodes()))
+        if self.state is JobState.RUNNING and len(self.latest_step) == self.world_size:
+            if rounds.wanted(self.committed()):
+                rounds.start(self.committed(), self._placement())
+
+    def _final_persist(self) -> None:
+        """Before the nodes are released: make the newest step every rank holds durable (the
+        final step of a finished job, else the committed step), waiting at most persist_timeout_s."""
+        rounds = self.rounds
+        if rounds is None or len(self.latest_step) < self.world_size:
+            return
+        if any(not self.nodes[n].alive for n in self._placement()):
+            return  # a rank's memory is gone with its node: the last committed checkpoint stands
+        step = min(self.latest_step.values()) if self.state is JobState.DONE else self.committed()
+        if rounds.round is not None and rounds.round.step != step:
+            rounds.abort(f"superseded by the final persist of step {step}")
+        if rounds.round is None and rounds.last_step != step:
+            rounds.request()
+            rounds.start(step, self._placement())
+        deadline = time.monotonic() + self.config.persist_timeout_s
+        while rounds.round is not None and time.monotonic() < deadline:
+            self._pump_events(TICK_S)
+            rounds.check(set(self._alive_nodes()))
+        if rounds.round is not None:
+            rounds.abort(f"the final persist did not finish in {self.config.persist_timeout_s:g}s")
+        if rounds.last_step != step:
+            log.warning("final persist of step %d failed: %s", step, rounds.last_error)
+        self._answer_clients()
 
     def _broadcast_committed(self) -> None:
         for name in self._alive_nodes():

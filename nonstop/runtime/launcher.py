@@ -33,6 +33,7 @@ from nonstop.runtime.coordinator import Coordinator, JobResult, JobState
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.gc import hold_lock
 from nonstop.runtime.node import NodeAgent, NodeSpec
+from nonstop.runtime.persistence import ClusterPersister
 from nonstop.snapshot.codec import CodecConfig
 from nonstop.snapshot.durable import DurableStore, LoadedCheckpoint
 from nonstop.snapshot.persist import Persister
@@ -161,20 +162,15 @@ def run_job(
         ENV.REBUILD_TIMEOUT: str(config.rebuild_timeout_s),
         ENV.SNAPSHOT: config.snapshot,
     }
-    persister = None
-    if config.nnodes > 1 and config.persist_every > 0:
-        log.warning(
-            "a job of several nodes is not persisted to %s yet (coming next): it relies on peer "
-            "replicas; --resume from an existing checkpoint still works",
-            durable.url,
-        )
+    codec = CodecConfig(lossy=config.lossy, lossy_bits=config.lossy_bits)
+    persister: Persister | None = None
     if config.nnodes == 1:  # the whole job's memory is on this node
         persister = Persister(
             durable=durable,
             shm_dir=shm_dir,
             job_id=local_store_id(job_id, "0"),
             world_size=config.nproc_per_node,
-            codec=CodecConfig(lossy=config.lossy, lossy_bits=config.lossy_bits),
+            codec=codec,
             every=config.persist_every,
             emit=events.emit,
         )
@@ -184,7 +180,7 @@ def run_job(
         events=events,
         job_id=job_id,
         worker_env=worker_env,
-        persister=persister,
+        persister=persister if persister is not None else _cluster_persister(config, durable, codec, events),
         durable_url=durable.url,
         initial_step=resume.step if resume is not None else None,
     )
@@ -254,6 +250,20 @@ def run_job(
                 secret_file.unlink(missing_ok=True)
             (job_dir / JOB_INFO).unlink(missing_ok=True)
     return result
+
+
+def _cluster_persister(
+    config: JobConfig, durable: DurableStore, codec: CodecConfig, events: EventLog
+) -> ClusterPersister:
+    """Persist rounds across the nodes (the coordinator attaches itself to send them)."""
+    return ClusterPersister(
+        durable=durable,
+        world_size=config.world_size,
+        codec=codec,
+        every=config.persist_every,
+        timeout_s=config.persist_timeout_s,
+        emit=events.emit,
+    )
 
 
 def _read_secret(config: JobConfig, job_dir: Path, *, create: bool) -> bytes:

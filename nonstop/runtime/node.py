@@ -21,6 +21,8 @@ Protocol on the agent's control channel (JSON, authenticated)::
     coordinator -> agent   fetch {id, rank, step, addr, kind}   -> fetched {id, rank, ok, error}
     coordinator -> agent   install_durable {id, url, step, ranks} -> installed {id, ok, error}
     coordinator -> agent   committed {step}   hold that step in memory, release older holds
+    coordinator -> agent   persist {id, step, url, world_size, ranks, lossy, lossy_bits}
+                                     -> persisted {id, ok, records, raw, stored, full, error}
     coordinator -> agent   finish {failed} | fenced {error}
 
 **Lease and self-fencing.** The agent renews its lease every TTL/5. If no
@@ -57,8 +59,9 @@ from nonstop.replica.peer import (
 )
 from nonstop.runtime.agent import Agent, ranks_with_segments, remove_segments
 from nonstop.runtime.gc import hold_lock
-from nonstop.snapshot.codec import preload
+from nonstop.snapshot.codec import CodecConfig, preload
 from nonstop.snapshot.durable import DurableStore
+from nonstop.snapshot.persist import RankEncoder
 
 __all__ = ["EXIT_FENCED", "NodeAgent", "NodeSpec"]
 
@@ -113,6 +116,8 @@ class NodeAgent:
         self.fenced: str | None = None
         self._inbox: queue.Queue[Message | None] = queue.Queue()
         self._work: queue.Queue[Message | None] = queue.Queue()
+        self._persist_work: queue.Queue[Message | None] = queue.Queue()  # its own thread: slow I/O
+        self._encoders: dict[tuple[str, bool, int], RankEncoder] = {}
         self.agent: Agent | None = None
         self.data: DataPlane | None = None
         self._chan: Channel | None = None
@@ -154,6 +159,7 @@ class NodeAgent:
             self._setup(welcome)
             threading.Thread(target=self._reader, name="nonstop-agent-reader", daemon=True).start()
             threading.Thread(target=self._worker, name="nonstop-agent-work", daemon=True).start()
+            threading.Thread(target=self._persister, name="nonstop-agent-persist", daemon=True).start()
             return self._loop(stop, float(welcome["lease_ttl_s"]))
         finally:
             if self.agent is not None:
@@ -261,6 +267,8 @@ class NodeAgent:
                     return self._fence(str(msg.get("error", "fenced by the coordinator")))
                 elif t in ("inventory", "replicate", "fetch", "install_durable", "forget", "committed"):
                     self._work.put(msg)
+                elif t == "persist":
+                    self._persist_work.put(msg)
                 try:
                     msg = self._inbox.get_nowait()
                 except queue.Empty:
@@ -280,6 +288,7 @@ class NodeAgent:
 
     def _shutdown(self) -> None:
         self._work.put(None)
+        self._persist_work.put(None)
         if self.agent is not None:
             self.agent.shutdown()
         if self.data is not None:
@@ -318,6 +327,55 @@ class NodeAgent:
                     self._keep(msg.get("step"))
             except Exception as e:  # report, never die: the coordinator decides
                 log.warning("node %s: %s failed: %s", self.spec.node, t, e)
+
+    def _persister(self) -> None:
+        """Writes this node's ranks of a persist round (module docstring of
+        :mod:`nonstop.runtime.persistence`); at the lowest CPU priority, like the single-node
+        Persister: training first."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+        while True:
+            msg = self._persist_work.get()
+            if msg is None:
+                break
+            try:
+                self._send(self._persist(msg))
+            except Exception as e:  # report, never die: the coordinator fails the round
+                log.warning("node %s: persist failed: %s", self.spec.node, e)
+                self._send({"t": "persisted", "id": msg.get("id"), "ok": False, "error": str(e)[:300]})
+        for enc in self._encoders.values():
+            enc.close()
+
+    def _persist(self, msg: Message) -> Message:
+        step, ranks = int(msg["step"]), [int(r) for r in msg["ranks"]]
+        lossy, bits = bool(msg.get("lossy")), int(msg.get("lossy_bits", 8))
+        key = (str(msg["url"]), lossy, bits)
+        enc = self._encoders.get(key)
+        if enc is None:
+            enc = self._encoders[key] = RankEncoder(CodecConfig(lossy=lossy, lossy_bits=bits))
+        enc.forget_others(set(ranks))
+        t0 = time.monotonic()
+        snaps = [self._local(r).copy_out(step, out=enc.scratch(r)) for r in ranks]
+        durable = DurableStore(key[0])
+        writer = durable.contribute(step, int(msg["world_size"]), enc.codec.describe())
+        try:
+            raw, stored, full = enc.write(writer, snaps)
+        except BaseException:
+            enc.reset()  # a base may be what went wrong: the next write is full
+            writer.abort()
+            raise
+        return {
+            "t": "persisted",
+            "id": msg["id"],
+            "ok": True,
+            "records": [writer.record(r) for r in ranks],
+            "raw": raw,
+            "stored": stored,
+            "full": full,
+            "seconds": time.monotonic() - t0,
+        }
 
     def _keep(self, step: object) -> None:
         """Hold the replicated (committed) step in this node's memory, its ranks' and its replicas';

@@ -579,6 +579,20 @@ class _Manifest:
     ranks: tuple[_RankRecord, ...]
 
 
+def _rank_doc(r: _RankRecord) -> dict[str, Any]:
+    """A rank's manifest entry (plain JSON types)."""
+    return {
+        "rank": r.rank,
+        "data_len": r.data_len,
+        "meta": r.meta.decode("utf-8"),
+        "meta_crc": r.meta_crc,
+        "base_step": r.base_step,
+        "file": r.file,
+        "file_len": r.file_len,
+        "chunks": [{**info.to_json(), "file_offset": off} for info, off in r.chunks],
+    }
+
+
 def _encode_manifest(
     step: int, world_size: int, created_at: float, codec: str, ranks: Sequence[_RankRecord]
 ) -> bytes:
@@ -589,19 +603,7 @@ def _encode_manifest(
         "world_size": world_size,
         "created_at": created_at,
         "codec": codec,
-        "ranks": [
-            {
-                "rank": r.rank,
-                "data_len": r.data_len,
-                "meta": r.meta.decode("utf-8"),
-                "meta_crc": r.meta_crc,
-                "base_step": r.base_step,
-                "file": r.file,
-                "file_len": r.file_len,
-                "chunks": [{**info.to_json(), "file_offset": off} for info, off in r.chunks],
-            }
-            for r in ranks
-        ],
+        "ranks": [_rank_doc(r) for r in ranks],
     }
     crc = zlib.crc32(_canonical(body))
     return _canonical({**body, "manifest_crc": crc}) + b"\n"
@@ -749,15 +751,29 @@ class LoadedCheckpoint:
 
 class CheckpointWriter:
     """Writes one checkpoint: :meth:`add_rank` for every rank, then :meth:`commit`.
-    Made by :meth:`DurableStore.begin`; usable as a context manager (aborts on error)."""
+    Made by :meth:`DurableStore.begin`; usable as a context manager (aborts on error).
+
+    Several writers (processes, nodes) can share one checkpoint: the owner calls
+    :meth:`DurableStore.begin`, each contributor :meth:`DurableStore.contribute`,
+    adds its ranks and hands the owner :meth:`record` of each; the owner
+    :meth:`adopt` s them (re-validated, files checked) and commits. A contributor
+    never commits nor removes anything but its own files (on abort)."""
 
     def __init__(
-        self, store: DurableStore, step: int, world_size: int, codec: str, crash_hook: CrashHook | None
+        self,
+        store: DurableStore,
+        step: int,
+        world_size: int,
+        codec: str,
+        crash_hook: CrashHook | None,
+        *,
+        part: bool = False,
     ) -> None:
         self.store = store
         self.step = step
         self.world_size = world_size
         self.codec = codec
+        self.part = part
         self._crash_hook = crash_hook
         self._dir = step_dir(step)
         self._ranks: dict[int, _RankRecord] = {}
@@ -876,10 +892,54 @@ class CheckpointWriter:
         )
         return written
 
+    def record(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s manifest entry (JSON-safe), for the checkpoint's owner to :meth:`adopt`."""
+        if rank not in self._ranks:
+            raise UsageError(f"rank {rank} was not added to checkpoint step {self.step}")
+        return _rank_doc(self._ranks[rank])
+
+    def adopt(self, doc: Any) -> int:
+        """Take a rank written by a contributor (its :meth:`record`); return the rank.
+
+        The entry is validated like a manifest's, its file must exist with the recorded
+        size, and a delta must reference a usable FULL base: a bad or foreign entry raises
+        :class:`SnapshotCorruptError` (the checkpoint cannot commit without that rank)."""
+        self._check_open()
+        where = f"{self.store._where(self.step)} contributed rank"
+        rank_v = doc.get("rank") if isinstance(doc, dict) else None
+        if not isinstance(rank_v, int) or isinstance(rank_v, bool):
+            raise SnapshotCorruptError(f"{where}: not a rank entry")
+        rank = rank_v
+        if not 0 <= rank < self.world_size or rank in self._ranks:
+            raise SnapshotCorruptError(f"{where} {rank}: outside world size {self.world_size} or added twice")
+        try:
+            rec = _rank_from_doc(doc, rank, self.step)
+        except (_Bad, SnapshotCorruptError, ValueError, TypeError, KeyError) as e:
+            raise SnapshotCorruptError(f"{where} {rank}: {_one_line(e)}") from None
+        if rec.file != rank_file(rank):
+            raise SnapshotCorruptError(f"{where} {rank}: file {rec.file!r} is not {rank_file(rank)!r}")
+        if _codec.checksum(rec.meta) != rec.meta_crc:
+            raise SnapshotCorruptError(f"{where} {rank}: meta fails its checksum")
+        try:
+            size = self.store.storage.size(f"{self._dir}/{rec.file}")
+        except SnapshotMissingError:
+            raise SnapshotCorruptError(f"{where} {rank}: its file is missing") from None
+        if size != rec.file_len:
+            raise SnapshotCorruptError(f"{where} {rank}: file is {size} bytes, the entry says {rec.file_len}")
+        if rec.base_step is not None:
+            try:
+                self._check_base(rank, rec.meta, rec.data_len, rec.base_step)
+            except UsageError as e:
+                raise SnapshotCorruptError(f"{where} {rank}: {e}") from None
+        self._ranks[rank] = rec
+        return rank
+
     def commit(self) -> None:
         """Write the manifest, then ``latest``, then apply retention. Every rank must have
-        been added."""
+        been added (or adopted); a contributor's writer cannot commit."""
         self._check_open()
+        if self.part:
+            raise UsageError(f"checkpoint step {self.step}: a contributor cannot commit; its owner does")
         missing = [r for r in range(self.world_size) if r not in self._ranks]
         if missing:
             raise UsageError(f"checkpoint step {self.step}: ranks {missing} were not added; cannot commit")
@@ -912,11 +972,16 @@ class CheckpointWriter:
         self._hook("retention_done")
 
     def abort(self) -> None:
-        """Drop this checkpoint: remove what was written of it. Idempotent."""
+        """Drop this checkpoint: remove what was written of it (a contributor: only its own
+        rank files). Idempotent."""
         if self._state != "open":
             return
         self._state = "aborted"
-        self.store.storage.remove_tree(self._dir)
+        if not self.part:
+            self.store.storage.remove_tree(self._dir)
+            return
+        for rank in self._ranks:
+            self.store.storage.remove_tree(f"{self._dir}/{rank_file(rank)}")
 
 
 class DurableStore:
@@ -1024,6 +1089,15 @@ class DurableStore:
                 raise UsageError(f"{self._where(step)} is already committed and in use; persist a newer step")
             self.storage.remove_tree(name)
         return CheckpointWriter(self, step, world_size, codec, self._crash_hook)
+
+    def contribute(self, step: int, world_size: int, codec: str) -> CheckpointWriter:
+        """Write some ranks of checkpoint ``step``, which another writer opened with
+        :meth:`begin` and will commit (see :class:`CheckpointWriter`). Nothing is removed first."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise UsageError(f"step must be an integer >= 0 (got {step!r})")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise UsageError(f"world_size must be an integer >= 1 (got {world_size!r})")
+        return CheckpointWriter(self, step, world_size, codec, self._crash_hook, part=True)
 
     def _protected(self) -> set[int]:
         """The checkpoint ``latest`` names and the bases it needs."""

@@ -35,14 +35,15 @@ import numpy as np
 from nonstop.errors import NonstopError, SnapshotMissingError
 from nonstop.snapshot.api import TensorEntry
 from nonstop.snapshot.codec import CodecConfig, Encoder, segments_for
-from nonstop.snapshot.durable import DurableStore
+from nonstop.snapshot.durable import CheckpointWriter, DurableStore
 from nonstop.snapshot.store import RankSnapshotStore, RawSnapshot
 
-__all__ = ["PersistResult", "Persister", "lossy_roles"]
+__all__ = ["PersistResult", "Persister", "RankEncoder", "lossy_roles"]
 
 log = logging.getLogger(__name__)
 
 Emit = Callable[..., None]
+_Base = tuple[int, list[Any], np.ndarray]  # (step, tensor layout, raw bytes) of a FULL checkpoint
 POLL_S = 0.05
 COPY_ATTEMPTS = 20
 
@@ -104,6 +105,75 @@ def _whole(view: np.ndarray) -> np.ndarray:
     return view.base if isinstance(view.base, np.ndarray) else view
 
 
+class RankEncoder:
+    """Encodes ranks' snapshots into a checkpoint writer, with per-rank delta bases.
+
+    Each rank's data is an XOR delta against that rank's last FULL checkpoint written
+    through this encoder, or a full base: every ``codec.full_every`` writes, when the
+    rank has no base here (new on this node), or when its layout changed. Not
+    thread-safe: one writer thread. :meth:`reset` after a failed write (a base may be
+    what went wrong); copy-out buffers are reused through :meth:`scratch`."""
+
+    def __init__(self, codec: CodecConfig) -> None:
+        self.codec = codec
+        self._encoder = Encoder(codec)
+        # rank -> (step, tensor layout, raw bytes) of its last FULL checkpoint: the delta base
+        self._bases: dict[int, _Base] = {}
+        self._since_full = 0
+        self._scratch: dict[int, np.ndarray | None] = {}  # rank -> reusable copy-out buffer
+
+    def scratch(self, rank: int) -> np.ndarray | None:
+        """A buffer to copy rank ``rank``'s next snapshot into (None: allocate)."""
+        return self._scratch.get(rank)
+
+    def reset(self) -> None:
+        """Forget every base: the next write is full."""
+        self._bases.clear()
+        self._since_full = 0
+
+    def forget_others(self, ranks: set[int]) -> None:
+        """Drop the bases and buffers of ranks not in ``ranks`` (they moved to another node)."""
+        for rank in [r for r in self._bases if r not in ranks]:
+            del self._bases[rank]
+        for rank in [r for r in self._scratch if r not in ranks]:
+            del self._scratch[rank]
+
+    def write(self, writer: CheckpointWriter, snaps: list[RawSnapshot]) -> tuple[int, int, bool]:
+        """Add every snapshot's rank to ``writer``; return (raw bytes, stored bytes, any full)."""
+        step = writer.step
+        full = self._since_full == 0 or self._since_full >= self.codec.full_every
+        raw_total = stored_total = 0
+        new_bases: dict[int, _Base] = {}
+        for snap in snaps:
+            layout = snap.doc["tensors"]
+            base = self._bases.get(snap.rank)
+            use_base = not full and base is not None and base[1] == layout
+            lossy = lossy_roles(snap.doc) if self.codec.lossy and use_base else None
+            segments = segments_for(snap.entries(), len(snap.data), lossy)
+            chunks = self._encoder.encode(snap.data, segments, base[2] if use_base and base else None)
+            stored_total += writer.add_rank(
+                snap.rank, snap.meta, len(snap.data), chunks, base[0] if use_base and base else None
+            )
+            raw_total += len(snap.data)
+            if not use_base:
+                new_bases[snap.rank] = (step, layout, snap.data)
+        return raw_total, stored_total, self._adopt(snaps, new_bases)
+
+    def _adopt(self, snaps: list[RawSnapshot], new_bases: dict[int, _Base]) -> bool:
+        for snap in snaps:  # reuse this copy's memory next time, unless it became a base
+            if snap.rank in new_bases:
+                old = self._bases.get(snap.rank)  # the replaced base's memory is free now
+                self._scratch[snap.rank] = None if old is None else _whole(old[2])
+            else:
+                self._scratch[snap.rank] = _whole(snap.data)
+        self._bases.update(new_bases)
+        self._since_full = 1 if new_bases else self._since_full + 1
+        return bool(new_bases)
+
+    def close(self) -> None:
+        self._encoder.close()
+
+
 class Persister:
     """Background persistence of one job's committed snapshots (see module docstring)."""
 
@@ -126,11 +196,7 @@ class Persister:
         self.every = every
         self._emit = emit or (lambda *_a, **_k: None)
         self._stores = [RankSnapshotStore(shm_dir=shm_dir, job_id=job_id, rank=r) for r in range(world_size)]
-        self._encoder = Encoder(codec)
-        # rank -> (step, tensor layout, raw bytes) of its last FULL checkpoint: the delta base
-        self._bases: dict[int, tuple[int, list[Any], np.ndarray]] = {}
-        self._since_full = 0
-        self._scratch: dict[int, np.ndarray | None] = {}  # rank -> reusable copy-out buffer
+        self._encoder = RankEncoder(codec)
         self._cond = threading.Condition()
         self._requested = 0  # tickets handed out
         self._served = 0  # tickets satisfied (by a persist that started after they were asked)
@@ -218,7 +284,7 @@ class Persister:
             if step is None:
                 return None
             try:
-                return [s.copy_out(step, out=self._scratch.get(s.rank)) for s in self._stores]
+                return [s.copy_out(step, out=self._encoder.scratch(s.rank)) for s in self._stores]
             except SnapshotMissingError:
                 continue  # a writer overtook us between choosing and pinning: take the newer step
         return None
@@ -230,8 +296,7 @@ class Persister:
         except (NonstopError, OSError) as e:
             # Next attempt writes full checkpoints: a delta base may be what went wrong
             # (deleted or corrupted on the durable side).
-            self._bases.clear()
-            self._since_full = 0
+            self._encoder.reset()
             self.last_error = f"{type(e).__name__}: {e}"
             log.warning("persist failed: %s", self.last_error)
             self._emit("persist_failed", error=self.last_error)
@@ -244,39 +309,16 @@ class Persister:
         step = snaps[0].step
         if step == self._last_step:
             return  # already durable
-        full = self._since_full == 0 or self._since_full >= self.codec.full_every
-        raw_total = stored_total = 0
         with self.durable.begin(step, self.world_size, self.codec.describe()) as writer:
-            new_bases: dict[int, tuple[int, list[Any], np.ndarray]] = {}
-            for snap in snaps:
-                layout = snap.doc["tensors"]
-                base = self._bases.get(snap.rank)
-                use_base = not full and base is not None and base[1] == layout
-                lossy = lossy_roles(snap.doc) if self.codec.lossy and use_base else None
-                segments = segments_for(snap.entries(), len(snap.data), lossy)
-                chunks = self._encoder.encode(snap.data, segments, base[2] if use_base and base else None)
-                stored_total += writer.add_rank(
-                    snap.rank, snap.meta, len(snap.data), chunks, base[0] if use_base and base else None
-                )
-                raw_total += len(snap.data)
-                if not use_base:
-                    new_bases[snap.rank] = (step, layout, snap.data)
+            raw_total, stored_total, full = self._encoder.write(writer, snaps)
             writer.commit()
-        for snap in snaps:  # reuse this copy's memory next time, unless it became a base
-            if snap.rank in new_bases:
-                old = self._bases.get(snap.rank)  # the replaced base's memory is free now
-                self._scratch[snap.rank] = None if old is None else _whole(old[2])
-            else:
-                self._scratch[snap.rank] = _whole(snap.data)
-        self._bases.update(new_bases)
-        self._since_full = 1 if new_bases else self._since_full + 1
         self._last_step = step
         self.last = PersistResult(
             step=step,
             raw_bytes=raw_total,
             stored_bytes=stored_total,
             seconds=time.monotonic() - t0,
-            full=bool(new_bases),
+            full=full,
         )
         self._emit(
             "persist",

@@ -1,0 +1,243 @@
+"""Durable persistence of a job spread over several nodes, driven by the coordinator.
+
+No node holds the whole job's memory, so no node can write a checkpoint alone. A
+**persist round** of step ``S`` (the committed step, which every node keeps in memory
+until a newer round of replication commits):
+
+1. the coordinator opens checkpoint ``S`` (:meth:`DurableStore.begin`: clears leftovers);
+2. it sends each live node ``persist {id, step, url, ranks}`` for the ranks it plays;
+3. each node encodes those ranks (delta against its own last FULL copy of the rank, see
+   :class:`~nonstop.snapshot.persist.RankEncoder`) into its own rank files
+   (:meth:`DurableStore.contribute`) on a background thread, and answers
+   ``persisted {id, ok, records}`` with each rank's manifest entry;
+4. the coordinator adopts every entry (validated, file sizes checked) and commits: the
+   manifest, then ``latest``, then retention. Until then the checkpoint does not exist.
+
+A round fails as a whole (nothing committed, its directory removed) when a node answers
+with an error, is lost, or the round outlives ``timeout_s``; the next round is retried a
+moment later. Rounds are sequential. Late answers of an ended round are ignored (by id).
+
+The durable URL must name storage every node reaches (a shared file system or an object
+store): nodes write their own files there.
+
+The ticket interface (:meth:`request`, :meth:`wait`, :attr:`last`, :attr:`last_error`,
+:attr:`durable`) is :class:`~nonstop.snapshot.persist.Persister`'s, so ``nonstop persist``
+is served the same way on one node or many. Not thread-safe: the coordinator's loop only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nonstop.control.channel import Message
+from nonstop.errors import NonstopError
+from nonstop.snapshot.codec import CodecConfig
+from nonstop.snapshot.durable import CheckpointWriter, DurableStore
+from nonstop.snapshot.persist import PersistResult
+
+__all__ = ["ClusterPersister", "PersistRound"]
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 0.5  # after a failed round
+
+
+@dataclass
+class PersistRound:
+    """One round in flight: step ``step`` of every rank, written by the nodes in ``pending``."""
+
+    id: int
+    step: int
+    writer: CheckpointWriter
+    pending: set[str]
+    started: float
+    tickets: int  # requests made before this round started (it serves them)
+    raw: int = 0
+    stored: int = 0
+    full: bool = False
+    nodes: dict[str, list[int]] = field(default_factory=dict)
+
+
+class ClusterPersister:
+    """Persist rounds across nodes (see the module docstring).
+
+    ``emit(kind, **fields)`` writes the event log; the coordinator :meth:`attach` es the way
+    to reach a node's agent before the first round."""
+
+    def __init__(
+        self,
+        *,
+        durable: DurableStore,
+        world_size: int,
+        codec: CodecConfig,
+        every: int,
+        timeout_s: float,
+        emit: Callable[..., None],
+    ) -> None:
+        if every < 0:
+            raise ValueError("every must be >= 0 (0: only on demand)")
+        self.durable = durable
+        self.world_size = world_size
+        self.codec = codec
+        self.every = every
+        self.timeout_s = timeout_s
+        self._send: Callable[[str, Message], bool] = lambda _node, _msg: False
+        self._emit = emit
+        self._ids = itertools.count(1)
+        self.round: PersistRound | None = None
+        self._requested = 0
+        self._served = 0
+        self._retry_at = 0.0
+        self.last: PersistResult | None = None
+        self.last_error: str | None = None
+        self.last_step: int | None = durable.latest_step() if durable.steps() else None
+
+    def attach(self, send: Callable[[str, Message], bool]) -> None:
+        """``send(node, msg)`` delivers a message to a node's agent (False: it is gone)."""
+        self._send = send
+
+    # -- the Persister ticket interface ------------------------------------------------------
+    def request(self) -> int:
+        """Ask for a persist of the newest committed step; returns a ticket for :meth:`wait`."""
+        self._requested += 1
+        return self._requested
+
+    def wait(self, ticket: int, timeout: float) -> bool:
+        """True once a round that started after ``ticket`` was asked has ended (or nothing was
+        left to persist). Never blocks: the coordinator's loop drives the rounds."""
+        del timeout
+        return self._served >= ticket
+
+    # -- driving -------------------------------------------------------------------------------
+    def wanted(self, committed: int | None) -> bool:
+        """Whether a round of ``committed`` should start now."""
+        if self.round is not None or committed is None or time.monotonic() < self._retry_at:
+            return False
+        if self.last_step is not None and committed <= self.last_step:
+            self._served = self._requested  # nothing newer to persist: requests are answered
+            return False
+        if self._requested > self._served:
+            return True
+        return self.every > 0 and committed >= (self.last_step or 0) + self.every
+
+    def start(self, step: int, placement: dict[str, list[int]]) -> bool:
+        """Open checkpoint ``step`` and ask each node of ``placement`` (node -> its ranks) for
+        its ranks. False (and the error recorded) when the checkpoint cannot be opened."""
+        tickets = self._requested
+        try:
+            writer = self.durable.begin(step, self.world_size, self.codec.describe())
+        except (NonstopError, OSError) as e:
+            self._failed(f"cannot open checkpoint step {step}: {e}", tickets)
+            return False
+        rd = PersistRound(
+            id=next(self._ids),
+            step=step,
+            writer=writer,
+            pending=set(placement),
+            started=time.monotonic(),
+            tickets=tickets,
+            nodes={n: sorted(r) for n, r in placement.items()},
+        )
+        self.round = rd
+        for node, ranks in rd.nodes.items():
+            msg: Message = {
+                "t": "persist",
+                "id": rd.id,
+                "step": step,
+                "url": self.durable.url,
+                "world_size": self.world_size,
+                "ranks": ranks,
+                "lossy": self.codec.lossy,
+                "lossy_bits": self.codec.lossy_bits,
+            }
+            if not self._send(node, msg):
+                self.abort(f"node {node} is gone")
+                return False
+        return True
+
+    def on_reply(self, node: str, msg: Message) -> None:
+        """A node's ``persisted`` answer."""
+        rd = self.round
+        if rd is None or msg.get("id") != rd.id or node not in rd.pending:
+            return
+        if not msg.get("ok"):
+            self.abort(f"node {node}: {msg.get('error')}")
+            return
+        try:
+            adopted = {rd.writer.adopt(doc) for doc in list(msg.get("records", []))}
+        except (NonstopError, OSError, TypeError, ValueError) as e:
+            self.abort(f"node {node}: {e}")
+            return
+        if adopted != set(rd.nodes[node]):
+            self.abort(f"node {node} wrote ranks {sorted(adopted)}, not {rd.nodes[node]}")
+            return
+        rd.pending.discard(node)
+        rd.raw += int(msg.get("raw", 0))
+        rd.stored += int(msg.get("stored", 0))
+        rd.full = rd.full or bool(msg.get("full"))
+        if not rd.pending:
+            self._commit(rd)
+
+    def check(self, alive: set[str]) -> None:
+        """End the round when one of its nodes is lost or it outlived ``timeout_s``."""
+        rd = self.round
+        if rd is None:
+            return
+        lost = sorted(rd.pending - alive)
+        if lost:
+            self.abort(f"node(s) {', '.join(lost)} lost during the persist")
+        elif time.monotonic() - rd.started > self.timeout_s:
+            self.abort(f"no answer from node(s) {', '.join(sorted(rd.pending))} in {self.timeout_s:g}s")
+
+    def abort(self, why: str) -> None:
+        """Fail the round in flight (if any): nothing of it is committed."""
+        rd = self.round
+        if rd is None:
+            return
+        self.round = None
+        try:
+            rd.writer.abort()
+        except (NonstopError, OSError) as e:
+            log.warning("removing the aborted checkpoint step %d: %s", rd.step, e)
+        self._failed(f"step {rd.step}: {why}", rd.tickets)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _commit(self, rd: PersistRound) -> None:
+        self.round = None
+        try:
+            rd.writer.commit()
+        except (NonstopError, OSError) as e:
+            try:
+                rd.writer.abort()
+            except (NonstopError, OSError):
+                pass
+            self._failed(f"committing step {rd.step}: {e}", rd.tickets)
+            return
+        seconds = time.monotonic() - rd.started
+        self.last_step = rd.step
+        self.last = PersistResult(
+            step=rd.step, raw_bytes=rd.raw, stored_bytes=rd.stored, seconds=seconds, full=rd.full
+        )
+        self.last_error = None
+        self._served = max(self._served, rd.tickets)
+        self._emit(
+            "persist",
+            step=rd.step,
+            raw_bytes=rd.raw,
+            stored_bytes=rd.stored,
+            seconds=round(seconds, 4),
+            full=rd.full,
+            url=self.durable.url,
+            nodes=sorted(rd.nodes),
+        )
+
+    def _failed(self, error: str, tickets: int) -> None:
+        self.last_error = error
+        self._served = max(self._served, tickets)
+        self._retry_at = time.monotonic() + RETRY_S
+        log.warning("persist failed: %s", error)
+        self._emit("persist_failed", error=error)
