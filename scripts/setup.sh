@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv/ at the repository root and install nonstop into it.
 #   scripts/setup.sh          runtime only
-#   scripts/setup.sh dev      + test and lint tools
+#   scripts/setup.sh dev      + test and lint tools, and etcd (scripts/etcd.sh install)
 # torch is installed first and pinned to 2.13.0 (on CPU-only machines that is the
 # local CPU wheel; a bare `pip install torch` would pull GBs of CUDA packages).
 set -euo pipefail
@@ -19,6 +19,7 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
 fi
 if [ "${1:-}" = "dev" ]; then
   "${PIP[@]}" -e ".[dev]"
+  scripts/etcd.sh install  # a real etcd for the control-store tests (Debian's etcd-server; no-op when present)
 else
   "${PIP[@]}" -e .
 fi
