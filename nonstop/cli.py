@@ -98,6 +98,12 @@ def _node_args(p: argparse.ArgumentParser) -> None:
         "--domain", default=None, help="this node's failure domain (rack, zone); replicas avoid it"
     )
     g.add_argument(
+        "--data-host",
+        default=None,
+        help="address this node's data plane (peer replicas) binds and advertises "
+        "(default: node 0 the coordinator's host; others the local address that reaches it)",
+    )
+    g.add_argument(
         "--lease-ttl",
         type=float,
         default=c.lease_ttl_s,
@@ -127,6 +133,7 @@ def _node_config(ns: argparse.Namespace) -> dict[str, object]:
         "node_rank": ns.node_rank,
         "coordinator": ns.coordinator,
         "domain": ns.domain,
+        "data_host": ns.data_host,
         "lease_ttl_s": ns.lease_ttl,
         "replicas": ns.replicas,
         "replica_bandwidth_mb_s": ns.replica_bandwidth,

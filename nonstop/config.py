@@ -98,6 +98,7 @@ class JobConfig:
     node_rank: int = 0
     coordinator: str | None = None  # HOST:PORT; node 0 listens there, the others connect
     domain: str | None = None  # failure domain of this node (rack, zone); default: the node itself
+    data_host: str | None = None  # data plane address; default: the one that reaches the coordinator
     lease_ttl_s: float = 1.0  # a node silent this long is lost (and fences itself)
     replicas: int = 1  # peer copies of each rank's snapshot (0: none); needs nnodes > 1
     replica_bandwidth_mb_s: float | None = None  # cap per node for replication traffic

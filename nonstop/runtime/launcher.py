@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -95,9 +96,29 @@ def _check_faults(config: JobConfig) -> list[FaultSpec]:
     return faults
 
 
+def _route_to(addr: tuple[str, int]) -> str:
+    """The local address this machine uses to reach ``addr`` (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except OSError as e:
+        raise UsageError(
+            f"no route to the coordinator {addr[0]}:{addr[1]} ({e}); pass --data-host ADDRESS"
+        ) from None
+
+
 def _node_spec(config: JobConfig) -> NodeSpec:
     name = str(config.node_rank)
-    host = config.coordinator_addr[0] if config.nnodes > 1 else config.host
+    if config.data_host is not None:
+        host = config.data_host
+    elif config.nnodes == 1:
+        host = config.host
+    elif config.node_rank == 0:
+        host = config.coordinator_addr[0]
+    else:
+        host = _route_to(config.coordinator_addr)
     return NodeSpec(
         node=name,
         nproc=config.nproc_per_node,

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from nonstop.config import JobConfig
@@ -45,9 +46,16 @@ def node_command(config: JobConfig, node_rank: int, coordinator: str) -> list[st
 
 
 def run_local_nodes(
-    config: JobConfig, *, redirect_output: bool = False, domains: dict[int, str] | None = None
+    config: JobConfig,
+    *,
+    redirect_output: bool = False,
+    domains: dict[int, str] | None = None,
+    wrap: Callable[[int, list[str]], list[str]] | None = None,
 ) -> JobResult:
-    """Run all ``config.nnodes`` nodes here; return node 0's (the coordinator's) result."""
+    """Run all ``config.nnodes`` nodes here; return node 0's (the coordinator's) result.
+
+    ``wrap(k, cmd)`` rewrites node ``k``'s command line (e.g. to run it in a network
+    namespace with ``ip netns exec``)."""
     if config.nnodes == 1:
         return run_job(config, redirect_output=redirect_output)
     cfg0 = replace(config, node_rank=0, coordinator=config.coordinator or "127.0.0.1:0")
@@ -79,6 +87,8 @@ def run_local_nodes(
         cmd = node_command(config, k, addr)
         if domains and k in domains:
             cmd[cmd.index("--job-dir") : cmd.index("--job-dir")] = ["--domain", domains[k]]
+        if wrap is not None:
+            cmd = wrap(k, cmd)
         with (logs / f"node-{k}.log").open("ab") as log_file:
             procs.append(
                 subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -26,16 +26,19 @@ Protocol on the agent's control channel (JSON, authenticated)::
     coordinator -> agent   finish {failed} | fenced {error}
 
 **Lease and self-fencing.** The agent renews its lease every TTL/5. If no
-renewal has been acknowledged for TTL, measured from when the last
-acknowledged renewal was *sent* (so always before the coordinator, which
-measures from when it *received* it, can expire the lease), the agent
-SIGKILLs every process of the node and exits: a node cut off from the
-coordinator stops playing its ranks before anyone else is given them. Node 0's
+renewal has been acknowledged for FENCE_AT x TTL (3/4), measured from when the
+last acknowledged renewal was *sent* (the coordinator measures the full TTL
+from when it *received* it), the agent SIGKILLs every process of the node,
+waits until they are gone, records that in ``<job_dir>/fenced-node-<node>.json``
+and exits. The quarter TTL of margin covers killing and reaping the processes,
+so a node cut off from the coordinator has stopped playing its ranks before
+anyone else is given them. Node 0's
 agent (``in_process``: a thread of the coordinator's process) holds no lease.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -69,6 +72,7 @@ log = logging.getLogger(__name__)
 
 EXIT_FENCED = 3
 TICK_S = 0.005
+FENCE_AT = 0.75  # of the lease TTL: the rest is the margin to kill and reap the node's processes
 SETTLE_S = 2.0  # longest an inventory waits for a live writer to finish its snapshot
 
 
@@ -274,16 +278,30 @@ class NodeAgent:
                 except queue.Empty:
                     break
             now = time.monotonic()
-            if now - acked_sent_at > ttl and not self.in_process:
+            if now - acked_sent_at > FENCE_AT * ttl and not self.in_process:
                 return self._fence(f"no lease renewal acknowledged for {now - acked_sent_at:.2f}s")
         return 0
 
     def _fence(self, why: str) -> int:
+        """Stop playing any rank: SIGKILL every process of the node, wait until they are gone,
+        then record it in ``<job_dir>/fenced-node-<node>.json`` (when it decided, when they were all
+        gone, why, which pids)."""
         self.fenced = why
+        at = time.time()
         log.error("node %s fenced: %s; killing its processes", self.spec.node, why)
+        pids: list[int] = []
         if self.agent is not None:
             for sid in list(self.agent.procs):
+                pid = self.agent.pid(sid)
+                if pid is not None:
+                    pids.append(pid)
                 self.agent.kill(sid, signal.SIGKILL)
+            self.agent.wait_all(5.0)
+        record = {"node": self.spec.node, "at": at, "dead_at": time.time(), "why": why, "killed_pids": pids}
+        try:
+            (self.job_dir / f"fenced-node-{self.spec.node}.json").write_text(json.dumps(record) + "\n")
+        except OSError as e:
+            log.warning("could not record the fencing: %s", e)
         return EXIT_FENCED
 
     def _shutdown(self) -> None:

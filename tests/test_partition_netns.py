@@ -1,0 +1,153 @@
+"""A real network partition: nodes 1 and 2 live in their own network namespaces (``ip netns``),
+joined to node 0 by veth pairs on a bridge; the test cuts node 2's link mid-training.
+
+Node 2 (the minority) cannot renew its lease: its agent fences itself (SIGKILLs its processes)
+before the coordinator's lease expires, and only then is rank 2 given to a spare on a surviving
+node, from the replica in node 0's memory. No rank runs twice, and the result is bitwise equal to
+an uninterrupted run.
+
+Needs root (``ip netns add``); skipped with the reason when namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nonstop.demo.runner import demo_job_config
+from nonstop.runtime.coordinator import JobResult, JobState
+from nonstop.runtime.eventlog import read_events
+from nonstop.runtime.localnodes import run_local_nodes
+from tests.conftest import STEPS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SUBNET = "10.231.7"
+
+
+@dataclass
+class Net:
+    bridge: str
+    host_side: dict[int, str]  # node -> its veth end on the bridge (in the root namespace)
+    inner: dict[int, str]  # node -> its veth end inside its namespace
+    ns: dict[int, str]  # node -> namespace name
+
+    def addr(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def netns() -> Iterator[Net]:
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("network namespaces need root and iproute2's `ip`")
+    tag = str(os.getpid() % 100000)
+    net = Net(
+        bridge=f"nsbr{tag}",
+        host_side={k: f"nsh{k}-{tag}" for k in (1, 2)},
+        inner={k: f"nsi{k}-{tag}" for k in (1, 2)},
+        ns={k: f"nonstop-test-{tag}-{k}" for k in (1, 2)},
+    )
+    try:
+        _ip("link", "add", net.bridge, "type", "bridge")
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot create a bridge here: {e.stderr.strip()}")
+    try:
+        _ip("addr", "add", f"{net.addr(0)}/24", "dev", net.bridge)
+        _ip("link", "set", net.bridge, "up")
+        for k in (1, 2):
+            _ip("netns", "add", net.ns[k])
+            _ip("link", "add", net.host_side[k], "type", "veth", "peer", "name", net.inner[k])
+            _ip("link", "set", net.inner[k], "netns", net.ns[k])
+            _ip("link", "set", net.host_side[k], "master", net.bridge, "up")
+            _ip("-n", net.ns[k], "addr", "add", f"{net.addr(k)}/24", "dev", net.inner[k])
+            _ip("-n", net.ns[k], "link", "set", net.inner[k], "up")
+            _ip("-n", net.ns[k], "link", "set", "lo", "up")
+        yield net
+    finally:
+        for k in (1, 2):
+            subprocess.run(["ip", "netns", "pids", net.ns[k]], capture_output=True)
+            subprocess.run(["ip", "netns", "del", net.ns[k]], capture_output=True)
+            subprocess.run(["ip", "link", "del", net.host_side[k]], capture_output=True)
+        subprocess.run(["ip", "link", "del", net.bridge], capture_output=True)
+
+
+def _events(job_dir: Path, name: str) -> list[dict[str, Any]]:
+    path = job_dir / "events.jsonl"
+    return [e for e in read_events(path) if e["event"] == name] if path.exists() else []
+
+
+def test_partitioned_minority_is_fenced_and_no_rank_runs_twice(
+    tmp_path: Path, netns: Net, reference_hash: str
+) -> None:
+    job_dir = tmp_path / "job"
+    cfg = demo_job_config(
+        result=job_dir / "result.json",
+        steps=STEPS,
+        model="tiny",
+        batch=4,
+        script_extra=("--step-delay", "0.3"),
+        nnodes=3,
+        nproc_per_node=1,
+        spares=1,
+        job_dir=job_dir,
+        coordinator=f"{netns.addr(0)}:0",
+        lease_ttl_s=3.0,
+        extra_env=(("GLOO_SOCKET_IFNAME", netns.bridge),),
+    )
+
+    def in_namespace(k: int, cmd: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", netns.ns[k], "env", f"GLOO_SOCKET_IFNAME={netns.inner[k]}", *cmd]
+
+    box: list[JobResult | BaseException] = []
+
+    def job() -> None:
+        try:
+            box.append(run_local_nodes(cfg, redirect_output=True, wrap=in_namespace))
+        except BaseException as e:
+            box.append(e)
+
+    runner = threading.Thread(target=job, daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 300
+    while runner.is_alive() and time.monotonic() < deadline:
+        if any(e["step"] >= 5 for e in _events(job_dir, "replicated")):  # every rank is past step 5
+            break
+        time.sleep(0.05)
+    cut_at = time.time()
+    _ip("link", "set", netns.host_side[2], "down")  # node 2 is cut off from everyone
+    runner.join(timeout=300)
+    assert box, "the job did not end"
+    result = box[0]
+    assert not isinstance(result, BaseException), result
+    assert result.state is JobState.DONE, result.error
+    out = json.loads((job_dir / "result.json").read_text())
+    assert out["final_hash"] == reference_hash
+
+    # The minority fenced itself: it killed its processes and recorded when.
+    fence = json.loads((job_dir / "fenced-node-2.json").read_text())
+    assert fence["at"] > cut_at and "lease" in fence["why"]
+    node2_pids = {e["pid"] for e in _events(job_dir, "spawned") if e.get("node") == "2"}
+    assert node2_pids and node2_pids <= set(fence["killed_pids"])
+    # The majority declared it lost only when its lease expired, after the fence.
+    (lost,) = _events(job_dir, "node_lost")
+    assert lost["node"] == "2" and "lease expired" in lost["reason"]
+    assert lost["ts"] > fence["dead_at"] >= fence["at"]
+    # Rank 2 was given to a spare elsewhere only after that: never two live processes for it.
+    gen = next(g for g in _events(job_dir, "generation") if 2 in g["cause"])
+    assert gen["ts"] >= lost["ts"]
+    assert gen["nodes"]["2"] in ("0", "1") and gen["tier"] == "memory"
+    assert all(f["lost_steps"] == 0 for f in result.failures)
