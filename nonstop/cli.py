@@ -98,6 +98,20 @@ def _node_args(p: argparse.ArgumentParser) -> None:
         "--domain", default=None, help="this node's failure domain (rack, zone); replicas avoid it"
     )
     g.add_argument(
+        "--store",
+        default=c.store,
+        help="control store: embedded:// (default; the coordinator lives in node 0's process) or "
+        "etcd://HOST:PORT (job state and node leases in etcd: the coordinator runs as its own process "
+        "and may restart without stopping the job; needs --secret-file, the etcd password)",
+    )
+    g.add_argument(
+        "--reconnect",
+        type=float,
+        default=c.reconnect_s,
+        help="with --store etcd: seconds agents and workers wait for a restarted coordinator "
+        "(default %(default)s)",
+    )
+    g.add_argument(
         "--data-host",
         default=None,
         help="address this node's data plane (peer replicas) binds and advertises "
@@ -134,6 +148,8 @@ def _node_config(ns: argparse.Namespace) -> dict[str, object]:
         "coordinator": ns.coordinator,
         "domain": ns.domain,
         "data_host": ns.data_host,
+        "store": ns.store,
+        "reconnect_s": ns.reconnect,
         "lease_ttl_s": ns.lease_ttl,
         "replicas": ns.replicas,
         "replica_bandwidth_mb_s": ns.replica_bandwidth,

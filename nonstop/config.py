@@ -7,13 +7,22 @@ step 10,000.
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from nonstop.errors import UsageError
 
-__all__ = ["DetectorConfig", "JobConfig", "WorkerEnv", "ENV", "SNAPSHOT_MODES"]
+__all__ = [
+    "DetectorConfig",
+    "JobConfig",
+    "WorkerEnv",
+    "ENV",
+    "SNAPSHOT_MODES",
+    "job_config_from_json",
+    "job_config_to_json",
+]
 
 
 class ENV:
@@ -34,6 +43,7 @@ class ENV:
     AGENT_PID = "NONSTOP_AGENT_PID"
     SLOTS = "NONSTOP_SNAPSHOT_SLOTS"
     SECRET = "NONSTOP_SECRET"  # alternative to a secret file for node agents
+    RECONNECT = "NONSTOP_RECONNECT_S"  # how long a worker retries a lost coordinator (0: exit at once)
 
 
 SNAPSHOT_MODES = ("overlapped", "sync", "off")
@@ -106,6 +116,9 @@ class JobConfig:
     quarantine_failures: int = 3  # a node failing this often ...
     quarantine_window_s: float = 600.0  # ... within this window is quarantined
     join_timeout_s: float = 300.0  # how long node 0 waits for every node to join
+    # -- control store -----------------------------------------------------------------
+    store: str = "embedded://"  # or etcd://HOST:PORT[,...]: the coordinator may restart
+    reconnect_s: float = 30.0  # store mode: how long agents and workers wait for a new coordinator
 
     @property
     def world_size(self) -> int:
@@ -165,6 +178,28 @@ class JobConfig:
             raise UsageError("--replica-bandwidth must be > 0 MB/s (omit it for no cap)")
         if self.quarantine_failures < 1 or self.quarantine_window_s <= 0:
             raise UsageError("--quarantine-failures must be >= 1 and --quarantine-window > 0")
+        if self.store != "embedded://":
+            if not self.store.startswith("etcd://") or len(self.store) <= len("etcd://"):
+                raise UsageError(
+                    f"--store must be embedded:// or etcd://HOST:PORT[,HOST:PORT...] (got {self.store!r})"
+                )
+            if self.coordinator is None or self.coordinator_addr[1] == 0:
+                raise UsageError(
+                    "--store etcd://... needs --coordinator HOST:PORT with a fixed port: a restarted "
+                    "coordinator listens where the nodes reconnect"
+                )
+            if self.secret_file is None:
+                raise UsageError(
+                    "--store etcd://... needs --secret-file on every node: the job secret is also the "
+                    "etcd password (scripts/etcd.sh start DIR PORT SECRET_FILE)"
+                )
+        if self.reconnect_s <= 0:
+            raise UsageError(f"--reconnect must be > 0 seconds (got {self.reconnect_s})")
+
+    @property
+    def uses_store(self) -> bool:
+        """True when the job's state lives in an external control store (etcd)."""
+        return self.store != "embedded://"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,6 +220,7 @@ class WorkerEnv:
     node: str = "0"
     agent_pid: int | None = None
     num_slots: int = 2
+    reconnect_s: float = 0.0  # > 0: a lost coordinator is waited for (it restarts), not fatal
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -212,4 +248,31 @@ class WorkerEnv:
             node=env.get(ENV.NODE, "0"),
             agent_pid=int(env[ENV.AGENT_PID]) if ENV.AGENT_PID in env else None,
             num_slots=int(env.get(ENV.SLOTS, "2")),
+            reconnect_s=float(env.get(ENV.RECONNECT, "0")),
         )
+
+
+def job_config_to_json(config: JobConfig) -> str:
+    """``config`` as JSON (for a process that must rebuild it: the restartable coordinator)."""
+    doc: dict[str, object] = {}
+    for f in fields(config):
+        v = getattr(config, f.name)
+        if isinstance(v, DetectorConfig):
+            v = {g.name: getattr(v, g.name) for g in fields(v)}
+        elif isinstance(v, Path):
+            v = str(v)
+        doc[f.name] = v
+    return json.dumps(doc)
+
+
+def job_config_from_json(text: str) -> JobConfig:
+    """The inverse of :func:`job_config_to_json` (validated like any JobConfig)."""
+    doc = json.loads(text)
+    doc["detector"] = DetectorConfig(**doc["detector"])
+    doc["job_dir"] = Path(doc["job_dir"])
+    if doc.get("secret_file") is not None:
+        doc["secret_file"] = Path(doc["secret_file"])
+    for name in ("script_args", "faults"):
+        doc[name] = tuple(doc[name])
+    doc["extra_env"] = tuple((str(k), str(v)) for k, v in doc["extra_env"])
+    return JobConfig(**doc)

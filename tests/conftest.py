@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,3 +102,51 @@ def reference_hash(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# ---------------------------------------------------------------- a real etcd (scripts/etcd.sh)
+ETCD_SH = Path(__file__).resolve().parent.parent / "scripts" / "etcd.sh"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class EtcdServer:
+    """A real etcd from ``scripts/etcd.sh``; restartable on the same ports and data."""
+
+    state: Path
+    port: int
+    peer_port: int
+    secret_file: Path
+    secret: str
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        args = [str(self.state), str(self.port), str(self.secret_file), str(self.peer_port)]
+        proc = subprocess.run(
+            [str(ETCD_SH), "start", *args], capture_output=True, text=True, timeout=600, check=False
+        )
+        assert proc.returncode == 0, f"scripts/etcd.sh start failed: {proc.stderr}"
+
+    def stop(self) -> None:
+        subprocess.run([str(ETCD_SH), "stop", str(self.state)], check=True, timeout=30)
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    root = tmp_path_factory.mktemp("etcd")
+    secret = secrets.token_hex(16)
+    secret_file = root / "secret"
+    secret_file.write_text(secret + "\n")
+    secret_file.chmod(0o600)
+    server = EtcdServer(root / "state", free_port(), free_port(), secret_file, secret)
+    server.start()
+    yield server
+    server.stop()

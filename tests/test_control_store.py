@@ -7,14 +7,9 @@ temporary directory, with authentication on and a fresh secret.
 
 from __future__ import annotations
 
-import secrets
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -22,55 +17,9 @@ from nonstop.control.embedded import EmbeddedStore
 from nonstop.control.etcd import EtcdStore
 from nonstop.control.store import ControlStore, LeaseKeeper, Watch, WatchEvent, open_store
 from nonstop.errors import AuthError, ControlError, UsageError
+from tests.conftest import EtcdServer, free_port
 
 pytestmark = pytest.mark.timeout(60)
-
-ETCD_SH = Path(__file__).resolve().parent.parent / "scripts" / "etcd.sh"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class EtcdServer:
-    """A real etcd from ``scripts/etcd.sh``; restartable on the same ports and data."""
-
-    state: Path
-    port: int
-    peer_port: int
-    secret_file: Path
-    secret: str
-
-    @property
-    def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        args = [str(self.state), str(self.port), str(self.secret_file), str(self.peer_port)]
-        proc = subprocess.run(
-            [str(ETCD_SH), "start", *args], capture_output=True, text=True, timeout=600, check=False
-        )
-        assert proc.returncode == 0, f"scripts/etcd.sh start failed: {proc.stderr}"
-
-    def stop(self) -> None:
-        subprocess.run([str(ETCD_SH), "stop", str(self.state)], check=True, timeout=30)
-
-
-@pytest.fixture(scope="session")
-def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    root = tmp_path_factory.mktemp("etcd")
-    secret = secrets.token_hex(16)
-    secret_file = root / "secret"
-    secret_file.write_text(secret + "\n")
-    secret_file.chmod(0o600)
-    server = EtcdServer(root / "state", _free_port(), _free_port(), secret_file, secret)
-    server.start()
-    yield server
-    server.stop()
-
 
 BACKENDS = ["embedded", "etcd"]
 # The lease-timing tests wait whole TTLs; etcd cannot grant less than 1 s, the embedded store can.
@@ -338,13 +287,13 @@ def test_etcd_wrong_or_missing_password_is_refused(etcd_server: EtcdServer) -> N
 
 
 def test_etcd_unreachable_names_the_url() -> None:
-    url = f"etcd://127.0.0.1:{_free_port()}"
+    url = f"etcd://127.0.0.1:{free_port()}"
     with pytest.raises(ControlError, match=f"etcd at {url} is unreachable"):
         open_store(url, secret="x")
 
 
 def test_etcd_several_endpoints_skip_a_dead_one(etcd_server: EtcdServer) -> None:
-    url = f"etcd://127.0.0.1:{_free_port()},127.0.0.1:{etcd_server.port}"
+    url = f"etcd://127.0.0.1:{free_port()},127.0.0.1:{etcd_server.port}"
     store = open_store(url, secret=etcd_server.secret)
     store.put("k", b"v")
     assert store.get("k") is not None

@@ -251,6 +251,10 @@ class LeaseKeeper:
         self.interval = lease.ttl / 3 if interval is None else interval
         self.lost = threading.Event()
         self.reason = ""
+        # when the newest successful refresh was *sent* (monotonic): the store's TTL runs from a
+        # moment no earlier than this, so a holder that must stop before its keys vanish (a
+        # fencing node agent) measures from here
+        self.last_ok_sent = time.monotonic()
         self._on_lost = on_lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{lease.id:x}", daemon=True)
@@ -271,6 +275,7 @@ class LeaseKeeper:
     def _run(self) -> None:
         last_ok = time.monotonic()
         while not self._stop.wait(self.interval):
+            sent = time.monotonic()
             try:
                 alive = self.store.keepalive(self.lease.id)
             except ControlError as e:
@@ -283,6 +288,7 @@ class LeaseKeeper:
                 self._lose("the lease expired")
                 return
             last_ok = time.monotonic()
+            self.last_ok_sent = sent
 
     def _lose(self, reason: str) -> None:
         self.reason = f"lease {self.lease.id:x} lost: {reason}"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import os
 import queue
 import signal
 import threading
@@ -40,10 +41,12 @@ from typing import Any
 from nonstop.config import JobConfig
 from nonstop.control.channel import Channel, ControlServer, Message
 from nonstop.control.rdzv import KeyValueTable
+from nonstop.control.store import LeaseKeeper, Watch
 from nonstop.errors import ControlError, NonstopError
 from nonstop.faults import fired_at
 from nonstop.runtime.detector import FailureDetector, WorkerRecord
 from nonstop.runtime.eventlog import EventLog
+from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.persistence import ClusterPersister
 from nonstop.runtime.policy import (
     FailureKind,
@@ -62,6 +65,7 @@ __all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
 log = logging.getLogger(__name__)
 
 TICK_S = 0.005
+EXIT_NOT_LEADER = 76  # store mode: this coordinator lost its leadership lease and stopped
 PLAN_WAIT_S = 3.0  # longest planning waits for the nodes' inventories
 REPLICATED_EVENT_EVERY_S = 1.0
 ROUND_RETRY_S = 0.05
@@ -92,7 +96,7 @@ class NodeRecord:
     """The coordinator's view of one node (its agent)."""
 
     name: str
-    chan: Channel
+    chan: Channel | None  # None: restored from the control store, its agent not reconnected yet
     nproc: int
     spares: int
     domain: str
@@ -102,6 +106,8 @@ class NodeRecord:
     quarantined: bool = False
     in_process: bool = False  # the coordinator's own node: no lease (they fail together)
     failure_times: list[float] = field(default_factory=list)
+    lease_id: int = 0  # store mode: the agent's lease on its nodes/<name> key
+    disconnected_at: float | None = None  # store mode: its channel dropped (it may reconnect)
 
 
 @dataclass
@@ -136,6 +142,7 @@ class Coordinator:
         persister: Persister | ClusterPersister | None = None,
         durable_url: str | None = None,
         initial_step: int | None = None,
+        jobs: JobStore | None = None,
     ) -> None:
         self.config = config
         self.job_id = job_id
@@ -188,6 +195,13 @@ class Coordinator:
         self._rep_totals: dict[str, int] = {"rounds": 0, "raw_bytes": 0, "wire_bytes": 0, "failed_rounds": 0}
         self._rep_event_at = 0.0
         self._started_at = time.monotonic()
+        # store mode (--store etcd://): state saved in and restored from the control store
+        self.jobs = jobs
+        self._leader: LeaseKeeper | None = None
+        self._node_watch: Watch | None = None
+        self._awaiting: dict[str, float] = {}  # restored nodes not reconnected yet -> since
+        self._resync = False  # restored mid-recovery: start a new generation once nodes are back
+        self._last_sid = -1  # spawn ids are never reused, across coordinator restarts too
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -195,12 +209,15 @@ class Coordinator:
         return self.config.replicas > 0 and self.config.nnodes > 1
 
     def run(self, stop: threading.Event) -> JobResult:
+        if self.jobs is not None:
+            self._open_store()
         while self.state not in (JobState.DONE, JobState.FAILED):
             if stop.is_set():
                 self._fail("stopped by signal")
                 break
             self._pump_events(TICK_S)
             self._check_leases()
+            self._store_tick()
             self._check_join()
             self._handle_exits()
             self._pump_events(0)
@@ -212,6 +229,7 @@ class Coordinator:
         self._final_persist()
         for node in self.nodes.values():
             self._send_node(node, {"t": "finish", "failed": self.state is JobState.FAILED})
+        self._close_store()
         final = min(self.latest_step.values()) if self.latest_step else 0
         return JobResult(
             state=self.state,
@@ -264,6 +282,7 @@ class Coordinator:
 
     def _spawn(self, node: str, role: str, rank: int | None) -> int:
         sid = next(self._sid)
+        self._last_sid = sid
         now = time.monotonic()
         self.workers[sid] = WorkerRecord(spawn_id=sid, role=role, rank=rank, last_hb=now, last_progress=now)
         self.worker_node[sid] = node
@@ -290,7 +309,7 @@ class Coordinator:
                 pass
 
     def _send_node(self, node: NodeRecord, msg: Message) -> None:
-        if node.alive and not node.chan.closed:
+        if node.alive and node.chan is not None and not node.chan.closed:
             try:
                 node.chan.send(msg)
             except ControlError:
@@ -298,7 +317,7 @@ class Coordinator:
 
     def _send_to(self, name: str, msg: Message) -> bool:
         node = self.nodes.get(name)
-        if node is None or not node.alive or node.chan.closed:
+        if node is None or not node.alive or node.chan is None or node.chan.closed:
             return False
         self._send_node(node, msg)
         return True
@@ -343,13 +362,19 @@ class Coordinator:
             if kind == "msg" and msg is not None:
                 self._on_agent_message(node, msg)
             elif kind == "close" and node.alive:
-                self._lose_node(node, "its agent's connection closed")
+                if self.jobs is None:
+                    self._lose_node(node, "its agent's connection closed")
+                else:  # lost when its lease in the store ends; until then it may reconnect
+                    node.disconnected_at = time.monotonic()
+                    self.events.emit("node_disconnected", node=node.name)
             return
         if kind == "open":
             sid = int(chan.hello.get("spawn_id", -1))
             w = self.workers.get(sid)
             node = self.nodes.get(self.worker_node.get(sid, ""))
-            if w is None or w.chan is not None or node is None or not node.alive:
+            resume = chan.hello.get("resume")
+            reconnect = resume is not None and w is not None and (w.chan is None or w.chan.closed)
+            if w is None or (w.chan is not None and not reconnect) or node is None or not node.alive:
                 self.events.emit(
                     "refused", peer=chan.peer, reason=f"unknown, duplicate or fenced spawn id {sid}"
                 )
@@ -358,8 +383,11 @@ class Coordinator:
             chan.tag = sid
             w.chan = chan
             w.last_hb = time.monotonic()
-            self.events.emit("connect", spawn_id=sid, role=w.role, rank=w.rank)
-            self._on_connect(w)
+            self.events.emit("connect", spawn_id=sid, role=w.role, rank=w.rank, resumed=resume is not None)
+            if isinstance(resume, dict):
+                self._on_worker_resumed(w, resume)
+            else:
+                self._on_connect(w)
         elif kind == "msg" and msg is not None:
             w = self.workers.get(chan.tag)
             if w is not None and w.chan is chan:
@@ -385,6 +413,16 @@ class Coordinator:
 
         if not name:
             return refuse("hello without a node name")
+        reattach = (
+            self.jobs is not None
+            and h.get("resume") is not None
+            and old is not None
+            and old.alive
+            and (old.chan is None or old.chan.closed)
+        )
+        if reattach:
+            assert old is not None
+            return self._reattach(old, chan)
         if old is not None and old.alive:
             return refuse(f"node {name} is already part of the job")
         if old is not None and old.quarantined:
@@ -406,6 +444,7 @@ class Coordinator:
             last_lease=time.monotonic(),
             failure_times=old.failure_times if old is not None else [],
             in_process=bool(h.get("in_process", False)),
+            lease_id=int(h.get("lease_id", 0)),
         )
         chan.tag = ("node", name)
         self.nodes[name] = node
@@ -416,6 +455,8 @@ class Coordinator:
                 "lease_ttl_s": self.config.lease_ttl_s,
                 "num_slots": self.num_slots,
                 "env": self.worker_env,
+                "store": self.config.store if self.jobs is not None else None,
+                "reconnect_s": self.config.reconnect_s,
             }
         )
         self.events.emit(
@@ -447,10 +488,14 @@ class Coordinator:
             self._on_fetched(node, msg)
         elif t == "replicated":
             self._on_replicated(node, msg)
+        elif t == "registered":
+            node.lease_id = int(msg["lease_id"])
         elif t == "persisted" and self.rounds is not None:
             self.rounds.on_reply(node.name, msg)
 
     def _check_leases(self) -> None:
+        if self.jobs is not None:
+            return  # store mode: leases live in the store (_store_tick)
         now = time.monotonic()
         for node in list(self.nodes.values()):
             if node.alive and not node.in_process and now - node.last_lease > self.config.lease_ttl_s:
@@ -462,11 +507,15 @@ class Coordinator:
         node.failure_times.append(time.monotonic())
         if quarantine:
             node.quarantined = True
-            try:
-                node.chan.send({"t": "fenced", "error": why})
-            except ControlError:
-                pass
-        node.chan.close()
+            if node.chan is not None:
+                try:
+                    node.chan.send({"t": "fenced", "error": why})
+                except ControlError:
+                    pass
+            if self.jobs is not None and node.lease_id:
+                self._revoke(node)  # in store mode its agent fences when its lease is gone
+        if node.chan is not None:
+            node.chan.close()
         self.events.emit("node_lost", node=node.name, reason=why, quarantined=quarantine)
         for sid in sorted(s for s in self.live if self.worker_node.get(s) == node.name):
             self.live.discard(sid)
@@ -815,8 +864,16 @@ class Coordinator:
         return avail
 
     def _begin_generation(
-        self, failures: list[Failure], *, replans: int = 0, replacements: dict[int, str] | None = None
+        self,
+        failures: list[Failure],
+        *,
+        replans: int = 0,
+        replacements: dict[int, str] | None = None,
+        inventory: bool = False,
     ) -> None:
+        """Plan and start generation + 1. Every rank restores the newest step all ranks hold
+        (memory first, then durable) when there are ``failures``, a resumed checkpoint to
+        install, or ``inventory`` (a restarted coordinator redoing an interrupted recovery)."""
         now = time.time()
         self.generation += 1
         self.state = JobState.RECONFIGURING
@@ -837,7 +894,7 @@ class Coordinator:
             return
         restore_step: int | None = None
         avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
-        if failures or self.initial_step is not None:
+        if failures or self.initial_step is not None or inventory:
             avail = self._inventories()
             members = set(self.members.values())
             if any(ex.sid in members for ex in self._exits):
@@ -1083,6 +1140,8 @@ class Coordinator:
         """Start the next replication round when the previous one is done (RUNNING only)."""
         if not self.replication_on or self.state is not JobState.RUNNING or self._round is not None:
             return
+        if self._awaiting:
+            return  # restored: not every node is back yet
         if time.monotonic() < self._round_retry_at:
             return
         if len(self.latest_step) < self.world_size:
@@ -1144,6 +1203,217 @@ class Coordinator:
                 rounds=self._rep_totals["rounds"],
             )
 
+    # -- the control store (--store etcd://; runtime/jobstore.py) ---------------------------------
+    def _open_store(self) -> None:
+        """Lead the job (waiting out a dead predecessor's lease), restore its record if there is
+        one, and watch the nodes' leases."""
+        assert self.jobs is not None
+        addr = f"{self.server.address[0]}:{self.server.address[1]}"
+        t0 = time.monotonic()
+        self._leader = self.jobs.lead(
+            addr,
+            self.config.lease_ttl_s,
+            timeout=max(30.0, 3 * self.config.lease_ttl_s),
+            on_lost=lambda why: os._exit(EXIT_NOT_LEADER),  # another coordinator may be acting now
+        )
+        live, rev = self.jobs.live_nodes()
+        self._node_watch = self.jobs.watch_nodes(rev + 1)
+        record = self.jobs.load()
+        if record is None:
+            self.events.emit("coordinator_leads", address=addr, waited_s=time.monotonic() - t0)
+            return
+        self._restore(record, live)
+        self.events.emit(
+            "coordinator_resumed",
+            address=addr,
+            waited_s=time.monotonic() - t0,
+            generation=self.generation,
+            state=str(self.state),
+            nodes=sorted(self._awaiting),
+            lost=sorted(n for n, r in self.nodes.items() if not r.alive),
+        )
+
+    def _close_store(self) -> None:
+        if self.jobs is None:
+            return
+        try:
+            self.jobs.save(self.record())
+        except ControlError as e:
+            log.warning("saving the final job record: %s", e)
+        if self._node_watch is not None:
+            self._node_watch.cancel()
+        if self._leader is not None:
+            try:
+                self._leader.stop(revoke=True)  # the next coordinator need not wait out the TTL
+            except ControlError:
+                pass
+
+    def _store_tick(self) -> None:
+        """Store mode, every loop: nodes whose lease ended are lost; restored nodes that did not
+        come back in time are revoked; a restored recovery restarts once the nodes are back;
+        the record is saved when it changed."""
+        if self.jobs is None:
+            return
+        assert self._node_watch is not None
+        while True:
+            try:
+                ev = self._node_watch.get(timeout=0)
+            except ControlError as e:
+                self._fail(f"lost the watch on the nodes' leases in {self.config.store}: {e}")
+                return
+            if ev is None:
+                break
+            node = self.nodes.get(self.jobs.node_name(ev.key))
+            if ev.kind == "delete" and node is not None and node.alive:
+                self._awaiting.pop(node.name, None)
+                self._lose_node(node, "its lease in the control store ended")
+        now = time.monotonic()
+        for node in self.nodes.values():
+            gone_since = self._awaiting.get(node.name, node.disconnected_at)
+            if node.alive and gone_since is not None and now - gone_since > self.config.reconnect_s:
+                if node.lease_id:
+                    self._revoke(node)  # its agent fences; the delete event then loses the node
+                else:
+                    self._awaiting.pop(node.name, None)
+                    self._lose_node(node, f"did not reconnect within {self.config.reconnect_s:g}s")
+        if self._resync and not self._awaiting and self.state is not JobState.FAILED:
+            self._resync = False
+            if self.members:
+                self._begin_generation([], inventory=True)
+        try:
+            self.jobs.save(self.record())
+        except ControlError as e:
+            log.warning("saving the job record: %s", e)
+
+    def _revoke(self, node: NodeRecord) -> None:
+        assert self.jobs is not None
+        try:
+            self.jobs.store.revoke(node.lease_id)
+        except ControlError as e:
+            log.warning("revoking node %s's lease: %s", node.name, e)
+        node.lease_id = 0
+
+    def _reattach(self, node: NodeRecord, chan: Channel) -> None:
+        """A node's agent reconnected (to a restarted coordinator, or after its channel broke)."""
+        chan.tag = ("node", node.name)
+        node.chan = chan
+        node.disconnected_at = None
+        node.last_lease = time.monotonic()
+        node.lease_id = int(chan.hello.get("lease_id", node.lease_id))
+        node.data_addr = str(chan.hello.get("data_addr", node.data_addr))
+        self._awaiting.pop(node.name, None)
+        chan.send(
+            {"t": "welcome", "job_id": self.job_id, "resumed": True, "lease_ttl_s": self.config.lease_ttl_s}
+        )
+        self.events.emit("node_reconnected", node=node.name)
+
+    def _on_worker_resumed(self, w: WorkerRecord, resume: dict[str, Any]) -> None:
+        """A worker reconnected after the coordinator restarted: take its progress."""
+        rank = w.rank
+        member = rank is not None and self.members.get(rank) == w.spawn_id
+        if member and rank is not None and int(resume.get("gen", -1)) == self.generation:
+            step = int(resume.get("step", 0))
+            self.latest_step[rank] = max(self.latest_step.get(rank, 0), step)
+            if resume.get("done"):
+                self.done_ranks.add(rank)
+        if self.state is JobState.FINISHING:
+            self._send(w, {"t": "finish"})  # it may have missed it
+        elif self.state is JobState.RUNNING and self.done_ranks >= set(range(self.world_size)):
+            self._finish()
+
+    def record(self) -> dict[str, Any]:
+        """What a restarted coordinator needs to carry on (saved in the store; JSON types)."""
+        return {
+            "job_id": self.job_id,
+            "generation": self.generation,
+            "state": str(self.state),
+            "next_sid": self._last_sid + 1,
+            "workers": {
+                str(sid): {
+                    "role": w.role,
+                    "rank": w.rank,
+                    "node": self.worker_node.get(sid),
+                    "pid": self.worker_pid.get(sid),
+                    "live": sid in self.live,
+                }
+                for sid, w in self.workers.items()
+            },
+            "members": {str(r): sid for r, sid in self.members.items()},
+            "rank_node": {str(r): n for r, n in self.rank_node.items()},
+            "latest_step": {str(r): s for r, s in self.latest_step.items()},
+            "replicated_step": self.replicated_step,
+            "done_ranks": sorted(self.done_ranks),
+            "failures_total": self.failures_total,
+            "reports": self.reports,
+            "nodes": {
+                n: {
+                    "nproc": r.nproc,
+                    "spares": r.spares,
+                    "domain": r.domain,
+                    "data_addr": r.data_addr,
+                    "alive": r.alive,
+                    "quarantined": r.quarantined,
+                    "lease_id": r.lease_id,
+                    "failures": len(r.failure_times),
+                }
+                for n, r in self.nodes.items()
+            },
+        }
+
+    def _restore(self, rec: dict[str, Any], live: set[str]) -> None:
+        """Take over from a dead coordinator's record; ``live``: nodes whose lease is alive."""
+        now = time.monotonic()
+        grace = now + min(self.config.reconnect_s, 10.0)  # workers reconnect before they count as hung
+        self.job_id = str(rec["job_id"])
+        self.generation = int(rec["generation"])
+        self._last_sid = int(rec["next_sid"]) - 1
+        self._sid = itertools.count(self._last_sid + 1)
+        for sid_s, wd in dict(rec["workers"]).items():
+            sid = int(sid_s)
+            rank = wd.get("rank")
+            w = WorkerRecord(
+                spawn_id=sid, role=str(wd["role"]), rank=rank, last_hb=grace, last_progress=grace
+            )
+            self.workers[sid] = w
+            self.worker_node[sid] = str(wd["node"])
+            if wd.get("pid") is not None:
+                self.worker_pid[sid] = int(wd["pid"])
+            if wd.get("live"):
+                self.live.add(sid)
+        self.members = {int(r): int(sid) for r, sid in dict(rec["members"]).items()}
+        self.rank_node = {int(r): str(n) for r, n in dict(rec["rank_node"]).items()}
+        self.latest_step = {int(r): int(st) for r, st in dict(rec["latest_step"]).items()}
+        rs = rec.get("replicated_step")
+        self.replicated_step = None if rs is None else int(rs)
+        self.done_ranks = {int(r) for r in rec.get("done_ranks", [])}
+        self.failures_total = int(rec.get("failures_total", 0))
+        self.reports = list(rec.get("reports", []))
+        for name, nd in dict(rec["nodes"]).items():
+            node = NodeRecord(
+                name=name,
+                chan=None,
+                nproc=int(nd["nproc"]),
+                spares=int(nd["spares"]),
+                domain=str(nd["domain"]),
+                data_addr=str(nd["data_addr"]),
+                last_lease=now,
+                alive=bool(nd["alive"]),
+                quarantined=bool(nd["quarantined"]),
+                lease_id=int(nd.get("lease_id", 0)),
+            )
+            self.nodes[name] = node
+            if node.alive:
+                self._awaiting[name] = now
+        state = JobState(str(rec["state"]))
+        self.state = JobState.RUNNING if state is JobState.RECONFIGURING else state
+        self._resync = state in (JobState.RECONFIGURING, JobState.STARTING) and bool(self.members)
+        if self._resync:
+            self.state = JobState.RECONFIGURING
+        for name in sorted(self._awaiting):
+            if name not in live:  # its lease ended while no coordinator was watching
+                self._awaiting.pop(name)
+                self._lose_node(self.nodes[name], "its lease in the control store ended")
+
     # -- durable persistence of several nodes (runtime/persistence.py) ---------------------------
     def _placement(self) -> dict[str, list[int]]:
         placement: dict[str, list[int]] = {}
@@ -1154,7 +1424,7 @@ class Coordinator:
     def _persist(self) -> None:
         """Check the persist round in flight; start the next one when due (RUNNING only)."""
         rounds = self.rounds
-        if rounds is None:
+        if rounds is None or self._awaiting:
             return
         rounds.check(set(self._alive_nodes()))
         if self.state is JobState.RUNNING and len(self.latest_step) == self.world_size:

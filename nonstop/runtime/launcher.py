@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -25,16 +26,19 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from nonstop.config import ENV, JobConfig
+from nonstop.config import ENV, JobConfig, job_config_to_json
 from nonstop.control.channel import ControlServer, new_secret
-from nonstop.errors import ControlError, SnapshotMissingError, UsageError
+from nonstop.control.store import open_store
+from nonstop.errors import ControlError, JobFailedError, SnapshotMissingError, UsageError
 from nonstop.faults import FaultSpec, faults_to_json, parse_fault
 from nonstop.replica.peer import local_store_id
 from nonstop.runtime.coordinator import Coordinator, JobResult, JobState
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.gc import hold_lock
+from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.node import NodeAgent, NodeSpec
 from nonstop.runtime.persistence import ClusterPersister
+from nonstop.runtime.policy import describe_exit
 from nonstop.snapshot.codec import CodecConfig
 from nonstop.snapshot.durable import DurableStore, LoadedCheckpoint
 from nonstop.snapshot.persist import Persister
@@ -77,7 +81,7 @@ def _prepare_job_dir(job_dir: Path, *, owner: bool) -> None:
         (job_dir / "faults").mkdir(exist_ok=True)
 
 
-def _check_faults(config: JobConfig) -> list[FaultSpec]:
+def check_faults(config: JobConfig) -> list[FaultSpec]:
     faults = [parse_fault(f) for f in config.faults]
     for f in faults:
         if f.kind == "node":
@@ -147,15 +151,42 @@ def run_job(
     bad input before starting anything.
     """
     command = worker_command(config.script, config.script_args)
-    faults = _check_faults(config)
+    faults = check_faults(config)
     job_dir = config.job_dir.resolve()
     stop = stop or threading.Event()
     if config.node_rank != 0:
         return _run_node(config, command=command, job_dir=job_dir, stop=stop, redirect_output=redirect_output)
     _prepare_job_dir(job_dir, owner=True)
+    if config.uses_store:
+        return run_store_node0(
+            config, command=command, job_dir=job_dir, stop=stop, redirect_output=redirect_output
+        )
+    return serve_coordinator(
+        config,
+        job_id=uuid.uuid4().hex[:12],
+        command=command,
+        faults=faults,
+        stop=stop,
+        redirect_output=redirect_output,
+    )
+
+
+def serve_coordinator(
+    config: JobConfig,
+    *,
+    job_id: str,
+    command: list[str],
+    faults: list[FaultSpec],
+    stop: threading.Event,
+    redirect_output: bool = False,
+    jobs: JobStore | None = None,
+) -> JobResult:
+    """Run the job's coordinator to the end: in this process with node 0's agent on a thread
+    (embedded store), or alone (``jobs``: the control store holds the job's state, node 0's agent
+    runs in the launcher and this process may be restarted)."""
+    job_dir = config.job_dir.resolve()
     durable = DurableStore(config.checkpoint_url, keep=config.keep)  # a bad URL fails here
     resume = _load_resume(config) if config.resume else None
-    job_id = uuid.uuid4().hex[:12]
     shm_dir = default_shm_dir()
     secret = _read_secret(config, job_dir, create=True)
     events = EventLog(job_dir / "events.jsonl")
@@ -182,10 +213,11 @@ def run_job(
         ENV.HEARTBEAT_INTERVAL: str(config.detector.heartbeat_interval_s),
         ENV.REBUILD_TIMEOUT: str(config.rebuild_timeout_s),
         ENV.SNAPSHOT: config.snapshot,
+        ENV.RECONNECT: str(config.reconnect_s if jobs is not None else 0),
     }
     codec = CodecConfig(lossy=config.lossy, lossy_bits=config.lossy_bits)
     persister: Persister | None = None
-    if config.nnodes == 1:  # the whole job's memory is on this node
+    if config.nnodes == 1 and jobs is None:  # the whole job's memory is in this process's node
         persister = Persister(
             durable=durable,
             shm_dir=shm_dir,
@@ -204,25 +236,28 @@ def run_job(
         persister=persister if persister is not None else _cluster_persister(config, durable, codec, events),
         durable_url=durable.url,
         initial_step=resume.step if resume is not None else None,
+        jobs=jobs,
     )
     if resume is not None:
         events.emit("resume", url=config.resume, step=resume.step, world_size=resume.world_size)
-    node = NodeAgent(
-        spec=_node_spec(config),
-        coordinator=server.address,
-        secret=secret,
-        secret_file=secret_file,
-        command=command,
-        env=_node_env(config, host),
-        job_dir=job_dir,
-        shm_dir=shm_dir,
-        redirect_output=redirect_output,
-        in_process=True,
-    )
     node_stop = threading.Event()
     keep_memory = threading.Event()  # the local node frees its memory after the final persist
-    node.release = keep_memory
-    node_thread = threading.Thread(target=node.run, args=(node_stop,), name="nonstop-node", daemon=True)
+    node_thread: threading.Thread | None = None
+    if jobs is None:  # node 0's agent lives here; in store mode it is the launcher's
+        node = NodeAgent(
+            spec=_node_spec(config),
+            coordinator=server.address,
+            secret=secret,
+            secret_file=secret_file,
+            command=command,
+            env=_node_env(config, host),
+            job_dir=job_dir,
+            shm_dir=shm_dir,
+            redirect_output=redirect_output,
+            in_process=True,
+        )
+        node.release = keep_memory
+        node_thread = threading.Thread(target=node.run, args=(node_stop,), name="nonstop-node", daemon=True)
     _write_job_info(job_dir, job_id=job_id, control=server.address, checkpoints=durable.url)
     restore_handlers = _install_signal_handlers(stop)
     events.emit(
@@ -238,7 +273,8 @@ def run_job(
     t0 = time.monotonic()
     if persister is not None:
         persister.start()
-    node_thread.start()
+    if node_thread is not None:
+        node_thread.start()
     try:
         result = coordinator.run(stop)
     finally:
@@ -253,7 +289,8 @@ def run_job(
         finally:
             keep_memory.set()
             node_stop.set()
-            node_thread.join(timeout=30.0)
+            if node_thread is not None:
+                node_thread.join(timeout=30.0)
             server.close()
             events.emit(
                 "job_end",
@@ -271,6 +308,107 @@ def run_job(
                 secret_file.unlink(missing_ok=True)
             (job_dir / JOB_INFO).unlink(missing_ok=True)
     return result
+
+
+COORDINATOR_SPEC = "coordinator.json"  # store mode: what the coordinator process is started from
+COORDINATOR_RESULT = "coordinator-result.json"  # ... and what it leaves when the job has ended
+MAX_COORDINATOR_RESTARTS = 20
+
+
+def run_store_node0(
+    config: JobConfig, *, command: list[str], job_dir: Path, stop: threading.Event, redirect_output: bool
+) -> JobResult:
+    """Node 0 with ``--store etcd://``: the coordinator runs as its own process (restarted here
+    when it dies, resuming from the store), node 0's agent runs in this process like any
+    other node's. Returns the coordinator's result."""
+    del command  # the coordinator process rebuilds it from the config
+    DurableStore(config.checkpoint_url, keep=config.keep)  # a bad URL fails here
+    if config.resume:
+        _load_resume(config)
+    secret = _read_secret(config, job_dir, create=False)
+    try:
+        open_store(config.store, secret=secret.decode()).close()  # reachable, credentials good
+    except ControlError as e:
+        raise UsageError(f"--store {config.store}: {e}") from None
+    job_id = uuid.uuid4().hex[:12]
+    spec = job_dir / COORDINATOR_SPEC
+    spec.write_text(json.dumps({"job_id": job_id, "config": job_config_to_json(config)}))
+    result_file = job_dir / COORDINATOR_RESULT
+    result_file.unlink(missing_ok=True)
+    (job_dir / JOB_INFO).unlink(missing_ok=True)
+    (job_dir / "logs").mkdir(exist_ok=True)
+    supervisor = threading.Thread(
+        target=_supervise_coordinator,
+        args=(spec, job_dir / "logs" / "coordinator.log", result_file, stop),
+        name="nonstop-coordinator-supervisor",
+        daemon=True,
+    )
+    supervisor.start()
+    deadline = time.monotonic() + 60.0
+    while not (job_dir / JOB_INFO).exists():
+        if not supervisor.is_alive() or time.monotonic() > deadline:
+            raise JobFailedError(f"the coordinator did not start; see {job_dir / 'logs' / 'coordinator.log'}")
+        time.sleep(0.02)
+    node = _run_node(
+        config,
+        command=worker_command(config.script, config.script_args),
+        job_dir=job_dir,
+        stop=stop,
+        redirect_output=redirect_output,
+    )
+    supervisor.join(timeout=config.persist_timeout_s + 60.0)
+    try:
+        return _result_from_json(result_file.read_text())
+    except (OSError, ValueError, KeyError) as e:
+        return JobResult(
+            state=JobState.FAILED, generation=0, final_step=0, error=node.error or f"no result: {e}"
+        )
+
+
+def _supervise_coordinator(spec: Path, log_path: Path, result_file: Path, stop: threading.Event) -> None:
+    """Run the coordinator process; start it again (it resumes from the store) until the job ended."""
+    for restart in range(MAX_COORDINATOR_RESTARTS + 1):
+        cmd = [sys.executable, "-m", "nonstop.runtime.coordproc", str(spec), str(restart)]
+        with log_path.open("ab") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        signalled = False
+        while proc.poll() is None:
+            if stop.is_set() and not signalled:
+                proc.send_signal(signal.SIGTERM)  # it persists and ends the job
+                signalled = True
+            time.sleep(0.05)
+        if result_file.exists() or stop.is_set():
+            return
+        log.warning("the coordinator exited (%s); starting it again", describe_exit(proc.returncode))
+        time.sleep(0.1)
+    log.error("the coordinator died %d times; giving up", MAX_COORDINATOR_RESTARTS + 1)
+
+
+def result_to_json(result: JobResult) -> str:
+    return json.dumps(
+        {
+            "state": str(result.state),
+            "generation": result.generation,
+            "final_step": result.final_step,
+            "failures": result.failures,
+            "error": result.error,
+            "median_step_s": result.median_step_s,
+            "replication": result.replication,
+        }
+    )
+
+
+def _result_from_json(text: str) -> JobResult:
+    d = json.loads(text)
+    return JobResult(
+        state=JobState(d["state"]),
+        generation=int(d["generation"]),
+        final_step=int(d["final_step"]),
+        failures=list(d["failures"]),
+        error=d["error"],
+        median_step_s=d["median_step_s"],
+        replication=dict(d["replication"]),
+    )
 
 
 def _cluster_persister(

@@ -37,6 +37,8 @@ def node_command(config: JobConfig, node_rank: int, coordinator: str) -> list[st
         cmd += ["--replica-bandwidth", str(c.replica_bandwidth_mb_s)]
     if c.secret_file is not None:
         cmd += ["--secret-file", str(c.secret_file)]
+    if c.uses_store:
+        cmd += ["--store", c.store, "--reconnect", str(c.reconnect_s)]
     script = c.script
     if script.startswith("-m "):
         cmd += ["-m", script[3:].strip()]

@@ -50,6 +50,7 @@ from pathlib import Path
 
 from nonstop.config import ENV
 from nonstop.control.channel import Channel, Message, connect
+from nonstop.control.store import ControlStore, LeaseKeeper, open_store
 from nonstop.errors import ControlError, NonstopError
 from nonstop.faults import fired_at
 from nonstop.replica.peer import (
@@ -62,6 +63,7 @@ from nonstop.replica.peer import (
 )
 from nonstop.runtime.agent import Agent, ranks_with_segments, remove_segments
 from nonstop.runtime.gc import hold_lock
+from nonstop.runtime.jobstore import JobStore
 from nonstop.snapshot.codec import CodecConfig, preload
 from nonstop.snapshot.durable import DurableStore
 from nonstop.snapshot.persist import RankEncoder
@@ -72,6 +74,7 @@ log = logging.getLogger(__name__)
 
 EXIT_FENCED = 3
 TICK_S = 0.005
+RECONNECT_EVERY_S = 0.2  # store mode: how often a node retries a lost coordinator
 FENCE_AT = 0.75  # of the lease TTL: the rest is the margin to kill and reap the node's processes
 SETTLE_S = 2.0  # longest an inventory waits for a live writer to finish its snapshot
 
@@ -130,6 +133,12 @@ class NodeAgent:
         # set by the owner when the node may free its memory (node 0: after the final persist)
         self.release = threading.Event()
         self.release.set()
+        # store mode (--store etcd://): this node's lease lives in the store, and a lost
+        # coordinator is waited for (it restarts) rather than a reason to fence
+        self._keeper: LeaseKeeper | None = None
+        self._store: ControlStore | None = None
+        self.reconnect_s = 0.0
+        self._outbox: list[Message] = []  # exit reports while the coordinator is away
 
     # -- lifecycle --------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> int:
@@ -143,20 +152,7 @@ class NodeAgent:
             on_refused=lambda peer, why: log.warning("data plane refused %s: %s", peer, why),
         )
         try:
-            self._chan = connect(
-                self.coordinator,
-                self.secret,
-                {
-                    "role": "agent",
-                    "node": self.spec.node,
-                    "nproc": self.spec.nproc,
-                    "spares": self.spec.spares,
-                    "domain": self.spec.domain,
-                    "data_addr": self.data.addr,
-                    "pid": os.getpid(),
-                    "in_process": self.in_process,
-                },
-            )
+            self._chan = connect(self.coordinator, self.secret, self._hello())
             welcome = self._chan.recv()
             if welcome.get("t") != "welcome":
                 raise NonstopError(f"coordinator refused node {self.spec.node}: {welcome.get('error')}")
@@ -171,8 +167,28 @@ class NodeAgent:
             self.release.wait(timeout=600.0)
             self._shutdown()
 
+    def _hello(self, *, resume: bool = False) -> Message:
+        assert self.data is not None
+        hello: Message = {
+            "role": "agent",
+            "node": self.spec.node,
+            "nproc": self.spec.nproc,
+            "spares": self.spec.spares,
+            "domain": self.spec.domain,
+            "data_addr": self.data.addr,
+            "pid": os.getpid(),
+            "in_process": self.in_process,
+        }
+        if resume:
+            hello["resume"] = True
+            hello["lease_id"] = self._keeper.lease.id if self._keeper is not None else 0
+        return hello
+
     def _setup(self, welcome: Message) -> None:
         self.job_id = str(welcome["job_id"])
+        if welcome.get("store"):
+            self._register(str(welcome["store"]), float(welcome["lease_ttl_s"]))
+            self.reconnect_s = float(welcome.get("reconnect_s", 30.0))
         self._lock = hold_lock(self.shm_dir, local_store_id(self.job_id, self.spec.node), self.job_dir)
         self.num_slots = int(welcome.get("num_slots", 2))
         env = dict(self.base_env)
@@ -217,12 +233,41 @@ class NodeAgent:
         except (ControlError, OSError, ValueError):
             self._inbox.put(None)
 
+    def _register(self, url: str, ttl: float) -> None:
+        """Store mode: hold this node's liveness key with its own lease (runtime/jobstore.py)."""
+        self._store = open_store(url, secret=self.secret.decode())
+        assert self.data is not None
+        self._keeper = JobStore(self._store, self.job_id).register_node(self.spec.node, self.data.addr, ttl)
+        self._send({"t": "registered", "lease_id": self._keeper.lease.id})
+
     def _send(self, msg: Message) -> None:
-        if self._chan is not None:
+        chan = self._chan
+        if chan is not None and not chan.closed:
             try:
-                self._chan.send(msg)
+                chan.send(msg)
+                return
             except ControlError:
                 pass
+        if self._keeper is not None and msg.get("t") == "exit":
+            self._outbox.append(msg)  # the restarted coordinator must learn of it
+
+    def _reconnect(self) -> bool:
+        """Store mode: try once to reach the (restarted) coordinator; True when back."""
+        try:
+            chan = connect(self.coordinator, self.secret, self._hello(resume=True), timeout=1.0)
+            welcome = chan.recv()
+        except (ControlError, OSError, ValueError):
+            return False
+        if welcome.get("t") != "welcome":
+            chan.close()
+            raise NonstopError(f"the coordinator refused node {self.spec.node}: {welcome.get('error')}")
+        self._chan = chan
+        threading.Thread(target=self._reader, name="nonstop-agent-reader", daemon=True).start()
+        pending, self._outbox = self._outbox, []
+        for msg in pending:
+            self._send(msg)
+        log.info("node %s reconnected to the coordinator", self.spec.node)
+        return True
 
     def _loop(self, stop: threading.Event, ttl: float) -> int:
         assert self.agent is not None
@@ -231,9 +276,17 @@ class NodeAgent:
         sent_at: dict[int, float] = {}
         acked_sent_at = time.monotonic()
         next_renew = 0.0
+        away_since: float | None = None  # store mode: when the coordinator connection dropped
+        next_try = 0.0
         while not stop.is_set():
             now = time.monotonic()
-            if now >= next_renew:
+            if away_since is not None and now >= next_try:
+                next_try = now + RECONNECT_EVERY_S
+                if self._reconnect():
+                    away_since = None
+                elif now - away_since > self.reconnect_s:
+                    return self._fence(f"no coordinator for {now - away_since:.1f}s (--reconnect)")
+            if now >= next_renew and away_since is None:
                 seq += 1
                 sent_at[seq] = now
                 self._send({"t": "lease", "seq": seq})
@@ -252,35 +305,56 @@ class NodeAgent:
             else:
                 empty = False
             while not empty:
-                if msg is None:
+                if msg is None and self._keeper is not None:
+                    # Store mode: the coordinator may be restarting. This node's right to play
+                    # its ranks is its lease in the store, checked below, not this connection.
+                    log.warning("node %s: lost the coordinator; reconnecting", self.spec.node)
+                    away_since = away_since or time.monotonic()
+                elif msg is None:
                     return self._fence("lost the connection to the coordinator")
-                t = msg.get("t")
-                if t == "lease_ok":
+                elif msg.get("t") == "lease_ok":
                     acked_sent_at = max(acked_sent_at, sent_at.pop(int(msg["seq"]), acked_sent_at))
                     for old in [k for k in sent_at if k < int(msg["seq"])]:
                         del sent_at[old]
-                elif t == "spawn":
-                    sid = self.agent.spawn(str(msg["role"]), int(msg["spawn_id"]))
-                    self._send({"t": "spawned", "spawn_id": sid, "pid": self.agent.pid(sid)})
-                elif t == "kill":
-                    self.agent.kill(int(msg["spawn_id"]), int(msg.get("sig", signal.SIGKILL)))
-                elif t == "finish":
-                    self.agent.wait_all(10.0)
-                    return 1 if msg.get("failed") else 0
-                elif t == "fenced":
-                    return self._fence(str(msg.get("error", "fenced by the coordinator")))
-                elif t in ("inventory", "replicate", "fetch", "install_durable", "forget", "committed"):
-                    self._work.put(msg)
-                elif t == "persist":
-                    self._persist_work.put(msg)
+                else:
+                    code = self._on_command(msg)
+                    if code is not None:
+                        return code
                 try:
                     msg = self._inbox.get_nowait()
                 except queue.Empty:
                     break
             now = time.monotonic()
-            if now - acked_sent_at > FENCE_AT * ttl and not self.in_process:
+            keeper = self._keeper
+            if keeper is not None:
+                if keeper.lost.is_set():
+                    return self._fence(keeper.reason)
+                silent = now - keeper.last_ok_sent
+                if silent > FENCE_AT * keeper.lease.ttl:
+                    return self._fence(f"no lease refresh got through to the control store for {silent:.2f}s")
+            elif now - acked_sent_at > FENCE_AT * ttl and not self.in_process:
                 return self._fence(f"no lease renewal acknowledged for {now - acked_sent_at:.2f}s")
         return 0
+
+    def _on_command(self, msg: Message) -> int | None:
+        """Carry out one coordinator command; an exit code when the agent is to stop."""
+        assert self.agent is not None
+        t = msg.get("t")
+        if t == "spawn":
+            sid = self.agent.spawn(str(msg["role"]), int(msg["spawn_id"]))
+            self._send({"t": "spawned", "spawn_id": sid, "pid": self.agent.pid(sid)})
+        elif t == "kill":
+            self.agent.kill(int(msg["spawn_id"]), int(msg.get("sig", signal.SIGKILL)))
+        elif t == "finish":
+            self.agent.wait_all(10.0)
+            return 1 if msg.get("failed") else 0
+        elif t == "fenced":
+            return self._fence(str(msg.get("error", "fenced by the coordinator")))
+        elif t in ("inventory", "replicate", "fetch", "install_durable", "forget", "committed"):
+            self._work.put(msg)
+        elif t == "persist":
+            self._persist_work.put(msg)
+        return None
 
     def _fence(self, why: str) -> int:
         """Stop playing any rank: SIGKILL every process of the node, wait until they are gone,
@@ -307,6 +381,13 @@ class NodeAgent:
     def _shutdown(self) -> None:
         self._work.put(None)
         self._persist_work.put(None)
+        if self._keeper is not None:
+            try:  # a finished node ends its lease at once; a fenced one has lost it already
+                self._keeper.stop(revoke=self.fenced is None)
+            except ControlError:
+                pass
+        if self._store is not None:
+            self._store.close()
         if self.agent is not None:
             self.agent.shutdown()
         if self.data is not None:

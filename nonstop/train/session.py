@@ -108,6 +108,7 @@ class Session:
         self._fence_wait_s = 0.0
         self._faults = FaultInjector.from_json(env.faults_json, env.job_dir / "faults")
         hello = {"role": env.role, "spawn_id": env.spawn_id, "pid": os.getpid()}
+        self._done = False  # this rank reported its last step (a restarted coordinator asks)
         self._in_step = False
         self._can_interrupt = threading.current_thread() is threading.main_thread()
         if self._can_interrupt:
@@ -137,6 +138,35 @@ class Session:
 
     # -- channel threads -------------------------------------------------------------------
     def _reader(self) -> None:
+        while True:
+            self._read()
+            if self._closing or self.env.reconnect_s <= 0 or not self._reconnect():
+                # The coordinator is gone: nobody can recover this job; do not linger.
+                if not self._closing:
+                    os._exit(EXIT_COORDINATOR_LOST)
+                return
+
+    def _reconnect(self) -> bool:
+        """Store mode: the coordinator restarts; reach the new one (same address) within
+        ``reconnect_s``, telling it where this rank is. Training goes on meanwhile."""
+        deadline = time.monotonic() + self.env.reconnect_s
+        hello = {
+            "role": self.env.role,
+            "spawn_id": self.env.spawn_id,
+            "pid": os.getpid(),
+            "resume": {"gen": self.generation, "step": self._step, "done": self._done},
+        }
+        while time.monotonic() < deadline and not self._closing:
+            try:
+                self._chan = connect(self.env.control_addr, self.env.secret, hello, timeout=1.0)
+                log.info("reconnected to the coordinator")
+                return True
+            except (ControlError, OSError):
+                time.sleep(0.2)
+        return False
+
+    def _read(self) -> None:
+        """Deliver the coordinator's messages until the connection ends."""
         try:
             while True:
                 msg = self._chan.recv()
@@ -151,9 +181,7 @@ class Session:
                 if msg.get("t") == "reconfigure" and self._in_step and self._can_interrupt:
                     _thread.interrupt_main(signal.SIGUSR1)
         except (ControlError, OSError, ValueError):
-            if not self._closing:
-                # The coordinator is gone: nobody can recover this job; do not linger.
-                os._exit(EXIT_COORDINATOR_LOST)
+            return
 
     def _on_interrupt(self, _signum: int, _frame: object) -> None:
         if self._in_step:  # outside train_step the loop sees the message between steps
@@ -167,11 +195,17 @@ class Session:
             try:
                 self._chan.send({"t": "hb", "coll": since is not None, "step": self._step})
             except ControlError:
-                return
+                if self.env.reconnect_s <= 0:
+                    return  # the reader ends the process
             time.sleep(interval)
 
     def _send(self, msg: Message) -> None:
-        self._chan.send(msg)
+        try:
+            self._chan.send(msg)
+        except ControlError:
+            if self.env.reconnect_s <= 0:
+                raise
+            # store mode: the coordinator is restarting; the reconnect tells it where we are
 
     def _wait_for(self, *kinds: str) -> Message:
         while True:
@@ -259,6 +293,7 @@ class Session:
                         else:
                             snap.on_complete(functools.partial(self._send_quietly, report))
                     self._drain(store)  # the last snapshot is complete before we report done
+                    self._done = True
                     self._send({"t": "done", "gen": self.generation, "step": self._step})
                     reply = self._wait_for("finish", "reconfigure")
                     if reply["t"] == "finish":
