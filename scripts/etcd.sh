@@ -2,7 +2,7 @@
 # A local single-member etcd for nonstop's control store (etcd://127.0.0.1:PORT).
 #   scripts/etcd.sh [install]                             install etcd + etcdctl (apt) unless on PATH
 #   scripts/etcd.sh start DATA_DIR PORT SECRET_FILE [PEER_PORT]
-#       start etcd bound to 127.0.0.1:PORT (peers on 127.0.0.1:PEER_PORT, default a free port),
+#       start etcd bound to 127.0.0.1:PORT (or $ETCD_HOST:PORT; peers on PEER_PORT, default a free port),
 #       wait until it answers, make sure auth is on with user root and the password in
 #       SECRET_FILE (first line), then print its pid. Data, log and pid file live in DATA_DIR;
 #       starting again on the same DATA_DIR keeps the data and checks the password.
@@ -82,7 +82,8 @@ start() {
   alive "$dir" && die "an etcd (pid $(cat "$dir/etcd.pid")) is already running on $dir; stop it first"
   local fresh=1
   [ -d "$dir/data/member" ] && fresh=0
-  local client="http://127.0.0.1:$port" peer_url="http://127.0.0.1:$peer"
+  local host=${ETCD_HOST:-127.0.0.1}  # where it binds: explicit, loopback unless told otherwise
+  local client="http://$host:$port" peer_url="http://$host:$peer"
   nohup etcd --name nonstop --data-dir "$dir/data" \
     --listen-client-urls "$client" --advertise-client-urls "$client" \
     --listen-peer-urls "$peer_url" --initial-advertise-peer-urls "$peer_url" \
