@@ -93,6 +93,24 @@ def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
     os.replace(tmp, path)
 
 
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The demo workload's flags, the same for every contender."""
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--model", choices=sorted(PRESETS), default="small")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step (as the demo)")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def build_workload(args: argparse.Namespace) -> tuple[Any, GPT, torch.optim.Optimizer, MarkovCorpus]:
+    """(model config, model, AdamW, data) exactly as ``nonstop.demo.train`` builds them."""
+    cfg = PRESETS[args.model]
+    torch.manual_seed(args.seed)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    return cfg, model, opt, MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=25)
@@ -113,11 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     ev.emit("start", ts=process_start_time())
     ev.emit("imported")
 
-    cfg = PRESETS[args.model]
-    torch.manual_seed(args.seed)
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
+    cfg, model, opt, corpus = build_workload(args)
     ev.emit("built")
 
     dist.init_process_group("gloo")  # env:// rendezvous from torchrun's variables

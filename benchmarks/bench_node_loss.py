@@ -47,6 +47,8 @@ from bench_mttr import machine_info, summarize  # noqa: E402  (a sibling script)
 from nonstop.config import JobConfig  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402
 from nonstop.runtime.eventlog import read_events  # noqa: E402
+from nonstop.runtime.gc import collect_garbage  # noqa: E402
+from nonstop.runtime.launcher import default_shm_dir  # noqa: E402
 from nonstop.runtime.localnodes import run_local_nodes  # noqa: E402
 
 
@@ -73,6 +75,7 @@ def one_run(args: argparse.Namespace, nnodes: int, nproc: int, run_dir: Path) ->
         script_extra=("--step-delay", str(args.step_delay)) if args.step_delay else (),
     )
     result = run_local_nodes(cfg, redirect_output=True)
+    collect_garbage(default_shm_dir())  # the SIGKILLed node could not free its memory
     events = read_events(run_dir / "events.jsonl")
     rep = result.replication
     lag = [
