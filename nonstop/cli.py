@@ -224,6 +224,20 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--no-verify", action="store_true", help="skip reading every chunk")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
 
+    timeline = sub.add_parser(
+        "timeline", help="draw a job's event log: ranks, failures, recovery stages, nodes, tiers"
+    )
+    timeline.add_argument(
+        "path", nargs="?", type=Path, default=Path(".nonstop/job"), help="a job dir or its events.jsonl"
+    )
+    timeline.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="picture to write: .png, .svg or .pdf (default JOB_DIR/timeline.png)",
+    )
+    timeline.add_argument("--text-only", action="store_true", help="print the summary, draw nothing")
+
     gc = sub.add_parser("gc", help="remove shared memory and processes left by crashed jobs")
     gc.add_argument("--dry-run", action="store_true")
     return ap
@@ -317,6 +331,16 @@ def _dispatch(ns: argparse.Namespace) -> int:
 
         report = DurableStore(ns.url).describe(verify=not ns.no_verify)
         print(json.dumps(report, indent=2) if ns.json else format_inspect(report))
+        return 0
+    if ns.cmd == "timeline":
+        from nonstop.runtime.timeline import load_timeline, render_timeline, timeline_text
+
+        tl = load_timeline(ns.path)
+        print(timeline_text(tl))
+        if not ns.text_only:
+            where = ns.path if ns.path.is_dir() else ns.path.parent
+            out = render_timeline(tl, ns.out or where / "timeline.png")
+            print(f"nonstop: timeline drawn to {out}")
         return 0
     if ns.cmd == "gc":
         from nonstop.runtime.gc import collect_garbage

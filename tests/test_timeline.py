@@ -1,0 +1,406 @@
+"""`nonstop timeline`: the event log as a data model, a text summary and a picture."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nonstop.errors import UsageError
+from nonstop.runtime.timeline import (
+    STAGE_ORDER,
+    Timeline,
+    build_timeline,
+    load_events,
+    load_timeline,
+    render_timeline,
+    timeline_text,
+)
+
+T0 = 1_700_000_000.0
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# a recovery's stage seconds, in the order the coordinator reports them
+STAGES = {"plan": 0.01, "launch": 0.02, "restore": 0.2, "rebuild": 0.05, "resume": 0.4}
+
+
+class Log:
+    """Synthetic event logs shaped like the coordinator's (runtime/coordinator.py)."""
+
+    def __init__(self, nodes: int = 1, per_node: int = 3, spares: int = 1, start: float = 5.0) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.world = nodes * per_node
+        self.gen = 0
+        self.next_sid = 0
+        self.members: dict[int, int] = {}
+        self.rank_node: dict[int, str] = {}
+        self.spares: dict[str, list[int]] = {}
+        self.add(0.0, "job_start", job_id="abc123", nnodes=nodes, nproc=per_node, spares=spares)
+        names = [str(i) for i in range(nodes)]
+        for n in names:
+            self.add(0.01, "node_join", node=n, rejoin=False)
+        self.add(0.02, "nodes_joined", nodes=names)
+        for i, n in enumerate(names):
+            for r in range(i * per_node, (i + 1) * per_node):
+                self.members[r] = self.spawn(0.03, "worker", r, n)
+                self.rank_node[r] = n
+            self.spares[n] = [self.spawn(0.03, "spare", None, n) for _ in range(spares)]
+        self.generation(start, cause=[])
+
+    def add(self, t: float, event: str, **fields: Any) -> Log:
+        self.events.append({"ts": T0 + t, "event": event, **fields})
+        return self
+
+    def spawn(self, t: float, role: str, rank: int | None, node: str) -> int:
+        sid = self.next_sid
+        self.next_sid += 1
+        self.add(t, "spawn", spawn_id=sid, role=role, rank=rank, node=node)
+        return sid
+
+    def generation(self, t: float, cause: list[int], restore_step: int | None = None) -> float:
+        """A generation at ``t`` with its stage events; returns when its 'resume' stage ends."""
+        self.gen += 1
+        self.add(
+            t,
+            "generation",
+            generation=self.gen,
+            restore_step=restore_step,
+            tier="memory",
+            members={str(k): v for k, v in sorted(self.members.items())},
+            nodes={str(k): self.rank_node[k] for k in sorted(self.members)},
+            cause=cause,
+        )
+        now = t
+        for stage in ("launch", "restore", "rebuild", "resume"):
+            now += STAGES[stage]
+            self.add(now, "stage", generation=self.gen, stage=stage, seconds=STAGES[stage])
+        return now
+
+    def fail(
+        self, t: float, ranks: list[int], kind: str = "kill", step: int = 10, detect: float = 0.1
+    ) -> float:
+        """``ranks`` fail at ``t`` (one reconfiguration repairs them); returns when it is done."""
+        for r in ranks:
+            self.add(t, "fault_injected", rank=r, step=step, kind=kind, spawn_id=self.members[r])
+        for r in ranks:
+            self.add(
+                t + detect, "failure", kind=kind, rank=r, spawn_id=self.members[r], detail=kind, step=step,
+                detect_s=detect,
+            )  # fmt: skip
+        for r in ranks:
+            node = self.rank_node[r]
+            pool = self.spares.get(node) if kind != "node" else None
+            pool = pool or next(p for n, p in self.spares.items() if p and n != node)
+            self.members[r] = pool.pop(0)
+            self.rank_node[r] = next(n for n, p in self.spares.items() if p is pool)
+        plan_end = t + detect + STAGES["plan"]
+        done = self.generation(plan_end, cause=ranks, restore_step=step)
+        for r in ranks:
+            stages = {"detect": detect, "replan": 0.0, **STAGES}
+            self.add(
+                done, "recovery", kind=kind, rank=r, step=step, detail=kind, detect_s=detect, stages=stages,
+                training_again_s=done - STAGES["resume"] - t, mttr_s=done - t, lost_steps=1,
+                restore_step=step, replacement="spare", generation=self.gen,
+            )  # fmt: skip
+        for r in ranks:
+            node = self.rank_node[r]
+            self.spares[node].append(self.spawn(done, "spare", None, node))
+        return done
+
+    def end(self, t: float, state: str = "done") -> Log:
+        self.add(t, "finish", step=100, generation=self.gen)
+        self.add(t + 0.5, "job_done", generation=self.gen)
+        self.add(t + 1.0, "job_end", state=state, seconds=t + 1.0, generation=self.gen, error=None)
+        return self
+
+
+def _ranks(tl: Timeline, rank: int, phase: str = "train") -> list[Any]:
+    return [i for i in tl.intervals if i.rank == rank and i.phase == phase]
+
+
+# -- the model ----------------------------------------------------------------------------------------
+def test_intervals_split_at_recoveries() -> None:
+    log = Log()
+    done = log.fail(10.0, [1])
+    tl = build_timeline(log.end(20.0).events)
+    assert (tl.job_id, tl.world_size, tl.nodes, tl.outcome) == ("abc123", 3, ("0",), "done")
+    start = 5.0 + STAGES["launch"] + STAGES["restore"] + STAGES["rebuild"]  # g1 trains after rebuild
+    old, new = _ranks(tl, 1)
+    assert (old.spawn_id, old.generation, old.end_reason) == (1, 1, "kill")
+    assert (old.start, old.end) == pytest.approx((start, 10.0))  # failed at the fault, not the detection
+    assert (new.spawn_id, new.generation, new.end_reason) == (3, 2, "finish")
+    assert new.end == pytest.approx(20.0)
+    assert new.start == pytest.approx(done - STAGES["resume"])  # trains again when rebuild ends
+    a, b = _ranks(tl, 0)  # a survivor: same process, training stops for the recovery
+    assert a.spawn_id == b.spawn_id == 0
+    assert a.end == pytest.approx(10.1) and a.end_reason == "recovery"  # stopped at the detection
+    assert b.start > a.end
+    (starting,) = _ranks(tl, 0, "start")  # spawned at 0.03, trains from g1
+    assert starting.start == pytest.approx(0.03) and starting.end == pytest.approx(start)
+    assert [g.number for g in tl.generations] == [1, 2]
+    assert tl.generations[1].cause == (1,) and tl.generations[1].members[1] == 3
+    (f,) = tl.failures
+    assert (f.kind, f.rank, f.step, f.node) == ("kill", 1, 10, "0") and f.t == pytest.approx(10.0)
+    assert f.detected == pytest.approx(10.1)
+
+
+def test_recovery_stages_are_laid_end_to_end_and_sum_to_mttr() -> None:
+    log = Log()
+    done = log.fail(10.0, [2], kind="hang", detect=1.0)
+    tl = build_timeline(log.end(20.0).events)
+    (r,) = tl.recoveries
+    assert r.complete and (r.kind, r.rank, r.generation, r.lost_steps) == ("hang", 2, 2, 1)
+    assert [s.stage for s in r.stages] == list(STAGE_ORDER)
+    assert r.start == pytest.approx(10.0) and r.end == pytest.approx(done)
+    assert sum(r.stage_seconds.values()) == pytest.approx(r.mttr_s)
+    for a, b in zip(r.stages, r.stages[1:], strict=False):
+        assert a.end == pytest.approx(b.start)
+    assert r.stage_seconds["detect"] == pytest.approx(1.0)
+    assert r.stage_seconds["restore"] == pytest.approx(STAGES["restore"])
+    text = timeline_text(tl)
+    assert "hang rank 2" in text and "restore 200ms" in text and "MTTR 1.68s" in text
+    assert text.splitlines()[0].startswith(
+        "job abc123: 3 ranks on 1 node, done after 21.0s; 1 failure (1 hang)"
+    )
+
+
+def test_failures_repaired_together_share_lost_steps_and_a_node_loss_ends_the_node() -> None:
+    log = Log(nodes=3, per_node=2)
+    log.add(14.9, "node_lost", node="1", reason="lease expired", quarantined=False)
+    log.fail(14.9, [2, 3], kind="node", detect=0.0)
+    log.add(30.0, "coordinator_resumed", address="x", generation=2, state="running", nodes=[], lost=[])
+    log.add(31.0, "replicated", step=40, seconds=0.1)
+    log.add(32.0, "persist", step=40, raw_bytes=1, stored_bytes=1, seconds=0.2, full=True)
+    log.add(33.0, "restore_from_durable", step=40, url="file:///x", seconds=1.5)
+    tl = build_timeline(log.end(40.0).events)
+    assert tl.nodes == ("0", "1", "2") and tl.world_size == 6
+    assert len(tl.failures) == 2 and {f.node for f in tl.failures} == {"1"}
+    assert len(tl.recoveries) == 2 and {r.generation for r in tl.recoveries} == {2}
+    assert tl.lost_steps == 1  # one reconfiguration, not one per failure
+    for rank in (2, 3):
+        old, new = _ranks(tl, rank)
+        assert old.end == pytest.approx(14.9) and old.end_reason == "node" and old.node == "1"
+        assert new.node != "1"  # replaced by a spare on another node
+    spans = {s.node: s for s in tl.node_spans}
+    assert spans["1"].end == pytest.approx(14.9) and spans["1"].end_reason == "lost"
+    assert spans["0"].end == pytest.approx(41.0)
+    (lost,) = [m for m in tl.node_marks if m.kind == "lost"]
+    assert (lost.node, lost.detail) == ("1", "lease expired")
+    (coord,) = tl.coordinator_marks
+    assert (coord.kind, coord.detail) == ("resumed", "g2")
+    assert [(m.kind, m.step) for m in tl.tier_marks] == [
+        ("replicated", 40),
+        ("persist", 40),
+        ("restore_durable", 40),
+    ]
+    text = timeline_text(tl)
+    assert "node      1 lost: lease expired" in text and "coordinator restarted, resumed g2" in text
+    assert "restored step 40 from the durable tier" in text
+
+
+def test_unknown_events_are_kept() -> None:
+    log = Log()
+    log.add(8.0, "migration_start", rank=1, stage="copy", to_node="1")
+    log.add(8.5, "migration_done", rank=1, stage="switch")
+    log.add(9.0, "something_new", detail={"x": 1})
+    tl = build_timeline(log.end(12.0).events)
+    assert [(o.event, o.rank, o.stage) for o in tl.other] == [
+        ("migration_start", 1, "copy"),
+        ("migration_done", 1, "switch"),
+        ("something_new", None, None),
+    ]
+    assert tl.other[0].t == pytest.approx(8.0) and tl.other[0].fields["to_node"] == "1"
+
+
+def test_a_reused_job_dir_shows_its_last_job() -> None:
+    first = Log().end(12.0).events
+    second = Log()
+    second.fail(10.0, [2])
+    second.add(15.0, "job_start", job_id="abc123")  # a restarted coordinator: the same job
+    second.add(15.1, "coordinator_resumed", generation=2)
+    later = [{**e, "ts": e["ts"] + 100.0} for e in second.end(20.0).events]
+    for e in later:
+        if e["event"] == "job_start":
+            e["job_id"] = "def456"
+    leads = {"ts": T0 + 99.0, "event": "coordinator_leads", "address": "x"}  # before its job_start
+    tl = build_timeline([*first, leads, *later])
+    assert (tl.job_id, tl.earlier_jobs) == ("def456", 1) and tl.begin == pytest.approx(-1.0)
+    assert len(tl.failures) == 1 and [m.kind for m in tl.coordinator_marks] == ["leads", "resumed"]
+    assert tl.end == pytest.approx(21.0) and tl.outcome == "done"
+    assert "(the log's last job; 1 earlier)" in timeline_text(tl)
+    killed = [e for e in first if e["event"] != "job_end"]  # no job_end: cut at the next job_start
+    assert build_timeline([*killed, leads, *later]).begin == 0.0
+
+
+def test_empty_log() -> None:
+    tl = build_timeline([])
+    assert tl == Timeline() and tl.ranks == () and tl.lost_steps == 0
+    assert timeline_text(tl).startswith("job ?: 0 ranks")
+
+
+def test_partial_log_of_a_job_killed_mid_recovery() -> None:
+    log = Log()
+    log.fail(10.0, [1])
+    events = log.end(20.0).events
+    cut = next(i for i, e in enumerate(events) if e["event"] == "stage" and e["generation"] == 2) + 2
+    tl = build_timeline(events[:cut])  # g2 launched and restored, then the log stops
+    assert tl.outcome is None and tl.end == pytest.approx(10.1 + 0.01 + 0.02 + 0.2)
+    (r,) = tl.recoveries
+    assert not r.complete and r.mttr_s is None and r.rank == 1 and r.generation == 2
+    assert [s.stage for s in r.stages] == ["detect", "plan", "launch", "restore"]
+    assert r.end == pytest.approx(tl.end)
+    assert all(i.end <= tl.end for i in tl.intervals)
+    assert "| unfinished" in timeline_text(tl) and "no job_end" in timeline_text(tl)
+    for n in range(len(events) + 1):  # every prefix of a log is a valid log
+        timeline_text(build_timeline(events[:n]))
+
+
+def test_failure_of_a_starting_job_is_not_an_unfinished_recovery() -> None:
+    log = Log()
+    log.add(3.0, "failure", kind="exit", rank=0, spawn_id=0, detail="exit code 1", step=0, detect_s=None)
+    tl = build_timeline(log.end(10.0).events)  # the coordinator just starts it again; g1 trains
+    assert len(tl.failures) == 1 and tl.recoveries == ()
+    (starting,) = _ranks(tl, 0, "start")
+    assert starting.end == pytest.approx(3.0) and starting.end_reason == "exit"
+
+
+def test_failed_job() -> None:
+    log = Log(nodes=2, per_node=1, spares=0)
+    log.add(9.0, "failure", kind="node", rank=1, spawn_id=1, detail="node 1 lost", step=3, detect_s=None)
+    log.add(9.5, "job_failed", error="no step is snapshotted for every rank")
+    log.add(10.0, "job_end", state="failed", error="no step is snapshotted for every rank")
+    tl = build_timeline(log.events)
+    assert tl.outcome == "failed" and tl.error == "no step is snapshotted for every rank"
+    assert tl.failed_at == pytest.approx(9.5)
+    (r,) = tl.recoveries
+    assert not r.complete and r.end == pytest.approx(9.5)
+    assert {i.end_reason for i in _ranks(tl, 0)} == {"recovery"}
+    assert "failed: no step is snapshotted" in timeline_text(tl)
+
+
+# -- reading ------------------------------------------------------------------------------------------
+def test_load_finds_the_log_in_a_job_dir_and_drops_a_torn_last_line(tmp_path: Path) -> None:
+    events = Log().end(12.0).events
+    text = "".join(json.dumps(e) + "\n" for e in events)
+    (tmp_path / "job" / "run").mkdir(parents=True)
+    (tmp_path / "job" / "run" / "events.jsonl").write_text(text + '{"ts": 1700000013.0, "event": "fini')
+    assert load_events(tmp_path / "job") == events  # a demo's job dir: <dir>/run/events.jsonl
+    (tmp_path / "job" / "events.jsonl").write_text(text)
+    assert load_timeline(tmp_path / "job").outcome == "done"
+    assert load_events(tmp_path / "job" / "events.jsonl") == events
+    (tmp_path / "empty.jsonl").write_text("")
+    assert load_timeline(tmp_path / "empty.jsonl") == Timeline()
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (None, "does not exist"),
+        ("dir", "no events.jsonl"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", "not UTF-8"),
+        ("hello\nworld\n", "line 1 is not JSON"),
+        ('{"a": 1}\n{"b": 2}\n', "entry 1 has no 'ts' and 'event'"),
+        ("[1, 2]\n", "entry 1 has no"),
+        ('{"ts": 1, "event": "x"}\nnot json\n{"ts": 2, "event": "y"}\n', "line 2 is not JSON"),
+    ],
+)
+def test_load_rejects_what_is_not_an_event_log(tmp_path: Path, content: str | bytes | None, why: str) -> None:
+    path = tmp_path / "events.jsonl"
+    if content == "dir":
+        path = tmp_path
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(UsageError, match=why):
+        load_timeline(path)
+
+
+# -- pictures -----------------------------------------------------------------------------------------
+def _check_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def _check_svg(path: Path) -> None:
+    root = ET.parse(path).getroot()
+    assert root.tag.endswith("svg")
+
+
+def test_render_synthetic_logs(tmp_path: Path) -> None:
+    log = Log(nodes=2, per_node=2)
+    log.fail(10.0, [1])
+    log.fail(20.0, [3], kind="hang", detect=1.0)
+    log.add(25.0, "migration_start", rank=0, stage="copy")
+    log.add(26.0, "persist", step=30, seconds=0.3)
+    tl = build_timeline(log.end(40.0).events)
+    render_timeline(tl, tmp_path / "a.png")
+    _check_png(tmp_path / "a.png")
+    render_timeline(tl, tmp_path / "sub" / "a.svg")
+    _check_svg(tmp_path / "sub" / "a.svg")
+    render_timeline(build_timeline([]), tmp_path / "empty.png")
+    _check_png(tmp_path / "empty.png")
+    with pytest.raises(UsageError, match=r"ending in \.png"):
+        render_timeline(tl, tmp_path / "a.jpg")
+
+
+def test_render_a_long_job_with_many_ranks(tmp_path: Path) -> None:
+    """Ten minutes, 32 ranks on 8 nodes, a failure a minute, replication every second."""
+    log = Log(nodes=8, per_node=4, start=20.0)
+    for i in range(1, 10):
+        t = 60.0 * i
+        if i == 5:
+            log.add(t, "node_lost", node="5", reason="its agent's connection closed")
+            log.fail(t, [20, 21, 22, 23], kind="node", step=500, detect=0.2)
+        else:
+            log.fail(t, [(7 * i) % 32], kind=("kill", "hang", "exit", "error")[i % 4], step=100 * i)
+    for s in range(25, 600):
+        log.add(float(s) + 0.5, "replicated", step=s)
+    tl = build_timeline(log.end(600.0).events)
+    assert len(tl.failures) == 12 and len(tl.recoveries) == 12 and tl.lost_steps == 9
+    assert {i.node for i in tl.intervals if i.rank in (20, 21, 22, 23) and i.start > 300} <= {
+        "0",
+        "1",
+        "2",
+        "3",
+    }
+    render_timeline(tl, tmp_path / "long.png")
+    _check_png(tmp_path / "long.png")
+
+
+@pytest.mark.slow
+def test_render_the_log_of_a_real_job(tmp_path: Path) -> None:
+    from tests.conftest import run_demo_job
+
+    run = run_demo_job(tmp_path / "job", faults=("kill:rank=1,step=5",))
+    tl = load_timeline(tmp_path / "job")
+    assert tl.outcome == "done" and tl.world_size == 3 and tl.job_id == run.job_id
+    (f,) = tl.failures
+    assert (f.kind, f.rank) == ("kill", 1)
+    (r,) = tl.recoveries
+    assert r.complete and r.rank == 1 and r.mttr_s is not None and r.mttr_s > 0
+    assert sum(r.stage_seconds.values()) == pytest.approx(r.mttr_s, abs=1e-6)
+    assert len({i.spawn_id for i in tl.intervals if i.rank == 1 and i.phase == "train"}) == 2
+    assert "kill rank 1" in timeline_text(tl)
+    render_timeline(tl, tmp_path / "t.png")
+    render_timeline(tl, tmp_path / "t.svg")
+    _check_png(tmp_path / "t.png")
+    _check_svg(tmp_path / "t.svg")
+
+
+def test_cli_draws_a_job_dirs_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nonstop.cli import main
+
+    log = Log(nodes=2, per_node=1)
+    log.fail(10.0, [1])
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log.end(20.0).events))
+    assert main(["timeline", str(job)]) == 0
+    out = capsys.readouterr().out
+    assert "recovery" in out and str(job / "timeline.png") in out
+    _check_png(job / "timeline.png")
+    assert main(["timeline", str(job / "events.jsonl"), "--text-only"]) == 0
+    assert main(["timeline", str(tmp_path / "nowhere")]) == 2  # a clear one-line error
+    assert "nonstop: error:" in capsys.readouterr().err
