@@ -219,6 +219,23 @@ def _parser() -> argparse.ArgumentParser:
     persist.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
     persist.add_argument("--timeout", type=float, default=300.0)
 
+    status = sub.add_parser("status", help="a running job: ranks, nodes, spares, steps, tiers, migration")
+    status.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+
+    migrate = sub.add_parser("migrate", help="move a rank of a running job live to another node")
+    migrate.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
+    migrate.add_argument("--rank", type=int, required=True)
+    migrate.add_argument(
+        "--to", default=None, metavar="NODE", help="target node (default: the policy's choice)"
+    )
+    migrate.add_argument("--timeout", type=float, default=300.0)
+
+    drain = sub.add_parser("drain", help="move every rank off a node of a running job (maintenance)")
+    drain.add_argument("node", help="the node (its --node-rank)")
+    drain.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
+    drain.add_argument("--timeout", type=float, default=300.0)
+
     inspect = sub.add_parser("inspect", help="list the checkpoints at a durable URL and verify them")
     inspect.add_argument("url", help="a directory or fsspec URL (e.g. .nonstop/job/checkpoints)")
     inspect.add_argument("--no-verify", action="store_true", help="skip reading every chunk")
@@ -326,6 +343,34 @@ def _dispatch(ns: argparse.Namespace) -> int:
             f"({reply['stored_bytes']} bytes stored)"
         )
         return 0
+    if ns.cmd == "status":
+        from nonstop.runtime.client import request_status
+
+        st = request_status(ns.job_dir)
+        print(json.dumps(st, indent=2) if ns.json else _format_status(st))
+        return 0
+    if ns.cmd in ("migrate", "drain"):
+        from nonstop.runtime.client import request_migration
+
+        req: dict[str, object] = (
+            {"t": "migrate", "rank": ns.rank, "to": ns.to}
+            if ns.cmd == "migrate"
+            else {"t": "drain", "node": ns.node}
+        )
+        answers = request_migration(ns.job_dir, req, timeout=ns.timeout)
+        failed = 0
+        for a in answers:
+            if a.get("ok"):
+                ratio = a.get("pause_ratio")
+                print(
+                    f"nonstop: rank {a['rank']} moved {a.get('source')} -> {a.get('target')} at step "
+                    f"{a.get('boundary')}"
+                    + (f", longest step gap {ratio:.2f}x the median step" if ratio else "")
+                )
+            else:
+                failed += 1
+                print(f"nonstop: rank {a.get('rank', '?')} not moved: {a.get('error')}", file=sys.stderr)
+        return 1 if failed or not answers else 0
     if ns.cmd == "inspect":
         from nonstop.snapshot.durable import DurableStore, format_inspect
 
@@ -358,3 +403,37 @@ def _dispatch(ns: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _format_status(st: dict[str, object]) -> str:
+    """``nonstop status`` for a person: one line for the job, one per node, one per rank."""
+    lines = [
+        f"job {st.get('job_id')}: {st.get('state')}, generation {st.get('generation')}, "
+        f"{st.get('world_size')} ranks, {st.get('failures')} failure(s); store {st.get('store')}",
+        f"steps: committed {st.get('committed_step')}, replicated {st.get('replicated_step')}, "
+        f"durable {st.get('durable_step')} ({st.get('durable_url')})",
+    ]
+    nodes = st.get("nodes")
+    if isinstance(nodes, dict):
+        for name, n in nodes.items():
+            what = "alive" if n["alive"] else ("quarantined" if n["quarantined"] else "lost")
+            lines.append(
+                f"node {name} [{n['domain']}]: {what}, ranks {n['ranks']}, {n['idle_spares']} idle spare(s), "
+                f"{n['failures']} failure(s)"
+            )
+    ranks = st.get("ranks")
+    if isinstance(ranks, dict):
+        for r, info in ranks.items():
+            lines.append(
+                f"rank {r}: node {info['node']}, spawn {info['spawn_id']}, pid {info['pid']}, "
+                f"step {info['step']}"
+            )
+    m = st.get("migration")
+    if isinstance(m, dict):
+        lines.append(
+            f"migration: rank {m['rank']} {m['source']} -> {m['target']}, {m['phase']}"
+            + (f" at step {m['boundary']}" if m.get("boundary") is not None else "")
+        )
+    if st.get("queued_migrations"):
+        lines.append(f"queued migrations: ranks {st['queued_migrations']}")
+    return "\n".join(lines)

@@ -14,6 +14,9 @@ A fault spec is ``KIND:key=value,...``:
                                     memory, with the replicas it held, is gone with them)
 * ``slow:rank=R,step=S,seconds=X``  a straggler: the rank computes X seconds longer in step S
                                     (interruptibly, in 10 ms slices, like a real step)
+* ``migrate:rank=R,step=S[,to=I]``  not a fault: when rank R starts step S it asks the coordinator
+                                    to move it live to node I (default: the policy's choice);
+                                    training goes on (``nonstop migrate`` from a script)
 * any of them with ``at=recovery``  fire instead the first time rank R is asked to
   restore to a step >= S during a recovery (a failure *during* recovery)
 
@@ -36,7 +39,7 @@ from nonstop.errors import UsageError
 
 __all__ = ["FaultInjector", "FaultSpec", "fired_at", "parse_fault"]
 
-KINDS = ("kill", "hang", "stall", "exit", "slow", "wipe", "node")
+KINDS = ("kill", "hang", "stall", "exit", "slow", "wipe", "node", "migrate")
 PHASES = ("step", "recovery")
 
 
@@ -49,12 +52,14 @@ class FaultSpec:
     seconds: float = 0.0
     at: str = "step"
     node: int = -1  # for kind "node"
+    to: int = -1  # for kind "migrate": the target node (-1: the coordinator chooses)
 
     def to_text(self) -> str:
         if self.kind == "node":
             return f"node:node={self.node},step={self.step}" + (f",at={self.at}" if self.at != "step" else "")
         extra = f",code={self.code}" if self.kind == "exit" else ""
         extra += f",seconds={self.seconds:g}" if self.kind == "slow" else ""
+        extra += f",to={self.to}" if self.kind == "migrate" and self.to >= 0 else ""
         at = f",at={self.at}" if self.at != "step" else ""
         return f"{self.kind}:rank={self.rank},step={self.step}{extra}{at}"
 
@@ -63,7 +68,7 @@ def parse_fault(text: str) -> FaultSpec:
     """Parse a fault spec; raise UsageError with the expected syntax if it is bad."""
     usage = (
         "expected kill:rank=R,step=S | hang:rank=R,step=S | exit:rank=R,step=S,code=C | node:node=I,step=S "
-        "(optionally ,at=recovery)"
+        "| migrate:rank=R,step=S[,to=I] (optionally ,at=recovery)"
     )
     kind, sep, rest = text.partition(":")
     if not sep or kind not in KINDS:
@@ -77,6 +82,7 @@ def parse_fault(text: str) -> FaultSpec:
     who = "node" if kind == "node" else "rank"
     allowed = {who, "step", "at"} | ({"code"} if kind == "exit" else set())
     allowed |= {"seconds"} if kind == "slow" else set()
+    allowed |= {"to"} if kind == "migrate" else set()
     unknown = set(fields) - allowed
     required = {who, "step"} | ({"seconds"} if kind == "slow" else set())
     if unknown or not required <= set(fields):
@@ -86,6 +92,7 @@ def parse_fault(text: str) -> FaultSpec:
         node = int(fields.get("node", "-1"))
         code = int(fields.get("code", "1"))
         seconds = float(fields.get("seconds", "0"))
+        to = int(fields.get("to", "-1"))
     except ValueError:
         raise UsageError(
             f"bad fault spec {text!r}: rank, step and code must be integers, seconds a number"
@@ -103,7 +110,7 @@ def parse_fault(text: str) -> FaultSpec:
             f"bad fault spec {text!r}: rank, node, step >= 0, code in 0..255, seconds in 0..3600, "
             "at=step|recovery"
         )
-    return FaultSpec(kind=kind, rank=rank, step=step, code=code, seconds=seconds, at=at, node=node)
+    return FaultSpec(kind=kind, rank=rank, step=step, code=code, seconds=seconds, at=at, node=node, to=to)
 
 
 def fired_at(marker_dir: Path, pid: int) -> float | None:

@@ -47,6 +47,7 @@ from nonstop.faults import fired_at
 from nonstop.runtime.detector import FailureDetector, WorkerRecord
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.jobstore import JobStore
+from nonstop.runtime.migration import Migration, MigrationPhase, boundary_step, choose_joiner, choose_target
 from nonstop.runtime.persistence import ClusterPersister
 from nonstop.runtime.policy import (
     FailureKind,
@@ -202,6 +203,12 @@ class Coordinator:
         self._awaiting: dict[str, float] = {}  # restored nodes not reconnected yet -> since
         self._resync = False  # restored mid-recovery: start a new generation once nodes are back
         self._last_sid = -1  # spawn ids are never reused, across coordinator restarts too
+        # live migration (runtime/migration.py): the one in progress, the queue, who asked
+        self.migration: Migration | None = None
+        self._migrate_queue: list[tuple[int, str | None, str]] = []  # (rank, target or None, reason)
+        self._migrate_clients: dict[int, list[Channel]] = {}  # rank -> clients waiting for it
+        self._step_at: dict[int, tuple[int, float]] = {}  # rank -> (step, when its report arrived)
+        self.migrations_done: list[dict[str, Any]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -225,6 +232,7 @@ class Coordinator:
             self._check_timeouts()
             self._replicate()
             self._persist()
+            self._migrate_tick()
             self._answer_clients()
         self._final_persist()
         for node in self.nodes.values():
@@ -531,6 +539,28 @@ class Coordinator:
 
     # -- workers -----------------------------------------------------------------------------------
     def _on_client(self, chan: Channel, msg: Message) -> None:
+        t = msg.get("t")
+        if t in ("migrate", "drain"):
+            if t == "migrate":
+                moves = [(int(msg["rank"]), None if msg.get("to") is None else str(msg["to"]))]
+            else:
+                node = str(msg["node"])
+                if node not in self.nodes:
+                    chan.send({"t": "migrated", "ok": False, "error": f"no node {node} in the job"})
+                    return
+                moves = [(r, None) for r, n in sorted(self.rank_node.items()) if n == node]
+            reason = "migrate" if t == "migrate" else "drain"
+            for rank, target in moves:
+                error = self.request_migration(rank, target, reason)
+                if error is not None:
+                    chan.send({"t": "migrated", "rank": rank, "ok": False, "error": error})
+                else:
+                    self._migrate_clients.setdefault(rank, []).append(chan)
+            chan.send({"t": "accepted", "ranks": [r for r, _ in moves]})
+            return
+        if t == "status":
+            chan.send({"t": "status", **self.status()})
+            return
         if msg.get("t") == "persist":
             if self.persister is None:
                 chan.send({"t": "persisted", "error": "this job has no durable tier on this node"})
@@ -538,6 +568,55 @@ class Coordinator:
             self.client_tickets.append((chan, self.persister.request()))
         else:
             chan.send({"t": "error", "error": f"unknown request {msg.get('t')!r}"})
+
+    def status(self) -> dict[str, Any]:
+        """What ``nonstop status`` shows (JSON types)."""
+        spares: dict[str, int] = {}
+        for node in self._idle_spares().values():
+            spares[node] = spares.get(node, 0) + 1
+        m = self.migration
+        return {
+            "job_id": self.job_id,
+            "state": str(self.state),
+            "generation": self.generation,
+            "world_size": self.world_size,
+            "ranks": {
+                str(r): {
+                    "node": self.rank_node.get(r),
+                    "spawn_id": sid,
+                    "pid": self.worker_pid.get(sid),
+                    "step": self.latest_step.get(r),
+                }
+                for r, sid in sorted(self.members.items())
+            },
+            "nodes": {
+                n: {
+                    "alive": rec.alive,
+                    "quarantined": rec.quarantined,
+                    "domain": rec.domain,
+                    "ranks": sorted(r for r, nn in self.rank_node.items() if nn == n),
+                    "idle_spares": spares.get(n, 0),
+                    "failures": len(rec.failure_times),
+                }
+                for n, rec in sorted(self.nodes.items())
+            },
+            "committed_step": self.committed(),
+            "replicated_step": self.replicated_step,
+            "durable_step": self.rounds.last_step if self.rounds is not None else None,
+            "durable_url": self.durable_url,
+            "failures": self.failures_total,
+            "migration": None
+            if m is None
+            else {
+                "rank": m.rank,
+                "source": m.leaver_node,
+                "target": m.target,
+                "phase": str(m.phase),
+                "boundary": m.boundary,
+            },
+            "queued_migrations": [r for r, _, _ in self._migrate_queue],
+            "store": self.config.store,
+        }
 
     def _answer_clients(self) -> None:
         if not self.client_tickets or self.persister is None:
@@ -600,6 +679,15 @@ class Coordinator:
                 node=self.worker_node.get(w.spawn_id),
             )
             return
+        m = self.migration
+        if (
+            m is not None
+            and w.spawn_id == m.joiner_sid
+            and t == "restored"
+            and m.phase is MigrationPhase.PREPARE
+        ):
+            self._on_joiner_prepared(m)
+            return
         gen = int(msg.get("gen", -1))
         if gen != self.generation or w.rank is None or self.members.get(w.rank) != w.spawn_id:
             if t == "kv":
@@ -620,6 +708,7 @@ class Coordinator:
             w.last_progress, w.stepped = now, True
             self.detector.record_step(float(msg["step_s"]))
             self.latest_step[rank] = int(msg["step"])
+            self._note_step(rank, int(msg["step"]))
             if self.reconf is not None:
                 self.reconf.stepped.add(rank)
                 self._advance()
@@ -640,6 +729,14 @@ class Coordinator:
                 self._advance()
             if self.state is JobState.RUNNING and self.done_ranks >= set(range(self.world_size)):
                 self._finish()
+        elif t == "migrate":
+            error = self.request_migration(rank, msg.get("to"), "migrate")
+            if error is not None:
+                self.events.emit("migration_refused", rank=rank, target=msg.get("to"), reason=error)
+        elif t == "paused" and m is not None and m.phase is MigrationPhase.PAUSE:
+            m.paused[rank] = int(msg["step"])
+            if len(m.paused) == self.world_size:
+                self._swap(m)
         elif t == "fault":
             w.fault_report = (now, str(msg.get("error", "")))
             self.events.emit("fault_report", rank=rank, spawn_id=w.spawn_id, error=msg.get("error"))
@@ -664,6 +761,8 @@ class Coordinator:
                 node=node,
             )
             is_member = w.rank is not None and self.members.get(w.rank) == sid
+            if self.migration is not None and sid == self.migration.joiner_sid and not is_member:
+                self._abort_migration(f"the joiner (spawn {sid}) exited with {describe_exit(rc)}")
             if (
                 ex.node_lost is None
                 and w.chan is None
@@ -747,6 +846,8 @@ class Coordinator:
             )
 
     def _on_failures(self, failures: list[Failure]) -> None:
+        if self.migration is not None:
+            self._abort_migration(f"rank {failures[0].rank} failed: {failures[0].detail}")
         for f in failures:
             self.events.emit(
                 "failure",
@@ -906,15 +1007,7 @@ class Coordinator:
             restore_step = committed_step({r: list(s) for r, s in avail.items()}, self.world_size)
             self.initial_step = None
         missing = [r for r in range(self.world_size) if r not in self.members]
-        idle = {
-            sid: self.worker_node[sid]
-            for sid, w in self.workers.items()
-            if w.role == "spare"
-            and w.rank is None
-            and w.chan is not None
-            and not w.killed_for_hang
-            and sid in self.live
-        }
+        idle = self._idle_spares()
         load = {n: sum(1 for r in self.members if self.rank_node.get(r) == n) for n in alive_nodes}
         placements = choose_replacements(
             failed={r: self.rank_node.get(r) for r in missing},
@@ -990,6 +1083,18 @@ class Coordinator:
         r.stage = Stage.LAUNCH
         self._advance()
 
+    def _idle_spares(self) -> dict[int, str]:
+        """Connected hot spares waiting for a rank: spawn id -> node."""
+        return {
+            sid: self.worker_node[sid]
+            for sid, w in self.workers.items()
+            if w.role == "spare"
+            and w.rank is None
+            and w.chan is not None
+            and not w.killed_for_hang
+            and sid in self.live
+        }
+
     def _plan_fetches(self, step: int, avail: dict[int, dict[int, list[tuple[str, str]]]]) -> dict[int, str]:
         """Have each node that will play a rank without holding ``step`` of it fetch it from a peer."""
         r = self.reconf
@@ -1019,6 +1124,10 @@ class Coordinator:
 
     def _on_fetched(self, node: NodeRecord, msg: Message) -> None:
         req = int(msg["id"])
+        m = self.migration
+        if m is not None and req == m.fetch_req and m.phase is MigrationPhase.PREPARE:
+            self._on_prepare_fetched(m, msg)
+            return
         rank, gen = self._waiting_fetch.pop(req, (-1, -1))
         self._req_node.pop(req, None)
         r = self.reconf
@@ -1126,6 +1235,9 @@ class Coordinator:
                 self.workers[sid].last_progress = now_m
         if after is Stage.DONE:
             self.reconf = None
+            m = self.migration
+            if m is not None and m.phase is MigrationPhase.SWAP and m.generation == r.generation:
+                self._migration_done(m)
             if r.failures:
                 records = r.report()
                 self.reports.extend(records)
@@ -1202,6 +1314,251 @@ class Coordinator:
                 wire_bytes=rd.wire,
                 rounds=self._rep_totals["rounds"],
             )
+
+    # -- live migration (runtime/migration.py) -----------------------------------------------------
+    def request_migration(self, rank: int, target: str | None, reason: str) -> str | None:
+        """Queue moving ``rank`` to ``target`` (None: the policy picks a node); an error message
+        when the request cannot be honoured at all."""
+        if not 0 <= rank < self.world_size:
+            return f"no rank {rank}: the job has ranks 0..{self.world_size - 1}"
+        if target is not None:
+            node = self.nodes.get(target)
+            if node is None or not node.alive or node.quarantined:
+                return (
+                    f"node {target} is not a live node of the job (nodes: {', '.join(self._alive_nodes())})"
+                )
+            if self.rank_node.get(rank) == target:
+                return f"rank {rank} already runs on node {target}"
+        if self.state in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
+            return "the job is ending"
+        if any(r == rank for r, _, _ in self._migrate_queue) or (
+            self.migration is not None and self.migration.rank == rank
+        ):
+            return f"rank {rank} is already being moved"
+        self._migrate_queue.append((rank, target, reason))
+        self.events.emit("migration_requested", rank=rank, target=target, reason=reason)
+        return None
+
+    def _answer_migration(self, rank: int, *, ok: bool, error: str | None = None, **info: Any) -> None:
+        for chan in self._migrate_clients.pop(rank, []):
+            try:
+                chan.send({"t": "migrated", "rank": rank, "ok": ok, "error": error, **info})
+            except ControlError:
+                pass
+
+    def _note_step(self, rank: int, step: int) -> None:
+        """Step report timing; during a migration, the gap each rank saw across the swap."""
+        now = time.monotonic()
+        m = self.migration
+        prev = self._step_at.get(rank)
+        self._step_at[rank] = (step, now)
+        if m is not None and m.boundary is not None and prev is not None and step == m.boundary + 1:
+            if prev[0] == m.boundary:
+                m.gaps[rank] = now - prev[1]
+
+    def _migrate_tick(self) -> None:
+        m = self.migration
+        if m is None:
+            if (
+                self._migrate_queue
+                and self.state is JobState.RUNNING
+                and self.reconf is None
+                and not self._awaiting
+            ):
+                rank, target, reason = self._migrate_queue.pop(0)
+                self._start_migration(rank, target, reason)
+            return
+        if m.phase in (MigrationPhase.PAUSE, MigrationPhase.SWAP):
+            now = time.monotonic()
+            for sid in self.members.values():  # a rank waiting at the boundary is not hung
+                self.workers[sid].last_progress = now
+        if m.phase in (MigrationPhase.PREPARE, MigrationPhase.PAUSE):
+            if time.time() - m.marks["start"] > self.config.rebuild_timeout_s:
+                self._abort_migration(f"not ready to swap within {self.config.rebuild_timeout_s:g}s")
+
+    def _start_migration(self, rank: int, target: str | None, reason: str) -> None:
+        leaver_node = self.rank_node[rank]
+        idle = self._idle_spares()
+        alive = self._alive_nodes()
+        if target is None:
+            target = choose_target(
+                leaver_node,
+                idle,
+                alive,
+                {n: self.nodes[n].domain for n in alive},
+                {n: sum(1 for r in self.members if self.rank_node.get(r) == n) for n in alive},
+            )
+        joiner = choose_joiner(target, idle) if target is not None and target in alive else None
+        if target is None or joiner is None:
+            why = f"no idle hot spare on node {target}" if target is not None else "no node has an idle spare"
+            self.events.emit("migration_refused", rank=rank, target=target, reason=why)
+            self._answer_migration(rank, ok=False, error=why)
+            return
+        step = self.committed()  # held in the leaver node's memory until a newer one commits
+        m = Migration(
+            rank=rank,
+            target=target,
+            leaver_sid=self.members[rank],
+            leaver_node=leaver_node,
+            joiner_sid=joiner,
+            reason=reason,
+            prepare_step=step,
+        )
+        self.migration = m
+        w = self.workers[joiner]
+        w.role, w.rank = "joiner", rank  # not a member until the swap
+        self.events.emit(
+            "migration_start",
+            rank=rank,
+            source=leaver_node,
+            target=target,
+            joiner=joiner,
+            step=step,
+            reason=reason,
+        )
+        m.fetch_req = self._request(
+            self.nodes[target],
+            {
+                "t": "fetch",
+                "rank": rank,
+                "step": step,
+                "addr": self.nodes[leaver_node].data_addr,
+                "kind": "local",
+            },
+        )
+
+    def _on_prepare_fetched(self, m: Migration, msg: Message) -> None:
+        if not msg.get("ok"):
+            self._abort_migration(f"fetching step {m.prepare_step} to node {m.target}: {msg.get('error')}")
+            return
+        m.mark("fetched")
+        self._send(
+            self.workers[m.joiner_sid],
+            {
+                "t": "reconfigure",
+                "gen": self.generation,
+                "rank": m.rank,
+                "world_size": self.world_size,
+                "restore_step": m.prepare_step,
+                "recovery": False,
+                "prepare": True,
+            },
+        )
+
+    def _on_joiner_prepared(self, m: Migration) -> None:
+        """The joiner restored the prepare step (model built, buffers allocated): pick the boundary."""
+        m.mark("prepared")
+        m.phase = MigrationPhase.PAUSE
+        m.boundary = boundary_step(self.latest_step)
+        self.events.emit("migration_pause", rank=m.rank, boundary=m.boundary)
+        for sid in self.members.values():
+            self._send(self.workers[sid], {"t": "pause", "at": m.boundary})
+
+    def _swap(self, m: Migration) -> None:
+        """Every rank stopped after the boundary step: a new generation with the joiner in the rank."""
+        assert m.boundary is not None
+        if set(m.paused.values()) != {m.boundary}:
+            self._abort_migration(
+                f"ranks stopped at steps {sorted(set(m.paused.values()))}, not {m.boundary}"
+            )
+            return
+        m.mark("paused")
+        m.phase = MigrationPhase.SWAP
+        step = m.boundary
+        leaver = self.workers[m.leaver_sid]
+        leaver.role, leaver.rank = "retired", None  # its exit is no failure
+        self._kill(m.leaver_sid, signal.SIGKILL)  # its snapshot of the boundary stays in its node's memory
+        joiner = self.workers[m.joiner_sid]
+        joiner.role = "worker"
+        self.members[m.rank] = m.joiner_sid
+        self.rank_node[m.rank] = m.target
+        self.generation += 1
+        m.generation = self.generation
+        self.state = JobState.RECONFIGURING
+        self._round = None
+        for reply, out in self.kv.new_generation(self.generation):
+            try:
+                reply(out)
+            except ControlError:
+                pass
+        self.done_ranks.clear()
+        r = Reconfiguration(
+            generation=self.generation,
+            world_size=self.world_size,
+            failures=[],
+            restore_step=step,
+            replans=0,
+            replacements={m.rank: "migration"},
+        )
+        r.marks["detect"] = r.marks["plan"] = time.time()
+        self.latest_step = {rank: step for rank in range(self.world_size)}
+        req = self._request(
+            self.nodes[m.target],
+            {
+                "t": "fetch",
+                "rank": m.rank,
+                "step": step,
+                "addr": self.nodes[m.leaver_node].data_addr,
+                "kind": "local",
+            },
+        )
+        self._waiting_fetch[req] = (m.rank, self.generation)
+        r.waiting_fetch.add(m.rank)
+        self.reconf = r
+        self.events.emit(
+            "generation",
+            generation=self.generation,
+            restore_step=step,
+            tier="memory",
+            members={str(k): v for k, v in sorted(self.members.items())},
+            nodes={str(k): self.rank_node.get(k) for k in sorted(self.members)},
+            replacements=r.replacements,
+            cause=[],
+            fetches={str(m.rank): f"{m.leaver_node}:local"},
+            replans=0,
+            migration=m.rank,
+        )
+        for rank in self.members:
+            self._maybe_reconfigure(rank)
+        r.stage = Stage.LAUNCH
+        self._advance()
+
+    def _migration_done(self, m: Migration) -> None:
+        m.phase = MigrationPhase.DONE
+        m.mark("resumed")
+        median = self.detector.median_step_s
+        gap = max(m.gaps.values(), default=None)
+        info: dict[str, Any] = {
+            "rank": m.rank,
+            "source": m.leaver_node,
+            "target": m.target,
+            "boundary": m.boundary,
+            "stages": m.stage_seconds(),
+            "max_step_gap_s": gap,
+            "median_step_s": median,
+            "pause_ratio": (gap / median) if gap is not None and median else None,
+            "reason": m.reason,
+        }
+        self.events.emit("migration_done", **info)
+        self.migrations_done.append(info)
+        self.migration = None
+        self._answer_migration(m.rank, ok=True, **{k: v for k, v in info.items() if k != "rank"})
+
+    def _abort_migration(self, why: str) -> None:
+        m = self.migration
+        if m is None:
+            return
+        self.migration = None
+        m.phase, m.error = MigrationPhase.ABORTED, why
+        joiner = self.workers.get(m.joiner_sid)
+        if joiner is not None and self.members.get(m.rank) != m.joiner_sid:
+            joiner.role, joiner.rank = "retired", None
+            self._kill(m.joiner_sid, signal.SIGKILL)  # a prepared joiner cannot take another rank
+        if m.boundary is not None and m.generation is None:
+            for sid in self.members.values():  # ranks waiting at the boundary go on as before
+                self._send(self.workers[sid], {"t": "continue"})
+        self.events.emit("migration_aborted", rank=m.rank, phase=str(m.phase), error=why)
+        self._answer_migration(m.rank, ok=False, error=why)
 
     # -- the control store (--store etcd://; runtime/jobstore.py) ---------------------------------
     def _open_store(self) -> None:
@@ -1462,6 +1819,11 @@ class Coordinator:
     # -- the end -----------------------------------------------------------------------------------
     def _finish(self) -> None:
         """Every rank has the final step snapshotted: release members and spares."""
+        if self.migration is not None:
+            self._abort_migration("the job finished first")
+        for rank in [r for r, _, _ in self._migrate_queue]:
+            self._answer_migration(rank, ok=False, error="the job finished first")
+        self._migrate_queue.clear()
         self.state = JobState.FINISHING
         self.events.emit("finish", step=min(self.latest_step.values(), default=0), generation=self.generation)
         for w in self.workers.values():

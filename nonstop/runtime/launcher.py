@@ -258,7 +258,9 @@ def serve_coordinator(
         )
         node.release = keep_memory
         node_thread = threading.Thread(target=node.run, args=(node_stop,), name="nonstop-node", daemon=True)
-    _write_job_info(job_dir, job_id=job_id, control=server.address, checkpoints=durable.url)
+    _write_job_info(
+        job_dir, job_id=job_id, control=server.address, checkpoints=durable.url, secret_file=secret_file
+    )
     restore_handlers = _install_signal_handlers(stop)
     events.emit(
         "job_start",
@@ -495,13 +497,17 @@ def _run_node(
 JOB_INFO = "job.json"
 
 
-def _write_job_info(job_dir: Path, *, job_id: str, control: tuple[str, int], checkpoints: str) -> None:
-    """What ``nonstop persist`` needs to reach this job (the secret is a separate 0600 file)."""
+def _write_job_info(
+    job_dir: Path, *, job_id: str, control: tuple[str, int], checkpoints: str, secret_file: Path
+) -> None:
+    """What ``nonstop persist``/``status``/``migrate`` need to reach this job (the secret is a
+    separate 0600 file; this names where)."""
     info = {
         "job_id": job_id,
         "pid": os.getpid(),
         "control": f"{control[0]}:{control[1]}",
         "checkpoints": checkpoints,
+        "secret_file": str(secret_file.resolve()),
     }
     tmp = job_dir / f".{JOB_INFO}.tmp"
     tmp.write_text(json.dumps(info))

@@ -109,6 +109,7 @@ class Session:
         self._faults = FaultInjector.from_json(env.faults_json, env.job_dir / "faults")
         hello = {"role": env.role, "spawn_id": env.spawn_id, "pid": os.getpid()}
         self._done = False  # this rank reported its last step (a restarted coordinator asks)
+        self._pause_at: int | None = None  # live migration: stop after this step, wait for the swap
         self._in_step = False
         self._can_interrupt = threading.current_thread() is threading.main_thread()
         if self._can_interrupt:
@@ -225,6 +226,10 @@ class Session:
                 return found
             if msg["t"] == "reconfigure":
                 found = msg
+            elif msg["t"] == "pause":
+                self._pause_at = int(msg["at"])
+            elif msg["t"] == "continue":
+                self._pause_at = None
             elif msg["t"] == "abort":
                 raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
 
@@ -262,6 +267,8 @@ class Session:
                 try:
                     while self._step < num_steps:
                         pending = self._poll_reconfigure()
+                        if pending is None and self._pause_at is not None and self._step >= self._pause_at:
+                            pending = self._pause(store)
                         if pending is not None:
                             raise _Reconfigure(pending)
                         t0 = time.monotonic()
@@ -311,6 +318,15 @@ class Session:
             if fence_hook is not None:
                 fence_hook.remove()
             store.close()
+
+    def _pause(self, store: RankSnapshotStore) -> Message | None:
+        """Live migration: stop after the boundary step (its snapshot complete, for the joiner to
+        fetch) until the coordinator swaps the rank (a reconfigure) or gives up (continue)."""
+        self._drain(store)
+        self._pause_at = None
+        self._send({"t": "paused", "gen": self.generation, "step": self._step})
+        reply = self._wait_for("reconfigure", "continue")
+        return reply if reply["t"] == "reconfigure" else None
 
     def _snapshot(self, mode: str, store: RankSnapshotStore, capture: StateCapture) -> PendingWrite | None:
         """Snapshot the state after ``self._step`` steps per the job's snapshot mode."""
@@ -366,6 +382,10 @@ class Session:
         due = self._faults.due(rank=self.rank, step=step, phase=phase, node=node)
         if due is not None:
             index, fault = due
+            if fault.kind == "migrate":  # a planned event, not a fault: ask and go on training
+                to = None if fault.to < 0 else str(fault.to)
+                self._send({"t": "migrate", "gen": self.generation, "rank": self.rank, "to": to})
+                return
             self._send(
                 {
                     "t": "injected",
