@@ -19,6 +19,8 @@ A fault spec is ``KIND:key=value,...``:
                                     training goes on (``nonstop migrate`` from a script)
 * any of them with ``at=recovery``  fire instead the first time rank R is asked to
   restore to a step >= S during a recovery (a failure *during* recovery)
+* any of them with ``at=prepare``   fire in the joiner of a live migration of rank R when it
+  restores a step >= S (a joiner dying mid-migration)
 
 Each fault fires once per job: the first worker to reach it creates a marker
 file with ``O_EXCL`` in ``<job_dir>/faults/``; a replacement that redoes step S
@@ -40,7 +42,7 @@ from nonstop.errors import UsageError
 __all__ = ["FaultInjector", "FaultSpec", "fired_at", "parse_fault"]
 
 KINDS = ("kill", "hang", "stall", "exit", "slow", "wipe", "node", "migrate")
-PHASES = ("step", "recovery")
+PHASES = ("step", "recovery", "prepare")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +110,7 @@ def parse_fault(text: str) -> FaultSpec:
     ):
         raise UsageError(
             f"bad fault spec {text!r}: rank, node, step >= 0, code in 0..255, seconds in 0..3600, "
-            "at=step|recovery"
+            "at=step|recovery|prepare"
         )
     return FaultSpec(kind=kind, rank=rank, step=step, code=code, seconds=seconds, at=at, node=node, to=to)
 
@@ -144,7 +146,7 @@ class FaultInjector:
         for index, f in self.faults:
             if f.at != phase or (f.node != node if f.kind == "node" else f.rank != rank):
                 continue
-            if (phase == "step" and step == f.step) or (phase == "recovery" and step >= f.step):
+            if (phase == "step" and step == f.step) or (phase != "step" and step >= f.step):
                 if self._claim(index):
                     return index, f
         return None

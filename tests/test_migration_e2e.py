@@ -39,3 +39,34 @@ def test_migrate_a_rank_to_another_node_bitwise(tmp_path: Path, reference_hash: 
     assert gen["nodes"]["1"] == "2" and gen["restore_step"] == done["boundary"]
     # nothing was rolled back: the swap generation starts where every rank stopped
     assert gen["restore_step"] > 4
+
+
+def test_leaver_death_mid_migration_falls_back_to_recovery(tmp_path: Path, reference_hash: str) -> None:
+    """The leaver dies before the swap: the migration is aborted (its joiner stopped) and ordinary
+    recovery restores the rank from the replica."""
+    run = _nodes(
+        tmp_path / "job", nnodes=3, spares=1, faults=("migrate:rank=1,step=4,to=2", "kill:rank=1,step=6")
+    )
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference_hash
+    (aborted,) = _events(run, "migration_aborted")
+    assert aborted["rank"] == 1 and "failed" in aborted["error"]
+    assert _events(run, "migration_done") == []
+    (f,) = run.result.failures
+    assert f["rank"] == 1 and f["kind"] == "kill" and f["lost_steps"] == 0
+
+
+def test_joiner_death_mid_migration_aborts_and_training_goes_on(tmp_path: Path, reference_hash: str) -> None:
+    """The joiner dies while it prepares: the migration is aborted; no rank failed, nobody rolled
+    back, the job ends in its first generation."""
+    run = _nodes(
+        tmp_path / "job",
+        nnodes=3,
+        spares=1,
+        faults=("migrate:rank=1,step=4,to=2", "kill:rank=1,step=0,at=prepare"),
+    )
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference_hash
+    (aborted,) = _events(run, "migration_aborted")
+    assert "joiner" in aborted["error"] and aborted["phase"] == "prepare"
+    assert run.result.failures == [] and run.result.generation == 1

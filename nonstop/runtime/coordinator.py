@@ -1549,6 +1549,7 @@ class Coordinator:
         if m is None:
             return
         self.migration = None
+        phase = m.phase
         m.phase, m.error = MigrationPhase.ABORTED, why
         joiner = self.workers.get(m.joiner_sid)
         if joiner is not None and self.members.get(m.rank) != m.joiner_sid:
@@ -1557,7 +1558,7 @@ class Coordinator:
         if m.boundary is not None and m.generation is None:
             for sid in self.members.values():  # ranks waiting at the boundary go on as before
                 self._send(self.workers[sid], {"t": "continue"})
-        self.events.emit("migration_aborted", rank=m.rank, phase=str(m.phase), error=why)
+        self.events.emit("migration_aborted", rank=m.rank, phase=str(phase), error=why)
         self._answer_migration(m.rank, ok=False, error=why)
 
     # -- the control store (--store etcd://; runtime/jobstore.py) ---------------------------------

@@ -213,6 +213,10 @@ class Session:
             msg = self._inbox.get()
             if msg["t"] in kinds:
                 return msg
+            if msg["t"] == "pause":
+                self._pause_at = int(msg["at"])
+            elif msg["t"] == "continue":
+                self._pause_at = None
             if msg["t"] == "abort":
                 raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
 
@@ -432,10 +436,13 @@ class Session:
             gen = int(msg["gen"])
             restore_step = msg.get("restore_step")
             self.generation = gen
+            self._pause_at = None  # a new generation ends any migration's pause
             self.world_size = int(msg["world_size"])
             self._destroy_group()
             if restore_step is not None and msg.get("recovery"):
                 self._maybe_inject("recovery", int(restore_step))
+            elif restore_step is not None and msg.get("prepare"):
+                self._maybe_inject("prepare", int(restore_step))
             self._drain(store)  # never restore under a copy still writing into the slots
             t0 = time.monotonic()
             if restore_step is None:
