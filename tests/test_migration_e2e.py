@@ -70,3 +70,45 @@ def test_joiner_death_mid_migration_aborts_and_training_goes_on(tmp_path: Path, 
     (aborted,) = _events(run, "migration_aborted")
     assert "joiner" in aborted["error"] and aborted["phase"] == "prepare"
     assert run.result.failures == [] and run.result.generation == 1
+
+
+def test_status_and_drain_of_a_running_job(tmp_path: Path, reference_hash: str) -> None:
+    """`nonstop status` and `nonstop drain` against a running job over the authenticated client
+    channel: the drained node's rank moves to a node with a spare, bitwise."""
+    import threading
+    import time
+
+    from nonstop.cli import main
+    from nonstop.runtime.client import request_migration, request_status
+
+    job_dir = tmp_path / "job"
+    box: list[DemoRun] = []
+    t = threading.Thread(
+        target=lambda: box.append(
+            _nodes(job_dir, nnodes=3, spares=1, script_extra=("--step-delay", "0.3"), replicas=1)
+        ),
+        daemon=True,
+    )
+    t.start()
+    deadline = time.monotonic() + 120
+    st: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            st = request_status(job_dir)
+        except Exception:  # not up yet
+            time.sleep(0.2)
+            continue
+        if st.get("state") == "running" and (st.get("replicated_step") or 0) >= 1:
+            break
+        time.sleep(0.1)
+    assert st["world_size"] == 3 and st["ranks"]["1"]["node"] == "1"
+    assert st["nodes"]["1"]["idle_spares"] == 1 and st["migration"] is None
+    assert main(["status", "--job-dir", str(job_dir)]) == 0
+    (answer,) = request_migration(job_dir, {"t": "drain", "node": "1"}, timeout=120)
+    assert answer["ok"], answer
+    assert answer["rank"] == 1 and answer["source"] == "1" and answer["target"] in ("0", "2")
+    t.join(timeout=300)
+    run = box[0]
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference_hash
+    assert run.result.failures == []
