@@ -139,6 +139,14 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quarantine-failures", type=int, default=c.quarantine_failures)
     g.add_argument("--quarantine-window", type=float, default=c.quarantine_window_s, metavar="SECONDS")
     g.add_argument("--join-timeout", type=float, default=c.join_timeout_s, metavar="SECONDS")
+    g.add_argument(
+        "--preempt-grace",
+        type=float,
+        default=c.preempt_grace_s,
+        metavar="SECONDS",
+        help="SIGTERM to a node (not node 0) is a preemption notice: its ranks move live to other nodes "
+        "within this grace; also JOB_DIR/preempt-node-N appearing (content: grace seconds)",
+    )
 
 
 def _node_config(ns: argparse.Namespace) -> dict[str, object]:
@@ -157,6 +165,7 @@ def _node_config(ns: argparse.Namespace) -> dict[str, object]:
         "quarantine_failures": ns.quarantine_failures,
         "quarantine_window_s": ns.quarantine_window,
         "join_timeout_s": ns.join_timeout,
+        "preempt_grace_s": ns.preempt_grace,
     }
 
 

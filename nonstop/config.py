@@ -116,6 +116,7 @@ class JobConfig:
     quarantine_failures: int = 3  # a node failing this often ...
     quarantine_window_s: float = 600.0  # ... within this window is quarantined
     join_timeout_s: float = 300.0  # how long node 0 waits for every node to join
+    preempt_grace_s: float = 30.0  # SIGTERM to a node's agent: a preemption notice with this grace
     # -- control store -----------------------------------------------------------------
     store: str = "embedded://"  # or etcd://HOST:PORT[,...]: the coordinator may restart
     reconnect_s: float = 30.0  # store mode: how long agents and workers wait for a new coordinator

@@ -17,6 +17,9 @@ A fault spec is ``KIND:key=value,...``:
 * ``migrate:rank=R,step=S[,to=I]``  not a fault: when rank R starts step S it asks the coordinator
                                     to move it live to node I (default: the policy's choice);
                                     training goes on (``nonstop migrate`` from a script)
+* ``preempt:node=I,step=S,grace=G`` not a fault either: when a worker on node I starts step S, node
+                                    I gets a preemption notice with G seconds of grace (its notice
+                                    file, ``<job_dir>/preempt-node-I``, appears); the node drains
 * any of them with ``at=recovery``  fire instead the first time rank R is asked to
   restore to a step >= S during a recovery (a failure *during* recovery)
 * any of them with ``at=prepare``   fire in the joiner of a live migration of rank R when it
@@ -39,9 +42,9 @@ from pathlib import Path
 
 from nonstop.errors import UsageError
 
-__all__ = ["FaultInjector", "FaultSpec", "fired_at", "parse_fault"]
+__all__ = ["FaultInjector", "FaultSpec", "fired_at", "parse_fault", "preempt_notice_path"]
 
-KINDS = ("kill", "hang", "stall", "exit", "slow", "wipe", "node", "migrate")
+KINDS = ("kill", "hang", "stall", "exit", "slow", "wipe", "node", "migrate", "preempt")
 PHASES = ("step", "recovery", "prepare")
 
 
@@ -55,10 +58,13 @@ class FaultSpec:
     at: str = "step"
     node: int = -1  # for kind "node"
     to: int = -1  # for kind "migrate": the target node (-1: the coordinator chooses)
+    grace: float = 30.0  # for kind "preempt": seconds of notice
 
     def to_text(self) -> str:
         if self.kind == "node":
             return f"node:node={self.node},step={self.step}" + (f",at={self.at}" if self.at != "step" else "")
+        if self.kind == "preempt":
+            return f"preempt:node={self.node},step={self.step},grace={self.grace:g}"
         extra = f",code={self.code}" if self.kind == "exit" else ""
         extra += f",seconds={self.seconds:g}" if self.kind == "slow" else ""
         extra += f",to={self.to}" if self.kind == "migrate" and self.to >= 0 else ""
@@ -70,7 +76,7 @@ def parse_fault(text: str) -> FaultSpec:
     """Parse a fault spec; raise UsageError with the expected syntax if it is bad."""
     usage = (
         "expected kill:rank=R,step=S | hang:rank=R,step=S | exit:rank=R,step=S,code=C | node:node=I,step=S "
-        "| migrate:rank=R,step=S[,to=I] (optionally ,at=recovery)"
+        "| migrate:rank=R,step=S[,to=I] | preempt:node=I,step=S,grace=G (optionally ,at=recovery)"
     )
     kind, sep, rest = text.partition(":")
     if not sep or kind not in KINDS:
@@ -81,10 +87,11 @@ def parse_fault(text: str) -> FaultSpec:
         if not eq or not key or key in fields:
             raise UsageError(f"bad fault spec {text!r}: {usage}")
         fields[key.strip()] = value.strip()
-    who = "node" if kind == "node" else "rank"
+    who = "node" if kind in ("node", "preempt") else "rank"
     allowed = {who, "step", "at"} | ({"code"} if kind == "exit" else set())
     allowed |= {"seconds"} if kind == "slow" else set()
     allowed |= {"to"} if kind == "migrate" else set()
+    allowed |= {"grace"} if kind == "preempt" else set()
     unknown = set(fields) - allowed
     required = {who, "step"} | ({"seconds"} if kind == "slow" else set())
     if unknown or not required <= set(fields):
@@ -95,6 +102,7 @@ def parse_fault(text: str) -> FaultSpec:
         code = int(fields.get("code", "1"))
         seconds = float(fields.get("seconds", "0"))
         to = int(fields.get("to", "-1"))
+        grace = float(fields.get("grace", "30"))
     except ValueError:
         raise UsageError(
             f"bad fault spec {text!r}: rank, step and code must be integers, seconds a number"
@@ -103,7 +111,8 @@ def parse_fault(text: str) -> FaultSpec:
     if (
         rank < 0
         or step < 0
-        or (kind == "node" and node < 0)
+        or (kind in ("node", "preempt") and node < 0)
+        or not 0 <= grace <= 3600
         or at not in PHASES
         or not 0 <= code <= 255
         or not 0 <= seconds <= 3600
@@ -112,7 +121,14 @@ def parse_fault(text: str) -> FaultSpec:
             f"bad fault spec {text!r}: rank, node, step >= 0, code in 0..255, seconds in 0..3600, "
             "at=step|recovery|prepare"
         )
-    return FaultSpec(kind=kind, rank=rank, step=step, code=code, seconds=seconds, at=at, node=node, to=to)
+    return FaultSpec(
+        kind=kind, rank=rank, step=step, code=code, seconds=seconds, at=at, node=node, to=to, grace=grace
+    )
+
+
+def preempt_notice_path(job_dir: Path, node: str) -> Path:
+    """The file whose appearance is node ``node``'s preemption notice (content: grace seconds)."""
+    return job_dir / f"preempt-node-{node}"
 
 
 def fired_at(marker_dir: Path, pid: int) -> float | None:
@@ -144,7 +160,7 @@ class FaultInjector:
 
     def due(self, *, rank: int, step: int, phase: str, node: int = -1) -> tuple[int, FaultSpec] | None:
         for index, f in self.faults:
-            if f.at != phase or (f.node != node if f.kind == "node" else f.rank != rank):
+            if f.at != phase or (f.node != node if f.kind in ("node", "preempt") else f.rank != rank):
                 continue
             if (phase == "step" and step == f.step) or (phase != "step" and step >= f.step):
                 if self._claim(index):

@@ -112,3 +112,29 @@ def test_status_and_drain_of_a_running_job(tmp_path: Path, reference_hash: str) 
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash
     assert run.result.failures == []
+
+
+def test_preemption_notice_drains_the_node_within_its_grace(tmp_path: Path, reference_hash: str) -> None:
+    """Node 2 gets a preemption notice with 30 s of grace: its rank moves live to another node,
+    the node is released, nothing failed."""
+    run = _nodes(tmp_path / "job", nnodes=3, spares=1, faults=("preempt:node=2,step=4,grace=30",))
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference_hash
+    (notice,) = _events(run, "preempt_notice")
+    assert notice["node"] == "2" and notice["ranks"] == [2]
+    (done,) = _events(run, "migration_done")
+    assert done["rank"] == 2 and done["reason"] == "preempt" and done["target"] in ("0", "1")
+    assert [e["node"] for e in _events(run, "node_released")] == ["2"]
+    assert done["stages"]["resumed"] + done["stages"]["paused"] < 30
+    assert run.result.failures == []
+
+
+def test_preemption_without_time_to_drain_recovers_elsewhere(tmp_path: Path, reference_hash: str) -> None:
+    """A notice with 0.2 s of grace: the node cannot be drained in time; its agent stops at the end of
+    the grace and the rank is recovered on another node from its replica, no committed step lost."""
+    run = _nodes(tmp_path / "job", nnodes=3, spares=1, faults=("preempt:node=2,step=4,grace=0.2",))
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference_hash
+    assert [e["node"] for e in _events(run, "node_lost")] == ["2"]
+    (f,) = run.result.failures
+    assert f["rank"] == 2 and f["kind"] == "node" and f["lost_steps"] == 0

@@ -109,6 +109,7 @@ class NodeRecord:
     failure_times: list[float] = field(default_factory=list)
     lease_id: int = 0  # store mode: the agent's lease on its nodes/<name> key
     disconnected_at: float | None = None  # store mode: its channel dropped (it may reconnect)
+    draining: bool = False  # a preemption notice: its ranks move away, nothing new goes there
 
 
 @dataclass
@@ -496,6 +497,8 @@ class Coordinator:
             self._on_fetched(node, msg)
         elif t == "replicated":
             self._on_replicated(node, msg)
+        elif t == "preempt":
+            self._on_preempt(node, float(msg.get("grace_s", 0.0)))
         elif t == "registered":
             node.lease_id = int(msg["lease_id"])
         elif t == "persisted" and self.rounds is not None:
@@ -509,10 +512,14 @@ class Coordinator:
             if node.alive and not node.in_process and now - node.last_lease > self.config.lease_ttl_s:
                 self._lose_node(node, f"lease expired ({now - node.last_lease:.2f}s without renewal)")
 
-    def _lose_node(self, node: NodeRecord, why: str, *, quarantine: bool = False) -> None:
-        """Every process on ``node`` is gone (its agent fenced them): fail its ranks at once."""
+    def _lose_node(
+        self, node: NodeRecord, why: str, *, quarantine: bool = False, failure: bool = True
+    ) -> None:
+        """Every process on ``node`` is gone (its agent fenced them): fail its ranks at once.
+        ``failure`` False: a planned departure (a drained node), not counted towards quarantine."""
         node.alive = False
-        node.failure_times.append(time.monotonic())
+        if failure:
+            node.failure_times.append(time.monotonic())
         if quarantine:
             node.quarantined = True
             if node.chan is not None:
@@ -1093,6 +1100,7 @@ class Coordinator:
             and w.chan is not None
             and not w.killed_for_hang
             and sid in self.live
+            and not self.nodes[self.worker_node[sid]].draining
         }
 
     def _plan_fetches(self, step: int, avail: dict[int, dict[int, list[tuple[str, str]]]]) -> dict[int, str]:
@@ -1356,7 +1364,36 @@ class Coordinator:
             if prev[0] == m.boundary:
                 m.gaps[rank] = now - prev[1]
 
+    def _on_preempt(self, node: NodeRecord, grace_s: float) -> None:
+        """A node got a preemption notice: move its ranks live to other nodes within the grace
+        (queued migrations); persist now in case there is not enough time."""
+        if node.draining or not node.alive:
+            return
+        node.draining = True
+        ranks = sorted(r for r, n in self.rank_node.items() if n == node.name)
+        self.events.emit("preempt_notice", node=node.name, grace_s=grace_s, ranks=ranks)
+        if self.rounds is not None:
+            self.rounds.request()
+        for rank in ranks:
+            error = self.request_migration(rank, None, "preempt")
+            if error is not None:
+                self.events.emit("migration_refused", rank=rank, target=None, reason=error)
+        self._release_drained()
+
+    def _release_drained(self) -> None:
+        """A draining node that plays no rank any more is released (not a failure)."""
+        busy = {self.migration.leaver_node} if self.migration is not None else set()
+        for node in list(self.nodes.values()):
+            if not node.alive or not node.draining or node.name in busy:
+                continue
+            if any(n == node.name for n in self.rank_node.values()):
+                continue
+            self._send_node(node, {"t": "release"})
+            self.events.emit("node_released", node=node.name)
+            self._lose_node(node, "released after draining", failure=False)
+
     def _migrate_tick(self) -> None:
+        self._release_drained()
         m = self.migration
         if m is None:
             if (
@@ -1836,6 +1873,8 @@ class Coordinator:
     def _replenish_spares(self) -> None:
         for name in self._alive_nodes():
             node = self.nodes[name]
+            if node.draining:
+                continue
             have = sum(
                 1
                 for sid, w in self.workers.items()

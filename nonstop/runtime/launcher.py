@@ -84,15 +84,13 @@ def _prepare_job_dir(job_dir: Path, *, owner: bool) -> None:
 def check_faults(config: JobConfig) -> list[FaultSpec]:
     faults = [parse_fault(f) for f in config.faults]
     for f in faults:
-        if f.kind == "node":
+        if f.kind in ("node", "preempt"):
             if f.node >= config.nnodes:
                 raise UsageError(
                     f"fault {f.to_text()!r} names node {f.node}, but the job has nodes 0..{config.nnodes - 1}"
                 )
             if f.node == 0:
-                raise UsageError(
-                    f"fault {f.to_text()!r}: node 0 hosts the coordinator; inject node loss on another node"
-                )
+                raise UsageError(f"fault {f.to_text()!r}: node 0 hosts the coordinator; name another node")
         elif f.rank >= config.world_size:
             raise UsageError(
                 f"fault {f.to_text()!r} names rank {f.rank}, but the job has ranks 0..{config.world_size - 1}"
@@ -480,7 +478,9 @@ def _run_node(
         shm_dir=shm_dir,
         redirect_output=redirect_output,
     )
-    restore_handlers = _install_signal_handlers(stop)
+    node.preempt_grace_s = config.preempt_grace_s
+    on_term = node.preempt_signal.set if config.node_rank != 0 else None  # node 0 hosts the coordinator
+    restore_handlers = _install_signal_handlers(stop, on_term=on_term)
     try:
         rc = node.run(stop)
     except (ControlError, OSError) as e:
@@ -523,11 +523,20 @@ def _load_resume(config: JobConfig) -> LoadedCheckpoint:
         raise UsageError(f"--resume {config.resume}: no loadable checkpoint ({e})") from None
 
 
-def _install_signal_handlers(stop: threading.Event) -> Callable[[], None]:
+def _install_signal_handlers(
+    stop: threading.Event, *, on_term: Callable[[], None] | None = None
+) -> Callable[[], None]:
+    """SIGINT and SIGTERM stop (``on_term``: what the first SIGTERM does instead, e.g. a node's
+    preemption notice; a second one stops)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    terms = [0]
 
     def handler(signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGTERM and on_term is not None and terms[0] == 0:
+            terms[0] += 1
+            on_term()
+            return
         stop.set()
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}

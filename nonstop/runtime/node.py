@@ -23,6 +23,8 @@ Protocol on the agent's control channel (JSON, authenticated)::
     coordinator -> agent   committed {step}   hold that step in memory, release older holds
     coordinator -> agent   persist {id, step, url, world_size, ranks, lossy, lossy_bits}
                                      -> persisted {id, ok, records, raw, stored, full, error}
+    agent -> coordinator   preempt {grace_s}     a preemption notice: drain this node
+    coordinator -> agent   release               drained: stop every process, exit 0
     coordinator -> agent   finish {failed} | fenced {error}
 
 **Lease and self-fencing.** The agent renews its lease every TTL/5. If no
@@ -52,7 +54,7 @@ from nonstop.config import ENV
 from nonstop.control.channel import Channel, Message, connect
 from nonstop.control.store import ControlStore, LeaseKeeper, open_store
 from nonstop.errors import ControlError, NonstopError
-from nonstop.faults import fired_at
+from nonstop.faults import fired_at, preempt_notice_path
 from nonstop.replica.peer import (
     DataPlane,
     Replicator,
@@ -74,6 +76,7 @@ log = logging.getLogger(__name__)
 
 EXIT_FENCED = 3
 TICK_S = 0.005
+NOTICE_POLL_S = 0.1  # how often the preemption notice file is looked for
 RECONNECT_EVERY_S = 0.2  # store mode: how often a node retries a lost coordinator
 FENCE_AT = 0.75  # of the lease TTL: the rest is the margin to kill and reap the node's processes
 SETTLE_S = 2.0  # longest an inventory waits for a live writer to finish its snapshot
@@ -139,6 +142,11 @@ class NodeAgent:
         self._store: ControlStore | None = None
         self.reconnect_s = 0.0
         self._outbox: list[Message] = []  # exit reports while the coordinator is away
+        # preemption: SIGTERM (set by the owner, grace ``preempt_grace_s``) or the notice file
+        self.preempt_signal = threading.Event()
+        self.preempt_grace_s = 30.0
+        self._preempt_deadline: float | None = None
+        self._next_notice_check = 0.0
 
     # -- lifecycle --------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> int:
@@ -325,6 +333,11 @@ class NodeAgent:
                 except queue.Empty:
                     break
             now = time.monotonic()
+            if not self.in_process:
+                if self._preempt_deadline is None:
+                    self._check_preemption(now)
+                elif now > self._preempt_deadline:
+                    return self._fence("preempted: the grace period ran out before the node was drained")
             keeper = self._keeper
             if keeper is not None:
                 if keeper.lost.is_set():
@@ -336,10 +349,35 @@ class NodeAgent:
                 return self._fence(f"no lease renewal acknowledged for {now - acked_sent_at:.2f}s")
         return 0
 
+    def _check_preemption(self, now: float) -> None:
+        """A preemption notice (SIGTERM, or the notice file with the grace in seconds): tell the
+        coordinator, which drains this node; the processes stay until the grace runs out."""
+        grace: float | None = None
+        if self.preempt_signal.is_set():
+            grace = self.preempt_grace_s
+        elif now >= self._next_notice_check:
+            self._next_notice_check = now + NOTICE_POLL_S
+            notice = preempt_notice_path(self.job_dir, self.spec.node)
+            if notice.exists():
+                try:
+                    grace = float(notice.read_text().strip() or self.preempt_grace_s)
+                except (OSError, ValueError):
+                    grace = self.preempt_grace_s
+        if grace is None:
+            return
+        self._preempt_deadline = now + grace
+        log.warning("node %s: preemption notice, %.1fs of grace; draining", self.spec.node, grace)
+        self._send({"t": "preempt", "grace_s": grace})
+
     def _on_command(self, msg: Message) -> int | None:
         """Carry out one coordinator command; an exit code when the agent is to stop."""
         assert self.agent is not None
         t = msg.get("t")
+        if t == "release":  # drained (preemption): nothing of the job runs here any more
+            for sid in list(self.agent.procs):
+                self.agent.kill(sid, signal.SIGKILL)
+            self.agent.wait_all(5.0)
+            return 0
         if t == "spawn":
             sid = self.agent.spawn(str(msg["role"]), int(msg["spawn_id"]))
             self._send({"t": "spawned", "spawn_id": sid, "pid": self.agent.pid(sid)})

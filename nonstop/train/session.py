@@ -50,7 +50,7 @@ from nonstop.config import WorkerEnv
 from nonstop.control.channel import Channel, Message, connect
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import ControlError, JobFailedError, SnapshotError
-from nonstop.faults import FaultInjector
+from nonstop.faults import FaultInjector, preempt_notice_path
 from nonstop.snapshot import RankSnapshotStore, StateCapture, segment_prefix
 from nonstop.snapshot.store import PendingWrite
 from nonstop.train.abort import SocketWatch
@@ -386,6 +386,12 @@ class Session:
         due = self._faults.due(rank=self.rank, step=step, phase=phase, node=node)
         if due is not None:
             index, fault = due
+            if fault.kind == "preempt":  # the node's notice arrives; its agent drains it
+                notice = preempt_notice_path(self.env.job_dir, self.env.node)
+                tmp = notice.with_suffix(".tmp")
+                tmp.write_text(f"{fault.grace}\n")
+                tmp.replace(notice)
+                return
             if fault.kind == "migrate":  # a planned event, not a fault: ask and go on training
                 to = None if fault.to < 0 else str(fault.to)
                 self._send({"t": "migrate", "gen": self.generation, "rank": self.rank, "to": to})
