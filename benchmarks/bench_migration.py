@@ -32,7 +32,6 @@ Summaries are median [min, max] over ``--runs`` runs. Results go to
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
@@ -49,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_mttr import machine_info, summarize  # noqa: E402  (a sibling script)
+from bench_mttr import machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
 
 from nonstop.demo.runner import demo_job_config  # noqa: E402
 from nonstop.runtime.eventlog import read_events  # noqa: E402
@@ -201,10 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     report: dict[str, Any] = {
         "benchmark": "migration",
-        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip(),
+        **run_stamp(),
         "machine": machine_info(),
         "params": {k: v for k, v in vars(args).items() if k != "out"} | {"out": str(args.out)},
         "contenders": {

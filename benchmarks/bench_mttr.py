@@ -132,6 +132,17 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def run_stamp() -> dict[str, str]:
+    """When a benchmark ran and on which commit of this checkout (for its JSON report)."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=Path(__file__).resolve().parent,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return {"when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit}
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

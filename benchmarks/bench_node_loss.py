@@ -29,10 +29,8 @@ Summaries are medians (min-max) over ``--runs`` runs per layout. Results go to
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -42,7 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench_mttr import machine_info, summarize  # noqa: E402  (a sibling script)
+from bench_mttr import machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
 
 from nonstop.config import JobConfig  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402
@@ -134,10 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="nonstop-bench-node-"))
     report: dict[str, Any] = {
         "benchmark": "node_loss",
-        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip(),
+        **run_stamp(),
         "machine": machine_info(),
         "params": {k: v for k, v in vars(args).items() if k != "out"} | {"out": str(args.out)},
         "layouts": {},

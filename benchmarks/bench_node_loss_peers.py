@@ -78,7 +78,6 @@ one machine; the benchmark removes that job's segments after each nonstop run.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -102,7 +101,7 @@ for _p in (str(REPO), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_mttr import AGENT_DECLARED, machine_info, ratio_summary, read_jsonl, summarize  # noqa: E402
+from bench_mttr import AGENT_DECLARED, fmt, machine_info, ratio_summary, read_jsonl, run_stamp, summarize  # noqa: E402
 from bench_node_loss import one_run  # noqa: E402
 
 from nonstop.runtime.gc import processes_of_job  # noqa: E402
@@ -757,14 +756,6 @@ def ratios(runs: dict[str, list[dict[str, Any]]], summaries: dict[str, dict[str,
     return out
 
 
-def fmt(s: dict[str, float] | None, digits: int = 2) -> str:
-    if not s:
-        return "-"
-    if s["min"] == s["max"]:
-        return f"{s['median']:.{digits}f}"
-    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
-
-
 def print_table(report: dict[str, Any]) -> None:
     c = report["config"]
     print(
@@ -783,7 +774,7 @@ def print_table(report: dict[str, Any]) -> None:
         print(
             f"{entry['label']:<26}{fmt(s.get('survivors_resume_s')):>24}"
             f"{fmt(s.get('replacement_participates_s')):>24}{fmt(s.get('full_participation_s')):>24}"
-            f"{fmt(s.get('lost_steps'), 0):>6}"
+            f"{fmt(s.get('lost_steps'), digits=0):>6}"
         )
         if s["runs_failed"]:
             errs = [r.get("error") for r in entry["runs"] if not r.get("ok")]
@@ -825,10 +816,7 @@ def run_benchmark(opts: Options, work: Path, out: Path) -> dict[str, Any]:
     summaries = {n: summarize_runs(runs[n]) for n in opts.contenders}
     report: dict[str, Any] = {
         "benchmark": "node_loss_peers",
-        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip(),
+        **run_stamp(),
         "command": [Path(sys.executable).name, *sys.argv],
         "machine": machine,
         "config": {

@@ -9,33 +9,21 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import DemoRun, run_demo_job
+from tests.conftest import DemoRun, events_named, run_nodes_job
 
 pytestmark = pytest.mark.slow
 
 
-def _events(run: DemoRun, name: str) -> list[dict[str, Any]]:
-    return [e for e in run.events if e["event"] == name]
-
-
-def _nodes(job_dir: Path, **kw: Any) -> DemoRun:
-    kw.setdefault("nproc", 1)
-    kw.setdefault("script_extra", ("--step-delay", "0.1"))
-    kw.setdefault("coordinator", "127.0.0.1:0")
-    kw.setdefault("lease_ttl_s", 3.0)
-    return run_demo_job(job_dir, **kw)
-
-
 def test_migrate_a_rank_to_another_node_bitwise(tmp_path: Path, reference_hash: str) -> None:
-    run = _nodes(tmp_path / "job", nnodes=3, spares=1, faults=("migrate:rank=1,step=4,to=2",))
+    run = run_nodes_job(tmp_path / "job", nnodes=3, spares=1, faults=("migrate:rank=1,step=4,to=2",))
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash
-    (done,) = _events(run, "migration_done")
+    (done,) = events_named(run.events, "migration_done")
     assert done["rank"] == 1 and done["source"] == "1" and done["target"] == "2"
     assert done["max_step_gap_s"] is not None and done["pause_ratio"] is not None
     assert {"fetched", "prepared", "paused", "resumed"} <= set(done["stages"])
-    assert run.result.failures == [] and _events(run, "failure") == []
-    gen = next(g for g in _events(run, "generation") if g.get("migration") == 1)
+    assert run.result.failures == [] and events_named(run.events, "failure") == []
+    gen = next(g for g in events_named(run.events, "generation") if g.get("migration") == 1)
     assert gen["nodes"]["1"] == "2" and gen["restore_step"] == done["boundary"]
     # nothing was rolled back: the swap generation starts where every rank stopped
     assert gen["restore_step"] > 4
@@ -44,14 +32,14 @@ def test_migrate_a_rank_to_another_node_bitwise(tmp_path: Path, reference_hash: 
 def test_leaver_death_mid_migration_falls_back_to_recovery(tmp_path: Path, reference_hash: str) -> None:
     """The leaver dies before the swap: the migration is aborted (its joiner stopped) and ordinary
     recovery restores the rank from the replica."""
-    run = _nodes(
+    run = run_nodes_job(
         tmp_path / "job", nnodes=3, spares=1, faults=("migrate:rank=1,step=4,to=2", "kill:rank=1,step=6")
     )
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash
-    (aborted,) = _events(run, "migration_aborted")
+    (aborted,) = events_named(run.events, "migration_aborted")
     assert aborted["rank"] == 1 and "failed" in aborted["error"]
-    assert _events(run, "migration_done") == []
+    assert events_named(run.events, "migration_done") == []
     (f,) = run.result.failures
     assert f["rank"] == 1 and f["kind"] == "kill" and f["lost_steps"] == 0
 
@@ -59,7 +47,7 @@ def test_leaver_death_mid_migration_falls_back_to_recovery(tmp_path: Path, refer
 def test_joiner_death_mid_migration_aborts_and_training_goes_on(tmp_path: Path, reference_hash: str) -> None:
     """The joiner dies while it prepares: the migration is aborted; no rank failed, nobody rolled
     back, the job ends in its first generation."""
-    run = _nodes(
+    run = run_nodes_job(
         tmp_path / "job",
         nnodes=3,
         spares=1,
@@ -67,7 +55,7 @@ def test_joiner_death_mid_migration_aborts_and_training_goes_on(tmp_path: Path, 
     )
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash
-    (aborted,) = _events(run, "migration_aborted")
+    (aborted,) = events_named(run.events, "migration_aborted")
     assert "joiner" in aborted["error"] and aborted["phase"] == "prepare"
     assert run.result.failures == [] and run.result.generation == 1
 
@@ -85,7 +73,7 @@ def test_status_and_drain_of_a_running_job(tmp_path: Path, reference_hash: str) 
     box: list[DemoRun] = []
     t = threading.Thread(
         target=lambda: box.append(
-            _nodes(job_dir, nnodes=3, spares=1, script_extra=("--step-delay", "0.3"), replicas=1)
+            run_nodes_job(job_dir, nnodes=3, spares=1, script_extra=("--step-delay", "0.3"), replicas=1)
         ),
         daemon=True,
     )
@@ -117,14 +105,14 @@ def test_status_and_drain_of_a_running_job(tmp_path: Path, reference_hash: str) 
 def test_preemption_notice_drains_the_node_within_its_grace(tmp_path: Path, reference_hash: str) -> None:
     """Node 2 gets a preemption notice with 30 s of grace: its rank moves live to another node,
     the node is released, nothing failed."""
-    run = _nodes(tmp_path / "job", nnodes=3, spares=1, faults=("preempt:node=2,step=4,grace=30",))
+    run = run_nodes_job(tmp_path / "job", nnodes=3, spares=1, faults=("preempt:node=2,step=4,grace=30",))
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash
-    (notice,) = _events(run, "preempt_notice")
+    (notice,) = events_named(run.events, "preempt_notice")
     assert notice["node"] == "2" and notice["ranks"] == [2]
-    (done,) = _events(run, "migration_done")
+    (done,) = events_named(run.events, "migration_done")
     assert done["rank"] == 2 and done["reason"] == "preempt" and done["target"] in ("0", "1")
-    assert [e["node"] for e in _events(run, "node_released")] == ["2"]
+    assert [e["node"] for e in events_named(run.events, "node_released")] == ["2"]
     assert done["stages"]["resumed"] + done["stages"]["paused"] < 30
     assert run.result.failures == []
 
@@ -132,9 +120,9 @@ def test_preemption_notice_drains_the_node_within_its_grace(tmp_path: Path, refe
 def test_preemption_without_time_to_drain_recovers_elsewhere(tmp_path: Path, reference_hash: str) -> None:
     """A notice with 0.2 s of grace: the node cannot be drained in time; its agent stops at the end of
     the grace and the rank is recovered on another node from its replica, no committed step lost."""
-    run = _nodes(tmp_path / "job", nnodes=3, spares=1, faults=("preempt:node=2,step=4,grace=0.2",))
+    run = run_nodes_job(tmp_path / "job", nnodes=3, spares=1, faults=("preempt:node=2,step=4,grace=0.2",))
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash
-    assert [e["node"] for e in _events(run, "node_lost")] == ["2"]
+    assert [e["node"] for e in events_named(run.events, "node_lost")] == ["2"]
     (f,) = run.result.failures
     assert f["rank"] == 2 and f["kind"] == "node" and f["lost_steps"] == 0

@@ -8,34 +8,20 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import DemoRun, run_demo_job
+from tests.conftest import events_named, run_demo_job, run_nodes_job
 
 pytestmark = pytest.mark.slow
 
 
-def _nodes(job_dir: Path, **kw: Any) -> DemoRun:
-    kw.setdefault("nproc", 1)
-    # steps long enough that replication rounds (tens of ms each) keep up, as with real steps
-    kw.setdefault("script_extra", ("--step-delay", "0.1"))
-    kw.setdefault("coordinator", "127.0.0.1:0")
-    # a loaded 2-core CI machine can starve a process for over a second: no spurious fencing
-    kw.setdefault("lease_ttl_s", 3.0)
-    return run_demo_job(job_dir, **kw)
-
-
-def _events(run: DemoRun, name: str) -> list[dict[str, Any]]:
-    return [e for e in run.events if e["event"] == name]
-
-
 def test_node_loss_is_recovered_from_a_peer_replica_bitwise(tmp_path: Path, reference_hash: str) -> None:
-    run = _nodes(tmp_path / "job", nnodes=3, spares=1, faults=("node:node=2,step=12",))
+    run = run_nodes_job(tmp_path / "job", nnodes=3, spares=1, faults=("node:node=2,step=12",))
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash  # 3 ranks, as the single-node reference
-    (lost,) = _events(run, "node_lost")
+    (lost,) = events_named(run.events, "node_lost")
     assert lost["node"] == "2"
     (f,) = run.result.failures
     assert f["kind"] == "node" and f["replacement"] == "spare" and f["lost_steps"] == 0
-    gen = next(g for g in _events(run, "generation") if g["cause"])
+    gen = next(g for g in events_named(run.events, "generation") if g["cause"])
     assert gen["tier"] == "memory"
     assert gen["nodes"]["2"] in ("0", "1")  # rank 2 now runs on a surviving node
     # rank 2's snapshot existed only on node 2 and in its replica: it was fetched or copied
@@ -52,7 +38,7 @@ def test_node_loss_is_recovered_from_a_peer_replica_bitwise(tmp_path: Path, refe
 
 
 def test_a_node_that_fails_too_often_is_quarantined(tmp_path: Path, reference_hash: str) -> None:
-    run = _nodes(
+    run = run_nodes_job(
         tmp_path / "job",
         nnodes=3,
         spares=1,
@@ -61,9 +47,9 @@ def test_a_node_that_fails_too_often_is_quarantined(tmp_path: Path, reference_ha
     )
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash
-    lost = _events(run, "node_lost")
+    lost = events_named(run.events, "node_lost")
     assert [e["node"] for e in lost] == ["1"] and lost[0]["quarantined"] is True
-    gens = [g for g in _events(run, "generation") if g["cause"]]
+    gens = [g for g in events_named(run.events, "generation") if g["cause"]]
     assert gens[0]["nodes"]["1"] == "1"  # the first failure restarts in place (its own node's spare)
     assert gens[-1]["nodes"]["1"] != "1"  # after quarantine, rank 1 lives elsewhere
     assert all(f["lost_steps"] == 0 for f in run.result.failures)
@@ -115,14 +101,14 @@ def test_the_last_node_is_never_quarantined(tmp_path: Path, reference_hash: str)
     )
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash
-    assert len(run.result.failures) == 3 and _events(run, "node_lost") == []
+    assert len(run.result.failures) == 3 and events_named(run.events, "node_lost") == []
 
 
 def test_a_node_and_its_replica_holder_lost_recover_from_durable(tmp_path: Path, reference_hash: str) -> None:
     """Nodes 1 and 2 die together: rank 1's snapshot lived on node 1 and its replica on node 2
     (the ring), so no memory holds it; every rank returns to the newest durable checkpoint,
     which the three nodes wrote together (persist rounds), and the result is still bitwise."""
-    run = _nodes(
+    run = run_nodes_job(
         tmp_path / "job",
         nnodes=3,
         spares=2,
@@ -131,12 +117,12 @@ def test_a_node_and_its_replica_holder_lost_recover_from_durable(tmp_path: Path,
     )
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash
-    assert sorted(e["node"] for e in _events(run, "node_lost")) == ["1", "2"]
-    persisted = _events(run, "persist")
+    assert sorted(e["node"] for e in events_named(run.events, "node_lost")) == ["1", "2"]
+    persisted = events_named(run.events, "persist")
     assert persisted and all(p["nodes"] == ["0", "1", "2"] for p in persisted if p["step"] < 12)
-    restored = _events(run, "restore_from_durable")
+    restored = events_named(run.events, "restore_from_durable")
     assert restored and restored[-1]["step"] in {p["step"] for p in persisted}
-    gen = [g for g in _events(run, "generation") if g["cause"]][-1]
+    gen = [g for g in events_named(run.events, "generation") if g["cause"]][-1]
     assert gen["tier"] == "durable" and set(gen["nodes"].values()) == {"0"}
     # the final persist wrote the finished job's last step from the surviving node
     from nonstop.snapshot.durable import DurableStore

@@ -15,20 +15,16 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from nonstop.demo.runner import demo_job_config
-from nonstop.runtime.coordinator import JobResult, JobState
-from nonstop.runtime.eventlog import read_events
-from nonstop.runtime.localnodes import run_local_nodes
-from tests.conftest import STEPS
+from nonstop.runtime.coordinator import JobState
+from tests.conftest import STEPS, NodesInBackground
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -85,11 +81,6 @@ def netns() -> Iterator[Net]:
         subprocess.run(["ip", "link", "del", net.bridge], capture_output=True)
 
 
-def _events(job_dir: Path, name: str) -> list[dict[str, Any]]:
-    path = job_dir / "events.jsonl"
-    return [e for e in read_events(path) if e["event"] == name] if path.exists() else []
-
-
 def test_partitioned_minority_is_fenced_and_no_rank_runs_twice(
     tmp_path: Path, netns: Net, reference_hash: str
 ) -> None:
@@ -112,27 +103,11 @@ def test_partitioned_minority_is_fenced_and_no_rank_runs_twice(
     def in_namespace(k: int, cmd: list[str]) -> list[str]:
         return ["ip", "netns", "exec", netns.ns[k], "env", f"GLOO_SOCKET_IFNAME={netns.inner[k]}", *cmd]
 
-    box: list[JobResult | BaseException] = []
-
-    def job() -> None:
-        try:
-            box.append(run_local_nodes(cfg, redirect_output=True, wrap=in_namespace))
-        except BaseException as e:
-            box.append(e)
-
-    runner = threading.Thread(target=job, daemon=True)
-    runner.start()
-    deadline = time.monotonic() + 300
-    while runner.is_alive() and time.monotonic() < deadline:
-        if any(e["step"] >= 5 for e in _events(job_dir, "replicated")):  # every rank is past step 5
-            break
-        time.sleep(0.05)
+    job = NodesInBackground(cfg, wrap=in_namespace)
+    job.wait_replicated(5)  # every rank is past step 5
     cut_at = time.time()
     _ip("link", "set", netns.host_side[2], "down")  # node 2 is cut off from everyone
-    runner.join(timeout=300)
-    assert box, "the job did not end"
-    result = box[0]
-    assert not isinstance(result, BaseException), result
+    result = job.result(timeout=300)
     assert result.state is JobState.DONE, result.error
     out = json.loads((job_dir / "result.json").read_text())
     assert out["final_hash"] == reference_hash
@@ -140,14 +115,14 @@ def test_partitioned_minority_is_fenced_and_no_rank_runs_twice(
     # The minority fenced itself: it killed its processes and recorded when.
     fence = json.loads((job_dir / "fenced-node-2.json").read_text())
     assert fence["at"] > cut_at and "lease" in fence["why"]
-    node2_pids = {e["pid"] for e in _events(job_dir, "spawned") if e.get("node") == "2"}
+    node2_pids = {e["pid"] for e in job.events("spawned") if e.get("node") == "2"}
     assert node2_pids and node2_pids <= set(fence["killed_pids"])
     # The majority declared it lost only when its lease expired, after the fence.
-    (lost,) = _events(job_dir, "node_lost")
+    (lost,) = job.events("node_lost")
     assert lost["node"] == "2" and "lease expired" in lost["reason"]
     assert lost["ts"] > fence["dead_at"] >= fence["at"]
     # Rank 2 was given to a spare elsewhere only after that: never two live processes for it.
-    gen = next(g for g in _events(job_dir, "generation") if 2 in g["cause"])
+    gen = next(g for g in job.events("generation") if 2 in g["cause"])
     assert gen["ts"] >= lost["ts"]
     assert gen["nodes"]["2"] in ("0", "1") and gen["tier"] == "memory"
     assert all(f["lost_steps"] == 0 for f in result.failures)

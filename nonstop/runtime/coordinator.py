@@ -983,19 +983,7 @@ class Coordinator:
         (memory first, then durable) when there are ``failures``, a resumed checkpoint to
         install, or ``inventory`` (a restarted coordinator redoing an interrupted recovery)."""
         now = time.time()
-        self.generation += 1
-        self.state = JobState.RECONFIGURING
-        self.reconf = None
-        for req in [q for q, (_, gen) in self._waiting_fetch.items() if gen < self.generation]:
-            del self._waiting_fetch[req]  # a late answer is ignored (its generation is over)
-            self._req_node.pop(req, None)
-        self._round = None
-        for reply, msg in self.kv.new_generation(self.generation):
-            try:
-                reply(msg)
-            except ControlError:
-                pass
-        self.done_ranks.clear()
+        self._open_generation()
         alive_nodes = self._alive_nodes()
         if not alive_nodes:
             self._fail("every node is lost or quarantined; nothing left to run on")
@@ -1052,10 +1040,8 @@ class Coordinator:
         r.marks["detect"] = max((f.detected_at for f in failures), default=now)
         if failures and restore_step is not None:
             r.lost_steps = max(0, self.committed() - restore_step)
-        if restore_step is not None:  # every rank goes back there: later reports are void
-            self.latest_step = {rank: restore_step for rank in range(self.world_size)}
-            if self.replicated_step is not None and self.replicated_step > restore_step:
-                self.replicated_step = restore_step
+        if restore_step is not None:
+            self._rewind(restore_step)
         for rank, p in sorted(placements.items()):
             r.replacements[rank] = p.source.value
             if p.spare is not None:
@@ -1067,21 +1053,50 @@ class Coordinator:
                 self._spawn(p.node, "worker", rank)
                 r.waiting_launch.add(rank)
         r.marks["plan"] = time.time()
-        self.reconf = r
         fetches = (
-            self._plan_fetches(restore_step, avail) if tier == "memory" and restore_step is not None else {}
+            self._plan_fetches(r, restore_step, avail)
+            if tier == "memory" and restore_step is not None
+            else {}
         )
+        self._launch(r, tier=tier, fetches=fetches)
+
+    def _open_generation(self) -> None:
+        """Generation + 1: fence the old one (its fetches, rendezvous, replication round)."""
+        self.generation += 1
+        self.state = JobState.RECONFIGURING
+        self.reconf = None
+        for req in [q for q, (_, gen) in self._waiting_fetch.items() if gen < self.generation]:
+            del self._waiting_fetch[req]  # a late answer is ignored (its generation is over)
+            self._req_node.pop(req, None)
+        self._round = None
+        for reply, msg in self.kv.new_generation(self.generation):
+            try:
+                reply(msg)
+            except ControlError:
+                pass
+        self.done_ranks.clear()
+
+    def _rewind(self, step: int) -> None:
+        """Every rank goes back to ``step``: later step reports are void."""
+        self.latest_step = {rank: step for rank in range(self.world_size)}
+        if self.replicated_step is not None and self.replicated_step > step:
+            self.replicated_step = step
+
+    def _launch(self, r: Reconfiguration, *, tier: str, fetches: dict[int, str], **extra: Any) -> None:
+        """Log the planned generation ``r`` and start it: reconfigure every connected member."""
+        self.reconf = r
         self.events.emit(
             "generation",
-            generation=self.generation,
-            restore_step=restore_step,
+            generation=r.generation,
+            restore_step=r.restore_step,
             tier=tier,
             members={str(k): v for k, v in sorted(self.members.items())},
             nodes={str(k): self.rank_node.get(k) for k in sorted(self.members)},
             replacements=r.replacements,
-            cause=[f.rank for f in failures],
+            cause=[f.rank for f in r.failures],
             fetches={str(k): v for k, v in fetches.items()},
-            replans=replans,
+            replans=r.replans,
+            **extra,
         )
         for rank, sid in self.members.items():
             if self.workers[sid].chan is None:  # still starting (e.g. launched by a re-planned generation)
@@ -1089,6 +1104,25 @@ class Coordinator:
             self._maybe_reconfigure(rank)
         r.stage = Stage.LAUNCH
         self._advance()
+
+    def _fetch(self, target: str, rank: int, step: int, source: str, kind: str) -> int:
+        """Ask ``target``'s agent to copy ``rank``'s snapshot of ``step`` from ``source``'s memory
+        (``kind``: its own ranks' ``local`` slots or the ``replica`` s it holds); a request id."""
+        msg: Message = {
+            "t": "fetch",
+            "rank": rank,
+            "step": step,
+            "addr": self.nodes[source].data_addr,
+            "kind": kind,
+        }
+        return self._request(self.nodes[target], msg)
+
+    def _fetch_for(self, r: Reconfiguration, rank: int, step: int, source: str, kind: str) -> str:
+        """A fetch generation ``r`` waits for before ``rank`` restores (to the node playing it)."""
+        req = self._fetch(self.rank_node[rank], rank, step, source, kind)
+        self._waiting_fetch[req] = (rank, r.generation)
+        r.waiting_fetch.add(rank)
+        return f"{source}:{kind}"
 
     def _idle_spares(self) -> dict[int, str]:
         """Connected hot spares waiting for a rank: spawn id -> node."""
@@ -1103,10 +1137,10 @@ class Coordinator:
             and not self.nodes[self.worker_node[sid]].draining
         }
 
-    def _plan_fetches(self, step: int, avail: dict[int, dict[int, list[tuple[str, str]]]]) -> dict[int, str]:
+    def _plan_fetches(
+        self, r: Reconfiguration, step: int, avail: dict[int, dict[int, list[tuple[str, str]]]]
+    ) -> dict[int, str]:
         """Have each node that will play a rank without holding ``step`` of it fetch it from a peer."""
-        r = self.reconf
-        assert r is not None
         out: dict[int, str] = {}
         for rank in range(self.world_size):
             target = self.rank_node[rank]
@@ -1115,19 +1149,7 @@ class Coordinator:
                 continue
             # prefer the target's own replica (a copy within the node), then any other holder
             src = sorted(sources, key=lambda s: (s[0] != target, s[1] != "replica", s[0]))[0]
-            req = self._request(
-                self.nodes[target],
-                {
-                    "t": "fetch",
-                    "rank": rank,
-                    "step": step,
-                    "addr": self.nodes[src[0]].data_addr,
-                    "kind": src[1],
-                },
-            )
-            self._waiting_fetch[req] = (rank, self.generation)
-            r.waiting_fetch.add(rank)
-            out[rank] = f"{src[0]}:{src[1]}"
+            out[rank] = self._fetch_for(r, rank, step, src[0], src[1])
         return out
 
     def _on_fetched(self, node: NodeRecord, msg: Message) -> None:
@@ -1402,8 +1424,7 @@ class Coordinator:
                 and self.reconf is None
                 and not self._awaiting
             ):
-                rank, target, reason = self._migrate_queue.pop(0)
-                self._start_migration(rank, target, reason)
+                self._start_migration(*self._migrate_queue.pop(0))
             return
         if m.phase in (MigrationPhase.PAUSE, MigrationPhase.SWAP):
             now = time.monotonic()
@@ -1453,16 +1474,7 @@ class Coordinator:
             step=step,
             reason=reason,
         )
-        m.fetch_req = self._request(
-            self.nodes[target],
-            {
-                "t": "fetch",
-                "rank": rank,
-                "step": step,
-                "addr": self.nodes[leaver_node].data_addr,
-                "kind": "local",
-            },
-        )
+        m.fetch_req = self._fetch(target, rank, step, leaver_node, "local")
 
     def _on_prepare_fetched(self, m: Migration, msg: Message) -> None:
         if not msg.get("ok"):
@@ -1509,16 +1521,8 @@ class Coordinator:
         joiner.role = "worker"
         self.members[m.rank] = m.joiner_sid
         self.rank_node[m.rank] = m.target
-        self.generation += 1
+        self._open_generation()
         m.generation = self.generation
-        self.state = JobState.RECONFIGURING
-        self._round = None
-        for reply, out in self.kv.new_generation(self.generation):
-            try:
-                reply(out)
-            except ControlError:
-                pass
-        self.done_ranks.clear()
         r = Reconfiguration(
             generation=self.generation,
             world_size=self.world_size,
@@ -1528,37 +1532,9 @@ class Coordinator:
             replacements={m.rank: "migration"},
         )
         r.marks["detect"] = r.marks["plan"] = time.time()
-        self.latest_step = {rank: step for rank in range(self.world_size)}
-        req = self._request(
-            self.nodes[m.target],
-            {
-                "t": "fetch",
-                "rank": m.rank,
-                "step": step,
-                "addr": self.nodes[m.leaver_node].data_addr,
-                "kind": "local",
-            },
-        )
-        self._waiting_fetch[req] = (m.rank, self.generation)
-        r.waiting_fetch.add(m.rank)
-        self.reconf = r
-        self.events.emit(
-            "generation",
-            generation=self.generation,
-            restore_step=step,
-            tier="memory",
-            members={str(k): v for k, v in sorted(self.members.items())},
-            nodes={str(k): self.rank_node.get(k) for k in sorted(self.members)},
-            replacements=r.replacements,
-            cause=[],
-            fetches={str(m.rank): f"{m.leaver_node}:local"},
-            replans=0,
-            migration=m.rank,
-        )
-        for rank in self.members:
-            self._maybe_reconfigure(rank)
-        r.stage = Stage.LAUNCH
-        self._advance()
+        self._rewind(step)
+        fetched = self._fetch_for(r, m.rank, step, m.leaver_node, "local")
+        self._launch(r, tier="memory", fetches={m.rank: fetched}, migration=m.rank)
 
     def _migration_done(self, m: Migration) -> None:
         m.phase = MigrationPhase.DONE

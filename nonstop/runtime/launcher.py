@@ -321,7 +321,6 @@ def run_store_node0(
     """Node 0 with ``--store etcd://``: the coordinator runs as its own process (restarted here
     when it dies, resuming from the store), node 0's agent runs in this process like any
     other node's. Returns the coordinator's result."""
-    del command  # the coordinator process rebuilds it from the config
     DurableStore(config.checkpoint_url, keep=config.keep)  # a bad URL fails here
     if config.resume:
         _load_resume(config)
@@ -351,7 +350,7 @@ def run_store_node0(
         time.sleep(0.02)
     node = _run_node(
         config,
-        command=worker_command(config.script, config.script_args),
+        command=command,
         job_dir=job_dir,
         stop=stop,
         redirect_output=redirect_output,

@@ -207,16 +207,12 @@ class ClusterPersister:
 
     # -- internals -----------------------------------------------------------------------------
     def _commit(self, rd: PersistRound) -> None:
-        self.round = None
         try:
             rd.writer.commit()
         except (NonstopError, OSError) as e:
-            try:
-                rd.writer.abort()
-            except (NonstopError, OSError):
-                pass
-            self._failed(f"committing step {rd.step}: {e}", rd.tickets)
+            self.abort(f"committing it: {e}")  # still the round in flight
             return
+        self.round = None
         seconds = time.monotonic() - rd.started
         self.last_step = rd.step
         self.last = PersistResult(

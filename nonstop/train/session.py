@@ -107,14 +107,13 @@ class Session:
         self._step = 0
         self._fence_wait_s = 0.0
         self._faults = FaultInjector.from_json(env.faults_json, env.job_dir / "faults")
-        hello = {"role": env.role, "spawn_id": env.spawn_id, "pid": os.getpid()}
         self._done = False  # this rank reported its last step (a restarted coordinator asks)
         self._pause_at: int | None = None  # live migration: stop after this step, wait for the swap
         self._in_step = False
         self._can_interrupt = threading.current_thread() is threading.main_thread()
         if self._can_interrupt:
             signal.signal(signal.SIGUSR1, self._on_interrupt)
-        self._chan: Channel = connect(env.control_addr, env.secret, hello, timeout=connect_timeout)
+        self._chan: Channel = connect(env.control_addr, env.secret, self._hello(), timeout=connect_timeout)
         threading.Thread(target=self._reader, name="nonstop-reader", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="nonstop-heartbeat", daemon=True).start()
         # A spare waits here, imported and connected, until it is given a rank. Pay
@@ -147,16 +146,15 @@ class Session:
                     os._exit(EXIT_COORDINATOR_LOST)
                 return
 
+    def _hello(self) -> Message:
+        return {"role": self.env.role, "spawn_id": self.env.spawn_id, "pid": os.getpid()}
+
     def _reconnect(self) -> bool:
         """Store mode: the coordinator restarts; reach the new one (same address) within
         ``reconnect_s``, telling it where this rank is. Training goes on meanwhile."""
         deadline = time.monotonic() + self.env.reconnect_s
-        hello = {
-            "role": self.env.role,
-            "spawn_id": self.env.spawn_id,
-            "pid": os.getpid(),
-            "resume": {"gen": self.generation, "step": self._step, "done": self._done},
-        }
+        hello = self._hello()
+        hello["resume"] = {"gen": self.generation, "step": self._step, "done": self._done}
         while time.monotonic() < deadline and not self._closing:
             try:
                 self._chan = connect(self.env.control_addr, self.env.secret, hello, timeout=1.0)
