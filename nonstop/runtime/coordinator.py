@@ -206,7 +206,8 @@ class Coordinator:
         self._last_sid = -1  # spawn ids are never reused, across coordinator restarts too
         # live migration (runtime/migration.py): the one in progress, the queue, who asked
         self.migration: Migration | None = None
-        self._migrate_queue: list[tuple[int, str | None, str]] = []  # (rank, target or None, reason)
+        # (rank, target or None, reason, when asked): waits while no spare is ready (they may be starting)
+        self._migrate_queue: list[tuple[int, str | None, str, float]] = []
         self._migrate_clients: dict[int, list[Channel]] = {}  # rank -> clients waiting for it
         self._step_at: dict[int, tuple[int, float]] = {}  # rank -> (step, when its report arrived)
         self.migrations_done: list[dict[str, Any]] = []
@@ -621,7 +622,7 @@ class Coordinator:
                 "phase": str(m.phase),
                 "boundary": m.boundary,
             },
-            "queued_migrations": [r for r, _, _ in self._migrate_queue],
+            "queued_migrations": [q[0] for q in self._migrate_queue],
             "store": self.config.store,
         }
 
@@ -1361,11 +1362,11 @@ class Coordinator:
                 return f"rank {rank} already runs on node {target}"
         if self.state in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
             return "the job is ending"
-        if any(r == rank for r, _, _ in self._migrate_queue) or (
+        if any(q[0] == rank for q in self._migrate_queue) or (
             self.migration is not None and self.migration.rank == rank
         ):
             return f"rank {rank} is already being moved"
-        self._migrate_queue.append((rank, target, reason))
+        self._migrate_queue.append((rank, target, reason, time.monotonic()))
         self.events.emit("migration_requested", rank=rank, target=target, reason=reason)
         return None
 
@@ -1434,8 +1435,9 @@ class Coordinator:
             if time.time() - m.marks["start"] > self.config.rebuild_timeout_s:
                 self._abort_migration(f"not ready to swap within {self.config.rebuild_timeout_s:g}s")
 
-    def _start_migration(self, rank: int, target: str | None, reason: str) -> None:
+    def _start_migration(self, rank: int, wanted: str | None, reason: str, asked: float) -> None:
         leaver_node = self.rank_node[rank]
+        target = wanted
         idle = self._idle_spares()
         alive = self._alive_nodes()
         if target is None:
@@ -1448,6 +1450,10 @@ class Coordinator:
             )
         joiner = choose_joiner(target, idle) if target is not None and target in alive else None
         if target is None or joiner is None:
+            if time.monotonic() - asked < self.config.rebuild_timeout_s:
+                # Spares may still be starting (importing torch) or being replaced: ask again later.
+                self._migrate_queue.append((rank, wanted, reason, asked))
+                return
             why = f"no idle hot spare on node {target}" if target is not None else "no node has an idle spare"
             self.events.emit("migration_refused", rank=rank, target=target, reason=why)
             self._answer_migration(rank, ok=False, error=why)
@@ -1835,7 +1841,7 @@ class Coordinator:
         """Every rank has the final step snapshotted: release members and spares."""
         if self.migration is not None:
             self._abort_migration("the job finished first")
-        for rank in [r for r, _, _ in self._migrate_queue]:
+        for rank in [q[0] for q in self._migrate_queue]:
             self._answer_migration(rank, ok=False, error="the job finished first")
         self._migrate_queue.clear()
         self.state = JobState.FINISHING
