@@ -147,6 +147,22 @@ def _node_args(p: argparse.ArgumentParser) -> None:
         help="SIGTERM to a node (not node 0) is a preemption notice: its ranks move live to other nodes "
         "within this grace; also JOB_DIR/preempt-node-N appearing (content: grace seconds)",
     )
+    g.add_argument(
+        "--min-world-size",
+        type=int,
+        default=c.min_world_size,
+        metavar="N",
+        help="elastic: when a rank cannot be replaced (no hot spare left), go on with fewer ranks, "
+        "down to N, keeping the global batch by gradient accumulation; grow back when a node joins "
+        "(default 0: never shrink)",
+    )
+    g.add_argument(
+        "--elastic-wait",
+        type=float,
+        default=c.elastic_wait_s,
+        metavar="SECONDS",
+        help="elastic: wait this long for a spare before shrinking (default %(default)s)",
+    )
 
 
 def _node_config(ns: argparse.Namespace) -> dict[str, object]:
@@ -166,6 +182,8 @@ def _node_config(ns: argparse.Namespace) -> dict[str, object]:
         "quarantine_window_s": ns.quarantine_window,
         "join_timeout_s": ns.join_timeout,
         "preempt_grace_s": ns.preempt_grace,
+        "min_world_size": ns.min_world_size,
+        "elastic_wait_s": ns.elastic_wait,
     }
 
 

@@ -117,6 +117,9 @@ class JobConfig:
     quarantine_window_s: float = 600.0  # ... within this window is quarantined
     join_timeout_s: float = 300.0  # how long node 0 waits for every node to join
     preempt_grace_s: float = 30.0  # SIGTERM to a node's agent: a preemption notice with this grace
+    # -- elasticity (runtime/elastic.py) ---------------------------------------------------
+    min_world_size: int = 0  # shrink down to this many ranks when no spare is left (0: never shrink)
+    elastic_wait_s: float = 0.0  # wait this long for a spare before shrinking
     # -- control store -----------------------------------------------------------------
     store: str = "embedded://"  # or etcd://HOST:PORT[,...]: the coordinator may restart
     reconnect_s: float = 30.0  # store mode: how long agents and workers wait for a new coordinator
@@ -196,6 +199,18 @@ class JobConfig:
                 )
         if self.reconnect_s <= 0:
             raise UsageError(f"--reconnect must be > 0 seconds (got {self.reconnect_s})")
+        if not 0 <= self.min_world_size <= self.world_size:
+            raise UsageError(
+                f"--min-world-size must be in 0..{self.world_size} (the job's world size; 0 never "
+                f"shrinks; got {self.min_world_size})"
+            )
+        if self.elastic_wait_s < 0:
+            raise UsageError(f"--elastic-wait must be >= 0 seconds (got {self.elastic_wait_s})")
+
+    @property
+    def min_world(self) -> int:
+        """The smallest world size the job may shrink to (its full size: never shrinks)."""
+        return self.min_world_size or self.world_size
 
     @property
     def uses_store(self) -> bool:

@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result", type=Path, default=None)
     ap.add_argument(
+        "--samples-log",
+        type=Path,
+        default=None,
+        help="directory: each process appends (generation, step, shard, first sample, count) of every "
+        "micro-batch it trains on, as JSON lines (the proof that an elastic run reads the same samples)",
+    )
+    ap.add_argument(
         "--step-delay", type=float, default=0.0, help="extra seconds per step (to watch or interrupt a run)"
     )
     args = ap.parse_args(argv)
@@ -52,22 +60,35 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
     session = nonstop.init()  # a hot spare waits here
-    data = {"samples_seen": 0}
-    rank = session.rank
+    data = {"samples_seen": 0}  # by the whole job (the same on every rank)
+    samples_log = None
+    if args.samples_log is not None:
+        args.samples_log.mkdir(parents=True, exist_ok=True)
+        samples_log = (args.samples_log / f"samples-{os.getpid()}.jsonl").open("a")
 
     starts: list[float] = []  # when each train_step began: the loop's pace, snapshots included
 
     def train_step(ddp: torch.nn.Module, step: int) -> float:
         starts.append(time.perf_counter())
-        x, y = corpus.batch(step=step, rank=rank, batch=args.batch, seq=cfg.seq)
-        loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        losses = []
+        # One micro-batch per data shard this rank plays (one, unless the job has shrunk).
+        # Shard k of step s holds samples (s * num_shards + k) * batch ... + batch - 1.
+        for shard in session.shard_steps(ddp):
+            x, y = corpus.batch(step=step, rank=shard, batch=args.batch, seq=cfg.seq)
+            loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            losses.append(float(loss.item()))
+            if samples_log is not None:
+                first = (step * session.num_shards + shard) * args.batch
+                rec = {"gen": session.generation, "step": step, "shard": shard, "first": first}
+                samples_log.write(json.dumps({**rec, "n": args.batch, "t": time.time()}) + "\n")
+                samples_log.flush()
         if args.step_delay:
             time.sleep(args.step_delay)
         opt.step()
-        data["samples_seen"] += args.batch
-        return float(loss.item())
+        data["samples_seen"] += args.batch * session.num_shards
+        return sum(losses) / len(losses)
 
     def load_extras(extras: dict[str, Any]) -> None:
         data.update(extras)
@@ -81,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         extras=lambda: dict(data),
         load_extras=load_extras,
     )
-    if rank == 0 and args.result is not None:
+    if session.rank == 0 and args.result is not None:
         args.result.write_text(
             json.dumps(
                 {
@@ -89,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
                     "final_hash": weights_hash(model),
                     "step": result.step,
                     "generation": result.generation,
-                    "samples_seen_rank0": data["samples_seen"],
+                    "samples_seen": data["samples_seen"],
                     "world_size": session.world_size,
                     "num_params": sum(p.numel() for p in model.parameters()),
                     "seconds": time.time() - t0,

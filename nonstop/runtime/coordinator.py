@@ -45,12 +45,14 @@ from nonstop.control.store import LeaseKeeper, Watch
 from nonstop.errors import ControlError, NonstopError
 from nonstop.faults import fired_at
 from nonstop.runtime.detector import FailureDetector, WorkerRecord
+from nonstop.runtime.elastic import ElasticAction, ElasticPolicy, Resize, assign_shards, renumber
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.migration import Migration, MigrationPhase, boundary_step, choose_joiner, choose_target
 from nonstop.runtime.persistence import ClusterPersister
 from nonstop.runtime.policy import (
     FailureKind,
+    Placement,
     QuarantinePolicy,
     choose_replacements,
     classify_exit,
@@ -159,6 +161,13 @@ class Coordinator:
         self.server = server
         self.events = events
         self.world_size = config.world_size
+        # elastic (runtime/elastic.py): the data-parallel shards stay those of the full-size job
+        self.num_shards = config.world_size
+        self.elastic = ElasticPolicy(
+            num_shards=config.world_size, min_world_size=config.min_world, wait_s=config.elastic_wait_s
+        )
+        self._replan_at: float | None = None  # elastic wait: re-plan then (or when a spare appears)
+        self.resize: Resize | None = None  # a grow in progress
         # replicating: the held replicated step, the one a round is sending, the newest, one to write
         self.num_slots = 4 if config.replicas > 0 and config.nnodes > 1 else 2
         self.state = JobState.STARTING
@@ -235,6 +244,7 @@ class Coordinator:
             self._replicate()
             self._persist()
             self._migrate_tick()
+            self._elastic_tick()
             self._answer_clients()
         self._final_persist()
         for node in self.nodes.values():
@@ -473,7 +483,10 @@ class Coordinator:
             "node_join", node=name, domain=node.domain, data=node.data_addr, rejoin=old is not None
         )
         if self.state is not JobState.STARTING:  # a node joining a running job brings capacity: spares
-            for _ in range(node.spares):
+            # ... and, in an elastic job, room for ranks: its rank slots wait as spares too (to grow
+            # back with, or to take the ranks of a recovery waiting for a spare)
+            extra = node.nproc if self.elastic.enabled else 0
+            for _ in range(node.spares + extra):
                 self._spawn(name, "spare", None)
 
     def _on_agent_message(self, node: NodeRecord, msg: Message) -> None:
@@ -623,6 +636,14 @@ class Coordinator:
                 "boundary": m.boundary,
             },
             "queued_migrations": [q[0] for q in self._migrate_queue],
+            "num_shards": self.num_shards,
+            "min_world_size": self.elastic.min_world_size,
+            "shards": {
+                str(r): list(sh) for r, sh in enumerate(assign_shards(self.num_shards, self.world_size))
+            },
+            "growing": None
+            if self.resize is None
+            else {"to": self.resize.new_world_size, "boundary": self.resize.boundary},
             "store": self.config.store,
         }
 
@@ -745,6 +766,8 @@ class Coordinator:
             m.paused[rank] = int(msg["step"])
             if len(m.paused) == self.world_size:
                 self._swap(m)
+        elif t == "paused" and self.resize is not None and self.resize.generation is None:
+            self._on_paused_for_resize(self.resize, rank, int(msg["step"]))
         elif t == "fault":
             w.fault_report = (now, str(msg.get("error", "")))
             self.events.emit("fault_report", rank=rank, spawn_id=w.spawn_id, error=msg.get("error"))
@@ -771,6 +794,9 @@ class Coordinator:
             is_member = w.rank is not None and self.members.get(w.rank) == sid
             if self.migration is not None and sid == self.migration.joiner_sid and not is_member:
                 self._abort_migration(f"the joiner (spawn {sid}) exited with {describe_exit(rc)}")
+            z = self.resize
+            if z is not None and z.generation is None and sid in z.joiners:
+                self._abort_resize(f"joining spare {sid} exited with {describe_exit(rc)}")
             if (
                 ex.node_lost is None
                 and w.chan is None
@@ -856,6 +882,8 @@ class Coordinator:
     def _on_failures(self, failures: list[Failure]) -> None:
         if self.migration is not None:
             self._abort_migration(f"rank {failures[0].rank} failed: {failures[0].detail}")
+        if self.resize is not None:
+            self._abort_resize(f"rank {failures[0].rank} failed: {failures[0].detail}")
         for f in failures:
             self.events.emit(
                 "failure",
@@ -884,7 +912,7 @@ class Coordinator:
             return
         if self._deferred is not None:
             before, replans, replacements = self._deferred
-            self._deferred = None
+            self._deferred, self._replan_at = None, None
             self._begin_generation(before + failures, replans=replans + 1, replacements=replacements)
             return
         previous = self.reconf if self.state is JobState.RECONFIGURING else None
@@ -1014,7 +1042,30 @@ class Coordinator:
             },
             live_nodes=alive_nodes,
             load=load,
+            cold_elsewhere=not self.elastic.enabled,
         )
+        from_rank: dict[int, int] = {}
+        unplaced = [r for r in missing if r not in placements]
+        if unplaced:
+            first = min((f.detected_at for f in failures), default=now)
+            decision = self.elastic.on_unplaced(
+                world_size=self.world_size, unplaced=len(unplaced), waited_s=now - first
+            )
+            if decision.action is ElasticAction.WAIT:
+                for sid in self.members.values():  # their fault reports are answered after the wait
+                    self.workers[sid].fault_report = None
+                self._deferred = (failures, replans, dict(replacements or {}))
+                self._replan_at = time.monotonic() + decision.wait_s
+                self.events.emit("elastic_wait", ranks=unplaced, wait_s=decision.wait_s)
+                return
+            if decision.action is ElasticAction.FAIL:
+                self._fail(decision.reason)
+                return
+            placements, avail, from_rank = self._shrink(unplaced, placements, avail, decision.reason)
+            if avail:
+                # the newest step every rank that stays holds: a data-parallel rank's snapshot has
+                # every shard's gradient up to its step, so the dropped ranks are not needed
+                restore_step = committed_step({r: list(st) for r, st in avail.items()}, self.world_size)
         for rank, p in placements.items():
             self.rank_node[rank] = p.node
         tier = "memory"
@@ -1039,6 +1090,7 @@ class Coordinator:
             replacements=dict(replacements or {}),
         )
         r.marks["detect"] = max((f.detected_at for f in failures), default=now)
+        r.from_rank, r.resized = from_rank, bool(unplaced)
         if failures and restore_step is not None:
             r.lost_steps = max(0, self.committed() - restore_step)
         if restore_step is not None:
@@ -1059,7 +1111,43 @@ class Coordinator:
             if tier == "memory" and restore_step is not None
             else {}
         )
+        for rank in fetches:  # its step arrives in its new rank's memory: restore that
+            r.from_rank.pop(rank, None)
         self._launch(r, tier=tier, fetches=fetches)
+
+    def _shrink(
+        self,
+        unplaced: list[int],
+        placements: dict[int, Placement],
+        avail: dict[int, dict[int, list[tuple[str, str]]]],
+        why: str,
+    ) -> tuple[dict[int, Placement], dict[int, dict[int, list[tuple[str, str]]]], dict[int, int]]:
+        """Drop the ``unplaced`` ranks: the ranks that stay are renumbered ``0..W'-1`` in their
+        old order and the shards spread over them. Returns the placements and the memory
+        inventory under the new numbering, and new rank -> old rank for every rank renumbered."""
+        old_world = self.world_size
+        new_of = renumber([r for r in range(old_world) if r not in unplaced])
+        self.world_size = len(new_of)
+        self.members = {new_of[r]: sid for r, sid in self.members.items() if r in new_of}
+        for rank, sid in self.members.items():
+            self.workers[sid].rank = rank
+        self.rank_node = {new_of[r]: n for r, n in self.rank_node.items() if r in new_of}
+        self.latest_step = {new_of[r]: st for r, st in self.latest_step.items() if r in new_of}
+        self._step_at.clear()
+        self.events.emit(
+            "shrink",
+            world_size=self.world_size,
+            old_world_size=old_world,
+            dropped=unplaced,
+            renumbered={str(o): n for o, n in new_of.items() if o != n},
+            shards={str(r): list(sh) for r, sh in enumerate(assign_shards(self.num_shards, self.world_size))},
+            reason=why,
+        )
+        return (
+            {new_of[r]: p for r, p in placements.items()},
+            {new_of[r]: st for r, st in avail.items() if r in new_of},
+            {n: o for o, n in new_of.items() if o != n},
+        )
 
     def _open_generation(self) -> None:
         """Generation + 1: fence the old one (its fetches, rendezvous, replication round)."""
@@ -1106,9 +1194,12 @@ class Coordinator:
         r.stage = Stage.LAUNCH
         self._advance()
 
-    def _fetch(self, target: str, rank: int, step: int, source: str, kind: str) -> int:
+    def _fetch(
+        self, target: str, rank: int, step: int, source: str, kind: str, *, as_rank: int | None = None
+    ) -> int:
         """Ask ``target``'s agent to copy ``rank``'s snapshot of ``step`` from ``source``'s memory
-        (``kind``: its own ranks' ``local`` slots or the ``replica`` s it holds); a request id."""
+        (``kind``: its own ranks' ``local`` slots or the ``replica`` s it holds) into its slots of
+        ``as_rank`` (default ``rank``); a request id."""
         msg: Message = {
             "t": "fetch",
             "rank": rank,
@@ -1116,11 +1207,17 @@ class Coordinator:
             "addr": self.nodes[source].data_addr,
             "kind": kind,
         }
+        if as_rank is not None and as_rank != rank:
+            msg["as_rank"] = as_rank
         return self._request(self.nodes[target], msg)
 
-    def _fetch_for(self, r: Reconfiguration, rank: int, step: int, source: str, kind: str) -> str:
-        """A fetch generation ``r`` waits for before ``rank`` restores (to the node playing it)."""
-        req = self._fetch(self.rank_node[rank], rank, step, source, kind)
+    def _fetch_for(
+        self, r: Reconfiguration, rank: int, step: int, source: str, kind: str, *, src_rank: int | None = None
+    ) -> str:
+        """A fetch generation ``r`` waits for before ``rank`` restores (to the node playing it);
+        ``src_rank``: the rank whose snapshot that is, when not ``rank`` (a world-size change)."""
+        src = rank if src_rank is None else src_rank
+        req = self._fetch(self.rank_node[rank], src, step, source, kind, as_rank=rank)
         self._waiting_fetch[req] = (rank, r.generation)
         r.waiting_fetch.add(rank)
         return f"{source}:{kind}"
@@ -1150,7 +1247,7 @@ class Coordinator:
                 continue
             # prefer the target's own replica (a copy within the node), then any other holder
             src = sorted(sources, key=lambda s: (s[0] != target, s[1] != "replica", s[0]))[0]
-            out[rank] = self._fetch_for(r, rank, step, src[0], src[1])
+            out[rank] = self._fetch_for(r, rank, step, src[0], src[1], src_rank=r.from_rank.get(rank))
         return out
 
     def _on_fetched(self, node: NodeRecord, msg: Message) -> None:
@@ -1238,8 +1335,18 @@ class Coordinator:
                 "world_size": self.world_size,
                 "restore_step": r.restore_step,
                 "recovery": bool(r.failures),
+                **self._shards_of(rank),
+                **({"from_rank": r.from_rank[rank]} if rank in r.from_rank else {}),
+                **({"resized": True} if r.resized else {}),
             },
         )
+
+    def _shards_of(self, rank: int) -> dict[str, Any]:
+        """The data shards ``rank`` plays in the current world size (elastic.assign_shards)."""
+        return {
+            "shards": list(assign_shards(self.num_shards, self.world_size)[rank]),
+            "num_shards": self.num_shards,
+        }
 
     def _advance(self) -> None:
         r = self.reconf
@@ -1269,6 +1376,8 @@ class Coordinator:
             m = self.migration
             if m is not None and m.phase is MigrationPhase.SWAP and m.generation == r.generation:
                 self._migration_done(m)
+            if self.resize is not None and self.resize.generation == r.generation:
+                self._resize_done(self.resize)
             if r.failures:
                 records = r.report()
                 self.reports.extend(records)
@@ -1497,6 +1606,7 @@ class Coordinator:
                 "restore_step": m.prepare_step,
                 "recovery": False,
                 "prepare": True,
+                **self._shards_of(m.rank),
             },
         )
 
@@ -1579,6 +1689,132 @@ class Coordinator:
                 self._send(self.workers[sid], {"t": "continue"})
         self.events.emit("migration_aborted", rank=m.rank, phase=str(phase), error=why)
         self._answer_migration(m.rank, ok=False, error=why)
+
+    # -- elasticity (runtime/elastic.py) -------------------------------------------------------------
+    def _elastic_tick(self) -> None:
+        """Re-plan a generation waiting for a spare (one appeared, or the wait is over); grow the
+        world back while it is below its full size and spares are idle."""
+        if self._deferred is not None and self._replan_at is not None:
+            if time.monotonic() >= self._replan_at or self._idle_spares():
+                before, replans, replacements = self._deferred
+                self._deferred, self._replan_at = None, None
+                self._begin_generation(before, replans=replans + 1, replacements=replacements)
+            return
+        z = self.resize
+        if z is None:
+            self._maybe_grow()
+            return
+        if z.generation is None:
+            now = time.monotonic()
+            for sid in self.members.values():  # a rank waiting at the boundary is not hung
+                self.workers[sid].last_progress = now
+            if time.time() - z.started > self.config.rebuild_timeout_s:
+                self._abort_resize(
+                    f"not every rank reached step {z.boundary} within {self.config.rebuild_timeout_s:g}s"
+                )
+
+    def _maybe_grow(self) -> None:
+        if (
+            self.world_size >= self.num_shards
+            or self.state is not JobState.RUNNING
+            or self.reconf is not None
+            or self.migration is not None
+            or self._migrate_queue
+            or self._awaiting
+            or self.done_ranks
+        ):
+            return
+        idle = self._idle_spares()
+        target = self.elastic.grow_to(world_size=self.world_size, idle_spares=len(idle))
+        if target <= self.world_size:
+            return
+        joiners = sorted(idle)[: target - self.world_size]
+        for sid in joiners:
+            self.workers[sid].role = "joiner"  # held for the grow: no recovery takes it meanwhile
+        z = Resize(
+            boundary=boundary_step(self.latest_step),
+            world_size=self.world_size,
+            new_world_size=target,
+            joiners=joiners,
+            started=time.time(),
+        )
+        self.resize = z
+        self.events.emit(
+            "grow_start",
+            world_size=self.world_size,
+            new_world_size=target,
+            boundary=z.boundary,
+            joiners={str(sid): self.worker_node[sid] for sid in joiners},
+        )
+        for sid in self.members.values():
+            self._send(self.workers[sid], {"t": "pause", "at": z.boundary})
+
+    def _on_paused_for_resize(self, z: Resize, rank: int, step: int) -> None:
+        z.paused[rank] = step
+        if len(z.paused) < self.world_size:
+            return
+        if set(z.paused.values()) != {z.boundary}:
+            self._abort_resize(f"ranks stopped at steps {sorted(set(z.paused.values()))}, not {z.boundary}")
+            return
+        self._grow(z)
+
+    def _grow(self, z: Resize) -> None:
+        """Every rank stopped after the boundary step: a new generation with the joiners as ranks
+        ``world_size..``; they fetch the boundary step from rank 0's memory. Nothing rolls back."""
+        step = z.boundary
+        self._open_generation()
+        z.generation = self.generation
+        old_world = self.world_size
+        self.world_size = z.new_world_size
+        new_ranks = list(range(old_world, self.world_size))
+        for rank, sid in zip(new_ranks, z.joiners, strict=True):
+            w = self.workers[sid]
+            w.role, w.rank = "worker", rank
+            w.last_progress, w.stepped = time.monotonic(), False
+            self.members[rank] = sid
+            self.rank_node[rank] = self.worker_node[sid]
+        r = Reconfiguration(
+            generation=self.generation,
+            world_size=self.world_size,
+            failures=[],
+            restore_step=step,
+            replans=0,
+            replacements={rank: "grow" for rank in new_ranks},
+            resized=True,
+        )
+        r.marks["detect"] = r.marks["plan"] = time.time()
+        self._rewind(step)
+        self._step_at.clear()
+        source = self.rank_node[0]
+        fetches = {rank: self._fetch_for(r, rank, step, source, "local", src_rank=0) for rank in new_ranks}
+        self.events.emit(
+            "grow",
+            world_size=self.world_size,
+            old_world_size=old_world,
+            boundary=step,
+            shards={str(k): list(sh) for k, sh in enumerate(assign_shards(self.num_shards, self.world_size))},
+        )
+        self._launch(r, tier="memory", fetches=fetches, grow=new_ranks)
+
+    def _resize_done(self, z: Resize) -> None:
+        self.resize = None
+        self.events.emit(
+            "grow_done", world_size=self.world_size, boundary=z.boundary, seconds=time.time() - z.started
+        )
+
+    def _abort_resize(self, why: str) -> None:
+        z = self.resize
+        if z is None:
+            return
+        self.resize = None
+        for sid in z.joiners:
+            w = self.workers.get(sid)
+            if w is not None and w.role == "joiner":
+                w.role = "spare"  # idle again
+        if z.generation is None:
+            for sid in self.members.values():  # ranks waiting at the boundary go on as before
+                self._send(self.workers[sid], {"t": "continue"})
+        self.events.emit("grow_aborted", boundary=z.boundary, error=why)
 
     # -- the control store (--store etcd://; runtime/jobstore.py) ---------------------------------
     def _open_store(self) -> None:
@@ -1704,6 +1940,7 @@ class Coordinator:
             "job_id": self.job_id,
             "generation": self.generation,
             "state": str(self.state),
+            "world_size": self.world_size,
             "next_sid": self._last_sid + 1,
             "workers": {
                 str(sid): {
@@ -1757,6 +1994,7 @@ class Coordinator:
                 self.worker_pid[sid] = int(wd["pid"])
             if wd.get("live"):
                 self.live.add(sid)
+        self.world_size = int(rec.get("world_size", self.world_size))  # elastic: maybe shrunk
         self.members = {int(r): int(sid) for r, sid in dict(rec["members"]).items()}
         self.rank_node = {int(r): str(n) for r, n in dict(rec["rank_node"]).items()}
         self.latest_step = {int(r): int(st) for r, st in dict(rec["latest_step"]).items()}

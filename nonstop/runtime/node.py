@@ -18,7 +18,7 @@ Protocol on the agent's control channel (JSON, authenticated)::
     coordinator -> agent   inventory {id}                 -> inventory {id, local, replicas}
     coordinator -> agent   replicate {step, ranks: {rank: [addr]}}
                                                           -> replicated {step, rank, ok, raw, wire}
-    coordinator -> agent   fetch {id, rank, step, addr, kind}   -> fetched {id, rank, ok, error}
+    coordinator -> agent   fetch {id, rank, step, addr, kind[, as_rank]} -> fetched {id, rank, ok, error}
     coordinator -> agent   install_durable {id, url, step, ranks} -> installed {id, ok, error}
     coordinator -> agent   committed {step}   hold that step in memory, release older holds
     coordinator -> agent   persist {id, step, url, world_size, ranks, lossy, lossy_bits}
@@ -565,18 +565,19 @@ class NodeAgent:
     def _fetch(self, msg: Message) -> None:
         assert self.data is not None
         rank, step, kind, addr = int(msg["rank"]), int(msg["step"]), str(msg["kind"]), str(msg["addr"])
+        dest = int(msg.get("as_rank", rank))  # a world-size change: another rank number here
         t0 = time.monotonic()
         try:
             if addr == self.data.addr:  # this node holds it: copy between its own stores
                 src = self._replica(rank) if kind == "replica" else self._local(rank)
                 snap = src.copy_out(step)
                 meta, data = snap.meta, snap.data
-                self._local(rank).write_raw(step, meta, data.data)
+                self._local(dest).write_raw(step, meta, data.data)
             else:
                 meta, buf = fetch_snapshot(
                     addr, self.secret, node=self.spec.node, rank=rank, step=step, kind=kind
                 )
-                self._local(rank).write_raw(step, meta, buf)
+                self._local(dest).write_raw(step, meta, buf)
             self._send(
                 {"t": "fetched", "id": msg["id"], "rank": rank, "ok": True, "seconds": time.monotonic() - t0}
             )

@@ -267,6 +267,7 @@ def choose_replacements(
     live_nodes: Sequence[str],
     load: Mapping[str, int],
     quarantined: Sequence[str] = (),
+    cold_elsewhere: bool = True,
 ) -> dict[int, Placement]:
     """Who plays each failed rank, and on which node (pure, deterministic).
 
@@ -279,7 +280,9 @@ def choose_replacements(
        restart in place; then a replica holder: no transfer needed);
     2. any spare on a usable node, least loaded node first;
     3. a cold process on the rank's own node, if usable;
-    4. a cold process on the least loaded usable node.
+    4. a cold process on the least loaded usable node -- unless ``cold_elsewhere`` is False
+       (elastic jobs: a node has room for its own ranks only); the rank is then left out of
+       the result, unplaced.
 
     Usable: live and not quarantined. Raises ValueError if no node is usable.
     """
@@ -303,6 +306,8 @@ def choose_replacements(
             sid = min(free, key=lambda s: (load_now[free[s]], usable.index(free[s]), s))
             pick = Placement(node=free[sid], spare=sid)
         if pick is None:
+            if own not in usable and not cold_elsewhere:
+                continue
             node = own if own in usable else min(usable, key=lambda n: (load_now[n], usable.index(n)))
             assert node is not None
             pick = Placement(node=node, spare=None)

@@ -78,6 +78,9 @@ class Reconfiguration:
     failures: list[Failure]
     restore_step: int | None = None
     replacements: dict[int, str] = field(default_factory=dict)
+    # a world-size change renumbered these ranks: new rank -> the rank whose own memory it restores
+    from_rank: dict[int, int] = field(default_factory=dict)
+    resized: bool = False  # the world size changed: every rank rewrites its memory under its number
     lost_steps: int = 0
     replans: int = 0
     stage: Stage = Stage.PLAN

@@ -621,6 +621,17 @@ class RankSnapshotStore:
                 held.append(inf.step)
         return held
 
+    def clear(self) -> None:
+        """Forget every snapshot of this rank (headers to EMPTY, holds released). For a worker that
+        starts playing this rank after a world-size change: what the slots hold was written by
+        another process for another numbering and must never be restored as this rank's."""
+        for i in range(self.num_slots):
+            slot = self._slots[i]
+            if not slot.open_existing():
+                continue
+            slot.set_pinned(False, KEEP_PIN)
+            slot.write_header(SlotState.EMPTY, -1, 0, 0, 0.0)
+
     def copy_out(self, step: int, *, out: np.ndarray | None = None, keep: bool = False) -> RawSnapshot:
         """A private copy of the snapshot of ``step`` that no later write can tear.
 

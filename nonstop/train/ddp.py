@@ -45,6 +45,9 @@ class CanonicalGradSync:
             raise ValueError(f"deterministic gradient sync needs one parameter dtype, got {dtypes}")
         self.flat = torch.empty(total, dtype=params[0].dtype if params else torch.float32)
         self.pending_since: float | None = None  # read by the heartbeat thread
+        # the gradient sum is divided by this: the data shards of the full-size job (elastic);
+        # None: the world size
+        self.divisor: int | None = None
 
     def hook(
         self, process_group: dist.ProcessGroup
@@ -62,7 +65,7 @@ class CanonicalGradSync:
             for p, g in zip(params, grads, strict=True):
                 a, n = self.offsets[p.data_ptr()]
                 flat[a : a + n].copy_(g.reshape(-1))
-            flat.div_(world)
+            flat.div_(self.divisor or world)
             self.pending_since = time.monotonic()
             fut = dist.all_reduce(flat, group=process_group, async_op=True).get_future()
 
@@ -89,16 +92,41 @@ def wrap_ddp(
     process_group: dist.ProcessGroup,
     *,
     init_sync: bool = True,
+    divisor: int | None = None,
 ) -> DistributedDataParallel:
     """Wrap ``module`` in DDP on ``process_group``; deterministic when ``sync`` is given.
 
     ``init_sync=False`` skips DDP's broadcast of rank 0's parameters: only for
-    when every rank has just restored the same committed step.
+    when every rank has just restored the same committed step. ``divisor``: what the
+    gradient sum is divided by when it is not the world size (an elastic job shrunk below
+    its shard count; with ``sync``, ``sync.divisor`` says it).
     """
     if sync is None:
-        return DistributedDataParallel(module, process_group=process_group, init_sync=init_sync)
+        ddp = DistributedDataParallel(module, process_group=process_group, init_sync=init_sync)
+        if divisor is not None and divisor != process_group.size():
+            ddp.register_comm_hook(process_group, _sum_divided_by(divisor))
+        return ddp
     ddp = DistributedDataParallel(
         module, process_group=process_group, bucket_cap_mb=_ONE_BUCKET_MB, init_sync=init_sync
     )
     ddp.register_comm_hook(None, sync.hook(process_group))
     return ddp
+
+
+def _sum_divided_by(
+    divisor: int,
+) -> Callable[[dist.ProcessGroup, GradBucket], torch.futures.Future[torch.Tensor]]:
+    """A comm hook: allreduce-sum each bucket, divided by ``divisor`` instead of the world size."""
+
+    def _hook(group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer().div_(divisor)
+        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+        out: torch.futures.Future[torch.Tensor] = fut.then(lambda f: f.value()[0])
+        return out
+
+    _hook.__annotations__ = {
+        "group": dist.ProcessGroup,
+        "bucket": GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
+    return _hook

@@ -38,7 +38,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,13 +128,42 @@ class Session:
             raise SystemExit(0)
         self._pending_reconfigure: Message | None = first
         self.rank: int = int(first["rank"])
-        self.world_size = int(first["world_size"])
+        self._set_membership(first)
+        self._store: RankSnapshotStore | None = None
+
+    def _set_membership(self, msg: Message) -> None:
+        """Rank, world size and data shards of the generation ``msg`` (a reconfigure) starts."""
+        self.rank = int(msg["rank"])
+        self.world_size = int(msg["world_size"])
+        self.shards: tuple[int, ...] = tuple(int(k) for k in msg.get("shards", (self.rank,)))
+        self.num_shards: int = int(msg.get("num_shards", self.world_size))
+        if self._sync is not None:
+            self._sync.divisor = self.num_shards
         os.environ.update(
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size),
             LOCAL_RANK=str(self.rank),
             LOCAL_WORLD_SIZE=str(self.world_size),
         )
+
+    def shard_steps(self, ddp_model: torch.nn.Module) -> Iterator[int]:
+        """The data shards this rank plays in this step, for gradient accumulation::
+
+            for shard in session.shard_steps(ddp_model):
+                x, y = batch_for(step, shard)          # shard k: what rank k of the full job reads
+                loss_fn(ddp_model(x), y).backward()
+
+        In a job at its full size each rank plays one shard (its rank). After an elastic shrink
+        a rank plays several: the gradients of all but the last are accumulated locally (DDP's
+        ``no_sync``), the last backward allreduces, and the sum is divided by the number of
+        shards, so the global batch and its samples are those of the full-size job."""
+        shards = self.shards
+        for i, shard in enumerate(shards):
+            if i < len(shards) - 1 and isinstance(ddp_model, DistributedDataParallel):
+                with ddp_model.no_sync():
+                    yield shard
+            else:
+                yield shard
 
     # -- channel threads -------------------------------------------------------------------
     def _reader(self) -> None:
@@ -249,28 +278,28 @@ class Session:
     ) -> RunResult:
         """Train ``num_steps`` steps through failures. See the module docstring."""
         capture = StateCapture(model=model, optimizer=optimizer, extras=extras, load_extras=load_extras)
-        store = RankSnapshotStore(
-            shm_dir=self.env.shm_dir, job_id=self.env.job_id, rank=self.rank, num_slots=self.env.num_slots
-        )
+        self._store = self._open_store(self.rank)
         self._sync = CanonicalGradSync(model) if deterministic else None
+        if self._sync is not None:
+            self._sync.divisor = self.num_shards
         mode = self.env.snapshot
         fence_hook = None
         if mode == "overlapped" and optimizer is not None:
             # The bulk copy of step k runs during step k+1 until its optimizer step.
-            fence_hook = optimizer.register_step_pre_hook(lambda *_: self._fence(store))
+            fence_hook = optimizer.register_step_pre_hook(lambda *_: self._fence(self._live_store()))
         loss: float | None = None
         msg = self._pending_reconfigure
         self._pending_reconfigure = None
         try:
             while True:
                 if msg is not None:
-                    ddp = self._reconfigure(msg, model, capture, store)
+                    ddp = self._reconfigure(msg, model, capture)
                     msg = None
                 try:
                     while self._step < num_steps:
                         pending = self._poll_reconfigure()
                         if pending is None and self._pause_at is not None and self._step >= self._pause_at:
-                            pending = self._pause(store)
+                            pending = self._pause(self._live_store())
                         if pending is not None:
                             raise _Reconfigure(pending)
                         t0 = time.monotonic()
@@ -281,7 +310,7 @@ class Session:
                         step_s = time.monotonic() - t0
                         self._step += 1
                         t1 = time.monotonic()
-                        snap = self._snapshot(mode, store, capture)
+                        snap = self._snapshot(mode, self._live_store(), capture)
                         # Stall: time the loop spent on this snapshot now, plus what the
                         # step just run waited for the previous snapshot's background copy.
                         stall_s = time.monotonic() - t1 + self._fence_wait_s
@@ -301,7 +330,7 @@ class Session:
                             self._send(report)
                         else:
                             snap.on_complete(functools.partial(self._send_quietly, report))
-                    self._drain(store)  # the last snapshot is complete before we report done
+                    self._drain(self._live_store())  # the last snapshot is complete before we report done
                     self._done = True
                     self._send({"t": "done", "gen": self.generation, "step": self._step})
                     reply = self._wait_for("finish", "reconfigure")
@@ -319,7 +348,16 @@ class Session:
         finally:
             if fence_hook is not None:
                 fence_hook.remove()
-            store.close()
+            self._live_store().close()
+
+    def _open_store(self, rank: int) -> RankSnapshotStore:
+        return RankSnapshotStore(
+            shm_dir=self.env.shm_dir, job_id=self.env.job_id, rank=rank, num_slots=self.env.num_slots
+        )
+
+    def _live_store(self) -> RankSnapshotStore:
+        assert self._store is not None, "Session.run() has not started"
+        return self._store
 
     def _pause(self, store: RankSnapshotStore) -> Message | None:
         """Live migration: stop after the boundary step (its snapshot complete, for the joiner to
@@ -432,25 +470,33 @@ class Session:
             except Exception as e:  # a broken group may refuse a clean teardown
                 log.warning("destroying the old process group failed: %s", e)
 
-    def _reconfigure(
-        self, msg: Message, model: torch.nn.Module, capture: StateCapture, store: RankSnapshotStore
-    ) -> torch.nn.Module:
+    def _reconfigure(self, msg: Message, model: torch.nn.Module, capture: StateCapture) -> torch.nn.Module:
         """Restore the committed step, then rebuild the process group for a new generation."""
         while True:
             gen = int(msg["gen"])
             restore_step = msg.get("restore_step")
             self.generation = gen
             self._pause_at = None  # a new generation ends any migration's pause
-            self.world_size = int(msg["world_size"])
             self._destroy_group()
             if restore_step is not None and msg.get("recovery"):
                 self._maybe_inject("recovery", int(restore_step))
             elif restore_step is not None and msg.get("prepare"):
                 self._maybe_inject("prepare", int(restore_step))
-            self._drain(store)  # never restore under a copy still writing into the slots
+            self._drain(self._live_store())  # never restore under a copy still writing into the slots
+            if int(msg["rank"]) != self.rank:  # renumbered (elastic): snapshot under the new number
+                self._live_store().close()
+                self._store = self._open_store(int(msg["rank"]))
+            self._set_membership(msg)
+            store = self._live_store()
             t0 = time.monotonic()
             if restore_step is None:
                 self._step = 0
+            elif msg.get("from_rank") is not None:  # the state is in this process's old rank's memory
+                old = self._open_store(int(msg["from_rank"]))
+                try:
+                    self._step = capture.restore(old.read(int(restore_step), copy=False))
+                finally:
+                    old.close()
             else:
                 self._step = capture.restore(store.read(int(restore_step), copy=False))
             self._send({"t": "restored", "gen": gen, "step": self._step, "restore_s": time.monotonic() - t0})
@@ -460,6 +506,11 @@ class Session:
                 continue
             if int(reply["gen"]) != gen:
                 continue
+            if msg.get("resized") and restore_step is not None:
+                # Every rank has restored (the rebuild says so): what this rank number's slots hold
+                # was written under another numbering. Start them over with the restored step.
+                store.clear()
+                store.write(self._step, capture.state(self._step))
             t1 = time.monotonic()
             try:
                 ddp = self._join_group(gen, model, restored=restore_step is not None)
@@ -486,7 +537,13 @@ class Session:
             watch.stop()
         self._group_sockets = watch
         # After a restore every rank holds the same committed step: skip DDP's broadcast.
-        self._ddp = wrap_ddp(model, self._sync, dist.group.WORLD, init_sync=not restored)  # type: ignore[arg-type]
+        self._ddp = wrap_ddp(
+            model,
+            self._sync,
+            dist.group.WORLD,  # type: ignore[arg-type]
+            init_sync=not restored,
+            divisor=self.num_shards,
+        )
         return self._ddp
 
     def close(self) -> None:

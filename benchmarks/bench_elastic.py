@@ -1,0 +1,265 @@
+"""Elastic shrink and grow: throughput before, while shrunk and after growing back, and the proof
+that the samples trained on are an uninterrupted run's.
+
+What is measured. A data-parallel job of 3 ranks trains the demo transformer (``--model``, ``small``
+by default; gloo, CPU), 3 nodes x 1 rank, **no spare anywhere**, ``--min-world-size 2``. When a
+worker on node 2 starts step ``--event-step`` node 2 is SIGKILLed (``node:node=2,step=S``): the job
+shrinks at once to 2 ranks (rank 1 plays data shards 1 and 2 by gradient accumulation; the global
+batch stays 3 x ``--batch``). As soon as the shrink is logged, node 2 is started again (a node
+joining the running job): its process waits as a spare, and the job grows back to 3 ranks at a step
+boundary. Per run, from the demo's ``--samples-log`` (rank 0's micro-batch timestamps):
+
+* steps/s and samples/s of each phase (full, shrunk, grown back), the first 2 steps of each phase
+  left out; the ratios shrunk/full and grown/full;
+* the longest step gap of rank 0 at the shrink and at the grow, over the full phase's median step;
+* whether the sample sequence equals an uninterrupted run's (``nonstop.demo.samples.check_sequence``)
+  and the final loss relative to an uninterrupted run of the same job (same samples, same global
+  batch; float rounding differs with the reduction order, so not bitwise).
+
+Summaries are median [min, max] over ``--runs`` runs. Results go to
+``benchmarks/results/elastic.json``::
+
+    .venv/bin/python benchmarks/bench_elastic.py              # small model, 3 runs
+    .venv/bin/python benchmarks/bench_elastic.py --quick      # tiny model, 1 run (smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_mttr import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
+
+from nonstop.config import JobConfig  # noqa: E402
+from nonstop.demo.runner import demo_job_config  # noqa: E402
+from nonstop.demo.samples import MicroBatch, check_sequence, read_log  # noqa: E402
+from nonstop.runtime.coordinator import JobResult  # noqa: E402
+from nonstop.runtime.eventlog import read_events  # noqa: E402
+from nonstop.runtime.gc import collect_garbage  # noqa: E402
+from nonstop.runtime.launcher import JOB_INFO, default_shm_dir  # noqa: E402
+from nonstop.runtime.localnodes import node_command, run_local_nodes  # noqa: E402
+
+SKIP = 2  # steps at the start of each phase left out (lazy initialisation, the restore)
+
+
+def _config(args: argparse.Namespace, run_dir: Path, faults: tuple[str, ...]) -> JobConfig:
+    extra = ["--samples-log", str(run_dir / "samples")]
+    if args.step_delay:
+        extra += ["--step-delay", str(args.step_delay)]
+    return demo_job_config(
+        result=run_dir / "result.json",
+        steps=args.steps,
+        model=args.model,
+        batch=args.batch,
+        script_extra=tuple(extra),
+        nproc_per_node=1,
+        spares=0,
+        nnodes=3,
+        coordinator="127.0.0.1:0",
+        job_dir=run_dir,
+        faults=faults,
+        persist_every=0,
+        lease_ttl_s=args.lease_ttl,
+        min_world_size=2,
+    )
+
+
+def _run(config: JobConfig, *, rejoin_after: str | None) -> JobResult:
+    """Run the job; start node 2 again once ``rejoin_after`` is logged."""
+    box: list[JobResult | BaseException] = []
+
+    def job() -> None:
+        try:
+            box.append(run_local_nodes(config, redirect_output=True))
+        except BaseException as e:
+            box.append(e)
+
+    thread = threading.Thread(target=job, daemon=True)
+    thread.start()
+    proc = None
+    events = config.job_dir / "events.jsonl"
+    while rejoin_after is not None and thread.is_alive() and proc is None:
+        if events.exists() and any(e["event"] == rejoin_after for e in read_events(events)):
+            addr = json.loads((config.job_dir / JOB_INFO).read_text())["control"]
+            log = (config.job_dir / "logs" / "node-2-rejoin.log").open("ab")
+            proc = subprocess.Popen(node_command(config, 2, addr), stdout=log, stderr=subprocess.STDOUT)
+        time.sleep(0.05)
+    thread.join()
+    if proc is not None:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    collect_garbage(default_shm_dir())
+    got = box[0]
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
+def _phase(recs: list[MicroBatch], batch: int, shards: int) -> dict[str, float] | None:
+    """Throughput of rank 0 over one generation's steps (first SKIP left out)."""
+    starts = sorted({r.step: r.t for r in recs}.items())[SKIP:]
+    if len(starts) < 3:
+        return None
+    span = starts[-1][1] - starts[0][1]
+    steps_s = (len(starts) - 1) / span
+    gaps = [b[1] - a[1] for a, b in itertools.pairwise(starts)]
+    return {
+        "steps_per_s": steps_s,
+        "samples_per_s": steps_s * batch * shards,
+        "median_step_s": statistics.median(gaps),
+    }
+
+
+def elastic_run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    config = _config(args, run_dir, (f"node:node=2,step={args.event_step}",))
+    result = _run(config, rejoin_after="shrink")
+    events = read_events(run_dir / "events.jsonl")
+    out = json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else {}
+    gens = [e for e in events if e["event"] == "generation"]
+    shrunk = next((g["generation"] for g in gens if g.get("cause")), None)
+    grown = next((g["generation"] for g in gens if g.get("grow")), None)
+    recs = read_log(run_dir / "samples")
+    rank0 = [r for r in recs if r.shard == 0]  # node 0's process plays shard 0 throughout
+    phases = {
+        name: _phase([r for r in rank0 if r.gen == gen], args.batch, 3)
+        for name, gen in (("full", 1), ("shrunk", shrunk), ("grown", grown))
+        if gen is not None
+    }
+    full = phases.get("full")
+    # the longest step gap of rank 0 where the world size changed, over the full phase's median step
+    starts = sorted({(r.step, r.gen): r.t for r in rank0}.items(), key=lambda kv: kv[1])
+    gaps = {}
+    for name, gen in (("shrink", shrunk), ("grow", grown)):
+        first = next((i for i, ((_, g), _) in enumerate(starts) if g == gen), None)
+        if first is not None and first > 0 and full is not None:
+            gaps[name] = (starts[first][1] - starts[first - 1][1]) / full["median_step_s"]
+    grow_done = next((e for e in events if e["event"] == "grow_done"), None)
+    return {
+        "ok": result.state.value == "done" and shrunk is not None and grown is not None,
+        "error": result.error,
+        "phases": phases,
+        "shrunk_over_full": (phases["shrunk"]["samples_per_s"] / full["samples_per_s"])
+        if full and phases.get("shrunk")
+        else None,
+        "grown_over_full": (phases["grown"]["samples_per_s"] / full["samples_per_s"])
+        if full and phases.get("grown")
+        else None,
+        "gap_over_median": gaps,
+        "grow_s": grow_done["seconds"] if grow_done else None,
+        "sequence_problems": check_sequence(recs, steps=args.steps, num_shards=3, batch=args.batch),
+        "final_loss": out.get("final_loss"),
+        "failures": result.failures,
+    }
+
+
+def reference_run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    result = _run(_config(args, run_dir, ()), rejoin_after=None)
+    out = json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else {}
+    recs = read_log(run_dir / "samples")
+    return {
+        "ok": result.state.value == "done",
+        "final_loss": out.get("final_loss"),
+        "full": _phase([r for r in recs if r.shard == 0], args.batch, 3),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--event-step", type=int, default=10)
+    ap.add_argument("--step-delay", type=float, default=0.0)
+    ap.add_argument("--lease-ttl", type=float, default=3.0, help="3 s on a 2-core VM (see bench_node_loss)")
+    ap.add_argument("--quick", action="store_true", help="tiny model, one run (smoke test)")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "elastic.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.model, args.runs, args.steps, args.event_step, args.step_delay = "tiny", 1, 60, 5, 0.1
+    tmp = Path(tempfile.mkdtemp(prefix="nonstop-bench-elastic-"))
+    runs: list[dict[str, Any]] = []
+    refs: list[dict[str, Any]] = []
+    try:
+        for i in range(args.runs):
+            runs.append(elastic_run(args, tmp / f"elastic-{i}"))
+            refs.append(reference_run(args, tmp / f"reference-{i}"))
+            r = runs[-1]
+            print(
+                f"run {i}: ok {r['ok']} shrunk/full {r['shrunk_over_full']} "
+                f"grown/full {r['grown_over_full']} sequence problems {len(r['sequence_problems'])}",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    ok = [r for r in runs if r["ok"]]
+    ref_loss = statistics.median([x["final_loss"] for x in refs if x["ok"] and x["final_loss"] is not None])
+    report = {
+        **run_stamp(),
+        "machine": machine_info(),
+        "workload": {
+            "model": args.model,
+            "ranks": 3,
+            "batch_per_shard": args.batch,
+            "steps": args.steps,
+            "event_step": args.event_step,
+            "step_delay_s": args.step_delay,
+            "runs": args.runs,
+        },
+        "summary": {
+            "ok_runs": len(ok),
+            "full_samples_per_s": summarize([r["phases"]["full"]["samples_per_s"] for r in ok]),
+            "shrunk_samples_per_s": summarize([r["phases"]["shrunk"]["samples_per_s"] for r in ok]),
+            "grown_samples_per_s": summarize([r["phases"]["grown"]["samples_per_s"] for r in ok]),
+            "shrunk_over_full": summarize([r["shrunk_over_full"] for r in ok]),
+            "grown_over_full": summarize([r["grown_over_full"] for r in ok]),
+            "shrink_gap_over_median": summarize([r["gap_over_median"]["shrink"] for r in ok]),
+            "grow_gap_over_median": summarize([r["gap_over_median"]["grow"] for r in ok]),
+            "grow_s": summarize([r["grow_s"] for r in ok if r["grow_s"] is not None]),
+            "sequence_equal_runs": sum(1 for r in ok if not r["sequence_problems"]),
+            "final_loss_rel_diff": summarize([abs(r["final_loss"] - ref_loss) / ref_loss for r in ok]),
+            "reference_samples_per_s": summarize([x["full"]["samples_per_s"] for x in refs if x["full"]]),
+        },
+        "runs": runs,
+        "references": refs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    s = report["summary"]
+    print(f"\nElastic shrink and grow, 3 ranks, model {args.model}, node 2 lost at step {args.event_step}")
+    ref = fmt(s["reference_samples_per_s"])
+    print(f"  samples/s full     {fmt(s['full_samples_per_s'])} (uninterrupted run: {ref})")
+    print(f"  samples/s shrunk   {fmt(s['shrunk_samples_per_s'])}  ratio {fmt(s['shrunk_over_full'])}")
+    print(f"  samples/s grown    {fmt(s['grown_samples_per_s'])}  ratio {fmt(s['grown_over_full'])}")
+    shrink, grow = fmt(s["shrink_gap_over_median"]), fmt(s["grow_gap_over_median"])
+    print(f"  step gap / median  shrink {shrink}  grow {grow}")
+    print(f"  sample sequence equal to an uninterrupted run in {s['sequence_equal_runs']} of {len(ok)} runs")
+    print(f"  final loss vs uninterrupted: relative difference {fmt(s['final_loss_rel_diff'], digits=6)}")
+    print(f"  -> {args.out}")
+    return 0 if len(ok) == args.runs and s["sequence_equal_runs"] == len(ok) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

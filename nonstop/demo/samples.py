@@ -1,0 +1,67 @@
+"""Read back the demo's ``--samples-log``: which samples a run trained on, step by step.
+
+Each training process appends one JSON line per micro-batch: ``{gen, step, shard, first, n, t}``
+(generation, optimizer step, data shard, first sample index, sample count, wall time). A step
+interrupted by a failure is redone by a later generation, after every rank rolled back to a step
+before it; only the last generation that ran a step counts. :func:`check_sequence` is the proof
+used by the elastic tests and benchmark: the samples of every step are exactly those of an
+uninterrupted run of the full-size job (every shard once, every sample once, in order).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["MicroBatch", "check_sequence", "effective_samples", "read_log"]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    process: str  # the log file (one per process)
+    gen: int
+    step: int
+    shard: int
+    first: int
+    n: int
+    t: float
+
+
+def read_log(samples_dir: Path) -> list[MicroBatch]:
+    out = []
+    for path in sorted(samples_dir.glob("samples-*.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            out.append(
+                MicroBatch(path.name, r["gen"], r["step"], r["shard"], r["first"], r["n"], r.get("t", 0.0))
+            )
+    return out
+
+
+def effective_samples(records: list[MicroBatch]) -> dict[int, list[MicroBatch]]:
+    """step -> the micro-batches of the last generation that ran that step, by shard."""
+    by_step: dict[int, dict[int, list[MicroBatch]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        by_step[r.step][r.gen].append(r)
+    return {step: sorted(gens[max(gens)], key=lambda r: r.shard) for step, gens in sorted(by_step.items())}
+
+
+def check_sequence(records: list[MicroBatch], *, steps: int, num_shards: int, batch: int) -> list[str]:
+    """What differs from an uninterrupted run's sample sequence (empty: identical)."""
+    problems = []
+    seen = effective_samples(records)
+    if sorted(seen) != list(range(steps)):
+        problems.append(f"steps run: {sorted(seen)[:5]}... ({len(seen)}), expected 0..{steps - 1}")
+    for step, recs in seen.items():
+        shards = [r.shard for r in recs]
+        if shards != list(range(num_shards)):
+            problems.append(f"step {step}: shards {shards}, expected each of 0..{num_shards - 1} once")
+        firsts = [r.first for r in recs]
+        if firsts != [(step * num_shards + k) * batch for k in range(len(recs))]:
+            problems.append(f"step {step}: samples from {firsts}")
+    flat = sorted(r.first + i for recs in seen.values() for r in recs for i in range(r.n))
+    if flat != list(range(steps * num_shards * batch)):
+        problems.append("the samples trained on are not each sample of the run exactly once")
+    return problems

@@ -1,0 +1,143 @@
+"""Elastic data parallelism: shrink when a rank cannot be replaced, grow back when capacity returns.
+
+The job's data-parallel width is fixed at start: ``num_shards`` = the world size it was started
+with. A **shard** is one data-parallel slice of the global batch: at step ``s`` shard ``k`` reads
+the samples a rank ``k`` of the full-size job would read. When the world is smaller, each rank
+plays several shards by gradient accumulation (one micro-batch per shard, the gradient summed
+locally, allreduced once, and divided by ``num_shards``), so the global batch, the learning
+dynamics and the sample order stay those of the full-size job. No sample is skipped or read twice.
+
+How the coordinator uses this module (``Coordinator._begin_generation``, ``_grow_tick``):
+
+* **shrink** -- a failed rank that no hot spare can take (its node is lost, and cold processes
+  are not started on other nodes: a node has room for its own ranks only) is either waited for
+  (``ElasticPolicy.wait_s``, a spare may come: a node joining) or dropped. The survivors are
+  renumbered ``0..W'-1`` in their old order (:func:`renumber`), each restores the newest step all
+  survivors hold from its own memory (a data-parallel rank's snapshot reflects every shard's
+  gradient up to its step: nothing is rolled back beyond the step in flight), and the shards are
+  spread over them (:func:`assign_shards`).
+* **grow** -- while the world is below ``num_shards`` and idle spares exist (a node joined), every
+  rank stops after a boundary step (the live-migration pause), the spares fetch that step from a
+  member's memory and join as new ranks; nothing is rolled back.
+
+Everything here is pure (no I/O, no clock): the simulator can use the same decisions.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ElasticAction",
+    "ElasticDecision",
+    "ElasticPolicy",
+    "Resize",
+    "assign_shards",
+    "renumber",
+]
+
+
+def assign_shards(num_shards: int, world_size: int) -> tuple[tuple[int, ...], ...]:
+    """The shards each rank ``0..world_size-1`` plays: contiguous, balanced, every shard once.
+
+    ``assign_shards(4, 4) == ((0,), (1,), (2,), (3,))``; ``assign_shards(3, 2) == ((0,), (1, 2))``.
+    """
+    if not 1 <= world_size <= num_shards:
+        raise ValueError(f"world size must be in 1..{num_shards} (got {world_size})")
+    return tuple(
+        tuple(range(r * num_shards // world_size, (r + 1) * num_shards // world_size))
+        for r in range(world_size)
+    )
+
+
+def renumber(ranks: Sequence[int]) -> dict[int, int]:
+    """old rank -> new rank for the ranks that stay, in their old order (``0..len-1``)."""
+    return {old: new for new, old in enumerate(sorted(set(ranks)))}
+
+
+class ElasticAction(enum.StrEnum):
+    REPLACE = "replace"  # every failed rank has a process: the world size stays
+    WAIT = "wait"  # keep the job stopped a while: a spare may appear
+    SHRINK = "shrink"  # go on without the ranks nobody can play
+    FAIL = "fail"  # fewer ranks than the job allows: give up
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticDecision:
+    action: ElasticAction
+    world_size: int  # the world size of the next generation
+    wait_s: float = 0.0  # WAIT: how much longer to wait before deciding again
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticPolicy:
+    """When ranks cannot be replaced: wait up to ``wait_s`` for a spare, then shrink, never
+    below ``min_world_size``. ``min_world_size`` equal to the full world size turns shrinking
+    off (a rank that cannot be replaced fails the job after the wait, as it would without
+    elasticity). Grows back to ``num_shards`` as soon as spares are idle."""
+
+    num_shards: int
+    min_world_size: int
+    wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_world_size <= self.num_shards:
+            raise ValueError(
+                f"the minimum world size must be in 1..{self.num_shards} (got {self.min_world_size})"
+            )
+        if self.wait_s < 0:
+            raise ValueError(f"the wait for a spare must be >= 0 seconds (got {self.wait_s})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_world_size < self.num_shards
+
+    def on_unplaced(self, *, world_size: int, unplaced: int, waited_s: float) -> ElasticDecision:
+        """``unplaced`` failed ranks have no process to play them, ``waited_s`` after the failure."""
+        if unplaced <= 0:
+            return ElasticDecision(action=ElasticAction.REPLACE, world_size=world_size)
+        if waited_s < self.wait_s:
+            return ElasticDecision(
+                action=ElasticAction.WAIT,
+                world_size=world_size,
+                wait_s=self.wait_s - waited_s,
+                reason=f"waiting up to {self.wait_s:g}s for a spare",
+            )
+        smaller = world_size - unplaced
+        if smaller < self.min_world_size:
+            return ElasticDecision(
+                action=ElasticAction.FAIL,
+                world_size=world_size,
+                reason=(
+                    f"{unplaced} rank(s) have no spare and shrinking to {smaller} would go below the "
+                    f"minimum world size {self.min_world_size} (--min-world-size)"
+                ),
+            )
+        return ElasticDecision(
+            action=ElasticAction.SHRINK,
+            world_size=smaller,
+            reason=f"no spare for {unplaced} rank(s) after {waited_s:.2f}s",
+        )
+
+    def grow_to(self, *, world_size: int, idle_spares: int) -> int:
+        """The world size to grow to now (``world_size`` itself: do not grow)."""
+        if not self.enabled:
+            return world_size
+        return min(self.num_shards, world_size + max(0, idle_spares))
+
+
+@dataclass
+class Resize:
+    """A grow in progress: every rank stops after ``boundary``; then ``joiners`` (spawn ids of
+    idle spares) become ranks ``world_size..new_world_size-1``."""
+
+    boundary: int
+    world_size: int
+    new_world_size: int
+    joiners: list[int]
+    started: float  # wall clock, for the timeout and the event
+    paused: dict[int, int] = field(default_factory=dict)  # rank -> step it stopped after
+    generation: int | None = None  # the generation the grow started, once swapped in

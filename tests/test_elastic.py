@@ -1,0 +1,93 @@
+"""The pure elastic decisions (runtime/elastic.py) and the placement rule they rely on."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from nonstop.config import JobConfig
+from nonstop.errors import UsageError
+from nonstop.runtime.elastic import ElasticAction, ElasticPolicy, assign_shards, renumber
+from nonstop.runtime.policy import choose_replacements
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 7, 8])
+def test_every_shard_is_played_exactly_once_at_every_world_size(num_shards: int) -> None:
+    for world in range(1, num_shards + 1):
+        plan = assign_shards(num_shards, world)
+        assert len(plan) == world
+        flat = list(itertools.chain.from_iterable(plan))
+        assert flat == list(range(num_shards))  # each once, in order: contiguous blocks
+        sizes = [len(p) for p in plan]
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_full_size_is_one_shard_per_rank_and_bad_sizes_are_refused() -> None:
+    assert assign_shards(3, 3) == ((0,), (1,), (2,))
+    assert assign_shards(3, 2) == ((0,), (1, 2))
+    with pytest.raises(ValueError):
+        assign_shards(3, 4)
+    with pytest.raises(ValueError):
+        assign_shards(3, 0)
+
+
+def test_renumber_keeps_the_old_order() -> None:
+    assert renumber([0, 2, 3]) == {0: 0, 2: 1, 3: 2}
+    assert renumber([3, 1]) == {1: 0, 3: 1}
+
+
+def test_policy_waits_then_shrinks_but_not_below_the_minimum() -> None:
+    p = ElasticPolicy(num_shards=4, min_world_size=2, wait_s=10.0)
+    assert p.on_unplaced(world_size=4, unplaced=0, waited_s=0).action is ElasticAction.REPLACE
+    d = p.on_unplaced(world_size=4, unplaced=1, waited_s=3.0)
+    assert d.action is ElasticAction.WAIT and d.wait_s == pytest.approx(7.0)
+    d = p.on_unplaced(world_size=4, unplaced=1, waited_s=10.0)
+    assert d.action is ElasticAction.SHRINK and d.world_size == 3
+    d = p.on_unplaced(world_size=3, unplaced=2, waited_s=11.0)
+    assert d.action is ElasticAction.FAIL and "minimum world size 2" in d.reason
+
+
+def test_shrink_off_fails_after_the_wait_and_never_grows() -> None:
+    p = ElasticPolicy(num_shards=3, min_world_size=3, wait_s=0.0)
+    assert not p.enabled
+    assert p.on_unplaced(world_size=3, unplaced=1, waited_s=0).action is ElasticAction.FAIL
+    assert p.grow_to(world_size=3, idle_spares=5) == 3
+
+
+def test_grow_is_bounded_by_spares_and_the_full_size() -> None:
+    p = ElasticPolicy(num_shards=4, min_world_size=1)
+    assert p.grow_to(world_size=2, idle_spares=0) == 2
+    assert p.grow_to(world_size=2, idle_spares=1) == 3
+    assert p.grow_to(world_size=2, idle_spares=9) == 4
+
+
+def test_bad_policy_and_config_fail_at_start() -> None:
+    with pytest.raises(ValueError):
+        ElasticPolicy(num_shards=3, min_world_size=4)
+    with pytest.raises(ValueError):
+        ElasticPolicy(num_shards=3, min_world_size=2, wait_s=-1)
+    with pytest.raises(UsageError, match="--min-world-size"):
+        JobConfig(script="x.py", nproc_per_node=2, min_world_size=3)
+    with pytest.raises(UsageError, match="--elastic-wait"):
+        JobConfig(script="x.py", elastic_wait_s=-1)
+    assert JobConfig(script="x.py", nproc_per_node=4).min_world == 4  # 0: never shrink
+    assert JobConfig(script="x.py", nproc_per_node=4, min_world_size=2).min_world == 2
+
+
+def test_elastic_placement_never_starts_a_cold_process_on_another_node() -> None:
+    """Rank 2's node is lost and no spare is left: elastic jobs leave it unplaced (to shrink);
+    others start it cold on the least loaded node, as before. A rank whose own node lives is
+    restarted there cold either way."""
+    kw = {
+        "failed": {2: "2", 1: "1"},
+        "spares": {},
+        "data_nodes": {},
+        "live_nodes": ["0", "1"],
+        "load": {"0": 1, "1": 0},
+    }
+    assert set(choose_replacements(**kw, cold_elsewhere=False)) == {1}  # type: ignore[arg-type]
+    both = choose_replacements(**kw)  # type: ignore[arg-type]
+    assert both[2].node in ("0", "1") and both[2].spare is None
+    one_spare = {**kw, "failed": {2: "2"}, "spares": {7: "0"}}
+    assert choose_replacements(**one_spare, cold_elsewhere=False)[2].spare == 7  # type: ignore[arg-type]
