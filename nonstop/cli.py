@@ -148,6 +148,28 @@ def _node_args(p: argparse.ArgumentParser) -> None:
         "within this grace; also JOB_DIR/preempt-node-N appearing (content: grace seconds)",
     )
     g.add_argument(
+        "--preempt-url",
+        default=None,
+        metavar="URL",
+        help="poll this HTTP endpoint for a preemption notice (a cloud metadata service, e.g. AWS "
+        ".../spot/instance-action, GCP .../instance/preempted, Azure scheduled events); '{node}' is "
+        "replaced by the node rank",
+    )
+    g.add_argument(
+        "--preempt-header",
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="header of the notice request (e.g. 'Metadata-Flavor: Google'); repeatable",
+    )
+    g.add_argument(
+        "--preempt-poll",
+        type=float,
+        default=c.preempt_poll_s,
+        metavar="SECONDS",
+        help="how often the notice endpoint is polled (default %(default)s)",
+    )
+    g.add_argument(
         "--min-world-size",
         type=int,
         default=c.min_world_size,
@@ -182,6 +204,9 @@ def _node_config(ns: argparse.Namespace) -> dict[str, object]:
         "quarantine_window_s": ns.quarantine_window,
         "join_timeout_s": ns.join_timeout,
         "preempt_grace_s": ns.preempt_grace,
+        "preempt_url": ns.preempt_url,
+        "preempt_headers": tuple(ns.preempt_header),
+        "preempt_poll_s": ns.preempt_poll,
         "min_world_size": ns.min_world_size,
         "elastic_wait_s": ns.elastic_wait,
     }

@@ -117,6 +117,9 @@ class JobConfig:
     quarantine_window_s: float = 600.0  # ... within this window is quarantined
     join_timeout_s: float = 300.0  # how long node 0 waits for every node to join
     preempt_grace_s: float = 30.0  # SIGTERM to a node's agent: a preemption notice with this grace
+    preempt_url: str | None = None  # poll this HTTP endpoint for a notice ({node}: the node's name)
+    preempt_headers: tuple[str, ...] = ()  # "Name: value" headers of that request
+    preempt_poll_s: float = 2.0
     # -- elasticity (runtime/elastic.py) ---------------------------------------------------
     min_world_size: int = 0  # shrink down to this many ranks when no spare is left (0: never shrink)
     elastic_wait_s: float = 0.0  # wait this long for a spare before shrinking
@@ -199,6 +202,13 @@ class JobConfig:
                 )
         if self.reconnect_s <= 0:
             raise UsageError(f"--reconnect must be > 0 seconds (got {self.reconnect_s})")
+        if self.preempt_url is not None and not self.preempt_url.startswith(("http://", "https://")):
+            raise UsageError(f"--preempt-url must be an http:// or https:// URL (got {self.preempt_url!r})")
+        for h in self.preempt_headers:
+            if ":" not in h or not h.partition(":")[0].strip():
+                raise UsageError(f"--preempt-header must be 'Name: value' (got {h!r})")
+        if self.preempt_poll_s <= 0:
+            raise UsageError(f"--preempt-poll must be > 0 seconds (got {self.preempt_poll_s})")
         if not 0 <= self.min_world_size <= self.world_size:
             raise UsageError(
                 f"--min-world-size must be in 0..{self.world_size} (the job's world size; 0 never "

@@ -37,6 +37,7 @@ from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.gc import hold_lock
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.node import NodeAgent, NodeSpec
+from nonstop.runtime.notice import NoticePoller, parse_headers
 from nonstop.runtime.persistence import ClusterPersister
 from nonstop.runtime.policy import describe_exit
 from nonstop.snapshot.codec import CodecConfig
@@ -478,6 +479,13 @@ def _run_node(
         redirect_output=redirect_output,
     )
     node.preempt_grace_s = config.preempt_grace_s
+    if config.preempt_url is not None and config.node_rank != 0:
+        node.notice = NoticePoller(
+            config.preempt_url.replace("{node}", str(config.node_rank)),
+            headers=parse_headers(config.preempt_headers),
+            interval_s=config.preempt_poll_s,
+            default_grace_s=config.preempt_grace_s,
+        )
     on_term = node.preempt_signal.set if config.node_rank != 0 else None  # node 0 hosts the coordinator
     restore_handlers = _install_signal_handlers(stop, on_term=on_term)
     try:

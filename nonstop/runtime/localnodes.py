@@ -39,6 +39,11 @@ def node_command(config: JobConfig, node_rank: int, coordinator: str) -> list[st
         cmd += ["--secret-file", str(c.secret_file)]
     if c.uses_store:
         cmd += ["--store", c.store, "--reconnect", str(c.reconnect_s)]
+    cmd += ["--preempt-grace", str(c.preempt_grace_s)]
+    if c.preempt_url is not None:
+        cmd += ["--preempt-url", c.preempt_url, "--preempt-poll", str(c.preempt_poll_s)]
+        for h in c.preempt_headers:
+            cmd += ["--preempt-header", h]
     script = c.script
     if script.startswith("-m "):
         cmd += ["-m", script[3:].strip()]

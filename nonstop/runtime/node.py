@@ -66,6 +66,7 @@ from nonstop.replica.peer import (
 from nonstop.runtime.agent import Agent, ranks_with_segments, remove_segments
 from nonstop.runtime.gc import hold_lock
 from nonstop.runtime.jobstore import JobStore
+from nonstop.runtime.notice import NoticePoller
 from nonstop.snapshot.codec import CodecConfig, preload
 from nonstop.snapshot.durable import DurableStore
 from nonstop.snapshot.persist import RankEncoder
@@ -147,6 +148,7 @@ class NodeAgent:
         self.preempt_grace_s = 30.0
         self._preempt_deadline: float | None = None
         self._next_notice_check = 0.0
+        self.notice: NoticePoller | None = None  # --preempt-url: set by the owner before run()
 
     # -- lifecycle --------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> int:
@@ -168,6 +170,8 @@ class NodeAgent:
             threading.Thread(target=self._reader, name="nonstop-agent-reader", daemon=True).start()
             threading.Thread(target=self._worker, name="nonstop-agent-work", daemon=True).start()
             threading.Thread(target=self._persister, name="nonstop-agent-persist", daemon=True).start()
+            if self.notice is not None:
+                self.notice.start()
             return self._loop(stop, float(welcome["lease_ttl_s"]))
         finally:
             if self.agent is not None:
@@ -355,6 +359,8 @@ class NodeAgent:
         grace: float | None = None
         if self.preempt_signal.is_set():
             grace = self.preempt_grace_s
+        elif self.notice is not None and self.notice.noticed.is_set():
+            grace = self.notice.grace_s
         elif now >= self._next_notice_check:
             self._next_notice_check = now + NOTICE_POLL_S
             notice = preempt_notice_path(self.job_dir, self.spec.node)
@@ -417,6 +423,8 @@ class NodeAgent:
         return EXIT_FENCED
 
     def _shutdown(self) -> None:
+        if self.notice is not None:
+            self.notice.stop()
         self._work.put(None)
         self._persist_work.put(None)
         if self._keeper is not None:
