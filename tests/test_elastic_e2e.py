@@ -128,3 +128,21 @@ def _shards_per_process(samples_dir: Path, gen: int) -> dict[str, list[int]]:
         if r.gen == gen:
             out.setdefault(r.process, set()).add(r.shard)
     return {k: sorted(v) for k, v in out.items()}
+
+
+def test_shrink_renumbers_the_ranks_after_the_lost_one(tmp_path: Path) -> None:
+    """Node 1 (rank 1) is lost and never comes back: rank 2 becomes rank 1, restoring from its old
+    number's memory, and the job ends on 2 ranks with every sample read once."""
+    steps = 24
+    config = _config(tmp_path / "job", steps, ("node:node=1,step=6",), min_world_size=2)
+    result = NodesInBackground(config).result(timeout=300)
+    assert result.error is None, result.error
+    events = [json.loads(x) for x in (config.job_dir / "events.jsonl").read_text().splitlines()]
+    (shrink,) = events_named(events, "shrink")
+    assert shrink["dropped"] == [1] and shrink["renumbered"] == {"2": 1}
+    gen = next(g for g in events_named(events, "generation") if g["cause"] == [1])
+    assert gen["fetches"] == {} and gen["nodes"] == {"0": "0", "1": "2"}
+    records = read_log(config.job_dir / "samples")
+    assert check_sequence(records, steps=steps, num_shards=3, batch=BATCH) == []
+    out = json.loads((config.job_dir / "result.json").read_text())
+    assert out["world_size"] == 2 and out["samples_seen"] == steps * 3 * BATCH

@@ -1090,7 +1090,9 @@ class Coordinator:
             replacements=dict(replacements or {}),
         )
         r.marks["detect"] = max((f.detected_at for f in failures), default=now)
-        r.from_rank, r.resized = from_rank, bool(unplaced)
+        r.from_rank = from_rank
+        if unplaced:  # renumbered ranks and new processes write their new number's slots afresh
+            r.fresh = set(from_rank) | set(placements)
         if failures and restore_step is not None:
             r.lost_steps = max(0, self.committed() - restore_step)
         if restore_step is not None:
@@ -1337,7 +1339,8 @@ class Coordinator:
                 "recovery": bool(r.failures),
                 **self._shards_of(rank),
                 **({"from_rank": r.from_rank[rank]} if rank in r.from_rank else {}),
-                **({"resized": True} if r.resized else {}),
+                **({"fresh": True} if rank in r.fresh else {}),
+                **({"live": True} if r.live else {}),
             },
         )
 
@@ -1646,6 +1649,7 @@ class Coordinator:
             restore_step=step,
             replans=0,
             replacements={m.rank: "migration"},
+            live=True,
         )
         r.marks["detect"] = r.marks["plan"] = time.time()
         self._rewind(step)
@@ -1780,7 +1784,8 @@ class Coordinator:
             restore_step=step,
             replans=0,
             replacements={rank: "grow" for rank in new_ranks},
-            resized=True,
+            fresh=set(new_ranks),
+            live=True,
         )
         r.marks["detect"] = r.marks["plan"] = time.time()
         self._rewind(step)
@@ -2100,7 +2105,11 @@ class Coordinator:
                 for sid, w in self.workers.items()
                 if w.role == "spare" and self.worker_node.get(sid) == name and sid in self.live
             )
-            for _ in range(node.spares - have):
+            want = node.spares - have
+            if self.elastic.enabled:  # a node has room for nproc + spares processes, no more
+                ranks_here = sum(1 for r in self.members if self.rank_node.get(r) == name)
+                want = min(want, node.nproc + node.spares - ranks_here - have)
+            for _ in range(want):
                 self._spawn(name, "spare", None)
 
 

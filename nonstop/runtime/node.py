@@ -128,6 +128,7 @@ class NodeAgent:
         self._inbox: queue.Queue[Message | None] = queue.Queue()
         self._work: queue.Queue[Message | None] = queue.Queue()
         self._persist_work: queue.Queue[Message | None] = queue.Queue()  # its own thread: slow I/O
+        self._fetch_work: queue.Queue[Message | None] = queue.Queue()  # its own thread: on the critical path
         self._encoders: dict[tuple[str, bool, int], RankEncoder] = {}
         self.agent: Agent | None = None
         self.data: DataPlane | None = None
@@ -170,6 +171,7 @@ class NodeAgent:
             threading.Thread(target=self._reader, name="nonstop-agent-reader", daemon=True).start()
             threading.Thread(target=self._worker, name="nonstop-agent-work", daemon=True).start()
             threading.Thread(target=self._persister, name="nonstop-agent-persist", daemon=True).start()
+            threading.Thread(target=self._fetcher, name="nonstop-agent-fetch", daemon=True).start()
             if self.notice is not None:
                 self.notice.start()
             return self._loop(stop, float(welcome["lease_ttl_s"]))
@@ -394,7 +396,9 @@ class NodeAgent:
             return 1 if msg.get("failed") else 0
         elif t == "fenced":
             return self._fence(str(msg.get("error", "fenced by the coordinator")))
-        elif t in ("inventory", "replicate", "fetch", "install_durable", "forget", "committed"):
+        elif t == "fetch":  # never queued behind a replication round: a recovery or a swap waits on it
+            self._fetch_work.put(msg)
+        elif t in ("inventory", "replicate", "install_durable", "forget", "committed"):
             self._work.put(msg)
         elif t == "persist":
             self._persist_work.put(msg)
@@ -426,6 +430,7 @@ class NodeAgent:
         if self.notice is not None:
             self.notice.stop()
         self._work.put(None)
+        self._fetch_work.put(None)
         self._persist_work.put(None)
         if self._keeper is not None:
             try:  # a finished node ends its lease at once; a fenced one has lost it already
@@ -449,7 +454,17 @@ class NodeAgent:
             os.close(self._lock[0])
             self._lock[1].unlink(missing_ok=True)
 
-    # -- background work (one thread: inventories, replication, fetches) ------------------------
+    # -- background work (one thread: inventories, replication; fetches on their own) -----------
+    def _fetcher(self) -> None:
+        while True:
+            msg = self._fetch_work.get()
+            if msg is None:
+                return
+            try:
+                self._fetch(msg)
+            except Exception as e:  # report, never die: the coordinator decides
+                log.warning("node %s: fetch failed: %s", self.spec.node, e)
+
     def _worker(self) -> None:
         preload()  # the codec library: now, not in the first replication round
         while True:
@@ -462,8 +477,6 @@ class NodeAgent:
                     self._send(self._inventory(int(msg["id"])))
                 elif t == "replicate":
                     self._replicate(msg)
-                elif t == "fetch":
-                    self._fetch(msg)
                 elif t == "install_durable":
                     self._install_durable(msg)
                 elif t == "forget":

@@ -80,7 +80,10 @@ class Reconfiguration:
     replacements: dict[int, str] = field(default_factory=dict)
     # a world-size change renumbered these ranks: new rank -> the rank whose own memory it restores
     from_rank: dict[int, int] = field(default_factory=dict)
-    resized: bool = False  # the world size changed: every rank rewrites its memory under its number
+    # the world size changed: these ranks' slots may hold another numbering's state; they rewrite them
+    fresh: set[int] = field(default_factory=set)
+    # a swap at a boundary (migration, grow): a rank paused there keeps its live state, no restore
+    live: bool = False
     lost_steps: int = 0
     replans: int = 0
     stage: Stage = Stage.PLAN

@@ -109,6 +109,7 @@ class Session:
         self._faults = FaultInjector.from_json(env.faults_json, env.job_dir / "faults")
         self._done = False  # this rank reported its last step (a restarted coordinator asks)
         self._pause_at: int | None = None  # live migration: stop after this step, wait for the swap
+        self._live_at: int | None = None  # paused after this step: the live state is that step's
         self._in_step = False
         self._can_interrupt = threading.current_thread() is threading.main_thread()
         if self._can_interrupt:
@@ -364,9 +365,13 @@ class Session:
         fetch) until the coordinator swaps the rank (a reconfigure) or gives up (continue)."""
         self._drain(store)
         self._pause_at = None
+        self._live_at = self._step  # until the next step starts, the live state is that of this step
         self._send({"t": "paused", "gen": self.generation, "step": self._step})
         reply = self._wait_for("reconfigure", "continue")
-        return reply if reply["t"] == "reconfigure" else None
+        if reply["t"] == "reconfigure":
+            return reply
+        self._live_at = None
+        return None
 
     def _snapshot(self, mode: str, store: RankSnapshotStore, capture: StateCapture) -> PendingWrite | None:
         """Snapshot the state after ``self._step`` steps per the job's snapshot mode."""
@@ -491,6 +496,8 @@ class Session:
             t0 = time.monotonic()
             if restore_step is None:
                 self._step = 0
+            elif msg.get("live") and self._live_at == int(restore_step):
+                pass  # paused after exactly that step: the live state is the snapshot, bit for bit
             elif msg.get("from_rank") is not None:  # the state is in this process's old rank's memory
                 old = self._open_store(int(msg["from_rank"]))
                 try:
@@ -499,6 +506,7 @@ class Session:
                     old.close()
             else:
                 self._step = capture.restore(store.read(int(restore_step), copy=False))
+            self._live_at = None
             self._send({"t": "restored", "gen": gen, "step": self._step, "restore_s": time.monotonic() - t0})
             reply = self._wait_for("rebuild", "reconfigure")
             if reply["t"] == "reconfigure":
@@ -506,7 +514,7 @@ class Session:
                 continue
             if int(reply["gen"]) != gen:
                 continue
-            if msg.get("resized") and restore_step is not None:
+            if msg.get("fresh") and restore_step is not None:
                 # Every rank has restored (the rebuild says so): what this rank number's slots hold
                 # was written under another numbering. Start them over with the restored step.
                 store.clear()
