@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     starts: list[float] = []  # when each train_step began: the loop's pace, snapshots included
 
     def train_step(ddp: torch.nn.Module, step: int) -> float:
-        starts.append(time.perf_counter())
+        if not session.warming_up:  # a joiner's sandboxed step is not a step of the run
+            starts.append(time.perf_counter())
         opt.zero_grad(set_to_none=True)
         losses = []
         # One micro-batch per data shard this rank plays (one, unless the job has shrunk).
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
             loss.backward()
             losses.append(float(loss.item()))
-            if samples_log is not None:
+            if samples_log is not None and not session.warming_up:
                 first = (step * session.num_shards + shard) * args.batch
                 rec = {"gen": session.generation, "step": step, "shard": shard, "first": first}
                 samples_log.write(json.dumps({**rec, "n": args.batch, "t": time.time()}) + "\n")
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.step_delay:
             time.sleep(args.step_delay)
         opt.step()
-        data["samples_seen"] += args.batch * session.num_shards
+        if not session.warming_up:
+            data["samples_seen"] += args.batch * session.num_shards
         return sum(losses) / len(losses)
 
     def load_extras(extras: dict[str, Any]) -> None:

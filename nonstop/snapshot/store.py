@@ -406,6 +406,34 @@ class RankSnapshotStore:
             best = next((0.0, i) for i, inf in enumerate(infos) if inf is None or not inf.pinned)
         return self._slots[best[1]]
 
+    def _encode(self, state: Any) -> tuple[list[torch.Tensor], list[TensorEntry], int, bytes]:
+        """The tensors of ``state``, their layout in a slot, the data length and the metadata."""
+        tree, tensors = flatten_state(state)
+        entries = self._layout(tensors)
+        data_len = (entries[-1].offset + entries[-1].nbytes) if entries else 0
+        tree_json = json.dumps(tree, separators=(",", ":"))
+        meta = ('{"tree":' + tree_json + ',"tensors":' + self._plan_json + "}").encode()
+        return tensors, entries, data_len, meta
+
+    def prefault(self, state: Any) -> int:
+        """Size every slot that holds no complete snapshot for ``state`` and touch its pages, so
+        that the first snapshots of a process new to this rank (a migration's joiner) do not pay
+        for growing files and page faults. Complete snapshots are left alone. Returns the number
+        of slots prepared."""
+        _, entries, data_len, meta = self._encode(state)
+        done = 0
+        for i in range(self.num_slots):
+            inf = self.info(i)
+            if inf is not None and (inf.state is SlotState.COMPLETE or inf.pinned):
+                continue
+            slot = self._slots[i]
+            slot.ensure_capacity(data_len, len(meta))
+            slot.write_header(SlotState.EMPTY, -1, 0, 0, 0.0)
+            slot.data_view()[:data_len].zero_()
+            slot.views(self._plan_id, entries)
+            done += 1
+        return done
+
     def write(self, step: int, state: Any) -> int:
         """Write the snapshot of ``step`` synchronously; return the number of tensor bytes."""
         return self.begin(step, state, deferred=None).nbytes  # deferred=None: complete on return
@@ -424,11 +452,7 @@ class RankSnapshotStore:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
-        tree, tensors = flatten_state(state)
-        entries = self._layout(tensors)
-        data_len = (entries[-1].offset + entries[-1].nbytes) if entries else 0
-        tree_json = json.dumps(tree, separators=(",", ":"))
-        meta = ('{"tree":' + tree_json + ',"tensors":' + self._plan_json + "}").encode()
+        tensors, entries, data_len, meta = self._encode(state)
         slot = self._choose_slot()
         slot.ensure_capacity(data_len, len(meta))
         slot.write_header(SlotState.WRITING, step, 0, 0, 0.0)

@@ -110,6 +110,7 @@ class Session:
         self._done = False  # this rank reported its last step (a restarted coordinator asks)
         self._pause_at: int | None = None  # live migration: stop after this step, wait for the swap
         self._live_at: int | None = None  # paused after this step: the live state is that step's
+        self.warming_up = False  # a joiner's sandboxed step (see _warm_up): skip side effects
         self._in_step = False
         self._can_interrupt = threading.current_thread() is threading.main_thread()
         if self._can_interrupt:
@@ -294,7 +295,7 @@ class Session:
         try:
             while True:
                 if msg is not None:
-                    ddp = self._reconfigure(msg, model, capture)
+                    ddp = self._reconfigure(msg, model, capture, train_step)
                     msg = None
                 try:
                     while self._step < num_steps:
@@ -350,6 +351,24 @@ class Session:
             if fence_hook is not None:
                 fence_hook.remove()
             self._live_store().close()
+
+    def _warm_up(self, train_step: TrainStep, model: torch.nn.Module) -> None:
+        """A migration's joiner, while the others train: one sandboxed step on the bare model (no
+        DDP, so no collective), so that its first real step does not pay for allocating
+        activations and gradients, autograd's and the optimizer's lazy initialisation (its
+        snapshot slots are prefaulted just before, for its first snapshots). What it
+        changes is overwritten: the swap restores the boundary step. ``warming_up`` is True
+        meanwhile: a script skips its side effects (logs, counters) then."""
+        self.warming_up = True
+        t0 = time.monotonic()
+        try:
+            train_step(model, self._step)
+        except Exception as e:  # a warm-up is an optimisation: never fail the migration for it
+            log.warning("warm-up step failed (the first real step will be slower): %s", e)
+        finally:
+            self.warming_up = False
+            model.zero_grad(set_to_none=True)
+        log.info("warm-up step took %.3fs", time.monotonic() - t0)
 
     def _open_store(self, rank: int) -> RankSnapshotStore:
         return RankSnapshotStore(
@@ -475,7 +494,9 @@ class Session:
             except Exception as e:  # a broken group may refuse a clean teardown
                 log.warning("destroying the old process group failed: %s", e)
 
-    def _reconfigure(self, msg: Message, model: torch.nn.Module, capture: StateCapture) -> torch.nn.Module:
+    def _reconfigure(
+        self, msg: Message, model: torch.nn.Module, capture: StateCapture, train_step: TrainStep
+    ) -> torch.nn.Module:
         """Restore the committed step, then rebuild the process group for a new generation."""
         while True:
             gen = int(msg["gen"])
@@ -507,6 +528,9 @@ class Session:
             else:
                 self._step = capture.restore(store.read(int(restore_step), copy=False))
             self._live_at = None
+            if msg.get("prepare") and restore_step is not None:
+                store.prefault(capture.state(self._step))  # before the warm-up changes the state
+                self._warm_up(train_step, model)
             self._send({"t": "restored", "gen": gen, "step": self._step, "restore_s": time.monotonic() - t0})
             reply = self._wait_for("rebuild", "reconfigure")
             if reply["t"] == "reconfigure":
