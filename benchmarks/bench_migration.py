@@ -7,9 +7,9 @@ own snapshot memory, one hot spare per node, one peer replica per rank). The fig
 demo script's ``step_intervals_s``; the first two steps, which include lazy initialisation, are
 left out) divided by the median gap, two ways: over the whole run, and **during the event** (only
 the gaps that overlap the migration, from its start to its end, or the recovery, from the fault to
-its end; rank 0's step times from the demo's samples log). A ``no_event`` control runs the same job
-untouched: its whole-run ratio is what this machine's noise alone gives. Contenders, alternating
-run by run:
+its end; rank 0's step start times, wall clock, from the demo's result). A ``no_event`` control
+runs the same job untouched: its whole-run ratio is what this machine's noise alone gives.
+Contenders, alternating run by run:
 
 * ``nonstop_migrate``: when rank 1 starts step ``--event-step``, it is moved live to node 2
   (``migrate:rank=1,step=S,to=2``): node 2's spare restores the rank's committed step while the
@@ -55,7 +55,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_mttr import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
 
 from nonstop.demo.runner import demo_job_config  # noqa: E402
-from nonstop.demo.samples import read_log  # noqa: E402
 from nonstop.runtime.eventlog import read_events  # noqa: E402
 from nonstop.runtime.gc import collect_garbage  # noqa: E402
 from nonstop.runtime.launcher import default_shm_dir  # noqa: E402
@@ -81,16 +80,13 @@ def event_window(events: list[dict[str, Any]]) -> tuple[float, float] | None:
     return (start, end) if start is not None and end is not None else None
 
 
-def window_pause(samples_dir: Path, events: list[dict[str, Any]]) -> dict[str, float] | None:
-    """The longest gap between rank 0's consecutive steps that overlaps the event's window, over
-    the median gap of the run (the issue's "longest gap during a migration"); rank 0's step times
-    come from the demo's samples log. None without an event (the control run)."""
+def window_pause(starts: Sequence[float], events: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The longest gap between rank 0's consecutive step starts (wall clock, the demo's
+    ``step_starts_unix``) that overlaps the event's window, over the median gap of the run (the
+    issue's "longest gap during a migration"). None without an event (the control run)."""
     window = event_window(events)
-    if window is None or not samples_dir.exists():
-        return None
-    times = sorted(r.t for r in read_log(samples_dir) if r.shard == 0)[SKIP:]
-    gaps = [(a, b) for a, b in itertools.pairwise(times)]
-    if len(gaps) < 3:
+    gaps = list(itertools.pairwise(list(starts)[SKIP:]))
+    if window is None or len(gaps) < 3:
         return None
     med = statistics.median(b - a for a, b in gaps)
     during = [b - a for a, b in gaps if b >= window[0] and a <= window[1]]
@@ -102,10 +98,8 @@ def window_pause(samples_dir: Path, events: list[dict[str, Any]]) -> dict[str, f
 def nonstop_run(args: argparse.Namespace, run_dir: Path, fault: str | None, **cfg: Any) -> dict[str, Any]:
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    extra = (*cfg.pop("script_extra", ()), "--samples-log", str(run_dir / "samples"))
     config = demo_job_config(
         result=run_dir / "result.json",
-        script_extra=extra,
         steps=cfg.pop("steps", args.steps),
         model=cfg.pop("model", args.model),
         nproc_per_node=cfg.pop("nproc", 1),
@@ -127,7 +121,7 @@ def nonstop_run(args: argparse.Namespace, run_dir: Path, fault: str | None, **cf
         "ok": result.state.value == "done",
         "error": result.error,
         "pause": pause_of(out.get("step_intervals_s", [])),
-        "window_pause": window_pause(run_dir / "samples", events),
+        "window_pause": window_pause(out.get("step_starts_unix", []), events),
         "coordinator_pause_ratio": done[0]["pause_ratio"] if done else None,
         "migration": done[0] if done else None,
         "failures": result.failures,
@@ -172,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=40, help="the joiner's prepare takes ~5 s on a 2-core VM")
     ap.add_argument("--event-step", type=int, default=8)
     ap.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (demo flag)")
     ap.add_argument("--grace", type=float, default=30.0, help="preemption grace of the drain (seconds)")
@@ -181,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "migration.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.model, args.runs, args.steps, args.event_step, args.step_delay = "tiny", 1, 14, 5, 0.1
+        args.model, args.runs, args.steps, args.event_step, args.step_delay = "tiny", 1, 30, 5, 0.1
     extra = ("--step-delay", str(args.step_delay)) if args.step_delay else ()
     tmp = Path(tempfile.mkdtemp(prefix="nonstop-bench-migration-"))
     runs: dict[str, list[dict[str, Any]]] = {

@@ -67,10 +67,12 @@ def main(argv: list[str] | None = None) -> None:
         samples_log = (args.samples_log / f"samples-{os.getpid()}.jsonl").open("a")
 
     starts: list[float] = []  # when each train_step began: the loop's pace, snapshots included
+    starts_unix: list[float] = []  # the same, wall clock (to line steps up with the event log)
 
     def train_step(ddp: torch.nn.Module, step: int) -> float:
         if not session.warming_up:  # a joiner's sandboxed step is not a step of the run
             starts.append(time.perf_counter())
+            starts_unix.append(time.time())
         opt.zero_grad(set_to_none=True)
         losses = []
         # One micro-batch per data shard this rank plays (one, unless the job has shrunk).
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                     "num_params": sum(p.numel() for p in model.parameters()),
                     "seconds": time.time() - t0,
                     "step_intervals_s": [b - a for a, b in itertools.pairwise(starts)],
+                    "step_starts_unix": starts_unix,
                 }
             )
         )
