@@ -22,6 +22,7 @@ from nonstop.demo.runner import demo_job_config
 from nonstop.demo.samples import check_sequence, effective_samples, read_log
 from nonstop.runtime.launcher import JOB_INFO
 from nonstop.runtime.localnodes import node_command
+from nonstop.snapshot.durable import DurableStore
 from tests.conftest import NodesInBackground, events_named, run_nodes_job
 
 pytestmark = pytest.mark.slow
@@ -146,3 +147,5 @@ def test_shrink_renumbers_the_ranks_after_the_lost_one(tmp_path: Path) -> None:
     assert check_sequence(records, steps=steps, num_shards=3, batch=BATCH) == []
     out = json.loads((config.job_dir / "result.json").read_text())
     assert out["world_size"] == 2 and out["samples_seen"] == steps * 3 * BATCH
+    # the nodes persisted the final step of the shrunk job: a checkpoint of its 2 ranks
+    assert DurableStore(str(config.job_dir / "checkpoints")).latest_step() == steps

@@ -19,7 +19,6 @@ def _rounds(tmp_path: Path, every: int = 0, timeout_s: float = 30.0) -> tuple[Cl
     events: list[Any] = []
     rounds = ClusterPersister(
         durable=DurableStore(tmp_path, keep=5),
-        world_size=WORLD,
         codec=CodecConfig(),
         every=every,
         timeout_s=timeout_s,

@@ -417,7 +417,6 @@ def _cluster_persister(
     """Persist rounds across the nodes (the coordinator attaches itself to send them)."""
     return ClusterPersister(
         durable=durable,
-        world_size=config.world_size,
         codec=codec,
         every=config.persist_every,
         timeout_s=config.persist_timeout_s,

@@ -72,7 +72,6 @@ class ClusterPersister:
         self,
         *,
         durable: DurableStore,
-        world_size: int,
         codec: CodecConfig,
         every: int,
         timeout_s: float,
@@ -81,7 +80,6 @@ class ClusterPersister:
         if every < 0:
             raise ValueError("every must be >= 0 (0: only on demand)")
         self.durable = durable
-        self.world_size = world_size
         self.codec = codec
         self.every = every
         self.timeout_s = timeout_s
@@ -128,8 +126,10 @@ class ClusterPersister:
         """Open checkpoint ``step`` and ask each node of ``placement`` (node -> its ranks) for
         its ranks. False (and the error recorded) when the checkpoint cannot be opened."""
         tickets = self._requested
+        # the ranks playing now: fewer than the job's full size while an elastic job is shrunk
+        world_size = len({r for ranks in placement.values() for r in ranks})
         try:
-            writer = self.durable.begin(step, self.world_size, self.codec.describe())
+            writer = self.durable.begin(step, world_size, self.codec.describe())
         except (NonstopError, OSError) as e:
             self._failed(f"cannot open checkpoint step {step}: {e}", tickets)
             return False
@@ -149,7 +149,7 @@ class ClusterPersister:
                 "id": rd.id,
                 "step": step,
                 "url": self.durable.url,
-                "world_size": self.world_size,
+                "world_size": world_size,
                 "ranks": ranks,
                 "lossy": self.codec.lossy,
                 "lossy_bits": self.codec.lossy_bits,
