@@ -48,6 +48,19 @@ def _config(job_dir: Path, steps: int, faults: tuple[str, ...], **kw: Any) -> An
     )
 
 
+def _run_with_rejoin(config: Any, event: str) -> list[dict[str, Any]]:
+    """Run the job; start node 2 again once ``event`` is logged; the job's events."""
+    job = NodesInBackground(config)
+    proc = _rejoin_after(job, event, config, node=2)
+    try:
+        result = job.result(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert result.error is None, result.error
+    return [json.loads(x) for x in (config.job_dir / "events.jsonl").read_text().splitlines()]
+
+
 def _rejoin_after(job: NodesInBackground, event: str, config: Any, node: int) -> subprocess.Popen[bytes]:
     """Start node ``node`` again (a node joining the running job) once ``event`` was logged."""
     deadline = time.monotonic() + 120
@@ -62,15 +75,7 @@ def _rejoin_after(job: NodesInBackground, event: str, config: Any, node: int) ->
 def test_waits_for_a_spare_then_replaces_bitwise(tmp_path: Path) -> None:
     steps = 40
     config = _config(tmp_path / "job", steps, ("node:node=2,step=6",), min_world_size=2, elastic_wait_s=60.0)
-    job = NodesInBackground(config)
-    proc = _rejoin_after(job, "elastic_wait", config, node=2)
-    try:
-        result = job.result(timeout=300)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert result.error is None, result.error
-    events = [json.loads(x) for x in (config.job_dir / "events.jsonl").read_text().splitlines()]
+    events = _run_with_rejoin(config, "elastic_wait")
     assert events_named(events, "shrink") == []
     (wait,) = events_named(events, "elastic_wait")
     assert wait["ranks"] == [2]
@@ -83,15 +88,7 @@ def test_waits_for_a_spare_then_replaces_bitwise(tmp_path: Path) -> None:
 def test_shrink_then_grow_reads_every_sample_once(tmp_path: Path) -> None:
     steps = 80
     config = _config(tmp_path / "job", steps, ("node:node=2,step=6",), min_world_size=2)
-    job = NodesInBackground(config)
-    proc = _rejoin_after(job, "shrink", config, node=2)
-    try:
-        result = job.result(timeout=300)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert result.error is None, result.error
-    events = [json.loads(x) for x in (config.job_dir / "events.jsonl").read_text().splitlines()]
+    events = _run_with_rejoin(config, "shrink")
     (shrink,) = events_named(events, "shrink")
     assert shrink["world_size"] == 2 and shrink["dropped"] == [2]
     assert sorted(map(tuple, shrink["shards"].values())) == [(0,), (1, 2)]

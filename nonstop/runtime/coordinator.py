@@ -1642,19 +1642,28 @@ class Coordinator:
         self.rank_node[m.rank] = m.target
         self._open_generation()
         m.generation = self.generation
+        r = self._boundary_generation(step, {m.rank: "migration"})
+        fetched = self._fetch_for(r, m.rank, step, m.leaver_node, "local")
+        self._launch(r, tier="memory", fetches={m.rank: fetched}, migration=m.rank)
+
+    def _boundary_generation(
+        self, step: int, replacements: dict[int, str], *, fresh: set[int] | None = None
+    ) -> Reconfiguration:
+        """The generation just opened, starting at boundary ``step`` that every rank paused after
+        (a migration's swap, a grow): nothing rolls back, paused ranks keep their live state."""
         r = Reconfiguration(
             generation=self.generation,
             world_size=self.world_size,
             failures=[],
             restore_step=step,
             replans=0,
-            replacements={m.rank: "migration"},
+            replacements=replacements,
+            fresh=fresh or set(),
             live=True,
         )
         r.marks["detect"] = r.marks["plan"] = time.time()
         self._rewind(step)
-        fetched = self._fetch_for(r, m.rank, step, m.leaver_node, "local")
-        self._launch(r, tier="memory", fetches={m.rank: fetched}, migration=m.rank)
+        return r
 
     def _migration_done(self, m: Migration) -> None:
         m.phase = MigrationPhase.DONE
@@ -1777,18 +1786,7 @@ class Coordinator:
             w.last_progress, w.stepped = time.monotonic(), False
             self.members[rank] = sid
             self.rank_node[rank] = self.worker_node[sid]
-        r = Reconfiguration(
-            generation=self.generation,
-            world_size=self.world_size,
-            failures=[],
-            restore_step=step,
-            replans=0,
-            replacements={rank: "grow" for rank in new_ranks},
-            fresh=set(new_ranks),
-            live=True,
-        )
-        r.marks["detect"] = r.marks["plan"] = time.time()
-        self._rewind(step)
+        r = self._boundary_generation(step, {rank: "grow" for rank in new_ranks}, fresh=set(new_ranks))
         self._step_at.clear()
         source = self.rank_node[0]
         fetches = {rank: self._fetch_for(r, rank, step, source, "local", src_rank=0) for rank in new_ranks}
