@@ -474,12 +474,23 @@ def _format_status(st: dict[str, object]) -> str:
                 f"{n['failures']} failure(s)"
             )
     ranks = st.get("ranks")
+    shards = st.get("shards")
+    shrunk = st.get("num_shards") not in (None, st.get("world_size"))
     if isinstance(ranks, dict):
         for r, info in ranks.items():
+            played = f", shards {shards.get(r)}" if shrunk and isinstance(shards, dict) else ""
             lines.append(
                 f"rank {r}: node {info['node']}, spawn {info['spawn_id']}, pid {info['pid']}, "
-                f"step {info['step']}"
+                f"step {info['step']}{played}"
             )
+    if shrunk:
+        lines.append(
+            f"elastic: shrunk to {st.get('world_size')} of {st.get('num_shards')} ranks "
+            f"(minimum {st.get('min_world_size')})"
+        )
+    grow = st.get("growing")
+    if isinstance(grow, dict):
+        lines.append(f"growing to {grow['to']} ranks at step {grow['boundary']}")
     m = st.get("migration")
     if isinstance(m, dict):
         lines.append(

@@ -91,3 +91,28 @@ def test_elastic_placement_never_starts_a_cold_process_on_another_node() -> None
     assert both[2].node in ("0", "1") and both[2].spare is None
     one_spare = {**kw, "failed": {2: "2"}, "spares": {7: "0"}}
     assert choose_replacements(**one_spare, cold_elsewhere=False)[2].spare == 7  # type: ignore[arg-type]
+
+
+def test_status_says_when_the_job_is_shrunk() -> None:
+    from nonstop.cli import _format_status
+
+    st = {
+        "job_id": "j",
+        "state": "running",
+        "generation": 2,
+        "world_size": 2,
+        "num_shards": 3,
+        "min_world_size": 2,
+        "shards": {"0": [0], "1": [1, 2]},
+        "ranks": {
+            "0": {"node": "0", "spawn_id": 0, "pid": 1, "step": 9},
+            "1": {"node": "1", "spawn_id": 1, "pid": 2, "step": 9},
+        },
+        "growing": {"to": 3, "boundary": 12},
+    }
+    text = _format_status(st)
+    assert "rank 1: node 1, spawn 1, pid 2, step 9, shards [1, 2]" in text
+    assert "elastic: shrunk to 2 of 3 ranks (minimum 2)" in text
+    assert "growing to 3 ranks at step 12" in text
+    full = _format_status({**st, "world_size": 3, "growing": None})
+    assert "shards" not in full and "shrunk" not in full

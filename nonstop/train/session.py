@@ -13,7 +13,9 @@ Contract of :meth:`Session.run`:
 
 * ``train_step(ddp_model, step)`` performs optimizer step number ``step``
   (0-based). It must derive its batch from ``step`` (or from state it returns
-  through ``extras``/``load_extras``) so a step can be redone.
+  through ``extras``/``load_extras``) so a step can be redone. In an elastic job
+  (``--min-world-size``) it reads one micro-batch per shard of
+  :meth:`Session.shard_steps` (shard k: what rank k of the full-size job reads).
 * After each step the state after ``step + 1`` steps is snapshotted into the
   agent's shared memory before the next step starts.
 * When any rank fails, ``train_step`` may raise (a collective error) or the
