@@ -717,6 +717,10 @@ class Coordinator:
         ):
             self._on_joiner_prepared(m)
             return
+        z = self.resize
+        if z is not None and t == "restored" and w.spawn_id in z.joiners and z.generation is None:
+            self._on_grow_prepared(z, w.spawn_id)
+            return
         gen = int(msg.get("gen", -1))
         if gen != self.generation or w.rank is None or self.members.get(w.rank) != w.spawn_id:
             if t == "kv":
@@ -1258,6 +1262,10 @@ class Coordinator:
         if m is not None and req == m.fetch_req and m.phase is MigrationPhase.PREPARE:
             self._on_prepare_fetched(m, msg)
             return
+        if self.resize is not None and req in self.resize.fetches:
+            self._req_node.pop(req, None)
+            self._on_grow_fetched(self.resize, req, msg)
+            return
         rank, gen = self._waiting_fetch.pop(req, (-1, -1))
         self._req_node.pop(req, None)
         r = self.reconf
@@ -1745,22 +1753,59 @@ class Coordinator:
         for sid in joiners:
             self.workers[sid].role = "joiner"  # held for the grow: no recovery takes it meanwhile
         z = Resize(
-            boundary=boundary_step(self.latest_step),
             world_size=self.world_size,
             new_world_size=target,
             joiners=joiners,
             started=time.time(),
+            prepare_step=self.committed(),  # held in rank 0's node until a newer one commits
         )
         self.resize = z
         self.events.emit(
             "grow_start",
             world_size=self.world_size,
             new_world_size=target,
-            boundary=z.boundary,
+            prepare_step=z.prepare_step,
             joiners={str(sid): self.worker_node[sid] for sid in joiners},
         )
-        for sid in self.members.values():
-            self._send(self.workers[sid], {"t": "pause", "at": z.boundary})
+        for i, sid in enumerate(joiners):
+            node = self.worker_node[sid]
+            req = self._fetch(
+                node, 0, z.prepare_step, self.rank_node[0], "local", as_rank=self.world_size + i
+            )
+            z.fetches[req] = sid
+
+    def _on_grow_fetched(self, z: Resize, req: int, msg: Message) -> None:
+        """A joiner's node holds the prepare step: the joiner restores it and warms up."""
+        sid = z.fetches.pop(req)
+        if not msg.get("ok"):
+            self._abort_resize(f"fetching step {z.prepare_step} for spare {sid}: {msg.get('error')}")
+            return
+        rank = z.world_size + z.joiners.index(sid)
+        shards = assign_shards(self.num_shards, z.new_world_size)[rank]
+        self._send(
+            self.workers[sid],
+            {
+                "t": "reconfigure",
+                "gen": self.generation,
+                "rank": rank,
+                "world_size": z.new_world_size,
+                "restore_step": z.prepare_step,
+                "recovery": False,
+                "prepare": True,
+                "shards": list(shards),
+                "num_shards": self.num_shards,
+            },
+        )
+
+    def _on_grow_prepared(self, z: Resize, sid: int) -> None:
+        """A joiner restored the prepare step and warmed up; once all have: pause at a boundary."""
+        z.prepared.add(sid)
+        if z.prepared < set(z.joiners) or z.boundary is not None:
+            return
+        z.boundary = boundary_step(self.latest_step)
+        self.events.emit("grow_pause", boundary=z.boundary, prepare_s=time.time() - z.started)
+        for m in self.members.values():
+            self._send(self.workers[m], {"t": "pause", "at": z.boundary})
 
     def _on_paused_for_resize(self, z: Resize, rank: int, step: int) -> None:
         z.paused[rank] = step
@@ -1774,6 +1819,7 @@ class Coordinator:
     def _grow(self, z: Resize) -> None:
         """Every rank stopped after the boundary step: a new generation with the joiners as ranks
         ``world_size..``; they fetch the boundary step from rank 0's memory. Nothing rolls back."""
+        assert z.boundary is not None
         step = z.boundary
         self._open_generation()
         z.generation = self.generation
@@ -1812,8 +1858,17 @@ class Coordinator:
         self.resize = None
         for sid in z.joiners:
             w = self.workers.get(sid)
-            if w is not None and w.role == "joiner":
-                w.role = "spare"  # idle again
+            if w is None or w.role != "joiner":
+                continue
+            if sid in z.fetches.values():
+                w.role = "spare"  # not told anything yet: idle again
+            else:  # it took the rank in its script (prepare): replace it with a fresh spare
+                w.role = "retired"
+                self._kill(sid, signal.SIGKILL)
+                if self.nodes[self.worker_node[sid]].alive:
+                    self._spawn(self.worker_node[sid], "spare", None)
+        for req in z.fetches:
+            self._req_node.pop(req, None)
         if z.generation is None:
             for sid in self.members.values():  # ranks waiting at the boundary go on as before
                 self._send(self.workers[sid], {"t": "continue"})

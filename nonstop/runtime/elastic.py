@@ -16,9 +16,10 @@ How the coordinator uses this module (``Coordinator._begin_generation``, ``_grow
   survivors hold from its own memory (a data-parallel rank's snapshot reflects every shard's
   gradient up to its step: nothing is rolled back beyond the step in flight), and the shards are
   spread over them (:func:`assign_shards`).
-* **grow** -- while the world is below ``num_shards`` and idle spares exist (a node joined), every
-  rank stops after a boundary step (the live-migration pause), the spares fetch that step from a
-  member's memory and join as new ranks; nothing is rolled back.
+* **grow** -- while the world is below ``num_shards`` and idle spares exist (a node joined), the
+  spares first restore rank 0's committed step and warm up while the job trains (as a migration's
+  joiner does); then every rank stops after a boundary step (the live-migration pause), the spares
+  fetch that step from rank 0's memory and join as new ranks; nothing is rolled back.
 
 Everything here is pure (no I/O, no clock): the simulator can use the same decisions.
 """
@@ -131,13 +132,18 @@ class ElasticPolicy:
 
 @dataclass
 class Resize:
-    """A grow in progress: every rank stops after ``boundary``; then ``joiners`` (spawn ids of
-    idle spares) become ranks ``world_size..new_world_size-1``."""
+    """A grow in progress. *prepare*: each of ``joiners`` (spawn ids of idle spares, to become
+    ranks ``world_size..new_world_size-1``) gets rank 0's committed step ``prepare_step`` and
+    restores it and warms up, as a migration's joiner does, while the job trains; *pause*: every
+    rank stops after ``boundary``; then the swap."""
 
-    boundary: int
     world_size: int
     new_world_size: int
     joiners: list[int]
     started: float  # wall clock, for the timeout and the event
+    prepare_step: int
+    boundary: int | None = None  # set once every joiner is prepared
+    fetches: dict[int, int] = field(default_factory=dict)  # fetch request id -> joiner spawn id
+    prepared: set[int] = field(default_factory=set)  # joiners that restored and warmed up
     paused: dict[int, int] = field(default_factory=dict)  # rank -> step it stopped after
     generation: int | None = None  # the generation the grow started, once swapped in
