@@ -369,3 +369,29 @@ def test_a_dead_writers_torn_slot_is_not_a_write_in_progress(
     assert reader.writing_step({os.getpid()}) == 2
     assert reader.writing_step({os.getpid() + 1}) is None  # the writer is gone: torn leftovers
     reader.close()
+
+
+def test_a_slot_file_not_sized_yet_reads_as_empty(tmp_path: Path) -> None:
+    """A writer creates a slot file and sizes it a moment later; a reader in between (the
+    persister, an inventory) sees no snapshot there instead of failing (mmap refuses empty files)."""
+    slot_path(tmp_path, "e", 0, 0).touch()
+    reader = RankSnapshotStore(shm_dir=tmp_path, job_id="e", rank=0, num_slots=2)
+    assert reader.complete_steps() == []
+    writer = RankSnapshotStore(shm_dir=tmp_path, job_id="e", rank=0, num_slots=2)
+    writer.write(4, {"w": torch.ones(3)})
+    assert reader.complete_steps() == [4]
+
+
+def test_clear_and_prefault(tmp_path: Path) -> None:
+    """``clear`` forgets every snapshot of the rank; ``prefault`` sizes the free slots and leaves
+    complete snapshots alone."""
+    s = RankSnapshotStore(shm_dir=tmp_path, job_id="c", rank=1, num_slots=3)
+    s.write(7, {"w": torch.arange(5.0)})
+    assert s.prefault({"w": torch.zeros(5)}) == 2
+    assert s.complete_steps() == [7]
+    assert torch.equal(s.read(7)["w"], torch.arange(5.0))
+    s.write(8, {"w": torch.ones(5)})
+    s.clear()
+    assert s.complete_steps() == []
+    with pytest.raises(SnapshotMissingError):
+        s.read(8)

@@ -72,6 +72,7 @@ EXIT_NOT_LEADER = 76  # store mode: this coordinator lost its leadership lease a
 PLAN_WAIT_S = 3.0  # longest planning waits for the nodes' inventories
 REPLICATED_EVENT_EVERY_S = 1.0
 ROUND_RETRY_S = 0.05
+GROW_RETRY_S = 2.0  # an aborted grow (e.g. its prepare step was overwritten) is tried again after this
 
 
 class JobState(enum.StrEnum):
@@ -168,6 +169,7 @@ class Coordinator:
         )
         self._replan_at: float | None = None  # elastic wait: re-plan then (or when a spare appears)
         self.resize: Resize | None = None  # a grow in progress
+        self._grow_retry_at = 0.0  # after an aborted grow, wait before trying again
         # replicating: the held replicated step, the one a round is sending, the newest, one to write
         self.num_slots = 4 if config.replicas > 0 and config.nnodes > 1 else 2
         self.state = JobState.STARTING
@@ -1743,6 +1745,7 @@ class Coordinator:
             or self._migrate_queue
             or self._awaiting
             or self.done_ranks
+            or time.monotonic() < self._grow_retry_at
         ):
             return
         idle = self._idle_spares()
@@ -1856,6 +1859,7 @@ class Coordinator:
         if z is None:
             return
         self.resize = None
+        self._grow_retry_at = time.monotonic() + GROW_RETRY_S
         for sid in z.joiners:
             w = self.workers.get(sid)
             if w is None or w.role != "joiner":

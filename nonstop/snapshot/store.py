@@ -132,7 +132,13 @@ class _Slot:
             self.close()  # the file was deleted (lost memory) or replaced: forget the old mapping
         if not self.path.exists():
             return False
-        self._map(0, create=False)
+        try:
+            self._map(0, create=False)
+        except (ValueError, FileNotFoundError):
+            # created by its writer a moment ago and not sized yet (mmap refuses an empty
+            # file), or deleted meanwhile: nothing to read in it yet
+            self.close()
+            return False
         if len(self._mm or b"") < HEADER_SIZE:
             self.close()
             return False
