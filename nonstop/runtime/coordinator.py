@@ -1354,10 +1354,11 @@ class Coordinator:
             },
         )
 
-    def _shards_of(self, rank: int) -> dict[str, Any]:
-        """The data shards ``rank`` plays in the current world size (elastic.assign_shards)."""
+    def _shards_of(self, rank: int, world_size: int | None = None) -> dict[str, Any]:
+        """The data shards ``rank`` plays in ``world_size`` (default: the current one)."""
+        world = self.world_size if world_size is None else world_size
         return {
-            "shards": list(assign_shards(self.num_shards, self.world_size)[rank]),
+            "shards": list(assign_shards(self.num_shards, world)[rank]),
             "num_shards": self.num_shards,
         }
 
@@ -1609,17 +1610,22 @@ class Coordinator:
             self._abort_migration(f"fetching step {m.prepare_step} to node {m.target}: {msg.get('error')}")
             return
         m.mark("fetched")
+        self._send_prepare(m.joiner_sid, m.rank, self.world_size, m.prepare_step)
+
+    def _send_prepare(self, sid: int, rank: int, world_size: int, step: int | None) -> None:
+        """Tell a joiner (a migration's or a grow's) its rank: it restores ``step``, which its node
+        holds, and warms up while the job trains; it is no member until the swap."""
         self._send(
-            self.workers[m.joiner_sid],
+            self.workers[sid],
             {
                 "t": "reconfigure",
                 "gen": self.generation,
-                "rank": m.rank,
-                "world_size": self.world_size,
-                "restore_step": m.prepare_step,
+                "rank": rank,
+                "world_size": world_size,
+                "restore_step": step,
                 "recovery": False,
                 "prepare": True,
-                **self._shards_of(m.rank),
+                **self._shards_of(rank, world_size),
             },
         )
 
@@ -1783,22 +1789,7 @@ class Coordinator:
         if not msg.get("ok"):
             self._abort_resize(f"fetching step {z.prepare_step} for spare {sid}: {msg.get('error')}")
             return
-        rank = z.world_size + z.joiners.index(sid)
-        shards = assign_shards(self.num_shards, z.new_world_size)[rank]
-        self._send(
-            self.workers[sid],
-            {
-                "t": "reconfigure",
-                "gen": self.generation,
-                "rank": rank,
-                "world_size": z.new_world_size,
-                "restore_step": z.prepare_step,
-                "recovery": False,
-                "prepare": True,
-                "shards": list(shards),
-                "num_shards": self.num_shards,
-            },
-        )
+        self._send_prepare(sid, z.world_size + z.joiners.index(sid), z.new_world_size, z.prepare_step)
 
     def _on_grow_prepared(self, z: Resize, sid: int) -> None:
         """A joiner restored the prepare step and warmed up; once all have: pause at a boundary."""
