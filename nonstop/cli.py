@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from nonstop.config import SNAPSHOT_MODES, DetectorConfig, JobConfig
+from nonstop.config import SNAPSHOT_MODES, SWAP_TRANSFERS, DetectorConfig, JobConfig
 from nonstop.errors import JobFailedError, NonstopError, UsageError
 
 __all__ = ["main"]
@@ -185,6 +185,14 @@ def _node_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="elastic: wait this long for a spare before shrinking (default %(default)s)",
     )
+    g.add_argument(
+        "--swap-transfer",
+        choices=SWAP_TRANSFERS,
+        default=c.swap_transfer,
+        help="how a live migration's swap brings the boundary step to the joiner's node: as a delta "
+        "against the step its catch-up fetched, the whole step, or auto: a delta when the catch-up "
+        "measured deltas faster (a slow link) (default %(default)s)",
+    )
 
 
 def _node_config(ns: argparse.Namespace) -> dict[str, object]:
@@ -209,6 +217,7 @@ def _node_config(ns: argparse.Namespace) -> dict[str, object]:
         "preempt_poll_s": ns.preempt_poll,
         "min_world_size": ns.min_world_size,
         "elastic_wait_s": ns.elastic_wait,
+        "swap_transfer": ns.swap_transfer,
     }
 
 

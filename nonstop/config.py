@@ -20,6 +20,7 @@ __all__ = [
     "WorkerEnv",
     "ENV",
     "SNAPSHOT_MODES",
+    "SWAP_TRANSFERS",
     "job_config_from_json",
     "job_config_to_json",
 ]
@@ -47,6 +48,7 @@ class ENV:
 
 
 SNAPSHOT_MODES = ("overlapped", "sync", "off")
+SWAP_TRANSFERS = ("auto", "delta", "whole")  # runtime/migration.py: swap_as_delta
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +122,7 @@ class JobConfig:
     preempt_url: str | None = None  # poll this HTTP endpoint for a notice ({node}: the node's name)
     preempt_headers: tuple[str, ...] = ()  # "Name: value" headers of that request
     preempt_poll_s: float = 2.0
+    swap_transfer: str = "auto"  # a migration's swap fetches the boundary: auto | delta | whole
     # -- elasticity (runtime/elastic.py) ---------------------------------------------------
     min_world_size: int = 0  # shrink down to this many ranks when no spare is left (0: never shrink)
     elastic_wait_s: float = 0.0  # wait this long for a spare before shrinking
@@ -216,6 +219,10 @@ class JobConfig:
             )
         if self.elastic_wait_s < 0:
             raise UsageError(f"--elastic-wait must be >= 0 seconds (got {self.elastic_wait_s})")
+        if self.swap_transfer not in SWAP_TRANSFERS:
+            raise UsageError(
+                f"--swap-transfer must be one of {', '.join(SWAP_TRANSFERS)} (got {self.swap_transfer!r})"
+            )
 
     @property
     def min_world(self) -> int:

@@ -15,7 +15,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_migrate_a_rank_to_another_node_bitwise(tmp_path: Path, reference_hash: str) -> None:
-    run = run_nodes_job(tmp_path / "job", nnodes=3, spares=1, faults=("migrate:rank=1,step=4,to=2",))
+    """With the swap fetching the boundary as a delta against the step the catch-up brought."""
+    run = run_nodes_job(
+        tmp_path / "job", nnodes=3, spares=1, faults=("migrate:rank=1,step=4,to=2",), swap_transfer="delta"
+    )
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash
     (done,) = events_named(run.events, "migration_done")
@@ -27,6 +30,11 @@ def test_migrate_a_rank_to_another_node_bitwise(tmp_path: Path, reference_hash: 
     assert gen["nodes"]["1"] == "2" and gen["restore_step"] == done["boundary"]
     # nothing was rolled back: the swap generation starts where every rank stopped
     assert gen["restore_step"] > 4
+    # the target caught up with a delta against the step the prepare fetch brought
+    rounds = events_named(run.events, "catchup")
+    assert rounds and rounds[0]["ok"] and rounds[0]["delta"], rounds
+    assert rounds[0]["wire_bytes"] < rounds[0]["raw_bytes"]
+    assert done["catchup_rounds"] == len(rounds) and done["swap_delta"] is True
 
 
 def test_leaver_death_mid_migration_falls_back_to_recovery(tmp_path: Path, reference_hash: str) -> None:

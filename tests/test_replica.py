@@ -13,7 +13,7 @@ import torch
 from nonstop.control.channel import BLOB, connect, new_secret
 from nonstop.control.rdzv import KeyValueTable
 from nonstop.errors import AuthError, ControlError
-from nonstop.replica.peer import DataPlane, FetchError, Replicator, fetch_snapshot, shm_stores
+from nonstop.replica.peer import DataPlane, FetchError, Replicator, fetch, fetch_snapshot, shm_stores
 from nonstop.snapshot import RankSnapshotStore
 
 Msg = dict[str, object]
@@ -93,6 +93,51 @@ def test_holder_without_the_base_gets_a_full_copy(
     held = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b.rep", rank=0)
     assert held.complete_steps() == [2]
     held.close()
+
+
+def test_tracked_fetch_then_delta_catch_up(planes: tuple[DataPlane, Replicator, bytes, Path, str]) -> None:
+    """A migration's catch-up: the first tracked fetch comes whole, the next as a delta against
+    it (fewer bytes on the wire, the same data); an untracked fetch ends the tracking."""
+    holder, _rep, secret, shm, job = planes
+    local_b = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b", rank=2)
+    states = {s: _state(4, drift=s * 1e-4) for s in (10, 11, 12, 13)}
+    for s in (10, 11):
+        local_b.write(s, states[s])
+    first = fetch(holder.addr, secret, node="t", rank=2, step=10, kind="local", track=True)
+    assert first.base is None and bytes(first.data) == bytes(local_b.copy_out(10).data)
+    second = fetch(
+        holder.addr, secret, node="t", rank=2, step=11, kind="local", base=(10, first.data), track=True
+    )
+    assert second.base == 10
+    assert bytes(second.data) == bytes(local_b.copy_out(11).data)
+    assert second.wire_bytes < first.wire_bytes  # compressed delta vs raw
+    # another requester has no tracked base here: it is sent the whole step
+    other = fetch(holder.addr, secret, node="u", rank=2, step=11, kind="local", base=(10, first.data))
+    assert other.base is None and bytes(other.data) == bytes(second.data)
+    local_b.write(12, states[12])
+    third = fetch(holder.addr, secret, node="t", rank=2, step=12, kind="local", base=(11, second.data))
+    assert third.base == 11 and bytes(third.data) == bytes(local_b.copy_out(12).data)
+    local_b.write(13, states[13])  # the third fetch was untracked: it ended the tracking
+    fourth = fetch(holder.addr, secret, node="t", rank=2, step=13, kind="local", base=(12, third.data))
+    assert fourth.base is None and bytes(fourth.data) == bytes(local_b.copy_out(13).data)
+    local_b.close()
+
+
+def test_delta_against_a_base_that_differs_fails_its_checksums(
+    planes: tuple[DataPlane, Replicator, bytes, Path, str],
+) -> None:
+    """A requester whose base is not what the holder sent (memory lost or overwritten) gets a
+    FetchError, never wrong data."""
+    holder, _rep, secret, shm, job = planes
+    local_b = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b", rank=1)
+    local_b.write(5, _state(6))
+    first = fetch(holder.addr, secret, node="t", rank=1, step=5, kind="local", track=True)
+    local_b.write(6, _state(6, drift=1e-3))
+    wrong = bytearray(first.data)
+    wrong[100] ^= 0xFF
+    with pytest.raises(FetchError, match="crc32c"):
+        fetch(holder.addr, secret, node="t", rank=1, step=6, kind="local", base=(5, wrong), track=True)
+    local_b.close()
 
 
 def test_corrupt_chunk_is_rejected_and_nothing_installed(

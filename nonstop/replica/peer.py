@@ -8,9 +8,15 @@ Messages on a peer channel (all authenticated by :mod:`nonstop.control.channel`)
   holder decodes against its copy of ``base`` (a delta) or alone (``base`` is
   null), verifies every chunk's CRC-32C, installs the step in its replica slots
   and answers ``rep_ack`` (``ok``, or ``need_full`` when it lacks the base).
-* ``fetch`` (a node restoring a rank -> the node holding it): the holder
-  answers ``fetch_begin`` (meta as blob, or ``error``) and the chunks, encoded
-  without compression but checksummed like any chunk.
+* ``fetch`` (a node restoring a rank -> the node holding it): ``rank, step, kind``
+  and, for a catch-up, ``node`` (the requester), ``base`` and ``track``. The holder
+  answers ``fetch_begin`` (meta as blob, ``data_len, nchunks, base, capped``, or ``error``)
+  and the chunks, checksummed like any chunk: raw, or -- when ``base`` names the step
+  it last sent this requester's ``track`` ed fetch of the rank -- a delta against that
+  step, compressed. ``track`` keeps what was sent as the base of the next catch-up
+  (both ends hold one copy per tracked rank, dropped by an untracked fetch of it or
+  after :data:`TRACK_TTL_S` unused). A holder that no longer has the base answers the
+  whole step (``base`` null), so a catch-up never depends on the holder's memory.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +38,13 @@ from nonstop.snapshot.codec import ChunkInfo, CodecConfig, Encoder, decode, segm
 from nonstop.snapshot.store import RankSnapshotStore, RawSnapshot
 
 __all__ = [
+    "TRACK_TTL_S",
     "DataPlane",
     "FetchError",
+    "Fetched",
     "ReplicaStats",
     "Replicator",
+    "fetch",
     "fetch_snapshot",
     "local_store_id",
     "replica_store_id",
@@ -44,6 +53,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 RAW_CODEC = CodecConfig(codec="none", shuffle="none")
+TRACK_TTL_S = 300.0  # a tracked fetch's base is dropped when no catch-up used it for this long
 
 
 def local_store_id(job_id: str, node: str) -> str:
@@ -69,8 +79,11 @@ def _send_chunks(chan: Channel, chunks: list[tuple[ChunkInfo, Any]], throttle: C
     return wire
 
 
-def _recv_snapshot(first: Message, next_msg: Callable[[], Message], base: Any) -> tuple[bytes, bytearray]:
-    """Read the chunks announced by ``first`` and decode them (CRC-checked) against ``base``."""
+def _recv_snapshot(
+    first: Message, next_msg: Callable[[], Message], base: Any, out: np.ndarray | None = None
+) -> tuple[bytes, Any]:
+    """Read the chunks announced by ``first`` and decode them (CRC-checked) against ``base``,
+    into ``out`` (a uint8 array, reused when large enough) or a new bytearray."""
     meta = bytes(first.get(BLOB, b""))
     n, data_len = int(first["nchunks"]), int(first["data_len"])
     chunks = []
@@ -79,9 +92,9 @@ def _recv_snapshot(first: Message, next_msg: Callable[[], Message], base: Any) -
         if msg.get("t") != "chunk":
             raise FetchError(f"expected a chunk, got {msg.get('t')!r}")
         chunks.append((ChunkInfo.from_json(msg["info"]), msg.get(BLOB, b"")))
-    out = bytearray(data_len)
-    decode(chunks, out, base)
-    return meta, out
+    dest: Any = out[:data_len] if out is not None and out.size >= data_len else bytearray(data_len)
+    decode(chunks, dest, base)
+    return meta, dest
 
 
 class _Bucket:
@@ -91,14 +104,16 @@ class _Bucket:
         self.rate = rate
         self._t = time.monotonic()
         self._debt = 0.0
+        self._lock = threading.Lock()  # a data plane serves fetches on several threads
 
     def __call__(self, n: int) -> None:
         if not self.rate:
             return
-        now = time.monotonic()
-        self._debt = max(0.0, self._debt - (now - self._t) * self.rate) + n
-        self._t = now
-        wait = self._debt / self.rate - 0.05  # allow a 50 ms burst
+        with self._lock:
+            now = time.monotonic()
+            self._debt = max(0.0, self._debt - (now - self._t) * self.rate) + n
+            self._t = now
+            wait = self._debt / self.rate - 0.05  # allow a 50 ms burst
         if wait > 0:
             time.sleep(wait)
 
@@ -217,13 +232,40 @@ class Replicator:
         self._chans.clear()
 
 
-def fetch_snapshot(
-    addr: str, secret: bytes, *, node: str, rank: int, step: int, kind: str, timeout: float = 30.0
-) -> tuple[bytes, bytearray]:
-    """(meta, data) of ``rank``'s snapshot of ``step`` from the node at ``addr``.
+@dataclass
+class Fetched:
+    """What :func:`fetch` brought: the snapshot and how it travelled.
+
+    ``data`` is a bytearray, or a view of the ``out`` array given; ``base`` is the step
+    it was decoded against (None: sent whole); ``wire_bytes`` counts the payloads."""
+
+    meta: bytes
+    data: Any
+    base: int | None
+    wire_bytes: int
+    capped: bool = False  # the holder held it to its bandwidth cap (its time measures the cap)
+
+
+def fetch(
+    addr: str,
+    secret: bytes,
+    *,
+    node: str,
+    rank: int,
+    step: int,
+    kind: str,
+    base: tuple[int, Any] | None = None,
+    track: bool = False,
+    out: np.ndarray | None = None,
+    timeout: float = 30.0,
+) -> Fetched:
+    """``rank``'s snapshot of ``step`` from the node at ``addr`` (module docstring, ``fetch``).
 
     ``kind``: ``"local"`` (that node's own slots of the rank) or ``"replica"``.
-    Every chunk is CRC-checked; raises FetchError when the peer lacks the step.
+    ``base``: (step, data) this node holds from its last ``track`` ed fetch of the rank
+    from ``addr``; the holder then sends a delta against it if it still has that step too.
+    Every chunk is CRC-checked (after decoding: against the data the holder encoded, so a
+    wrong base cannot pass); raises FetchError when the peer lacks the step.
     """
     host, _, port = addr.rpartition(":")
     try:
@@ -231,15 +273,56 @@ def fetch_snapshot(
     except (ControlError, OSError) as e:
         raise FetchError(f"cannot reach {addr} to fetch rank {rank} step {step}: {e}") from e
     try:
-        ch.send({"t": "fetch", "rank": rank, "step": step, "kind": kind})
+        ask: Message = {"t": "fetch", "rank": rank, "step": step, "kind": kind, "node": node}
+        if base is not None:
+            ask["base"] = base[0]
+        if track:
+            ask["track"] = True
+        ch.send(ask)
         first = ch.recv()
         if first.get("error"):
             raise FetchError(f"{addr} cannot serve rank {rank} step {step}: {first['error']}")
-        return _recv_snapshot(first, ch.recv, None)
+        got = first.get("base")
+        if got is not None and (base is None or int(got) != base[0]):
+            raise FetchError(f"{addr} sent a delta against step {got}, which this node did not offer")
+        wire = [len(first.get(BLOB, b""))]
+
+        def next_chunk() -> Message:
+            msg = ch.recv()
+            wire[0] += len(msg.get(BLOB, b""))
+            return msg
+
+        base_data = base[1] if got is not None and base is not None else None
+        meta, data = _recv_snapshot(first, next_chunk, base_data, out)
+        return Fetched(
+            meta=meta,
+            data=data,
+            base=None if got is None else int(got),
+            wire_bytes=wire[0],
+            capped=bool(first.get("capped")),
+        )
     except (ControlError, OSError, SnapshotError) as e:
         raise FetchError(f"fetching rank {rank} step {step} from {addr} failed: {e}") from e
     finally:
         ch.close()
+
+
+def fetch_snapshot(
+    addr: str, secret: bytes, *, node: str, rank: int, step: int, kind: str, timeout: float = 30.0
+) -> tuple[bytes, Any]:
+    """(meta, data) of ``rank``'s snapshot of ``step``, sent whole (:func:`fetch`)."""
+    got = fetch(addr, secret, node=node, rank=rank, step=step, kind=kind, timeout=timeout)
+    return got.meta, got.data
+
+
+@dataclass
+class _Sent:
+    """A holder's copy of what it last sent a tracked fetch: the base of the next delta."""
+
+    step: int
+    data: np.ndarray
+    spare: np.ndarray | None  # the buffer before: reused by the next copy-out
+    used: float = field(default_factory=time.monotonic)
 
 
 class DataPlane:
@@ -247,6 +330,9 @@ class DataPlane:
 
     ``local(rank)`` and ``replica(rank)`` give the node's own and replica slot
     stores. Runs one dispatcher thread; a fetch is served on its own thread.
+    ``codec`` encodes the deltas of tracked fetches (catch-up); ``bandwidth_bytes_s``
+    caps what tracked fetches send (they run while the job trains; a fetch a recovery
+    or a swap waits on is never held back) and they say so (``capped``).
     """
 
     def __init__(
@@ -258,9 +344,15 @@ class DataPlane:
         local: Callable[[int], RankSnapshotStore],
         replica: Callable[[int], RankSnapshotStore],
         on_refused: Callable[[str, str], None] | None = None,
+        codec: CodecConfig | None = None,
+        bandwidth_bytes_s: float | None = None,
     ) -> None:
         self._local = local
         self._replica = replica
+        self._codec = codec or CodecConfig()
+        self._bucket = _Bucket(bandwidth_bytes_s)
+        self._sent: dict[tuple[str, int, str], _Sent] = {}
+        self._sent_lock = threading.Lock()
         self._server = ControlServer(host=host, port=port, secret=secret, on_refused=on_refused)
         self.address = self._server.address
         self._partial: dict[Channel, tuple[Message, list[Message]]] = {}
@@ -338,15 +430,37 @@ class DataPlane:
             store.write_raw(step, meta, data)
         chan.send({"t": "rep_ack", "ok": True, "rank": rank, "step": step})
 
+    def _take_sent(self, key: tuple[str, int, str]) -> _Sent | None:
+        """Remove and return the base kept for ``key``; drop bases unused for TRACK_TTL_S."""
+        now = time.monotonic()
+        with self._sent_lock:
+            for k in [k for k, v in self._sent.items() if now - v.used > TRACK_TTL_S]:
+                del self._sent[k]
+            return self._sent.pop(key, None)
+
     def _serve_fetch(self, chan: Channel, msg: Message) -> None:
         rank, step, kind = int(msg["rank"]), int(msg["step"]), str(msg.get("kind", "replica"))
+        track, want = bool(msg.get("track")), msg.get("base")
+        key = (str(msg.get("node", "")), rank, kind)
+        prev = self._take_sent(key)
         try:
             store = self._replica(rank) if kind == "replica" else self._local(rank)
-            snap = store.copy_out(step)
-            with Encoder(RAW_CODEC) as enc:
-                chunks = enc.encode(snap.data, segments_for(snap.entries(), len(snap.data)))
-            chan.send({"t": "fetch_begin", "data_len": len(snap.data), "nchunks": len(chunks)}, snap.meta)
-            _send_chunks(chan, chunks, lambda n: None)
+            snap = store.copy_out(step, out=prev.spare if prev is not None and track else None)
+            base, base_step = None, None
+            if prev is not None and want is not None and int(want) == prev.step:
+                if prev.data.size == snap.data.size:  # the same layout: a delta applies
+                    base, base_step = prev.data, prev.step
+            with Encoder(self._codec if base is not None else RAW_CODEC) as enc:
+                chunks = enc.encode(snap.data, segments_for(snap.entries(), len(snap.data)), base)
+            capped = track and bool(self._bucket.rate)
+            head: Message = {"t": "fetch_begin", "data_len": len(snap.data), "nchunks": len(chunks)}
+            head.update(base=base_step, capped=capped)
+            chan.send(head, snap.meta)
+            _send_chunks(chan, chunks, self._bucket if capped else lambda n: None)
+            if track:
+                spare = prev.data if prev is not None else None
+                with self._sent_lock:
+                    self._sent[key] = _Sent(step=step, data=snap.data, spare=spare)
         except (SnapshotError, ControlError, OSError) as e:
             try:
                 chan.send({"t": "fetch_begin", "error": str(e)[:300]})

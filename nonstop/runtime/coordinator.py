@@ -48,7 +48,16 @@ from nonstop.runtime.detector import FailureDetector, WorkerRecord
 from nonstop.runtime.elastic import ElasticAction, ElasticPolicy, Resize, assign_shards, renumber
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.jobstore import JobStore
-from nonstop.runtime.migration import Migration, MigrationPhase, boundary_step, choose_joiner, choose_target
+from nonstop.runtime.migration import (
+    Migration,
+    MigrationPhase,
+    Transfer,
+    boundary_step,
+    catch_up_to,
+    choose_joiner,
+    choose_target,
+    swap_as_delta,
+)
 from nonstop.runtime.persistence import ClusterPersister
 from nonstop.runtime.policy import (
     FailureKind,
@@ -1203,11 +1212,21 @@ class Coordinator:
         self._advance()
 
     def _fetch(
-        self, target: str, rank: int, step: int, source: str, kind: str, *, as_rank: int | None = None
+        self,
+        target: str,
+        rank: int,
+        step: int,
+        source: str,
+        kind: str,
+        *,
+        as_rank: int | None = None,
+        base: int | None = None,
+        track: bool = False,
     ) -> int:
         """Ask ``target``'s agent to copy ``rank``'s snapshot of ``step`` from ``source``'s memory
         (``kind``: its own ranks' ``local`` slots or the ``replica`` s it holds) into its slots of
-        ``as_rank`` (default ``rank``); a request id."""
+        ``as_rank`` (default ``rank``); a request id. ``track`` / ``base``: a catch-up (the step
+        comes as a delta against ``base``, which the last tracked fetch brought)."""
         msg: Message = {
             "t": "fetch",
             "rank": rank,
@@ -1217,15 +1236,28 @@ class Coordinator:
         }
         if as_rank is not None and as_rank != rank:
             msg["as_rank"] = as_rank
+        if base is not None:
+            msg["base"] = base
+        if track:
+            msg["track"] = True
         return self._request(self.nodes[target], msg)
 
     def _fetch_for(
-        self, r: Reconfiguration, rank: int, step: int, source: str, kind: str, *, src_rank: int | None = None
+        self,
+        r: Reconfiguration,
+        rank: int,
+        step: int,
+        source: str,
+        kind: str,
+        *,
+        src_rank: int | None = None,
+        base: int | None = None,
     ) -> str:
         """A fetch generation ``r`` waits for before ``rank`` restores (to the node playing it);
-        ``src_rank``: the rank whose snapshot that is, when not ``rank`` (a world-size change)."""
+        ``src_rank``: the rank whose snapshot that is, when not ``rank`` (a world-size change);
+        ``base``: a step the node holds from a catch-up (the fetch may come as a delta)."""
         src = rank if src_rank is None else src_rank
-        req = self._fetch(self.rank_node[rank], src, step, source, kind, as_rank=rank)
+        req = self._fetch(self.rank_node[rank], src, step, source, kind, as_rank=rank, base=base)
         self._waiting_fetch[req] = (rank, r.generation)
         r.waiting_fetch.add(rank)
         return f"{source}:{kind}"
@@ -1263,6 +1295,9 @@ class Coordinator:
         m = self.migration
         if m is not None and req == m.fetch_req and m.phase is MigrationPhase.PREPARE:
             self._on_prepare_fetched(m, msg)
+            return
+        if m is not None and req == m.catchup_req:
+            self._on_catchup_fetched(m, msg)
             return
         if self.resize is not None and req in self.resize.fetches:
             self._req_node.pop(req, None)
@@ -1603,14 +1638,58 @@ class Coordinator:
             step=step,
             reason=reason,
         )
-        m.fetch_req = self._fetch(target, rank, step, leaver_node, "local")
+        m.fetch_req = self._fetch(target, rank, step, leaver_node, "local", track=True)
 
     def _on_prepare_fetched(self, m: Migration, msg: Message) -> None:
         if not msg.get("ok"):
             self._abort_migration(f"fetching step {m.prepare_step} to node {m.target}: {msg.get('error')}")
             return
         m.mark("fetched")
+        m.held = m.prepare_step
         self._send_prepare(m.joiner_sid, m.rank, self.world_size, m.prepare_step)
+
+    def _catch_up(self, m: Migration) -> bool:
+        """Start the next catch-up fetch if one is due (``catch_up_to``); whether one is in flight."""
+        if m.phase is not MigrationPhase.PREPARE:
+            return False
+        due = catch_up_to(m, self.committed())
+        if due is not None:
+            m.catchup_step, as_delta = due
+            base = m.held if as_delta else None
+            m.catchup_req = self._fetch(
+                m.target, m.rank, m.catchup_step, m.leaver_node, "local", base=base, track=True
+            )
+        return m.catchup_req is not None
+
+    def _on_catchup_fetched(self, m: Migration, msg: Message) -> None:
+        m.catchup_req = None
+        m.rounds += 1
+        self._req_node.pop(int(msg["id"]), None)
+        if msg.get("ok"):
+            m.held = m.catchup_step
+            m.mark("caught_up")
+            t = _transfer(msg)
+            if msg.get("capped"):
+                pass  # it measures the bandwidth cap, not what an uncapped swap would take
+            elif msg.get("delta"):
+                m.catchups.append(t)
+            elif msg.get("wire_bytes"):
+                m.full = t
+        else:
+            m.held = None  # the target lost its base: the swap fetches the whole step
+        self.events.emit(
+            "catchup",
+            rank=m.rank,
+            step=m.catchup_step,
+            ok=bool(msg.get("ok")),
+            delta=bool(msg.get("delta")),
+            raw_bytes=msg.get("raw_bytes"),
+            wire_bytes=msg.get("wire_bytes"),
+            seconds=msg.get("seconds"),
+            capped=bool(msg.get("capped")),
+            error=msg.get("error"),
+        )
+        self._maybe_pause(m)
 
     def _send_prepare(self, sid: int, rank: int, world_size: int, step: int | None) -> None:
         """Tell a joiner (a migration's or a grow's) its rank: it restores ``step``, which its node
@@ -1630,8 +1709,16 @@ class Coordinator:
         )
 
     def _on_joiner_prepared(self, m: Migration) -> None:
-        """The joiner restored the prepare step (model built, buffers allocated): pick the boundary."""
+        """The joiner restored the prepare step (model built, buffers allocated): catch up, then
+        pause."""
         m.mark("prepared")
+        m.ready = True
+        self._maybe_pause(m)
+
+    def _maybe_pause(self, m: Migration) -> None:
+        """Pick the boundary once the joiner is ready and the target has caught up."""
+        if not m.ready or m.phase is not MigrationPhase.PREPARE or self._catch_up(m):
+            return
         m.phase = MigrationPhase.PAUSE
         m.boundary = boundary_step(self.latest_step)
         self.events.emit("migration_pause", rank=m.rank, boundary=m.boundary)
@@ -1659,7 +1746,9 @@ class Coordinator:
         self._open_generation()
         m.generation = self.generation
         r = self._boundary_generation(step, {m.rank: "migration"})
-        fetched = self._fetch_for(r, m.rank, step, m.leaver_node, "local")
+        m.swap_delta = m.held is not None and swap_as_delta(m.full, m.catchups, self.config.swap_transfer)
+        base = m.held if m.swap_delta else None
+        fetched = self._fetch_for(r, m.rank, step, m.leaver_node, "local", base=base)
         self._launch(r, tier="memory", fetches={m.rank: fetched}, migration=m.rank)
 
     def _boundary_generation(
@@ -1696,6 +1785,8 @@ class Coordinator:
             "median_step_s": median,
             "pause_ratio": (gap / median) if gap is not None and median else None,
             "reason": m.reason,
+            "catchup_rounds": m.rounds,
+            "swap_delta": m.swap_delta,
         }
         self.events.emit("migration_done", **info)
         self.migrations_done.append(info)
@@ -2159,6 +2250,15 @@ class Coordinator:
                 want = min(want, node.nproc + node.spares - ranks_here - have)
             for _ in range(want):
                 self._spawn(name, "spare", None)
+
+
+def _transfer(msg: Message) -> Transfer:
+    """A fetch's measurement from an agent's ``fetched`` answer."""
+    return Transfer(
+        raw_bytes=int(msg.get("raw_bytes") or 0),
+        wire_bytes=int(msg.get("wire_bytes") or 0),
+        seconds=float(msg.get("seconds") or 0.0),
+    )
 
 
 def _previous(stage: Stage) -> str:

@@ -18,7 +18,8 @@ Protocol on the agent's control channel (JSON, authenticated)::
     coordinator -> agent   inventory {id}                 -> inventory {id, local, replicas}
     coordinator -> agent   replicate {step, ranks: {rank: [addr]}}
                                                           -> replicated {step, rank, ok, raw, wire}
-    coordinator -> agent   fetch {id, rank, step, addr, kind[, as_rank]} -> fetched {id, rank, ok, error}
+    coordinator -> agent   fetch {id, rank, step, addr, kind[, as_rank, base, track]}
+                           -> fetched {id, rank, ok, error, seconds, raw_bytes, wire_bytes, delta, capped}
     coordinator -> agent   install_durable {id, url, step, ranks} -> installed {id, ok, error}
     coordinator -> agent   committed {step}   hold that step in memory, release older holds
     coordinator -> agent   persist {id, step, url, world_size, ranks, lossy, lossy_bits}
@@ -47,8 +48,10 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from nonstop.config import ENV
 from nonstop.control.channel import Channel, Message, connect
@@ -56,9 +59,10 @@ from nonstop.control.store import ControlStore, LeaseKeeper, open_store
 from nonstop.errors import ControlError, NonstopError
 from nonstop.faults import fired_at, preempt_notice_path
 from nonstop.replica.peer import (
+    TRACK_TTL_S,
     DataPlane,
     Replicator,
-    fetch_snapshot,
+    fetch,
     local_store_id,
     replica_store_id,
     shm_stores,
@@ -93,6 +97,19 @@ class NodeSpec:
     domain: str
     data_host: str = "127.0.0.1"
     replica_bandwidth_mb_s: float | None = None
+
+
+@dataclass
+class _Track:
+    """What a node holds of a tracked fetch (a migration's catch-up): the base of the next delta."""
+
+    addr: str
+    rank: int
+    kind: str
+    step: int
+    data: np.ndarray
+    spare: np.ndarray | None  # the buffer before: the next fetch decodes into it
+    used: float = field(default_factory=time.monotonic)
 
 
 class NodeAgent:
@@ -130,6 +147,7 @@ class NodeAgent:
         self._persist_work: queue.Queue[Message | None] = queue.Queue()  # its own thread: slow I/O
         self._fetch_work: queue.Queue[Message | None] = queue.Queue()  # its own thread: on the critical path
         self._encoders: dict[tuple[str, bool, int], RankEncoder] = {}
+        self._tracks: dict[int, _Track] = {}  # local rank slot -> base of its catch-up (fetcher thread)
         self.agent: Agent | None = None
         self.data: DataPlane | None = None
         self._chan: Channel | None = None
@@ -154,6 +172,7 @@ class NodeAgent:
     # -- lifecycle --------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> int:
         """Serve the job; return 0 when it finished, EXIT_FENCED when this node was cut off."""
+        mb = self.spec.replica_bandwidth_mb_s
         self.data = DataPlane(
             host=self.spec.data_host,
             port=0,
@@ -161,6 +180,7 @@ class NodeAgent:
             local=lambda r: self._local(r),
             replica=lambda r: self._replica(r),
             on_refused=lambda peer, why: log.warning("data plane refused %s: %s", peer, why),
+            bandwidth_bytes_s=mb * 1e6 if mb else None,
         )
         try:
             self._chan = connect(self.coordinator, self.secret, self._hello())
@@ -584,26 +604,53 @@ class NodeAgent:
                 )
 
     def _fetch(self, msg: Message) -> None:
+        """Copy a rank's snapshot into this node's slots of ``as_rank`` (from its own stores, or
+        from a peer). ``track``: keep the data as the base of a catch-up; ``base``: the step of
+        the kept base the peer may send a delta against (see :mod:`nonstop.replica.peer`)."""
         assert self.data is not None
         rank, step, kind, addr = int(msg["rank"]), int(msg["step"]), str(msg["kind"]), str(msg["addr"])
         dest = int(msg.get("as_rank", rank))  # a world-size change: another rank number here
+        track, want = bool(msg.get("track")), msg.get("base")
         t0 = time.monotonic()
+        for r in [r for r, t in self._tracks.items() if t0 - t.used > TRACK_TTL_S]:
+            del self._tracks[r]  # a catch-up that ended without its last fetch (an abort)
+        held = self._tracks.pop(dest, None)
+        if held is not None and (held.addr, held.rank, held.kind) != (addr, rank, kind):
+            held = None
+        info: Message = {"t": "fetched", "id": msg["id"], "rank": rank}
         try:
             if addr == self.data.addr:  # this node holds it: copy between its own stores
                 src = self._replica(rank) if kind == "replica" else self._local(rank)
                 snap = src.copy_out(step)
-                meta, data = snap.meta, snap.data
-                self._local(dest).write_raw(step, meta, data.data)
+                self._local(dest).write_raw(step, snap.meta, snap.data.data)
+                info.update(raw_bytes=len(snap.data), wire_bytes=0, delta=False)
             else:
-                meta, buf = fetch_snapshot(
-                    addr, self.secret, node=self.spec.node, rank=rank, step=step, kind=kind
+                base = (held.step, held.data) if held is not None and want == held.step else None
+                got = fetch(
+                    addr,
+                    self.secret,
+                    node=self.spec.node,
+                    rank=rank,
+                    step=step,
+                    kind=kind,
+                    base=base,
+                    track=track,
+                    out=held.spare if held is not None and track else None,
                 )
-                self._local(dest).write_raw(step, meta, buf)
-            self._send(
-                {"t": "fetched", "id": msg["id"], "rank": rank, "ok": True, "seconds": time.monotonic() - t0}
-            )
+                self._local(dest).write_raw(step, got.meta, got.data)
+                info.update(
+                    raw_bytes=len(got.data),
+                    wire_bytes=got.wire_bytes,
+                    delta=got.base is not None,
+                    capped=got.capped,
+                )
+                if track:
+                    data = np.frombuffer(got.data, dtype=np.uint8)
+                    spare = held.data if held is not None else None
+                    self._tracks[dest] = _Track(addr, rank, kind, step, data, spare)
+            self._send({**info, "ok": True, "seconds": time.monotonic() - t0})
         except (NonstopError, OSError) as e:
-            self._send({"t": "fetched", "id": msg["id"], "rank": rank, "ok": False, "error": str(e)[:300]})
+            self._send({**info, "ok": False, "error": str(e)[:300]})
 
     def _install_durable(self, msg: Message) -> None:
         step = int(msg["step"])
