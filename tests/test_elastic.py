@@ -8,7 +8,7 @@ import pytest
 
 from nonstop.config import JobConfig
 from nonstop.errors import UsageError
-from nonstop.runtime.elastic import ElasticAction, ElasticPolicy, assign_shards, renumber
+from nonstop.runtime.elastic import ElasticAction, ElasticPolicy, assign_shards, renumber, resume_sources
 from nonstop.runtime.policy import choose_replacements
 
 
@@ -35,6 +35,14 @@ def test_full_size_is_one_shard_per_rank_and_bad_sizes_are_refused() -> None:
 def test_renumber_keeps_the_old_order() -> None:
     assert renumber([0, 2, 3]) == {0: 0, 2: 1, 3: 2}
     assert renumber([3, 1]) == {1: 0, 3: 1}
+
+
+def test_a_checkpoint_of_another_size_restores_rank_by_rank_then_from_rank_0() -> None:
+    assert resume_sources(2, 3) == {0: 0, 1: 1, 2: 0}  # written shrunk, resumed at full size
+    assert resume_sources(3, 2) == {0: 0, 1: 1}  # resumed smaller: the first ranks' snapshots
+    assert resume_sources(3, 3) == {0: 0, 1: 1, 2: 2}
+    with pytest.raises(ValueError, match="world sizes"):
+        resume_sources(0, 3)
 
 
 def test_policy_waits_then_shrinks_but_not_below_the_minimum() -> None:

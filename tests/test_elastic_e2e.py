@@ -20,7 +20,8 @@ import pytest
 
 from nonstop.demo.runner import demo_job_config
 from nonstop.demo.samples import check_sequence, effective_samples, read_log
-from nonstop.runtime.launcher import JOB_INFO
+from nonstop.errors import UsageError
+from nonstop.runtime.launcher import JOB_INFO, _load_resume
 from nonstop.runtime.localnodes import node_command
 from nonstop.snapshot.durable import DurableStore
 from tests.conftest import NodesInBackground, events_named, run_nodes_job
@@ -145,4 +146,21 @@ def test_shrink_renumbers_the_ranks_after_the_lost_one(tmp_path: Path) -> None:
     out = json.loads((config.job_dir / "result.json").read_text())
     assert out["world_size"] == 2 and out["samples_seen"] == steps * 3 * BATCH
     # the nodes persisted the final step of the shrunk job: a checkpoint of its 2 ranks
-    assert DurableStore(str(config.job_dir / "checkpoints")).latest_step() == steps
+    ckpt = str(config.job_dir / "checkpoints")
+    assert DurableStore(ckpt).latest_step() == steps and DurableStore(ckpt).world_size_at(steps) == 2
+
+    # Resumed at full size: a job that is not elastic is refused at start, with what to do ...
+    more = steps + 8
+    with pytest.raises(UsageError, match=r"has 2 ranks but this job has 3.*--min-world-size"):
+        _load_resume(_config(tmp_path / "refused", more, (), resume=ckpt))
+    # ... an elastic one plays all 3 ranks (rank 2 from the checkpoint's rank 0) and reads on in order
+    again = _config(tmp_path / "again", more, (), resume=ckpt, min_world_size=2)
+    result = NodesInBackground(again).result(timeout=300)
+    assert result.error is None, result.error
+    events = [json.loads(x) for x in (again.job_dir / "events.jsonl").read_text().splitlines()]
+    (resumed,) = events_named(events, "resume")
+    assert resumed["step"] == steps and resumed["checkpoint_world_size"] == 2 and resumed["world_size"] == 3
+    out = json.loads((again.job_dir / "result.json").read_text())
+    assert out["world_size"] == 3 and out["samples_seen"] == more * 3 * BATCH
+    records += read_log(again.job_dir / "samples")
+    assert check_sequence(records, steps=more, num_shards=3, batch=BATCH) == []

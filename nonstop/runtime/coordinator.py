@@ -45,7 +45,14 @@ from nonstop.control.store import LeaseKeeper, Watch
 from nonstop.errors import ControlError, NonstopError
 from nonstop.faults import fired_at
 from nonstop.runtime.detector import FailureDetector, WorkerRecord
-from nonstop.runtime.elastic import ElasticAction, ElasticPolicy, Resize, assign_shards, renumber
+from nonstop.runtime.elastic import (
+    ElasticAction,
+    ElasticPolicy,
+    Resize,
+    assign_shards,
+    renumber,
+    resume_sources,
+)
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.migration import (
@@ -1345,10 +1352,32 @@ class Coordinator:
         return None
 
     def _install_durable(self, step: int, placement: dict[str, list[int]], url: str) -> bool:
-        reqs = [
-            self._request(self.nodes[n], {"t": "install_durable", "url": url, "step": step, "ranks": ranks})
-            for n, ranks in placement.items()
-        ]
+        """Have every node install its ranks of durable checkpoint ``step``. A checkpoint of
+        another world size (written while the job was shrunk) serves an elastic job only: its
+        ranks are data-parallel replicas (``resume_sources``)."""
+        from nonstop.snapshot.durable import DurableStore
+
+        try:
+            written = DurableStore(url).world_size_at(step)
+        except NonstopError as e:
+            self.events.emit("durable_install_failed", step=step, errors=[str(e)])
+            return False
+        sources: dict[int, int] = {}
+        if written != self.world_size:
+            if not self.elastic.enabled:
+                self.events.emit(
+                    "durable_install_failed",
+                    step=step,
+                    errors=[f"the checkpoint has {written} ranks, the job {self.world_size}"],
+                )
+                return False
+            sources = {r: s for r, s in resume_sources(written, self.world_size).items() if r != s}
+        reqs = []
+        for n, ranks in placement.items():
+            msg: Message = {"t": "install_durable", "url": url, "step": step, "ranks": ranks}
+            if any(r in sources for r in ranks):
+                msg["from"] = {str(r): sources[r] for r in ranks if r in sources}
+            reqs.append(self._request(self.nodes[n], msg))
         replies = self._await(reqs, self.config.persist_timeout_s)
         bad = [m.get("error") for m in replies.values() if not m.get("ok")]
         if bad or len(replies) < len(reqs):

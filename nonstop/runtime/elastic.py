@@ -37,6 +37,7 @@ __all__ = [
     "Resize",
     "assign_shards",
     "renumber",
+    "resume_sources",
 ]
 
 
@@ -51,6 +52,17 @@ def assign_shards(num_shards: int, world_size: int) -> tuple[tuple[int, ...], ..
         tuple(range(r * num_shards // world_size, (r + 1) * num_shards // world_size))
         for r in range(world_size)
     )
+
+
+def resume_sources(checkpoint_world: int, world_size: int) -> dict[int, int]:
+    """rank -> the checkpoint rank it restores, when a job of ``world_size`` ranks restores a
+    checkpoint written by ``checkpoint_world`` ranks (a job that shrank, persisted, and is resumed
+    or recovers at another size). The ranks of a data-parallel job are replicas: rank ``r`` takes
+    the checkpoint's rank ``r`` where there is one, the ranks beyond take rank 0's (as a grow's new
+    ranks do). The shards each rank plays follow from the step and :func:`assign_shards`."""
+    if checkpoint_world < 1 or world_size < 1:
+        raise ValueError(f"world sizes must be >= 1 (got {checkpoint_world} and {world_size})")
+    return {r: r if r < checkpoint_world else 0 for r in range(world_size)}
 
 
 def renumber(ranks: Sequence[int]) -> dict[int, int]:

@@ -238,7 +238,13 @@ def serve_coordinator(
         jobs=jobs,
     )
     if resume is not None:
-        events.emit("resume", url=config.resume, step=resume.step, world_size=resume.world_size)
+        events.emit(
+            "resume",
+            url=config.resume,
+            step=resume.step,
+            world_size=config.world_size,
+            checkpoint_world_size=resume.world_size,
+        )
     node_stop = threading.Event()
     keep_memory = threading.Event()  # the local node frees its memory after the final persist
     node_thread: threading.Thread | None = None
@@ -521,12 +527,22 @@ def _write_job_info(
 
 
 def _load_resume(config: JobConfig) -> LoadedCheckpoint:
-    """The newest good checkpoint at ``--resume``, checked against the job's world size."""
+    """The newest good checkpoint at ``--resume``, checked against the job's world size: an
+    elastic job (``--min-world-size``, its ranks data-parallel replicas) resumes a checkpoint of
+    any size (``elastic.resume_sources``); any other job needs the size it was written at."""
     assert config.resume is not None
     try:
-        return DurableStore(config.resume, keep=config.keep).load(world_size=config.world_size)
+        ckpt = DurableStore(config.resume, keep=config.keep).load()
     except SnapshotMissingError as e:
         raise UsageError(f"--resume {config.resume}: no loadable checkpoint ({e})") from None
+    if ckpt.world_size != config.world_size and not config.min_world_size:
+        raise UsageError(
+            f"--resume {config.resume}: checkpoint step {ckpt.step} has {ckpt.world_size} ranks but this "
+            f"job has {config.world_size}; run {ckpt.world_size} ranks, or, when the ranks are "
+            "data-parallel replicas, pass --min-world-size N (elastic: ranks beyond the checkpoint's "
+            "start from its rank 0)"
+        )
+    return ckpt
 
 
 def _install_signal_handlers(

@@ -20,7 +20,8 @@ Protocol on the agent's control channel (JSON, authenticated)::
                                                           -> replicated {step, rank, ok, raw, wire}
     coordinator -> agent   fetch {id, rank, step, addr, kind[, as_rank, base, track]}
                            -> fetched {id, rank, ok, error, seconds, raw_bytes, wire_bytes, delta, capped}
-    coordinator -> agent   install_durable {id, url, step, ranks} -> installed {id, ok, error}
+    coordinator -> agent   install_durable {id, url, step, ranks[, from]} -> installed {id, ok, error}
+                           (``from``: rank -> the checkpoint's rank it restores, a resize)
     coordinator -> agent   committed {step}   hold that step in memory, release older holds
     coordinator -> agent   persist {id, step, url, world_size, ranks, lossy, lossy_bits}
                                      -> persisted {id, ok, records, raw, stored, full, error}
@@ -657,8 +658,9 @@ class NodeAgent:
         t0 = time.monotonic()
         try:
             durable = DurableStore(str(msg["url"]))
+            sources = {int(k): int(v) for k, v in dict(msg.get("from", {})).items()}
             for rank in msg["ranks"]:
-                meta, data = durable.load_rank(step, int(rank))
+                meta, data = durable.load_rank(step, sources.get(int(rank), int(rank)))
                 self._local(int(rank)).write_raw(step, meta, data)
             self._send({"t": "installed", "id": msg["id"], "ok": True, "seconds": time.monotonic() - t0})
         except (NonstopError, OSError) as e:

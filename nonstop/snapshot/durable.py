@@ -1059,6 +1059,10 @@ class DurableStore:
         committed = self.steps()
         return committed[-1] if committed else None
 
+    def world_size_at(self, step: int) -> int:
+        """How many ranks committed checkpoint ``step`` holds (reads its manifest only)."""
+        return self._read_manifest(step).world_size
+
     def _read_manifest(self, step: int) -> _Manifest:
         where = self._where(step)
         try:
