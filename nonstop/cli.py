@@ -186,6 +186,15 @@ def _node_args(p: argparse.ArgumentParser) -> None:
         help="elastic: wait this long for a spare before shrinking (default %(default)s)",
     )
     g.add_argument(
+        "--shards-per-rank",
+        type=int,
+        default=c.shards_per_rank,
+        metavar="M",
+        help="data shards (micro-batches, by gradient accumulation) each rank plays per step at full "
+        "size: the script's Session.shard_steps yields them; with M > 1 a shrunk job spreads a lost "
+        "rank's shards over more ranks (default %(default)s)",
+    )
+    g.add_argument(
         "--swap-transfer",
         choices=SWAP_TRANSFERS,
         default=c.swap_transfer,
@@ -218,6 +227,7 @@ def _node_config(ns: argparse.Namespace) -> dict[str, object]:
         "min_world_size": ns.min_world_size,
         "elastic_wait_s": ns.elastic_wait,
         "swap_transfer": ns.swap_transfer,
+        "shards_per_rank": ns.shards_per_rank,
     }
 
 
@@ -484,7 +494,8 @@ def _format_status(st: dict[str, object]) -> str:
             )
     ranks = st.get("ranks")
     shards = st.get("shards")
-    shrunk = st.get("num_shards") not in (None, st.get("world_size"))
+    full = st.get("full_world_size", st.get("num_shards"))
+    shrunk = full not in (None, st.get("world_size"))
     if isinstance(ranks, dict):
         for r, info in ranks.items():
             played = f", shards {shards.get(r)}" if shrunk and isinstance(shards, dict) else ""
@@ -494,8 +505,7 @@ def _format_status(st: dict[str, object]) -> str:
             )
     if shrunk:
         lines.append(
-            f"elastic: shrunk to {st.get('world_size')} of {st.get('num_shards')} ranks "
-            f"(minimum {st.get('min_world_size')})"
+            f"elastic: shrunk to {st.get('world_size')} of {full} ranks (minimum {st.get('min_world_size')})"
         )
     grow = st.get("growing")
     if isinstance(grow, dict):

@@ -122,6 +122,7 @@ class JobConfig:
     preempt_url: str | None = None  # poll this HTTP endpoint for a notice ({node}: the node's name)
     preempt_headers: tuple[str, ...] = ()  # "Name: value" headers of that request
     preempt_poll_s: float = 2.0
+    shards_per_rank: int = 1  # data shards (micro-batches) a rank plays per step at full size
     swap_transfer: str = "auto"  # a migration's swap fetches the boundary: auto | delta | whole
     # -- elasticity (runtime/elastic.py) ---------------------------------------------------
     min_world_size: int = 0  # shrink down to this many ranks when no spare is left (0: never shrink)
@@ -219,6 +220,8 @@ class JobConfig:
             )
         if self.elastic_wait_s < 0:
             raise UsageError(f"--elastic-wait must be >= 0 seconds (got {self.elastic_wait_s})")
+        if isinstance(self.shards_per_rank, bool) or not 1 <= self.shards_per_rank <= 4096:
+            raise UsageError(f"--shards-per-rank must be in 1..4096 (got {self.shards_per_rank})")
         if self.swap_transfer not in SWAP_TRANSFERS:
             raise UsageError(
                 f"--swap-transfer must be one of {', '.join(SWAP_TRANSFERS)} (got {self.swap_transfer!r})"

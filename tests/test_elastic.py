@@ -46,7 +46,7 @@ def test_a_checkpoint_of_another_size_restores_rank_by_rank_then_from_rank_0() -
 
 
 def test_policy_waits_then_shrinks_but_not_below_the_minimum() -> None:
-    p = ElasticPolicy(num_shards=4, min_world_size=2, wait_s=10.0)
+    p = ElasticPolicy(full_world_size=4, min_world_size=2, wait_s=10.0)
     assert p.on_unplaced(world_size=4, unplaced=0, waited_s=0).action is ElasticAction.REPLACE
     d = p.on_unplaced(world_size=4, unplaced=1, waited_s=3.0)
     assert d.action is ElasticAction.WAIT and d.wait_s == pytest.approx(7.0)
@@ -57,14 +57,14 @@ def test_policy_waits_then_shrinks_but_not_below_the_minimum() -> None:
 
 
 def test_shrink_off_fails_after_the_wait_and_never_grows() -> None:
-    p = ElasticPolicy(num_shards=3, min_world_size=3, wait_s=0.0)
+    p = ElasticPolicy(full_world_size=3, min_world_size=3, wait_s=0.0)
     assert not p.enabled
     assert p.on_unplaced(world_size=3, unplaced=1, waited_s=0).action is ElasticAction.FAIL
     assert p.grow_to(world_size=3, idle_spares=5) == 3
 
 
 def test_grow_is_bounded_by_spares_and_the_full_size() -> None:
-    p = ElasticPolicy(num_shards=4, min_world_size=1)
+    p = ElasticPolicy(full_world_size=4, min_world_size=1)
     assert p.grow_to(world_size=2, idle_spares=0) == 2
     assert p.grow_to(world_size=2, idle_spares=1) == 3
     assert p.grow_to(world_size=2, idle_spares=9) == 4
@@ -72,9 +72,9 @@ def test_grow_is_bounded_by_spares_and_the_full_size() -> None:
 
 def test_bad_policy_and_config_fail_at_start() -> None:
     with pytest.raises(ValueError):
-        ElasticPolicy(num_shards=3, min_world_size=4)
+        ElasticPolicy(full_world_size=3, min_world_size=4)
     with pytest.raises(ValueError):
-        ElasticPolicy(num_shards=3, min_world_size=2, wait_s=-1)
+        ElasticPolicy(full_world_size=3, min_world_size=2, wait_s=-1)
     with pytest.raises(UsageError, match="--min-world-size"):
         JobConfig(script="x.py", nproc_per_node=2, min_world_size=3)
     with pytest.raises(UsageError, match="--elastic-wait"):

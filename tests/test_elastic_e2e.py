@@ -131,20 +131,22 @@ def _shards_per_process(samples_dir: Path, gen: int) -> dict[str, list[int]]:
 
 def test_shrink_renumbers_the_ranks_after_the_lost_one(tmp_path: Path) -> None:
     """Node 1 (rank 1) is lost and never comes back: rank 2 becomes rank 1, restoring from its old
-    number's memory, and the job ends on 2 ranks with every sample read once."""
+    number's memory, and the job ends on 2 ranks with every sample read once. Each rank plays 2
+    shards at full size (``--shards-per-rank 2``): shrunk, each plays 3 of the 6."""
     steps = 24
-    config = _config(tmp_path / "job", steps, ("node:node=1,step=6",), min_world_size=2)
+    config = _config(tmp_path / "job", steps, ("node:node=1,step=6",), min_world_size=2, shards_per_rank=2)
     result = NodesInBackground(config).result(timeout=300)
     assert result.error is None, result.error
     events = [json.loads(x) for x in (config.job_dir / "events.jsonl").read_text().splitlines()]
     (shrink,) = events_named(events, "shrink")
     assert shrink["dropped"] == [1] and shrink["renumbered"] == {"2": 1}
+    assert shrink["shards"] == {"0": [0, 1, 2], "1": [3, 4, 5]}
     gen = next(g for g in events_named(events, "generation") if g["cause"] == [1])
     assert gen["fetches"] == {} and gen["nodes"] == {"0": "0", "1": "2"}
     records = read_log(config.job_dir / "samples")
-    assert check_sequence(records, steps=steps, num_shards=3, batch=BATCH) == []
+    assert check_sequence(records, steps=steps, num_shards=6, batch=BATCH) == []
     out = json.loads((config.job_dir / "result.json").read_text())
-    assert out["world_size"] == 2 and out["samples_seen"] == steps * 3 * BATCH
+    assert out["world_size"] == 2 and out["samples_seen"] == steps * 6 * BATCH
     # the nodes persisted the final step of the shrunk job: a checkpoint of its 2 ranks
     ckpt = str(config.job_dir / "checkpoints")
     assert DurableStore(ckpt).latest_step() == steps and DurableStore(ckpt).world_size_at(steps) == 2
@@ -152,15 +154,15 @@ def test_shrink_renumbers_the_ranks_after_the_lost_one(tmp_path: Path) -> None:
     # Resumed at full size: a job that is not elastic is refused at start, with what to do ...
     more = steps + 8
     with pytest.raises(UsageError, match=r"has 2 ranks but this job has 3.*--min-world-size"):
-        _load_resume(_config(tmp_path / "refused", more, (), resume=ckpt))
+        _load_resume(_config(tmp_path / "refused", more, (), resume=ckpt, shards_per_rank=2))
     # ... an elastic one plays all 3 ranks (rank 2 from the checkpoint's rank 0) and reads on in order
-    again = _config(tmp_path / "again", more, (), resume=ckpt, min_world_size=2)
+    again = _config(tmp_path / "again", more, (), resume=ckpt, min_world_size=2, shards_per_rank=2)
     result = NodesInBackground(again).result(timeout=300)
     assert result.error is None, result.error
     events = [json.loads(x) for x in (again.job_dir / "events.jsonl").read_text().splitlines()]
     (resumed,) = events_named(events, "resume")
     assert resumed["step"] == steps and resumed["checkpoint_world_size"] == 2 and resumed["world_size"] == 3
     out = json.loads((again.job_dir / "result.json").read_text())
-    assert out["world_size"] == 3 and out["samples_seen"] == more * 3 * BATCH
+    assert out["world_size"] == 3 and out["samples_seen"] == more * 6 * BATCH
     records += read_log(again.job_dir / "samples")
-    assert check_sequence(records, steps=more, num_shards=3, batch=BATCH) == []
+    assert check_sequence(records, steps=more, num_shards=6, batch=BATCH) == []

@@ -179,9 +179,9 @@ class Coordinator:
         self.events = events
         self.world_size = config.world_size
         # elastic (runtime/elastic.py): the data-parallel shards stay those of the full-size job
-        self.num_shards = config.world_size
+        self.num_shards = config.world_size * config.shards_per_rank  # micro-batches of a step
         self.elastic = ElasticPolicy(
-            num_shards=config.world_size, min_world_size=config.min_world, wait_s=config.elastic_wait_s
+            full_world_size=config.world_size, min_world_size=config.min_world, wait_s=config.elastic_wait_s
         )
         self._replan_at: float | None = None  # elastic wait: re-plan then (or when a spare appears)
         self.resize: Resize | None = None  # a grow in progress
@@ -655,6 +655,7 @@ class Coordinator:
             },
             "queued_migrations": [q[0] for q in self._migrate_queue],
             "num_shards": self.num_shards,
+            "full_world_size": self.config.world_size,
             "min_world_size": self.elastic.min_world_size,
             "shards": {
                 str(r): list(sh) for r, sh in enumerate(assign_shards(self.num_shards, self.world_size))
@@ -1864,7 +1865,7 @@ class Coordinator:
 
     def _maybe_grow(self) -> None:
         if (
-            self.world_size >= self.num_shards
+            self.world_size >= self.config.world_size
             or self.state is not JobState.RUNNING
             or self.reconf is not None
             or self.migration is not None

@@ -1,8 +1,11 @@
 """Elastic data parallelism: shrink when a rank cannot be replaced, grow back when capacity returns.
 
 The job's data-parallel width is fixed at start: ``num_shards`` = the world size it was started
-with. A **shard** is one data-parallel slice of the global batch: at step ``s`` shard ``k`` reads
-the samples a rank ``k`` of the full-size job would read. When the world is smaller, each rank
+with times ``--shards-per-rank`` M (default 1). A **shard** is one micro-batch of the global
+batch: at step ``s`` shard ``k`` reads the samples ``(s * num_shards + k) * batch ...``; at full
+size rank ``r`` plays shards ``r*M .. r*M+M-1`` (M micro-batches by gradient accumulation).
+With M > 1 a lost rank's shards spread over more survivors: a step of the shrunk job takes
+``ceil(W0*M / W') / M`` of the full job's, not twice as long. When the world is smaller, each rank
 plays several shards by gradient accumulation (one micro-batch per shard, the gradient summed
 locally, allreduced once, and divided by ``num_shards``), so the global batch, the learning
 dynamics and the sample order stay those of the full-size job. No sample is skipped or read twice.
@@ -90,23 +93,23 @@ class ElasticPolicy:
     """When ranks cannot be replaced: wait up to ``wait_s`` for a spare, then shrink, never
     below ``min_world_size``. ``min_world_size`` equal to the full world size turns shrinking
     off (a rank that cannot be replaced fails the job after the wait, as it would without
-    elasticity). Grows back to ``num_shards`` as soon as spares are idle."""
+    elasticity). Grows back to ``full_world_size`` as soon as spares are idle."""
 
-    num_shards: int
+    full_world_size: int
     min_world_size: int
     wait_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_world_size <= self.num_shards:
+        if not 1 <= self.min_world_size <= self.full_world_size:
             raise ValueError(
-                f"the minimum world size must be in 1..{self.num_shards} (got {self.min_world_size})"
+                f"the minimum world size must be in 1..{self.full_world_size} (got {self.min_world_size})"
             )
         if self.wait_s < 0:
             raise ValueError(f"the wait for a spare must be >= 0 seconds (got {self.wait_s})")
 
     @property
     def enabled(self) -> bool:
-        return self.min_world_size < self.num_shards
+        return self.min_world_size < self.full_world_size
 
     def on_unplaced(self, *, world_size: int, unplaced: int, waited_s: float) -> ElasticDecision:
         """``unplaced`` failed ranks have no process to play them, ``waited_s`` after the failure."""
@@ -139,7 +142,7 @@ class ElasticPolicy:
         """The world size to grow to now (``world_size`` itself: do not grow)."""
         if not self.enabled:
             return world_size
-        return min(self.num_shards, world_size + max(0, idle_spares))
+        return min(self.full_world_size, world_size + max(0, idle_spares))
 
 
 @dataclass
