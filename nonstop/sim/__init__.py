@@ -3,14 +3,15 @@
 Concepts (each in its own module):
 
 * :mod:`~nonstop.sim.api` — the contract: :class:`JobSpec`, :class:`FailureEvents`, the
-  :class:`Strategy` protocol, :class:`Recovery` (a strategy's answer to one failure) and
-  :class:`SimResult`. Losses are GPU-seconds booked per (cause, stage).
+  :class:`Strategy` protocol (and :class:`~nonstop.sim.api.Resizing`, what an elastic strategy
+  adds), :class:`Recovery` (a strategy's answer to one failure) and :class:`SimResult`. Losses are
+  GPU-seconds booked per (cause, stage).
 * :mod:`~nonstop.sim.failures` — failure processes (Poisson / Weibull per node, lemon nodes),
   Llama 3's cause mix, Meta's rates, spot-trace replay; :mod:`~nonstop.sim.traces` reads traces.
 * :mod:`~nonstop.sim.engine` — the discrete-event engine (:func:`simulate`).
 * :mod:`~nonstop.sim.strategies` — :class:`CheckpointRestart` (DCP + torchrun) and
   :class:`TorchftLike`; :mod:`~nonstop.sim.nonstop_strategy` — :class:`Nonstop`, which decides
-  through the runtime's own policies (:mod:`nonstop.runtime.policy`).
+  through the runtime's own policies (:mod:`nonstop.runtime.policy`, :mod:`nonstop.runtime.elastic`).
 * :mod:`~nonstop.sim.calibrate` — costs read from ``benchmarks/results`` and the scaling laws.
 * :mod:`~nonstop.sim.theory` — Young/Daly, the exact renewal formula, Meta's E[ETTR].
 * :mod:`~nonstop.sim.metrics` — ETTR, goodput, breakdowns, JSON, plots.

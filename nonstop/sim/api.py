@@ -7,8 +7,10 @@ breakdowns by cause and by stage add up to the total by construction.
 Stages are the runtime's recovery stages (:class:`nonstop.runtime.recovery.Stage`: detect, plan,
 launch, restore, rebuild, resume) plus the simulator's own: ``replan`` (a recovery cut short by
 another failure), ``lost_work`` (committed progress redone), ``overhead`` (checkpoint blocking or
-per-step snapshot stall, charged to the cause ``steady``). GPUs idle while the rest of the job
-trains on (a torchft replica group healing) are booked under the stage they are in.
+per-step snapshot stall, charged to the cause ``steady``), ``shrunk`` (the throughput an elastic
+job gives up while it trains with fewer ranks, charged to the failure that shrank it). GPUs idle
+while the rest of the job trains on (a torchft replica group healing) are booked under the stage
+they are in.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ __all__ = [
     "FailureEvents",
     "JobSpec",
     "Recovery",
+    "Resizing",
     "RunContext",
     "SimResult",
     "Strategy",
+    "Trained",
     "require",
 ]
 
@@ -46,6 +50,7 @@ STAGES: tuple[str, ...] = (
     "replan",
     "lost_work",
     "overhead",
+    "shrunk",
 )
 
 
@@ -155,7 +160,8 @@ class Recovery:
     partial_delay_s: float = 0.0
     action: RecoveryAction | None = None
     tier: Tier | None = None
-    replacement: str = "none"  # spare / cold / pool / none
+    replacement: str = "none"  # spare / cold / pool / shrink (none now, a pool node later) / none
+    resize: str | None = None  # elastic: the ElasticAction taken (wait / shrink / fail), or "grow"
 
     @property
     def pause_s(self) -> float:
@@ -197,6 +203,44 @@ class Strategy(Protocol):
         """Parameters and where each default came from (for the JSON output)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Trained:
+    """What one interval of training (at one world size) gave up, in seconds of whole-job time.
+
+    ``overhead_s``: steady overhead (checkpoint blocking, snapshot stall), booked to ``steady``.
+    ``shrunk_s``: the throughput given up because the job trains with fewer data-parallel ranks
+    than it started with, booked to the cause ``cause`` (the failure that shrank it) under the stage
+    ``shrunk``. ``shrunk``: the job was below its full size during the interval.
+    """
+
+    overhead_s: float
+    shrunk_s: float = 0.0
+    cause: str = STEADY
+    shrunk: bool = False
+
+
+@runtime_checkable
+class Resizing(Protocol):
+    """What a strategy whose job can change size (elastic shrink and grow) adds to :class:`Strategy`.
+
+    The engine, for such a strategy, calls :meth:`train` instead of ``Strategy.advance`` for every
+    interval the job trains, and fires the strategy's own events (a grow back to full size) in
+    time order with the failures: an event due while the job is paused fires when the pause ends;
+    its :class:`Recovery` is booked like a failure's (a failure inside its pause cuts it short), but
+    it is not a failure. Between two events or failures the job's size, hence its rate, is fixed.
+    """
+
+    def train(self, dt: float) -> Trained:
+        """The job trained for ``dt`` wall seconds at its current size: what that gave up."""
+
+    def next_event(self) -> float | None:
+        """When the strategy's next own event is due (None: none is)."""
+
+    def on_event(self, *, now: float) -> tuple[str, Recovery]:
+        """Fire the event :meth:`next_event` announced, at ``now`` (>= that time): the cause its
+        cost is booked to, and what it costs."""
+
+
 @dataclass(kw_only=True)
 class SimResult:
     """One simulated run."""
@@ -214,6 +258,9 @@ class SimResult:
     spare_gpus: int
     wall_s: float  # simulator run time
     params: dict[str, Any]
+    shrunk_s: float = 0.0  # wall seconds the job trained below its full size (elastic)
+    shrunk_work_s: float = 0.0  # ... and the progress made meanwhile, in seconds of the full-size job
+    resizes: dict[str, int] = field(default_factory=dict)  # elastic: wait / shrink / fail / grow
 
     @property
     def lost_by_stage(self) -> dict[str, float]:
@@ -226,6 +273,12 @@ class SimResult:
     @property
     def lost_by_cause(self) -> dict[str, float]:
         return {c: sum(v.values()) for c, v in self.lost_gpu_s.items()}
+
+    @property
+    def shrunk_throughput(self) -> float | None:
+        """Progress per wall second while shrunk, in seconds of the full-size job (1.0: the full
+        job with no overhead; the snapshot stall is in it); None if the job never trained shrunk."""
+        return self.shrunk_work_s / self.shrunk_s if self.shrunk_s > 0 else None
 
     @property
     def goodput_gpus(self) -> float:

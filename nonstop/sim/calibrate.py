@@ -1,6 +1,6 @@
 """Costs measured by the runtime's benchmarks, and the laws that scale them to a cluster.
 
-:func:`load_calibration` reads ``benchmarks/results/{mttr,snapshot_stall,step_overhead,persist}.json``
+:func:`load_calibration` reads ``benchmarks/results/{mttr,snapshot_stall,step_overhead,persist,elastic}.json``
 (and ``migration.json`` once a migration benchmark exists). Every figure of :class:`Calibration`
 records where it came from in ``sources``: ``measured: <file>:<field>``, ``law: ...`` or
 ``assumption: ...``. A missing file or field falls back to the documented default and says so.
@@ -18,6 +18,9 @@ Laws (docs/simulator.md has the derivations):
   a bare device-to-host copy of the GPU's state.
 * **Restore from memory**: ``bytes / restore_local_gbps``, the rate measured for the in-place
   restore stage (mttr.json, 26.3 M parameters x 12 bytes of fp32 + Adam per rank).
+* **Elastic grow at scale**: ``grow_pause_steps x step + rendezvous_s(n)`` — the pause measured on
+  one node beyond the step itself (elastic.json: rank 0's step gap at the grow / the median step,
+  minus 1; the joiners prepare while the job trains), plus a group rendezvous at the job's scale.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ class Calibration:
     persist_node_gbps: float = 0.93
     # not measured yet (no migration benchmark): live-migration pause in median steps
     migration_pause_steps: float = 2.0
+    # measured by benchmarks/bench_elastic.py: the pause of an elastic grow (joiners prepared while
+    # the job trains) beyond the step itself, in median steps: rank 0's step gap at the grow - 1
+    grow_pause_steps: float = 1.0
     # assumptions about a GPU cluster (documented in docs/simulator.md)
     d2h_gbps: float = 25.0
     peer_gbps_per_gpu: float = 25.0
@@ -231,6 +237,13 @@ def load_calibration(results_dir: Path = DEFAULT_RESULTS, **overrides: float) ->
         "persist_node_gbps",
         _num(_get(persist, "summary", "persist_none", "raw_gb_per_s")),
         "persist.json persist_none raw GB/s",
+    )
+    elastic = load("elastic.json")
+    gap = _num(_get(elastic, "summary", "grow_gap_over_median", "median"))
+    take(
+        "grow_pause_steps",
+        _num(gap - 1.0) if gap is not None else None,
+        "elastic.json summary.grow_gap_over_median - 1",
     )
     migration = load("migration.json")
     take(

@@ -98,6 +98,30 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument(
         "--quarantine", default="3/600", help="nonstop quarantine: FAILURES/WINDOW_S (default %(default)s)"
     )
+    sim.add_argument(
+        "--min-world-size",
+        type=int,
+        default=0,
+        metavar="N",
+        help="nonstop elastic: a lost node no hot spare can replace is dropped and the job trains on "
+        "with fewer ranks (GPUs), never fewer than N, until a fresh node joins; 0 never shrinks: "
+        "wait for the fresh node (default %(default)s)",
+    )
+    sim.add_argument(
+        "--shards-per-rank",
+        type=int,
+        default=1,
+        metavar="M",
+        help="nonstop elastic: micro-batches each rank plays per step at full size; a shrunk job "
+        "spreads a lost rank's over more ranks (default %(default)s)",
+    )
+    sim.add_argument(
+        "--elastic-wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="nonstop elastic: wait this long for the fresh node before shrinking (default %(default)s)",
+    )
     progress = sim.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None)
     progress.add_argument("--no-progress", dest="progress", action="store_false")
@@ -180,6 +204,9 @@ def build_strategies(
                 spare_nodes=ns.spare_nodes,
                 persist_every_s=ns.persist_every_s,
                 quarantine=_quarantine(ns.quarantine),
+                min_world_size=ns.min_world_size,
+                elastic_wait_s=ns.elastic_wait,
+                shards_per_rank=ns.shards_per_rank,
             )
             out.append(Nonstop(job=job, params=params, calibration=cal))
     return out
@@ -221,6 +248,14 @@ def _simulate(ns: argparse.Namespace) -> int:
         f"{job.state_bytes_per_gpu / 1e9:g} GB state/GPU, step {job.step_s:g} s; median of {ns.seeds} seed(s)"
     )
     print(markdown_table(medians))
+    for r in medians:
+        if r.resizes:
+            resizes = ", ".join(f"{k} {v}" for k, v in sorted(r.resizes.items()))
+            speed = "" if r.shrunk_throughput is None else f" at {r.shrunk_throughput:.2f} of full speed"
+            print(
+                f"{r.strategy} elastic: {resizes}; trained shrunk "
+                f"{r.shrunk_s / 3600 / job.days:.2f} h/day{speed}"
+            )
     if ns.json is not None:
         _write_json(
             ns.json,

@@ -14,6 +14,13 @@ horizon. For each failure the strategy answers a :class:`~nonstop.sim.api.Recove
 Between failures the job trains; the strategy reports its steady overhead (checkpoint blocking,
 snapshot stall) for each training interval. What training remains at the horizon counts as
 useful. ETTR = 1 - booked GPU-seconds / (job GPUs x horizon).
+
+Elastic jobs. A strategy that is also :class:`~nonstop.sim.api.Resizing` may train below its full
+size after a failure (an elastic shrink): for each training interval it reports, besides the
+overhead, the throughput it gave up (stage ``shrunk``), and it schedules its own events (growing
+back when a node joins), which the engine replays in time order with the failures — deferred to
+the end of a pause, booked like a recovery, counted in ``SimResult.resizes`` but not as failures.
+The engine measures the wall time spent shrunk and the progress made meanwhile.
 """
 
 from __future__ import annotations
@@ -28,7 +35,16 @@ from typing import Protocol, TextIO
 import numpy as np
 
 from nonstop.runtime.policy import RecoveryAction
-from nonstop.sim.api import STEADY, FailureEvents, JobSpec, Recovery, RunContext, SimResult, Strategy
+from nonstop.sim.api import (
+    STEADY,
+    FailureEvents,
+    JobSpec,
+    Recovery,
+    Resizing,
+    RunContext,
+    SimResult,
+    Strategy,
+)
 
 __all__ = ["EventSource", "Progress", "simulate"]
 
@@ -99,6 +115,81 @@ class _Ledger:
                 return
 
 
+class _Timeline:
+    """The job's state between events: accounted up to ``t``, paused until ``pause_end``, and the
+    whole-job pause in progress (``pending``: cause, start, stages), booked once it is over."""
+
+    def __init__(self, job: JobSpec, strategy: Strategy) -> None:
+        self.horizon, self.gpus = job.horizon_s, job.num_gpus
+        self.strategy = strategy
+        self.resizing = strategy if isinstance(strategy, Resizing) else None
+        self.ledger = _Ledger(self.horizon)
+        self.t = 0.0
+        self.pause_end = 0.0
+        self.pending: tuple[str, float, list[tuple[str, float]]] | None = None
+        self.shrunk_s = 0.0  # wall seconds trained below full size
+        self.shrunk_work_s = 0.0  # progress made meanwhile
+
+    def train_until(self, now: float) -> None:
+        """Unless the job is paused at ``now``: book the pause that ended and the training since."""
+        if now < self.pause_end:
+            return
+        if self.pending is not None:
+            self.ledger.charge_sequence(*self.pending, self.gpus, until=self.horizon)
+            self.pending = None
+        dt = now - max(self.t, self.pause_end)
+        if dt > 0:
+            self._train(dt)
+
+    def _train(self, dt: float) -> None:
+        if self.resizing is None:
+            self.ledger.charge(STEADY, "overhead", self.strategy.advance(dt), self.gpus)
+            return
+        tr = self.resizing.train(dt)
+        self.ledger.charge(STEADY, "overhead", tr.overhead_s, self.gpus)
+        self.ledger.charge(tr.cause, "shrunk", tr.shrunk_s, self.gpus)
+        if tr.shrunk:
+            self.shrunk_s += dt
+            self.shrunk_work_s += dt - tr.overhead_s - tr.shrunk_s
+
+    def book(self, cause: str, now: float, rec: Recovery) -> None:
+        """A recovery (or a strategy's own event) starting at ``now``."""
+        gpus = self.gpus
+        self.ledger.charge(cause, "lost_work", rec.lost_work_s, gpus)
+        p0 = now + rec.pause_s + rec.partial_delay_s
+        for c in rec.partial:
+            self.ledger.charge_sequence(cause, p0, [(c.stage, c.seconds)], c.gpus, until=self.horizon)
+            p0 += c.seconds
+        if rec.pause:
+            if self.pending is not None:  # a failure inside a recovery: the elapsed part was in vain
+                self.ledger.charge(self.pending[0], "replan", now - self.pending[1], gpus)
+            self.pending = (cause, now, rec.pause)
+            self.pause_end = now + rec.pause_s
+        self.t = now
+
+    def fire_events(self, until: float, resizes: Counter[str]) -> None:
+        """The strategy's own events due before ``until`` (each when the job is not paused)."""
+        if self.resizing is None:
+            return
+        while (due := self.resizing.next_event()) is not None:
+            at = max(due, self.pause_end)
+            if at >= until:
+                return
+            self.train_until(at)
+            cause, rec = self.resizing.on_event(now=at)
+            if rec.resize is not None:
+                resizes[rec.resize] += 1
+            self.book(cause, at, rec)
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            self.ledger.charge_sequence(*self.pending, self.gpus, until=self.horizon)
+            self.pending = None
+        tail = self.horizon - max(self.t, self.pause_end)
+        if tail > 0:
+            self._train(tail)
+
+
 def simulate(
     job: JobSpec,
     source: EventSource,
@@ -110,13 +201,15 @@ def simulate(
     """Run ``strategy`` through the failures ``source`` draws for ``job``.
 
     Deterministic for a given ``seed``: failures come from one random stream and the strategy's
-    own draws from another, so two strategies run with one seed see the same failures.
+    own draws from another, so two strategies run with one seed see the same failures. A
+    :class:`~nonstop.sim.api.Resizing` strategy's own events (elastic grows) are replayed in time
+    order with the failures.
     """
     started = time.perf_counter()
     events = source.sample(job, np.random.default_rng([seed, 1]))
     strategy.begin(RunContext(job=job, rng=np.random.default_rng([seed, 2])))
     horizon, gpus = job.horizon_s, job.num_gpus
-    ledger = _Ledger(horizon)
+    line = _Timeline(job, strategy)
     bar = Progress(len(events), label=f"simulate {strategy.name}") if Progress.wanted(progress) else None
 
     times, nodes, cause_idx, lemon = events.time, events.node, events.cause, events.lemon
@@ -126,9 +219,7 @@ def simulate(
     actions: Counter[str] = Counter()
     tiers: Counter[str] = Counter()
     sources: Counter[str] = Counter()
-    t = 0.0  # accounted up to here
-    pause_end = 0.0
-    pending: tuple[str, float, list[tuple[str, float]]] | None = None  # cause, start, stages
+    resizes: Counter[str] = Counter()
 
     for i in range(len(times)):
         now = float(times[i])
@@ -138,14 +229,9 @@ def simulate(
         if lemon[i] and node in replaced:
             continue
         cause = causes[int(cause_idx[i])]
-        recovering = now < pause_end
-        if not recovering:
-            if pending is not None:
-                ledger.charge_sequence(pending[0], pending[1], pending[2], gpus, until=horizon)
-                pending = None
-            dt = now - max(t, pause_end)
-            if dt > 0:
-                ledger.charge(STEADY, "overhead", strategy.advance(dt), gpus)
+        line.fire_events(now, resizes)
+        recovering = now < line.pause_end
+        line.train_until(now)
         rec: Recovery = strategy.on_failure(now=now, node=node, cause=cause, recovering=recovering)
         counts[cause.name] += 1
         if rec.action is not None:
@@ -154,29 +240,19 @@ def simulate(
                 replaced.add(node)
         if rec.tier is not None:
             tiers[rec.tier.value] += 1
+        if rec.resize is not None:
+            resizes[rec.resize] += 1
         sources[rec.replacement] += 1
-        ledger.charge(cause.name, "lost_work", rec.lost_work_s, gpus)
-        p0 = now + rec.pause_s + rec.partial_delay_s
-        for c in rec.partial:
-            ledger.charge_sequence(cause.name, p0, [(c.stage, c.seconds)], c.gpus, until=horizon)
-            p0 += c.seconds
-        if rec.pause:
-            if pending is not None:  # a failure inside a recovery: the elapsed part was in vain
-                ledger.charge(pending[0], "replan", now - pending[1], gpus)
-            pending = (cause.name, now, rec.pause)
-            pause_end = now + rec.pause_s
-        t = now
+        line.book(cause.name, now, rec)
         if bar is not None:
             bar.update(i + 1, f"t={now / 86400:.1f}d failures={sum(counts.values())}")
 
-    if pending is not None:
-        ledger.charge_sequence(pending[0], pending[1], pending[2], gpus, until=horizon)
-    tail = horizon - max(t, pause_end)
-    if tail > 0:
-        ledger.charge(STEADY, "overhead", strategy.advance(tail), gpus)
+    line.fire_events(horizon, resizes)
+    line.finish()
     if bar is not None:
         bar.close()
 
+    ledger = line.ledger
     lost = sum(sum(v.values()) for v in ledger.gpu_s.values())
     return SimResult(
         strategy=strategy.name,
@@ -192,4 +268,7 @@ def simulate(
         spare_gpus=int(getattr(strategy, "spare_gpus", 0)),
         wall_s=time.perf_counter() - started,
         params=strategy.describe(),
+        shrunk_s=line.shrunk_s,
+        shrunk_work_s=line.shrunk_work_s,
+        resizes=dict(resizes),
     )

@@ -5,7 +5,10 @@
   samples/s for samples/s), and per *provisioned* GPU (spares included): the figure to compare
   strategies that buy their ETTR with spare GPUs.
 * **lost GPU-hours** by cause (``steady`` = overhead paid even without failures) and by stage
-  (the runtime's recovery stages + ``replan``, ``lost_work``, ``overhead``).
+  (the runtime's recovery stages + ``replan``, ``lost_work``, ``overhead``, ``shrunk``).
+* **elastic**: wall hours per day the job trained shrunk (fewer data-parallel ranks), its
+  throughput meanwhile (progress per wall second in seconds of the full-size job: 1.0 = full
+  speed with no overhead), and the count of each resize (wait / shrink / fail / grow).
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ def result_json(r: SimResult) -> dict[str, Any]:
         "lost_gpu_hours_per_day": r.lost_gpu_hours_per_day(),
         "lost_gpu_hours_per_day_by_stage": {k: v / hours for k, v in r.lost_by_stage.items()},
         "lost_gpu_hours_per_day_by_cause": {k: v / hours for k, v in sorted(r.lost_by_cause.items())},
+        "shrunk_hours_per_day": r.shrunk_s / hours,
+        "shrunk_throughput": r.shrunk_throughput,
+        "resizes": r.resizes,
         "failures": r.failures,
         "failures_by_cause": dict(sorted(r.failures_by_cause.items(), key=lambda kv: -kv[1])),
         "actions": r.actions,
@@ -61,6 +67,7 @@ def aggregate(runs: Sequence[SimResult]) -> dict[str, Any]:
         "ettr": {"median": statistics.median(ettr), "min": min(ettr), "max": max(ettr)},
         "lost_gpu_hours_per_day": {"median": statistics.median(lost), "min": min(lost), "max": max(lost)},
         "goodput_per_provisioned_gpu": statistics.median(r.goodput_per_provisioned_gpu for r in runs),
+        "shrunk_hours_per_day": statistics.median(r.shrunk_s / 3600.0 / r.job.days for r in runs),
     }
 
 

@@ -14,19 +14,38 @@ simulator and the runtime cannot disagree (a test monkeypatches them and sees th
 * :func:`~nonstop.runtime.policy.choose_tier` — restore from local memory, a peer's replica, or
   the durable tier (then every rank rolls back to the newest persisted step).
 
+Elasticity (``NonstopParams.min_world_size``) goes through :mod:`nonstop.runtime.elastic` the same
+way: a lost node whose ranks no hot spare can take (they would wait for a fresh node from the
+scheduler's pool) is handed to :meth:`~nonstop.runtime.elastic.ElasticPolicy.on_unplaced` — wait
+for that node, shrink to fewer data-parallel ranks, or fail (then it waits for the pool node, as
+without elasticity); the shrunk job's rate comes from
+:func:`~nonstop.runtime.elastic.assign_shards` (the slowest rank plays the most shards), and it
+grows back through :meth:`~nonstop.runtime.elastic.ElasticPolicy.grow_to` when the pool node joins.
+
 Granularity: one call per failed node; the node's ranks move together (a node's GPUs share its
-snapshot memory and its spare), so ``failed`` holds one entry for the node's rank group.
+snapshot memory and its spare), so ``failed`` holds one entry for the node's rank group. Ranks are
+GPUs (one data-parallel rank per GPU, as the runtime starts them): an elastic job has
+``num_gpus`` shards and loses ``gpus_per_node`` ranks per node.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from nonstop.runtime import policy
-from nonstop.runtime.policy import FailureKind, QuarantinePolicy, RecoveryAction, ReplacementSource, Tier
-from nonstop.sim.api import JobSpec, Recovery, RunContext, default_spare_nodes, require
+from nonstop.runtime import elastic, policy
+from nonstop.runtime.elastic import ElasticAction, ElasticDecision
+from nonstop.runtime.policy import (
+    FailureKind,
+    Placement,
+    QuarantinePolicy,
+    RecoveryAction,
+    ReplacementSource,
+    Tier,
+)
+from nonstop.sim.api import STEADY, JobSpec, Recovery, RunContext, Trained, default_spare_nodes, require
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s
 from nonstop.sim.failures import Cause
 from nonstop.sim.strategies import SparePool
@@ -44,7 +63,13 @@ class NonstopParams:
     replicas: peer replicas of each node's snapshots (r). spares_per_node: pre-warmed process
     spares on every node. spare_nodes: hot spare nodes (None: 1% of the job's nodes, at least 1).
     persist_every_s: seconds of training between durable checkpoints. quarantine: the runtime's
-    policy. migration_pause_s: the pause of a live migration.
+    policy. migration_pause_s: the pause of a live migration. min_world_size: elastic (the
+    runtime's ``--min-world-size``): when a lost node's ranks have no hot spare, go on with fewer
+    data-parallel ranks (GPUs), never fewer than this, until a fresh node joins; 0 (or the job's
+    GPU count) never shrinks: the job waits for the pool node. elastic_wait_s: the runtime's
+    ``--elastic-wait``: wait this long for the pool node before shrinking. shards_per_rank: the
+    runtime's ``--shards-per-rank`` M (micro-batches per rank and step at full size): a shrunk
+    step takes ``max(len(shards)) / M`` of a full one.
     """
 
     snapshot_every: int = 1
@@ -55,6 +80,9 @@ class NonstopParams:
     persist_every_s: float = 1800.0
     quarantine: QuarantinePolicy = field(default_factory=QuarantinePolicy)
     migration_pause_s: float | None = None
+    min_world_size: int = 0
+    elastic_wait_s: float = 0.0
+    shards_per_rank: int = 1
 
     def __post_init__(self) -> None:
         require(self.snapshot_every >= 1, f"--snapshot-every must be >= 1 step; got {self.snapshot_every}")
@@ -67,6 +95,15 @@ class NonstopParams:
         require(self.persist_every_s > 0, f"--persist-every-s must be > 0; got {self.persist_every_s}")
         for label, v in (("stall", self.stall_s), ("migration pause", self.migration_pause_s)):
             require(v is None or (math.isfinite(v) and v >= 0), f"nonstop {label} must be >= 0 s; got {v}")
+        require(
+            self.min_world_size >= 0,
+            f"--min-world-size must be >= 0 (0: never shrink); got {self.min_world_size}",
+        )
+        require(self.shards_per_rank >= 1, f"--shards-per-rank must be >= 1; got {self.shards_per_rank}")
+        require(
+            math.isfinite(self.elastic_wait_s) and self.elastic_wait_s >= 0,
+            f"--elastic-wait must be >= 0 s; got {self.elastic_wait_s}",
+        )
 
 
 class Nonstop:
@@ -78,6 +115,16 @@ class Nonstop:
     planned event migrates live (one pause, nothing lost). When a lost node's replica holders are
     all unavailable too, every rank rolls back to the newest durable checkpoint. Survivors keep
     their processes; the group is rebuilt in place (rendezvous law at the job's scale).
+
+    Elastic (``min_world_size``): a lost node that only the scheduler's pool could replace is
+    dropped instead, when the runtime's policy says so. The survivors restore their own newest
+    snapshot (nothing rolled back beyond the step in flight: detect, plan, restore from memory,
+    rebuild) and train on with ``W'`` ranks playing the ``num_gpus`` shards: a step takes as long
+    as the slowest rank's ``max(len(shards))`` micro-batches, so the job progresses at
+    ``1 / max(len(shards))`` of its full rate (``assign_shards``). The pool node, asked for when
+    the recovery is planned, arrives ``node_provision_s`` later, prepares while the job trains (cold
+    launch, fetch and restore rank 0's step, one warm-up step) and joins at a step boundary: a
+    pause of ``grow_pause_steps`` steps plus a rendezvous, nothing rolled back.
     """
 
     def __init__(
@@ -109,6 +156,14 @@ class Nonstop:
         self.migration = (
             cal.migration_pause_steps * job.step_s if p.migration_pause_s is None else p.migration_pause_s
         )
+        require(
+            p.min_world_size <= job.num_gpus,
+            f"--min-world-size must be in 0..{job.num_gpus} (the job's GPUs, one rank each; 0 never "
+            f"shrinks); got {p.min_world_size}",
+        )
+        # an elastic grow: the joiners prepare while the job trains, then every rank pauses
+        self.grow_prepare = cal.launch_cold_s + self.transfer + self.restore_local + job.step_s
+        self.grow_pause = cal.grow_pause_steps * job.step_s
         self._holders: dict[int, list[int]] = {}
 
     # -- the ring of replica holders ------------------------------------------------------------
@@ -137,11 +192,69 @@ class Nonstop:
         self.proc_spare_at: dict[int, float] = {}  # position -> when its process spare is ready again
         self.mem_back_at: dict[int, float] = {}  # position -> when its snapshot memory is usable again
         self.spares = SparePool(self.num_spare_nodes)
+        n = self.job.num_gpus
+        self.elastic = elastic.ElasticPolicy(
+            full_world_size=n, min_world_size=self.p.min_world_size or n, wait_s=self.p.elastic_wait_s
+        )
+        self.world = n  # data-parallel ranks playing now
+        self.absent: dict[int, str] = {}  # position dropped by a shrink -> its cause, until its node joins
+        self.joins: list[tuple[float, int]] = []  # (when a pool node is ready to join, its position)
+        self._slowest: dict[int, int] = {}  # world size -> most shards one rank plays
 
     def advance(self, dt: float) -> float:
+        """``Strategy.advance``: everything :meth:`train` says was given up, in one figure."""
+        tr = self.train(dt)
+        return tr.overhead_s + tr.shrunk_s
+
+    def train(self, dt: float) -> Trained:
+        """``dt`` of training: the snapshot stall, and while shrunk the rate given up.
+
+        At full size the job progresses ``dt x (1 - stall fraction)``; with ``W'`` ranks a step
+        takes ``max(len(shards))`` times as long (``elastic.assign_shards``), so it progresses that
+        much less, and the difference is booked as ``shrunk`` to the cause of the newest shrink.
+        """
         frac = self.stall / (self.job.step_s * self.p.snapshot_every)
-        self.work += dt * (1.0 - frac)
-        return dt * frac
+        if self.world >= self.job.num_gpus:
+            self.work += dt * (1.0 - frac)
+            return Trained(overhead_s=dt * frac)
+        useful = dt * (1.0 - frac) * self.p.shards_per_rank / self.slowest_rank_shards(self.world)
+        self.work += useful
+        cause = next(reversed(self.absent.values()), STEADY)
+        return Trained(overhead_s=dt * frac, shrunk_s=dt - dt * frac - useful, cause=cause, shrunk=True)
+
+    def slowest_rank_shards(self, world_size: int) -> int:
+        """The shards the busiest of ``world_size`` ranks plays (``elastic.assign_shards`` of the
+        job's ``num_gpus x shards_per_rank`` shards); over ``shards_per_rank``, the factor by which
+        a step of the shrunk job is longer than the full job's."""
+        if world_size not in self._slowest:
+            shards = elastic.assign_shards(self.job.num_gpus * self.p.shards_per_rank, world_size)
+            self._slowest[world_size] = max(len(s) for s in shards)
+        return self._slowest[world_size]
+
+    def next_event(self) -> float | None:
+        """When the next pool node that replaces a dropped one is prepared to join (a grow)."""
+        return self.joins[0][0] if self.joins else None
+
+    def on_event(self, *, now: float) -> tuple[str, Recovery]:
+        """Every pool node prepared by ``now`` joins, if ``elastic.ElasticPolicy.grow_to`` grows the
+        world: every rank pauses after a boundary step, the joiners fetch it and a new generation
+        starts (``grow_pause_steps`` steps + a rendezvous, nothing rolled back). Booked to the cause
+        of the shrink the first joiner undoes."""
+        ready: list[int] = []
+        while self.joins and self.joins[0][0] <= now:
+            ready.append(heapq.heappop(self.joins)[1])
+        cause = self.absent.get(ready[0], STEADY) if ready else STEADY
+        target = self.elastic.grow_to(world_size=self.world, idle_spares=len(ready) * self.job.gpus_per_node)
+        if target <= self.world:
+            return cause, Recovery()  # the policy does not grow: those nodes stay out of the job
+        self.world = target
+        pause = [("restore", self.grow_pause), ("rebuild", self.rebuild)]
+        back = now + sum(s for _, s in pause) + self.transfer * max(1, self.p.replicas)
+        for pos in ready:
+            self.absent.pop(pos, None)
+            self.mem_back_at[pos] = back  # the new machine's memory holds replicas again
+            self.proc_spare_at[pos] = back
+        return cause, Recovery(pause=pause, replacement=POOL, resize="grow")
 
     def _lost(self, tier: Tier) -> float:
         step, k = self.job.step_s, self.p.snapshot_every
@@ -155,6 +268,8 @@ class Nonstop:
 
     def on_failure(self, *, now: float, node: int, cause: Cause, recovering: bool) -> Recovery:
         cal = self.cal
+        if node in self.absent:  # dropped by a shrink: no machine plays this position until one joins
+            return Recovery()
         name = f"n{node}"
         hist = self.history.setdefault(node, [])
         hist.append(now)
@@ -172,14 +287,28 @@ class Nonstop:
         spares.update({i + 1: s for i, s in enumerate(idle)})
         live = ([name] if alive else []) + [f"n{h}" for h in holders] + idle + [POOL]
         load = {nm: 1 for nm in live if nm.startswith("n")}
-        placement = policy.choose_replacements(
+        # an elastic job starts no cold process on another node (as the runtime): the ranks no
+        # spare takes are unplaced, and the elastic policy decides (a planned move is unchanged)
+        elastic_here = self.elastic.enabled and action is not RecoveryAction.MIGRATE
+        placed = policy.choose_replacements(
             failed={0: name},
             spares=spares,
             data_nodes={0: [f"n{h}" for h in holders]},
             live_nodes=live,
             load=load,
             quarantined=[] if stays else [name],
-        )[0]
+            cold_elsewhere=not elastic_here,
+        )
+        resize: str | None = None
+        waited = 0.0
+        if 0 in placed:
+            placement = placed[0]
+        else:
+            decision, waited = self._unplaced()
+            resize = decision.action.value
+            if decision.action is ElasticAction.SHRINK:
+                return self._shrink(now, node, cause, action, decision, waited, recovering)
+            placement = Placement(node=POOL, spare=None)  # it waited for the pool node, or gave up
         in_place = placement.node == name
         tier = policy.choose_tier(
             local_alive=alive and in_place,
@@ -199,17 +328,11 @@ class Nonstop:
                 launch = cal.node_provision_s + cal.launch_cold_s
             else:
                 launch = cal.launch_cold_s
-            if tier is Tier.LOCAL:
-                restore = self.restore_local
-            elif tier is Tier.PEER:
-                restore = self.transfer + self.restore_local
-            else:
-                restore = self.durable_read
             pause = [
                 ("detect", self._detect(cause.kind)),
                 ("plan", cal.plan_s),
                 ("launch", launch),
-                ("restore", restore),
+                ("restore", self._restore(tier)),
                 ("rebuild", self.rebuild),
             ]
         self.work -= lost
@@ -225,7 +348,69 @@ class Nonstop:
             self.history[node] = []  # a different machine plays this position now
             self.proc_spare_at[node] = now + back
         source = "pool" if placement.node == POOL else placement.source.value
-        return Recovery(pause=pause, lost_work_s=lost, action=action, tier=tier, replacement=source)
+        return Recovery(
+            pause=pause, lost_work_s=lost, action=action, tier=tier, replacement=source, resize=resize
+        )
+
+    def _unplaced(self) -> tuple[ElasticDecision, float]:
+        """What ``elastic.ElasticPolicy.on_unplaced`` does with a node's ranks no spare can take,
+        asked again after each WAIT, as the runtime re-plans. A WAIT the pool node ends (it arrives
+        ``node_provision_s`` after the plan) or that names no time waits for it: the decision is
+        returned with that wait. Returns the last decision and the seconds waited before it."""
+        provision = self.cal.node_provision_s
+        waited = 0.0
+        while True:
+            d = self.elastic.on_unplaced(
+                world_size=self.world, unplaced=self.job.gpus_per_node, waited_s=waited
+            )
+            if d.action is not ElasticAction.WAIT:
+                return d, waited
+            if d.wait_s <= 0 or waited + d.wait_s >= provision:
+                return d, provision
+            waited += d.wait_s
+
+    def _shrink(
+        self,
+        now: float,
+        node: int,
+        cause: Cause,
+        action: RecoveryAction,
+        decision: ElasticDecision,
+        waited: float,
+        recovering: bool,
+    ) -> Recovery:
+        """Go on without node ``node``: the survivors restore their own newest step (the tier the
+        policy picks for ranks whose memory is alive) and rebuild a group of
+        ``decision.world_size`` ranks; a pool node is asked for and joins once prepared."""
+        cal = self.cal
+        tier = policy.choose_tier(local_alive=True, has_local=True, peer_has=True, durable_has=True)
+        assert tier is not None
+        lost = 0.0 if recovering and tier is not Tier.DURABLE else self._lost(tier)
+        detect = self._detect(cause.kind)
+        pause = [
+            ("detect", detect),
+            ("plan", cal.plan_s + waited),  # the wait for a spare is part of the planning
+            ("restore", self._restore(tier)),
+            ("rebuild", self.rebuild),
+        ]
+        self.work -= lost
+        self.world = decision.world_size
+        self.absent[node] = cause.name
+        self.history[node] = []  # its machine leaves the job
+        self.mem_back_at[node] = math.inf  # until a machine plays the position again
+        self.proc_spare_at[node] = math.inf
+        ready = now + detect + cal.plan_s + cal.node_provision_s + self.grow_prepare
+        heapq.heappush(self.joins, (ready, node))
+        return Recovery(
+            pause=pause, lost_work_s=lost, action=action, tier=tier, replacement="shrink", resize="shrink"
+        )
+
+    def _restore(self, tier: Tier) -> float:
+        if tier is Tier.LOCAL:
+            return self.restore_local
+        if tier is Tier.PEER:
+            return self.transfer + self.restore_local
+        return self.durable_read
 
     def _detect(self, kind: FailureKind) -> float:
         cal = self.cal
@@ -252,6 +437,11 @@ class Nonstop:
             "durable_read_s": self.durable_read,
             "rebuild_s": self.rebuild,
             "migration_pause_s": self.migration,
+            "min_world_size": self.p.min_world_size,
+            "elastic_wait_s": self.p.elastic_wait_s,
+            "shards_per_rank": self.p.shards_per_rank,
+            "grow_prepare_s": self.grow_prepare,
+            "grow_pause_s": self.grow_pause + self.rebuild,
             "quarantine": {
                 "max_failures": self.p.quarantine.max_failures,
                 "window_s": self.p.quarantine.window_s,

@@ -1,0 +1,254 @@
+"""The simulator's elastic data parallelism, driven by the runtime's own `nonstop.runtime.elastic`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nonstop.errors import UsageError
+from nonstop.runtime import elastic
+from nonstop.runtime.elastic import ElasticAction, ElasticDecision, ElasticPolicy
+from nonstop.runtime.policy import FailureKind
+from nonstop.sim.api import FailureEvents, JobSpec, Resizing, SimResult
+from nonstop.sim.calibrate import Calibration, rendezvous_s
+from nonstop.sim.cli import add_parsers, dispatch
+from nonstop.sim.engine import simulate
+from nonstop.sim.failures import Cause, FailureModel, preset
+from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
+from nonstop.sim.strategies import CheckpointRestart, TorchftLike
+
+CAL = Calibration()  # code defaults: results that do not move when benchmarks/results is rewritten
+SLOW_POOL = Calibration(node_provision_s=3600.0)
+JOB = JobSpec(num_gpus=1024, days=30)
+NODE_LOSS = (Cause(name="node", weight=1, kind=FailureKind.NODE_LOST),)
+LOSSES = FailureModel(rate_per_node_day=0.05, causes=NODE_LOSS)
+
+
+class Scripted:
+    """Failures at given times and node positions (all node losses)."""
+
+    def __init__(self, *failures: tuple[float, int]) -> None:
+        self.failures = failures
+
+    def sample(self, job: JobSpec, rng: np.random.Generator) -> FailureEvents:
+        del job, rng
+        n = len(self.failures)
+        return FailureEvents(
+            time=np.array([t for t, _ in self.failures], dtype=np.float64),
+            node=np.array([k for _, k in self.failures], dtype=np.int64),
+            cause=np.zeros(n, dtype=np.int64),
+            lemon=np.zeros(n, dtype=np.bool_),
+            causes=NODE_LOSS,
+        )
+
+
+def run(
+    params: NonstopParams, *, cal: Calibration = SLOW_POOL, seed: int = 4, job: JobSpec = JOB
+) -> SimResult:
+    return simulate(job, LOSSES, Nonstop(job=job, params=params, calibration=cal), seed=seed)
+
+
+def same(a: SimResult, b: SimResult) -> None:
+    assert a.ettr == b.ettr and a.lost_gpu_s == b.lost_gpu_s
+    assert (a.actions, a.tiers, a.replacements) == (b.actions, b.tiers, b.replacements)
+
+
+def test_elastic_off_gives_the_results_of_before() -> None:
+    """Figures computed before elasticity existed (same seeds, code-default calibration)."""
+    ns = simulate(JOB, preset("meta-high"), Nonstop(job=JOB, calibration=CAL), seed=3)
+    assert ns.ettr == pytest.approx(0.9976251387556158, rel=1e-12)
+    assert ns.replacements == {"spare": 18, "pool": 3} and ns.tiers == {"peer": 17, "local": 4}
+    pool = run(NonstopParams(spare_nodes=0), cal=CAL)
+    assert pool.ettr == pytest.approx(0.9763422633942888, rel=1e-12) and pool.failures == 175
+    assert pool.lost_gpu_s["node"]["launch"] == pytest.approx(53618595.83999273, rel=1e-12)
+    assert pool.lost_gpu_s["node"]["replan"] == pytest.approx(302408.26335799694, rel=1e-12)
+    assert pool.resizes == {} and pool.shrunk_s == 0 and pool.shrunk_throughput is None
+    cr = simulate(
+        JOB, preset("meta-high"), CheckpointRestart(job=JOB, interval_s=1800, calibration=CAL), seed=3
+    )
+    tf = simulate(JOB, preset("meta-high"), TorchftLike(job=JOB, calibration=CAL), seed=3)
+    assert cr.ettr == pytest.approx(0.9919409500003415, rel=1e-12)
+    assert tf.ettr == pytest.approx(0.9997832710651564, rel=1e-12)
+    # elasticity off, spelled out: 0 or the full size (the runtime's ElasticPolicy.enabled is False)
+    for off in (
+        NonstopParams(spare_nodes=0, min_world_size=0, elastic_wait_s=600),
+        NonstopParams(spare_nodes=0, min_world_size=1024),
+    ):
+        same(run(off, cal=CAL), pool)
+
+
+def test_nonstop_is_a_resizing_strategy_and_the_baselines_are_not() -> None:
+    assert isinstance(Nonstop(job=JOB, calibration=CAL), Resizing)
+    assert not isinstance(CheckpointRestart(job=JOB, interval_s=1800, calibration=CAL), Resizing)
+
+
+def test_with_spares_left_elasticity_changes_nothing() -> None:
+    params = NonstopParams(spare_nodes=60)
+    same(run(NonstopParams(spare_nodes=60, min_world_size=512)), run(params))
+
+
+def test_shrinking_beats_waiting_for_the_pool() -> None:
+    wait = run(NonstopParams(spare_nodes=0))
+    strat = Nonstop(job=JOB, params=NonstopParams(spare_nodes=0, min_world_size=512), calibration=SLOW_POOL)
+    shrink = simulate(JOB, LOSSES, strat, seed=4)
+    assert wait.failures == shrink.failures > 100  # the same failures
+    assert wait.replacements == {"pool": wait.failures}
+    assert shrink.ettr > wait.ettr + 0.05
+    assert shrink.goodput_per_provisioned_gpu > wait.goodput_per_provisioned_gpu
+    assert shrink.lost_by_stage["launch"] == 0 < shrink.lost_by_stage["shrunk"]
+    assert shrink.resizes["shrink"] >= shrink.resizes["grow"] >= shrink.resizes["shrink"] - 1
+    assert shrink.replacements.get("shrink", 0) == shrink.resizes["shrink"]
+    assert shrink.tiers.get("local", 0) >= shrink.resizes["shrink"]  # survivors restore from memory
+    # what the ledger does not book is exactly the progress kept; shrunk time is measured
+    assert shrink.ettr * JOB.horizon_s == pytest.approx(strat.work, rel=1e-9)
+    assert 0 < shrink.shrunk_s < JOB.horizon_s
+    assert sum(shrink.lost_by_cause.values()) == pytest.approx(sum(shrink.lost_by_stage.values()))
+
+
+def test_min_world_size_above_the_survivors_falls_back_to_ordinary_recovery() -> None:
+    wait = run(NonstopParams(spare_nodes=0))
+    # one lost node leaves 1016 ranks: below 1017 the runtime's policy says FAIL
+    r = run(NonstopParams(spare_nodes=0, min_world_size=1024 - 8 + 1))
+    same(r, wait)
+    assert r.resizes == {"fail": r.failures} and r.shrunk_s == 0
+
+
+def test_elastic_wait_then_shrink_books_the_wait_as_planning() -> None:
+    job = JobSpec(num_gpus=64, days=1)
+    src = Scripted((10_000.0, 3))
+    plain = simulate(
+        job,
+        src,
+        Nonstop(job=job, params=NonstopParams(spare_nodes=0, min_world_size=8), calibration=SLOW_POOL),
+    )
+    waited = simulate(
+        job,
+        src,
+        Nonstop(
+            job=job,
+            params=NonstopParams(spare_nodes=0, min_world_size=8, elastic_wait_s=600),
+            calibration=SLOW_POOL,
+        ),
+    )
+    assert plain.resizes == waited.resizes == {"shrink": 1, "grow": 1}
+    extra = waited.lost_by_stage["plan"] - plain.lost_by_stage["plan"]
+    assert extra == pytest.approx(600 * 64)
+    assert plain.shrunk_s - waited.shrunk_s == pytest.approx(600)  # the pool node comes no sooner
+    # a wait the pool node ends is a replacement as without elasticity
+    long_wait = NonstopParams(spare_nodes=0, min_world_size=8, elastic_wait_s=4000)
+    pool = simulate(job, src, Nonstop(job=job, params=NonstopParams(spare_nodes=0), calibration=SLOW_POOL))
+    r = simulate(job, src, Nonstop(job=job, params=long_wait, calibration=SLOW_POOL))
+    same(r, pool)
+    assert r.resizes == {"wait": 1}
+
+
+@pytest.mark.parametrize("action", [ElasticAction.WAIT, ElasticAction.FAIL])
+def test_the_runtime_on_unplaced_decides(monkeypatch: pytest.MonkeyPatch, action: ElasticAction) -> None:
+    params = NonstopParams(spare_nodes=0, min_world_size=512)
+    shrink, wait = run(params), run(NonstopParams(spare_nodes=0))
+    calls: list[tuple[int, int, float]] = []
+
+    def decide(self: ElasticPolicy, *, world_size: int, unplaced: int, waited_s: float) -> ElasticDecision:
+        calls.append((world_size, unplaced, waited_s))
+        return ElasticDecision(action=action, world_size=world_size, wait_s=1e9)
+
+    monkeypatch.setattr(elastic.ElasticPolicy, "on_unplaced", decide)
+    r = run(params)
+    same(r, wait)
+    assert r.ettr < shrink.ettr
+    assert r.resizes == {action.value: r.failures} and r.shrunk_s == 0
+    assert len(calls) == r.failures and all(c == (1024, 8, 0.0) for c in calls)
+
+
+def test_shrunk_throughput_is_what_assign_shards_implies(monkeypatch: pytest.MonkeyPatch) -> None:
+    job = JobSpec(num_gpus=64, days=1)
+    # node 3 is lost; a later failure of its position finds no machine there (shrunk away)
+    src = Scripted((10_000.0, 3), (11_000.0, 3))
+    strat = Nonstop(job=job, params=NonstopParams(spare_nodes=0, min_world_size=56), calibration=SLOW_POOL)
+    r = simulate(job, src, strat)
+    assert r.resizes == {"shrink": 1, "grow": 1} and r.failures == 2
+    assert r.replacements == {"shrink": 1, "none": 1}
+    frac = strat.stall / job.step_s
+    slowest = max(len(s) for s in elastic.assign_shards(64, 56))
+    assert slowest == math.ceil(64 / 56) == 2
+    assert r.shrunk_throughput == pytest.approx((1 - frac) / slowest, rel=1e-12)
+    # shrunk from the end of the shrink's pause (lease, plan, restore from memory, rebuild) until
+    # the pool node, asked for at the plan, has arrived and prepared
+    cal = SLOW_POOL
+    pause = cal.node_lease_s + cal.plan_s + strat.restore_local + rendezvous_s(job.num_nodes)
+    ready = 10_000 + cal.node_lease_s + cal.plan_s + cal.node_provision_s + strat.grow_prepare
+    assert r.shrunk_s == pytest.approx(ready - (10_000 + pause), rel=1e-12)
+    assert r.lost_by_stage["shrunk"] == pytest.approx(64 * r.shrunk_s * (1 - frac) * (1 - 1 / slowest))
+    assert r.lost_by_stage["lost_work"] <= 64 * job.step_s  # the step in flight, nothing more
+    assert strat.grow_pause == pytest.approx(cal.grow_pause_steps * job.step_s)
+    assert r.ettr * job.horizon_s == pytest.approx(strat.work, rel=1e-9)
+
+    # the rate follows the runtime's assign_shards: a rank playing 3 shards makes it a third
+    def lopsided(num_shards: int, world_size: int) -> tuple[tuple[int, ...], ...]:
+        return ((0, 1, 2), *((k,) for k in range(3, num_shards)))[:world_size]
+
+    monkeypatch.setattr(elastic, "assign_shards", lopsided)
+    r3 = simulate(job, src, strat)
+    assert r3.shrunk_throughput == pytest.approx((1 - frac) / 3, rel=1e-12)
+    assert r3.shrunk_s == pytest.approx(r.shrunk_s) and r3.ettr < r.ettr
+
+
+def test_the_runtime_grow_to_decides_when_to_grow(monkeypatch: pytest.MonkeyPatch) -> None:
+    job = JobSpec(num_gpus=64, days=1)
+    src = Scripted((10_000.0, 3))
+    params = NonstopParams(spare_nodes=0, min_world_size=56)
+    grows = simulate(job, src, Nonstop(job=job, params=params, calibration=SLOW_POOL))
+    monkeypatch.setattr(elastic.ElasticPolicy, "grow_to", lambda self, *, world_size, idle_spares: world_size)
+    stays = simulate(job, src, Nonstop(job=job, params=params, calibration=SLOW_POOL))
+    assert stays.resizes == {"shrink": 1} and stays.shrunk_s > grows.shrunk_s + 60_000
+    assert stays.ettr < grows.ettr
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    add_parsers(ap.add_subparsers(dest="cmd", required=True))
+    return ap.parse_args(list(argv))
+
+
+def test_simulate_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim.json"
+    argv = (
+        "simulate",
+        "--gpus",
+        "1024",
+        "--days",
+        "10",
+        "--rate",
+        "50",
+        "--strategy",
+        "nonstop",
+        "--spare-nodes",
+        "0",
+    )
+    assert dispatch(parse(*argv, "--min-world-size", "900", "--elastic-wait", "30", "--json", str(out))) == 0
+    text = capsys.readouterr().out
+    assert "nonstop elastic: grow" in text and "of full speed" in text
+    run_doc = json.loads(out.read_text())["median_runs"][0]
+    assert run_doc["resizes"]["shrink"] > 0 and run_doc["shrunk_hours_per_day"] > 0
+    assert 0 < run_doc["shrunk_throughput"] < 1
+    assert run_doc["params"]["min_world_size"] == 900 and run_doc["params"]["elastic_wait_s"] == 30
+    assert dispatch(parse(*argv)) == 0
+    assert "elastic" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (("--min-world-size", "2000"), "--min-world-size"),
+        (("--min-world-size", "-1"), "--min-world-size"),
+        (("--elastic-wait", "-1"), "--elastic-wait"),
+    ],
+)
+def test_bad_elastic_flags(extra: tuple[str, ...], match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        dispatch(parse("simulate", "--gpus", "1024", "--days", "1", "--strategy", "nonstop", *extra))
