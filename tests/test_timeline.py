@@ -79,9 +79,16 @@ class Log:
         return now
 
     def fail(
-        self, t: float, ranks: list[int], kind: str = "kill", step: int = 10, detect: float = 0.1
+        self,
+        t: float,
+        ranks: list[int],
+        kind: str = "kill",
+        step: int = 10,
+        detect: float = 0.1,
+        wait: float | None = None,
     ) -> float:
-        """``ranks`` fail at ``t`` (one reconfiguration repairs them); returns when it is done."""
+        """``ranks`` fail at ``t`` (one reconfiguration repairs them); returns when it is done.
+        ``wait``: no spare at first, the job waits that long (``elastic_wait``) until one takes over."""
         for r in ranks:
             self.add(t, "fault_injected", rank=r, step=step, kind=kind, spawn_id=self.members[r])
         for r in ranks:
@@ -95,10 +102,12 @@ class Log:
             pool = pool or next(p for n, p in self.spares.items() if p and n != node)
             self.members[r] = pool.pop(0)
             self.rank_node[r] = next(n for n, p in self.spares.items() if p is pool)
-        plan_end = t + detect + STAGES["plan"]
+        if wait is not None:
+            self.add(t + detect, "elastic_wait", ranks=ranks, wait_s=wait + 1.0)
+        plan_end = t + detect + (wait or 0.0) + STAGES["plan"]
         done = self.generation(plan_end, cause=ranks, restore_step=step)
         for r in ranks:
-            stages = {"detect": detect, "replan": 0.0, **STAGES}
+            stages = {"detect": detect, "replan": 0.0, **STAGES, "plan": STAGES["plan"] + (wait or 0.0)}
             self.add(
                 done, "recovery", kind=kind, rank=r, step=step, detail=kind, detect_s=detect, stages=stages,
                 training_again_s=done - STAGES["resume"] - t, mttr_s=done - t, lost_steps=1,
@@ -107,6 +116,105 @@ class Log:
         for r in ranks:
             node = self.rank_node[r]
             self.spares[node].append(self.spawn(done, "spare", None, node))
+        return done
+
+    def shrink(
+        self, t: float, ranks: list[int], wait: float = 5.0, detect: float = 0.1, step: int = 10
+    ) -> float:
+        """``ranks`` fail at ``t`` with no spare: the job waits ``wait`` s for one, then drops them (the
+        others renumbered in order, as the coordinator's _shrink does); returns when it trains again."""
+        for r in ranks:
+            self.add(t, "fault_injected", rank=r, step=step, kind="kill", spawn_id=self.members[r])
+            self.add(
+                t + detect,
+                "failure",
+                kind="kill",
+                rank=r,
+                spawn_id=self.members[r],
+                step=step,
+                detect_s=detect,
+            )
+        self.add(t + detect, "elastic_wait", ranks=ranks, wait_s=wait)
+        decided = t + detect + wait
+        keep = [r for r in sorted(self.members) if r not in ranks]
+        new_of = {old: new for new, old in enumerate(keep)}
+        self.add(
+            decided, "shrink", world_size=len(keep), old_world_size=len(self.members), dropped=ranks,
+            renumbered={str(o): n for o, n in new_of.items() if o != n},
+            shards={str(n): [o] for o, n in new_of.items()},
+            reason=f"no spare for {len(ranks)} rank(s) after {wait:.2f}s",
+        )  # fmt: skip
+        self.members = {new_of[o]: sid for o, sid in self.members.items() if o in new_of}
+        self.rank_node = {new_of[o]: n for o, n in self.rank_node.items() if o in new_of}
+        done = self.generation(decided + STAGES["plan"], cause=ranks, restore_step=step)
+        for r in ranks:
+            self.add(
+                done, "recovery", kind="kill", rank=r, step=step, detect_s=detect, mttr_s=done - t,
+                stages={"detect": detect, "plan": done - t - detect - 0.67, "launch": 0.02, "restore": 0.2,
+                        "rebuild": 0.05, "resume": 0.4},
+                lost_steps=0, restore_step=step, replacement=None, generation=self.gen,
+            )  # fmt: skip
+        return done
+
+    def grow(self, t: float, joiners: int = 1, prepare: float = 1.2, abort: str | None = None) -> float:
+        """Idle spares on node 0 join as new ranks: prepare for ``prepare`` s, pause 0.3 s, swap
+        (or abort with ``abort`` after the pause); returns when it is done (or aborted)."""
+        sids = [self.spawn(t - 1.0, "spare", None, "0") for _ in range(joiners)]
+        old = len(self.members)
+        self.add(
+            t, "grow_start", world_size=old, new_world_size=old + joiners, prepare_step=50,
+            joiners={str(s): "0" for s in sids},
+        )  # fmt: skip
+        self.add(t + prepare, "grow_pause", boundary=60, prepare_s=prepare)
+        swap = t + prepare + 0.3
+        if abort is not None:
+            self.add(swap, "grow_aborted", boundary=60, error=abort)
+            return swap
+        self.add(swap, "grow", world_size=old + joiners, old_world_size=old, boundary=60, shards={})
+        for i, sid in enumerate(sids):
+            self.members[old + i], self.rank_node[old + i] = sid, "0"
+        done = self.generation(swap, cause=[], restore_step=60)
+        self.add(done, "grow_done", world_size=old + joiners, boundary=60, seconds=done - t)
+        return done
+
+    def migrate(
+        self,
+        t: float,
+        rank: int,
+        target: str,
+        catchups: tuple[bool, ...] = (True, False),
+        swap_delta: bool = True,
+    ) -> float:
+        """``rank`` moves to node ``target``: prepare 1 s, one catch-up round per entry (True: a
+        delta) 0.3 s apart, pause 0.2 s later, swap; returns when it is done."""
+        joiner = self.spawn(t - 1.0, "spare", None, target)
+        source = self.rank_node[rank]
+        self.add(
+            t,
+            "migration_start",
+            rank=rank,
+            source=source,
+            target=target,
+            joiner=joiner,
+            step=40,
+            reason="drain",
+        )
+        now = t + 1.0
+        for i, delta in enumerate(catchups):
+            now += 0.3
+            self.add(
+                now, "catchup", rank=rank, step=42 + i, ok=True, delta=delta, raw_bytes=1000,
+                wire_bytes=100 if delta else 1000, seconds=0.2, capped=False, error=None,
+            )  # fmt: skip
+        pause = now + 0.2
+        self.add(pause, "migration_pause", rank=rank, boundary=48)
+        self.members[rank], self.rank_node[rank] = joiner, target
+        done = self.generation(pause + 0.1, cause=[], restore_step=48)
+        self.add(
+            done, "migration_done", rank=rank, source=source, target=target, boundary=48,
+            stages={"fetched": 0.5, "prepared": 0.5}, max_step_gap_s=0.5, median_step_s=0.1, pause_ratio=5.0,
+            reason="drain", catchup_rounds=len(catchups), swap_delta=swap_delta,
+        )  # fmt: skip
         return done
 
     def end(self, t: float, state: str = "done") -> Log:
@@ -202,15 +310,18 @@ def test_failures_repaired_together_share_lost_steps_and_a_node_loss_ends_the_no
 
 def test_unknown_events_are_kept() -> None:
     log = Log()
-    log.add(8.0, "migration_start", rank=1, stage="copy", to_node="1")
-    log.add(8.5, "migration_done", rank=1, stage="switch")
+    log.add(8.0, "migration_requested", rank=1, stage="copy", to_node="1")
+    log.add(8.5, "migration_refused", rank=1, stage="switch")
+    log.add(8.7, "catchup", rank=2, step=5, ok=True, delta=True)  # no migration of rank 2 is open
     log.add(9.0, "something_new", detail={"x": 1})
     tl = build_timeline(log.end(12.0).events)
     assert [(o.event, o.rank, o.stage) for o in tl.other] == [
-        ("migration_start", 1, "copy"),
-        ("migration_done", 1, "switch"),
+        ("migration_requested", 1, "copy"),
+        ("migration_refused", 1, "switch"),
+        ("catchup", 2, None),
         ("something_new", None, None),
     ]
+    assert tl.migrations == ()
     assert tl.other[0].t == pytest.approx(8.0) and tl.other[0].fields["to_node"] == "1"
 
 
@@ -278,6 +389,215 @@ def test_failed_job() -> None:
     assert not r.complete and r.end == pytest.approx(9.5)
     assert {i.end_reason for i in _ranks(tl, 0)} == {"recovery"}
     assert "failed: no step is snapshotted" in timeline_text(tl)
+
+
+# -- elastic resizes and live migrations --------------------------------------------------------------
+def _line(text: str, head: str) -> str:
+    """The one summary line whose kind column is ``head``."""
+    (line,) = [x for x in text.splitlines()[1:] if x[11:].startswith(head)]
+    return line
+
+
+def test_a_shrink_then_a_grow_are_resizes_with_their_sizes_times_and_durations() -> None:
+    log = Log(per_node=3, spares=0)
+    back = log.shrink(10.0, [1], wait=5.0)  # rank 1 has no spare: wait 5 s, then go on with 2
+    grown = log.grow(25.0, prepare=1.2)  # a spare appeared: back to 3
+    tl = build_timeline(log.end(40.0).events)
+    shrink, grow = tl.resizes
+    assert (shrink.kind, shrink.old_world_size, shrink.world_size, shrink.label) == (
+        "shrink",
+        3,
+        2,
+        "shrink 3→2",
+    )
+    assert shrink.dropped == (1,) and shrink.renumbered == {2: 1} and shrink.generation == 2
+    assert shrink.reason == "no spare for 1 rank(s) after 5.00s" and shrink.outcome == "done"
+    assert shrink.start == pytest.approx(10.1) and shrink.t == pytest.approx(15.1)  # waited from detection
+    trains = 15.1 + STAGES["plan"] + STAGES["launch"] + STAGES["restore"] + STAGES["rebuild"]
+    assert shrink.end == pytest.approx(trains) == tl.generations[1].training_start
+    assert [(s.stage, s.seconds) for s in shrink.stages] == [
+        ("wait", pytest.approx(5.0)),
+        ("swap", pytest.approx(trains - 15.1)),
+    ]
+    assert (grow.kind, grow.old_world_size, grow.world_size, grow.label) == ("grow", 2, 3, "grow 2→3")
+    assert (grow.prepare_step, grow.boundary, grow.generation, grow.outcome) == (50, 60, 3, "done")
+    assert grow.new_ranks == (2,) and grow.joiners == {3: "0"} and grow.resized
+    assert (grow.start, grow.paused, grow.t, grow.end) == pytest.approx((25.0, 26.2, 26.5, grown))
+    assert grow.seconds == pytest.approx(grown - 25.0) and grow.took_s == pytest.approx(grow.seconds)
+    assert [s.stage for s in grow.stages] == ["prepare", "swap"]
+    assert grow.stages[0].seconds == pytest.approx(1.2) and grow.stages[1].end == pytest.approx(grown)
+    # the process that played rank 2 plays rank 1 after the shrink; the joiner plays rank 2 after the grow
+    assert [(i.spawn_id, i.generation) for i in _ranks(tl, 1)] == [(1, 1), (2, 2), (2, 3)]
+    assert _ranks(tl, 1)[1].start == pytest.approx(trains)
+    assert [(i.spawn_id, i.generation) for i in _ranks(tl, 2)] == [(2, 1), (3, 3)]
+    assert _ranks(tl, 2)[0].end == pytest.approx(10.1)  # stopped for the recovery, then renumbered
+    assert tl.ranks == (0, 1, 2) and tl.world_size == 3
+    (r,) = tl.recoveries
+    assert r.generation == 2 and r.end == pytest.approx(back)
+
+    text = timeline_text(tl)
+    assert text.splitlines()[0].startswith("job abc123: 3 ranks on 1 node (world 3->2->3), done after 41.0s")
+    assert text.splitlines()[0].endswith("1 shrink, 1 grow")
+    assert _line(text, "shrink").startswith(
+        "   15.10s  shrink    g2 3 -> 2 ranks, dropped rank 1, renumbered 2->1"
+    )
+    again = f"training again {(trains - 15.1) * 1000:.0f}ms later"
+    assert _line(text, "shrink").endswith(f"(no spare for 1 rank(s) after 5.00s) | waited 5.00s, {again}")
+    assert _line(text, "grow").startswith("   25.00s  grow      g3 2 -> 3 ranks at boundary 60:")
+    assert "prepare 1.20s (step 50), swap" in _line(text, "grow")
+    assert _line(text, "grow").endswith(f"| {grown - 25.0:.2f}s")
+
+
+def test_waits_for_a_spare_end_at_the_shrink_or_at_the_generation_a_spare_plays() -> None:
+    log = Log(per_node=3, spares=0)
+    log.shrink(10.0, [1], wait=5.0)
+    tl = build_timeline(log.end(30.0).events)
+    (w,) = tl.waits
+    assert (w.ranks, w.wait_s, w.outcome) == ((1,), 5.0, "shrink")
+    assert (w.start, w.end, w.seconds) == pytest.approx((10.1, 15.1, 5.0))
+    assert _line(timeline_text(tl), "wait") == (
+        "   10.10s  wait      rank 1 has no spare: waits up to 5.00s | shrank after 5.00s"
+    )
+
+    log = Log(spares=2)
+    log.fail(10.0, [1, 2], wait=2.0)  # a spare came after 2 s (of up to 3)
+    tl = build_timeline(log.end(30.0).events)
+    (w,) = tl.waits
+    assert (w.ranks, w.outcome, w.wait_s) == ((1, 2), "replaced", 3.0) and tl.resizes == ()
+    assert w.start == pytest.approx(10.1) and w.end == pytest.approx(tl.generations[1].t)
+    assert w.seconds == pytest.approx(2.0 + STAGES["plan"])
+    assert "ranks 1, 2 have no spare: waits up to 3.00s | a spare took over after 2.01s" in timeline_text(tl)
+
+    events = Log().add(10.0, "failure", kind="kill", rank=1, spawn_id=1, step=3, detect_s=0.0).events
+    events.append({"ts": T0 + 10.0, "event": "elastic_wait", "ranks": [1], "wait_s": 60.0})
+    events.append({"ts": T0 + 12.0, "event": "replicated", "step": 3})  # the log stops here
+    (w,) = build_timeline(events).waits
+    assert w.outcome == "unfinished" and w.end == pytest.approx(12.0)
+    assert "| still waiting (the log ends)" in timeline_text(build_timeline(events))
+    failed = [*events, {"ts": T0 + 13.0, "event": "job_failed", "error": "x"}]
+    (w,) = build_timeline(failed).waits
+    assert w.outcome == "failed" and w.end == pytest.approx(13.0)
+
+
+def test_an_aborted_grow_changes_no_size() -> None:
+    log = Log(per_node=3, spares=0)
+    log.shrink(10.0, [1])
+    aborted = log.grow(25.0, prepare=1.2, abort="spare 3 exited while preparing")
+    tl = build_timeline(log.end(40.0).events)
+    assert [z.kind for z in tl.resizes] == ["shrink", "grow"]
+    grow = tl.resizes[1]
+    assert (grow.kind, grow.outcome, grow.label) == ("grow", "aborted", "grow 2→3 aborted")
+    assert grow.error == "spare 3 exited while preparing" and grow.generation is None and not grow.resized
+    assert grow.t == grow.end == pytest.approx(aborted) and grow.start == pytest.approx(25.0)
+    assert [(s.stage, s.start, s.end) for s in grow.stages] == [
+        ("prepare", 25.0, pytest.approx(26.2)),
+        ("swap", pytest.approx(26.2), pytest.approx(aborted)),
+    ]
+    assert [g.number for g in tl.generations] == [1, 2]  # nothing swapped in
+    text = timeline_text(tl)
+    assert "(world 3->2)" in text.splitlines()[0] and text.splitlines()[0].endswith(
+        "1 shrink, 1 aborted grow"
+    )
+    assert _line(text, "grow") == (
+        "   25.00s  grow      2 -> 3 ranks aborted at boundary 60 after 1.50s: spare 3 exited while preparing"
+    )
+    # a log that stops during the prepare: the grow is unfinished, at the log's end
+    events = log.events
+    cut = next(i for i, e in enumerate(events) if e["event"] == "grow_pause") + 1
+    tl = build_timeline(events[:cut])
+    (_, grow) = tl.resizes
+    assert grow.outcome == "unfinished" and grow.end == pytest.approx(tl.end) and grow.paused == tl.end
+    assert "| unfinished (the log ends)" in _line(timeline_text(tl), "grow")
+
+
+def test_catchup_rounds_belong_to_their_migration() -> None:
+    log = Log(nodes=2, per_node=2)
+    first = log.migrate(10.0, 1, "1", catchups=(True, False), swap_delta=True)
+    log.add(20.5, "catchup", rank=3, step=44, ok=True, delta=True)  # no migration of rank 3 is open
+    second = log.migrate(20.0, 2, "0", catchups=(True,), swap_delta=False)
+    log.add(30.0, "migration_start", rank=0, source="0", target="1", joiner=9, step=50, reason="preempt")
+    log.add(31.0, "catchup", rank=0, step=51, ok=False, delta=True, error="base 50 missing")
+    log.add(31.5, "migration_aborted", rank=0, phase="prepare", error="joiner 9 exited")
+    tl = build_timeline(log.end(40.0).events)
+    a, b, c = tl.migrations
+    assert (a.rank, a.source, a.target, a.reason, a.outcome) == (1, "0", "1", "drain", "done")
+    assert [(x.kind, x.step) for x in a.catchups] == [("delta", 42), ("whole", 43)]
+    assert (a.rounds, a.swap_delta, a.boundary, a.prepare_step) == (2, True, 48, 40)
+    assert (a.start, a.paused, a.end) == pytest.approx((10.0, 11.8, first))
+    prepare, swap = a.stages
+    assert all(prepare.start < x.t <= prepare.end for x in a.catchups)  # within the prepare stage
+    assert (swap.start, swap.end) == pytest.approx((11.8, first))
+    assert a.generation == 2 and tl.generations[1].members[1] == a.joiner
+    assert [(x.kind, x.step, x.wire_bytes) for x in b.catchups] == [("delta", 42, 100)]
+    assert (b.rank, b.rounds, b.swap_delta, b.generation) == (2, 1, False, 3) and b.end == pytest.approx(
+        second
+    )
+    assert (c.rank, c.outcome, c.phase, c.error, c.generation) == (
+        0,
+        "aborted",
+        "prepare",
+        "joiner 9 exited",
+        None,
+    )
+    assert [(x.kind, x.error) for x in c.catchups] == [("failed", "base 50 missing")] and len(c.stages) == 1
+    assert [(o.event, o.rank) for o in tl.other] == [("catchup", 3)]
+    # after the swap the joiner plays the rank, on the target node
+    after = [i for i in _ranks(tl, 1) if i.start >= first - STAGES["resume"] - 1e-6]
+    assert {(i.spawn_id, i.node) for i in after} == {(a.joiner, "1")}
+
+    text = timeline_text(tl)
+    assert _line(text, "migrate   rank 1").startswith(
+        "   10.00s  migrate   rank 1 node 0 -> 1 (drain) at boundary 48: prepare 1.80s, swap"
+    )
+    assert "2 catch-up rounds (delta, whole), swap fetched a delta |" in _line(text, "migrate   rank 1")
+    assert "1 catch-up round (delta), swap fetched the whole step |" in _line(text, "migrate   rank 2")
+    assert _line(text, "migrate   rank 0") == (
+        "   30.00s  migrate   rank 0 node 0 -> 1 (preempt) aborted in prepare after 1.50s: joiner 9 exited"
+    )
+    assert text.splitlines()[0].endswith("3 migrations")
+
+
+def _elastic_log() -> Log:
+    """Everything this section draws: a wait and a shrink, an aborted grow, a grow, a migration."""
+    log = Log(nodes=2, per_node=2, spares=0)
+    log.shrink(10.0, [1], wait=4.0)
+    log.grow(22.0, abort="joiner exited")
+    log.grow(30.0)
+    log.migrate(40.0, 0, "1")
+    return log.end(50.0)
+
+
+def test_every_prefix_of_an_elastic_log_is_a_valid_log() -> None:
+    events = _elastic_log().events
+    for n in range(len(events) + 1):
+        tl = build_timeline(events[:n])
+        timeline_text(tl)
+        assert all(x.end >= x.start for x in (*tl.resizes, *tl.waits, *tl.migrations))
+
+
+def test_render_resizes_waits_and_catchups(tmp_path: Path) -> None:
+    tl = build_timeline(_elastic_log().events)
+    assert [z.label for z in tl.resizes] == ["shrink 4→3", "grow 3→4 aborted", "grow 3→4"]
+    png = render_timeline(tl, tmp_path / "elastic.png")
+    _check_png(png)
+    assert png.stat().st_size > 10_000
+    svg = render_timeline(tl, tmp_path / "elastic.svg")
+    _check_svg(svg)
+    text = svg.read_text()  # matplotlib writes each text as a comment next to its glyphs
+    for shown in (
+        "shrink 4→3",
+        "grow 3→4 aborted",
+        "grow 3→4",
+        "was rank 2",
+        "moved to node 1, 2 catch-ups",
+        "waiting for a spare",
+        "prepare (move, grow)",
+        "catch-up (delta)",
+        "catch-up (whole step)",
+    ):
+        assert f"<!-- {shown} -->" in text, shown
+    plain = render_timeline(build_timeline(Log().end(12.0).events), tmp_path / "plain.svg").read_text()
+    assert "shrink" not in plain and "catch-up" not in plain  # nothing elastic: no lane, no legend entry
 
 
 # -- reading ------------------------------------------------------------------------------------------

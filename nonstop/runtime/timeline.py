@@ -6,8 +6,9 @@ Three steps, each usable on its own:
   a missing, unreadable or non-event file is a :class:`~nonstop.errors.UsageError`.
 * :func:`build_timeline` turns the events into a :class:`Timeline`: a pure data model
   (no matplotlib) of what each rank did when, failures, recoveries with their stages,
-  node and coordinator events, the storage tiers, generations, and every event it does
-  not know (kept, so new kinds show up without code changes).
+  node and coordinator events, the storage tiers, generations, live migrations with their
+  catch-up rounds, elastic resizes (shrink, grow) and waits for a spare, and every event it
+  does not know (kept, so new kinds show up without code changes).
 * :func:`render_timeline` draws a :class:`Timeline` (PNG, SVG or PDF by the file's
   extension); :func:`timeline_text` writes a compact summary for a terminal.
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,13 @@ from nonstop.runtime.eventlog import read_events
 __all__ = [
     "FORMATS",
     "STAGE_ORDER",
+    "CatchupMark",
+    "ElasticResize",
+    "ElasticWait",
     "FailureMark",
     "Generation",
     "Mark",
+    "MigrationSpan",
     "NodeSpan",
     "OtherEvent",
     "RankInterval",
@@ -52,6 +57,10 @@ FORMATS = (".png", ".svg", ".pdf")
 # The stages of a recovery in the order they happen (runtime/recovery.py); a recovery record's
 # stages that are not listed here (a future stage) follow in the record's own order.
 STAGE_ORDER = ("detect", "replan", "plan", "launch", "restore", "rebuild", "resume")
+# Elastic resizes (runtime/elastic.py, the coordinator's _shrink and grow) and live migrations
+# (runtime/migration.py): an ElasticWait / ElasticResize, and a MigrationSpan with its CatchupMarks.
+ELASTIC_EVENTS = ("elastic_wait", "shrink", "grow_start", "grow_pause", "grow", "grow_done", "grow_aborted")
+MIGRATION_EVENTS = ("migration_start", "catchup", "migration_pause", "migration_done", "migration_aborted")
 # Events whose meaning the model knows; every other event becomes an OtherEvent.
 KNOWN_EVENTS = frozenset(
     {
@@ -85,6 +94,8 @@ KNOWN_EVENTS = frozenset(
         "restore_from_durable",
         "durable_install_failed",
         "durable_unavailable",
+        *ELASTIC_EVENTS,
+        *MIGRATION_EVENTS,
     }
 )
 TIER_EVENTS = {
@@ -240,6 +251,180 @@ class Mark:
 
 
 @dataclass(frozen=True)
+class CatchupMark:
+    """One catch-up fetch of a migration (a ``catchup`` event): at ``t`` the target node holds
+    ``step`` of ``rank``, fetched as a ``delta`` against the step it held or whole, in ``seconds``;
+    ``ok`` False: the fetch failed (``error``; the swap then fetches the whole step). ``capped``:
+    the transfer ran under a bandwidth cap (no measure of an uncapped swap)."""
+
+    t: float
+    rank: int | None
+    step: int | None
+    ok: bool = True
+    delta: bool = False
+    raw_bytes: int | None = None
+    wire_bytes: int | None = None
+    seconds: float | None = None
+    capped: bool = False
+    error: str = ""
+
+    @property
+    def kind(self) -> str:
+        """``"delta"``, ``"whole"`` or ``"failed"``."""
+        return "failed" if not self.ok else "delta" if self.delta else "whole"
+
+
+@dataclass(frozen=True)
+class MigrationSpan:
+    """A live migration of ``rank`` from node ``source`` to ``target`` (runtime/migration.py), from
+    ``migration_start`` (``start``) to ``migration_done`` or ``migration_aborted`` (``end``).
+
+    ``outcome``: ``"done"``, ``"aborted"`` (``phase``: the phase it was aborted in, ``error``) or
+    ``"unfinished"`` (neither came: ``end`` is the log's end, or the job's failure). Its
+    :attr:`stages`: ``prepare`` from ``start`` to ``paused`` (``migration_pause``; the target
+    fetches the step, the joiner restores it, the catch-up rounds run while the job trains),
+    then ``swap`` from ``paused`` to ``end`` (every rank runs to ``boundary``; the new
+    ``generation`` plays the joiner in the rank). ``catchups``: this rank's ``catchup`` events
+    while it was open, in time order. ``catchup_rounds`` and ``swap_delta`` (the swap fetched the
+    boundary as a delta) are ``migration_done``'s; None when it did not say.
+    """
+
+    rank: int | None
+    start: float
+    end: float
+    source: str | None = None
+    target: str | None = None
+    reason: str = ""
+    joiner: int | None = None
+    prepare_step: int | None = None
+    boundary: int | None = None
+    paused: float | None = None
+    generation: int | None = None
+    outcome: str = "unfinished"
+    phase: str | None = None
+    catchups: tuple[CatchupMark, ...] = ()
+    catchup_rounds: int | None = None
+    swap_delta: bool | None = None
+    pause_ratio: float | None = None
+    error: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    @property
+    def rounds(self) -> int:
+        """Catch-up rounds: ``migration_done``'s count, else the ``catchup`` events seen."""
+        return self.catchup_rounds if self.catchup_rounds is not None else len(self.catchups)
+
+    @property
+    def stages(self) -> tuple[StageSpan, ...]:
+        """``prepare`` (to ``paused``, or to ``end`` when it never paused), then ``swap``."""
+        if self.paused is None:
+            return (StageSpan("prepare", self.start, max(self.end, self.start)),)
+        paused = max(self.paused, self.start)
+        return (StageSpan("prepare", self.start, paused), StageSpan("swap", paused, max(self.end, paused)))
+
+
+@dataclass(frozen=True)
+class ElasticWait:
+    """Failed ``ranks`` (numbered as before any shrink) that no process could play: the job
+    stopped and waited up to ``wait_s`` seconds for a spare (``elastic_wait``; several of them
+    before one decision are one wait), from ``start`` to ``end``. ``outcome``: ``"shrink"`` (a
+    ``shrink`` dropped them), ``"replaced"`` (a ``generation`` gave them processes), ``"failed"``
+    (the job failed: ``end`` is its failure) or ``"unfinished"`` (``end``: the log's end)."""
+
+    ranks: tuple[int, ...]
+    start: float
+    end: float
+    wait_s: float | None = None
+    outcome: str = "unfinished"
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ElasticResize:
+    """A change of the world size from ``old_world_size`` to ``world_size`` (runtime/elastic.py).
+
+    ``kind`` ``"shrink"``: failed ranks had no spare; ``t`` is the ``shrink`` event, ``start`` the
+    start of the :class:`ElasticWait` it ended (``t`` when there was none), ``end`` when the smaller
+    ``generation`` trained again (end of its rebuild; ``outcome`` ``"unfinished"`` and the log's end,
+    or the job's failure, when it never did). ``dropped``: old rank numbers; ``renumbered``: old ->
+    new number of every rank that plays on under another number; ``reason``: why it shrank.
+
+    ``kind`` ``"grow"``: idle spares joined as ranks ``old_world_size..world_size-1``. ``start`` is
+    ``grow_start`` (the joiners fetch ``prepare_step`` and restore it while the job trains),
+    ``paused`` ``grow_pause`` (every rank runs to ``boundary``), ``t`` the ``grow`` event (the new
+    ``generation``), ``end`` ``grow_done`` (``outcome`` ``"done"``), ``grow_aborted`` (``"aborted"``,
+    ``error``; ``t`` is then the abort) or the log's end (``"unfinished"``). ``joiners``: spawn id ->
+    node. :attr:`seconds` is ``grow_done``'s own measure when it gave one.
+    """
+
+    kind: str
+    t: float
+    start: float
+    end: float
+    old_world_size: int | None = None
+    world_size: int | None = None
+    generation: int | None = None
+    outcome: str = "done"
+    reason: str = ""
+    dropped: tuple[int, ...] = ()
+    renumbered: Mapping[int, int] = field(default_factory=dict)
+    paused: float | None = None
+    prepare_step: int | None = None
+    boundary: int | None = None
+    joiners: Mapping[int, str] = field(default_factory=dict)
+    error: str = ""
+    took_s: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.took_s if self.took_s is not None else self.end - self.start
+
+    @property
+    def resized(self) -> bool:
+        """Whether the world size changed: a shrink, or a grow that swapped its joiners in."""
+        return self.kind == "shrink" or self.outcome == "done" or self.generation is not None
+
+    @property
+    def sizes(self) -> str:
+        """``"3→2"`` (``?`` for a size the log does not give)."""
+
+        def n(x: int | None) -> str:
+            return "?" if x is None else str(x)
+
+        return f"{n(self.old_world_size)}→{n(self.world_size)}"
+
+    @property
+    def label(self) -> str:
+        """``"shrink 3→2"``, ``"grow 2→3"``, ``"grow 2→3 aborted"``."""
+        return f"{self.kind} {self.sizes}" + (f" {self.outcome}" if self.outcome == "aborted" else "")
+
+    @property
+    def new_ranks(self) -> tuple[int, ...]:
+        """A grow's joining ranks (none for a shrink, or when the sizes are unknown)."""
+        if self.kind != "grow" or self.old_world_size is None or self.world_size is None:
+            return ()
+        return tuple(range(self.old_world_size, self.world_size))
+
+    @property
+    def stages(self) -> tuple[StageSpan, ...]:
+        """A grow's ``prepare`` (to ``paused``, or to ``end`` when it never paused) and ``swap``;
+        a shrink's ``wait`` (``start`` to ``t``, when it waited) and ``swap`` (``t`` to ``end``)."""
+        if self.kind == "shrink":
+            out = [StageSpan("wait", self.start, self.t)] if self.t > self.start else []
+            return (*out, StageSpan("swap", self.t, max(self.end, self.t)))
+        if self.paused is None:
+            return (StageSpan("prepare", self.start, max(self.end, self.start)),)
+        paused = max(self.paused, self.start)
+        return (StageSpan("prepare", self.start, paused), StageSpan("swap", paused, max(self.end, paused)))
+
+
+@dataclass(frozen=True)
 class OtherEvent:
     """An event the model has no row for (drawn as a tick on the "other events" row)."""
 
@@ -257,7 +442,8 @@ class Timeline:
     no ``job_end``: the job is running or was killed); ``begin`` is the first event's time (0, or
     less for events logged before ``job_start``), ``end`` the last one's. A job dir reused by
     several jobs holds all their logs: the model is the last job's, ``earlier_jobs`` counts the
-    others (a coordinator restarted within a job logs ``job_start`` again: same job)."""
+    others (a coordinator restarted within a job logs ``job_start`` again: same job).
+    ``world_size`` is the first generation's; ``resizes`` (time order) change it."""
 
     job_id: str | None = None
     earlier_jobs: int = 0
@@ -278,6 +464,9 @@ class Timeline:
     node_marks: tuple[Mark, ...] = ()
     coordinator_marks: tuple[Mark, ...] = ()
     tier_marks: tuple[Mark, ...] = ()
+    migrations: tuple[MigrationSpan, ...] = ()
+    resizes: tuple[ElasticResize, ...] = ()
+    waits: tuple[ElasticWait, ...] = ()
     other: tuple[OtherEvent, ...] = ()
     training_start: float | None = None
     finished_at: float | None = None
@@ -288,6 +477,8 @@ class Timeline:
         """Every rank seen (``0 .. world_size-1`` plus any other rank an event names)."""
         seen = set(range(self.world_size)) | {i.rank for i in self.intervals}
         seen |= {f.rank for f in self.failures if f.rank is not None}
+        seen |= {m.rank for m in self.migrations if m.rank is not None}
+        seen |= {r for z in self.resizes for r in z.new_ranks} | {r for w in self.waits for r in w.ranks}
         return tuple(sorted(seen))
 
     @property
@@ -483,6 +674,231 @@ class _Builder:
             self.close(other, detected, "recovery")
 
 
+def _ranks_of(x: object) -> tuple[int, ...]:
+    return tuple(sorted({r for v in x if (r := _int(v)) is not None})) if isinstance(x, list) else ()
+
+
+def _int_map(x: object) -> dict[int, int]:
+    if not isinstance(x, Mapping):
+        return {}
+    return {k: v for a, b in x.items() if (k := _int(a)) is not None and (v := _int(b)) is not None}
+
+
+def _first_generation(generations: Sequence[Generation], lo: float, hi: float) -> Generation | None:
+    """The first generation decided in ``[lo, hi]``."""
+    return next((g for g in generations if lo - 1e-9 <= g.t <= hi + 1e-9), None)
+
+
+@dataclass
+class _ElasticBuilder:
+    """The elastic events of a log (:data:`ELASTIC_EVENTS`), in time order, as :class:`ElasticWait`
+    and :class:`ElasticResize` records; :meth:`finish` ties them to the generations."""
+
+    waits: list[ElasticWait] = field(default_factory=list)
+    resizes: list[tuple[ElasticResize, bool]] = field(default_factory=list)  # and: the size changed
+    wait: ElasticWait | None = None  # open: no decision yet
+    grow: ElasticResize | None = None  # open: no grow_done / grow_aborted yet
+    swapped: bool = False  # the open grow's 'grow' event came
+
+    def event(self, name: str, e: Mapping[str, Any], t: float) -> None:
+        if name == "elastic_wait":
+            ranks, wait_s = _ranks_of(e.get("ranks")), _num(e.get("wait_s"))
+            if self.wait is None:
+                self.wait = ElasticWait(ranks, t, t, wait_s)
+            else:  # a re-plan that waits on: the same wait, from its first event
+                self.wait = replace(self.wait, ranks=tuple(sorted({*self.wait.ranks, *ranks})))
+        elif name == "shrink":
+            start = self.wait.start if self.wait is not None else t
+            self.decided(t, "shrink")
+            shrunk = ElasticResize(
+                kind="shrink",
+                t=t,
+                start=start,
+                end=t,
+                old_world_size=_int(e.get("old_world_size")),
+                world_size=_int(e.get("world_size")),
+                outcome="unfinished",
+                reason=str(e.get("reason") or ""),
+                dropped=_ranks_of(e.get("dropped")),
+                renumbered=_int_map(e.get("renumbered")),
+            )
+            self.resizes.append((shrunk, True))
+        elif name == "grow_start":
+            self.close_grow(t, "unfinished")  # a grow_start without an end before it: a torn log
+            joiners = e.get("joiners") if isinstance(e.get("joiners"), Mapping) else {}
+            assert isinstance(joiners, Mapping)
+            self.grow = ElasticResize(
+                kind="grow",
+                t=t,
+                start=t,
+                end=t,
+                old_world_size=_int(e.get("world_size")),
+                world_size=_int(e.get("new_world_size")),
+                outcome="unfinished",
+                prepare_step=_int(e.get("prepare_step")),
+                joiners={k: str(v) for a, v in joiners.items() if (k := _int(a)) is not None},
+            )
+            self.swapped = False
+        else:  # grow_pause, grow, grow_done, grow_aborted
+            z = self.grow
+            if z is None:  # its grow_start is not in the log: it began no later than this
+                z = ElasticResize(kind="grow", t=t, start=t, end=t, outcome="unfinished")
+                prepare_s = _num(e.get("prepare_s")) if name == "grow_pause" else None
+                if prepare_s is not None:
+                    z = replace(z, start=t - max(prepare_s, 0.0))
+            boundary = _int(e.get("boundary"))
+            z = replace(z, boundary=boundary if boundary is not None else z.boundary)
+            if name == "grow_pause":
+                self.grow = replace(z, paused=t)
+            elif name == "grow":
+                old, new = _int(e.get("old_world_size")), _int(e.get("world_size"))
+                self.grow = replace(
+                    z,
+                    t=t,
+                    old_world_size=old if old is not None else z.old_world_size,
+                    world_size=new if new is not None else z.world_size,
+                )
+                self.swapped = True
+            elif name == "grow_done":
+                self.grow = replace(z, took_s=_num(e.get("seconds")))
+                self.close_grow(t, "done")
+            else:
+                self.grow = replace(z, error=str(e.get("error") or ""))
+                self.close_grow(t, "aborted")
+
+    def decided(self, t: float, outcome: str) -> None:
+        """The open wait ends at ``t`` (a shrink, a generation, the job's failure, the log's end)."""
+        if self.wait is not None:
+            self.waits.append(replace(self.wait, end=max(t, self.wait.start), outcome=outcome))
+            self.wait = None
+
+    def close_grow(self, t: float, outcome: str) -> None:
+        """The open grow ends at ``t``; its mark is at its swap, or here when it never swapped."""
+        z = self.grow
+        if z is not None:
+            end = max(t, z.start)
+            self.resizes.append(
+                (replace(z, t=z.t if self.swapped else end, end=end, outcome=outcome), self.swapped)
+            )
+            self.grow = None
+
+    def finish(
+        self, end: float, failed_at: float | None, generations: Sequence[Generation]
+    ) -> tuple[tuple[ElasticResize, ...], tuple[ElasticWait, ...]]:
+        """Close what is open at ``end`` (or at the job's failure); find each resize's generation
+        (the first decided at or after its ``t``) and when a shrunk generation trained again."""
+        stop = end if failed_at is None else failed_at
+        self.decided(stop, "unfinished" if failed_at is None else "failed")
+        self.close_grow(stop, "unfinished")
+        out: list[ElasticResize] = []
+        for z, changed in self.resizes:
+            g = _first_generation(generations, z.t, end) if changed else None
+            if z.kind == "shrink":
+                trains = [
+                    x.training_start
+                    for x in generations
+                    if x.t >= z.t - 1e-9 and x.training_start is not None
+                ]
+                z = (
+                    replace(z, end=max(min(trains), z.t), outcome="done")
+                    if trains
+                    else replace(z, end=max(stop, z.t))
+                )
+            out.append(replace(z, generation=g.number if g is not None else None))
+        return tuple(sorted(out, key=lambda z: z.start)), tuple(sorted(self.waits, key=lambda w: w.start))
+
+
+@dataclass
+class _MoveBuilder:
+    """The live migrations of a log (:data:`MIGRATION_EVENTS`) as :class:`MigrationSpan` records,
+    each with the ``catchup`` events of its rank while it was open."""
+
+    done: list[MigrationSpan] = field(default_factory=list)
+    open: dict[int | None, MigrationSpan] = field(default_factory=dict)  # rank -> its migration
+
+    def event(self, name: str, e: Mapping[str, Any], t: float) -> bool:
+        """Take one event; False for one that belongs to no migration (a stray ``catchup``)."""
+        rank = _int(e.get("rank"))
+        m = self.open.get(rank)
+        if name == "migration_start":
+            if m is not None:  # started again without an end: a torn log
+                self.close(rank, t, "unfinished")
+            self.open[rank] = MigrationSpan(
+                rank=rank,
+                start=t,
+                end=t,
+                source=_str(e.get("source")),
+                target=_str(e.get("target")),
+                reason=str(e.get("reason") or ""),
+                joiner=_int(e.get("joiner")),
+                prepare_step=_int(e.get("step")),
+            )
+            return True
+        if name == "catchup":
+            if m is None:
+                return False
+            c = CatchupMark(
+                t=t,
+                rank=rank,
+                step=_int(e.get("step")),
+                ok=bool(e.get("ok", True)),
+                delta=bool(e.get("delta")),
+                raw_bytes=_int(e.get("raw_bytes")),
+                wire_bytes=_int(e.get("wire_bytes")),
+                seconds=_num(e.get("seconds")),
+                capped=bool(e.get("capped")),
+                error=str(e.get("error") or ""),
+            )
+            self.open[rank] = replace(m, catchups=(*m.catchups, c))
+            return True
+        if m is None:  # its migration_start is not in the log: it began no later than this
+            m = MigrationSpan(rank=rank, start=t, end=t)
+            if name == "migration_done" and isinstance(e.get("stages"), Mapping):
+                m = replace(m, start=t - sum(max(_num(v) or 0.0, 0.0) for v in e["stages"].values()))
+        boundary = _int(e.get("boundary"))
+        m = replace(m, boundary=boundary if boundary is not None else m.boundary)
+        if name == "migration_pause":
+            self.open[rank] = replace(m, paused=t)
+            return True
+        if name == "migration_done":
+            rounds = _int(e.get("catchup_rounds"))
+            swap_delta = e.get("swap_delta")
+            self.open[rank] = replace(
+                m,
+                source=_str(e.get("source")) or m.source,
+                target=_str(e.get("target")) or m.target,
+                reason=m.reason or str(e.get("reason") or ""),
+                catchup_rounds=rounds,
+                swap_delta=swap_delta if isinstance(swap_delta, bool) else None,
+                pause_ratio=_num(e.get("pause_ratio")),
+            )
+            self.close(rank, t, "done")
+        else:  # migration_aborted
+            self.open[rank] = replace(m, phase=_str(e.get("phase")), error=str(e.get("error") or ""))
+            self.close(rank, t, "aborted")
+        return True
+
+    def close(self, rank: int | None, t: float, outcome: str) -> None:
+        m = self.open.pop(rank, None)
+        if m is not None:
+            self.done.append(replace(m, end=max(t, m.start), outcome=outcome))
+
+    def finish(
+        self, end: float, failed_at: float | None, generations: Sequence[Generation]
+    ) -> tuple[MigrationSpan, ...]:
+        """Close what is open at ``end`` (or the job's failure); find each swap's generation (the
+        first decided between its pause and its end)."""
+        for rank in list(self.open):
+            self.close(rank, end if failed_at is None else failed_at, "unfinished")
+        out = []
+        for m in self.done:
+            g = None
+            if m.paused is not None and m.outcome != "aborted":  # an aborted one swapped nobody in
+                g = _first_generation(generations, m.paused, m.end)
+            out.append(replace(m, generation=g.number if g is not None else None))
+        return tuple(sorted(out, key=lambda m: m.start))
+
+
 def _last_job(evs: list[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], int]:
     """The events of the last job in a log (sorted by time) and how many jobs came before it.
 
@@ -558,6 +974,8 @@ def build_timeline(events: Iterable[Mapping[str, Any]]) -> Timeline:
     node_marks: list[Mark] = []
     coord_marks: list[Mark] = []
     tier_marks: list[Mark] = []
+    elastic = _ElasticBuilder()
+    moves = _MoveBuilder()
     other: list[OtherEvent] = []
     injected: dict[tuple[int | None, int | None], float] = {}  # (rank, spawn_id) -> fault time
     outcome = error = None
@@ -640,6 +1058,7 @@ def build_timeline(events: Iterable[Mapping[str, Any]]) -> Timeline:
             for n in nodes.values():
                 see_node(n)
             b.members, b.rank_node = dict(members), dict(nodes)
+            elastic.decided(t, "replaced")  # a wait a shrink did not end: spares took its ranks
             gens.append({**e, "_t": t, "_g": g, "_members": members, "_nodes": nodes})
         elif name == "stage":
             g = _int(e.get("generation")) or b.generation
@@ -737,9 +1156,13 @@ def build_timeline(events: Iterable[Mapping[str, Any]]) -> Timeline:
             outcome = _str(e.get("state"))
             error = _str(e.get("error")) or error
             b.close_all(t, "end")
-        elif name in KNOWN_EVENTS:
+        elif name in ELASTIC_EVENTS:
+            elastic.event(name, e, t)
+        elif name in MIGRATION_EVENTS and moves.event(name, e, t):
+            continue  # taken (not: a catch-up outside any migration, kept as an OtherEvent below)
+        elif name in KNOWN_EVENTS and name not in MIGRATION_EVENTS:
             continue  # spawned, connect, exit, hang_detected: shown through what follows them
-        else:
+        else:  # unknown, or a catch-up outside any migration
             fields = {k: v for k, v in e.items() if k not in ("ts", "event")}
             other.append(OtherEvent(t, name, _int(e.get("rank")), _str(e.get("stage")), fields))
 
@@ -769,6 +1192,8 @@ def build_timeline(events: Iterable[Mapping[str, Any]]) -> Timeline:
             continue
         recoveries.append(_unfinished(f, generations, end if failed_at is None else failed_at))
 
+    resizes, waits = elastic.finish(end, failed_at, generations)
+    migrations = moves.finish(end, failed_at, generations)
     world = len(generations[0].members) if generations else 0
     if world == 0 and nnodes is not None and nproc is not None:
         world = nnodes * nproc
@@ -792,6 +1217,9 @@ def build_timeline(events: Iterable[Mapping[str, Any]]) -> Timeline:
         node_marks=tuple(node_marks),
         coordinator_marks=tuple(coord_marks),
         tier_marks=tuple(tier_marks),
+        migrations=migrations,
+        resizes=resizes,
+        waits=waits,
         other=tuple(other),
         training_start=min(training_start.values(), default=None),
         finished_at=finished_at,
@@ -839,10 +1267,75 @@ def _fmt_s(s: float) -> str:
     return f"{s * 1000:.0f}ms" if s < 1.0 else f"{s:.2f}s"
 
 
-def _unfinished_text(tl: Timeline, r: Recovery) -> str:
-    if tl.failed_at is not None and r.end >= tl.failed_at - 1e-6:
-        return "not recovered: job failed"
+def _unfinished_text(tl: Timeline, end: float, what: str = "recovered") -> str:
+    """How a record open at ``end`` (the log's end or the job's failure) ended."""
+    if tl.failed_at is not None and end >= tl.failed_at - 1e-6:
+        return f"not {what}: job failed"
     return "unfinished (the log ends)"
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(str(r) for r in ranks)}"
+
+
+def _wait_text(tl: Timeline, w: ElasticWait) -> str:
+    upto = f" up to {_fmt_s(w.wait_s)}" if w.wait_s is not None else ""
+    have = "has" if len(w.ranks) == 1 else "have"
+    how = {
+        "shrink": f"shrank after {_fmt_s(w.seconds)}",
+        "replaced": f"a spare took over after {_fmt_s(w.seconds)}",
+        "failed": f"the job failed after {_fmt_s(w.seconds)}",
+    }.get(w.outcome, "still waiting (the log ends)")
+    return f"wait      {_ranks_text(w.ranks)} {have} no spare: waits{upto} | {how}"
+
+
+def _resize_text(tl: Timeline, z: ElasticResize) -> str:
+    gen = f"g{z.generation} " if z.generation is not None else ""
+    sizes = z.sizes.replace("→", " -> ") + " ranks"
+    if z.kind == "shrink":
+        parts = [f"dropped {_ranks_text(z.dropped)}"] if z.dropped else []
+        if z.renumbered:
+            parts.append("renumbered " + ", ".join(f"{o}->{n}" for o, n in sorted(z.renumbered.items())))
+        head = f"shrink    {gen}{sizes}" + (f", {', '.join(parts)}" if parts else "")
+        head += f" ({z.reason})" if z.reason else ""
+        tail = [f"waited {_fmt_s(z.t - z.start)}"] if z.t > z.start else []
+        if z.outcome == "done":
+            tail.append(f"training again {_fmt_s(z.end - z.t)} later")
+        else:
+            tail.append(_unfinished_text(tl, z.end, "training again"))
+        return f"{head} | {', '.join(tail)}"
+    at = f" at boundary {z.boundary}" if z.boundary is not None else ""
+    prep = z.stages[0]
+    prepared = f"prepare {_fmt_s(prep.seconds)}" + (
+        f" (step {z.prepare_step})" if z.prepare_step is not None else ""
+    )
+    if z.outcome == "aborted":
+        return f"grow      {sizes} aborted{at} after {_fmt_s(z.end - z.start)}: {z.error or '?'}"[:200]
+    if z.outcome == "unfinished":
+        return f"grow      {gen}{sizes}{at}: {prepared} | {_unfinished_text(tl, z.end, 'grown')}"
+    swap = f", swap {_fmt_s(z.stages[1].seconds)}" if len(z.stages) > 1 else ""
+    return f"grow      {gen}{sizes}{at}: {prepared}{swap} | {_fmt_s(z.seconds)}"
+
+
+def _migration_text(tl: Timeline, m: MigrationSpan) -> str:
+    where = f"node {m.source or '?'} -> {m.target or '?'}"
+    why = f" ({m.reason})" if m.reason else ""
+    at = f" at boundary {m.boundary}" if m.boundary is not None else ""
+    head = f"migrate   rank {m.rank} {where}{why}{at}"
+    if m.outcome == "aborted":
+        phase = f" in {m.phase}" if m.phase else ""
+        return f"{head} aborted{phase} after {_fmt_s(m.seconds)}: {m.error or '?'}"[:200]
+    parts = [f"{s.stage} {_fmt_s(s.seconds)}" for s in m.stages]
+    rounds = f"{m.rounds} catch-up round{'s' if m.rounds != 1 else ''}"
+    if m.catchups:
+        rounds += f" ({', '.join(c.kind for c in m.catchups)})"
+    parts.append(rounds)
+    if m.swap_delta is not None:
+        parts.append("swap fetched a delta" if m.swap_delta else "swap fetched the whole step")
+    tail = f"{_fmt_s(m.seconds)}" if m.outcome == "done" else _unfinished_text(tl, m.end, "moved")
+    if m.outcome == "done" and m.pause_ratio is not None:
+        tail += f", step gap {m.pause_ratio:.2f}x the median step"
+    return f"{head}: {', '.join(parts)} | {tail}"
 
 
 def _summary(tl: Timeline) -> str:
@@ -851,6 +1344,9 @@ def _summary(tl: Timeline) -> str:
     if nodes:
         where += f" on {nodes} node{'s' if nodes != 1 else ''}"
     outcome = tl.outcome or "no job_end (running or killed)"
+    sizes = [tl.world_size, *(z.world_size for z in tl.resizes if z.resized)]
+    if len(sizes) > 1:  # the world sizes it went through
+        where += f" (world {'->'.join('?' if n is None else str(n) for n in sizes)})"
     earlier = f" (the log's last job; {tl.earlier_jobs} earlier)" if tl.earlier_jobs else ""
     return f"job {tl.job_id or '?'}{earlier}: {where}, {outcome} after {tl.end:.1f}s"
 
@@ -867,13 +1363,25 @@ def _totals(tl: Timeline) -> str:
     unfinished = sum(not r.complete for r in tl.recoveries)
     if unfinished:
         out += f", {unfinished} unfinished recover{'ies' if unfinished != 1 else 'y'}"
-    return out + f", {tl.lost_steps} lost step{'s' if tl.lost_steps != 1 else ''}"
+    out += f", {tl.lost_steps} lost step{'s' if tl.lost_steps != 1 else ''}"
+    counts = {
+        "migration": len(tl.migrations),
+        "shrink": sum(z.kind == "shrink" for z in tl.resizes),
+        "grow": sum(z.kind == "grow" and z.resized for z in tl.resizes),
+        "aborted grow": sum(z.kind == "grow" and z.outcome == "aborted" for z in tl.resizes),
+    }
+    for name, n in counts.items():
+        if n:
+            out += f", {n} {name}{'s' if n != 1 else ''}"
+    return out
 
 
 def timeline_text(timeline: Timeline) -> str:
     """A compact summary for a terminal: a header line (job, ranks, nodes, outcome, totals),
     then one line per failure, recovery (with each stage's seconds and MTTR), node loss,
-    coordinator restart, durable restore and job failure, in time order. No trailing newline."""
+    coordinator restart, durable restore, wait for a spare, shrink, grow, migration (with its
+    catch-up rounds and how the swap fetched) and job failure, in time order: a recovery at its
+    end, a shrink at its decision, anything else at its start. No trailing newline."""
     tl = timeline
     lines: list[tuple[float, int, str]] = []
     for f in tl.failures:
@@ -898,7 +1406,7 @@ def timeline_text(timeline: Timeline) -> str:
             if r.lost_steps is not None:
                 tail += f", lost steps {r.lost_steps}"
         else:
-            tail = f"| {_unfinished_text(tl, r)}"
+            tail = f"| {_unfinished_text(tl, r.end)}"
         lines.append((r.end, 1, f"{head}: {stages} {tail}"))
     for m in tl.node_marks:
         if m.kind == "lost":
@@ -915,6 +1423,12 @@ def timeline_text(timeline: Timeline) -> str:
             )
         elif m.kind in ("persist_failed", "durable_failed"):
             lines.append((m.t, 0, f"durable   {m.kind.replace('_', ' ')}: {m.detail}"[:160]))
+    for w in tl.waits:
+        lines.append((w.start, 1, _wait_text(tl, w)))
+    for z in tl.resizes:
+        lines.append((z.t if z.kind == "shrink" else z.start, 1, _resize_text(tl, z)))
+    for mv in tl.migrations:
+        lines.append((mv.start, 1, _migration_text(tl, mv)))
     if tl.failed_at is not None:
         lines.append((tl.failed_at, 2, f"job       failed: {tl.error or '?'}"))
     out = [f"{_summary(tl)}; {_totals(tl)}"]
@@ -946,6 +1460,20 @@ FAILURE_STYLE = {  # kind -> (marker, color)
     "node": ("v", "#222222"),
 }
 OTHER_FAILURE_STYLE = ("o", "#7f7f7f")
+MOVE_COLORS = {"prepare": "#a0cbe8", "swap": "#ffbe7d"}  # a migration's or a grow's stages
+MOVE_STAGE_NAMES = {"prepare": "prepare (move, grow)", "swap": "pause + swap"}
+RESIZE_STYLE = {  # kind -> (color, line style, legend name)
+    "shrink": ("#b2182b", "-", "shrink"),
+    "grow": ("#1a9850", "-", "grow"),
+    "aborted": ("#7f7f7f", "--", "grow aborted"),
+}
+CATCHUP_STYLE = {  # kind -> (marker, color, filled, legend name)
+    "delta": ("v", "#1f5fa8", True, "catch-up (delta)"),
+    "whole": ("s", "#1f5fa8", False, "catch-up (whole step)"),
+    "failed": ("x", "#d62728", False, "catch-up failed"),
+}
+WAIT_COLOR = "#e8871e"
+RENUMBERED_LABELS = 8  # "was rank N" on each renumbered row up to this many; beyond, on the first only
 FONT = 7.5  # points, for the labels in the plot
 _CHAR_W = 0.58  # a character's width in font sizes (an estimate, for "does it fit")
 
@@ -991,10 +1519,16 @@ def render_timeline(timeline: Timeline, out: Path) -> Path:
 
     Rows, top to bottom: one per rank (a bar per period a process trains as that rank, colored
     by node and labelled with its spawn id where it fits; hatched while a new process starts;
-    failure markers by kind with the step), ``recovery`` (each recovery's stages stacked, MTTR;
-    the job's startup), one per node (up, disconnected, join/lost markers), ``coordinator`` (if
-    it restarted), ``tiers`` (replicated steps, persists, durable restores) and ``other events``
-    (every event the model does not know). Generations are light vertical lines ``g1, g2, ...``.
+    dotted orange while a failed rank waits for a spare; failure markers by kind with the step;
+    a migration's, or a grow's joiner's, ``prepare`` and ``swap`` as a strip under the bar, with a
+    mark per catch-up round: a filled triangle for a delta, a hollow square for a whole step),
+    ``recovery`` (each recovery's stages stacked, MTTR; the job's startup; the stages of a
+    generation no failure caused, such as a swap, paler), one per node (up, disconnected,
+    join/lost markers), ``coordinator`` (if it restarted), ``tiers`` (replicated steps, persists,
+    durable restores) and ``other events`` (every event the model does not know).
+    Generations are light vertical lines ``g1, g2, ...``; each shrink and grow a line across the
+    rank rows (dashed: an aborted grow) labelled ``shrink 3→2`` / ``grow 2→3`` in a lane above
+    them, shaded until the new world trains.
     Labels that would overlap are left out, so long jobs stay readable.
     """
     suffix = out.suffix.lower()
@@ -1022,8 +1556,10 @@ def render_timeline(timeline: Timeline, out: Path) -> Path:
     y = {key: i for i, (key, _) in enumerate(rows)}
     n_rows = len(rows)
     row_h = 0.34 if n_rows <= 24 else max(0.12, 10.0 / n_rows)
+    lane = 0.2 / row_h if tl.resizes else 0.0  # rows of room above the ranks for the resize labels
+    n_ranks = len(tl.ranks)
     width_in = 15.0
-    fig, ax = plt.subplots(figsize=(width_in, 1.9 + 0.8 + n_rows * row_h))
+    fig, ax = plt.subplots(figsize=(width_in, 1.9 + 0.8 + (n_rows + lane) * row_h))
     span = max(tl.end - tl.begin, 1e-3)
     x_lo, x_hi = tl.begin - 0.01 * span, tl.end + 0.03 * span
     lanes = _Lanes((width_in - 2.0) * 72.0 / (x_hi - x_lo))
@@ -1071,12 +1607,21 @@ def render_timeline(timeline: Timeline, out: Path) -> Path:
         text = f"g{g.number}"
         w = lanes.width_s(text)
         if lanes.take("gen", g.t - w / 2, g.t + w / 2):
-            ax.text(g.t, -0.75, text, ha="center", va="bottom", fontsize=FONT, color="#555555", clip_on=False)
+            ax.text(
+                g.t,
+                -0.75 - lane,
+                text,
+                ha="center",
+                va="bottom",
+                fontsize=FONT,
+                color="#555555",
+                clip_on=False,
+            )
     if tl.failed_at is not None:
         ax.axvline(tl.failed_at, color="#d62728", lw=1.2, ls="--", zorder=1)
         ax.text(
             tl.failed_at,
-            -0.75,
+            -0.75 - lane,
             " job failed",
             ha="left",
             va="bottom",
@@ -1108,6 +1653,114 @@ def render_timeline(timeline: Timeline, out: Path) -> Path:
         text = f"{f.kind} @{f.step}" if f.step is not None else f.kind
         if big:
             label(("rank", f.rank), max(f.t, f.detected) + pad, yy, text, color=color, box=True)
+
+    moves_seen: dict[str, str] = {}
+
+    def strip(yy: float, stages: Sequence[StageSpan], *, aborted: bool) -> None:
+        """A migration's or a grow's stages as a thin strip under the rank bar at ``yy`` (hatched
+        red when it was aborted)."""
+        for s in stages:
+            if s.seconds <= 0 or s.stage not in MOVE_COLORS:
+                continue
+            c = MOVE_COLORS[s.stage]
+            moves_seen.setdefault(s.stage, c)
+            ax.broken_barh(
+                [(s.start, s.seconds)],
+                (yy + 0.3, 0.16),
+                facecolors=c,
+                edgecolors="#d62728" if aborted else c,
+                hatch="xxx" if aborted else None,
+                linewidth=0.4,
+                zorder=3,
+            )
+
+    # elastic resizes: a line across the rank rows where the world size changed (dashed: an aborted
+    # grow), a faint band until the new world trains, labelled in a lane above the ranks
+    resize_seen: dict[str, Any] = {}
+    lane_y = -0.55 - lane / 2
+    for z in tl.resizes:
+        style = z.label.split(" ")[0] if z.outcome != "aborted" else "aborted"
+        color, ls, name = RESIZE_STYLE[style]
+        resize_seen[name] = Line2D([], [], color=color, lw=1.3, ls=ls)
+        ax.vlines([z.t], lane_y + 0.15, n_ranks - 0.5, colors=color, linewidth=1.3, linestyles=ls, zorder=4)
+        if z.resized and z.end > z.t:
+            ax.fill_between([z.t, z.end], -0.5, n_ranks - 0.5, color=color, alpha=0.08, lw=0, zorder=1)
+        label(("resize",), z.t, lane_y, z.label, ha="center", color=color, box=True)
+        if z.kind == "grow":  # the joiners' prepare (and swap) under their new ranks' rows
+            for nr in z.new_ranks:
+                if ("rank", nr) in y:
+                    strip(y[("rank", nr)], z.stages, aborted=z.outcome == "aborted")
+        elif big:  # a renumbered process on its new row (on the first only, when many were)
+            moved = sorted(z.renumbered.items())
+            more = f" (+{len(moved) - 1} renumbered)" if len(moved) > RENUMBERED_LABELS else ""
+            for old, new in moved if not more else moved[:1]:
+                if ("rank", new) in y:
+                    text = f"was rank {old}{more}"
+                    label(("rank", new), z.t + pad, y[("rank", new)], text, box=True, size=fs - 0.5)
+
+    # live migrations: prepare and swap under the moving rank's row, a mark per catch-up round
+    catchup_seen: dict[str, Any] = {}
+    for mv in tl.migrations:
+        if mv.rank is None or ("rank", mv.rank) not in y:
+            continue
+        yy = y[("rank", mv.rank)]
+        strip(yy, mv.stages, aborted=mv.outcome == "aborted")
+        yc = yy + 0.38
+        for cu in mv.catchups:
+            marker, color, filled, name = CATCHUP_STYLE[cu.kind]
+            if cu.seconds is not None and cu.seconds > 0:  # the fetch, up to when it was installed
+                ax.plot([cu.t - cu.seconds, cu.t], [yc, yc], color=color, lw=0.8, zorder=4)
+            if marker == "x":
+                ax.scatter(
+                    [cu.t], [yc], marker=marker, s=24 if big else 12, c=color, linewidths=1.0, zorder=5
+                )
+            else:
+                ax.scatter(
+                    [cu.t],
+                    [yc],
+                    marker=marker,
+                    s=24 if big else 12,
+                    facecolors=color if filled else "white",
+                    edgecolors=color,
+                    linewidths=0.8,
+                    zorder=5,
+                )
+            catchup_seen[name] = Line2D(
+                [], [], marker=marker, color=color, markerfacecolor=color if filled else "white", ls="", ms=5
+            )
+        if big:
+            rounds = f", {mv.rounds} catch-up{'s' if mv.rounds != 1 else ''}" if mv.rounds else ""
+            text = {"done": "moved", "aborted": "move aborted"}.get(mv.outcome, "moving")
+            text += f" to node {mv.target}{rounds}" if mv.outcome != "aborted" else ""
+            label(("rank", mv.rank), mv.end + pad, yy, text, box=True, size=fs - 0.5, color="#333333")
+
+    # waits for a spare: the failed rank's row, until the shrink (or the spare) came
+    for wt in tl.waits:
+        for wr in wt.ranks:
+            if ("rank", wr) not in y:
+                continue
+            yy = y[("rank", wr)]
+            ax.broken_barh(
+                [(wt.start, max(wt.seconds, 0.0))],
+                (yy - 0.22, 0.44),
+                facecolors="white",
+                edgecolors=WAIT_COLOR,
+                hatch="...",
+                linewidth=0.6,
+                zorder=2,
+            )
+            if big:
+                label(
+                    ("rank", wr),
+                    (wt.start + wt.end) / 2,
+                    yy,
+                    "waits for a spare",
+                    ha="center",
+                    color=WAIT_COLOR,
+                    box=True,
+                    size=fs - 0.5,
+                    inside=(wt.start, wt.end),
+                )
 
     # ranks
     named: set[tuple[int, int]] = set()
@@ -1192,7 +1845,7 @@ def render_timeline(timeline: Timeline, out: Path) -> Path:
                     linewidth=0.6,
                     zorder=3,
                 )
-            text = _unfinished_text(tl, lead)
+            text = _unfinished_text(tl, lead.end)
         text += f" x{len(rs)}" if len(rs) > 1 else ""
         if big:
             label(("recovery",), lead.end + pad, yr, text, color="#333333")
@@ -1330,7 +1983,7 @@ def render_timeline(timeline: Timeline, out: Path) -> Path:
             prev = o.event
 
     # axes
-    ax.set_ylim(n_rows - 0.5, -0.8)
+    ax.set_ylim(n_rows - 0.5, -0.8 - lane)
     ax.set_yticks(range(n_rows), [name for _, name in rows], fontsize=8 if n_rows <= 40 else 6)
     ax.set_xlim(x_lo, x_hi)
     if span > 180:
@@ -1342,7 +1995,6 @@ def render_timeline(timeline: Timeline, out: Path) -> Path:
     ax.set_axisbelow(True)
     for sp in ("top", "right"):
         ax.spines[sp].set_visible(False)
-    n_ranks = len(tl.ranks)
     if n_ranks:  # a faint separator under the rank rows
         ax.axhline(n_ranks - 0.5, color="#bbbbbb", lw=0.6)
 
@@ -1368,11 +2020,17 @@ def render_timeline(timeline: Timeline, out: Path) -> Path:
         )
     for stage, color in sorted(stages_seen.items(), key=lambda kv: _stage_rank(kv[0])):
         handles.append(Patch(facecolor=color, label=stage))
-    for name, h in tier_seen.items():
+    if tl.waits:
+        handles.append(
+            Patch(facecolor="white", edgecolor=WAIT_COLOR, hatch="...", label="waiting for a spare")
+        )
+    for stage, color in moves_seen.items():
+        handles.append(Patch(facecolor=color, label=MOVE_STAGE_NAMES[stage]))
+    for name, h in (*resize_seen.items(), *catchup_seen.items(), *tier_seen.items()):
         h.set_label(name)
         handles.append(h)
     if handles:
-        height_in = n_rows * row_h + 0.2
+        height_in = (n_rows + lane) * row_h + 0.2
         ax.legend(
             handles=handles,
             loc="upper center",
