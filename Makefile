@@ -1,7 +1,8 @@
 # The two commands the README starts with:
 #   make demo   set up .venv/ and run a 3-rank training job that survives injected failures
 #   make test   set up .venv/ (with dev tools) and run the test suite
-.PHONY: demo test test-quick lint bench clean
+# CI (.ci/run) also runs make test-bench (the benchmark scripts' smoke runs) and make lint.
+.PHONY: demo test test-quick test-bench lint bench clean
 
 demo:
 	scripts/setup.sh
@@ -11,10 +12,13 @@ demo:
 
 test:
 	scripts/setup.sh dev
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -m "not bench"
 
 test-quick:
-	.venv/bin/python -m pytest -q -m "not slow"
+	.venv/bin/python -m pytest -q -m "not slow and not bench"
+
+test-bench:
+	.venv/bin/python -m pytest -q -m bench
 
 lint:
 	.venv/bin/ruff check nonstop tests benchmarks

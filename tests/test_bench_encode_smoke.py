@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import run_benchmark_quick
 
+pytestmark = pytest.mark.bench  # a benchmark script's smoke run: `make test-bench`
+
 
 @pytest.mark.timeout(180)
 def test_bench_encode_quick(tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ import pytest
 
 from tests.conftest import run_benchmark_quick
 
+pytestmark = pytest.mark.bench  # a benchmark script's smoke run: `make test-bench`
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)

@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import run_benchmark_quick
 
+pytestmark = pytest.mark.bench  # a benchmark script's smoke run: `make test-bench`
+
 FIGURES = ("survivors_resume_s", "replacement_participates_s", "full_participation_s")
 
 

@@ -10,6 +10,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.bench  # a benchmark script's smoke run: `make test-bench`
+
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
