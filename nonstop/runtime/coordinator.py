@@ -787,6 +787,8 @@ class Coordinator:
                 self.events.emit("migration_refused", rank=rank, target=msg.get("to"), reason=error)
         elif t == "paused" and m is not None and m.phase is MigrationPhase.PAUSE:
             m.paused[rank] = int(msg["step"])
+            if rank == m.rank and m.paused[rank] == m.boundary:
+                self._fetch_boundary(m)  # the leaver's step S is complete: bring it over now
             if len(m.paused) == self.world_size:
                 self._swap(m)
         elif t == "paused" and self.resize is not None and self.resize.generation is None:
@@ -1307,6 +1309,20 @@ class Coordinator:
         if m is not None and req == m.catchup_req:
             self._on_catchup_fetched(m, msg)
             return
+        if m is not None and req == m.boundary_req and m.boundary_ok is None:
+            m.boundary_ok = bool(msg.get("ok"))
+            if req not in self._waiting_fetch:  # arrived before the swap: nothing waits on it yet
+                self._req_node.pop(req, None)
+                self.events.emit(
+                    "fetched",
+                    node=node.name,
+                    rank=m.rank,
+                    ok=msg.get("ok"),
+                    seconds=msg.get("seconds"),
+                    error=msg.get("error"),
+                    early=True,
+                )
+                return
         if self.resize is not None and req in self.resize.fetches:
             self._req_node.pop(req, None)
             self._on_grow_fetched(self.resize, req, msg)
@@ -1471,6 +1487,13 @@ class Coordinator:
         """Start the next replication round when the previous one is done (RUNNING only)."""
         if not self.replication_on or self.state is not JobState.RUNNING or self._round is not None:
             return
+        if self.reconf is not None:
+            return  # the new generation's first step is on the critical path: replicate after it
+        m, z = self.migration, self.resize
+        if (m is not None and m.phase is not MigrationPhase.PREPARE) or (
+            z is not None and z.boundary is not None
+        ):
+            return  # ranks are pausing at a boundary or swapping: that step is held in memory anyway
         if self._awaiting:
             return  # restored: not every node is back yet
         if time.monotonic() < self._round_retry_at:
@@ -1776,10 +1799,24 @@ class Coordinator:
         self._open_generation()
         m.generation = self.generation
         r = self._boundary_generation(step, {m.rank: "migration"})
+        if m.boundary_req is None or m.boundary_ok is False:  # not asked for, or it failed: now
+            m.swap_delta = m.held is not None and swap_as_delta(m.full, m.catchups, self.config.swap_transfer)
+            base = m.held if m.swap_delta else None
+            fetched = self._fetch_for(r, m.rank, step, m.leaver_node, "local", base=base)
+        else:
+            fetched = f"{m.leaver_node}:local"
+            if m.boundary_ok is None:  # still in flight: the generation waits for it like its own
+                self._waiting_fetch[m.boundary_req] = (m.rank, r.generation)
+                r.waiting_fetch.add(m.rank)
+        self._launch(r, tier="memory", fetches={m.rank: fetched}, migration=m.rank)
+
+    def _fetch_boundary(self, m: Migration) -> None:
+        """The leaver completed the boundary step: the target fetches it while the other ranks
+        are still finishing theirs (the swap's generation waits for it only if still in flight)."""
+        assert m.boundary is not None
         m.swap_delta = m.held is not None and swap_as_delta(m.full, m.catchups, self.config.swap_transfer)
         base = m.held if m.swap_delta else None
-        fetched = self._fetch_for(r, m.rank, step, m.leaver_node, "local", base=base)
-        self._launch(r, tier="memory", fetches={m.rank: fetched}, migration=m.rank)
+        m.boundary_req = self._fetch(m.target, m.rank, m.boundary, m.leaver_node, "local", base=base)
 
     def _boundary_generation(
         self, step: int, replacements: dict[int, str], *, fresh: set[int] | None = None
