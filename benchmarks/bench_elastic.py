@@ -30,11 +30,8 @@ import itertools
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,8 +48,8 @@ from nonstop.demo.samples import MicroBatch, check_sequence, read_log  # noqa: E
 from nonstop.runtime.coordinator import JobResult  # noqa: E402
 from nonstop.runtime.eventlog import read_events  # noqa: E402
 from nonstop.runtime.gc import collect_garbage  # noqa: E402
-from nonstop.runtime.launcher import JOB_INFO, default_shm_dir  # noqa: E402
-from nonstop.runtime.localnodes import node_command, run_local_nodes  # noqa: E402
+from nonstop.runtime.launcher import default_shm_dir  # noqa: E402
+from nonstop.runtime.localnodes import LocalNodesJob  # noqa: E402
 
 SKIP = 2  # steps at the start of each phase left out (lazy initialisation, the restore)
 
@@ -81,36 +78,14 @@ def _config(args: argparse.Namespace, run_dir: Path, faults: tuple[str, ...]) ->
 
 def _run(config: JobConfig, *, rejoin_after: str | None) -> JobResult:
     """Run the job; start node 2 again once ``rejoin_after`` is logged."""
-    box: list[JobResult | BaseException] = []
-
-    def job() -> None:
-        try:
-            box.append(run_local_nodes(config, redirect_output=True))
-        except BaseException as e:
-            box.append(e)
-
-    thread = threading.Thread(target=job, daemon=True)
-    thread.start()
-    proc = None
-    events = config.job_dir / "events.jsonl"
-    while rejoin_after is not None and thread.is_alive() and proc is None:
-        if events.exists() and any(e["event"] == rejoin_after for e in read_events(events)):
-            addr = json.loads((config.job_dir / JOB_INFO).read_text())["control"]
-            log = (config.job_dir / "logs" / "node-2-rejoin.log").open("ab")
-            proc = subprocess.Popen(node_command(config, 2, addr), stdout=log, stderr=subprocess.STDOUT)
-        time.sleep(0.05)
-    thread.join()
-    if proc is not None:
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    collect_garbage(default_shm_dir())
-    got = box[0]
-    if isinstance(got, BaseException):
-        raise got
-    return got
+    job = LocalNodesJob(config)
+    if rejoin_after is not None:
+        job.wait_event(rejoin_after, timeout=300)
+        job.start_node(2)
+    try:
+        return job.result(timeout=1800)
+    finally:
+        collect_garbage(default_shm_dir())
 
 
 def _phase(recs: list[MicroBatch], batch: int, shards: int) -> dict[str, float] | None:

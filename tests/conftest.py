@@ -8,7 +8,6 @@ import secrets
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from nonstop.config import DetectorConfig, JobConfig
+from nonstop.config import DetectorConfig
 from nonstop.demo.runner import demo_job_config
 from nonstop.runtime.coordinator import JobResult
 from nonstop.runtime.eventlog import read_events
 from nonstop.runtime.gc import processes_of_job
 from nonstop.runtime.launcher import default_shm_dir, run_job
-from nonstop.runtime.localnodes import run_local_nodes
+from nonstop.runtime.localnodes import LocalNodesJob, run_local_nodes
 
 STEPS = 16
 
@@ -88,42 +87,16 @@ def events_named(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]
     return [e for e in events if e["event"] == name]
 
 
-class NodesInBackground:
+class NodesInBackground(LocalNodesJob):
     """A job of several local nodes on a thread, for a test that acts on it while it trains."""
-
-    def __init__(self, config: JobConfig, **kw: Any) -> None:
-        self.job_dir = config.job_dir
-        self._box: list[JobResult | BaseException] = []
-
-        def job() -> None:
-            try:
-                self._box.append(run_local_nodes(config, redirect_output=True, **kw))
-            except BaseException as e:
-                self._box.append(e)
-
-        self._thread = threading.Thread(target=job, daemon=True)
-        self._thread.start()
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        """The events named ``name`` logged so far."""
-        path = self.job_dir / "events.jsonl"
-        return events_named(read_events(path), name) if path.exists() else []
 
     def wait_replicated(self, step: int, timeout: float = 300.0) -> None:
         """Until every rank's step ``step`` is replicated (the job is well under way)."""
         deadline = time.monotonic() + timeout
-        while self._thread.is_alive() and time.monotonic() < deadline:
+        while self.running and time.monotonic() < deadline:
             if any(e["step"] >= step for e in self.events("replicated")):
                 return
             time.sleep(0.05)
-
-    def result(self, timeout: float) -> JobResult:
-        """Node 0's result once the job ended (fails the test if it did not, or raised)."""
-        self._thread.join(timeout=timeout)
-        assert self._box, "the job did not end"
-        got = self._box[0]
-        assert not isinstance(got, BaseException), got
-        return got
 
 
 def run_benchmark_quick(name: str, out: Path, *args: str, timeout: float) -> dict[str, Any]:

@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +19,7 @@ import pytest
 from nonstop.demo.runner import demo_job_config
 from nonstop.demo.samples import check_sequence, effective_samples, read_log
 from nonstop.errors import UsageError
-from nonstop.runtime.launcher import JOB_INFO, _load_resume
-from nonstop.runtime.localnodes import node_command
+from nonstop.runtime.launcher import _load_resume
 from nonstop.snapshot.durable import DurableStore
 from tests.conftest import NodesInBackground, events_named, run_nodes_job
 
@@ -50,27 +47,14 @@ def _config(job_dir: Path, steps: int, faults: tuple[str, ...], **kw: Any) -> An
 
 
 def _run_with_rejoin(config: Any, event: str) -> list[dict[str, Any]]:
-    """Run the job; start node 2 again once ``event`` is logged; the job's events."""
+    """Run the job; start node 2 again (a node joining the running job) once ``event`` is logged;
+    the job's events."""
     job = NodesInBackground(config)
-    proc = _rejoin_after(job, event, config, node=2)
-    try:
-        result = job.result(timeout=300)
-    finally:
-        proc.kill()
-        proc.wait()
+    job.wait_event(event, timeout=120)
+    job.start_node(2)
+    result = job.result(timeout=300)
     assert result.error is None, result.error
-    return [json.loads(x) for x in (config.job_dir / "events.jsonl").read_text().splitlines()]
-
-
-def _rejoin_after(job: NodesInBackground, event: str, config: Any, node: int) -> subprocess.Popen[bytes]:
-    """Start node ``node`` again (a node joining the running job) once ``event`` was logged."""
-    deadline = time.monotonic() + 120
-    while not job.events(event):
-        assert time.monotonic() < deadline, f"no {event} event within 120s"
-        time.sleep(0.05)
-    addr = json.loads((config.job_dir / JOB_INFO).read_text())["control"]
-    log = (config.job_dir / "logs" / f"node-{node}-rejoin.log").open("ab")
-    return subprocess.Popen(node_command(config, node, addr), stdout=log, stderr=subprocess.STDOUT)
+    return job.events()
 
 
 def test_waits_for_a_spare_then_replaces_bitwise(tmp_path: Path) -> None:

@@ -16,13 +16,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 from nonstop.config import JobConfig
 from nonstop.errors import JobFailedError
 from nonstop.runtime.coordinator import JobResult
+from nonstop.runtime.eventlog import read_events
 from nonstop.runtime.launcher import JOB_INFO, run_job
 
-__all__ = ["node_command", "run_local_nodes"]
+__all__ = ["LocalNodesJob", "node_command", "run_local_nodes"]
 
 
 def node_command(config: JobConfig, node_rank: int, coordinator: str) -> list[str]:
@@ -111,3 +114,76 @@ def run_local_nodes(
     if isinstance(got, BaseException):
         raise got
     return got
+
+
+class LocalNodesJob:
+    """:func:`run_local_nodes` on a thread, for a test or a benchmark that acts on the job while
+    it trains: read its events, start a node again (a node joining the running job), wait for
+    the result. Nodes started here are stopped (after 30 s) once the job has ended."""
+
+    def __init__(self, config: JobConfig, **kw: Any) -> None:
+        self.config = config
+        self.job_dir = config.job_dir
+        self._box: list[JobResult | BaseException] = []
+        self._joined: list[subprocess.Popen[bytes]] = []
+
+        def job() -> None:
+            try:
+                self._box.append(run_local_nodes(config, redirect_output=True, **kw))
+            except BaseException as e:
+                self._box.append(e)
+
+        self._thread = threading.Thread(target=job, name="nonstop-local-nodes", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        """The events (named ``name``) logged so far."""
+        path = self.job_dir / "events.jsonl"
+        got = read_events(path) if path.exists() else []
+        return [e for e in got if name is None or e["event"] == name]
+
+    def wait_event(self, name: str, timeout: float) -> dict[str, Any]:
+        """The first event named ``name``; JobFailedError if the job ends or ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.events(name)
+            if got:
+                return got[0]
+            if not self.running or time.monotonic() > deadline:
+                raise JobFailedError(f"no {name} event within {timeout:g}s (job running: {self.running})")
+            time.sleep(0.05)
+
+    def start_node(self, node_rank: int) -> subprocess.Popen[bytes]:
+        """Start node ``node_rank`` (again): it joins the running job (log: logs/node-K-rejoin.log)."""
+        addr = json.loads((self.job_dir / JOB_INFO).read_text())["control"]
+        log_path: Path = self.job_dir / "logs" / f"node-{node_rank}-rejoin.log"
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen(
+                node_command(self.config, node_rank, addr),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        self._joined.append(proc)
+        return proc
+
+    def result(self, timeout: float) -> JobResult:
+        """Node 0's result once the job ended; raises what the job raised, or JobFailedError when
+        it did not end within ``timeout``."""
+        self._thread.join(timeout=timeout)
+        for p in self._joined:
+            try:
+                p.wait(timeout=30 if not self._thread.is_alive() else 0.01)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if not self._box:
+            raise JobFailedError(f"the job did not end within {timeout:g}s")
+        got = self._box[0]
+        if isinstance(got, BaseException):
+            raise got
+        return got
