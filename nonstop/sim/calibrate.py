@@ -1,7 +1,7 @@
 """Costs measured by the runtime's benchmarks, and the laws that scale them to a cluster.
 
 :func:`load_calibration` reads ``benchmarks/results/{mttr,snapshot_stall,step_overhead,persist,elastic}.json``
-(and ``migration.json`` once a migration benchmark exists). Every figure of :class:`Calibration`
+(and ``migration.json``, the live migration benchmark). Every figure of :class:`Calibration`
 records where it came from in ``sources``: ``measured: <file>:<field>``, ``law: ...`` or
 ``assumption: ...``. A missing file or field falls back to the documented default and says so.
 
@@ -81,7 +81,7 @@ class Calibration:
     cpu_every_step_throughput: float = 0.918
     # measured by benchmarks/bench_persist.py
     persist_node_gbps: float = 0.93
-    # not measured yet (no migration benchmark): live-migration pause in median steps
+    # live-migration pause in median steps beyond the step itself (bench_migration.py)
     migration_pause_steps: float = 2.0
     # measured by benchmarks/bench_elastic.py: the pause of an elastic grow (joiners prepared while
     # the job trains) beyond the step itself, in median steps: rank 0's step gap at the grow - 1
@@ -137,7 +137,7 @@ class Calibration:
 
 
 _DEFAULT_SOURCES = {
-    "migration_pause_steps": "assumption: no migration benchmark yet; 2 steps (drain the step in "
+    "migration_pause_steps": "assumption when migration.json is absent: 2 steps (drain the step in "
     "flight + hand over), BENCH.md's figure 'migration pause / median step'",
     "d2h_gbps": "assumption: pinned device-to-host copy over PCIe Gen5 x16 at ~40% of its 64 GB/s",
     "peer_gbps_per_gpu": "assumption: half of one 400 Gb/s NIC per GPU (Llama 3's fabric: 400 Gbps per GPU)",
@@ -246,10 +246,12 @@ def load_calibration(results_dir: Path = DEFAULT_RESULTS, **overrides: float) ->
         "elastic.json summary.grow_gap_over_median - 1",
     )
     migration = load("migration.json")
+    swap_gap = _num(_get(migration, "contenders", "nonstop_migrate", "coordinator_pause_ratio", "median"))
     take(
         "migration_pause_steps",
-        _num(_get(migration, "summary", "pause_over_step", "median")),
-        "migration.json summary.pause_over_step",
+        _num(swap_gap - 1.0) if swap_gap is not None else None,
+        "migration.json nonstop_migrate coordinator_pause_ratio (the rank's gap across the swap "
+        "over its median step) - 1",
     )
     for name, v in overrides.items():
         if not hasattr(Calibration(), name) or name == "sources":
