@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,6 +121,28 @@ def test_tracked_fetch_then_delta_catch_up(planes: tuple[DataPlane, Replicator, 
     local_b.write(13, states[13])  # the third fetch was untracked: it ended the tracking
     fourth = fetch(holder.addr, secret, node="t", rank=2, step=13, kind="local", base=(12, third.data))
     assert fourth.base is None and bytes(fourth.data) == bytes(local_b.copy_out(13).data)
+    local_b.close()
+
+
+def test_a_tracked_base_nobody_uses_expires(
+    planes: tuple[DataPlane, Replicator, bytes, Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A migration aborted before its swap leaves no base held: it expires without another fetch."""
+    import nonstop.replica.peer as peer
+
+    holder, _rep, secret, shm, job = planes
+    local_b = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b", rank=0)
+    local_b.write(1, _state(7))
+    first = fetch(holder.addr, secret, node="t", rank=0, step=1, kind="local", track=True)
+    assert holder._sent  # the base of the next delta is held
+    monkeypatch.setattr(peer, "TRACK_TTL_S", 0.0)
+    deadline = time.monotonic() + 5
+    while holder._sent and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not holder._sent  # dropped by the data plane's idle tick
+    local_b.write(2, _state(7, drift=1e-3))
+    again = fetch(holder.addr, secret, node="t", rank=0, step=2, kind="local", base=(1, first.data))
+    assert again.base is None  # so the step came whole
     local_b.close()
 
 

@@ -53,7 +53,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 RAW_CODEC = CodecConfig(codec="none", shuffle="none")
-TRACK_TTL_S = 300.0  # a tracked fetch's base is dropped when no catch-up used it for this long
+TRACK_TTL_S = 120.0  # a tracked fetch's base is dropped when no catch-up used it for this long
 
 
 def local_store_id(job_id: str, node: str) -> str:
@@ -370,6 +370,7 @@ class DataPlane:
             try:
                 kind, chan, msg = self._server.events.get(timeout=0.1)
             except queue.Empty:
+                self._take_sent(None)  # an aborted migration's bases expire even if no fetch comes
                 continue
             if kind == "close":
                 self._partial.pop(chan, None)
@@ -430,13 +431,13 @@ class DataPlane:
             store.write_raw(step, meta, data)
         chan.send({"t": "rep_ack", "ok": True, "rank": rank, "step": step})
 
-    def _take_sent(self, key: tuple[str, int, str]) -> _Sent | None:
+    def _take_sent(self, key: tuple[str, int, str] | None) -> _Sent | None:
         """Remove and return the base kept for ``key``; drop bases unused for TRACK_TTL_S."""
         now = time.monotonic()
         with self._sent_lock:
             for k in [k for k, v in self._sent.items() if now - v.used > TRACK_TTL_S]:
                 del self._sent[k]
-            return self._sent.pop(key, None)
+            return self._sent.pop(key, None) if key is not None else None
 
     def _serve_fetch(self, chan: Channel, msg: Message) -> None:
         rank, step, kind = int(msg["rank"]), int(msg["step"]), str(msg.get("kind", "replica"))

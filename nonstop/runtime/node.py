@@ -478,7 +478,11 @@ class NodeAgent:
     # -- background work (one thread: inventories, replication; fetches on their own) -----------
     def _fetcher(self) -> None:
         while True:
-            msg = self._fetch_work.get()
+            try:
+                msg = self._fetch_work.get(timeout=TRACK_TTL_S / 4)
+            except queue.Empty:
+                self._expire_tracks()  # an aborted migration's bases go even if no fetch comes
+                continue
             if msg is None:
                 return
             try:
@@ -613,8 +617,7 @@ class NodeAgent:
         dest = int(msg.get("as_rank", rank))  # a world-size change: another rank number here
         track, want = bool(msg.get("track")), msg.get("base")
         t0 = time.monotonic()
-        for r in [r for r, t in self._tracks.items() if t0 - t.used > TRACK_TTL_S]:
-            del self._tracks[r]  # a catch-up that ended without its last fetch (an abort)
+        self._expire_tracks()
         held = self._tracks.pop(dest, None)
         if held is not None and (held.addr, held.rank, held.kind) != (addr, rank, kind):
             held = None
@@ -652,6 +655,12 @@ class NodeAgent:
             self._send({**info, "ok": True, "seconds": time.monotonic() - t0})
         except (NonstopError, OSError) as e:
             self._send({**info, "ok": False, "error": str(e)[:300]})
+
+    def _expire_tracks(self) -> None:
+        """Drop catch-up bases unused for TRACK_TTL_S (a migration aborted before its swap)."""
+        now = time.monotonic()
+        for r in [r for r, t in self._tracks.items() if now - t.used > TRACK_TTL_S]:
+            del self._tracks[r]
 
     def _install_durable(self, msg: Message) -> None:
         step = int(msg["step"])
