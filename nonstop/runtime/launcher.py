@@ -538,9 +538,9 @@ def _load_resume(config: JobConfig) -> LoadedCheckpoint:
     if ckpt.world_size != config.world_size and not config.min_world_size:
         raise UsageError(
             f"--resume {config.resume}: checkpoint step {ckpt.step} has {ckpt.world_size} ranks but this "
-            f"job has {config.world_size}; run {ckpt.world_size} ranks, or, when the ranks are "
-            "data-parallel replicas, pass --min-world-size N (elastic: ranks beyond the checkpoint's "
-            "start from its rank 0)"
+            f"job has {config.world_size}; run {ckpt.world_size} ranks (--nnodes x --nproc-per-node, e.g. "
+            f"--nproc-per-node {ckpt.world_size} on one node) or, when the ranks are data-parallel "
+            "replicas, pass --min-world-size N (elastic: ranks beyond the checkpoint's start from its rank 0)"
         )
     return ckpt
 
