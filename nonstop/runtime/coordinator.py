@@ -1323,6 +1323,21 @@ class Coordinator:
                     early=True,
                 )
                 return
+        z = self.resize
+        if z is not None and req in z.boundary_reqs and z.boundary_reqs[req] not in z.boundary_ok:
+            z.boundary_ok[z.boundary_reqs[req]] = bool(msg.get("ok"))
+            if req not in self._waiting_fetch:  # arrived before the swap: nothing waits on it yet
+                self._req_node.pop(req, None)
+                self.events.emit(
+                    "fetched",
+                    node=node.name,
+                    rank=z.boundary_reqs[req],
+                    ok=msg.get("ok"),
+                    seconds=msg.get("seconds"),
+                    error=msg.get("error"),
+                    early=True,
+                )
+                return
         if self.resize is not None and req in self.resize.fetches:
             self._req_node.pop(req, None)
             self._on_grow_fetched(self.resize, req, msg)
@@ -1961,6 +1976,12 @@ class Coordinator:
 
     def _on_paused_for_resize(self, z: Resize, rank: int, step: int) -> None:
         z.paused[rank] = step
+        if rank == 0 and step == z.boundary and not z.boundary_reqs:
+            # rank 0's step S is complete: the joiners' nodes fetch it while the others finish theirs
+            for i, sid in enumerate(z.joiners):
+                node, new_rank = self.worker_node[sid], self.world_size + i
+                req = self._fetch(node, 0, step, self.rank_node[0], "local", as_rank=new_rank)
+                z.boundary_reqs[req] = new_rank
         if len(z.paused) < self.world_size:
             return
         if set(z.paused.values()) != {z.boundary}:
@@ -1987,7 +2008,17 @@ class Coordinator:
         r = self._boundary_generation(step, {rank: "grow" for rank in new_ranks}, fresh=set(new_ranks))
         self._step_at.clear()
         source = self.rank_node[0]
-        fetches = {rank: self._fetch_for(r, rank, step, source, "local", src_rank=0) for rank in new_ranks}
+        fetches: dict[int, str] = {}
+        early = {rank: req for req, rank in z.boundary_reqs.items()}
+        for rank in new_ranks:
+            req = early.get(rank)
+            if req is None or z.boundary_ok.get(rank) is False:  # not asked for, or it failed: now
+                fetches[rank] = self._fetch_for(r, rank, step, source, "local", src_rank=0)
+                continue
+            fetches[rank] = f"{source}:local"
+            if rank not in z.boundary_ok:  # still in flight: the generation waits for it
+                self._waiting_fetch[req] = (rank, r.generation)
+                r.waiting_fetch.add(rank)
         self.events.emit(
             "grow",
             world_size=self.world_size,
