@@ -216,6 +216,9 @@ class Coordinator:
         self._replies: dict[int, Message] = {}
         self._req_node: dict[int, str] = {}
         self._waiting_fetch: dict[int, tuple[int, int]] = {}  # request id -> (rank, generation)
+        # fetches asked for before their generation (a swap's boundary): request id -> (rank, ok),
+        # ok None while in flight; the generation adopts them (``_fetch_for(early=...)``)
+        self._early: dict[int, tuple[int, bool | None]] = {}
         # a planning interrupted by more failures: (failures, replans, replacements) to merge
         self._deferred: tuple[list[Failure], int, dict[int, str]] | None = None
         self.replicated_step: int | None = None
@@ -1262,15 +1265,35 @@ class Coordinator:
         *,
         src_rank: int | None = None,
         base: int | None = None,
+        early: int | None = None,
     ) -> str:
         """A fetch generation ``r`` waits for before ``rank`` restores (to the node playing it);
         ``src_rank``: the rank whose snapshot that is, when not ``rank`` (a world-size change);
-        ``base``: a step the node holds from a catch-up (the fetch may come as a delta)."""
+        ``base``: a step the node holds from a catch-up (the fetch may come as a delta);
+        ``early``: the same fetch already asked for (:meth:`_fetch_early`): adopted unless it
+        failed -- waited for while in flight, nothing to wait for once done."""
+        if early is not None and early in self._early:
+            ok = self._early.pop(early)[1]
+            if ok is not False:
+                if ok is None:
+                    self._waiting_fetch[early] = (rank, r.generation)
+                    r.waiting_fetch.add(rank)
+                return f"{source}:{kind}"
         src = rank if src_rank is None else src_rank
         req = self._fetch(self.rank_node[rank], src, step, source, kind, as_rank=rank, base=base)
         self._waiting_fetch[req] = (rank, r.generation)
         r.waiting_fetch.add(rank)
         return f"{source}:{kind}"
+
+    def _fetch_early(
+        self, target: str, rank: int, step: int, source: str, *, as_rank: int, base: int | None = None
+    ) -> int:
+        """A swap's boundary fetch asked for as soon as the source rank completed the step, before
+        its generation exists (the other ranks are still finishing theirs); a request id for
+        ``_fetch_for(early=...)``."""
+        req = self._fetch(target, rank, step, source, "local", as_rank=as_rank, base=base)
+        self._early[req] = (as_rank, None)
+        return req
 
     def _idle_spares(self) -> dict[int, str]:
         """Connected hot spares waiting for a rank: spawn id -> node."""
@@ -1309,35 +1332,20 @@ class Coordinator:
         if m is not None and req == m.catchup_req:
             self._on_catchup_fetched(m, msg)
             return
-        if m is not None and req == m.boundary_req and m.boundary_ok is None:
-            m.boundary_ok = bool(msg.get("ok"))
-            if req not in self._waiting_fetch:  # arrived before the swap: nothing waits on it yet
-                self._req_node.pop(req, None)
-                self.events.emit(
-                    "fetched",
-                    node=node.name,
-                    rank=m.rank,
-                    ok=msg.get("ok"),
-                    seconds=msg.get("seconds"),
-                    error=msg.get("error"),
-                    early=True,
-                )
-                return
-        z = self.resize
-        if z is not None and req in z.boundary_reqs and z.boundary_reqs[req] not in z.boundary_ok:
-            z.boundary_ok[z.boundary_reqs[req]] = bool(msg.get("ok"))
-            if req not in self._waiting_fetch:  # arrived before the swap: nothing waits on it yet
-                self._req_node.pop(req, None)
-                self.events.emit(
-                    "fetched",
-                    node=node.name,
-                    rank=z.boundary_reqs[req],
-                    ok=msg.get("ok"),
-                    seconds=msg.get("seconds"),
-                    error=msg.get("error"),
-                    early=True,
-                )
-                return
+        if req in self._early:  # arrived before the swap adopted it: nothing waits on it yet
+            rank = self._early[req][0]
+            self._early[req] = (rank, bool(msg.get("ok")))
+            self._req_node.pop(req, None)
+            self.events.emit(
+                "fetched",
+                node=node.name,
+                rank=rank,
+                ok=msg.get("ok"),
+                seconds=msg.get("seconds"),
+                error=msg.get("error"),
+                early=True,
+            )
+            return
         if self.resize is not None and req in self.resize.fetches:
             self._req_node.pop(req, None)
             self._on_grow_fetched(self.resize, req, msg)
@@ -1814,24 +1822,23 @@ class Coordinator:
         self._open_generation()
         m.generation = self.generation
         r = self._boundary_generation(step, {m.rank: "migration"})
-        if m.boundary_req is None or m.boundary_ok is False:  # not asked for, or it failed: now
-            m.swap_delta = m.held is not None and swap_as_delta(m.full, m.catchups, self.config.swap_transfer)
-            base = m.held if m.swap_delta else None
-            fetched = self._fetch_for(r, m.rank, step, m.leaver_node, "local", base=base)
-        else:
-            fetched = f"{m.leaver_node}:local"
-            if m.boundary_ok is None:  # still in flight: the generation waits for it like its own
-                self._waiting_fetch[m.boundary_req] = (m.rank, r.generation)
-                r.waiting_fetch.add(m.rank)
+        fetched = self._fetch_for(
+            r, m.rank, step, m.leaver_node, "local", base=self._swap_base(m), early=m.boundary_req
+        )
         self._launch(r, tier="memory", fetches={m.rank: fetched}, migration=m.rank)
+
+    def _swap_base(self, m: Migration) -> int | None:
+        """The step the swap's fetch of the boundary is a delta against (``swap_as_delta``), or None."""
+        m.swap_delta = m.held is not None and swap_as_delta(m.full, m.catchups, self.config.swap_transfer)
+        return m.held if m.swap_delta else None
 
     def _fetch_boundary(self, m: Migration) -> None:
         """The leaver completed the boundary step: the target fetches it while the other ranks
         are still finishing theirs (the swap's generation waits for it only if still in flight)."""
         assert m.boundary is not None
-        m.swap_delta = m.held is not None and swap_as_delta(m.full, m.catchups, self.config.swap_transfer)
-        base = m.held if m.swap_delta else None
-        m.boundary_req = self._fetch(m.target, m.rank, m.boundary, m.leaver_node, "local", base=base)
+        m.boundary_req = self._fetch_early(
+            m.target, m.rank, m.boundary, m.leaver_node, as_rank=m.rank, base=self._swap_base(m)
+        )
 
     def _boundary_generation(
         self, step: int, replacements: dict[int, str], *, fresh: set[int] | None = None
@@ -1880,6 +1887,8 @@ class Coordinator:
         if m is None:
             return
         self.migration = None
+        if m.boundary_req is not None:
+            self._early.pop(m.boundary_req, None)  # a late answer is ignored like any stale fetch
         phase = m.phase
         m.phase, m.error = MigrationPhase.ABORTED, why
         joiner = self.workers.get(m.joiner_sid)
@@ -1980,8 +1989,8 @@ class Coordinator:
             # rank 0's step S is complete: the joiners' nodes fetch it while the others finish theirs
             for i, sid in enumerate(z.joiners):
                 node, new_rank = self.worker_node[sid], self.world_size + i
-                req = self._fetch(node, 0, step, self.rank_node[0], "local", as_rank=new_rank)
-                z.boundary_reqs[req] = new_rank
+                req = self._fetch_early(node, 0, step, self.rank_node[0], as_rank=new_rank)
+                z.boundary_reqs[new_rank] = req
         if len(z.paused) < self.world_size:
             return
         if set(z.paused.values()) != {z.boundary}:
@@ -2008,17 +2017,10 @@ class Coordinator:
         r = self._boundary_generation(step, {rank: "grow" for rank in new_ranks}, fresh=set(new_ranks))
         self._step_at.clear()
         source = self.rank_node[0]
-        fetches: dict[int, str] = {}
-        early = {rank: req for req, rank in z.boundary_reqs.items()}
-        for rank in new_ranks:
-            req = early.get(rank)
-            if req is None or z.boundary_ok.get(rank) is False:  # not asked for, or it failed: now
-                fetches[rank] = self._fetch_for(r, rank, step, source, "local", src_rank=0)
-                continue
-            fetches[rank] = f"{source}:local"
-            if rank not in z.boundary_ok:  # still in flight: the generation waits for it
-                self._waiting_fetch[req] = (rank, r.generation)
-                r.waiting_fetch.add(rank)
+        fetches = {
+            rank: self._fetch_for(r, rank, step, source, "local", src_rank=0, early=z.boundary_reqs.get(rank))
+            for rank in new_ranks
+        }
         self.events.emit(
             "grow",
             world_size=self.world_size,
@@ -2039,6 +2041,8 @@ class Coordinator:
         if z is None:
             return
         self.resize = None
+        for req in z.boundary_reqs.values():
+            self._early.pop(req, None)  # a late answer is ignored like any stale fetch
         self._grow_retry_at = time.monotonic() + GROW_RETRY_S
         for sid in z.joiners:
             w = self.workers.get(sid)

@@ -162,7 +162,5 @@ class Resize:
     prepared: set[int] = field(default_factory=set)  # joiners that restored and warmed up
     paused: dict[int, int] = field(default_factory=dict)  # rank -> step it stopped after
     generation: int | None = None  # the generation the grow started, once swapped in
-    # the boundary's fetches, asked for as soon as rank 0 completed it: request id -> new rank,
-    # and their answers (new rank -> ok; absent: in flight)
+    # the boundary's fetches, asked for as soon as rank 0 completed it: new rank -> request id
     boundary_reqs: dict[int, int] = field(default_factory=dict)
-    boundary_ok: dict[int, bool] = field(default_factory=dict)

@@ -98,7 +98,6 @@ class Migration:
     full: Transfer | None = None  # a catch-up round that fetched the whole step over the network
     swap_delta: bool | None = None  # how the swap fetched the boundary
     boundary_req: int | None = None  # the boundary's fetch, asked for when the leaver completed it
-    boundary_ok: bool | None = None  # its answer (None: in flight)
     gaps: dict[int, float] = field(default_factory=dict)  # rank -> seconds between its steps S and S+1
     marks: dict[str, float] = field(default_factory=lambda: {"start": time.time()})
     error: str | None = None
