@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -39,6 +39,8 @@ from nonstop.snapshot.store import RankSnapshotStore, RawSnapshot
 
 __all__ = [
     "TRACK_TTL_S",
+    "TrackedBase",
+    "TrackedBases",
     "DataPlane",
     "FetchError",
     "Fetched",
@@ -53,6 +55,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 RAW_CODEC = CodecConfig(codec="none", shuffle="none")
+K = TypeVar("K")
 TRACK_TTL_S = 120.0  # a tracked fetch's base is dropped when no catch-up used it for this long
 
 
@@ -316,13 +319,44 @@ def fetch_snapshot(
 
 
 @dataclass
-class _Sent:
-    """A holder's copy of what it last sent a tracked fetch: the base of the next delta."""
+class TrackedBase:
+    """What one end of a tracked fetch keeps (the holder: what it sent; the requester: what it
+    received): the base of the next delta. ``spare``: the buffer before, reused for the next
+    step; ``source``: the requester's (addr, rank, kind) it came from."""
 
     step: int
     data: np.ndarray
-    spare: np.ndarray | None  # the buffer before: reused by the next copy-out
+    spare: np.ndarray | None
+    source: tuple[str, int, str] | None = None
     used: float = field(default_factory=time.monotonic)
+
+
+class TrackedBases(Generic[K]):
+    """The bases one node keeps, by key; a base unused for TRACK_TTL_S is dropped (a migration
+    aborted before its swap) at the next :meth:`take` or :meth:`expire`. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._bases: dict[K, TrackedBase] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._bases)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for k in [k for k, v in self._bases.items() if now - v.used > TRACK_TTL_S]:
+                del self._bases[k]
+
+    def take(self, key: K) -> TrackedBase | None:
+        """Remove and return the base kept for ``key`` (a fetch either replaces it or ends it)."""
+        self.expire()
+        with self._lock:
+            return self._bases.pop(key, None)
+
+    def put(self, key: K, base: TrackedBase) -> None:
+        with self._lock:
+            self._bases[key] = base
 
 
 class DataPlane:
@@ -351,8 +385,7 @@ class DataPlane:
         self._replica = replica
         self._codec = codec or CodecConfig()
         self._bucket = _Bucket(bandwidth_bytes_s)
-        self._sent: dict[tuple[str, int, str], _Sent] = {}
-        self._sent_lock = threading.Lock()
+        self._sent: TrackedBases[tuple[str, int, str]] = TrackedBases()
         self._server = ControlServer(host=host, port=port, secret=secret, on_refused=on_refused)
         self.address = self._server.address
         self._partial: dict[Channel, tuple[Message, list[Message]]] = {}
@@ -370,7 +403,7 @@ class DataPlane:
             try:
                 kind, chan, msg = self._server.events.get(timeout=0.1)
             except queue.Empty:
-                self._take_sent(None)  # an aborted migration's bases expire even if no fetch comes
+                self._sent.expire()  # an aborted migration's bases expire even if no fetch comes
                 continue
             if kind == "close":
                 self._partial.pop(chan, None)
@@ -431,19 +464,11 @@ class DataPlane:
             store.write_raw(step, meta, data)
         chan.send({"t": "rep_ack", "ok": True, "rank": rank, "step": step})
 
-    def _take_sent(self, key: tuple[str, int, str] | None) -> _Sent | None:
-        """Remove and return the base kept for ``key``; drop bases unused for TRACK_TTL_S."""
-        now = time.monotonic()
-        with self._sent_lock:
-            for k in [k for k, v in self._sent.items() if now - v.used > TRACK_TTL_S]:
-                del self._sent[k]
-            return self._sent.pop(key, None) if key is not None else None
-
     def _serve_fetch(self, chan: Channel, msg: Message) -> None:
         rank, step, kind = int(msg["rank"]), int(msg["step"]), str(msg.get("kind", "replica"))
         track, want = bool(msg.get("track")), msg.get("base")
         key = (str(msg.get("node", "")), rank, kind)
-        prev = self._take_sent(key)
+        prev = self._sent.take(key)
         try:
             store = self._replica(rank) if kind == "replica" else self._local(rank)
             snap = store.copy_out(step, out=prev.spare if prev is not None and track else None)
@@ -460,8 +485,7 @@ class DataPlane:
             _send_chunks(chan, chunks, self._bucket if capped else lambda n: None)
             if track:
                 spare = prev.data if prev is not None else None
-                with self._sent_lock:
-                    self._sent[key] = _Sent(step=step, data=snap.data, spare=spare)
+                self._sent.put(key, TrackedBase(step=step, data=snap.data, spare=spare))
         except (SnapshotError, ControlError, OSError) as e:
             try:
                 chan.send({"t": "fetch_begin", "error": str(e)[:300]})

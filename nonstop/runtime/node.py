@@ -49,7 +49,7 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +63,8 @@ from nonstop.replica.peer import (
     TRACK_TTL_S,
     DataPlane,
     Replicator,
+    TrackedBase,
+    TrackedBases,
     fetch,
     local_store_id,
     replica_store_id,
@@ -100,19 +102,6 @@ class NodeSpec:
     replica_bandwidth_mb_s: float | None = None
 
 
-@dataclass
-class _Track:
-    """What a node holds of a tracked fetch (a migration's catch-up): the base of the next delta."""
-
-    addr: str
-    rank: int
-    kind: str
-    step: int
-    data: np.ndarray
-    spare: np.ndarray | None  # the buffer before: the next fetch decodes into it
-    used: float = field(default_factory=time.monotonic)
-
-
 class NodeAgent:
     """Runs one node of a job until the job ends or the node is fenced."""
 
@@ -148,7 +137,7 @@ class NodeAgent:
         self._persist_work: queue.Queue[Message | None] = queue.Queue()  # its own thread: slow I/O
         self._fetch_work: queue.Queue[Message | None] = queue.Queue()  # its own thread: on the critical path
         self._encoders: dict[tuple[str, bool, int], RankEncoder] = {}
-        self._tracks: dict[int, _Track] = {}  # local rank slot -> base of its catch-up (fetcher thread)
+        self._tracks: TrackedBases[int] = TrackedBases()  # local rank slot -> base of its catch-up
         self.agent: Agent | None = None
         self.data: DataPlane | None = None
         self._chan: Channel | None = None
@@ -481,7 +470,7 @@ class NodeAgent:
             try:
                 msg = self._fetch_work.get(timeout=TRACK_TTL_S / 4)
             except queue.Empty:
-                self._expire_tracks()  # an aborted migration's bases go even if no fetch comes
+                self._tracks.expire()  # an aborted migration's bases go even if no fetch comes
                 continue
             if msg is None:
                 return
@@ -617,9 +606,8 @@ class NodeAgent:
         dest = int(msg.get("as_rank", rank))  # a world-size change: another rank number here
         track, want = bool(msg.get("track")), msg.get("base")
         t0 = time.monotonic()
-        self._expire_tracks()
-        held = self._tracks.pop(dest, None)
-        if held is not None and (held.addr, held.rank, held.kind) != (addr, rank, kind):
+        held = self._tracks.take(dest)
+        if held is not None and held.source != (addr, rank, kind):
             held = None
         info: Message = {"t": "fetched", "id": msg["id"], "rank": rank}
         try:
@@ -651,16 +639,10 @@ class NodeAgent:
                 if track:
                     data = np.frombuffer(got.data, dtype=np.uint8)
                     spare = held.data if held is not None else None
-                    self._tracks[dest] = _Track(addr, rank, kind, step, data, spare)
+                    self._tracks.put(dest, TrackedBase(step, data, spare, source=(addr, rank, kind)))
             self._send({**info, "ok": True, "seconds": time.monotonic() - t0})
         except (NonstopError, OSError) as e:
             self._send({**info, "ok": False, "error": str(e)[:300]})
-
-    def _expire_tracks(self) -> None:
-        """Drop catch-up bases unused for TRACK_TTL_S (a migration aborted before its swap)."""
-        now = time.monotonic()
-        for r in [r for r, t in self._tracks.items() if now - t.used > TRACK_TTL_S]:
-            del self._tracks[r]
 
     def _install_durable(self, msg: Message) -> None:
         step = int(msg["step"])
