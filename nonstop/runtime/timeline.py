@@ -320,10 +320,7 @@ class MigrationSpan:
     @property
     def stages(self) -> tuple[StageSpan, ...]:
         """``prepare`` (to ``paused``, or to ``end`` when it never paused), then ``swap``."""
-        if self.paused is None:
-            return (StageSpan("prepare", self.start, max(self.end, self.start)),)
-        paused = max(self.paused, self.start)
-        return (StageSpan("prepare", self.start, paused), StageSpan("swap", paused, max(self.end, paused)))
+        return _prepare_then_swap(self.start, self.paused, self.end)
 
 
 @dataclass(frozen=True)
@@ -418,10 +415,16 @@ class ElasticResize:
         if self.kind == "shrink":
             out = [StageSpan("wait", self.start, self.t)] if self.t > self.start else []
             return (*out, StageSpan("swap", self.t, max(self.end, self.t)))
-        if self.paused is None:
-            return (StageSpan("prepare", self.start, max(self.end, self.start)),)
-        paused = max(self.paused, self.start)
-        return (StageSpan("prepare", self.start, paused), StageSpan("swap", paused, max(self.end, paused)))
+        return _prepare_then_swap(self.start, self.paused, self.end)
+
+
+def _prepare_then_swap(start: float, paused: float | None, end: float) -> tuple[StageSpan, ...]:
+    """A migration's or a grow's stages: ``prepare`` from ``start`` to ``paused`` (to ``end`` when
+    it never paused), then ``swap`` to ``end``."""
+    if paused is None:
+        return (StageSpan("prepare", start, max(end, start)),)
+    paused = max(paused, start)
+    return (StageSpan("prepare", start, paused), StageSpan("swap", paused, max(end, paused)))
 
 
 @dataclass(frozen=True)
