@@ -78,7 +78,21 @@ class KeyValueTable:
     def handle(
         self, msg: Message, reply: Callable[[Message], None]
     ) -> list[tuple[Callable[[Message], None], Message]]:
-        req_id = int(msg.get("id", -1))
+        """The replies to send for one request. A request that cannot be carried out (a
+        malformed field, ``add`` on a key holding text) is answered with an error, which the
+        caller's store raises, as torch's ``TCPStore`` does; it never raises here."""
+        try:
+            req_id = int(msg.get("id", -1))
+        except (TypeError, ValueError):
+            return [(reply, {"t": "kv", "id": -1, "error": f"malformed request id {msg.get('id')!r}"})]
+        try:
+            return self._handle(msg, reply, req_id)
+        except (TypeError, ValueError) as e:  # binascii.Error is a ValueError
+            return [(reply, {"t": "kv", "id": req_id, "error": f"bad {msg.get('op')!r} request: {e}"})]
+
+    def _handle(
+        self, msg: Message, reply: Callable[[Message], None], req_id: int
+    ) -> list[tuple[Callable[[Message], None], Message]]:
         out: list[tuple[Callable[[Message], None], Message]] = []
         if int(msg.get("gen", -1)) != self.generation:
             return [
@@ -94,7 +108,21 @@ class KeyValueTable:
             out.append((reply, {"t": "kv", "id": req_id}))
             out.extend(self._release())
         elif op == "add":
-            value = int(self.data.get(key, b"0")) + int(msg.get("amount", 0))
+            held = self.data.get(key, b"0")
+            try:
+                current = int(held)
+            except ValueError:
+                return [
+                    (
+                        reply,
+                        {
+                            "t": "kv",
+                            "id": req_id,
+                            "error": f"add: key {key!r} holds {held[:32]!r}, not a counter",
+                        },
+                    )
+                ]
+            value = current + int(msg.get("amount", 0))
             self.data[key] = str(value).encode()
             out.append((reply, {"t": "kv", "id": req_id, "value": value}))
             out.extend(self._release())

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import nonstop
 from nonstop.demo.data import MarkovCorpus
 from nonstop.demo.model import GPT, PRESETS
+from nonstop.errors import ControlError
 
 
 def weights_hash(model: torch.nn.Module) -> str:
@@ -50,6 +51,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--step-delay", type=float, default=0.0, help="extra seconds per step (to watch or interrupt a run)"
     )
+    ap.add_argument(
+        "--kv-probe-step",
+        type=int,
+        default=None,
+        help="at this step rank 0 misuses the process group's store (add on a key holding text) and "
+        "records the error it gets (the coordinator must refuse the request and go on)",
+    )
     args = ap.parse_args(argv)
 
     cfg = PRESETS[args.model]
@@ -60,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
     session = nonstop.init()  # a hot spare waits here
-    data = {"samples_seen": 0}  # by the whole job (the same on every rank)
+    data: dict[str, Any] = {"samples_seen": 0}  # by the whole job (the same on every rank)
     samples_log = None
     if args.samples_log is not None:
         args.samples_log.mkdir(parents=True, exist_ok=True)
@@ -89,6 +97,13 @@ def main(argv: list[str] | None = None) -> None:
                 samples_log.flush()
         if args.step_delay:
             time.sleep(args.step_delay)
+        if step == args.kv_probe_step and session.rank == 0 and not session.warming_up:
+            session.store.set("kv-probe", "text")
+            try:
+                session.store.add("kv-probe", 1)
+                data["kv_probe"] = "accepted"
+            except ControlError as e:
+                data["kv_probe"] = f"refused: {e}"
         opt.step()
         if not session.warming_up:
             data["samples_seen"] += args.batch * session.num_shards
@@ -115,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                     "step": result.step,
                     "generation": result.generation,
                     "samples_seen": data["samples_seen"],
+                    "kv_probe": data.get("kv_probe"),
                     "world_size": session.world_size,
                     "num_params": sum(p.numel() for p in model.parameters()),
                     "seconds": time.time() - t0,

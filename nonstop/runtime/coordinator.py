@@ -254,19 +254,28 @@ class Coordinator:
             if stop.is_set():
                 self._fail("stopped by signal")
                 break
-            self._pump_events(TICK_S)
-            self._check_leases()
-            self._store_tick()
-            self._check_join()
-            self._handle_exits()
-            self._pump_events(0)
-            self._detect()
-            self._check_timeouts()
-            self._replicate()
-            self._persist()
-            self._migrate_tick()
-            self._elastic_tick()
-            self._answer_clients()
+            self.tick(TICK_S)
+        return self._close()
+
+    def tick(self, wait_s: float = 0.0) -> None:
+        """One turn of the loop: handle the events that arrived (waiting up to ``wait_s`` for
+        the first), then every periodic check. Tests drive a coordinator through this."""
+        self._pump_events(wait_s)
+        self._check_leases()
+        self._store_tick()
+        self._check_join()
+        self._handle_exits()
+        self._pump_events(0)
+        self._detect()
+        self._check_timeouts()
+        self._replicate()
+        self._persist()
+        self._migrate_tick()
+        self._elastic_tick()
+        self._answer_clients()
+
+    def _close(self) -> JobResult:
+        """The job ended: persist the last step, release the nodes, the result."""
         self._final_persist()
         for node in self.nodes.values():
             self._send_node(node, {"t": "finish", "failed": self.state is JobState.FAILED})
@@ -375,11 +384,50 @@ class Coordinator:
         except queue.Empty:
             return
         while True:
-            self._on_event(kind, chan, msg)
+            self._dispatch(kind, chan, msg)
             try:
                 kind, chan, msg = self.server.events.get_nowait()
             except queue.Empty:
                 return
+
+    def _dispatch(self, kind: str, chan: Channel, msg: Message | None) -> None:
+        """Handle one event from the control server. A message its (authenticated) sender built
+        wrong -- a missing or mistyped field -- fails that sender only: a client gets an error, a
+        worker's channel is closed (the detector then recovers its rank), an agent's node is lost.
+        The coordinator goes on either way."""
+        try:
+            self._on_event(kind, chan, msg)
+        except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
+            self._protocol_error(chan, msg, e)
+
+    def _protocol_error(self, chan: Channel, msg: Message | None, e: Exception) -> None:
+        what = f"{type(e).__name__}: {e}"
+        t = msg.get("t") if isinstance(msg, dict) else None
+        log.warning("malformed %r message from %s: %s", t, chan.peer, what, exc_info=True)
+        tag = chan.tag
+        who: dict[str, Any] = {"peer": chan.peer, "message": t, "error": what}
+        if isinstance(tag, tuple) and tag[0] == "node" and tag[1] in self.nodes:
+            who["node"] = tag[1]
+            self.events.emit("protocol_error", **who)
+            node = self.nodes[tag[1]]
+            if node.alive and node.chan is chan:
+                self._lose_node(node, f"its agent broke the protocol ({what})")
+            return
+        if isinstance(tag, int) and tag in self.workers:
+            w = self.workers[tag]
+            who.update(spawn_id=tag, rank=w.rank)
+            self.events.emit("protocol_error", **who)
+            if w.chan is chan:  # the detector fails it once the channel has been closed a moment
+                w.chan_closed_at = time.monotonic()
+            chan.close()
+            return
+        self.events.emit("protocol_error", **who)
+        if isinstance(tag, tuple) and tag[0] == "client":
+            try:
+                chan.send({"t": "error", "error": f"malformed request: {what}"})
+            except ControlError:
+                pass
+        chan.close()
 
     def _on_event(self, kind: str, chan: Channel, msg: Message | None) -> None:
         role = chan.hello.get("role")

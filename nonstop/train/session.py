@@ -169,6 +169,17 @@ class Session:
             else:
                 yield shard
 
+    @property
+    def store(self) -> ChannelStore:
+        """The key-value store of this generation's process group (a ``torch.distributed.Store``
+        served by the coordinator), for the script's own rendezvous keys. Its keys are dropped
+        when a new generation starts. A request the coordinator refuses (``add`` on a key that
+        holds text, a fenced generation) raises :class:`~nonstop.errors.ControlError` here, as
+        torch's ``TCPStore`` raises; the job goes on."""
+        if self._rdzv is None:
+            raise ValueError("the process group's store exists once Session.run() has joined a generation")
+        return self._rdzv
+
     # -- channel threads -------------------------------------------------------------------
     def _reader(self) -> None:
         while True:

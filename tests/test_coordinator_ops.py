@@ -1,0 +1,180 @@
+"""The coordinator's operations driven tick by tick against fake peers (no process, no socket):
+start, recovery (and a failure during it), a migration aborted by its joiner's death, a shrink,
+and requests built wrong by authenticated peers, which must never take the coordinator down."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from nonstop.control.rdzv import KeyValueTable
+from nonstop.runtime.coordinator import JobState
+from tests.coord_fakes import FakeChannel, Harness
+
+
+def two_nodes(tmp_path: Path, **cfg: object) -> Harness:
+    cfg.setdefault("lease_ttl_s", 60.0)
+    h = Harness(tmp_path, nnodes=2, nproc_per_node=1, spares=1, coordinator="127.0.0.1:0", **cfg)
+    h.add_node("0", nproc=1, spares=1)
+    h.add_node("1", nproc=1, spares=1)
+    h.tick()
+    h.bring_up()
+    assert h.coord.state is JobState.RUNNING
+    return h
+
+
+def test_job_starts_on_two_nodes(tmp_path: Path) -> None:
+    h = two_nodes(tmp_path)
+    assert sorted(h.coord.members) == [0, 1]
+    assert {h.coord.rank_node[0], h.coord.rank_node[1]} == {"0", "1"}
+    roles = sorted(role for _, _, role in h.spawn_requests())
+    assert roles == ["spare", "spare", "worker", "worker"]
+    assert h.coord.generation == 1
+    gen = h.events("generation")
+    assert len(gen) == 1 and gen[0]["restore_step"] is None
+
+
+def test_recovery_takes_the_spare_on_the_failed_ranks_node(tmp_path: Path) -> None:
+    h = two_nodes(tmp_path)
+    h.step_all(2)
+    failed = h.coord.members[1]
+    h.exit(failed)
+    assert h.coord.state is JobState.RECONFIGURING and h.coord.generation == 2
+    new = h.coord.members[1]
+    assert new != failed and h.coord.workers[new].role == "worker"
+    assert h.coord.worker_node[new] == h.coord.rank_node[1]  # the spare on the node holding its data
+    reconf = h.member(1).last("reconfigure")
+    assert reconf["gen"] == 2 and reconf["restore_step"] == 2 and reconf["recovery"] is True
+    h.resume_all(3)
+    assert h.coord.state is JobState.RUNNING
+    [rec] = h.events("recovery")
+    assert rec["rank"] == 1 and rec["replacement"] == "spare" and rec["restore_step"] == 2
+
+
+def test_a_failure_during_recovery_replans_with_both(tmp_path: Path) -> None:
+    h = two_nodes(tmp_path)
+    h.step_all(2)
+    h.exit(h.coord.members[1])
+    assert h.coord.generation == 2
+    h.exit(h.coord.members[0])  # before anyone restored
+    assert h.coord.generation == 3
+    assert h.coord.reconf is not None and h.coord.reconf.replans == 1
+    h.resume_all(3)
+    assert h.coord.state is JobState.RUNNING
+    recs = h.events("recovery")
+    assert sorted(r["rank"] for r in recs) == [0, 1] and all(r["replans"] == 1 for r in recs)
+
+
+def test_migration_aborted_by_the_joiners_death(tmp_path: Path) -> None:
+    h = two_nodes(tmp_path)
+    h.step_all(2)
+    assert h.coord.request_migration(0, "1", "migrate") is None
+    h.tick()
+    m = h.coord.migration
+    assert m is not None and m.target == "1"
+    joiner = m.joiner_sid
+    h.tick()  # the target's agent answered the prepare fetch
+    assert h.workers[joiner].last("reconfigure")["prepare"] is True  # the fetch answered: it prepares
+    h.exit(joiner)
+    assert h.coord.migration is None
+    [ab] = h.events("migration_aborted")
+    assert ab["rank"] == 0 and "joiner" in ab["error"]
+    assert h.coord.state is JobState.RUNNING and h.coord.generation == 1  # nothing else changed
+
+
+def test_shrink_when_no_spare_is_left(tmp_path: Path) -> None:
+    h = Harness(
+        tmp_path, nnodes=2, nproc_per_node=1, spares=0, coordinator="127.0.0.1:0",
+        lease_ttl_s=60.0, min_world_size=1,
+    )  # fmt: skip
+    h.add_node("0", nproc=1)
+    h.add_node("1", nproc=1)
+    h.tick()
+    h.bring_up()
+    h.step_all(2)
+    h.lose_node("1")  # no spare anywhere: rank 1's shard goes to rank 0
+    assert h.coord.world_size == 1 and h.coord.generation == 2
+    [shrink] = h.events("shrink")
+    assert shrink["dropped"] == [1] and shrink["shards"] == {"0": [0, 1]}
+    assert h.member(0).last("reconfigure")["shards"] == [0, 1]
+    h.resume_all(3)
+    assert h.coord.state is JobState.RUNNING
+
+
+# -- requests built wrong -------------------------------------------------------------------------
+def test_kv_add_on_text_is_an_error_reply() -> None:
+    kv = KeyValueTable(generation=3)
+    sent: list[dict[str, object]] = []
+    out = kv.handle({"id": 1, "gen": 3, "op": "set", "key": "k", "value": "dGV4dA=="}, sent.append)
+    assert out[0][1] == {"t": "kv", "id": 1}
+    [(_, reply)] = kv.handle({"id": 2, "gen": 3, "op": "add", "key": "k", "amount": 1}, sent.append)
+    assert reply["id"] == 2 and "not a counter" in str(reply["error"])
+    [(_, reply)] = kv.handle({"id": 3, "gen": 3, "op": "add", "key": "n", "amount": "x"}, sent.append)
+    assert reply["id"] == 3 and "bad 'add' request" in str(reply["error"])
+    [(_, reply)] = kv.handle({"id": 4, "gen": 3, "op": "set", "key": "k", "value": "%%"}, sent.append)
+    assert reply["id"] == 4 and "error" in reply
+    [(_, reply)] = kv.handle({"id": "x", "gen": 3, "op": "get"}, sent.append)
+    assert "malformed request id" in str(reply["error"])
+    [(_, reply)] = kv.handle({"id": 5, "gen": 3, "op": "add", "key": "n", "amount": 2}, sent.append)
+    assert reply["value"] == 2  # the table still works
+
+
+def test_kv_misuse_by_a_worker_leaves_the_job_running(tmp_path: Path) -> None:
+    h = two_nodes(tmp_path)
+    h.worker_says(0, {"t": "kv", "id": 7, "op": "set", "key": "k", "value": "dGV4dA=="})
+    h.worker_says(0, {"t": "kv", "id": 8, "op": "add", "key": "k", "amount": 1})
+    h.tick()
+    reply = h.member(0).last("kv")
+    assert reply["id"] == 8 and "not a counter" in reply["error"]
+    assert h.coord.state is JobState.RUNNING
+    h.step_all(2)
+    assert h.coord.latest_step == {0: 2, 1: 2}
+
+
+def test_a_malformed_worker_message_fails_only_its_sender(tmp_path: Path) -> None:
+    h = two_nodes(tmp_path)
+    bad = h.member(1)
+    sid = h.coord.members[1]
+    h.put("msg", bad, {"t": "step", "gen": h.coord.generation})  # no step number
+    h.tick()
+    assert bad.closed and h.coord.state is JobState.RUNNING
+    [err] = h.events("protocol_error")
+    assert err["spawn_id"] == sid and err["rank"] == 1 and "KeyError" in err["error"]
+    time.sleep(0.6)  # the detector fails a worker whose channel stays closed (CLOSE_GRACE_S)
+    h.tick()
+    kill = h.agents[h.coord.worker_node[sid]].last("kill")
+    assert kill["spawn_id"] == sid
+    h.exit(sid)
+    assert h.coord.generation == 2 and h.coord.members[1] != sid  # recovered like any failure
+    h.resume_all(2)
+    assert h.coord.state is JobState.RUNNING
+
+
+def test_a_malformed_agent_message_loses_only_that_node(tmp_path: Path) -> None:
+    h = two_nodes(tmp_path)
+    h.step_all(2)
+    h.replicas["0"] = {1: {2}}  # node 0 holds rank 1's replica of step 2
+    h.put("msg", h.agents["1"], {"t": "exit"})  # no spawn id
+    h.tick()
+    assert not h.coord.nodes["1"].alive and h.coord.nodes["0"].alive
+    assert h.events("protocol_error")[0]["node"] == "1"
+    assert h.coord.state is JobState.RECONFIGURING and h.coord.generation == 2
+    assert h.coord.rank_node[1] == "0"  # its rank went to the spare on node 0
+    h.resume_all(3)
+    assert h.coord.state is JobState.RUNNING
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [{"t": "migrate"}, {"t": "migrate", "rank": "x"}, {"t": "drain"}, {"t": "status", "x": 1}, {"t": 5}],
+)
+def test_a_malformed_client_request_gets_an_error(tmp_path: Path, msg: dict[str, object]) -> None:
+    h = two_nodes(tmp_path)
+    client = FakeChannel({"role": "client"}, peer="client")
+    h.put("open", client)
+    h.put("msg", client, msg)
+    h.tick()
+    assert h.coord.state is JobState.RUNNING
+    assert any(m.get("t") in ("error", "status") for m in client.sent)
