@@ -27,7 +27,6 @@ tier when memory has no common step.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import os
@@ -66,6 +65,7 @@ from nonstop.runtime.migration import (
     swap_as_delta,
 )
 from nonstop.runtime.persistence import ClusterPersister
+from nonstop.runtime.phase import Busy, JobPhase, Op, legal, may_start
 from nonstop.runtime.policy import (
     FailureKind,
     Placement,
@@ -91,13 +91,7 @@ ROUND_RETRY_S = 0.05
 GROW_RETRY_S = 2.0  # an aborted grow (e.g. its prepare step was overwritten) is tried again after this
 
 
-class JobState(enum.StrEnum):
-    STARTING = "starting"
-    RECONFIGURING = "reconfiguring"
-    RUNNING = "running"
-    FINISHING = "finishing"
-    DONE = "done"
-    FAILED = "failed"
+JobState = JobPhase  # the name the launcher, the CLI and the tests know
 
 
 @dataclass
@@ -344,9 +338,38 @@ class Coordinator:
         self.events.emit("spawn", spawn_id=sid, role=role, rank=rank, node=node)
         return sid
 
+    def _set_state(self, new: JobPhase) -> None:
+        assert legal(self.state, new), f"the job cannot go from {self.state} to {new}"
+        self.state = new
+
+    def _busy(self) -> set[Busy]:
+        """What is under way now that may block a background operation (``phase.may_start``)."""
+        busy: set[Busy] = set()
+        m, z = self.migration, self.resize
+        if self.reconf is not None:
+            busy.add(Busy.RESUMING)
+        if (m is not None and m.phase is not MigrationPhase.PREPARE) or (
+            z is not None and z.boundary is not None
+        ):
+            busy.add(Busy.SWAPPING)
+        if m is not None or self._migrate_queue:
+            busy.add(Busy.MIGRATING)
+        if z is not None:
+            busy.add(Busy.GROWING)
+        if self._awaiting:
+            busy.add(Busy.RESYNCING)
+        if self.done_ranks:
+            busy.add(Busy.ENDING)
+        return busy
+
+    def _may_start(self, op: Op) -> bool:
+        return may_start(op, self.state, self._busy())
+
     def _fail(self, error: str) -> None:
+        if self.state.is_terminal:
+            return  # the first cause stands
         self.error = error
-        self.state = JobState.FAILED
+        self._set_state(JobState.FAILED)
         self.events.emit("job_failed", error=error)
         for w in self.workers.values():
             self._send(w, {"t": "abort", "error": error})
@@ -935,7 +958,7 @@ class Coordinator:
             if f.kind == FailureKind.NODE_LOST.value and f.fault_at is None:
                 f.fault_at = by_node.get(self.worker_node.get(f.spawn_id, ""))
         if self.state is JobState.FINISHING and not self._members_alive():
-            self.state = JobState.DONE
+            self._set_state(JobState.DONE)
             self.events.emit("job_done", generation=self.generation)
         if failures and self.state not in (JobState.DONE, JobState.FAILED):
             self._on_failures(failures)
@@ -1230,7 +1253,7 @@ class Coordinator:
     def _open_generation(self) -> None:
         """Generation + 1: fence the old one (its fetches, rendezvous, replication round)."""
         self.generation += 1
-        self.state = JobState.RECONFIGURING
+        self._set_state(JobState.RECONFIGURING)
         self.reconf = None
         for req in [q for q, (_, gen) in self._waiting_fetch.items() if gen < self.generation]:
             del self._waiting_fetch[req]  # a late answer is ignored (its generation is over)
@@ -1533,7 +1556,7 @@ class Coordinator:
             for sid in self.members.values():
                 self._send(self.workers[sid], {"t": "rebuild", "gen": r.generation})
         if after in (Stage.RESUME, Stage.DONE) and before not in (Stage.RESUME, Stage.DONE):
-            self.state = JobState.RUNNING
+            self._set_state(JobState.RUNNING)
             now_m = time.monotonic()
             for sid in self.members.values():
                 self.workers[sid].last_progress = now_m
@@ -1556,17 +1579,8 @@ class Coordinator:
     # -- replication -------------------------------------------------------------------------------
     def _replicate(self) -> None:
         """Start the next replication round when the previous one is done (RUNNING only)."""
-        if not self.replication_on or self.state is not JobState.RUNNING or self._round is not None:
+        if not self.replication_on or self._round is not None or not self._may_start(Op.REPLICATE):
             return
-        if self.reconf is not None:
-            return  # the new generation's first step is on the critical path: replicate after it
-        m, z = self.migration, self.resize
-        if (m is not None and m.phase is not MigrationPhase.PREPARE) or (
-            z is not None and z.boundary is not None
-        ):
-            return  # ranks are pausing at a boundary or swapping: that step is held in memory anyway
-        if self._awaiting:
-            return  # restored: not every node is back yet
         if time.monotonic() < self._round_retry_at:
             return
         if len(self.latest_step) < self.world_size:
@@ -1701,12 +1715,7 @@ class Coordinator:
         self._release_drained()
         m = self.migration
         if m is None:
-            if (
-                self._migrate_queue
-                and self.state is JobState.RUNNING
-                and self.reconf is None
-                and not self._awaiting
-            ):
+            if self._migrate_queue and self._may_start(Op.MIGRATE):
                 self._start_migration(*self._migrate_queue.pop(0))
             return
         if m.phase in (MigrationPhase.PAUSE, MigrationPhase.SWAP):
@@ -1975,12 +1984,7 @@ class Coordinator:
     def _maybe_grow(self) -> None:
         if (
             self.world_size >= self.config.world_size
-            or self.state is not JobState.RUNNING
-            or self.reconf is not None
-            or self.migration is not None
-            or self._migrate_queue
-            or self._awaiting
-            or self.done_ranks
+            or not self._may_start(Op.GROW)
             or time.monotonic() < self._grow_retry_at
         ):
             return
@@ -2336,7 +2340,7 @@ class Coordinator:
         if rounds is None or self._awaiting:
             return
         rounds.check(set(self._alive_nodes()))
-        if self.state is JobState.RUNNING and len(self.latest_step) == self.world_size:
+        if self._may_start(Op.PERSIST) and len(self.latest_step) == self.world_size:
             if rounds.wanted(self.committed()):
                 rounds.start(self.committed(), self._placement())
 
@@ -2376,7 +2380,7 @@ class Coordinator:
         for rank in [q[0] for q in self._migrate_queue]:
             self._answer_migration(rank, ok=False, error="the job finished first")
         self._migrate_queue.clear()
-        self.state = JobState.FINISHING
+        self._set_state(JobState.FINISHING)
         self.events.emit("finish", step=min(self.latest_step.values(), default=0), generation=self.generation)
         for w in self.workers.values():
             self._send(w, {"t": "finish"})
