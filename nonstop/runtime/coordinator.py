@@ -45,11 +45,9 @@ from nonstop.errors import ControlError, NonstopError
 from nonstop.faults import fired_at
 from nonstop.runtime.detector import FailureDetector, WorkerRecord
 from nonstop.runtime.elastic import (
-    ElasticAction,
     ElasticPolicy,
     Resize,
     assign_shards,
-    renumber,
     resume_sources,
 )
 from nonstop.runtime.eventlog import EventLog
@@ -66,13 +64,11 @@ from nonstop.runtime.migration import (
 )
 from nonstop.runtime.persistence import ClusterPersister
 from nonstop.runtime.phase import Busy, JobPhase, Op, legal, may_start
+from nonstop.runtime.planning import Inventory, PlanAction, Shrink, plan_generation
 from nonstop.runtime.policy import (
     FailureKind,
-    Placement,
     QuarantinePolicy,
-    choose_replacements,
     classify_exit,
-    committed_step,
     describe_exit,
     place_replicas,
 )
@@ -1105,21 +1101,18 @@ class Coordinator:
         *,
         replans: int = 0,
         replacements: dict[int, str] | None = None,
-        inventory: bool = False,
+        inventory_needed: bool = False,
     ) -> None:
         """Plan and start generation + 1. Every rank restores the newest step all ranks hold
         (memory first, then durable) when there are ``failures``, a resumed checkpoint to
-        install, or ``inventory`` (a restarted coordinator redoing an interrupted recovery)."""
+        install, or ``inventory_needed`` (a restarted coordinator redoing an interrupted recovery).
+        The decision is :func:`~nonstop.runtime.planning.plan_generation`'s; this carries it out."""
         now = time.time()
         self._open_generation()
         alive_nodes = self._alive_nodes()
-        if not alive_nodes:
-            self._fail("every node is lost or quarantined; nothing left to run on")
-            return
-        restore_step: int | None = None
-        avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
-        if failures or self.initial_step is not None or inventory:
-            avail = self._inventories()
+        inventory: Inventory | None = None
+        if alive_nodes and (failures or self.initial_step is not None or inventory_needed):
+            inventory = self._inventories()
             members = set(self.members.values())
             if any(ex.sid in members for ex in self._exits):
                 # More ranks were lost while the nodes answered (a second node going down with
@@ -1127,48 +1120,38 @@ class Coordinator:
                 self._deferred = (failures, replans, dict(replacements or {}))
                 self.events.emit("replan_deferred", generation=self.generation)
                 return
-            restore_step = committed_step({r: list(s) for r, s in avail.items()}, self.world_size)
             self.initial_step = None
-        missing = [r for r in range(self.world_size) if r not in self.members]
-        idle = self._idle_spares()
-        load = {n: sum(1 for r in self.members if self.rank_node.get(r) == n) for n in alive_nodes}
-        placements = choose_replacements(
-            failed={r: self.rank_node.get(r) for r in missing},
-            spares=idle,
-            data_nodes={
-                r: [n for n, _ in avail.get(r, {}).get(restore_step, [])] if restore_step is not None else []
-                for r in missing
-            },
+        plan = plan_generation(
+            world_size=self.world_size,
+            present=set(self.members),
+            last_node=dict(self.rank_node),
+            inventory=inventory,
+            idle_spares=self._idle_spares(),
             live_nodes=alive_nodes,
-            load=load,
-            cold_elsewhere=not self.elastic.enabled,
+            load={n: sum(1 for r in self.members if self.rank_node.get(r) == n) for n in alive_nodes},
+            elastic=self.elastic,
+            waited_s=now - min((f.detected_at for f in failures), default=now),
+            recovering=bool(failures),
         )
+        if plan.action is PlanAction.FAIL:
+            self._fail(plan.reason)
+            return
+        if plan.action is PlanAction.WAIT:
+            for sid in self.members.values():  # their fault reports are answered after the wait
+                self.workers[sid].fault_report = None
+            self._deferred = (failures, replans, dict(replacements or {}))
+            self._replan_at = time.monotonic() + plan.wait_s
+            self.events.emit("elastic_wait", ranks=list(plan.unplaced), wait_s=plan.wait_s)
+            return
         from_rank: dict[int, int] = {}
-        unplaced = [r for r in missing if r not in placements]
-        if unplaced:
-            first = min((f.detected_at for f in failures), default=now)
-            decision = self.elastic.on_unplaced(
-                world_size=self.world_size, unplaced=len(unplaced), waited_s=now - first
-            )
-            if decision.action is ElasticAction.WAIT:
-                for sid in self.members.values():  # their fault reports are answered after the wait
-                    self.workers[sid].fault_report = None
-                self._deferred = (failures, replans, dict(replacements or {}))
-                self._replan_at = time.monotonic() + decision.wait_s
-                self.events.emit("elastic_wait", ranks=unplaced, wait_s=decision.wait_s)
-                return
-            if decision.action is ElasticAction.FAIL:
-                self._fail(decision.reason)
-                return
-            placements, avail, from_rank = self._shrink(unplaced, placements, avail, decision.reason)
-            if avail:
-                # the newest step every rank that stays holds: a data-parallel rank's snapshot has
-                # every shard's gradient up to its step, so the dropped ranks are not needed
-                restore_step = committed_step({r: list(st) for r, st in avail.items()}, self.world_size)
+        if plan.shrink is not None:
+            from_rank = self._shrink(plan.shrink, plan.reason)
+        placements, avail, restore_step = plan.placements, plan.inventory, plan.restore_step
+        unplaced = plan.unplaced
         for rank, p in placements.items():
             self.rank_node[rank] = p.node
         tier = "memory"
-        if failures and restore_step is None:
+        if plan.action is PlanAction.FROM_DURABLE:
             restore_step = self._restore_from_durable()
             tier = "durable"
             if restore_step is None:
@@ -1216,19 +1199,13 @@ class Coordinator:
             r.from_rank.pop(rank, None)
         self._launch(r, tier=tier, fetches=fetches)
 
-    def _shrink(
-        self,
-        unplaced: list[int],
-        placements: dict[int, Placement],
-        avail: dict[int, dict[int, list[tuple[str, str]]]],
-        why: str,
-    ) -> tuple[dict[int, Placement], dict[int, dict[int, list[tuple[str, str]]]], dict[int, int]]:
-        """Drop the ``unplaced`` ranks: the ranks that stay are renumbered ``0..W'-1`` in their
-        old order and the shards spread over them. Returns the placements and the memory
-        inventory under the new numbering, and new rank -> old rank for every rank renumbered."""
+    def _shrink(self, shrink: Shrink, why: str) -> dict[int, int]:
+        """Drop ``shrink.dropped``: the ranks that stay are renumbered ``0..W'-1`` in their old
+        order and the shards spread over them. Returns new rank -> old rank for every rank
+        renumbered."""
         old_world = self.world_size
-        new_of = renumber([r for r in range(old_world) if r not in unplaced])
-        self.world_size = len(new_of)
+        new_of = shrink.new_of
+        self.world_size = shrink.world_size
         self.members = {new_of[r]: sid for r, sid in self.members.items() if r in new_of}
         for rank, sid in self.members.items():
             self.workers[sid].rank = rank
@@ -1239,16 +1216,12 @@ class Coordinator:
             "shrink",
             world_size=self.world_size,
             old_world_size=old_world,
-            dropped=unplaced,
+            dropped=list(shrink.dropped),
             renumbered={str(o): n for o, n in new_of.items() if o != n},
             shards={str(r): list(sh) for r, sh in enumerate(assign_shards(self.num_shards, self.world_size))},
             reason=why,
         )
-        return (
-            {new_of[r]: p for r, p in placements.items()},
-            {new_of[r]: st for r, st in avail.items() if r in new_of},
-            {n: o for o, n in new_of.items() if o != n},
-        )
+        return {n: o for o, n in new_of.items() if o != n}
 
     def _open_generation(self) -> None:
         """Generation + 1: fence the old one (its fetches, rendezvous, replication round)."""
@@ -1379,9 +1352,7 @@ class Coordinator:
             and not self.nodes[self.worker_node[sid]].draining
         }
 
-    def _plan_fetches(
-        self, r: Reconfiguration, step: int, avail: dict[int, dict[int, list[tuple[str, str]]]]
-    ) -> dict[int, str]:
+    def _plan_fetches(self, r: Reconfiguration, step: int, avail: Inventory) -> dict[int, str]:
         """Have each node that will play a rank without holding ``step`` of it fetch it from a peer."""
         out: dict[int, str] = {}
         for rank in range(self.world_size):
@@ -2190,7 +2161,7 @@ class Coordinator:
         if self._resync and not self._awaiting and self.state is not JobState.FAILED:
             self._resync = False
             if self.members:
-                self._begin_generation([], inventory=True)
+                self._begin_generation([], inventory_needed=True)
         try:
             self.jobs.save(self.record())
         except ControlError as e:

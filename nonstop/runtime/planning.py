@@ -1,0 +1,147 @@
+"""Recovery planning as one pure function: what the next generation does about missing ranks.
+
+:func:`plan_generation` takes what the coordinator knows -- which ranks still have a process,
+where the missing ones ran, what every live node's memory holds (the inventory), the idle hot
+spares, the live nodes and their load, the elastic policy and how long the job has waited -- and
+returns a :class:`Plan`:
+
+* ``REPLACE``: every missing rank gets a process (a spare, else a cold one); every rank restores
+  ``restore_step`` from memory (None: a fresh start, nothing to restore);
+* ``SHRINK``: no process can be had for some ranks and the elastic policy says go on without
+  them: the ranks that stay are renumbered (``new_of``) and ``restore_step`` is the newest step
+  every one of them holds;
+* ``FROM_DURABLE``: memory holds no step common to every rank: restore from the durable tier
+  (the coordinator tries its checkpoints newest first; ``shrink`` is set too when it shrank);
+* ``WAIT``: the elastic policy waits ``wait_s`` for a spare before deciding again;
+* ``FAIL``: nothing can play the job any more (``reason``).
+
+It is built from the existing pure policies (``committed_step``, ``choose_replacements``,
+``ElasticPolicy``, ``renumber``); the coordinator carries a plan out, and the simulator can ask
+the same function.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass, field
+
+from nonstop.runtime.elastic import ElasticAction, ElasticPolicy, renumber
+from nonstop.runtime.policy import Placement, choose_replacements, committed_step
+
+__all__ = ["Inventory", "Plan", "PlanAction", "Shrink", "plan_generation"]
+
+# rank -> step -> [(node, "local" | "replica")]: where each rank's snapshots are in memory
+Inventory = Mapping[int, Mapping[int, Sequence[tuple[str, str]]]]
+
+
+class PlanAction(enum.StrEnum):
+    REPLACE = "replace"
+    SHRINK = "shrink"
+    FROM_DURABLE = "from_durable"
+    WAIT = "wait"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shrink:
+    """Ranks dropped, and old rank -> new rank of every rank that stays (in its old order)."""
+
+    dropped: tuple[int, ...]
+    new_of: Mapping[int, int]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.new_of)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The decision for the next generation; ranks are numbered as in that generation."""
+
+    action: PlanAction
+    placements: Mapping[int, Placement] = field(default_factory=dict)
+    restore_step: int | None = None
+    inventory: Inventory = field(default_factory=dict)  # renumbered when shrunk
+    shrink: Shrink | None = None
+    wait_s: float = 0.0
+    unplaced: tuple[int, ...] = ()
+    reason: str = ""
+
+
+def plan_generation(
+    *,
+    world_size: int,
+    present: Set[int],
+    last_node: Mapping[int, str | None],
+    inventory: Inventory | None,
+    idle_spares: Mapping[int, str],
+    live_nodes: Sequence[str],
+    load: Mapping[str, int],
+    elastic: ElasticPolicy,
+    waited_s: float,
+    recovering: bool,
+) -> Plan:
+    """Plan generation + 1 (pure, deterministic).
+
+    ``present``: ranks whose process lives on; ``last_node``: where each missing rank ran;
+    ``inventory``: None when no restore is needed (a fresh start); ``recovering``: failures
+    caused this generation (then a step every rank holds is required: memory, else durable).
+    """
+    if not live_nodes:
+        return Plan(
+            action=PlanAction.FAIL, reason="every node is lost or quarantined; nothing left to run on"
+        )
+    avail: Inventory = inventory or {}
+    restore_step = None if inventory is None else committed_step(_steps(avail), world_size)
+    missing = [r for r in range(world_size) if r not in present]
+    placements = choose_replacements(
+        failed={r: last_node.get(r) for r in missing},
+        spares=idle_spares,
+        data_nodes={
+            r: [n for n, _ in avail.get(r, {}).get(restore_step, [])] if restore_step is not None else []
+            for r in missing
+        },
+        live_nodes=live_nodes,
+        load=load,
+        cold_elsewhere=not elastic.enabled,
+    )
+    unplaced = tuple(r for r in missing if r not in placements)
+    shrink: Shrink | None = None
+    why = ""
+    if unplaced:
+        decision = elastic.on_unplaced(world_size=world_size, unplaced=len(unplaced), waited_s=waited_s)
+        if decision.action is ElasticAction.WAIT:
+            return Plan(
+                action=PlanAction.WAIT, wait_s=decision.wait_s, unplaced=unplaced, reason=decision.reason
+            )
+        if decision.action is ElasticAction.FAIL:
+            return Plan(action=PlanAction.FAIL, unplaced=unplaced, reason=decision.reason)
+        why = decision.reason
+        new_of = renumber([r for r in range(world_size) if r not in unplaced])
+        shrink = Shrink(dropped=unplaced, new_of=new_of)
+        placements = {new_of[r]: p for r, p in placements.items()}
+        avail = {new_of[r]: st for r, st in avail.items() if r in new_of}
+        if avail:
+            # the newest step every rank that stays holds: a data-parallel rank's snapshot has
+            # every shard's gradient up to its step, so the dropped ranks are not needed
+            restore_step = committed_step(_steps(avail), shrink.world_size)
+    if recovering and restore_step is None:
+        return Plan(
+            action=PlanAction.FROM_DURABLE, placements=placements, shrink=shrink, unplaced=unplaced, reason=(
+                "no step is snapshotted for every rank in memory"
+            ),
+        )  # fmt: skip
+    return Plan(
+        action=PlanAction.SHRINK if shrink is not None else PlanAction.REPLACE,
+        placements=placements,
+        restore_step=restore_step,
+        inventory=avail,
+        shrink=shrink,
+        unplaced=unplaced,
+        reason=why,
+    )
+
+
+def _steps(avail: Inventory) -> dict[int, list[int]]:
+    return {r: list(steps) for r, steps in avail.items()}

@@ -1,0 +1,100 @@
+"""plan_generation: the pure recovery plan over a table of situations."""
+
+from __future__ import annotations
+
+from nonstop.runtime.elastic import ElasticPolicy
+from nonstop.runtime.planning import PlanAction, plan_generation
+
+FIXED = ElasticPolicy(full_world_size=4, min_world_size=4, wait_s=0.0)  # not elastic
+ELASTIC = ElasticPolicy(full_world_size=4, min_world_size=2, wait_s=0.0)
+PATIENT = ElasticPolicy(full_world_size=4, min_world_size=2, wait_s=30.0)
+
+
+def inv(steps: dict[int, list[int]], node_of: dict[int, str]) -> dict[int, dict[int, list[tuple[str, str]]]]:
+    return {r: {s: [(node_of[r], "local")] for s in st} for r, st in steps.items()}
+
+
+NODE_OF = {0: "a", 1: "a", 2: "b", 3: "b"}
+
+
+def plan(**kw: object):  # type: ignore[no-untyped-def]
+    args: dict[str, object] = dict(
+        world_size=4,
+        present={0, 1, 2},
+        last_node=NODE_OF,
+        inventory=inv({0: [5, 6], 1: [5, 6], 2: [5, 6], 3: [5]}, NODE_OF),
+        idle_spares={10: "b"},
+        live_nodes=["a", "b"],
+        load={"a": 2, "b": 1},
+        elastic=FIXED,
+        waited_s=0.0,
+        recovering=True,
+    )
+    args.update(kw)
+    return plan_generation(**args)  # type: ignore[arg-type]
+
+
+def test_replace_with_the_spare_on_the_failed_ranks_node_at_the_newest_common_step() -> None:
+    p = plan()
+    assert p.action is PlanAction.REPLACE and p.restore_step == 5
+    assert p.placements[3].node == "b" and p.placements[3].spare == 10
+    assert p.shrink is None
+
+
+def test_no_spare_a_cold_process_where_the_rank_ran() -> None:
+    p = plan(idle_spares={})
+    assert p.action is PlanAction.REPLACE and p.placements[3].spare is None and p.placements[3].node == "b"
+
+
+def test_node_lost_elastic_shrinks_and_renumbers() -> None:
+    p = plan(
+        present={0, 1},
+        idle_spares={},
+        live_nodes=["a"],
+        load={"a": 2},
+        elastic=ELASTIC,
+        inventory=inv({0: [7], 1: [7]}, NODE_OF),
+    )
+    assert p.action is PlanAction.SHRINK and p.shrink is not None
+    assert p.shrink.dropped == (2, 3) and dict(p.shrink.new_of) == {0: 0, 1: 1} and p.shrink.world_size == 2
+    assert p.restore_step == 7 and not p.placements
+
+
+def test_shrink_renumbers_a_rank_after_a_dropped_one() -> None:
+    p = plan(present={0, 2}, idle_spares={}, live_nodes=["b"], load={"b": 1}, elastic=ELASTIC,
+             last_node={0: "b", 1: "a", 2: "b", 3: "a"},
+             inventory={0: {4: [("b", "replica")]}, 2: {4: [("b", "local")]}})  # fmt: skip
+    assert p.action is PlanAction.SHRINK and p.shrink is not None
+    # ranks 1 and 3 ran on the lost node: no process (in an elastic job a node hosts its own ranks)
+    assert p.shrink.dropped == (1, 3) and dict(p.shrink.new_of) == {0: 0, 2: 1}
+    assert set(p.inventory) == {0, 1} and p.restore_step == 4
+
+
+def test_elastic_waits_for_a_spare_first() -> None:
+    p = plan(present={0, 1}, idle_spares={}, live_nodes=["a"], load={"a": 2}, elastic=PATIENT, waited_s=10.0)
+    assert p.action is PlanAction.WAIT and p.wait_s == 20.0 and p.unplaced == (2, 3)
+    later = plan(present={0, 1}, idle_spares={}, live_nodes=["a"], load={"a": 2}, elastic=PATIENT,
+                 waited_s=31.0, inventory=inv({0: [7], 1: [7]}, NODE_OF))  # fmt: skip
+    assert later.action is PlanAction.SHRINK
+
+
+def test_below_the_minimum_fails() -> None:
+    p = plan(present={0}, idle_spares={}, live_nodes=["a"], load={"a": 1},
+             elastic=ElasticPolicy(full_world_size=4, min_world_size=3, wait_s=0.0))  # fmt: skip
+    assert p.action is PlanAction.FAIL and "3" in p.reason
+
+
+def test_no_common_step_in_memory_goes_to_the_durable_tier() -> None:
+    p = plan(inventory=inv({0: [6], 1: [6], 2: [6]}, NODE_OF))  # rank 3's memory is gone
+    assert p.action is PlanAction.FROM_DURABLE and p.restore_step is None
+    assert p.placements[3].node == "b"
+
+
+def test_a_fresh_start_restores_nothing() -> None:
+    p = plan(present=set(), inventory=None, recovering=False, idle_spares={})
+    assert p.action is PlanAction.REPLACE and p.restore_step is None and len(p.placements) == 4
+
+
+def test_no_live_node_fails() -> None:
+    p = plan(live_nodes=[])
+    assert p.action is PlanAction.FAIL and "every node" in p.reason
