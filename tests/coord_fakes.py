@@ -12,6 +12,7 @@ from nonstop.config import JobConfig
 from nonstop.errors import ControlError
 from nonstop.runtime.coordinator import Coordinator
 from nonstop.runtime.eventlog import EventLog, read_events
+from nonstop.runtime.jobstore import JobStore
 
 Message = dict[str, Any]
 
@@ -55,13 +56,19 @@ class FakeServer:
 class Harness:
     """A coordinator, its fake peers, and helpers to play the agents' and workers' parts."""
 
-    def __init__(self, job_dir: Path, **cfg: Any) -> None:
+    def __init__(self, job_dir: Path, *, jobs: JobStore | None = None, **cfg: Any) -> None:
         cfg.setdefault("script", "train.py")
+        job_dir.mkdir(parents=True, exist_ok=True)
         self.config = JobConfig(job_dir=job_dir, **cfg)
         self.server = FakeServer()
         self.log = EventLog(job_dir / "events.jsonl")
         self.coord = Coordinator(
-            config=self.config, server=self.server, events=self.log, job_id="fakejob", worker_env={}
+            config=self.config,
+            server=self.server,
+            events=self.log,
+            job_id="fakejob",
+            worker_env={},
+            jobs=jobs,
         )
         self.agents: dict[str, FakeChannel] = {}
         self.workers: dict[int, FakeChannel] = {}  # spawn id -> its channel
@@ -77,6 +84,24 @@ class Harness:
     def tick(self, n: int = 1) -> None:
         for _ in range(n):
             self.coord.tick(0)
+
+    def reattach_node(self, name: str) -> FakeChannel:
+        """Node ``name``'s agent reconnects to a restarted coordinator."""
+        old = self.agents[name]
+        chan = FakeChannel({**old.hello, "resume": {}}, peer=f"agent-{name}", on_send=self._agent_answers)
+        self.agents[name] = chan
+        self.put("open", chan)
+        self.tick()
+        return chan
+
+    def reconnect_worker(self, sid: int, resume: Message) -> FakeChannel:
+        """Worker ``sid`` reconnects to a restarted coordinator, saying where it is."""
+        old = self.workers[sid]
+        chan = FakeChannel({**old.hello, "resume": resume}, peer=f"worker-{sid}")
+        self.workers[sid] = chan
+        self.put("open", chan)
+        self.tick()
+        return chan
 
     def add_node(self, name: str, *, nproc: int = 1, spares: int = 0) -> FakeChannel:
         hello = {

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from nonstop.control.embedded import EmbeddedStore
 from nonstop.control.rdzv import KeyValueTable
 from nonstop.runtime.coordinator import JobState
+from nonstop.runtime.jobstore import JobStore
 from tests.coord_fakes import FakeChannel, Harness
 
 
@@ -178,3 +180,53 @@ def test_a_malformed_client_request_gets_an_error(tmp_path: Path, msg: dict[str,
     h.tick()
     assert h.coord.state is JobState.RUNNING
     assert any(m.get("t") in ("error", "status") for m in client.sent)
+
+
+# -- a coordinator restarted (store mode) with an operation in flight -----------------------------
+def test_a_restarted_coordinator_aborts_a_migration_it_finds_unswapped(tmp_path: Path) -> None:
+    jobs = JobStore(EmbeddedStore(), "fakejob")  # what etcd would hold, in process
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 32)
+    keepers = [jobs.register_node(n, "127.0.0.1:1", ttl=60.0) for n in ("0", "1")]
+    try:
+        a = Harness(tmp_path / "a", jobs=jobs, nnodes=2, nproc_per_node=1, spares=1,
+                    coordinator="127.0.0.1:1", lease_ttl_s=60.0, store="etcd://127.0.0.1:1", secret_file=secret)  # fmt: skip
+        a.coord._open_store()
+        a.add_node("0", nproc=1, spares=1)
+        a.add_node("1", nproc=1, spares=1)
+        a.tick()
+        a.bring_up()
+        a.step_all(2)
+        assert a.coord.request_migration(0, "1", "migrate") is None
+        a.tick(2)
+        m = a.coord.migration
+        assert m is not None and "fetched" in m.marks  # the joiner took rank 0 to prepare
+        joiner = m.joiner_sid
+        assert a.coord.request_migration(0, "1", "migrate") is not None  # already moving
+        jobs.save(a.coord.record())
+        assert a.coord._leader is not None
+        a.coord._leader.stop(revoke=True)  # the coordinator dies; its record stays in the store
+
+        b = Harness(tmp_path / "b", jobs=jobs, nnodes=2, nproc_per_node=1, spares=1,
+                    coordinator="127.0.0.1:1", lease_ttl_s=60.0, store="etcd://127.0.0.1:1", secret_file=secret)  # fmt: skip
+        b.agents, b.workers, b.held = a.agents, a.workers, a.held
+        b.coord._open_store()
+        assert b.coord.workers[joiner].role == "joiner"
+        b.reattach_node("0")
+        b.reattach_node("1")
+        b.tick()
+        assert b.coord.workers[joiner].role == "retired"
+        assert b.agents["1"].last("kill")["spawn_id"] == joiner
+        assert any(role == "spare" and node == "1" for node, _, role in b.spawn_requests())
+        [ab] = b.events("migration_aborted")
+        assert ab["rank"] == 0 and ab["error"] == "the coordinator restarted"
+        for rank in (0, 1):
+            sid = b.coord.members[rank]
+            chan = b.reconnect_worker(sid, {"gen": b.coord.generation, "step": 2})
+            assert chan.last("continue")  # paused ranks go on
+        assert b.coord.state is JobState.RUNNING
+        assert b.coord.request_migration(0, "1", "migrate") is None  # it can be asked again
+        b.coord._close_store()
+    finally:
+        for k in keepers:
+            k.stop(revoke=True)

@@ -231,6 +231,10 @@ class Coordinator:
         self._migrate_clients: dict[int, list[Channel]] = {}  # rank -> clients waiting for it
         self._step_at: dict[int, tuple[int, float]] = {}  # rank -> (step, when its report arrived)
         self.migrations_done: list[dict[str, Any]] = []
+        # restored from the store: operations the previous coordinator had in flight, and the
+        # members to tell to go on once they reconnect (they may be paused at a boundary)
+        self._interrupted: dict[str, dict[str, Any]] = {}
+        self._continue_on_resume: set[int] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -2158,6 +2162,8 @@ class Coordinator:
                 else:
                     self._awaiting.pop(node.name, None)
                     self._lose_node(node, f"did not reconnect within {self.config.reconnect_s:g}s")
+        if self._interrupted and not self._awaiting:
+            self._end_interrupted()
         if self._resync and not self._awaiting and self.state is not JobState.FAILED:
             self._resync = False
             if self.members:
@@ -2166,6 +2172,42 @@ class Coordinator:
             self.jobs.save(self.record())
         except ControlError as e:
             log.warning("saving the job record: %s", e)
+
+    def _end_interrupted(self) -> None:
+        """A migration or grow the previous coordinator had in flight (every node is back now):
+        one that had not swapped yet is aborted -- a joiner that took the rank in its script is
+        replaced by a fresh spare, one that had not is idle again, ranks paused at the boundary
+        go on; one that had swapped is finished by the resync generation (its joiners are
+        members). Queued migrations were queued again by ``_restore``."""
+        why = "the coordinator restarted"
+        for kind, op in sorted(self._interrupted.items()):
+            if op.get("swapped"):
+                self.events.emit("operation_resumed", operation=kind, generation=self.generation)
+                continue
+            joiners = [int(op["joiner"])] if kind == "migration" else [int(s) for s in op["joiners"]]
+            told = {int(op["joiner"])} if kind == "migration" and op.get("told") else set(op.get("told", []))
+            for sid in joiners:
+                w = self.workers.get(sid)
+                if w is None or w.role != "joiner":
+                    continue
+                if sid in told:
+                    w.role, w.rank = "retired", None
+                    self._kill(sid, signal.SIGKILL)
+                    node = self.nodes.get(self.worker_node.get(sid, ""))
+                    if node is not None and node.alive:
+                        self._spawn(node.name, "spare", None)
+                else:
+                    w.role, w.rank = "spare", None
+            self._continue_on_resume |= set(self.members.values())
+            for sid in list(self._continue_on_resume):
+                if self.workers[sid].chan is not None:
+                    self._send(self.workers[sid], {"t": "continue"})
+                    self._continue_on_resume.discard(sid)
+            if kind == "migration":
+                self.events.emit("migration_aborted", rank=op.get("rank"), phase=op.get("phase"), error=why)
+            else:
+                self.events.emit("grow_aborted", boundary=None, error=why)
+        self._interrupted = {}
 
     def _revoke(self, node: NodeRecord) -> None:
         assert self.jobs is not None
@@ -2198,6 +2240,9 @@ class Coordinator:
             self.latest_step[rank] = max(self.latest_step.get(rank, 0), step)
             if resume.get("done"):
                 self.done_ranks.add(rank)
+        if w.spawn_id in self._continue_on_resume:  # paused for an operation that was aborted
+            self._continue_on_resume.discard(w.spawn_id)
+            self._send(w, {"t": "continue"})
         if self.state is JobState.FINISHING:
             self._send(w, {"t": "finish"})  # it may have missed it
         elif self.state is JobState.RUNNING and self.done_ranks >= set(range(self.world_size)):
@@ -2226,6 +2271,24 @@ class Coordinator:
             "latest_step": {str(r): s for r, s in self.latest_step.items()},
             "replicated_step": self.replicated_step,
             "done_ranks": sorted(self.done_ranks),
+            # operations in flight: a restarted coordinator ends them cleanly (_end_interrupted)
+            "migration": None
+            if self.migration is None
+            else {
+                "rank": self.migration.rank,
+                "joiner": self.migration.joiner_sid,
+                "phase": str(self.migration.phase),
+                "swapped": self.migration.generation is not None,
+                "told": "fetched" in self.migration.marks,  # the joiner took the rank to prepare
+            },
+            "grow": None
+            if self.resize is None
+            else {
+                "joiners": list(self.resize.joiners),
+                "told": [sid for sid in self.resize.joiners if sid not in self.resize.fetches.values()],
+                "swapped": self.resize.generation is not None,
+            },
+            "migrate_queue": [[q[0], q[1], q[2]] for q in self._migrate_queue],
             "failures_total": self.failures_total,
             "reports": self.reports,
             "nodes": {
@@ -2288,6 +2351,9 @@ class Coordinator:
             self.nodes[name] = node
             if node.alive:
                 self._awaiting[name] = now
+        self._interrupted = {k: rec[k] for k in ("migration", "grow") if rec.get(k)}
+        for rank, target, reason in rec.get("migrate_queue", []):
+            self._migrate_queue.append((int(rank), target, str(reason), now))
         state = JobState(str(rec["state"]))
         self.state = JobState.RUNNING if state is JobState.RECONFIGURING else state
         self._resync = state in (JobState.RECONFIGURING, JobState.STARTING) and bool(self.members)
