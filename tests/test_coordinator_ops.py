@@ -187,10 +187,13 @@ def test_a_restarted_coordinator_aborts_a_migration_it_finds_unswapped(tmp_path:
     jobs = JobStore(EmbeddedStore(), "fakejob")  # what etcd would hold, in process
     secret = tmp_path / "secret"
     secret.write_text("x" * 32)
+    cfg: dict[str, object] = dict(
+        nnodes=2, nproc_per_node=1, spares=1, coordinator="127.0.0.1:1", lease_ttl_s=60.0,
+        store="etcd://127.0.0.1:1", secret_file=secret,
+    )  # fmt: skip
     keepers = [jobs.register_node(n, "127.0.0.1:1", ttl=60.0) for n in ("0", "1")]
     try:
-        a = Harness(tmp_path / "a", jobs=jobs, nnodes=2, nproc_per_node=1, spares=1,
-                    coordinator="127.0.0.1:1", lease_ttl_s=60.0, store="etcd://127.0.0.1:1", secret_file=secret)  # fmt: skip
+        a = Harness(tmp_path / "a", jobs=jobs, **cfg)
         a.coord._open_store()
         a.add_node("0", nproc=1, spares=1)
         a.add_node("1", nproc=1, spares=1)
@@ -207,8 +210,7 @@ def test_a_restarted_coordinator_aborts_a_migration_it_finds_unswapped(tmp_path:
         assert a.coord._leader is not None
         a.coord._leader.stop(revoke=True)  # the coordinator dies; its record stays in the store
 
-        b = Harness(tmp_path / "b", jobs=jobs, nnodes=2, nproc_per_node=1, spares=1,
-                    coordinator="127.0.0.1:1", lease_ttl_s=60.0, store="etcd://127.0.0.1:1", secret_file=secret)  # fmt: skip
+        b = Harness(tmp_path / "b", jobs=jobs, **cfg)
         b.agents, b.workers, b.held = a.agents, a.workers, a.held
         b.coord._open_store()
         assert b.coord.workers[joiner].role == "joiner"
