@@ -160,7 +160,7 @@ class Harness:
         return new
 
     def member(self, rank: int) -> FakeChannel:
-        return self.workers[self.coord.members[rank]]
+        return self.workers[self.coord.view.members[rank]]
 
     def worker_says(self, rank: int, msg: Message) -> None:
         chan = self.member(rank)
@@ -169,7 +169,7 @@ class Harness:
     def bring_up(self) -> None:
         """Every member restores, joins and steps once: the first generation runs."""
         self.connect_spawned()
-        ranks = sorted(self.coord.members)
+        ranks = sorted(self.coord.view.members)
         for kind in ("restored", "ready"):
             for rank in ranks:
                 self.worker_says(rank, {"t": kind})
@@ -177,9 +177,9 @@ class Harness:
         self.step_all(1)
 
     def step_all(self, step: int) -> None:
-        for rank in sorted(self.coord.members):
+        for rank in sorted(self.coord.view.members):
             self.worker_says(rank, {"t": "step", "step": step, "step_s": 0.01})
-            node = self.coord.rank_node[rank]
+            node = self.coord.view.rank_node[rank]
             self.held.setdefault(node, {}).setdefault(rank, set()).add(step)
         self.tick()
 
@@ -187,7 +187,7 @@ class Harness:
         """Every member restores, rebuilds and completes ``step`` in the current generation."""
         self.connect_spawned()
         for kind in ("restored", "ready"):
-            for rank in sorted(self.coord.members):
+            for rank in sorted(self.coord.view.members):
                 self.worker_says(rank, {"t": kind})
             self.tick()
         self.step_all(step)
@@ -199,7 +199,7 @@ class Harness:
 
     def exit(self, sid: int, rc: int = -9) -> None:
         """The agent of ``sid``'s node reports it exited with ``rc``."""
-        node = self.coord.worker_node[sid]
+        node = self.coord.view.node_of(sid)
         self.put("msg", self.agents[node], {"t": "exit", "spawn_id": sid, "rc": rc, "pid": 1000 + sid})
         self.tick()
 

@@ -29,8 +29,8 @@ def two_nodes(tmp_path: Path, **cfg: object) -> Harness:
 
 def test_job_starts_on_two_nodes(tmp_path: Path) -> None:
     h = two_nodes(tmp_path)
-    assert sorted(h.coord.members) == [0, 1]
-    assert {h.coord.rank_node[0], h.coord.rank_node[1]} == {"0", "1"}
+    assert sorted(h.coord.view.members) == [0, 1]
+    assert {h.coord.view.rank_node[0], h.coord.view.rank_node[1]} == {"0", "1"}
     roles = sorted(role for _, _, role in h.spawn_requests())
     assert roles == ["spare", "spare", "worker", "worker"]
     assert h.coord.generation == 1
@@ -41,12 +41,12 @@ def test_job_starts_on_two_nodes(tmp_path: Path) -> None:
 def test_recovery_takes_the_spare_on_the_failed_ranks_node(tmp_path: Path) -> None:
     h = two_nodes(tmp_path)
     h.step_all(2)
-    failed = h.coord.members[1]
+    failed = h.coord.view.members[1]
     h.exit(failed)
     assert h.coord.state is JobState.RECONFIGURING and h.coord.generation == 2
-    new = h.coord.members[1]
-    assert new != failed and h.coord.workers[new].role == "worker"
-    assert h.coord.worker_node[new] == h.coord.rank_node[1]  # the spare on the node holding its data
+    new = h.coord.view.members[1]
+    assert new != failed and h.coord.view.workers[new].role == "worker"
+    assert h.coord.view.node_of(new) == h.coord.view.rank_node[1]  # the spare on the node holding its data
     reconf = h.member(1).last("reconfigure")
     assert reconf["gen"] == 2 and reconf["restore_step"] == 2 and reconf["recovery"] is True
     h.resume_all(3)
@@ -58,9 +58,9 @@ def test_recovery_takes_the_spare_on_the_failed_ranks_node(tmp_path: Path) -> No
 def test_a_failure_during_recovery_replans_with_both(tmp_path: Path) -> None:
     h = two_nodes(tmp_path)
     h.step_all(2)
-    h.exit(h.coord.members[1])
+    h.exit(h.coord.view.members[1])
     assert h.coord.generation == 2
-    h.exit(h.coord.members[0])  # before anyone restored
+    h.exit(h.coord.view.members[0])  # before anyone restored
     assert h.coord.generation == 3
     assert h.coord.reconf is not None and h.coord.reconf.replans == 1
     h.resume_all(3)
@@ -97,7 +97,7 @@ def test_shrink_when_no_spare_is_left(tmp_path: Path) -> None:
     h.bring_up()
     h.step_all(2)
     h.lose_node("1")  # no spare anywhere: rank 1's shard goes to rank 0
-    assert h.coord.world_size == 1 and h.coord.generation == 2
+    assert h.coord.view.world_size == 1 and h.coord.generation == 2
     [shrink] = h.events("shrink")
     assert shrink["dropped"] == [1] and shrink["shards"] == {"0": [0, 1]}
     assert h.member(0).last("reconfigure")["shards"] == [0, 1]
@@ -132,13 +132,13 @@ def test_kv_misuse_by_a_worker_leaves_the_job_running(tmp_path: Path) -> None:
     assert reply["id"] == 8 and "not a counter" in reply["error"]
     assert h.coord.state is JobState.RUNNING
     h.step_all(2)
-    assert h.coord.latest_step == {0: 2, 1: 2}
+    assert h.coord.view.latest_step == {0: 2, 1: 2}
 
 
 def test_a_malformed_worker_message_fails_only_its_sender(tmp_path: Path) -> None:
     h = two_nodes(tmp_path)
     bad = h.member(1)
-    sid = h.coord.members[1]
+    sid = h.coord.view.members[1]
     h.put("msg", bad, {"t": "step", "gen": h.coord.generation})  # no step number
     h.tick()
     assert bad.closed and h.coord.state is JobState.RUNNING
@@ -146,10 +146,10 @@ def test_a_malformed_worker_message_fails_only_its_sender(tmp_path: Path) -> Non
     assert err["spawn_id"] == sid and err["rank"] == 1 and "KeyError" in err["error"]
     time.sleep(0.6)  # the detector fails a worker whose channel stays closed (CLOSE_GRACE_S)
     h.tick()
-    kill = h.agents[h.coord.worker_node[sid]].last("kill")
+    kill = h.agents[h.coord.view.node_of(sid)].last("kill")
     assert kill["spawn_id"] == sid
     h.exit(sid)
-    assert h.coord.generation == 2 and h.coord.members[1] != sid  # recovered like any failure
+    assert h.coord.generation == 2 and h.coord.view.members[1] != sid  # recovered like any failure
     h.resume_all(2)
     assert h.coord.state is JobState.RUNNING
 
@@ -160,10 +160,10 @@ def test_a_malformed_agent_message_loses_only_that_node(tmp_path: Path) -> None:
     h.replicas["0"] = {1: {2}}  # node 0 holds rank 1's replica of step 2
     h.put("msg", h.agents["1"], {"t": "exit"})  # no spawn id
     h.tick()
-    assert not h.coord.nodes["1"].alive and h.coord.nodes["0"].alive
+    assert not h.coord.view.nodes["1"].alive and h.coord.view.nodes["0"].alive
     assert h.events("protocol_error")[0]["node"] == "1"
     assert h.coord.state is JobState.RECONFIGURING and h.coord.generation == 2
-    assert h.coord.rank_node[1] == "0"  # its rank went to the spare on node 0
+    assert h.coord.view.rank_node[1] == "0"  # its rank went to the spare on node 0
     h.resume_all(3)
     assert h.coord.state is JobState.RUNNING
 
@@ -213,17 +213,17 @@ def test_a_restarted_coordinator_aborts_a_migration_it_finds_unswapped(tmp_path:
         b = Harness(tmp_path / "b", jobs=jobs, **cfg)
         b.agents, b.workers, b.held = a.agents, a.workers, a.held
         b.coord._open_store()
-        assert b.coord.workers[joiner].role == "joiner"
+        assert b.coord.view.workers[joiner].role == "joiner"
         b.reattach_node("0")
         b.reattach_node("1")
         b.tick()
-        assert b.coord.workers[joiner].role == "retired"
+        assert b.coord.view.workers[joiner].role == "retired"
         assert b.agents["1"].last("kill")["spawn_id"] == joiner
         assert any(role == "spare" and node == "1" for node, _, role in b.spawn_requests())
         [ab] = b.events("migration_aborted")
         assert ab["rank"] == 0 and ab["error"] == "the coordinator restarted"
         for rank in (0, 1):
-            sid = b.coord.members[rank]
+            sid = b.coord.view.members[rank]
             chan = b.reconnect_worker(sid, {"gen": b.coord.generation, "step": 2})
             assert chan.last("continue")  # paused ranks go on
         assert b.coord.state is JobState.RUNNING

@@ -43,7 +43,7 @@ from nonstop.control.rdzv import KeyValueTable
 from nonstop.control.store import LeaseKeeper, Watch
 from nonstop.errors import ControlError, NonstopError
 from nonstop.faults import fired_at
-from nonstop.runtime.detector import FailureDetector, WorkerRecord
+from nonstop.runtime.detector import FailureDetector
 from nonstop.runtime.elastic import (
     ElasticPolicy,
     Resize,
@@ -73,6 +73,7 @@ from nonstop.runtime.policy import (
     place_replicas,
 )
 from nonstop.runtime.recovery import Failure, Reconfiguration, Stage
+from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.snapshot.persist import Persister
 
 __all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
@@ -99,26 +100,6 @@ class JobResult:
     error: str | None = None
     median_step_s: float | None = None
     replication: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class NodeRecord:
-    """The coordinator's view of one node (its agent)."""
-
-    name: str
-    chan: Channel | None  # None: restored from the control store, its agent not reconnected yet
-    nproc: int
-    spares: int
-    domain: str
-    data_addr: str
-    last_lease: float
-    alive: bool = True
-    quarantined: bool = False
-    in_process: bool = False  # the coordinator's own node: no lease (they fail together)
-    failure_times: list[float] = field(default_factory=list)
-    lease_id: int = 0  # store mode: the agent's lease on its nodes/<name> key
-    disconnected_at: float | None = None  # store mode: its channel dropped (it may reconnect)
-    draining: bool = False  # a preemption notice: its ranks move away, nothing new goes there
 
 
 @dataclass
@@ -167,7 +148,7 @@ class Coordinator:
         self.initial_step = initial_step  # resumed from the durable tier: install this first
         self.server = server
         self.events = events
-        self.world_size = config.world_size
+        self.view = JobView(job_id=job_id, world_size=config.world_size)
         # elastic (runtime/elastic.py): the data-parallel shards stay those of the full-size job
         self.num_shards = config.world_size * config.shards_per_rank  # micro-batches of a step
         self.elastic = ElasticPolicy(
@@ -178,30 +159,16 @@ class Coordinator:
         self._grow_retry_at = 0.0  # after an aborted grow, wait before trying again
         # replicating: the held replicated step, the one a round is sending, the newest, one to write
         self.num_slots = 4 if config.replicas > 0 and config.nnodes > 1 else 2
-        self.state = JobState.STARTING
-        self.generation = 0
-        self.nodes: dict[str, NodeRecord] = {}
-        self.workers: dict[int, WorkerRecord] = {}
-        self.worker_node: dict[int, str] = {}
-        self.worker_pid: dict[int, int] = {}
-        self.live: set[int] = set()  # spawned and not yet reported exited
-        self.members: dict[int, int] = {}  # rank -> spawn_id
-        self.rank_node: dict[int, str] = {}  # rank -> node that plays it
         self.reconf: Reconfiguration | None = None
-        self.failures_total = 0
-        self.reports: list[dict[str, Any]] = []
         self.detector = FailureDetector(config.detector)
         self.quarantine = QuarantinePolicy(
             max_failures=config.quarantine_failures, window_s=config.quarantine_window_s
         )
-        self.latest_step: dict[int, int] = {}
-        self.done_ranks: set[int] = set()
         self.error: str | None = None
         self.clients: dict[int, Channel] = {}
         self.client_tickets: list[tuple[Channel, int]] = []
         self.kv = KeyValueTable()
         self._exits: list[_Exit] = []
-        self._sid = itertools.count()
         self._req = itertools.count()
         self._replies: dict[int, Message] = {}
         self._req_node: dict[int, str] = {}
@@ -211,7 +178,6 @@ class Coordinator:
         self._early: dict[int, tuple[int, bool | None]] = {}
         # a planning interrupted by more failures: (failures, replans, replacements) to merge
         self._deferred: tuple[list[Failure], int, dict[int, str]] | None = None
-        self.replicated_step: int | None = None
         self._round: _Round | None = None
         self._round_retry_at = 0.0  # after a failed round, wait a moment before the next
         self._rep_totals: dict[str, int] = {"rounds": 0, "raw_bytes": 0, "wire_bytes": 0, "failed_rounds": 0}
@@ -223,7 +189,6 @@ class Coordinator:
         self._node_watch: Watch | None = None
         self._awaiting: dict[str, float] = {}  # restored nodes not reconnected yet -> since
         self._resync = False  # restored mid-recovery: start a new generation once nodes are back
-        self._last_sid = -1  # spawn ids are never reused, across coordinator restarts too
         # live migration (runtime/migration.py): the one in progress, the queue, who asked
         self.migration: Migration | None = None
         # (rank, target or None, reason, when asked): waits while no spare is ready (they may be starting)
@@ -238,13 +203,21 @@ class Coordinator:
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
+    def state(self) -> JobPhase:
+        return self.view.phase
+
+    @property
+    def generation(self) -> int:
+        return self.view.generation
+
+    @property
     def replication_on(self) -> bool:
         return self.config.replicas > 0 and self.config.nnodes > 1
 
     def run(self, stop: threading.Event) -> JobResult:
         if self.jobs is not None:
             self._open_store()
-        while self.state not in (JobState.DONE, JobState.FAILED):
+        while self.view.phase not in (JobState.DONE, JobState.FAILED):
             if stop.is_set():
                 self._fail("stopped by signal")
                 break
@@ -271,15 +244,15 @@ class Coordinator:
     def _close(self) -> JobResult:
         """The job ended: persist the last step, release the nodes, the result."""
         self._final_persist()
-        for node in self.nodes.values():
-            self._send_node(node, {"t": "finish", "failed": self.state is JobState.FAILED})
+        for node in self.view.nodes.values():
+            self._send_node(node, {"t": "finish", "failed": self.view.phase is JobState.FAILED})
         self._close_store()
-        final = min(self.latest_step.values()) if self.latest_step else 0
+        final = min(self.view.latest_step.values()) if self.view.latest_step else 0
         return JobResult(
-            state=self.state,
-            generation=self.generation,
+            state=self.view.phase,
+            generation=self.view.generation,
             final_step=final,
-            failures=self.reports,
+            failures=self.view.reports,
             error=self.error,
             median_step_s=self.detector.median_step_s,
             replication=self.replication_stats(),
@@ -287,12 +260,12 @@ class Coordinator:
 
     def replication_stats(self) -> dict[str, Any]:
         t: dict[str, Any] = dict(self._rep_totals)
-        t["replicated_step"] = self.replicated_step
+        t["replicated_step"] = self.view.replicated_step
         t["wire_over_raw"] = (t["wire_bytes"] / t["raw_bytes"]) if t["raw_bytes"] else None
         return t
 
     def _check_join(self) -> None:
-        if self.state is not JobState.STARTING or self.members:
+        if self.view.phase is not JobState.STARTING or self.view.members:
             return
         alive = self._alive_nodes()
         if len(alive) >= self.config.nnodes:
@@ -316,31 +289,22 @@ class Coordinator:
                 return
         for i, name in enumerate(nodes):
             for k in range(self.config.nproc_per_node):
-                self._spawn(name, "worker", i * self.config.nproc_per_node + k)
-            for _ in range(self.nodes[name].spares):
-                self._spawn(name, "spare", None)
+                self._spawn(name, Role.WORKER, i * self.config.nproc_per_node + k)
+            for _ in range(self.view.nodes[name].spares):
+                self._spawn(name, Role.SPARE, None)
 
     def _alive_nodes(self) -> list[str]:
-        names = [n for n, r in self.nodes.items() if r.alive and not r.quarantined]
-        return sorted(names, key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
+        return self.view.alive_nodes()
 
-    def _spawn(self, node: str, role: str, rank: int | None) -> int:
-        sid = next(self._sid)
-        self._last_sid = sid
-        now = time.monotonic()
-        self.workers[sid] = WorkerRecord(spawn_id=sid, role=role, rank=rank, last_hb=now, last_progress=now)
-        self.worker_node[sid] = node
-        self.live.add(sid)
-        if rank is not None:
-            self.members[rank] = sid
-            self.rank_node[rank] = node
-        self._send_node(self.nodes[node], {"t": "spawn", "spawn_id": sid, "role": role})
+    def _spawn(self, node: str, role: Role, rank: int | None) -> int:
+        sid = self.view.add_worker(node, role, rank, time.monotonic()).spawn_id
+        self._send_node(self.view.nodes[node], {"t": "spawn", "spawn_id": sid, "role": role})
         self.events.emit("spawn", spawn_id=sid, role=role, rank=rank, node=node)
         return sid
 
     def _set_state(self, new: JobPhase) -> None:
-        assert legal(self.state, new), f"the job cannot go from {self.state} to {new}"
-        self.state = new
+        assert legal(self.view.phase, new), f"the job cannot go from {self.view.phase} to {new}"
+        self.view.phase = new
 
     def _busy(self) -> set[Busy]:
         """What is under way now that may block a background operation (``phase.may_start``)."""
@@ -358,20 +322,20 @@ class Coordinator:
             busy.add(Busy.GROWING)
         if self._awaiting:
             busy.add(Busy.RESYNCING)
-        if self.done_ranks:
+        if self.view.done_ranks:
             busy.add(Busy.ENDING)
         return busy
 
     def _may_start(self, op: Op) -> bool:
-        return may_start(op, self.state, self._busy())
+        return may_start(op, self.view.phase, self._busy())
 
     def _fail(self, error: str) -> None:
-        if self.state.is_terminal:
+        if self.view.phase.is_terminal:
             return  # the first cause stands
         self.error = error
         self._set_state(JobState.FAILED)
         self.events.emit("job_failed", error=error)
-        for w in self.workers.values():
+        for w in self.view.workers.values():
             self._send(w, {"t": "abort", "error": error})
 
     def _send(self, w: WorkerRecord, msg: Message) -> None:
@@ -389,14 +353,14 @@ class Coordinator:
                 pass
 
     def _send_to(self, name: str, msg: Message) -> bool:
-        node = self.nodes.get(name)
+        node = self.view.nodes.get(name)
         if node is None or not node.alive or node.chan is None or node.chan.closed:
             return False
         self._send_node(node, msg)
         return True
 
     def _kill(self, sid: int, sig: int = signal.SIGKILL) -> None:
-        node = self.nodes.get(self.worker_node.get(sid, ""))
+        node = self.view.nodes.get(self.view.node_of(sid))
         if node is not None:
             self._send_node(node, {"t": "kill", "spawn_id": sid, "sig": int(sig)})
 
@@ -429,15 +393,15 @@ class Coordinator:
         log.warning("malformed %r message from %s: %s", t, chan.peer, what, exc_info=True)
         tag = chan.tag
         who: dict[str, Any] = {"peer": chan.peer, "message": t, "error": what}
-        if isinstance(tag, tuple) and tag[0] == "node" and tag[1] in self.nodes:
+        if isinstance(tag, tuple) and tag[0] == "node" and tag[1] in self.view.nodes:
             who["node"] = tag[1]
             self.events.emit("protocol_error", **who)
-            node = self.nodes[tag[1]]
+            node = self.view.nodes[tag[1]]
             if node.alive and node.chan is chan:
                 self._lose_node(node, f"its agent broke the protocol ({what})")
             return
-        if isinstance(tag, int) and tag in self.workers:
-            w = self.workers[tag]
+        if isinstance(tag, int) and tag in self.view.workers:
+            w = self.view.workers[tag]
             who.update(spawn_id=tag, rank=w.rank)
             self.events.emit("protocol_error", **who)
             if w.chan is chan:  # the detector fails it once the channel has been closed a moment
@@ -468,7 +432,7 @@ class Coordinator:
                 self._on_client(chan, msg)
             return
         if isinstance(tag, tuple) and tag[0] == "node":
-            node = self.nodes.get(tag[1])
+            node = self.view.nodes.get(tag[1])
             if node is None or node.chan is not chan:
                 return
             if kind == "msg" and msg is not None:
@@ -482,8 +446,8 @@ class Coordinator:
             return
         if kind == "open":
             sid = int(chan.hello.get("spawn_id", -1))
-            w = self.workers.get(sid)
-            node = self.nodes.get(self.worker_node.get(sid, ""))
+            w = self.view.workers.get(sid)
+            node = self.view.nodes.get(self.view.node_of(sid))
             resume = chan.hello.get("resume")
             reconnect = resume is not None and w is not None and (w.chan is None or w.chan.closed)
             if w is None or (w.chan is not None and not reconnect) or node is None or not node.alive:
@@ -501,11 +465,11 @@ class Coordinator:
             else:
                 self._on_connect(w)
         elif kind == "msg" and msg is not None:
-            w = self.workers.get(chan.tag)
+            w = self.view.workers.get(chan.tag)
             if w is not None and w.chan is chan:
                 self._on_message(w, msg)
         elif kind == "close":
-            w = self.workers.get(chan.tag)
+            w = self.view.workers.get(chan.tag)
             if w is not None and w.chan is chan:
                 w.chan_closed_at = time.monotonic()
 
@@ -513,7 +477,7 @@ class Coordinator:
     def _on_agent_open(self, chan: Channel) -> None:
         h = chan.hello
         name = str(h.get("node", ""))
-        old = self.nodes.get(name)
+        old = self.view.nodes.get(name)
 
         def refuse(why: str) -> None:
             self.events.emit("refused", peer=chan.peer, node=name, reason=why)
@@ -544,7 +508,7 @@ class Coordinator:
                 f"node {name} runs --nproc-per-node {h.get('nproc')} but the job has "
                 f"{self.config.nproc_per_node} per node; use the same value on every node"
             )
-        if self.state in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
+        if self.view.phase in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
             return refuse("the job is ending")
         node = NodeRecord(
             name=name,
@@ -559,7 +523,7 @@ class Coordinator:
             lease_id=int(h.get("lease_id", 0)),
         )
         chan.tag = ("node", name)
-        self.nodes[name] = node
+        self.view.nodes[name] = node
         chan.send(
             {
                 "t": "welcome",
@@ -574,12 +538,12 @@ class Coordinator:
         self.events.emit(
             "node_join", node=name, domain=node.domain, data=node.data_addr, rejoin=old is not None
         )
-        if self.state is not JobState.STARTING:  # a node joining a running job brings capacity: spares
+        if self.view.phase is not JobState.STARTING:  # a node joining a running job brings capacity: spares
             # ... and, in an elastic job, room for ranks: its rank slots wait as spares too (to grow
             # back with, or to take the ranks of a recovery waiting for a spare)
             extra = node.nproc if self.elastic.enabled else 0
             for _ in range(node.spares + extra):
-                self._spawn(name, "spare", None)
+                self._spawn(name, Role.SPARE, None)
 
     def _on_agent_message(self, node: NodeRecord, msg: Message) -> None:
         t = msg.get("t")
@@ -588,14 +552,17 @@ class Coordinator:
             self._send_node(node, {"t": "lease_ok", "seq": msg.get("seq")})
         elif t == "exit":
             sid = int(msg["spawn_id"])
-            if sid in self.live:
-                self.live.discard(sid)
+            w = self.view.workers.get(sid)
+            if w is not None and w.live:
+                w.live = False
                 self._exits.append(
                     _Exit(sid=sid, rc=int(msg["rc"]), pid=msg.get("pid"), fault_at=msg.get("fault_at"))
                 )
         elif t == "spawned":
             if msg.get("pid") is not None:
-                self.worker_pid[int(msg["spawn_id"])] = int(msg["pid"])
+                w = self.view.workers.get(int(msg["spawn_id"]))
+                if w is not None:
+                    w.pid = int(msg["pid"])
             self.events.emit("spawned", spawn_id=msg.get("spawn_id"), pid=msg.get("pid"), node=node.name)
         elif t in ("inventory", "installed"):
             self._replies[int(msg["id"])] = msg
@@ -614,7 +581,7 @@ class Coordinator:
         if self.jobs is not None:
             return  # store mode: leases live in the store (_store_tick)
         now = time.monotonic()
-        for node in list(self.nodes.values()):
+        for node in list(self.view.nodes.values()):
             if node.alive and not node.in_process and now - node.last_lease > self.config.lease_ttl_s:
                 self._lose_node(node, f"lease expired ({now - node.last_lease:.2f}s without renewal)")
 
@@ -638,10 +605,10 @@ class Coordinator:
         if node.chan is not None:
             node.chan.close()
         self.events.emit("node_lost", node=node.name, reason=why, quarantined=quarantine)
-        for sid in sorted(s for s in self.live if self.worker_node.get(s) == node.name):
-            self.live.discard(sid)
-            w = self.workers.get(sid)
-            if w is not None and w.chan is not None:
+        for sid in sorted(s for s, w in self.view.workers.items() if w.live and w.node == node.name):
+            w = self.view.workers[sid]
+            w.live = False
+            if w.chan is not None:
                 w.chan.close()
             self._exits.append(_Exit(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why))
         for req, n in list(self._req_node.items()):
@@ -658,10 +625,10 @@ class Coordinator:
                 moves = [(int(msg["rank"]), None if msg.get("to") is None else str(msg["to"]))]
             else:
                 node = str(msg["node"])
-                if node not in self.nodes:
+                if node not in self.view.nodes:
                     chan.send({"t": "migrated", "ok": False, "error": f"no node {node} in the job"})
                     return
-                moves = [(r, None) for r, n in sorted(self.rank_node.items()) if n == node]
+                moves = [(r, None) for r, n in sorted(self.view.rank_node.items()) if n == node]
             reason = "migrate" if t == "migrate" else "drain"
             for rank, target in moves:
                 error = self.request_migration(rank, target, reason)
@@ -690,34 +657,34 @@ class Coordinator:
         m = self.migration
         return {
             "job_id": self.job_id,
-            "state": str(self.state),
-            "generation": self.generation,
-            "world_size": self.world_size,
+            "state": str(self.view.phase),
+            "generation": self.view.generation,
+            "world_size": self.view.world_size,
             "ranks": {
                 str(r): {
-                    "node": self.rank_node.get(r),
+                    "node": self.view.rank_node.get(r),
                     "spawn_id": sid,
-                    "pid": self.worker_pid.get(sid),
-                    "step": self.latest_step.get(r),
+                    "pid": self.view.workers[sid].pid,
+                    "step": self.view.latest_step.get(r),
                 }
-                for r, sid in sorted(self.members.items())
+                for r, sid in sorted(self.view.members.items())
             },
             "nodes": {
                 n: {
                     "alive": rec.alive,
                     "quarantined": rec.quarantined,
                     "domain": rec.domain,
-                    "ranks": sorted(r for r, nn in self.rank_node.items() if nn == n),
+                    "ranks": sorted(r for r, nn in self.view.rank_node.items() if nn == n),
                     "idle_spares": spares.get(n, 0),
                     "failures": len(rec.failure_times),
                 }
-                for n, rec in sorted(self.nodes.items())
+                for n, rec in sorted(self.view.nodes.items())
             },
             "committed_step": self.committed(),
-            "replicated_step": self.replicated_step,
+            "replicated_step": self.view.replicated_step,
             "durable_step": self.rounds.last_step if self.rounds is not None else None,
             "durable_url": self.durable_url,
-            "failures": self.failures_total,
+            "failures": self.view.failures_total,
             "migration": None
             if m is None
             else {
@@ -732,7 +699,7 @@ class Coordinator:
             "full_world_size": self.config.world_size,
             "min_world_size": self.elastic.min_world_size,
             "shards": {
-                str(r): list(sh) for r, sh in enumerate(assign_shards(self.num_shards, self.world_size))
+                str(r): list(sh) for r, sh in enumerate(assign_shards(self.num_shards, self.view.world_size))
             },
             "growing": None
             if self.resize is None
@@ -759,21 +726,23 @@ class Coordinator:
         self.client_tickets = pending
 
     def _on_connect(self, w: WorkerRecord) -> None:
-        if self.state is JobState.STARTING:
-            if self.members and all(self.workers[sid].chan is not None for sid in self.members.values()):
+        if self.view.phase is JobState.STARTING:
+            if self.view.members and all(
+                self.view.workers[sid].chan is not None for sid in self.view.members.values()
+            ):
                 self._begin_generation([])
             return
         r = self.reconf
-        if r is not None and w.role == "spare" and r.waiting_launch:
+        if r is not None and w.role is Role.SPARE and r.waiting_launch:
             # A spare came up before a cold process launched for a rank on the same node: it
             # takes the rank, and the cold process will wait as a spare when it connects.
-            node = self.worker_node[w.spawn_id]
-            rank = min((k for k in r.waiting_launch if self.rank_node.get(k) == node), default=None)
+            node = w.node
+            rank = min((k for k in r.waiting_launch if self.view.rank_node.get(k) == node), default=None)
             if rank is not None:
-                cold = self.workers[self.members[rank]]
-                cold.role, cold.rank = "spare", None
-                w.role, w.rank = "worker", rank
-                self.members[rank] = w.spawn_id
+                cold = self.view.workers[self.view.members[rank]]
+                cold.role, cold.rank = Role.SPARE, None
+                w.role, w.rank = Role.WORKER, rank
+                self.view.members[rank] = w.spawn_id
                 r.replacements[rank] = "spare"
                 self.events.emit(
                     "spare_takes_over", rank=rank, spawn_id=w.spawn_id, cold_spawn_id=cold.spawn_id
@@ -798,7 +767,7 @@ class Coordinator:
                 step=msg.get("step"),
                 kind=msg.get("kind"),
                 spawn_id=w.spawn_id,
-                node=self.worker_node.get(w.spawn_id),
+                node=w.node,
             )
             return
         m = self.migration
@@ -815,7 +784,7 @@ class Coordinator:
             self._on_grow_prepared(z, w.spawn_id)
             return
         gen = int(msg.get("gen", -1))
-        if gen != self.generation or w.rank is None or self.members.get(w.rank) != w.spawn_id:
+        if gen != self.view.generation or w.rank is None or self.view.members.get(w.rank) != w.spawn_id:
             if t == "kv":
                 self._send(
                     w, {"t": "kv", "id": msg.get("id"), "error": "fenced: not a member of this generation"}
@@ -833,7 +802,7 @@ class Coordinator:
         elif t == "step":
             w.last_progress, w.stepped = now, True
             self.detector.record_step(float(msg["step_s"]))
-            self.latest_step[rank] = int(msg["step"])
+            self.view.latest_step[rank] = int(msg["step"])
             self._note_step(rank, int(msg["step"]))
             if self.reconf is not None:
                 self.reconf.stepped.add(rank)
@@ -845,15 +814,17 @@ class Coordinator:
             self.reconf.ready.add(rank)
             w.last_progress = now
             if self.reconf.restore_step is None:  # a fresh start: step 0 is snapshotted (replicable)
-                self.latest_step.setdefault(rank, 0)
+                self.view.latest_step.setdefault(rank, 0)
             self._advance()
         elif t == "done":
-            self.latest_step[rank] = int(msg["step"])
-            self.done_ranks.add(rank)
+            self.view.latest_step[rank] = int(msg["step"])
+            self.view.done_ranks.add(rank)
             if self.reconf is not None:
                 self.reconf.stepped.add(rank)
                 self._advance()
-            if self.state is JobState.RUNNING and self.done_ranks >= set(range(self.world_size)):
+            if self.view.phase is JobState.RUNNING and self.view.done_ranks >= set(
+                range(self.view.world_size)
+            ):
                 self._finish()
         elif t == "migrate":
             error = self.request_migration(rank, msg.get("to"), "migrate")
@@ -863,7 +834,7 @@ class Coordinator:
             m.paused[rank] = int(msg["step"])
             if rank == m.rank and m.paused[rank] == m.boundary:
                 self._fetch_boundary(m)  # the leaver's step S is complete: bring it over now
-            if len(m.paused) == self.world_size:
+            if len(m.paused) == self.view.world_size:
                 self._swap(m)
         elif t == "paused" and self.resize is not None and self.resize.generation is None:
             self._on_paused_for_resize(self.resize, rank, int(msg["step"]))
@@ -874,13 +845,14 @@ class Coordinator:
     # -- failures ----------------------------------------------------------------------------
     def _handle_exits(self) -> None:
         failures = []
+        failed_on: dict[int, str] = {}  # spawn id -> node, of each failure
         exits, self._exits = self._exits, []
         for ex in exits:
             sid, rc = ex.sid, ex.rc
-            w = self.workers.pop(sid, None)
+            w = self.view.workers.pop(sid, None)
             if w is None:
                 continue
-            node = self.worker_node.get(sid, "?")
+            node = w.node
             self.events.emit(
                 "exit",
                 spawn_id=sid,
@@ -890,7 +862,7 @@ class Coordinator:
                 how=describe_exit(rc),
                 node=node,
             )
-            is_member = w.rank is not None and self.members.get(w.rank) == sid
+            is_member = w.rank is not None and self.view.members.get(w.rank) == sid
             if self.migration is not None and sid == self.migration.joiner_sid and not is_member:
                 self._abort_migration(f"the joiner (spawn {sid}) exited with {describe_exit(rc)}")
             z = self.resize
@@ -899,7 +871,7 @@ class Coordinator:
             if (
                 ex.node_lost is None
                 and w.chan is None
-                and (self.state is JobState.STARTING or w.role == "spare")
+                and (self.view.phase is JobState.STARTING or w.role is Role.SPARE)
             ):
                 # It died before reaching nonstop.init(): the script itself cannot start, and
                 # starting it again would fail the same way.
@@ -911,18 +883,18 @@ class Coordinator:
                 )
                 self._fail(f"{who} exited with {describe_exit(rc)} before joining the job: {hint}")
                 continue
-            if self.state in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
-                if is_member and rc != 0 and self.state is JobState.FINISHING:
+            if self.view.phase in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
+                if is_member and rc != 0 and self.view.phase is JobState.FINISHING:
                     log.warning("rank %s exited with %s after finishing", w.rank, describe_exit(rc))
                 continue
             if not is_member:
                 if (
-                    w.role == "spare"
+                    w.role is Role.SPARE
                     and ex.node_lost is None
-                    and node in self.nodes
-                    and self.nodes[node].alive
+                    and node in self.view.nodes
+                    and self.view.nodes[node].alive
                 ):
-                    self._spawn(node, "spare", None)  # keep K spares; a lost spare costs nothing else
+                    self._spawn(node, Role.SPARE, None)  # keep K spares; a lost spare costs nothing else
                 continue
             assert w.rank is not None
             if ex.node_lost is not None:
@@ -934,8 +906,8 @@ class Coordinator:
                 detail = w.killed_for_hang or describe_exit(rc)
                 self._node_failed(node)
             fault_at = w.fault_at if w.fault_at is not None else ex.fault_at
-            if fault_at is None and sid in self.worker_pid:  # its 'injected' message may be lost with it
-                fault_at = fired_at(self.config.job_dir.resolve() / "faults", self.worker_pid[sid])
+            if fault_at is None and w.pid is not None:  # its 'injected' message may be lost with it
+                fault_at = fired_at(self.config.job_dir.resolve() / "faults", w.pid)
             failures.append(
                 Failure(
                     kind=kind.value,
@@ -944,28 +916,29 @@ class Coordinator:
                     detail=detail,
                     detected_at=time.time(),
                     fault_at=fault_at,
-                    step=self.latest_step.get(w.rank, 0),
+                    step=self.view.latest_step.get(w.rank, 0),
                 )
             )
-            del self.members[w.rank]
+            failed_on[sid] = node
+            del self.view.members[w.rank]
         # the ranks of one lost node failed at one instant: the fault time one of them recorded
         by_node: dict[str, float] = {}
         for f in failures:
             if f.kind == FailureKind.NODE_LOST.value and f.fault_at is not None:
-                node = self.worker_node.get(f.spawn_id, "")
+                node = failed_on[f.spawn_id]
                 by_node[node] = min(by_node.get(node, f.fault_at), f.fault_at)
         for f in failures:
             if f.kind == FailureKind.NODE_LOST.value and f.fault_at is None:
-                f.fault_at = by_node.get(self.worker_node.get(f.spawn_id, ""))
-        if self.state is JobState.FINISHING and not self._members_alive():
+                f.fault_at = by_node.get(failed_on[f.spawn_id])
+        if self.view.phase is JobState.FINISHING and not self._members_alive():
             self._set_state(JobState.DONE)
-            self.events.emit("job_done", generation=self.generation)
-        if failures and self.state not in (JobState.DONE, JobState.FAILED):
+            self.events.emit("job_done", generation=self.view.generation)
+        if failures and self.view.phase not in (JobState.DONE, JobState.FAILED):
             self._on_failures(failures)
 
     def _node_failed(self, name: str) -> None:
         """A process failure on ``name``: quarantine the node if it fails too often."""
-        node = self.nodes.get(name)
+        node = self.view.nodes.get(name)
         if node is None or not node.alive:
             return
         now = time.monotonic()
@@ -993,17 +966,17 @@ class Coordinator:
                 step=f.step,
                 detect_s=(f.detected_at - f.fault_at) if f.fault_at else None,
             )
-        self.failures_total += len(failures)
-        if self.state is JobState.STARTING:  # died before the job formed: just start it again
-            if self.failures_total <= self.config.max_restarts:
+        self.view.failures_total += len(failures)
+        if self.view.phase is JobState.STARTING:  # died before the job formed: just start it again
+            if self.view.failures_total <= self.config.max_restarts:
                 for f in failures:
-                    node = self.rank_node.get(f.rank)
+                    node = self.view.rank_node.get(f.rank)
                     alive = self._alive_nodes()
                     if not alive:
                         break
-                    self._spawn(node if node in alive else alive[0], "worker", f.rank)
+                    self._spawn(node if node in alive else alive[0], Role.WORKER, f.rank)
                 return
-        if self.failures_total > self.config.max_restarts:
+        if self.view.failures_total > self.config.max_restarts:
             self._fail(
                 f"restart budget exhausted ({self.config.max_restarts} restarts); last failure: "
                 f"rank {failures[-1].rank} {failures[-1].detail}"
@@ -1014,7 +987,7 @@ class Coordinator:
             self._deferred, self._replan_at = None, None
             self._begin_generation(before + failures, replans=replans + 1, replacements=replacements)
             return
-        previous = self.reconf if self.state is JobState.RECONFIGURING else None
+        previous = self.reconf if self.view.phase is JobState.RECONFIGURING else None
         if previous is None:
             self._begin_generation(failures)
         else:  # a failure during a recovery: re-plan, keeping what the interrupted plan did
@@ -1023,43 +996,47 @@ class Coordinator:
             )
 
     def _detect(self) -> None:
-        if self.state not in (JobState.RUNNING, JobState.RECONFIGURING):
+        if self.view.phase not in (JobState.RUNNING, JobState.RECONFIGURING):
             return
-        in_training = self.state is JobState.RUNNING or (
+        in_training = self.view.phase is JobState.RUNNING or (
             self.reconf is not None and self.reconf.stage is Stage.RESUME
         )
         verdicts = self.detector.scan(
             now=time.monotonic(),
-            members={rank: self.workers[sid] for rank, sid in self.members.items()},
-            everyone=list(self.workers.values()),
-            alive=lambda sid: sid in self.live,
+            members={rank: self.view.workers[sid] for rank, sid in self.view.members.items()},
+            everyone=list(self.view.workers.values()),
+            alive=self.view.live,
             in_training=in_training,
         )
         for sid, reason in verdicts.kill.items():
-            w = self.workers[sid]
+            w = self.view.workers[sid]
             if w.killed_for_hang:
                 continue
             w.killed_for_hang = reason
             self.events.emit("hang_detected", rank=w.rank, spawn_id=sid, reason=reason)
             self._kill(sid, signal.SIGKILL)
         for sid in verdicts.reraise:
-            w = self.workers[sid]
+            w = self.view.workers[sid]
             assert w.fault_report is not None
             w.fault_report = (float("inf"), w.fault_report[1])  # tell it once
             self._send(w, {"t": "raise"})
 
     def _check_timeouts(self) -> None:
         r = self.reconf
-        if self.state is not JobState.RECONFIGURING or r is None or r.stage in (Stage.LAUNCH, Stage.RESUME):
+        if (
+            self.view.phase is not JobState.RECONFIGURING
+            or r is None
+            or r.stage in (Stage.LAUNCH, Stage.RESUME)
+        ):
             return
         if r.deadline == 0.0:
             r.deadline = time.time() + self.config.rebuild_timeout_s
         if time.time() > r.deadline:
             waiting = r.restored if r.stage is Stage.RESTORE else r.ready
-            for rank in set(range(self.world_size)) - waiting:
-                sid = self.members.get(rank)
-                if sid is not None and sid in self.workers:
-                    self.workers[sid].killed_for_hang = f"stage {r.stage} timed out"
+            for rank in set(range(self.view.world_size)) - waiting:
+                sid = self.view.members.get(rank)
+                if sid is not None and sid in self.view.workers:
+                    self.view.workers[sid].killed_for_hang = f"stage {r.stage} timed out"
                     self._kill(sid)
             r.deadline = time.time() + self.config.rebuild_timeout_s  # one kill round per period
 
@@ -1086,12 +1063,12 @@ class Coordinator:
 
     def _inventories(self) -> dict[int, dict[int, list[tuple[str, str]]]]:
         """rank -> step -> [(node, "local"|"replica")] over every live node's memory."""
-        reqs = {self._request(self.nodes[n], {"t": "inventory"}): n for n in self._alive_nodes()}
+        reqs = {self._request(self.view.nodes[n], {"t": "inventory"}): n for n in self._alive_nodes()}
         replies = self._await(list(reqs), PLAN_WAIT_S)
         avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
         for req, node in reqs.items():
             msg = replies.get(req)
-            if msg is None or msg.get("t") != "inventory" or not self.nodes[node].alive:
+            if msg is None or msg.get("t") != "inventory" or not self.view.nodes[node].alive:
                 continue
             for kind in ("local", "replica"):
                 for rank_s, steps in dict(msg.get("local" if kind == "local" else "replicas", {})).items():
@@ -1117,22 +1094,24 @@ class Coordinator:
         inventory: Inventory | None = None
         if alive_nodes and (failures or self.initial_step is not None or inventory_needed):
             inventory = self._inventories()
-            members = set(self.members.values())
+            members = set(self.view.members.values())
             if any(ex.sid in members for ex in self._exits):
                 # More ranks were lost while the nodes answered (a second node going down with
                 # the first): plan once for all of them when their exits are handled.
                 self._deferred = (failures, replans, dict(replacements or {}))
-                self.events.emit("replan_deferred", generation=self.generation)
+                self.events.emit("replan_deferred", generation=self.view.generation)
                 return
             self.initial_step = None
         plan = plan_generation(
-            world_size=self.world_size,
-            present=set(self.members),
-            last_node=dict(self.rank_node),
+            world_size=self.view.world_size,
+            present=set(self.view.members),
+            last_node=dict(self.view.rank_node),
             inventory=inventory,
             idle_spares=self._idle_spares(),
             live_nodes=alive_nodes,
-            load={n: sum(1 for r in self.members if self.rank_node.get(r) == n) for n in alive_nodes},
+            load={
+                n: sum(1 for r in self.view.members if self.view.rank_node.get(r) == n) for n in alive_nodes
+            },
             elastic=self.elastic,
             waited_s=now - min((f.detected_at for f in failures), default=now),
             recovering=bool(failures),
@@ -1141,8 +1120,8 @@ class Coordinator:
             self._fail(plan.reason)
             return
         if plan.action is PlanAction.WAIT:
-            for sid in self.members.values():  # their fault reports are answered after the wait
-                self.workers[sid].fault_report = None
+            for sid in self.view.members.values():  # their fault reports are answered after the wait
+                self.view.workers[sid].fault_report = None
             self._deferred = (failures, replans, dict(replacements or {}))
             self._replan_at = time.monotonic() + plan.wait_s
             self.events.emit("elastic_wait", ranks=list(plan.unplaced), wait_s=plan.wait_s)
@@ -1153,7 +1132,7 @@ class Coordinator:
         placements, avail, restore_step = plan.placements, plan.inventory, plan.restore_step
         unplaced = plan.unplaced
         for rank, p in placements.items():
-            self.rank_node[rank] = p.node
+            self.view.rank_node[rank] = p.node
         tier = "memory"
         if plan.action is PlanAction.FROM_DURABLE:
             restore_step = self._restore_from_durable()
@@ -1168,8 +1147,8 @@ class Coordinator:
                 return
             avail = {}
         r = Reconfiguration(
-            generation=self.generation,
-            world_size=self.world_size,
+            generation=self.view.generation,
+            world_size=self.view.world_size,
             failures=failures,
             restore_step=restore_step,
             replans=replans,
@@ -1186,12 +1165,12 @@ class Coordinator:
         for rank, p in sorted(placements.items()):
             r.replacements[rank] = p.source.value
             if p.spare is not None:
-                w = self.workers[p.spare]
-                w.rank, w.role = rank, "worker"
+                w = self.view.workers[p.spare]
+                w.rank, w.role = rank, Role.WORKER
                 w.last_progress, w.stepped = time.monotonic(), False
-                self.members[rank] = p.spare
+                self.view.members[rank] = p.spare
             else:
-                self._spawn(p.node, "worker", rank)
+                self._spawn(p.node, Role.WORKER, rank)
                 r.waiting_launch.add(rank)
         r.marks["plan"] = time.time()
         fetches = (
@@ -1207,47 +1186,49 @@ class Coordinator:
         """Drop ``shrink.dropped``: the ranks that stay are renumbered ``0..W'-1`` in their old
         order and the shards spread over them. Returns new rank -> old rank for every rank
         renumbered."""
-        old_world = self.world_size
+        old_world = self.view.world_size
         new_of = shrink.new_of
-        self.world_size = shrink.world_size
-        self.members = {new_of[r]: sid for r, sid in self.members.items() if r in new_of}
-        for rank, sid in self.members.items():
-            self.workers[sid].rank = rank
-        self.rank_node = {new_of[r]: n for r, n in self.rank_node.items() if r in new_of}
-        self.latest_step = {new_of[r]: st for r, st in self.latest_step.items() if r in new_of}
+        self.view.world_size = shrink.world_size
+        self.view.members = {new_of[r]: sid for r, sid in self.view.members.items() if r in new_of}
+        for rank, sid in self.view.members.items():
+            self.view.workers[sid].rank = rank
+        self.view.rank_node = {new_of[r]: n for r, n in self.view.rank_node.items() if r in new_of}
+        self.view.latest_step = {new_of[r]: st for r, st in self.view.latest_step.items() if r in new_of}
         self._step_at.clear()
         self.events.emit(
             "shrink",
-            world_size=self.world_size,
+            world_size=self.view.world_size,
             old_world_size=old_world,
             dropped=list(shrink.dropped),
             renumbered={str(o): n for o, n in new_of.items() if o != n},
-            shards={str(r): list(sh) for r, sh in enumerate(assign_shards(self.num_shards, self.world_size))},
+            shards={
+                str(r): list(sh) for r, sh in enumerate(assign_shards(self.num_shards, self.view.world_size))
+            },
             reason=why,
         )
         return {n: o for o, n in new_of.items() if o != n}
 
     def _open_generation(self) -> None:
         """Generation + 1: fence the old one (its fetches, rendezvous, replication round)."""
-        self.generation += 1
+        self.view.generation += 1
         self._set_state(JobState.RECONFIGURING)
         self.reconf = None
-        for req in [q for q, (_, gen) in self._waiting_fetch.items() if gen < self.generation]:
+        for req in [q for q, (_, gen) in self._waiting_fetch.items() if gen < self.view.generation]:
             del self._waiting_fetch[req]  # a late answer is ignored (its generation is over)
             self._req_node.pop(req, None)
         self._round = None
-        for reply, msg in self.kv.new_generation(self.generation):
+        for reply, msg in self.kv.new_generation(self.view.generation):
             try:
                 reply(msg)
             except ControlError:
                 pass
-        self.done_ranks.clear()
+        self.view.done_ranks.clear()
 
     def _rewind(self, step: int) -> None:
         """Every rank goes back to ``step``: later step reports are void."""
-        self.latest_step = {rank: step for rank in range(self.world_size)}
-        if self.replicated_step is not None and self.replicated_step > step:
-            self.replicated_step = step
+        self.view.latest_step = {rank: step for rank in range(self.view.world_size)}
+        if self.view.replicated_step is not None and self.view.replicated_step > step:
+            self.view.replicated_step = step
 
     def _launch(self, r: Reconfiguration, *, tier: str, fetches: dict[int, str], **extra: Any) -> None:
         """Log the planned generation ``r`` and start it: reconfigure every connected member."""
@@ -1257,16 +1238,18 @@ class Coordinator:
             generation=r.generation,
             restore_step=r.restore_step,
             tier=tier,
-            members={str(k): v for k, v in sorted(self.members.items())},
-            nodes={str(k): self.rank_node.get(k) for k in sorted(self.members)},
+            members={str(k): v for k, v in sorted(self.view.members.items())},
+            nodes={str(k): self.view.rank_node.get(k) for k in sorted(self.view.members)},
             replacements=r.replacements,
             cause=[f.rank for f in r.failures],
             fetches={str(k): v for k, v in fetches.items()},
             replans=r.replans,
             **extra,
         )
-        for rank, sid in self.members.items():
-            if self.workers[sid].chan is None:  # still starting (e.g. launched by a re-planned generation)
+        for rank, sid in self.view.members.items():
+            if (
+                self.view.workers[sid].chan is None
+            ):  # still starting (e.g. launched by a re-planned generation)
                 r.waiting_launch.add(rank)
             self._maybe_reconfigure(rank)
         r.stage = Stage.LAUNCH
@@ -1292,7 +1275,7 @@ class Coordinator:
             "t": "fetch",
             "rank": rank,
             "step": step,
-            "addr": self.nodes[source].data_addr,
+            "addr": self.view.nodes[source].data_addr,
             "kind": kind,
         }
         if as_rank is not None and as_rank != rank:
@@ -1301,7 +1284,7 @@ class Coordinator:
             msg["base"] = base
         if track:
             msg["track"] = True
-        return self._request(self.nodes[target], msg)
+        return self._request(self.view.nodes[target], msg)
 
     def _fetch_for(
         self,
@@ -1328,7 +1311,7 @@ class Coordinator:
                     r.waiting_fetch.add(rank)
                 return f"{source}:{kind}"
         src = rank if src_rank is None else src_rank
-        req = self._fetch(self.rank_node[rank], src, step, source, kind, as_rank=rank, base=base)
+        req = self._fetch(self.view.rank_node[rank], src, step, source, kind, as_rank=rank, base=base)
         self._waiting_fetch[req] = (rank, r.generation)
         r.waiting_fetch.add(rank)
         return f"{source}:{kind}"
@@ -1345,22 +1328,13 @@ class Coordinator:
 
     def _idle_spares(self) -> dict[int, str]:
         """Connected hot spares waiting for a rank: spawn id -> node."""
-        return {
-            sid: self.worker_node[sid]
-            for sid, w in self.workers.items()
-            if w.role == "spare"
-            and w.rank is None
-            and w.chan is not None
-            and not w.killed_for_hang
-            and sid in self.live
-            and not self.nodes[self.worker_node[sid]].draining
-        }
+        return self.view.idle_spares()
 
     def _plan_fetches(self, r: Reconfiguration, step: int, avail: Inventory) -> dict[int, str]:
         """Have each node that will play a rank without holding ``step`` of it fetch it from a peer."""
         out: dict[int, str] = {}
-        for rank in range(self.world_size):
-            target = self.rank_node[rank]
+        for rank in range(self.view.world_size):
+            target = self.view.rank_node[rank]
             sources = avail.get(rank, {}).get(step, [])
             if any(n == target and k == "local" for n, k in sources):
                 continue
@@ -1449,21 +1423,21 @@ class Coordinator:
             self.events.emit("durable_install_failed", step=step, errors=[str(e)])
             return False
         sources: dict[int, int] = {}
-        if written != self.world_size:
+        if written != self.view.world_size:
             if not self.elastic.enabled:
                 self.events.emit(
                     "durable_install_failed",
                     step=step,
-                    errors=[f"the checkpoint has {written} ranks, the job {self.world_size}"],
+                    errors=[f"the checkpoint has {written} ranks, the job {self.view.world_size}"],
                 )
                 return False
-            sources = {r: s for r, s in resume_sources(written, self.world_size).items() if r != s}
+            sources = {r: s for r, s in resume_sources(written, self.view.world_size).items() if r != s}
         reqs = []
         for n, ranks in placement.items():
             msg: Message = {"t": "install_durable", "url": url, "step": step, "ranks": ranks}
             if any(r in sources for r in ranks):
                 msg["from"] = {str(r): sources[r] for r in ranks if r in sources}
-            reqs.append(self._request(self.nodes[n], msg))
+            reqs.append(self._request(self.view.nodes[n], msg))
         replies = self._await(reqs, self.config.persist_timeout_s)
         bad = [m.get("error") for m in replies.values() if not m.get("ok")]
         if bad or len(replies) < len(reqs):
@@ -1473,18 +1447,18 @@ class Coordinator:
 
     def committed(self) -> int:
         """The committed step: what is replicated to peers (with replication), else in memory."""
-        if self.replication_on and self.replicated_step is not None:
-            return self.replicated_step
-        return min((self.latest_step.get(rank, 0) for rank in range(self.world_size)), default=0)
+        if self.replication_on and self.view.replicated_step is not None:
+            return self.view.replicated_step
+        return min((self.view.latest_step.get(rank, 0) for rank in range(self.view.world_size)), default=0)
 
     def _maybe_reconfigure(self, rank: int) -> None:
         r = self.reconf
         if r is None or rank in r.waiting_launch or rank in r.waiting_fetch:
             return
-        sid = self.members.get(rank)
+        sid = self.view.members.get(rank)
         if sid is None:
             return
-        w = self.workers[sid]
+        w = self.view.workers[sid]
         if w.chan is None:
             return
         w.stepped, w.coll, w.fault_report = False, False, None
@@ -1494,7 +1468,7 @@ class Coordinator:
                 "t": "reconfigure",
                 "gen": r.generation,
                 "rank": rank,
-                "world_size": self.world_size,
+                "world_size": self.view.world_size,
                 "restore_step": r.restore_step,
                 "recovery": bool(r.failures),
                 **self._shards_of(rank),
@@ -1506,7 +1480,7 @@ class Coordinator:
 
     def _shards_of(self, rank: int, world_size: int | None = None) -> dict[str, Any]:
         """The data shards ``rank`` plays in ``world_size`` (default: the current one)."""
-        world = self.world_size if world_size is None else world_size
+        world = self.view.world_size if world_size is None else world_size
         return {
             "shards": list(assign_shards(self.num_shards, world)[rank]),
             "num_shards": self.num_shards,
@@ -1528,13 +1502,13 @@ class Coordinator:
                 "stage", generation=r.generation, stage=s.value, seconds=now - r.marks[_previous(s)]
             )
         if before is not Stage.REBUILD and after in (Stage.REBUILD, Stage.RESUME, Stage.DONE):
-            for sid in self.members.values():
-                self._send(self.workers[sid], {"t": "rebuild", "gen": r.generation})
+            for sid in self.view.members.values():
+                self._send(self.view.workers[sid], {"t": "rebuild", "gen": r.generation})
         if after in (Stage.RESUME, Stage.DONE) and before not in (Stage.RESUME, Stage.DONE):
             self._set_state(JobState.RUNNING)
             now_m = time.monotonic()
-            for sid in self.members.values():
-                self.workers[sid].last_progress = now_m
+            for sid in self.view.members.values():
+                self.view.workers[sid].last_progress = now_m
         if after is Stage.DONE:
             self.reconf = None
             m = self.migration
@@ -1544,11 +1518,14 @@ class Coordinator:
                 self._resize_done(self.resize)
             if r.failures:
                 records = r.report()
-                self.reports.extend(records)
+                self.view.reports.extend(records)
                 for rec in records:
                     self.events.emit("recovery", **rec)
             self._replenish_spares()
-            if self.done_ranks >= set(range(self.world_size)) and self.state is JobState.RUNNING:
+            if (
+                self.view.done_ranks >= set(range(self.view.world_size))
+                and self.view.phase is JobState.RUNNING
+            ):
                 self._finish()
 
     # -- replication -------------------------------------------------------------------------------
@@ -1558,23 +1535,23 @@ class Coordinator:
             return
         if time.monotonic() < self._round_retry_at:
             return
-        if len(self.latest_step) < self.world_size:
+        if len(self.view.latest_step) < self.view.world_size:
             return
-        step = min(self.latest_step.values())
-        if self.replicated_step is not None and step <= self.replicated_step:
+        step = min(self.view.latest_step.values())
+        if self.view.replicated_step is not None and step <= self.view.replicated_step:
             return
         alive = self._alive_nodes()
-        holders = place_replicas(alive, {n: self.nodes[n].domain for n in alive}, self.config.replicas)
+        holders = place_replicas(alive, {n: self.view.nodes[n].domain for n in alive}, self.config.replicas)
         per_node: dict[str, dict[str, list[str]]] = {}
-        for rank in range(self.world_size):
-            node = self.rank_node[rank]
-            addrs = [self.nodes[h].data_addr for h in holders.get(node, [])]
+        for rank in range(self.view.world_size):
+            node = self.view.rank_node[rank]
+            addrs = [self.view.nodes[h].data_addr for h in holders.get(node, [])]
             if not addrs:
                 return  # not enough live nodes to hold a replica
             per_node.setdefault(node, {})[str(rank)] = addrs
-        self._round = _Round(step=step, pending=set(range(self.world_size)), started=time.monotonic())
+        self._round = _Round(step=step, pending=set(range(self.view.world_size)), started=time.monotonic())
         for node, ranks in per_node.items():
-            self._send_node(self.nodes[node], {"t": "replicate", "step": step, "ranks": ranks})
+            self._send_node(self.view.nodes[node], {"t": "replicate", "step": step, "ranks": ranks})
 
     def _on_replicated(self, node: NodeRecord, msg: Message) -> None:
         rd = self._round
@@ -1600,7 +1577,7 @@ class Coordinator:
         if rd.pending:
             return
         self._round = None
-        self.replicated_step = rd.step
+        self.view.replicated_step = rd.step
         self._broadcast_committed()
         self._rep_totals["rounds"] += 1
         self._rep_totals["raw_bytes"] += rd.raw
@@ -1621,17 +1598,17 @@ class Coordinator:
     def request_migration(self, rank: int, target: str | None, reason: str) -> str | None:
         """Queue moving ``rank`` to ``target`` (None: the policy picks a node); an error message
         when the request cannot be honoured at all."""
-        if not 0 <= rank < self.world_size:
-            return f"no rank {rank}: the job has ranks 0..{self.world_size - 1}"
+        if not 0 <= rank < self.view.world_size:
+            return f"no rank {rank}: the job has ranks 0..{self.view.world_size - 1}"
         if target is not None:
-            node = self.nodes.get(target)
+            node = self.view.nodes.get(target)
             if node is None or not node.alive or node.quarantined:
                 return (
                     f"node {target} is not a live node of the job (nodes: {', '.join(self._alive_nodes())})"
                 )
-            if self.rank_node.get(rank) == target:
+            if self.view.rank_node.get(rank) == target:
                 return f"rank {rank} already runs on node {target}"
-        if self.state in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
+        if self.view.phase in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
             return "the job is ending"
         if any(q[0] == rank for q in self._migrate_queue) or (
             self.migration is not None and self.migration.rank == rank
@@ -1664,7 +1641,7 @@ class Coordinator:
         if node.draining or not node.alive:
             return
         node.draining = True
-        ranks = sorted(r for r, n in self.rank_node.items() if n == node.name)
+        ranks = sorted(r for r, n in self.view.rank_node.items() if n == node.name)
         self.events.emit("preempt_notice", node=node.name, grace_s=grace_s, ranks=ranks)
         if self.rounds is not None:
             self.rounds.request()
@@ -1677,10 +1654,10 @@ class Coordinator:
     def _release_drained(self) -> None:
         """A draining node that plays no rank any more is released (not a failure)."""
         busy = {self.migration.leaver_node} if self.migration is not None else set()
-        for node in list(self.nodes.values()):
+        for node in list(self.view.nodes.values()):
             if not node.alive or not node.draining or node.name in busy:
                 continue
-            if any(n == node.name for n in self.rank_node.values()):
+            if any(n == node.name for n in self.view.rank_node.values()):
                 continue
             self._send_node(node, {"t": "release"})
             self.events.emit("node_released", node=node.name)
@@ -1695,14 +1672,14 @@ class Coordinator:
             return
         if m.phase in (MigrationPhase.PAUSE, MigrationPhase.SWAP):
             now = time.monotonic()
-            for sid in self.members.values():  # a rank waiting at the boundary is not hung
-                self.workers[sid].last_progress = now
+            for sid in self.view.members.values():  # a rank waiting at the boundary is not hung
+                self.view.workers[sid].last_progress = now
         if m.phase in (MigrationPhase.PREPARE, MigrationPhase.PAUSE):
             if time.time() - m.marks["start"] > self.config.rebuild_timeout_s:
                 self._abort_migration(f"not ready to swap within {self.config.rebuild_timeout_s:g}s")
 
     def _start_migration(self, rank: int, wanted: str | None, reason: str, asked: float) -> None:
-        leaver_node = self.rank_node[rank]
+        leaver_node = self.view.rank_node[rank]
         target = wanted
         idle = self._idle_spares()
         alive = self._alive_nodes()
@@ -1711,8 +1688,8 @@ class Coordinator:
                 leaver_node,
                 idle,
                 alive,
-                {n: self.nodes[n].domain for n in alive},
-                {n: sum(1 for r in self.members if self.rank_node.get(r) == n) for n in alive},
+                {n: self.view.nodes[n].domain for n in alive},
+                {n: sum(1 for r in self.view.members if self.view.rank_node.get(r) == n) for n in alive},
             )
         joiner = choose_joiner(target, idle) if target is not None and target in alive else None
         if target is None or joiner is None:
@@ -1728,15 +1705,15 @@ class Coordinator:
         m = Migration(
             rank=rank,
             target=target,
-            leaver_sid=self.members[rank],
+            leaver_sid=self.view.members[rank],
             leaver_node=leaver_node,
             joiner_sid=joiner,
             reason=reason,
             prepare_step=step,
         )
         self.migration = m
-        w = self.workers[joiner]
-        w.role, w.rank = "joiner", rank  # not a member until the swap
+        w = self.view.workers[joiner]
+        w.role, w.rank = Role.JOINER, rank  # not a member until the swap
         self.events.emit(
             "migration_start",
             rank=rank,
@@ -1754,7 +1731,7 @@ class Coordinator:
             return
         m.mark("fetched")
         m.held = m.prepare_step
-        self._send_prepare(m.joiner_sid, m.rank, self.world_size, m.prepare_step)
+        self._send_prepare(m.joiner_sid, m.rank, self.view.world_size, m.prepare_step)
 
     def _catch_up(self, m: Migration) -> bool:
         """Start the next catch-up fetch if one is due (``catch_up_to``); whether one is in flight."""
@@ -1803,10 +1780,10 @@ class Coordinator:
         """Tell a joiner (a migration's or a grow's) its rank: it restores ``step``, which its node
         holds, and warms up while the job trains; it is no member until the swap."""
         self._send(
-            self.workers[sid],
+            self.view.workers[sid],
             {
                 "t": "reconfigure",
-                "gen": self.generation,
+                "gen": self.view.generation,
                 "rank": rank,
                 "world_size": world_size,
                 "restore_step": step,
@@ -1828,10 +1805,10 @@ class Coordinator:
         if not m.ready or m.phase is not MigrationPhase.PREPARE or self._catch_up(m):
             return
         m.phase = MigrationPhase.PAUSE
-        m.boundary = boundary_step(self.latest_step)
+        m.boundary = boundary_step(self.view.latest_step)
         self.events.emit("migration_pause", rank=m.rank, boundary=m.boundary)
-        for sid in self.members.values():
-            self._send(self.workers[sid], {"t": "pause", "at": m.boundary})
+        for sid in self.view.members.values():
+            self._send(self.view.workers[sid], {"t": "pause", "at": m.boundary})
 
     def _swap(self, m: Migration) -> None:
         """Every rank stopped after the boundary step: a new generation with the joiner in the rank."""
@@ -1844,15 +1821,15 @@ class Coordinator:
         m.mark("paused")
         m.phase = MigrationPhase.SWAP
         step = m.boundary
-        leaver = self.workers[m.leaver_sid]
-        leaver.role, leaver.rank = "retired", None  # its exit is no failure
+        leaver = self.view.workers[m.leaver_sid]
+        leaver.role, leaver.rank = Role.RETIRED, None  # its exit is no failure
         self._kill(m.leaver_sid, signal.SIGKILL)  # its snapshot of the boundary stays in its node's memory
-        joiner = self.workers[m.joiner_sid]
-        joiner.role = "worker"
-        self.members[m.rank] = m.joiner_sid
-        self.rank_node[m.rank] = m.target
+        joiner = self.view.workers[m.joiner_sid]
+        joiner.role = Role.WORKER
+        self.view.members[m.rank] = m.joiner_sid
+        self.view.rank_node[m.rank] = m.target
         self._open_generation()
-        m.generation = self.generation
+        m.generation = self.view.generation
         r = self._boundary_generation(step, {m.rank: "migration"})
         fetched = self._fetch_for(
             r, m.rank, step, m.leaver_node, "local", base=self._swap_base(m), early=m.boundary_req
@@ -1878,8 +1855,8 @@ class Coordinator:
         """The generation just opened, starting at boundary ``step`` that every rank paused after
         (a migration's swap, a grow): nothing rolls back, paused ranks keep their live state."""
         r = Reconfiguration(
-            generation=self.generation,
-            world_size=self.world_size,
+            generation=self.view.generation,
+            world_size=self.view.world_size,
             failures=[],
             restore_step=step,
             replans=0,
@@ -1923,13 +1900,13 @@ class Coordinator:
             self._early.pop(m.boundary_req, None)  # a late answer is ignored like any stale fetch
         phase = m.phase
         m.phase, m.error = MigrationPhase.ABORTED, why
-        joiner = self.workers.get(m.joiner_sid)
-        if joiner is not None and self.members.get(m.rank) != m.joiner_sid:
-            joiner.role, joiner.rank = "retired", None
+        joiner = self.view.workers.get(m.joiner_sid)
+        if joiner is not None and self.view.members.get(m.rank) != m.joiner_sid:
+            joiner.role, joiner.rank = Role.RETIRED, None
             self._kill(m.joiner_sid, signal.SIGKILL)  # a prepared joiner cannot take another rank
         if m.boundary is not None and m.generation is None:
-            for sid in self.members.values():  # ranks waiting at the boundary go on as before
-                self._send(self.workers[sid], {"t": "continue"})
+            for sid in self.view.members.values():  # ranks waiting at the boundary go on as before
+                self._send(self.view.workers[sid], {"t": "continue"})
         self.events.emit("migration_aborted", rank=m.rank, phase=str(phase), error=why)
         self._answer_migration(m.rank, ok=False, error=why)
 
@@ -1949,8 +1926,8 @@ class Coordinator:
             return
         if z.generation is None:
             now = time.monotonic()
-            for sid in self.members.values():  # a rank waiting at the boundary is not hung
-                self.workers[sid].last_progress = now
+            for sid in self.view.members.values():  # a rank waiting at the boundary is not hung
+                self.view.workers[sid].last_progress = now
             if time.time() - z.started > self.config.rebuild_timeout_s:
                 self._abort_resize(
                     f"not every rank reached step {z.boundary} within {self.config.rebuild_timeout_s:g}s"
@@ -1958,20 +1935,20 @@ class Coordinator:
 
     def _maybe_grow(self) -> None:
         if (
-            self.world_size >= self.config.world_size
+            self.view.world_size >= self.config.world_size
             or not self._may_start(Op.GROW)
             or time.monotonic() < self._grow_retry_at
         ):
             return
         idle = self._idle_spares()
-        target = self.elastic.grow_to(world_size=self.world_size, idle_spares=len(idle))
-        if target <= self.world_size:
+        target = self.elastic.grow_to(world_size=self.view.world_size, idle_spares=len(idle))
+        if target <= self.view.world_size:
             return
-        joiners = sorted(idle)[: target - self.world_size]
+        joiners = sorted(idle)[: target - self.view.world_size]
         for sid in joiners:
-            self.workers[sid].role = "joiner"  # held for the grow: no recovery takes it meanwhile
+            self.view.workers[sid].role = Role.JOINER  # held for the grow: no recovery takes it meanwhile
         z = Resize(
-            world_size=self.world_size,
+            world_size=self.view.world_size,
             new_world_size=target,
             joiners=joiners,
             started=time.time(),
@@ -1980,15 +1957,15 @@ class Coordinator:
         self.resize = z
         self.events.emit(
             "grow_start",
-            world_size=self.world_size,
+            world_size=self.view.world_size,
             new_world_size=target,
             prepare_step=z.prepare_step,
-            joiners={str(sid): self.worker_node[sid] for sid in joiners},
+            joiners={str(sid): self.view.node_of(sid) for sid in joiners},
         )
         for i, sid in enumerate(joiners):
-            node = self.worker_node[sid]
+            node = self.view.node_of(sid)
             req = self._fetch(
-                node, 0, z.prepare_step, self.rank_node[0], "local", as_rank=self.world_size + i
+                node, 0, z.prepare_step, self.view.rank_node[0], "local", as_rank=self.view.world_size + i
             )
             z.fetches[req] = sid
 
@@ -2005,20 +1982,20 @@ class Coordinator:
         z.prepared.add(sid)
         if z.prepared < set(z.joiners) or z.boundary is not None:
             return
-        z.boundary = boundary_step(self.latest_step)
+        z.boundary = boundary_step(self.view.latest_step)
         self.events.emit("grow_pause", boundary=z.boundary, prepare_s=time.time() - z.started)
-        for m in self.members.values():
-            self._send(self.workers[m], {"t": "pause", "at": z.boundary})
+        for m in self.view.members.values():
+            self._send(self.view.workers[m], {"t": "pause", "at": z.boundary})
 
     def _on_paused_for_resize(self, z: Resize, rank: int, step: int) -> None:
         z.paused[rank] = step
         if rank == 0 and step == z.boundary and not z.boundary_reqs:
             # rank 0's step S is complete: the joiners' nodes fetch it while the others finish theirs
             for i, sid in enumerate(z.joiners):
-                node, new_rank = self.worker_node[sid], self.world_size + i
-                req = self._fetch_early(node, 0, step, self.rank_node[0], as_rank=new_rank)
+                node, new_rank = self.view.node_of(sid), self.view.world_size + i
+                req = self._fetch_early(node, 0, step, self.view.rank_node[0], as_rank=new_rank)
                 z.boundary_reqs[new_rank] = req
-        if len(z.paused) < self.world_size:
+        if len(z.paused) < self.view.world_size:
             return
         if set(z.paused.values()) != {z.boundary}:
             self._abort_resize(f"ranks stopped at steps {sorted(set(z.paused.values()))}, not {z.boundary}")
@@ -2031,36 +2008,38 @@ class Coordinator:
         assert z.boundary is not None
         step = z.boundary
         self._open_generation()
-        z.generation = self.generation
-        old_world = self.world_size
-        self.world_size = z.new_world_size
-        new_ranks = list(range(old_world, self.world_size))
+        z.generation = self.view.generation
+        old_world = self.view.world_size
+        self.view.world_size = z.new_world_size
+        new_ranks = list(range(old_world, self.view.world_size))
         for rank, sid in zip(new_ranks, z.joiners, strict=True):
-            w = self.workers[sid]
-            w.role, w.rank = "worker", rank
+            w = self.view.workers[sid]
+            w.role, w.rank = Role.WORKER, rank
             w.last_progress, w.stepped = time.monotonic(), False
-            self.members[rank] = sid
-            self.rank_node[rank] = self.worker_node[sid]
+            self.view.members[rank] = sid
+            self.view.rank_node[rank] = self.view.node_of(sid)
         r = self._boundary_generation(step, {rank: "grow" for rank in new_ranks}, fresh=set(new_ranks))
         self._step_at.clear()
-        source = self.rank_node[0]
+        source = self.view.rank_node[0]
         fetches = {
             rank: self._fetch_for(r, rank, step, source, "local", src_rank=0, early=z.boundary_reqs.get(rank))
             for rank in new_ranks
         }
         self.events.emit(
             "grow",
-            world_size=self.world_size,
+            world_size=self.view.world_size,
             old_world_size=old_world,
             boundary=step,
-            shards={str(k): list(sh) for k, sh in enumerate(assign_shards(self.num_shards, self.world_size))},
+            shards={
+                str(k): list(sh) for k, sh in enumerate(assign_shards(self.num_shards, self.view.world_size))
+            },
         )
         self._launch(r, tier="memory", fetches=fetches, grow=new_ranks)
 
     def _resize_done(self, z: Resize) -> None:
         self.resize = None
         self.events.emit(
-            "grow_done", world_size=self.world_size, boundary=z.boundary, seconds=time.time() - z.started
+            "grow_done", world_size=self.view.world_size, boundary=z.boundary, seconds=time.time() - z.started
         )
 
     def _abort_resize(self, why: str) -> None:
@@ -2072,21 +2051,21 @@ class Coordinator:
             self._early.pop(req, None)  # a late answer is ignored like any stale fetch
         self._grow_retry_at = time.monotonic() + GROW_RETRY_S
         for sid in z.joiners:
-            w = self.workers.get(sid)
-            if w is None or w.role != "joiner":
+            w = self.view.workers.get(sid)
+            if w is None or w.role is not Role.JOINER:
                 continue
             if sid in z.fetches.values():
-                w.role = "spare"  # not told anything yet: idle again
+                w.role = Role.SPARE  # not told anything yet: idle again
             else:  # it took the rank in its script (prepare): replace it with a fresh spare
-                w.role = "retired"
+                w.role = Role.RETIRED
                 self._kill(sid, signal.SIGKILL)
-                if self.nodes[self.worker_node[sid]].alive:
-                    self._spawn(self.worker_node[sid], "spare", None)
+                if self.view.nodes[w.node].alive:
+                    self._spawn(w.node, Role.SPARE, None)
         for req in z.fetches:
             self._req_node.pop(req, None)
         if z.generation is None:
-            for sid in self.members.values():  # ranks waiting at the boundary go on as before
-                self._send(self.workers[sid], {"t": "continue"})
+            for sid in self.view.members.values():  # ranks waiting at the boundary go on as before
+                self._send(self.view.workers[sid], {"t": "continue"})
         self.events.emit("grow_aborted", boundary=z.boundary, error=why)
 
     # -- the control store (--store etcd://; runtime/jobstore.py) ---------------------------------
@@ -2113,10 +2092,10 @@ class Coordinator:
             "coordinator_resumed",
             address=addr,
             waited_s=time.monotonic() - t0,
-            generation=self.generation,
-            state=str(self.state),
+            generation=self.view.generation,
+            state=str(self.view.phase),
             nodes=sorted(self._awaiting),
-            lost=sorted(n for n, r in self.nodes.items() if not r.alive),
+            lost=sorted(n for n, r in self.view.nodes.items() if not r.alive),
         )
 
     def _close_store(self) -> None:
@@ -2149,12 +2128,12 @@ class Coordinator:
                 return
             if ev is None:
                 break
-            node = self.nodes.get(self.jobs.node_name(ev.key))
+            node = self.view.nodes.get(self.jobs.node_name(ev.key))
             if ev.kind == "delete" and node is not None and node.alive:
                 self._awaiting.pop(node.name, None)
                 self._lose_node(node, "its lease in the control store ended")
         now = time.monotonic()
-        for node in self.nodes.values():
+        for node in self.view.nodes.values():
             gone_since = self._awaiting.get(node.name, node.disconnected_at)
             if node.alive and gone_since is not None and now - gone_since > self.config.reconnect_s:
                 if node.lease_id:
@@ -2164,9 +2143,9 @@ class Coordinator:
                     self._lose_node(node, f"did not reconnect within {self.config.reconnect_s:g}s")
         if self._interrupted and not self._awaiting:
             self._end_interrupted()
-        if self._resync and not self._awaiting and self.state is not JobState.FAILED:
+        if self._resync and not self._awaiting and self.view.phase is not JobState.FAILED:
             self._resync = False
-            if self.members:
+            if self.view.members:
                 self._begin_generation([], inventory_needed=True)
         try:
             self.jobs.save(self.record())
@@ -2182,26 +2161,26 @@ class Coordinator:
         why = "the coordinator restarted"
         for kind, op in sorted(self._interrupted.items()):
             if op.get("swapped"):
-                self.events.emit("operation_resumed", operation=kind, generation=self.generation)
+                self.events.emit("operation_resumed", operation=kind, generation=self.view.generation)
                 continue
             joiners = [int(op["joiner"])] if kind == "migration" else [int(s) for s in op["joiners"]]
             told = {int(op["joiner"])} if kind == "migration" and op.get("told") else set(op.get("told", []))
             for sid in joiners:
-                w = self.workers.get(sid)
-                if w is None or w.role != "joiner":
+                w = self.view.workers.get(sid)
+                if w is None or w.role is not Role.JOINER:
                     continue
                 if sid in told:
-                    w.role, w.rank = "retired", None
+                    w.role, w.rank = Role.RETIRED, None
                     self._kill(sid, signal.SIGKILL)
-                    node = self.nodes.get(self.worker_node.get(sid, ""))
+                    node = self.view.nodes.get(self.view.node_of(sid))
                     if node is not None and node.alive:
-                        self._spawn(node.name, "spare", None)
+                        self._spawn(node.name, Role.SPARE, None)
                 else:
-                    w.role, w.rank = "spare", None
-            self._continue_on_resume |= set(self.members.values())
+                    w.role, w.rank = Role.SPARE, None
+            self._continue_on_resume |= set(self.view.members.values())
             for sid in list(self._continue_on_resume):
-                if self.workers[sid].chan is not None:
-                    self._send(self.workers[sid], {"t": "continue"})
+                if self.view.workers[sid].chan is not None:
+                    self._send(self.view.workers[sid], {"t": "continue"})
                     self._continue_on_resume.discard(sid)
             if kind == "migration":
                 self.events.emit("migration_aborted", rank=op.get("rank"), phase=op.get("phase"), error=why)
@@ -2234,43 +2213,25 @@ class Coordinator:
     def _on_worker_resumed(self, w: WorkerRecord, resume: dict[str, Any]) -> None:
         """A worker reconnected after the coordinator restarted: take its progress."""
         rank = w.rank
-        member = rank is not None and self.members.get(rank) == w.spawn_id
-        if member and rank is not None and int(resume.get("gen", -1)) == self.generation:
+        member = rank is not None and self.view.members.get(rank) == w.spawn_id
+        if member and rank is not None and int(resume.get("gen", -1)) == self.view.generation:
             step = int(resume.get("step", 0))
-            self.latest_step[rank] = max(self.latest_step.get(rank, 0), step)
+            self.view.latest_step[rank] = max(self.view.latest_step.get(rank, 0), step)
             if resume.get("done"):
-                self.done_ranks.add(rank)
+                self.view.done_ranks.add(rank)
         if w.spawn_id in self._continue_on_resume:  # paused for an operation that was aborted
             self._continue_on_resume.discard(w.spawn_id)
             self._send(w, {"t": "continue"})
-        if self.state is JobState.FINISHING:
+        if self.view.phase is JobState.FINISHING:
             self._send(w, {"t": "finish"})  # it may have missed it
-        elif self.state is JobState.RUNNING and self.done_ranks >= set(range(self.world_size)):
+        elif self.view.phase is JobState.RUNNING and self.view.done_ranks >= set(range(self.view.world_size)):
             self._finish()
 
     def record(self) -> dict[str, Any]:
-        """What a restarted coordinator needs to carry on (saved in the store; JSON types)."""
+        """What a restarted coordinator needs to carry on (saved in the store; JSON types): the
+        whole view, and the operations in flight."""
         return {
-            "job_id": self.job_id,
-            "generation": self.generation,
-            "state": str(self.state),
-            "world_size": self.world_size,
-            "next_sid": self._last_sid + 1,
-            "workers": {
-                str(sid): {
-                    "role": w.role,
-                    "rank": w.rank,
-                    "node": self.worker_node.get(sid),
-                    "pid": self.worker_pid.get(sid),
-                    "live": sid in self.live,
-                }
-                for sid, w in self.workers.items()
-            },
-            "members": {str(r): sid for r, sid in self.members.items()},
-            "rank_node": {str(r): n for r, n in self.rank_node.items()},
-            "latest_step": {str(r): s for r, s in self.latest_step.items()},
-            "replicated_step": self.replicated_step,
-            "done_ranks": sorted(self.done_ranks),
+            **self.view.to_record(),
             # operations in flight: a restarted coordinator ends them cleanly (_end_interrupted)
             "migration": None
             if self.migration is None
@@ -2289,86 +2250,35 @@ class Coordinator:
                 "swapped": self.resize.generation is not None,
             },
             "migrate_queue": [[q[0], q[1], q[2]] for q in self._migrate_queue],
-            "failures_total": self.failures_total,
-            "reports": self.reports,
-            "nodes": {
-                n: {
-                    "nproc": r.nproc,
-                    "spares": r.spares,
-                    "domain": r.domain,
-                    "data_addr": r.data_addr,
-                    "alive": r.alive,
-                    "quarantined": r.quarantined,
-                    "lease_id": r.lease_id,
-                    "failures": len(r.failure_times),
-                }
-                for n, r in self.nodes.items()
-            },
         }
 
     def _restore(self, rec: dict[str, Any], live: set[str]) -> None:
         """Take over from a dead coordinator's record; ``live``: nodes whose lease is alive."""
         now = time.monotonic()
         grace = now + min(self.config.reconnect_s, 10.0)  # workers reconnect before they count as hung
-        self.job_id = str(rec["job_id"])
-        self.generation = int(rec["generation"])
-        self._last_sid = int(rec["next_sid"]) - 1
-        self._sid = itertools.count(self._last_sid + 1)
-        for sid_s, wd in dict(rec["workers"]).items():
-            sid = int(sid_s)
-            rank = wd.get("rank")
-            w = WorkerRecord(
-                spawn_id=sid, role=str(wd["role"]), rank=rank, last_hb=grace, last_progress=grace
-            )
-            self.workers[sid] = w
-            self.worker_node[sid] = str(wd["node"])
-            if wd.get("pid") is not None:
-                self.worker_pid[sid] = int(wd["pid"])
-            if wd.get("live"):
-                self.live.add(sid)
-        self.world_size = int(rec.get("world_size", self.world_size))  # elastic: maybe shrunk
-        self.members = {int(r): int(sid) for r, sid in dict(rec["members"]).items()}
-        self.rank_node = {int(r): str(n) for r, n in dict(rec["rank_node"]).items()}
-        self.latest_step = {int(r): int(st) for r, st in dict(rec["latest_step"]).items()}
-        rs = rec.get("replicated_step")
-        self.replicated_step = None if rs is None else int(rs)
-        self.done_ranks = {int(r) for r in rec.get("done_ranks", [])}
-        self.failures_total = int(rec.get("failures_total", 0))
-        self.reports = list(rec.get("reports", []))
-        for name, nd in dict(rec["nodes"]).items():
-            node = NodeRecord(
-                name=name,
-                chan=None,
-                nproc=int(nd["nproc"]),
-                spares=int(nd["spares"]),
-                domain=str(nd["domain"]),
-                data_addr=str(nd["data_addr"]),
-                last_lease=now,
-                alive=bool(nd["alive"]),
-                quarantined=bool(nd["quarantined"]),
-                lease_id=int(nd.get("lease_id", 0)),
-            )
-            self.nodes[name] = node
+        self.view = JobView.from_record(rec, now=now, grace_until=grace)
+        self.job_id = self.view.job_id
+        for name, node in self.view.nodes.items():
             if node.alive:
                 self._awaiting[name] = now
         self._interrupted = {k: rec[k] for k in ("migration", "grow") if rec.get(k)}
         for rank, target, reason in rec.get("migrate_queue", []):
             self._migrate_queue.append((int(rank), target, str(reason), now))
         state = JobState(str(rec["state"]))
-        self.state = JobState.RUNNING if state is JobState.RECONFIGURING else state
-        self._resync = state in (JobState.RECONFIGURING, JobState.STARTING) and bool(self.members)
+        self.view.phase = JobState.RUNNING if state is JobState.RECONFIGURING else state
+        self._resync = state in (JobState.RECONFIGURING, JobState.STARTING) and bool(self.view.members)
         if self._resync:
-            self.state = JobState.RECONFIGURING
+            self.view.phase = JobState.RECONFIGURING
         for name in sorted(self._awaiting):
             if name not in live:  # its lease ended while no coordinator was watching
                 self._awaiting.pop(name)
-                self._lose_node(self.nodes[name], "its lease in the control store ended")
+                self._lose_node(self.view.nodes[name], "its lease in the control store ended")
 
     # -- durable persistence of several nodes (runtime/persistence.py) ---------------------------
     def _placement(self) -> dict[str, list[int]]:
         placement: dict[str, list[int]] = {}
-        for rank in range(self.world_size):
-            placement.setdefault(self.rank_node[rank], []).append(rank)
+        for rank in range(self.view.world_size):
+            placement.setdefault(self.view.rank_node[rank], []).append(rank)
         return placement
 
     def _persist(self) -> None:
@@ -2377,7 +2287,7 @@ class Coordinator:
         if rounds is None or self._awaiting:
             return
         rounds.check(set(self._alive_nodes()))
-        if self._may_start(Op.PERSIST) and len(self.latest_step) == self.world_size:
+        if self._may_start(Op.PERSIST) and len(self.view.latest_step) == self.view.world_size:
             if rounds.wanted(self.committed()):
                 rounds.start(self.committed(), self._placement())
 
@@ -2385,11 +2295,11 @@ class Coordinator:
         """Before the nodes are released: make the newest step every rank holds durable (the
         final step of a finished job, else the committed step), waiting at most persist_timeout_s."""
         rounds = self.rounds
-        if rounds is None or len(self.latest_step) < self.world_size:
+        if rounds is None or len(self.view.latest_step) < self.view.world_size:
             return
-        if any(not self.nodes[n].alive for n in self._placement()):
+        if any(not self.view.nodes[n].alive for n in self._placement()):
             return  # a rank's memory is gone with its node: the last committed checkpoint stands
-        step = min(self.latest_step.values()) if self.state is JobState.DONE else self.committed()
+        step = min(self.view.latest_step.values()) if self.view.phase is JobState.DONE else self.committed()
         if rounds.round is not None and rounds.round.step != step:
             rounds.abort(f"superseded by the final persist of step {step}")
         if rounds.round is None and rounds.last_step != step:
@@ -2407,7 +2317,7 @@ class Coordinator:
 
     def _broadcast_committed(self) -> None:
         for name in self._alive_nodes():
-            self._send_node(self.nodes[name], {"t": "committed", "step": self.replicated_step})
+            self._send_node(self.view.nodes[name], {"t": "committed", "step": self.view.replicated_step})
 
     # -- the end -----------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -2418,29 +2328,27 @@ class Coordinator:
             self._answer_migration(rank, ok=False, error="the job finished first")
         self._migrate_queue.clear()
         self._set_state(JobState.FINISHING)
-        self.events.emit("finish", step=min(self.latest_step.values(), default=0), generation=self.generation)
-        for w in self.workers.values():
+        self.events.emit(
+            "finish", step=min(self.view.latest_step.values(), default=0), generation=self.view.generation
+        )
+        for w in self.view.workers.values():
             self._send(w, {"t": "finish"})
 
     def _members_alive(self) -> bool:
-        return any(sid in self.live for sid in self.members.values())
+        return self.view.members_alive()
 
     def _replenish_spares(self) -> None:
         for name in self._alive_nodes():
-            node = self.nodes[name]
+            node = self.view.nodes[name]
             if node.draining:
                 continue
-            have = sum(
-                1
-                for sid, w in self.workers.items()
-                if w.role == "spare" and self.worker_node.get(sid) == name and sid in self.live
-            )
+            have = self.view.spares_on(name)
             want = node.spares - have
             if self.elastic.enabled:  # a node has room for nproc + spares processes, no more
-                ranks_here = sum(1 for r in self.members if self.rank_node.get(r) == name)
+                ranks_here = sum(1 for r in self.view.members if self.view.rank_node.get(r) == name)
                 want = min(want, node.nproc + node.spares - ranks_here - have)
             for _ in range(want):
-                self._spawn(name, "spare", None)
+                self._spawn(name, Role.SPARE, None)
 
 
 def _transfer(msg: Message) -> Transfer:

@@ -15,32 +15,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from nonstop.config import DetectorConfig
-from nonstop.control.channel import Channel
 from nonstop.runtime.policy import RankObservation, find_hung_ranks, median_step_time
+from nonstop.runtime.view import WorkerRecord
 
 __all__ = ["FailureDetector", "Verdicts", "WorkerRecord"]
 
 # A dying process closes its socket a moment before its exit is seen: only a channel
 # closed for longer than this while the process lives counts as a failure.
 CLOSE_GRACE_S = 0.5
-
-
-@dataclass
-class WorkerRecord:
-    """The coordinator's view of one spawned process. Times are ``time.monotonic()``."""
-
-    spawn_id: int
-    role: str  # "worker" or "spare"
-    rank: int | None = None
-    chan: Channel | None = None
-    last_hb: float = 0.0
-    last_progress: float = 0.0
-    coll: bool = False  # a gradient allreduce is pending on this rank
-    stepped: bool = False  # completed a step in the current generation
-    killed_for_hang: str | None = None  # why nonstop killed it, if it did
-    fault_at: float | None = None  # wall time an injected fault fired on it
-    fault_report: tuple[float, str] | None = None  # (when, error) of a reported exception
-    chan_closed_at: float | None = None
 
 
 @dataclass
