@@ -27,7 +27,6 @@ tier when memory has no common step.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
@@ -51,6 +50,7 @@ from nonstop.runtime.elastic import (
     resume_sources,
 )
 from nonstop.runtime.eventlog import EventLog
+from nonstop.runtime.executor import Executor
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.migration import (
     Migration,
@@ -142,13 +142,14 @@ class Coordinator:
         # one node: a Persister over the node's memory; several: rounds across the nodes
         self.persister = persister
         self.rounds = persister if isinstance(persister, ClusterPersister) else None
-        if self.rounds is not None:
-            self.rounds.attach(self._send_to)
         self.durable_url = durable_url
         self.initial_step = initial_step  # resumed from the durable tier: install this first
         self.server = server
         self.events = events
         self.view = JobView(job_id=job_id, world_size=config.world_size)
+        self.io = Executor(self.view, events)
+        if self.rounds is not None:
+            self.rounds.attach(self.io.send_to)
         # elastic (runtime/elastic.py): the data-parallel shards stay those of the full-size job
         self.num_shards = config.world_size * config.shards_per_rank  # micro-batches of a step
         self.elastic = ElasticPolicy(
@@ -169,9 +170,6 @@ class Coordinator:
         self.client_tickets: list[tuple[Channel, int]] = []
         self.kv = KeyValueTable()
         self._exits: list[_Exit] = []
-        self._req = itertools.count()
-        self._replies: dict[int, Message] = {}
-        self._req_node: dict[int, str] = {}
         self._waiting_fetch: dict[int, tuple[int, int]] = {}  # request id -> (rank, generation)
         # fetches asked for before their generation (a swap's boundary): request id -> (rank, ok),
         # ok None while in flight; the generation adopts them (``_fetch_for(early=...)``)
@@ -245,7 +243,7 @@ class Coordinator:
         """The job ended: persist the last step, release the nodes, the result."""
         self._final_persist()
         for node in self.view.nodes.values():
-            self._send_node(node, {"t": "finish", "failed": self.view.phase is JobState.FAILED})
+            self.io.send_node(node, {"t": "finish", "failed": self.view.phase is JobState.FAILED})
         self._close_store()
         final = min(self.view.latest_step.values()) if self.view.latest_step else 0
         return JobResult(
@@ -289,18 +287,12 @@ class Coordinator:
                 return
         for i, name in enumerate(nodes):
             for k in range(self.config.nproc_per_node):
-                self._spawn(name, Role.WORKER, i * self.config.nproc_per_node + k)
+                self.io.spawn(name, Role.WORKER, i * self.config.nproc_per_node + k)
             for _ in range(self.view.nodes[name].spares):
-                self._spawn(name, Role.SPARE, None)
+                self.io.spawn(name, Role.SPARE, None)
 
     def _alive_nodes(self) -> list[str]:
         return self.view.alive_nodes()
-
-    def _spawn(self, node: str, role: Role, rank: int | None) -> int:
-        sid = self.view.add_worker(node, role, rank, time.monotonic()).spawn_id
-        self._send_node(self.view.nodes[node], {"t": "spawn", "spawn_id": sid, "role": role})
-        self.events.emit("spawn", spawn_id=sid, role=role, rank=rank, node=node)
-        return sid
 
     def _set_state(self, new: JobPhase) -> None:
         assert legal(self.view.phase, new), f"the job cannot go from {self.view.phase} to {new}"
@@ -336,33 +328,7 @@ class Coordinator:
         self._set_state(JobState.FAILED)
         self.events.emit("job_failed", error=error)
         for w in self.view.workers.values():
-            self._send(w, {"t": "abort", "error": error})
-
-    def _send(self, w: WorkerRecord, msg: Message) -> None:
-        if w.chan is not None and not w.chan.closed:
-            try:
-                w.chan.send(msg)
-            except ControlError:
-                pass
-
-    def _send_node(self, node: NodeRecord, msg: Message) -> None:
-        if node.alive and node.chan is not None and not node.chan.closed:
-            try:
-                node.chan.send(msg)
-            except ControlError:
-                pass
-
-    def _send_to(self, name: str, msg: Message) -> bool:
-        node = self.view.nodes.get(name)
-        if node is None or not node.alive or node.chan is None or node.chan.closed:
-            return False
-        self._send_node(node, msg)
-        return True
-
-    def _kill(self, sid: int, sig: int = signal.SIGKILL) -> None:
-        node = self.view.nodes.get(self.view.node_of(sid))
-        if node is not None:
-            self._send_node(node, {"t": "kill", "spawn_id": sid, "sig": int(sig)})
+            self.io.send(w, {"t": "abort", "error": error})
 
     # -- events ------------------------------------------------------------------------------
     def _pump_events(self, timeout: float) -> None:
@@ -543,13 +509,13 @@ class Coordinator:
             # back with, or to take the ranks of a recovery waiting for a spare)
             extra = node.nproc if self.elastic.enabled else 0
             for _ in range(node.spares + extra):
-                self._spawn(name, Role.SPARE, None)
+                self.io.spawn(name, Role.SPARE, None)
 
     def _on_agent_message(self, node: NodeRecord, msg: Message) -> None:
         t = msg.get("t")
         if t == "lease":
             node.last_lease = time.monotonic()
-            self._send_node(node, {"t": "lease_ok", "seq": msg.get("seq")})
+            self.io.send_node(node, {"t": "lease_ok", "seq": msg.get("seq")})
         elif t == "exit":
             sid = int(msg["spawn_id"])
             w = self.view.workers.get(sid)
@@ -565,7 +531,7 @@ class Coordinator:
                     w.pid = int(msg["pid"])
             self.events.emit("spawned", spawn_id=msg.get("spawn_id"), pid=msg.get("pid"), node=node.name)
         elif t in ("inventory", "installed"):
-            self._replies[int(msg["id"])] = msg
+            self.io.replies[int(msg["id"])] = msg
         elif t == "fetched":
             self._on_fetched(node, msg)
         elif t == "replicated":
@@ -611,9 +577,7 @@ class Coordinator:
             if w.chan is not None:
                 w.chan.close()
             self._exits.append(_Exit(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why))
-        for req, n in list(self._req_node.items()):
-            if n == node.name and req not in self._waiting_fetch:  # fetches end with the generation
-                self._replies.setdefault(req, {"t": "lost", "ok": False, "error": f"node {node.name} lost"})
+        self.io.node_lost(node.name, keep=set(self._waiting_fetch))  # fetches end with the generation
         if self._round is not None:
             self._round = None  # its holders or senders may be gone: start over
 
@@ -786,7 +750,7 @@ class Coordinator:
         gen = int(msg.get("gen", -1))
         if gen != self.view.generation or w.rank is None or self.view.members.get(w.rank) != w.spawn_id:
             if t == "kv":
-                self._send(
+                self.io.send(
                     w, {"t": "kv", "id": msg.get("id"), "error": "fenced: not a member of this generation"}
                 )
             return  # fenced: an older generation, or not (any more) a member
@@ -894,7 +858,7 @@ class Coordinator:
                     and node in self.view.nodes
                     and self.view.nodes[node].alive
                 ):
-                    self._spawn(node, Role.SPARE, None)  # keep K spares; a lost spare costs nothing else
+                    self.io.spawn(node, Role.SPARE, None)  # keep K spares; a lost spare costs nothing else
                 continue
             assert w.rank is not None
             if ex.node_lost is not None:
@@ -974,7 +938,7 @@ class Coordinator:
                     alive = self._alive_nodes()
                     if not alive:
                         break
-                    self._spawn(node if node in alive else alive[0], Role.WORKER, f.rank)
+                    self.io.spawn(node if node in alive else alive[0], Role.WORKER, f.rank)
                 return
         if self.view.failures_total > self.config.max_restarts:
             self._fail(
@@ -1014,12 +978,12 @@ class Coordinator:
                 continue
             w.killed_for_hang = reason
             self.events.emit("hang_detected", rank=w.rank, spawn_id=sid, reason=reason)
-            self._kill(sid, signal.SIGKILL)
+            self.io.kill(sid, signal.SIGKILL)
         for sid in verdicts.reraise:
             w = self.view.workers[sid]
             assert w.fault_report is not None
             w.fault_report = (float("inf"), w.fault_report[1])  # tell it once
-            self._send(w, {"t": "raise"})
+            self.io.send(w, {"t": "raise"})
 
     def _check_timeouts(self) -> None:
         r = self.reconf
@@ -1037,33 +1001,24 @@ class Coordinator:
                 sid = self.view.members.get(rank)
                 if sid is not None and sid in self.view.workers:
                     self.view.workers[sid].killed_for_hang = f"stage {r.stage} timed out"
-                    self._kill(sid)
+                    self.io.kill(sid)
             r.deadline = time.time() + self.config.rebuild_timeout_s  # one kill round per period
 
     # -- planning ---------------------------------------------------------------------------------
-    def _request(self, node: NodeRecord, msg: Message) -> int:
-        req = next(self._req)
-        if not node.alive:  # answered at once: nobody is there to answer
-            self._replies[req] = {"t": "lost", "ok": False, "error": f"node {node.name} lost"}
-            return req
-        self._req_node[req] = node.name
-        self._send_node(node, {**msg, "id": req})
-        return req
-
     def _await(self, reqs: list[int], timeout: float) -> dict[int, Message]:
         """Wait for the replies to ``reqs`` while serving every other event (leases included)."""
         deadline = time.monotonic() + timeout
-        while any(r not in self._replies for r in reqs) and time.monotonic() < deadline:
+        while any(r not in self.io.replies for r in reqs) and time.monotonic() < deadline:
             self._pump_events(0.002)
             self._check_leases()
-        out = {r: self._replies.pop(r) for r in reqs if r in self._replies}
+        out = {r: self.io.replies.pop(r) for r in reqs if r in self.io.replies}
         for r in reqs:
-            self._req_node.pop(r, None)
+            self.io.done(r)
         return out
 
     def _inventories(self) -> dict[int, dict[int, list[tuple[str, str]]]]:
         """rank -> step -> [(node, "local"|"replica")] over every live node's memory."""
-        reqs = {self._request(self.view.nodes[n], {"t": "inventory"}): n for n in self._alive_nodes()}
+        reqs = {self.io.request(self.view.nodes[n], {"t": "inventory"}): n for n in self._alive_nodes()}
         replies = self._await(list(reqs), PLAN_WAIT_S)
         avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
         for req, node in reqs.items():
@@ -1170,7 +1125,7 @@ class Coordinator:
                 w.last_progress, w.stepped = time.monotonic(), False
                 self.view.members[rank] = p.spare
             else:
-                self._spawn(p.node, Role.WORKER, rank)
+                self.io.spawn(p.node, Role.WORKER, rank)
                 r.waiting_launch.add(rank)
         r.marks["plan"] = time.time()
         fetches = (
@@ -1215,7 +1170,7 @@ class Coordinator:
         self.reconf = None
         for req in [q for q, (_, gen) in self._waiting_fetch.items() if gen < self.view.generation]:
             del self._waiting_fetch[req]  # a late answer is ignored (its generation is over)
-            self._req_node.pop(req, None)
+            self.io.done(req)
         self._round = None
         for reply, msg in self.kv.new_generation(self.view.generation):
             try:
@@ -1255,37 +1210,6 @@ class Coordinator:
         r.stage = Stage.LAUNCH
         self._advance()
 
-    def _fetch(
-        self,
-        target: str,
-        rank: int,
-        step: int,
-        source: str,
-        kind: str,
-        *,
-        as_rank: int | None = None,
-        base: int | None = None,
-        track: bool = False,
-    ) -> int:
-        """Ask ``target``'s agent to copy ``rank``'s snapshot of ``step`` from ``source``'s memory
-        (``kind``: its own ranks' ``local`` slots or the ``replica`` s it holds) into its slots of
-        ``as_rank`` (default ``rank``); a request id. ``track`` / ``base``: a catch-up (the step
-        comes as a delta against ``base``, which the last tracked fetch brought)."""
-        msg: Message = {
-            "t": "fetch",
-            "rank": rank,
-            "step": step,
-            "addr": self.view.nodes[source].data_addr,
-            "kind": kind,
-        }
-        if as_rank is not None and as_rank != rank:
-            msg["as_rank"] = as_rank
-        if base is not None:
-            msg["base"] = base
-        if track:
-            msg["track"] = True
-        return self._request(self.view.nodes[target], msg)
-
     def _fetch_for(
         self,
         r: Reconfiguration,
@@ -1311,7 +1235,7 @@ class Coordinator:
                     r.waiting_fetch.add(rank)
                 return f"{source}:{kind}"
         src = rank if src_rank is None else src_rank
-        req = self._fetch(self.view.rank_node[rank], src, step, source, kind, as_rank=rank, base=base)
+        req = self.io.fetch(self.view.rank_node[rank], src, step, source, kind, as_rank=rank, base=base)
         self._waiting_fetch[req] = (rank, r.generation)
         r.waiting_fetch.add(rank)
         return f"{source}:{kind}"
@@ -1322,7 +1246,7 @@ class Coordinator:
         """A swap's boundary fetch asked for as soon as the source rank completed the step, before
         its generation exists (the other ranks are still finishing theirs); a request id for
         ``_fetch_for(early=...)``."""
-        req = self._fetch(target, rank, step, source, "local", as_rank=as_rank, base=base)
+        req = self.io.fetch(target, rank, step, source, "local", as_rank=as_rank, base=base)
         self._early[req] = (as_rank, None)
         return req
 
@@ -1355,7 +1279,7 @@ class Coordinator:
         if req in self._early:  # arrived before the swap adopted it: nothing waits on it yet
             rank = self._early[req][0]
             self._early[req] = (rank, bool(msg.get("ok")))
-            self._req_node.pop(req, None)
+            self.io.done(req)
             self.events.emit(
                 "fetched",
                 node=node.name,
@@ -1367,11 +1291,11 @@ class Coordinator:
             )
             return
         if self.resize is not None and req in self.resize.fetches:
-            self._req_node.pop(req, None)
+            self.io.done(req)
             self._on_grow_fetched(self.resize, req, msg)
             return
         rank, gen = self._waiting_fetch.pop(req, (-1, -1))
-        self._req_node.pop(req, None)
+        self.io.done(req)
         r = self.reconf
         self.events.emit(
             "fetched",
@@ -1437,7 +1361,7 @@ class Coordinator:
             msg: Message = {"t": "install_durable", "url": url, "step": step, "ranks": ranks}
             if any(r in sources for r in ranks):
                 msg["from"] = {str(r): sources[r] for r in ranks if r in sources}
-            reqs.append(self._request(self.view.nodes[n], msg))
+            reqs.append(self.io.request(self.view.nodes[n], msg))
         replies = self._await(reqs, self.config.persist_timeout_s)
         bad = [m.get("error") for m in replies.values() if not m.get("ok")]
         if bad or len(replies) < len(reqs):
@@ -1462,7 +1386,7 @@ class Coordinator:
         if w.chan is None:
             return
         w.stepped, w.coll, w.fault_report = False, False, None
-        self._send(
+        self.io.send(
             w,
             {
                 "t": "reconfigure",
@@ -1503,7 +1427,7 @@ class Coordinator:
             )
         if before is not Stage.REBUILD and after in (Stage.REBUILD, Stage.RESUME, Stage.DONE):
             for sid in self.view.members.values():
-                self._send(self.view.workers[sid], {"t": "rebuild", "gen": r.generation})
+                self.io.send(self.view.workers[sid], {"t": "rebuild", "gen": r.generation})
         if after in (Stage.RESUME, Stage.DONE) and before not in (Stage.RESUME, Stage.DONE):
             self._set_state(JobState.RUNNING)
             now_m = time.monotonic()
@@ -1551,7 +1475,7 @@ class Coordinator:
             per_node.setdefault(node, {})[str(rank)] = addrs
         self._round = _Round(step=step, pending=set(range(self.view.world_size)), started=time.monotonic())
         for node, ranks in per_node.items():
-            self._send_node(self.view.nodes[node], {"t": "replicate", "step": step, "ranks": ranks})
+            self.io.send_node(self.view.nodes[node], {"t": "replicate", "step": step, "ranks": ranks})
 
     def _on_replicated(self, node: NodeRecord, msg: Message) -> None:
         rd = self._round
@@ -1659,7 +1583,7 @@ class Coordinator:
                 continue
             if any(n == node.name for n in self.view.rank_node.values()):
                 continue
-            self._send_node(node, {"t": "release"})
+            self.io.send_node(node, {"t": "release"})
             self.events.emit("node_released", node=node.name)
             self._lose_node(node, "released after draining", failure=False)
 
@@ -1723,7 +1647,7 @@ class Coordinator:
             step=step,
             reason=reason,
         )
-        m.fetch_req = self._fetch(target, rank, step, leaver_node, "local", track=True)
+        m.fetch_req = self.io.fetch(target, rank, step, leaver_node, "local", track=True)
 
     def _on_prepare_fetched(self, m: Migration, msg: Message) -> None:
         if not msg.get("ok"):
@@ -1741,7 +1665,7 @@ class Coordinator:
         if due is not None:
             m.catchup_step, as_delta = due
             base = m.held if as_delta else None
-            m.catchup_req = self._fetch(
+            m.catchup_req = self.io.fetch(
                 m.target, m.rank, m.catchup_step, m.leaver_node, "local", base=base, track=True
             )
         return m.catchup_req is not None
@@ -1749,7 +1673,7 @@ class Coordinator:
     def _on_catchup_fetched(self, m: Migration, msg: Message) -> None:
         m.catchup_req = None
         m.rounds += 1
-        self._req_node.pop(int(msg["id"]), None)
+        self.io.done(int(msg["id"]))
         if msg.get("ok"):
             m.held = m.catchup_step
             m.mark("caught_up")
@@ -1779,7 +1703,7 @@ class Coordinator:
     def _send_prepare(self, sid: int, rank: int, world_size: int, step: int | None) -> None:
         """Tell a joiner (a migration's or a grow's) its rank: it restores ``step``, which its node
         holds, and warms up while the job trains; it is no member until the swap."""
-        self._send(
+        self.io.send(
             self.view.workers[sid],
             {
                 "t": "reconfigure",
@@ -1808,7 +1732,7 @@ class Coordinator:
         m.boundary = boundary_step(self.view.latest_step)
         self.events.emit("migration_pause", rank=m.rank, boundary=m.boundary)
         for sid in self.view.members.values():
-            self._send(self.view.workers[sid], {"t": "pause", "at": m.boundary})
+            self.io.send(self.view.workers[sid], {"t": "pause", "at": m.boundary})
 
     def _swap(self, m: Migration) -> None:
         """Every rank stopped after the boundary step: a new generation with the joiner in the rank."""
@@ -1823,7 +1747,7 @@ class Coordinator:
         step = m.boundary
         leaver = self.view.workers[m.leaver_sid]
         leaver.role, leaver.rank = Role.RETIRED, None  # its exit is no failure
-        self._kill(m.leaver_sid, signal.SIGKILL)  # its snapshot of the boundary stays in its node's memory
+        self.io.kill(m.leaver_sid, signal.SIGKILL)  # its snapshot of the boundary stays in its node's memory
         joiner = self.view.workers[m.joiner_sid]
         joiner.role = Role.WORKER
         self.view.members[m.rank] = m.joiner_sid
@@ -1903,10 +1827,10 @@ class Coordinator:
         joiner = self.view.workers.get(m.joiner_sid)
         if joiner is not None and self.view.members.get(m.rank) != m.joiner_sid:
             joiner.role, joiner.rank = Role.RETIRED, None
-            self._kill(m.joiner_sid, signal.SIGKILL)  # a prepared joiner cannot take another rank
+            self.io.kill(m.joiner_sid, signal.SIGKILL)  # a prepared joiner cannot take another rank
         if m.boundary is not None and m.generation is None:
             for sid in self.view.members.values():  # ranks waiting at the boundary go on as before
-                self._send(self.view.workers[sid], {"t": "continue"})
+                self.io.send(self.view.workers[sid], {"t": "continue"})
         self.events.emit("migration_aborted", rank=m.rank, phase=str(phase), error=why)
         self._answer_migration(m.rank, ok=False, error=why)
 
@@ -1964,7 +1888,7 @@ class Coordinator:
         )
         for i, sid in enumerate(joiners):
             node = self.view.node_of(sid)
-            req = self._fetch(
+            req = self.io.fetch(
                 node, 0, z.prepare_step, self.view.rank_node[0], "local", as_rank=self.view.world_size + i
             )
             z.fetches[req] = sid
@@ -1985,7 +1909,7 @@ class Coordinator:
         z.boundary = boundary_step(self.view.latest_step)
         self.events.emit("grow_pause", boundary=z.boundary, prepare_s=time.time() - z.started)
         for m in self.view.members.values():
-            self._send(self.view.workers[m], {"t": "pause", "at": z.boundary})
+            self.io.send(self.view.workers[m], {"t": "pause", "at": z.boundary})
 
     def _on_paused_for_resize(self, z: Resize, rank: int, step: int) -> None:
         z.paused[rank] = step
@@ -2058,14 +1982,14 @@ class Coordinator:
                 w.role = Role.SPARE  # not told anything yet: idle again
             else:  # it took the rank in its script (prepare): replace it with a fresh spare
                 w.role = Role.RETIRED
-                self._kill(sid, signal.SIGKILL)
+                self.io.kill(sid, signal.SIGKILL)
                 if self.view.nodes[w.node].alive:
-                    self._spawn(w.node, Role.SPARE, None)
+                    self.io.spawn(w.node, Role.SPARE, None)
         for req in z.fetches:
-            self._req_node.pop(req, None)
+            self.io.done(req)
         if z.generation is None:
             for sid in self.view.members.values():  # ranks waiting at the boundary go on as before
-                self._send(self.view.workers[sid], {"t": "continue"})
+                self.io.send(self.view.workers[sid], {"t": "continue"})
         self.events.emit("grow_aborted", boundary=z.boundary, error=why)
 
     # -- the control store (--store etcd://; runtime/jobstore.py) ---------------------------------
@@ -2171,16 +2095,16 @@ class Coordinator:
                     continue
                 if sid in told:
                     w.role, w.rank = Role.RETIRED, None
-                    self._kill(sid, signal.SIGKILL)
+                    self.io.kill(sid, signal.SIGKILL)
                     node = self.view.nodes.get(self.view.node_of(sid))
                     if node is not None and node.alive:
-                        self._spawn(node.name, Role.SPARE, None)
+                        self.io.spawn(node.name, Role.SPARE, None)
                 else:
                     w.role, w.rank = Role.SPARE, None
             self._continue_on_resume |= set(self.view.members.values())
             for sid in list(self._continue_on_resume):
                 if self.view.workers[sid].chan is not None:
-                    self._send(self.view.workers[sid], {"t": "continue"})
+                    self.io.send(self.view.workers[sid], {"t": "continue"})
                     self._continue_on_resume.discard(sid)
             if kind == "migration":
                 self.events.emit("migration_aborted", rank=op.get("rank"), phase=op.get("phase"), error=why)
@@ -2221,9 +2145,9 @@ class Coordinator:
                 self.view.done_ranks.add(rank)
         if w.spawn_id in self._continue_on_resume:  # paused for an operation that was aborted
             self._continue_on_resume.discard(w.spawn_id)
-            self._send(w, {"t": "continue"})
+            self.io.send(w, {"t": "continue"})
         if self.view.phase is JobState.FINISHING:
-            self._send(w, {"t": "finish"})  # it may have missed it
+            self.io.send(w, {"t": "finish"})  # it may have missed it
         elif self.view.phase is JobState.RUNNING and self.view.done_ranks >= set(range(self.view.world_size)):
             self._finish()
 
@@ -2256,7 +2180,7 @@ class Coordinator:
         """Take over from a dead coordinator's record; ``live``: nodes whose lease is alive."""
         now = time.monotonic()
         grace = now + min(self.config.reconnect_s, 10.0)  # workers reconnect before they count as hung
-        self.view = JobView.from_record(rec, now=now, grace_until=grace)
+        self.view = self.io.view = JobView.from_record(rec, now=now, grace_until=grace)
         self.job_id = self.view.job_id
         for name, node in self.view.nodes.items():
             if node.alive:
@@ -2317,7 +2241,7 @@ class Coordinator:
 
     def _broadcast_committed(self) -> None:
         for name in self._alive_nodes():
-            self._send_node(self.view.nodes[name], {"t": "committed", "step": self.view.replicated_step})
+            self.io.send_node(self.view.nodes[name], {"t": "committed", "step": self.view.replicated_step})
 
     # -- the end -----------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -2332,7 +2256,7 @@ class Coordinator:
             "finish", step=min(self.view.latest_step.values(), default=0), generation=self.view.generation
         )
         for w in self.view.workers.values():
-            self._send(w, {"t": "finish"})
+            self.io.send(w, {"t": "finish"})
 
     def _members_alive(self) -> bool:
         return self.view.members_alive()
@@ -2348,7 +2272,7 @@ class Coordinator:
                 ranks_here = sum(1 for r in self.view.members if self.view.rank_node.get(r) == name)
                 want = min(want, node.nproc + node.spares - ranks_here - have)
             for _ in range(want):
-                self._spawn(name, Role.SPARE, None)
+                self.io.spawn(name, Role.SPARE, None)
 
 
 def _transfer(msg: Message) -> Transfer:
