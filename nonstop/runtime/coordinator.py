@@ -70,9 +70,9 @@ from nonstop.runtime.policy import (
     QuarantinePolicy,
     classify_exit,
     describe_exit,
-    place_replicas,
 )
 from nonstop.runtime.recovery import Failure, Reconfiguration, Stage
+from nonstop.runtime.replication import ReplicationRounds
 from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.snapshot.persist import Persister
 
@@ -83,8 +83,6 @@ log = logging.getLogger(__name__)
 TICK_S = 0.005
 EXIT_NOT_LEADER = 76  # store mode: this coordinator lost its leadership lease and stopped
 PLAN_WAIT_S = 3.0  # longest planning waits for the nodes' inventories
-REPLICATED_EVENT_EVERY_S = 1.0
-ROUND_RETRY_S = 0.05
 GROW_RETRY_S = 2.0  # an aborted grow (e.g. its prepare step was overwritten) is tried again after this
 
 
@@ -100,17 +98,6 @@ class JobResult:
     error: str | None = None
     median_step_s: float | None = None
     replication: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class _Round:
-    """One replication round: step ``step`` of every rank to its holders."""
-
-    step: int
-    pending: set[int]
-    started: float
-    raw: int = 0
-    wire: int = 0
 
 
 @dataclass
@@ -176,10 +163,9 @@ class Coordinator:
         self._early: dict[int, tuple[int, bool | None]] = {}
         # a planning interrupted by more failures: (failures, replans, replacements) to merge
         self._deferred: tuple[list[Failure], int, dict[int, str]] | None = None
-        self._round: _Round | None = None
-        self._round_retry_at = 0.0  # after a failed round, wait a moment before the next
-        self._rep_totals: dict[str, int] = {"rounds": 0, "raw_bytes": 0, "wire_bytes": 0, "failed_rounds": 0}
-        self._rep_event_at = 0.0
+        self.replication = ReplicationRounds(
+            view=self.view, io=self.io, events=events, replicas=config.replicas
+        )
         self._started_at = time.monotonic()
         # store mode (--store etcd://): state saved in and restored from the control store
         self.jobs = jobs
@@ -233,7 +219,8 @@ class Coordinator:
         self._pump_events(0)
         self._detect()
         self._check_timeouts()
-        self._replicate()
+        if self.replication_on and self._may_start(Op.REPLICATE):
+            self.replication.maybe_start(now=time.monotonic())
         self._persist()
         self._migrate_tick()
         self._elastic_tick()
@@ -257,10 +244,7 @@ class Coordinator:
         )
 
     def replication_stats(self) -> dict[str, Any]:
-        t: dict[str, Any] = dict(self._rep_totals)
-        t["replicated_step"] = self.view.replicated_step
-        t["wire_over_raw"] = (t["wire_bytes"] / t["raw_bytes"]) if t["raw_bytes"] else None
-        return t
+        return self.replication.stats()
 
     def _check_join(self) -> None:
         if self.view.phase is not JobState.STARTING or self.view.members:
@@ -535,7 +519,7 @@ class Coordinator:
         elif t == "fetched":
             self._on_fetched(node, msg)
         elif t == "replicated":
-            self._on_replicated(node, msg)
+            self.replication.on_replicated(node.name, msg)
         elif t == "preempt":
             self._on_preempt(node, float(msg.get("grace_s", 0.0)))
         elif t == "registered":
@@ -578,8 +562,7 @@ class Coordinator:
                 w.chan.close()
             self._exits.append(_Exit(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why))
         self.io.node_lost(node.name, keep=set(self._waiting_fetch))  # fetches end with the generation
-        if self._round is not None:
-            self._round = None  # its holders or senders may be gone: start over
+        self.replication.reset()  # its holders or senders may be gone: start over
 
     # -- workers -----------------------------------------------------------------------------------
     def _on_client(self, chan: Channel, msg: Message) -> None:
@@ -1171,7 +1154,7 @@ class Coordinator:
         for req in [q for q, (_, gen) in self._waiting_fetch.items() if gen < self.view.generation]:
             del self._waiting_fetch[req]  # a late answer is ignored (its generation is over)
             self.io.done(req)
-        self._round = None
+        self.replication.reset()
         for reply, msg in self.kv.new_generation(self.view.generation):
             try:
                 reply(msg)
@@ -1451,72 +1434,6 @@ class Coordinator:
                 and self.view.phase is JobState.RUNNING
             ):
                 self._finish()
-
-    # -- replication -------------------------------------------------------------------------------
-    def _replicate(self) -> None:
-        """Start the next replication round when the previous one is done (RUNNING only)."""
-        if not self.replication_on or self._round is not None or not self._may_start(Op.REPLICATE):
-            return
-        if time.monotonic() < self._round_retry_at:
-            return
-        if len(self.view.latest_step) < self.view.world_size:
-            return
-        step = min(self.view.latest_step.values())
-        if self.view.replicated_step is not None and step <= self.view.replicated_step:
-            return
-        alive = self._alive_nodes()
-        holders = place_replicas(alive, {n: self.view.nodes[n].domain for n in alive}, self.config.replicas)
-        per_node: dict[str, dict[str, list[str]]] = {}
-        for rank in range(self.view.world_size):
-            node = self.view.rank_node[rank]
-            addrs = [self.view.nodes[h].data_addr for h in holders.get(node, [])]
-            if not addrs:
-                return  # not enough live nodes to hold a replica
-            per_node.setdefault(node, {})[str(rank)] = addrs
-        self._round = _Round(step=step, pending=set(range(self.view.world_size)), started=time.monotonic())
-        for node, ranks in per_node.items():
-            self.io.send_node(self.view.nodes[node], {"t": "replicate", "step": step, "ranks": ranks})
-
-    def _on_replicated(self, node: NodeRecord, msg: Message) -> None:
-        rd = self._round
-        if rd is None or int(msg["step"]) != rd.step:
-            return
-        if not msg.get("ok"):
-            self._rep_totals["failed_rounds"] += 1
-            self._broadcast_committed()  # release the failed round's holds
-            self._round_retry_at = time.monotonic() + ROUND_RETRY_S
-            if self._rep_totals["failed_rounds"] <= 3 or self._rep_totals["failed_rounds"] % 100 == 0:
-                self.events.emit(
-                    "replication_failed",
-                    step=rd.step,
-                    node=node.name,
-                    error=msg.get("error"),
-                    failed_rounds=self._rep_totals["failed_rounds"],
-                )
-            self._round = None
-            return
-        rd.pending.discard(int(msg["rank"]))
-        rd.raw += int(msg.get("raw", 0))
-        rd.wire += int(msg.get("wire", 0))
-        if rd.pending:
-            return
-        self._round = None
-        self.view.replicated_step = rd.step
-        self._broadcast_committed()
-        self._rep_totals["rounds"] += 1
-        self._rep_totals["raw_bytes"] += rd.raw
-        self._rep_totals["wire_bytes"] += rd.wire
-        now = time.monotonic()
-        if now - self._rep_event_at >= REPLICATED_EVENT_EVERY_S:
-            self._rep_event_at = now
-            self.events.emit(
-                "replicated",
-                step=rd.step,
-                seconds=now - rd.started,
-                raw_bytes=rd.raw,
-                wire_bytes=rd.wire,
-                rounds=self._rep_totals["rounds"],
-            )
 
     # -- live migration (runtime/migration.py) -----------------------------------------------------
     def request_migration(self, rank: int, target: str | None, reason: str) -> str | None:
@@ -2180,7 +2097,9 @@ class Coordinator:
         """Take over from a dead coordinator's record; ``live``: nodes whose lease is alive."""
         now = time.monotonic()
         grace = now + min(self.config.reconnect_s, 10.0)  # workers reconnect before they count as hung
-        self.view = self.io.view = JobView.from_record(rec, now=now, grace_until=grace)
+        self.view = self.io.view = self.replication.view = JobView.from_record(
+            rec, now=now, grace_until=grace
+        )
         self.job_id = self.view.job_id
         for name, node in self.view.nodes.items():
             if node.alive:
@@ -2238,10 +2157,6 @@ class Coordinator:
         if rounds.last_step != step:
             log.warning("final persist of step %d failed: %s", step, rounds.last_error)
         self._answer_clients()
-
-    def _broadcast_committed(self) -> None:
-        for name in self._alive_nodes():
-            self.io.send_node(self.view.nodes[name], {"t": "committed", "step": self.view.replicated_step})
 
     # -- the end -----------------------------------------------------------------------------------
     def _finish(self) -> None:

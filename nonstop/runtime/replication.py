@@ -1,0 +1,131 @@
+"""Replication rounds: the newest step every rank completed goes to its holders' memory.
+
+A round sends step S of every rank to the nodes that hold its replicas (``place_replicas``:
+other failure domains first). When every rank's replica of S is acknowledged, S is the
+**replicated step** -- the committed step of a job of several nodes -- and every node is told,
+so that it may release older slots. A failed round releases its holds and is retried a moment
+later; a node lost mid-round abandons it (:meth:`ReplicationRounds.reset`).
+
+Rounds start only when the job phase allows (``phase.may_start(Op.REPLICATE)``, decided by the
+coordinator) and run one at a time. I/O goes through the coordinator's
+:class:`~nonstop.runtime.executor.Executor`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nonstop.control.channel import Message
+from nonstop.runtime.eventlog import EventLog
+from nonstop.runtime.executor import Executor
+from nonstop.runtime.policy import place_replicas
+from nonstop.runtime.view import JobView
+
+__all__ = ["ReplicationRounds"]
+
+REPLICATED_EVENT_EVERY_S = 1.0
+ROUND_RETRY_S = 0.05
+
+
+@dataclass
+class _Round:
+    """One replication round: step ``step`` of every rank to its holders."""
+
+    step: int
+    pending: set[int]
+    started: float
+    raw: int = 0
+    wire: int = 0
+
+
+class ReplicationRounds:
+    """Starts, tracks and accounts replication rounds (see the module docstring)."""
+
+    def __init__(self, *, view: JobView, io: Executor, events: EventLog, replicas: int) -> None:
+        self.view, self.io, self.events = view, io, events
+        self.replicas = replicas
+        self.round: _Round | None = None
+        self._retry_at = 0.0  # after a failed round, wait a moment before the next
+        self._event_at = 0.0
+        self.totals: dict[str, int] = {"rounds": 0, "raw_bytes": 0, "wire_bytes": 0, "failed_rounds": 0}
+
+    def stats(self) -> dict[str, Any]:
+        t: dict[str, Any] = dict(self.totals)
+        t["replicated_step"] = self.view.replicated_step
+        t["wire_over_raw"] = (t["wire_bytes"] / t["raw_bytes"]) if t["raw_bytes"] else None
+        return t
+
+    def reset(self) -> None:
+        """Abandon the round in flight (a node was lost, a generation opened): start over."""
+        self.round = None
+
+    def maybe_start(self, *, now: float) -> None:
+        """Start the next round when none is in flight and a newer step is complete everywhere
+        (the caller checked that the phase allows one)."""
+        v = self.view
+        if self.round is not None or now < self._retry_at or len(v.latest_step) < v.world_size:
+            return
+        step = min(v.latest_step.values())
+        if v.replicated_step is not None and step <= v.replicated_step:
+            return
+        alive = v.alive_nodes()
+        holders = place_replicas(alive, {n: v.nodes[n].domain for n in alive}, self.replicas)
+        per_node: dict[str, dict[str, list[str]]] = {}
+        for rank in range(v.world_size):
+            node = v.rank_node[rank]
+            addrs = [v.nodes[h].data_addr for h in holders.get(node, [])]
+            if not addrs:
+                return  # not enough live nodes to hold a replica
+            per_node.setdefault(node, {})[str(rank)] = addrs
+        self.round = _Round(step=step, pending=set(range(v.world_size)), started=now)
+        for node, ranks in per_node.items():
+            self.io.send_node(v.nodes[node], {"t": "replicate", "step": step, "ranks": ranks})
+
+    def on_replicated(self, node: str, msg: Message) -> None:
+        """A node's answer for one rank of the round."""
+        rd = self.round
+        if rd is None or int(msg["step"]) != rd.step:
+            return
+        if not msg.get("ok"):
+            self.totals["failed_rounds"] += 1
+            self.broadcast_committed()  # release the failed round's holds
+            self._retry_at = time.monotonic() + ROUND_RETRY_S
+            if self.totals["failed_rounds"] <= 3 or self.totals["failed_rounds"] % 100 == 0:
+                self.events.emit(
+                    "replication_failed",
+                    step=rd.step,
+                    node=node,
+                    error=msg.get("error"),
+                    failed_rounds=self.totals["failed_rounds"],
+                )
+            self.round = None
+            return
+        rd.pending.discard(int(msg["rank"]))
+        rd.raw += int(msg.get("raw", 0))
+        rd.wire += int(msg.get("wire", 0))
+        if rd.pending:
+            return
+        self.round = None
+        self.view.replicated_step = rd.step
+        self.broadcast_committed()
+        self.totals["rounds"] += 1
+        self.totals["raw_bytes"] += rd.raw
+        self.totals["wire_bytes"] += rd.wire
+        now = time.monotonic()
+        if now - self._event_at >= REPLICATED_EVENT_EVERY_S:
+            self._event_at = now
+            self.events.emit(
+                "replicated",
+                step=rd.step,
+                seconds=now - rd.started,
+                raw_bytes=rd.raw,
+                wire_bytes=rd.wire,
+                rounds=self.totals["rounds"],
+            )
+
+    def broadcast_committed(self) -> None:
+        """Tell every live node the replicated step (it releases older replicas' holds)."""
+        for name in self.view.alive_nodes():
+            self.io.send_node(self.view.nodes[name], {"t": "committed", "step": self.view.replicated_step})
