@@ -481,11 +481,11 @@ class DataPlane:
             capped = track and bool(self._bucket.rate)
             head: Message = {"t": "fetch_begin", "data_len": len(snap.data), "nchunks": len(chunks)}
             head.update(base=base_step, capped=capped)
-            chan.send(head, snap.meta)
-            _send_chunks(chan, chunks, self._bucket if capped else lambda n: None)
-            if track:
+            if track:  # kept before the requester can see the step: its next fetch may ask for a delta
                 spare = prev.data if prev is not None else None
                 self._sent.put(key, TrackedBase(step=step, data=snap.data, spare=spare))
+            chan.send(head, snap.meta)
+            _send_chunks(chan, chunks, self._bucket if capped else lambda n: None)
         except (SnapshotError, ControlError, OSError) as e:
             try:
                 chan.send({"t": "fetch_begin", "error": str(e)[:300]})
