@@ -194,7 +194,7 @@ def test_a_restarted_coordinator_aborts_a_migration_it_finds_unswapped(tmp_path:
     keepers = [jobs.register_node(n, "127.0.0.1:1", ttl=60.0) for n in ("0", "1")]
     try:
         a = Harness(tmp_path / "a", jobs=jobs, **cfg)
-        a.coord._open_store()
+        a.coord.store.open()
         a.add_node("0", nproc=1, spares=1)
         a.add_node("1", nproc=1, spares=1)
         a.tick()
@@ -206,13 +206,13 @@ def test_a_restarted_coordinator_aborts_a_migration_it_finds_unswapped(tmp_path:
         assert m is not None and "fetched" in m.marks  # the joiner took rank 0 to prepare
         joiner = m.joiner_sid
         assert a.coord.request_migration(0, "1", "migrate") is not None  # already moving
-        jobs.save(a.coord.record())
-        assert a.coord._leader is not None
-        a.coord._leader.stop(revoke=True)  # the coordinator dies; its record stays in the store
+        jobs.save(a.coord.store.record())
+        assert a.coord.store.leader is not None
+        a.coord.store.leader.stop(revoke=True)  # the coordinator dies; its record stays in the store
 
         b = Harness(tmp_path / "b", jobs=jobs, **cfg)
         b.agents, b.workers, b.held = a.agents, a.workers, a.held
-        b.coord._open_store()
+        b.coord.store.open()
         assert b.coord.view.workers[joiner].role == "joiner"
         b.reattach_node("0")
         b.reattach_node("1")
@@ -228,7 +228,7 @@ def test_a_restarted_coordinator_aborts_a_migration_it_finds_unswapped(tmp_path:
             assert chan.last("continue")  # paused ranks go on
         assert b.coord.state is JobState.RUNNING
         assert b.coord.request_migration(0, "1", "migrate") is None  # it can be asked again
-        b.coord._close_store()
+        b.coord.store.close()
     finally:
         for k in keepers:
             k.stop(revoke=True)

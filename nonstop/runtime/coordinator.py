@@ -28,7 +28,6 @@ tier when memory has no common step.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import signal
 import threading
@@ -39,7 +38,6 @@ from typing import Any
 from nonstop.config import JobConfig
 from nonstop.control.channel import Channel, ControlServer, Message
 from nonstop.control.rdzv import KeyValueTable
-from nonstop.control.store import LeaseKeeper, Watch
 from nonstop.errors import ControlError, NonstopError
 from nonstop.faults import fired_at
 from nonstop.runtime.detector import FailureDetector
@@ -73,6 +71,7 @@ from nonstop.runtime.policy import (
 )
 from nonstop.runtime.recovery import Failure, Reconfiguration, Stage
 from nonstop.runtime.replication import ReplicationRounds
+from nonstop.runtime.storesync import StoreSync
 from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.snapshot.persist import Persister
 
@@ -81,7 +80,6 @@ __all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
 log = logging.getLogger(__name__)
 
 TICK_S = 0.005
-EXIT_NOT_LEADER = 76  # store mode: this coordinator lost its leadership lease and stopped
 PLAN_WAIT_S = 3.0  # longest planning waits for the nodes' inventories
 GROW_RETRY_S = 2.0  # an aborted grow (e.g. its prepare step was overwritten) is tried again after this
 
@@ -168,11 +166,7 @@ class Coordinator:
         )
         self._started_at = time.monotonic()
         # store mode (--store etcd://): state saved in and restored from the control store
-        self.jobs = jobs
-        self._leader: LeaseKeeper | None = None
-        self._node_watch: Watch | None = None
-        self._awaiting: dict[str, float] = {}  # restored nodes not reconnected yet -> since
-        self._resync = False  # restored mid-recovery: start a new generation once nodes are back
+        self.store = StoreSync(self, jobs)
         # live migration (runtime/migration.py): the one in progress, the queue, who asked
         self.migration: Migration | None = None
         # (rank, target or None, reason, when asked): waits while no spare is ready (they may be starting)
@@ -180,10 +174,6 @@ class Coordinator:
         self._migrate_clients: dict[int, list[Channel]] = {}  # rank -> clients waiting for it
         self._step_at: dict[int, tuple[int, float]] = {}  # rank -> (step, when its report arrived)
         self.migrations_done: list[dict[str, Any]] = []
-        # restored from the store: operations the previous coordinator had in flight, and the
-        # members to tell to go on once they reconnect (they may be paused at a boundary)
-        self._interrupted: dict[str, dict[str, Any]] = {}
-        self._continue_on_resume: set[int] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -199,8 +189,8 @@ class Coordinator:
         return self.config.replicas > 0 and self.config.nnodes > 1
 
     def run(self, stop: threading.Event) -> JobResult:
-        if self.jobs is not None:
-            self._open_store()
+        if self.store.jobs is not None:
+            self.store.open()
         while self.view.phase not in (JobState.DONE, JobState.FAILED):
             if stop.is_set():
                 self._fail("stopped by signal")
@@ -213,7 +203,7 @@ class Coordinator:
         the first), then every periodic check. Tests drive a coordinator through this."""
         self._pump_events(wait_s)
         self._check_leases()
-        self._store_tick()
+        self.store.tick()
         self._check_join()
         self._handle_exits()
         self._pump_events(0)
@@ -231,7 +221,7 @@ class Coordinator:
         self._final_persist()
         for node in self.view.nodes.values():
             self.io.send_node(node, {"t": "finish", "failed": self.view.phase is JobState.FAILED})
-        self._close_store()
+        self.store.close()
         final = min(self.view.latest_step.values()) if self.view.latest_step else 0
         return JobResult(
             state=self.view.phase,
@@ -296,7 +286,7 @@ class Coordinator:
             busy.add(Busy.MIGRATING)
         if z is not None:
             busy.add(Busy.GROWING)
-        if self._awaiting:
+        if self.store.awaiting:
             busy.add(Busy.RESYNCING)
         if self.view.done_ranks:
             busy.add(Busy.ENDING)
@@ -388,7 +378,7 @@ class Coordinator:
             if kind == "msg" and msg is not None:
                 self._on_agent_message(node, msg)
             elif kind == "close" and node.alive:
-                if self.jobs is None:
+                if self.store.jobs is None:
                     self._lose_node(node, "its agent's connection closed")
                 else:  # lost when its lease in the store ends; until then it may reconnect
                     node.disconnected_at = time.monotonic()
@@ -411,7 +401,7 @@ class Coordinator:
             w.last_hb = time.monotonic()
             self.events.emit("connect", spawn_id=sid, role=w.role, rank=w.rank, resumed=resume is not None)
             if isinstance(resume, dict):
-                self._on_worker_resumed(w, resume)
+                self.store.on_worker_resumed(w, resume)
             else:
                 self._on_connect(w)
         elif kind == "msg" and msg is not None:
@@ -440,7 +430,7 @@ class Coordinator:
         if not name:
             return refuse("hello without a node name")
         reattach = (
-            self.jobs is not None
+            self.store.jobs is not None
             and h.get("resume") is not None
             and old is not None
             and old.alive
@@ -448,7 +438,7 @@ class Coordinator:
         )
         if reattach:
             assert old is not None
-            return self._reattach(old, chan)
+            return self.store.reattach(old, chan)
         if old is not None and old.alive:
             return refuse(f"node {name} is already part of the job")
         if old is not None and old.quarantined:
@@ -481,7 +471,7 @@ class Coordinator:
                 "lease_ttl_s": self.config.lease_ttl_s,
                 "num_slots": self.num_slots,
                 "env": self.worker_env,
-                "store": self.config.store if self.jobs is not None else None,
+                "store": self.config.store if self.store.jobs is not None else None,
                 "reconnect_s": self.config.reconnect_s,
             }
         )
@@ -528,7 +518,7 @@ class Coordinator:
             self.rounds.on_reply(node.name, msg)
 
     def _check_leases(self) -> None:
-        if self.jobs is not None:
+        if self.store.jobs is not None:
             return  # store mode: leases live in the store (_store_tick)
         now = time.monotonic()
         for node in list(self.view.nodes.values()):
@@ -550,8 +540,8 @@ class Coordinator:
                     node.chan.send({"t": "fenced", "error": why})
                 except ControlError:
                     pass
-            if self.jobs is not None and node.lease_id:
-                self._revoke(node)  # in store mode its agent fences when its lease is gone
+            if self.store.jobs is not None and node.lease_id:
+                self.store.revoke(node)  # in store mode its agent fences when its lease is gone
         if node.chan is not None:
             node.chan.close()
         self.events.emit("node_lost", node=node.name, reason=why, quarantined=quarantine)
@@ -1910,213 +1900,6 @@ class Coordinator:
         self.events.emit("grow_aborted", boundary=z.boundary, error=why)
 
     # -- the control store (--store etcd://; runtime/jobstore.py) ---------------------------------
-    def _open_store(self) -> None:
-        """Lead the job (waiting out a dead predecessor's lease), restore its record if there is
-        one, and watch the nodes' leases."""
-        assert self.jobs is not None
-        addr = f"{self.server.address[0]}:{self.server.address[1]}"
-        t0 = time.monotonic()
-        self._leader = self.jobs.lead(
-            addr,
-            self.config.lease_ttl_s,
-            timeout=max(30.0, 3 * self.config.lease_ttl_s),
-            on_lost=lambda why: os._exit(EXIT_NOT_LEADER),  # another coordinator may be acting now
-        )
-        live, rev = self.jobs.live_nodes()
-        self._node_watch = self.jobs.watch_nodes(rev + 1)
-        record = self.jobs.load()
-        if record is None:
-            self.events.emit("coordinator_leads", address=addr, waited_s=time.monotonic() - t0)
-            return
-        self._restore(record, live)
-        self.events.emit(
-            "coordinator_resumed",
-            address=addr,
-            waited_s=time.monotonic() - t0,
-            generation=self.view.generation,
-            state=str(self.view.phase),
-            nodes=sorted(self._awaiting),
-            lost=sorted(n for n, r in self.view.nodes.items() if not r.alive),
-        )
-
-    def _close_store(self) -> None:
-        if self.jobs is None:
-            return
-        try:
-            self.jobs.save(self.record())
-        except ControlError as e:
-            log.warning("saving the final job record: %s", e)
-        if self._node_watch is not None:
-            self._node_watch.cancel()
-        if self._leader is not None:
-            try:
-                self._leader.stop(revoke=True)  # the next coordinator need not wait out the TTL
-            except ControlError:
-                pass
-
-    def _store_tick(self) -> None:
-        """Store mode, every loop: nodes whose lease ended are lost; restored nodes that did not
-        come back in time are revoked; a restored recovery restarts once the nodes are back;
-        the record is saved when it changed."""
-        if self.jobs is None:
-            return
-        assert self._node_watch is not None
-        while True:
-            try:
-                ev = self._node_watch.get(timeout=0)
-            except ControlError as e:
-                self._fail(f"lost the watch on the nodes' leases in {self.config.store}: {e}")
-                return
-            if ev is None:
-                break
-            node = self.view.nodes.get(self.jobs.node_name(ev.key))
-            if ev.kind == "delete" and node is not None and node.alive:
-                self._awaiting.pop(node.name, None)
-                self._lose_node(node, "its lease in the control store ended")
-        now = time.monotonic()
-        for node in self.view.nodes.values():
-            gone_since = self._awaiting.get(node.name, node.disconnected_at)
-            if node.alive and gone_since is not None and now - gone_since > self.config.reconnect_s:
-                if node.lease_id:
-                    self._revoke(node)  # its agent fences; the delete event then loses the node
-                else:
-                    self._awaiting.pop(node.name, None)
-                    self._lose_node(node, f"did not reconnect within {self.config.reconnect_s:g}s")
-        if self._interrupted and not self._awaiting:
-            self._end_interrupted()
-        if self._resync and not self._awaiting and self.view.phase is not JobState.FAILED:
-            self._resync = False
-            if self.view.members:
-                self._begin_generation([], inventory_needed=True)
-        try:
-            self.jobs.save(self.record())
-        except ControlError as e:
-            log.warning("saving the job record: %s", e)
-
-    def _end_interrupted(self) -> None:
-        """A migration or grow the previous coordinator had in flight (every node is back now):
-        one that had not swapped yet is aborted -- a joiner that took the rank in its script is
-        replaced by a fresh spare, one that had not is idle again, ranks paused at the boundary
-        go on; one that had swapped is finished by the resync generation (its joiners are
-        members). Queued migrations were queued again by ``_restore``."""
-        why = "the coordinator restarted"
-        for kind, op in sorted(self._interrupted.items()):
-            if op.get("swapped"):
-                self.events.emit("operation_resumed", operation=kind, generation=self.view.generation)
-                continue
-            joiners = [int(op["joiner"])] if kind == "migration" else [int(s) for s in op["joiners"]]
-            told = {int(op["joiner"])} if kind == "migration" and op.get("told") else set(op.get("told", []))
-            for sid in joiners:
-                w = self.view.workers.get(sid)
-                if w is None or w.role is not Role.JOINER:
-                    continue
-                if sid in told:
-                    w.role, w.rank = Role.RETIRED, None
-                    self.io.kill(sid, signal.SIGKILL)
-                    node = self.view.nodes.get(self.view.node_of(sid))
-                    if node is not None and node.alive:
-                        self.io.spawn(node.name, Role.SPARE, None)
-                else:
-                    w.role, w.rank = Role.SPARE, None
-            self._continue_on_resume |= set(self.view.members.values())
-            for sid in list(self._continue_on_resume):
-                if self.view.workers[sid].chan is not None:
-                    self.io.send(self.view.workers[sid], {"t": "continue"})
-                    self._continue_on_resume.discard(sid)
-            if kind == "migration":
-                self.events.emit("migration_aborted", rank=op.get("rank"), phase=op.get("phase"), error=why)
-            else:
-                self.events.emit("grow_aborted", boundary=None, error=why)
-        self._interrupted = {}
-
-    def _revoke(self, node: NodeRecord) -> None:
-        assert self.jobs is not None
-        try:
-            self.jobs.store.revoke(node.lease_id)
-        except ControlError as e:
-            log.warning("revoking node %s's lease: %s", node.name, e)
-        node.lease_id = 0
-
-    def _reattach(self, node: NodeRecord, chan: Channel) -> None:
-        """A node's agent reconnected (to a restarted coordinator, or after its channel broke)."""
-        chan.tag = ("node", node.name)
-        node.chan = chan
-        node.disconnected_at = None
-        node.last_lease = time.monotonic()
-        node.lease_id = int(chan.hello.get("lease_id", node.lease_id))
-        node.data_addr = str(chan.hello.get("data_addr", node.data_addr))
-        self._awaiting.pop(node.name, None)
-        chan.send(
-            {"t": "welcome", "job_id": self.job_id, "resumed": True, "lease_ttl_s": self.config.lease_ttl_s}
-        )
-        self.events.emit("node_reconnected", node=node.name)
-
-    def _on_worker_resumed(self, w: WorkerRecord, resume: dict[str, Any]) -> None:
-        """A worker reconnected after the coordinator restarted: take its progress."""
-        rank = w.rank
-        member = rank is not None and self.view.members.get(rank) == w.spawn_id
-        if member and rank is not None and int(resume.get("gen", -1)) == self.view.generation:
-            step = int(resume.get("step", 0))
-            self.view.latest_step[rank] = max(self.view.latest_step.get(rank, 0), step)
-            if resume.get("done"):
-                self.view.done_ranks.add(rank)
-        if w.spawn_id in self._continue_on_resume:  # paused for an operation that was aborted
-            self._continue_on_resume.discard(w.spawn_id)
-            self.io.send(w, {"t": "continue"})
-        if self.view.phase is JobState.FINISHING:
-            self.io.send(w, {"t": "finish"})  # it may have missed it
-        elif self.view.phase is JobState.RUNNING and self.view.done_ranks >= set(range(self.view.world_size)):
-            self._finish()
-
-    def record(self) -> dict[str, Any]:
-        """What a restarted coordinator needs to carry on (saved in the store; JSON types): the
-        whole view, and the operations in flight."""
-        return {
-            **self.view.to_record(),
-            # operations in flight: a restarted coordinator ends them cleanly (_end_interrupted)
-            "migration": None
-            if self.migration is None
-            else {
-                "rank": self.migration.rank,
-                "joiner": self.migration.joiner_sid,
-                "phase": str(self.migration.phase),
-                "swapped": self.migration.generation is not None,
-                "told": "fetched" in self.migration.marks,  # the joiner took the rank to prepare
-            },
-            "grow": None
-            if self.resize is None
-            else {
-                "joiners": list(self.resize.joiners),
-                "told": [sid for sid in self.resize.joiners if sid not in self.resize.fetches.values()],
-                "swapped": self.resize.generation is not None,
-            },
-            "migrate_queue": [[q[0], q[1], q[2]] for q in self._migrate_queue],
-        }
-
-    def _restore(self, rec: dict[str, Any], live: set[str]) -> None:
-        """Take over from a dead coordinator's record; ``live``: nodes whose lease is alive."""
-        now = time.monotonic()
-        grace = now + min(self.config.reconnect_s, 10.0)  # workers reconnect before they count as hung
-        self.view = self.io.view = self.replication.view = JobView.from_record(
-            rec, now=now, grace_until=grace
-        )
-        self.job_id = self.view.job_id
-        for name, node in self.view.nodes.items():
-            if node.alive:
-                self._awaiting[name] = now
-        self._interrupted = {k: rec[k] for k in ("migration", "grow") if rec.get(k)}
-        for rank, target, reason in rec.get("migrate_queue", []):
-            self._migrate_queue.append((int(rank), target, str(reason), now))
-        state = JobState(str(rec["state"]))
-        self.view.phase = JobState.RUNNING if state is JobState.RECONFIGURING else state
-        self._resync = state in (JobState.RECONFIGURING, JobState.STARTING) and bool(self.view.members)
-        if self._resync:
-            self.view.phase = JobState.RECONFIGURING
-        for name in sorted(self._awaiting):
-            if name not in live:  # its lease ended while no coordinator was watching
-                self._awaiting.pop(name)
-                self._lose_node(self.view.nodes[name], "its lease in the control store ended")
-
     # -- durable persistence of several nodes (runtime/persistence.py) ---------------------------
     def _placement(self) -> dict[str, list[int]]:
         placement: dict[str, list[int]] = {}
@@ -2127,7 +1910,7 @@ class Coordinator:
     def _persist(self) -> None:
         """Check the persist round in flight; start the next one when due (RUNNING only)."""
         rounds = self.rounds
-        if rounds is None or self._awaiting:
+        if rounds is None or self.store.awaiting:
             return
         rounds.check(set(self._alive_nodes()))
         if self._may_start(Op.PERSIST) and len(self.view.latest_step) == self.view.world_size:

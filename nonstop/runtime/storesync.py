@@ -1,0 +1,272 @@
+"""Store mode (``--store etcd://``): the coordinator leads the job through the control store,
+saves its record there every loop, and a restarted coordinator resumes from it.
+
+* **lead**: wait out a dead predecessor's ``leader`` lease, then hold it (losing it ends this
+  process: another coordinator may be acting);
+* **record**: the whole :class:`~nonstop.runtime.view.JobView` plus the operations in flight
+  (a migration or grow: its joiners, whether they took the rank, whether it swapped) and the
+  migration queue, saved whenever it changed;
+* **resume**: the view comes back from the record; nodes whose lease lived on are awaited
+  (their agents reconnect), the others are lost; once every node is back, an interrupted
+  recovery is redone from the nodes' inventories, an unswapped migration or grow is aborted
+  cleanly, and paused ranks are told to go on when they reconnect;
+* **leases**: a node's lease in the store ending (a watch) loses the node.
+
+Threading: the coordinator's thread only (the lease keeper and the watch have their own).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+from nonstop.control.channel import Channel
+from nonstop.control.store import LeaseKeeper, Watch
+from nonstop.errors import ControlError
+from nonstop.runtime.jobstore import JobStore
+from nonstop.runtime.phase import JobPhase
+from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
+
+if TYPE_CHECKING:
+    from nonstop.runtime.coordinator import Coordinator
+
+__all__ = ["EXIT_NOT_LEADER", "StoreSync"]
+
+log = logging.getLogger(__name__)
+
+EXIT_NOT_LEADER = 76  # store mode: this coordinator lost its leadership lease and stopped
+JobState = JobPhase
+
+
+class StoreSync:
+    """The coordinator's side of the control store (see the module docstring); inert when the
+    job has no store (``jobs`` None)."""
+
+    def __init__(self, c: Coordinator, jobs: JobStore | None) -> None:
+        self.c = c
+        self.jobs = jobs
+        self.leader: LeaseKeeper | None = None
+        self.node_watch: Watch | None = None
+        self.awaiting: dict[str, float] = {}  # restored nodes not reconnected yet -> since
+        self.resync = False  # restored mid-recovery: start a new generation once nodes are back
+        # restored: operations the previous coordinator had in flight, and the members to tell
+        # to go on once they reconnect (they may be paused at a boundary)
+        self.interrupted: dict[str, dict[str, Any]] = {}
+        self.continue_on_resume: set[int] = set()
+
+    def open(self) -> None:
+        """Lead the job (waiting out a dead predecessor's lease), restore its record if there is
+        one, and watch the nodes' leases."""
+        assert self.jobs is not None
+        addr = f"{self.c.server.address[0]}:{self.c.server.address[1]}"
+        t0 = time.monotonic()
+        self.leader = self.jobs.lead(
+            addr,
+            self.c.config.lease_ttl_s,
+            timeout=max(30.0, 3 * self.c.config.lease_ttl_s),
+            on_lost=lambda why: os._exit(EXIT_NOT_LEADER),  # another coordinator may be acting now
+        )
+        live, rev = self.jobs.live_nodes()
+        self.node_watch = self.jobs.watch_nodes(rev + 1)
+        record = self.jobs.load()
+        if record is None:
+            self.c.events.emit("coordinator_leads", address=addr, waited_s=time.monotonic() - t0)
+            return
+        self.restore(record, live)
+        self.c.events.emit(
+            "coordinator_resumed",
+            address=addr,
+            waited_s=time.monotonic() - t0,
+            generation=self.c.view.generation,
+            state=str(self.c.view.phase),
+            nodes=sorted(self.awaiting),
+            lost=sorted(n for n, r in self.c.view.nodes.items() if not r.alive),
+        )
+
+    def close(self) -> None:
+        if self.jobs is None:
+            return
+        try:
+            self.jobs.save(self.record())
+        except ControlError as e:
+            log.warning("saving the final job record: %s", e)
+        if self.node_watch is not None:
+            self.node_watch.cancel()
+        if self.leader is not None:
+            try:
+                self.leader.stop(revoke=True)  # the next coordinator need not wait out the TTL
+            except ControlError:
+                pass
+
+    def tick(self) -> None:
+        """Store mode, every loop: nodes whose lease ended are lost; restored nodes that did not
+        come back in time are revoked; a restored recovery restarts once the nodes are back;
+        the record is saved when it changed."""
+        if self.jobs is None:
+            return
+        assert self.node_watch is not None
+        while True:
+            try:
+                ev = self.node_watch.get(timeout=0)
+            except ControlError as e:
+                self.c._fail(f"lost the watch on the nodes' leases in {self.c.config.store}: {e}")
+                return
+            if ev is None:
+                break
+            node = self.c.view.nodes.get(self.jobs.node_name(ev.key))
+            if ev.kind == "delete" and node is not None and node.alive:
+                self.awaiting.pop(node.name, None)
+                self.c._lose_node(node, "its lease in the control store ended")
+        now = time.monotonic()
+        for node in self.c.view.nodes.values():
+            gone_since = self.awaiting.get(node.name, node.disconnected_at)
+            if node.alive and gone_since is not None and now - gone_since > self.c.config.reconnect_s:
+                if node.lease_id:
+                    self.revoke(node)  # its agent fences; the delete event then loses the node
+                else:
+                    self.awaiting.pop(node.name, None)
+                    self.c._lose_node(node, f"did not reconnect within {self.c.config.reconnect_s:g}s")
+        if self.interrupted and not self.awaiting:
+            self.end_interrupted()
+        if self.resync and not self.awaiting and self.c.view.phase is not JobState.FAILED:
+            self.resync = False
+            if self.c.view.members:
+                self.c._begin_generation([], inventory_needed=True)
+        try:
+            self.jobs.save(self.record())
+        except ControlError as e:
+            log.warning("saving the job record: %s", e)
+
+    def end_interrupted(self) -> None:
+        """A migration or grow the previous coordinator had in flight (every node is back now):
+        one that had not swapped yet is aborted -- a joiner that took the rank in its script is
+        replaced by a fresh spare, one that had not is idle again, ranks paused at the boundary
+        go on; one that had swapped is finished by the resync generation (its joiners are
+        members). Queued migrations were queued again by ``_restore``."""
+        why = "the coordinator restarted"
+        for kind, op in sorted(self.interrupted.items()):
+            if op.get("swapped"):
+                self.c.events.emit("operation_resumed", operation=kind, generation=self.c.view.generation)
+                continue
+            joiners = [int(op["joiner"])] if kind == "migration" else [int(s) for s in op["joiners"]]
+            told = {int(op["joiner"])} if kind == "migration" and op.get("told") else set(op.get("told", []))
+            for sid in joiners:
+                w = self.c.view.workers.get(sid)
+                if w is None or w.role is not Role.JOINER:
+                    continue
+                if sid in told:
+                    w.role, w.rank = Role.RETIRED, None
+                    self.c.io.kill(sid, signal.SIGKILL)
+                    node = self.c.view.nodes.get(self.c.view.node_of(sid))
+                    if node is not None and node.alive:
+                        self.c.io.spawn(node.name, Role.SPARE, None)
+                else:
+                    w.role, w.rank = Role.SPARE, None
+            self.continue_on_resume |= set(self.c.view.members.values())
+            for sid in list(self.continue_on_resume):
+                if self.c.view.workers[sid].chan is not None:
+                    self.c.io.send(self.c.view.workers[sid], {"t": "continue"})
+                    self.continue_on_resume.discard(sid)
+            if kind == "migration":
+                self.c.events.emit("migration_aborted", rank=op.get("rank"), phase=op.get("phase"), error=why)
+            else:
+                self.c.events.emit("grow_aborted", boundary=None, error=why)
+        self.interrupted = {}
+
+    def revoke(self, node: NodeRecord) -> None:
+        assert self.jobs is not None
+        try:
+            self.jobs.store.revoke(node.lease_id)
+        except ControlError as e:
+            log.warning("revoking node %s's lease: %s", node.name, e)
+        node.lease_id = 0
+
+    def reattach(self, node: NodeRecord, chan: Channel) -> None:
+        """A node's agent reconnected (to a restarted coordinator, or after its channel broke)."""
+        chan.tag = ("node", node.name)
+        node.chan = chan
+        node.disconnected_at = None
+        node.last_lease = time.monotonic()
+        node.lease_id = int(chan.hello.get("lease_id", node.lease_id))
+        node.data_addr = str(chan.hello.get("data_addr", node.data_addr))
+        self.awaiting.pop(node.name, None)
+        chan.send(
+            {
+                "t": "welcome",
+                "job_id": self.c.job_id,
+                "resumed": True,
+                "lease_ttl_s": self.c.config.lease_ttl_s,
+            }
+        )
+        self.c.events.emit("node_reconnected", node=node.name)
+
+    def on_worker_resumed(self, w: WorkerRecord, resume: dict[str, Any]) -> None:
+        """A worker reconnected after the coordinator restarted: take its progress."""
+        rank = w.rank
+        member = rank is not None and self.c.view.members.get(rank) == w.spawn_id
+        if member and rank is not None and int(resume.get("gen", -1)) == self.c.view.generation:
+            step = int(resume.get("step", 0))
+            self.c.view.latest_step[rank] = max(self.c.view.latest_step.get(rank, 0), step)
+            if resume.get("done"):
+                self.c.view.done_ranks.add(rank)
+        if w.spawn_id in self.continue_on_resume:  # paused for an operation that was aborted
+            self.continue_on_resume.discard(w.spawn_id)
+            self.c.io.send(w, {"t": "continue"})
+        if self.c.view.phase is JobState.FINISHING:
+            self.c.io.send(w, {"t": "finish"})  # it may have missed it
+        elif self.c.view.phase is JobState.RUNNING and self.c.view.done_ranks >= set(
+            range(self.c.view.world_size)
+        ):
+            self.c._finish()
+
+    def record(self) -> dict[str, Any]:
+        """What a restarted coordinator needs to carry on (saved in the store; JSON types): the
+        whole view, and the operations in flight."""
+        return {
+            **self.c.view.to_record(),
+            # operations in flight: a restarted coordinator ends them cleanly (_end_interrupted)
+            "migration": None
+            if self.c.migration is None
+            else {
+                "rank": self.c.migration.rank,
+                "joiner": self.c.migration.joiner_sid,
+                "phase": str(self.c.migration.phase),
+                "swapped": self.c.migration.generation is not None,
+                "told": "fetched" in self.c.migration.marks,  # the joiner took the rank to prepare
+            },
+            "grow": None
+            if self.c.resize is None
+            else {
+                "joiners": list(self.c.resize.joiners),
+                "told": [sid for sid in self.c.resize.joiners if sid not in self.c.resize.fetches.values()],
+                "swapped": self.c.resize.generation is not None,
+            },
+            "migrate_queue": [[q[0], q[1], q[2]] for q in self.c._migrate_queue],
+        }
+
+    def restore(self, rec: dict[str, Any], live: set[str]) -> None:
+        """Take over from a dead coordinator's record; ``live``: nodes whose lease is alive."""
+        now = time.monotonic()
+        grace = now + min(self.c.config.reconnect_s, 10.0)  # workers reconnect before they count as hung
+        self.c.view = self.c.io.view = self.c.replication.view = JobView.from_record(
+            rec, now=now, grace_until=grace
+        )
+        self.c.job_id = self.c.view.job_id
+        for name, node in self.c.view.nodes.items():
+            if node.alive:
+                self.awaiting[name] = now
+        self.interrupted = {k: rec[k] for k in ("migration", "grow") if rec.get(k)}
+        for rank, target, reason in rec.get("migrate_queue", []):
+            self.c._migrate_queue.append((int(rank), target, str(reason), now))
+        state = JobState(str(rec["state"]))
+        self.c.view.phase = JobState.RUNNING if state is JobState.RECONFIGURING else state
+        self.resync = state in (JobState.RECONFIGURING, JobState.STARTING) and bool(self.c.view.members)
+        if self.resync:
+            self.c.view.phase = JobState.RECONFIGURING
+        for name in sorted(self.awaiting):
+            if name not in live:  # its lease ended while no coordinator was watching
+                self.awaiting.pop(name)
+                self.c._lose_node(self.c.view.nodes[name], "its lease in the control store ended")
