@@ -62,7 +62,7 @@ def test_a_failure_during_recovery_replans_with_both(tmp_path: Path) -> None:
     assert h.coord.generation == 2
     h.exit(h.coord.view.members[0])  # before anyone restored
     assert h.coord.generation == 3
-    assert h.coord.reconf is not None and h.coord.reconf.replans == 1
+    assert h.coord.gens.reconf is not None and h.coord.gens.reconf.replans == 1
     h.resume_all(3)
     assert h.coord.state is JobState.RUNNING
     recs = h.events("recovery")
@@ -72,15 +72,15 @@ def test_a_failure_during_recovery_replans_with_both(tmp_path: Path) -> None:
 def test_migration_aborted_by_the_joiners_death(tmp_path: Path) -> None:
     h = two_nodes(tmp_path)
     h.step_all(2)
-    assert h.coord.request_migration(0, "1", "migrate") is None
+    assert h.coord.swaps.request_migration(0, "1", "migrate") is None
     h.tick()
-    m = h.coord.migration
+    m = h.coord.swaps.migration
     assert m is not None and m.target == "1"
-    joiner = m.joiner_sid
+    joiner = m.joiners[0].sid
     h.tick()  # the target's agent answered the prepare fetch
     assert h.workers[joiner].last("reconfigure")["prepare"] is True  # the fetch answered: it prepares
     h.exit(joiner)
-    assert h.coord.migration is None
+    assert h.coord.swaps.migration is None
     [ab] = h.events("migration_aborted")
     assert ab["rank"] == 0 and "joiner" in ab["error"]
     assert h.coord.state is JobState.RUNNING and h.coord.generation == 1  # nothing else changed
@@ -200,12 +200,12 @@ def test_a_restarted_coordinator_aborts_a_migration_it_finds_unswapped(tmp_path:
         a.tick()
         a.bring_up()
         a.step_all(2)
-        assert a.coord.request_migration(0, "1", "migrate") is None
+        assert a.coord.swaps.request_migration(0, "1", "migrate") is None
         a.tick(2)
-        m = a.coord.migration
+        m = a.coord.swaps.migration
         assert m is not None and "fetched" in m.marks  # the joiner took rank 0 to prepare
-        joiner = m.joiner_sid
-        assert a.coord.request_migration(0, "1", "migrate") is not None  # already moving
+        joiner = m.joiners[0].sid
+        assert a.coord.swaps.request_migration(0, "1", "migrate") is not None  # already moving
         jobs.save(a.coord.store.record())
         assert a.coord.store.leader is not None
         a.coord.store.leader.stop(revoke=True)  # the coordinator dies; its record stays in the store
@@ -227,7 +227,7 @@ def test_a_restarted_coordinator_aborts_a_migration_it_finds_unswapped(tmp_path:
             chan = b.reconnect_worker(sid, {"gen": b.coord.generation, "step": 2})
             assert chan.last("continue")  # paused ranks go on
         assert b.coord.state is JobState.RUNNING
-        assert b.coord.request_migration(0, "1", "migrate") is None  # it can be asked again
+        assert b.coord.swaps.request_migration(0, "1", "migrate") is None  # it can be asked again
         b.coord.store.close()
     finally:
         for k in keepers:

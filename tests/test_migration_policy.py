@@ -8,7 +8,7 @@ from nonstop.config import JobConfig
 from nonstop.errors import UsageError
 from nonstop.runtime.migration import (
     CATCHUP_ROUNDS,
-    Migration,
+    CatchUp,
     Transfer,
     boundary_step,
     catch_up_to,
@@ -18,8 +18,8 @@ from nonstop.runtime.migration import (
 )
 
 
-def _m(**kw: object) -> Migration:
-    m = Migration(rank=1, target="2", leaver_sid=1, leaver_node="1", joiner_sid=7, reason="migrate")
+def _m(**kw: object) -> CatchUp:
+    m = CatchUp()
     for k, v in kw.items():
         setattr(m, k, v)
     return m

@@ -1,7 +1,8 @@
 """Live migration: move a rank to another node while the job trains (``nonstop migrate``,
 ``nonstop drain``, preemption notices).
 
-The stages, driven by the coordinator (``Coordinator._migrate_tick`` and friends):
+The stages (the state machine is :class:`~nonstop.runtime.swap.BoundarySwap`, shared with an
+elastic grow; :mod:`nonstop.runtime.swapops` carries it out):
 
 1. **prepare** -- a hot spare on the target node (the *joiner*) is chosen; the target node gets the
    rank's newest committed snapshot ``P`` into its memory (copied from a replica it holds, or
@@ -24,20 +25,16 @@ If the leaver (or any member) fails during a migration, the migration is aborted
 stopped) and ordinary recovery runs. If the joiner dies, the migration is aborted and paused
 ranks are told to continue in the same process group.
 
-This module holds the record of a migration and the pure decisions; the coordinator does the I/O.
+This module holds the pure decisions of a migration and its catch-up record.
 """
 
 from __future__ import annotations
 
-import enum
-import itertools
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
-    "Migration",
-    "MigrationPhase",
+    "CatchUp",
     "Transfer",
     "boundary_step",
     "catch_up_to",
@@ -65,50 +62,20 @@ class Transfer:
         return self.raw_bytes / self.seconds if self.seconds > 0 else float("inf")
 
 
-class MigrationPhase(enum.StrEnum):
-    PREPARE = "prepare"  # fetch the snapshot to the target node, joiner restores it
-    PAUSE = "pause"  # every rank runs to the boundary step and stops
-    SWAP = "swap"  # the new generation with the joiner in the rank
-    DONE = "done"
-    ABORTED = "aborted"
-
-
 @dataclass
-class Migration:
-    """One rank's move from ``leaver_node`` to ``target`` (see the module docstring)."""
+class CatchUp:
+    """A migration's target catching up while its joiner prepares: the step its node holds from
+    the tracked fetches (the base of the next delta), the fetch in flight, and what the rounds
+    measured (for :func:`swap_as_delta`)."""
 
-    rank: int
-    target: str
-    leaver_sid: int
-    leaver_node: str
-    joiner_sid: int
-    reason: str  # "migrate", "drain", "preempt"
-    phase: MigrationPhase = MigrationPhase.PREPARE
-    prepare_step: int | None = None  # P: what the joiner restores while the job trains
-    boundary: int | None = None  # S: where every rank stops and the swap happens
-    generation: int | None = None  # the generation of the swap
-    paused: dict[int, int] = field(default_factory=dict)  # rank -> step it stopped at
-    fetch_req: int | None = None
-    ready: bool = False  # the joiner restored P and warmed up
-    held: int | None = None  # the step the target holds from the tracked fetches (base of a delta)
-    catchup_req: int | None = None
+    ready: bool = False  # the joiner restored the prepare step and warmed up
+    held: int | None = None  # the step the target holds from the tracked fetches
+    catchup_req: int | None = None  # a catch-up fetch in flight
     catchup_step: int | None = None
     rounds: int = 0  # catch-up fetches done
     catchups: list[Transfer] = field(default_factory=list)  # those that came as deltas, in order
     full: Transfer | None = None  # a catch-up round that fetched the whole step over the network
     swap_delta: bool | None = None  # how the swap fetched the boundary
-    boundary_req: int | None = None  # the boundary's fetch, asked for when the leaver completed it
-    gaps: dict[int, float] = field(default_factory=dict)  # rank -> seconds between its steps S and S+1
-    marks: dict[str, float] = field(default_factory=lambda: {"start": time.time()})
-    error: str | None = None
-
-    def mark(self, name: str) -> None:
-        self.marks[name] = time.time()
-
-    def stage_seconds(self) -> dict[str, float]:
-        """Seconds between consecutive marks, named by the later mark."""
-        order = sorted(self.marks.items(), key=lambda kv: kv[1])
-        return {b[0]: round(b[1] - a[1], 4) for a, b in itertools.pairwise(order)}
 
 
 def choose_joiner(target: str, idle_spares: Mapping[int, str]) -> int | None:
@@ -146,7 +113,7 @@ def boundary_step(latest: Mapping[int, int], margin: int = BOUNDARY_MARGIN) -> i
     return max(latest.values(), default=0) + margin
 
 
-def catch_up_to(m: Migration, committed: int | None) -> tuple[int, bool] | None:
+def catch_up_to(m: CatchUp, committed: int | None) -> tuple[int, bool] | None:
     """The next catch-up fetch: (step, as a delta?), or None (pause now).
 
     Only once the joiner is ready, with no catch-up in flight and a committed step newer

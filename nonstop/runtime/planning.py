@@ -128,10 +128,12 @@ def plan_generation(
             restore_step = committed_step(_steps(avail), shrink.world_size)
     if recovering and restore_step is None:
         return Plan(
-            action=PlanAction.FROM_DURABLE, placements=placements, shrink=shrink, unplaced=unplaced, reason=(
-                "no step is snapshotted for every rank in memory"
-            ),
-        )  # fmt: skip
+            action=PlanAction.FROM_DURABLE,
+            placements=placements,
+            shrink=shrink,
+            unplaced=unplaced,
+            reason=("no step is snapshotted for every rank in memory"),
+        )
     return Plan(
         action=PlanAction.SHRINK if shrink is not None else PlanAction.REPLACE,
         placements=placements,

@@ -112,14 +112,14 @@ class StoreSync:
             try:
                 ev = self.node_watch.get(timeout=0)
             except ControlError as e:
-                self.c._fail(f"lost the watch on the nodes' leases in {self.c.config.store}: {e}")
+                self.c.fail(f"lost the watch on the nodes' leases in {self.c.config.store}: {e}")
                 return
             if ev is None:
                 break
             node = self.c.view.nodes.get(self.jobs.node_name(ev.key))
             if ev.kind == "delete" and node is not None and node.alive:
                 self.awaiting.pop(node.name, None)
-                self.c._lose_node(node, "its lease in the control store ended")
+                self.c.lose_node(node, "its lease in the control store ended")
         now = time.monotonic()
         for node in self.c.view.nodes.values():
             gone_since = self.awaiting.get(node.name, node.disconnected_at)
@@ -128,13 +128,13 @@ class StoreSync:
                     self.revoke(node)  # its agent fences; the delete event then loses the node
                 else:
                     self.awaiting.pop(node.name, None)
-                    self.c._lose_node(node, f"did not reconnect within {self.c.config.reconnect_s:g}s")
+                    self.c.lose_node(node, f"did not reconnect within {self.c.config.reconnect_s:g}s")
         if self.interrupted and not self.awaiting:
             self.end_interrupted()
         if self.resync and not self.awaiting and self.c.view.phase is not JobState.FAILED:
             self.resync = False
             if self.c.view.members:
-                self.c._begin_generation([], inventory_needed=True)
+                self.c.gens.begin([], inventory_needed=True)
         try:
             self.jobs.save(self.record())
         except ControlError as e:
@@ -145,30 +145,30 @@ class StoreSync:
         one that had not swapped yet is aborted -- a joiner that took the rank in its script is
         replaced by a fresh spare, one that had not is idle again, ranks paused at the boundary
         go on; one that had swapped is finished by the resync generation (its joiners are
-        members). Queued migrations were queued again by ``_restore``."""
+        members). Queued migrations were queued again by ``restore``."""
         why = "the coordinator restarted"
+        v = self.c.view
         for kind, op in sorted(self.interrupted.items()):
             if op.get("swapped"):
-                self.c.events.emit("operation_resumed", operation=kind, generation=self.c.view.generation)
+                self.c.events.emit("operation_resumed", operation=kind, generation=v.generation)
                 continue
-            joiners = [int(op["joiner"])] if kind == "migration" else [int(s) for s in op["joiners"]]
-            told = {int(op["joiner"])} if kind == "migration" and op.get("told") else set(op.get("told", []))
-            for sid in joiners:
-                w = self.c.view.workers.get(sid)
+            told = {int(sid) for sid in op.get("told", [])}
+            for sid in (int(s) for s in op.get("joiners", [])):
+                w = v.workers.get(sid)
                 if w is None or w.role is not Role.JOINER:
                     continue
                 if sid in told:
                     w.role, w.rank = Role.RETIRED, None
                     self.c.io.kill(sid, signal.SIGKILL)
-                    node = self.c.view.nodes.get(self.c.view.node_of(sid))
+                    node = v.nodes.get(w.node)
                     if node is not None and node.alive:
                         self.c.io.spawn(node.name, Role.SPARE, None)
                 else:
                     w.role, w.rank = Role.SPARE, None
-            self.continue_on_resume |= set(self.c.view.members.values())
+            self.continue_on_resume |= set(v.members.values())
             for sid in list(self.continue_on_resume):
-                if self.c.view.workers[sid].chan is not None:
-                    self.c.io.send(self.c.view.workers[sid], {"t": "continue"})
+                if v.workers[sid].chan is not None:
+                    self.c.io.send(v.workers[sid], {"t": "continue"})
                     self.continue_on_resume.discard(sid)
             if kind == "migration":
                 self.c.events.emit("migration_aborted", rank=op.get("rank"), phase=op.get("phase"), error=why)
@@ -220,47 +220,29 @@ class StoreSync:
         elif self.c.view.phase is JobState.RUNNING and self.c.view.done_ranks >= set(
             range(self.c.view.world_size)
         ):
-            self.c._finish()
+            self.c.finish()
 
     def record(self) -> dict[str, Any]:
         """What a restarted coordinator needs to carry on (saved in the store; JSON types): the
         whole view, and the operations in flight."""
         return {
             **self.c.view.to_record(),
-            # operations in flight: a restarted coordinator ends them cleanly (_end_interrupted)
-            "migration": None
-            if self.c.migration is None
-            else {
-                "rank": self.c.migration.rank,
-                "joiner": self.c.migration.joiner_sid,
-                "phase": str(self.c.migration.phase),
-                "swapped": self.c.migration.generation is not None,
-                "told": "fetched" in self.c.migration.marks,  # the joiner took the rank to prepare
-            },
-            "grow": None
-            if self.c.resize is None
-            else {
-                "joiners": list(self.c.resize.joiners),
-                "told": [sid for sid in self.c.resize.joiners if sid not in self.c.resize.fetches.values()],
-                "swapped": self.c.resize.generation is not None,
-            },
-            "migrate_queue": [[q[0], q[1], q[2]] for q in self.c._migrate_queue],
+            # operations in flight: a restarted coordinator ends them cleanly (end_interrupted)
+            **self.c.swaps.record(),
         }
 
     def restore(self, rec: dict[str, Any], live: set[str]) -> None:
         """Take over from a dead coordinator's record; ``live``: nodes whose lease is alive."""
         now = time.monotonic()
         grace = now + min(self.c.config.reconnect_s, 10.0)  # workers reconnect before they count as hung
-        self.c.view = self.c.io.view = self.c.replication.view = JobView.from_record(
-            rec, now=now, grace_until=grace
-        )
+        self.c.adopt_view(JobView.from_record(rec, now=now, grace_until=grace))
         self.c.job_id = self.c.view.job_id
         for name, node in self.c.view.nodes.items():
             if node.alive:
                 self.awaiting[name] = now
         self.interrupted = {k: rec[k] for k in ("migration", "grow") if rec.get(k)}
         for rank, target, reason in rec.get("migrate_queue", []):
-            self.c._migrate_queue.append((int(rank), target, str(reason), now))
+            self.c.swaps.queue.append((int(rank), target, str(reason), now))
         state = JobState(str(rec["state"]))
         self.c.view.phase = JobState.RUNNING if state is JobState.RECONFIGURING else state
         self.resync = state in (JobState.RECONFIGURING, JobState.STARTING) and bool(self.c.view.members)
@@ -269,4 +251,4 @@ class StoreSync:
         for name in sorted(self.awaiting):
             if name not in live:  # its lease ended while no coordinator was watching
                 self.awaiting.pop(name)
-                self.c._lose_node(self.c.view.nodes[name], "its lease in the control store ended")
+                self.c.lose_node(self.c.view.nodes[name], "its lease in the control store ended")
