@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,25 +38,22 @@ from nonstop.config import JobConfig
 from nonstop.control.channel import Channel, ControlServer, Message
 from nonstop.control.rdzv import KeyValueTable
 from nonstop.errors import ControlError
-from nonstop.faults import fired_at
+from nonstop.runtime.clients import ClientRequests
 from nonstop.runtime.detector import FailureDetector
 from nonstop.runtime.elastic import (
     ElasticPolicy,
-    assign_shards,
 )
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.executor import Executor
+from nonstop.runtime.failures import Failures
 from nonstop.runtime.generations import Generations
 from nonstop.runtime.jobstore import JobStore
+from nonstop.runtime.nodes import NodeAgents
 from nonstop.runtime.persistence import ClusterPersister
 from nonstop.runtime.phase import Busy, JobPhase, Op, legal, may_start
 from nonstop.runtime.policy import (
-    FailureKind,
     QuarantinePolicy,
-    classify_exit,
-    describe_exit,
 )
-from nonstop.runtime.recovery import Failure, Stage
 from nonstop.runtime.replication import ReplicationRounds
 from nonstop.runtime.storesync import StoreSync
 from nonstop.runtime.swapops import Swaps
@@ -84,15 +80,6 @@ class JobResult:
     error: str | None = None
     median_step_s: float | None = None
     replication: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class _Exit:
-    sid: int
-    rc: int
-    pid: int | None
-    fault_at: float | None
-    node_lost: str | None = None  # why, if the whole node was lost
 
 
 class Coordinator:
@@ -134,20 +121,26 @@ class Coordinator:
             max_failures=config.quarantine_failures, window_s=config.quarantine_window_s
         )
         self.error: str | None = None
-        self.clients: dict[int, Channel] = {}
-        self.client_tickets: list[tuple[Channel, int]] = []
         self.kv = KeyValueTable()
-        self._exits: list[_Exit] = []
         self.replication = ReplicationRounds(
             view=self.view, io=self.io, events=events, replicas=config.replicas
         )
-        self._started_at = time.monotonic()
         # store mode (--store etcd://): state saved in and restored from the control store
         self.store = StoreSync(self, jobs)
         # generations: planning, launching and timing every membership change
         self.gens = Generations(self, initial_step=initial_step)
+        # clients (nonstop status / persist / migrate / drain)
+        self.clients = ClientRequests(self)
+        # node agents: joins, leases, losses, quarantine, spares
+        self.agents = NodeAgents(self)
+        # process exits and hangs become failures, failures become a recovery
+        self.failures = Failures(self)
         # live migrations and elastic grows: boundary swaps (runtime/swap.py, runtime/swapops.py)
         self.swaps = Swaps(self)
+
+    def status(self) -> dict[str, Any]:
+        """What ``nonstop status`` shows (JSON types)."""
+        return self.clients.status()
 
     def adopt_view(self, view: JobView) -> None:
         """Replace the view (a coordinator restarted from its record): every operation sees it."""
@@ -180,19 +173,19 @@ class Coordinator:
         """One turn of the loop: handle the events that arrived (waiting up to ``wait_s`` for
         the first), then every periodic check. Tests drive a coordinator through this."""
         self._pump_events(wait_s)
-        self._check_leases()
+        self.agents.check_leases()
         self.store.tick()
-        self._check_join()
-        self._handle_exits()
+        self.agents.check_join()
+        self.failures.handle_exits()
         self._pump_events(0)
-        self._detect()
+        self.failures.detect()
         self.gens.check_timeouts()
         if self.replication_on and self.may_start(Op.REPLICATE):
             self.replication.maybe_start(now=time.monotonic())
         self._persist()
         self.swaps.tick()
         self.gens.replan_tick()
-        self._answer_clients()
+        self.clients.answer_persists()
 
     def _close(self) -> JobResult:
         """The job ended: persist the last step, release the nodes, the result."""
@@ -213,37 +206,6 @@ class Coordinator:
 
     def replication_stats(self) -> dict[str, Any]:
         return self.replication.stats()
-
-    def _check_join(self) -> None:
-        if self.view.phase is not JobState.STARTING or self.view.members:
-            return
-        alive = self._alive_nodes()
-        if len(alive) >= self.config.nnodes:
-            self._start_job(alive[: self.config.nnodes])
-        elif time.monotonic() - self._started_at > self.config.join_timeout_s:
-            self.fail(
-                f"only {len(alive)} of {self.config.nnodes} nodes joined within "
-                f"{self.config.join_timeout_s:g}s; start `nonstop run --node-rank I` on every node"
-            )
-
-    def _start_job(self, nodes: list[str]) -> None:
-        self.events.emit("nodes_joined", nodes=nodes)
-        if self.gens.initial_step is not None:
-            placement = {
-                n: list(range(i * self.config.nproc_per_node, (i + 1) * self.config.nproc_per_node))
-                for i, n in enumerate(nodes)
-            }
-            url = self.config.resume or self.durable_url
-            if url is None or not self.gens.install_durable(self.gens.initial_step, placement, url):
-                self.fail(
-                    f"could not install the resumed checkpoint step {self.gens.initial_step} on every node"
-                )
-                return
-        for i, name in enumerate(nodes):
-            for k in range(self.config.nproc_per_node):
-                self.io.spawn(name, Role.WORKER, i * self.config.nproc_per_node + k)
-            for _ in range(self.view.nodes[name].spares):
-                self.io.spawn(name, Role.SPARE, None)
 
     def _alive_nodes(self) -> list[str]:
         return self.view.alive_nodes()
@@ -315,7 +277,7 @@ class Coordinator:
             self.events.emit("protocol_error", **who)
             node = self.view.nodes[tag[1]]
             if node.alive and node.chan is chan:
-                self.lose_node(node, f"its agent broke the protocol ({what})")
+                self.agents.lose_node(node, f"its agent broke the protocol ({what})")
             return
         if isinstance(tag, int) and tag in self.view.workers:
             w = self.view.workers[tag]
@@ -336,27 +298,27 @@ class Coordinator:
     def _on_event(self, kind: str, chan: Channel, msg: Message | None) -> None:
         role = chan.hello.get("role")
         if kind == "open" and role == "client":
-            chan.tag = ("client", len(self.clients))
-            self.clients[len(self.clients)] = chan
+            chan.tag = ("client", len(self.clients.channels))
+            self.clients.channels[len(self.clients.channels)] = chan
             self.events.emit("client", peer=chan.peer)
             return
         if kind == "open" and role == "agent":
-            self._on_agent_open(chan)
+            self.agents.on_open(chan)
             return
         tag = chan.tag
         if isinstance(tag, tuple) and tag[0] == "client":
             if kind == "msg" and msg is not None:
-                self._on_client(chan, msg)
+                self.clients.on_request(chan, msg)
             return
         if isinstance(tag, tuple) and tag[0] == "node":
             node = self.view.nodes.get(tag[1])
             if node is None or node.chan is not chan:
                 return
             if kind == "msg" and msg is not None:
-                self._on_agent_message(node, msg)
+                self.agents.on_message(node, msg)
             elif kind == "close" and node.alive:
                 if self.store.jobs is None:
-                    self.lose_node(node, "its agent's connection closed")
+                    self.agents.lose_node(node, "its agent's connection closed")
                 else:  # lost when its lease in the store ends; until then it may reconnect
                     node.disconnected_at = time.monotonic()
                     self.events.emit("node_disconnected", node=node.name)
@@ -391,241 +353,7 @@ class Coordinator:
                 w.chan_closed_at = time.monotonic()
 
     # -- node agents -----------------------------------------------------------------------------
-    def _on_agent_open(self, chan: Channel) -> None:
-        h = chan.hello
-        name = str(h.get("node", ""))
-        old = self.view.nodes.get(name)
-
-        def refuse(why: str) -> None:
-            self.events.emit("refused", peer=chan.peer, node=name, reason=why)
-            try:
-                chan.send({"t": "refused", "error": why})
-            except ControlError:
-                pass
-            chan.close()
-
-        if not name:
-            return refuse("hello without a node name")
-        reattach = (
-            self.store.jobs is not None
-            and h.get("resume") is not None
-            and old is not None
-            and old.alive
-            and (old.chan is None or old.chan.closed)
-        )
-        if reattach:
-            assert old is not None
-            return self.store.reattach(old, chan)
-        if old is not None and old.alive:
-            return refuse(f"node {name} is already part of the job")
-        if old is not None and old.quarantined:
-            return refuse(f"node {name} is quarantined after {len(old.failure_times)} failures")
-        if int(h.get("nproc", -1)) != self.config.nproc_per_node:
-            return refuse(
-                f"node {name} runs --nproc-per-node {h.get('nproc')} but the job has "
-                f"{self.config.nproc_per_node} per node; use the same value on every node"
-            )
-        if self.view.phase in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
-            return refuse("the job is ending")
-        node = NodeRecord(
-            name=name,
-            chan=chan,
-            nproc=int(h["nproc"]),
-            spares=int(h.get("spares", 0)),
-            domain=str(h.get("domain") or name),
-            data_addr=str(h.get("data_addr", "")),
-            last_lease=time.monotonic(),
-            failure_times=old.failure_times if old is not None else [],
-            in_process=bool(h.get("in_process", False)),
-            lease_id=int(h.get("lease_id", 0)),
-        )
-        chan.tag = ("node", name)
-        self.view.nodes[name] = node
-        chan.send(
-            {
-                "t": "welcome",
-                "job_id": self.job_id,
-                "lease_ttl_s": self.config.lease_ttl_s,
-                "num_slots": self.num_slots,
-                "env": self.worker_env,
-                "store": self.config.store if self.store.jobs is not None else None,
-                "reconnect_s": self.config.reconnect_s,
-            }
-        )
-        self.events.emit(
-            "node_join", node=name, domain=node.domain, data=node.data_addr, rejoin=old is not None
-        )
-        if self.view.phase is not JobState.STARTING:  # a node joining a running job brings capacity: spares
-            # ... and, in an elastic job, room for ranks: its rank slots wait as spares too (to grow
-            # back with, or to take the ranks of a recovery waiting for a spare)
-            extra = node.nproc if self.elastic.enabled else 0
-            for _ in range(node.spares + extra):
-                self.io.spawn(name, Role.SPARE, None)
-
-    def _on_agent_message(self, node: NodeRecord, msg: Message) -> None:
-        t = msg.get("t")
-        if t == "lease":
-            node.last_lease = time.monotonic()
-            self.io.send_node(node, {"t": "lease_ok", "seq": msg.get("seq")})
-        elif t == "exit":
-            sid = int(msg["spawn_id"])
-            w = self.view.workers.get(sid)
-            if w is not None and w.live:
-                w.live = False
-                self._exits.append(
-                    _Exit(sid=sid, rc=int(msg["rc"]), pid=msg.get("pid"), fault_at=msg.get("fault_at"))
-                )
-        elif t == "spawned":
-            if msg.get("pid") is not None:
-                w = self.view.workers.get(int(msg["spawn_id"]))
-                if w is not None:
-                    w.pid = int(msg["pid"])
-            self.events.emit("spawned", spawn_id=msg.get("spawn_id"), pid=msg.get("pid"), node=node.name)
-        elif t in ("inventory", "installed"):
-            self.io.replies[int(msg["id"])] = msg
-        elif t == "fetched":
-            self.gens.on_fetched(node, msg)
-        elif t == "replicated":
-            self.replication.on_replicated(node.name, msg)
-        elif t == "preempt":
-            self.swaps.on_preempt(node, float(msg.get("grace_s", 0.0)))
-        elif t == "registered":
-            node.lease_id = int(msg["lease_id"])
-        elif t == "persisted" and self.rounds is not None:
-            self.rounds.on_reply(node.name, msg)
-
-    def _check_leases(self) -> None:
-        if self.store.jobs is not None:
-            return  # store mode: leases live in the store (_store_tick)
-        now = time.monotonic()
-        for node in list(self.view.nodes.values()):
-            if node.alive and not node.in_process and now - node.last_lease > self.config.lease_ttl_s:
-                self.lose_node(node, f"lease expired ({now - node.last_lease:.2f}s without renewal)")
-
-    def lose_node(
-        self, node: NodeRecord, why: str, *, quarantine: bool = False, failure: bool = True
-    ) -> None:
-        """Every process on ``node`` is gone (its agent fenced them): fail its ranks at once.
-        ``failure`` False: a planned departure (a drained node), not counted towards quarantine."""
-        node.alive = False
-        if failure:
-            node.failure_times.append(time.monotonic())
-        if quarantine:
-            node.quarantined = True
-            if node.chan is not None:
-                try:
-                    node.chan.send({"t": "fenced", "error": why})
-                except ControlError:
-                    pass
-            if self.store.jobs is not None and node.lease_id:
-                self.store.revoke(node)  # in store mode its agent fences when its lease is gone
-        if node.chan is not None:
-            node.chan.close()
-        self.events.emit("node_lost", node=node.name, reason=why, quarantined=quarantine)
-        for sid in sorted(s for s, w in self.view.workers.items() if w.live and w.node == node.name):
-            w = self.view.workers[sid]
-            w.live = False
-            if w.chan is not None:
-                w.chan.close()
-            self._exits.append(_Exit(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why))
-        self.io.node_lost(node.name, keep=set(self.gens.waiting_fetch))  # fetches end with the generation
-        self.replication.reset()  # its holders or senders may be gone: start over
-
     # -- workers -----------------------------------------------------------------------------------
-    def _on_client(self, chan: Channel, msg: Message) -> None:
-        t = msg.get("t")
-        if t in ("migrate", "drain"):
-            if t == "migrate":
-                moves = [(int(msg["rank"]), None if msg.get("to") is None else str(msg["to"]))]
-            else:
-                node = str(msg["node"])
-                if node not in self.view.nodes:
-                    chan.send({"t": "migrated", "ok": False, "error": f"no node {node} in the job"})
-                    return
-                moves = [(r, None) for r, n in sorted(self.view.rank_node.items()) if n == node]
-            reason = "migrate" if t == "migrate" else "drain"
-            for rank, target in moves:
-                error = self.swaps.request_migration(rank, target, reason)
-                if error is not None:
-                    chan.send({"t": "migrated", "rank": rank, "ok": False, "error": error})
-                else:
-                    self.swaps.clients.setdefault(rank, []).append(chan)
-            chan.send({"t": "accepted", "ranks": [r for r, _ in moves]})
-            return
-        if t == "status":
-            chan.send({"t": "status", **self.status()})
-            return
-        if msg.get("t") == "persist":
-            if self.persister is None:
-                chan.send({"t": "persisted", "error": "this job has no durable tier on this node"})
-                return
-            self.client_tickets.append((chan, self.persister.request()))
-        else:
-            chan.send({"t": "error", "error": f"unknown request {msg.get('t')!r}"})
-
-    def status(self) -> dict[str, Any]:
-        """What ``nonstop status`` shows (JSON types)."""
-        spares: dict[str, int] = {}
-        for node in self._idle_spares().values():
-            spares[node] = spares.get(node, 0) + 1
-        return {
-            "job_id": self.job_id,
-            "state": str(self.view.phase),
-            "generation": self.view.generation,
-            "world_size": self.view.world_size,
-            "ranks": {
-                str(r): {
-                    "node": self.view.rank_node.get(r),
-                    "spawn_id": sid,
-                    "pid": self.view.workers[sid].pid,
-                    "step": self.view.latest_step.get(r),
-                }
-                for r, sid in sorted(self.view.members.items())
-            },
-            "nodes": {
-                n: {
-                    "alive": rec.alive,
-                    "quarantined": rec.quarantined,
-                    "domain": rec.domain,
-                    "ranks": sorted(r for r, nn in self.view.rank_node.items() if nn == n),
-                    "idle_spares": spares.get(n, 0),
-                    "failures": len(rec.failure_times),
-                }
-                for n, rec in sorted(self.view.nodes.items())
-            },
-            "committed_step": self.committed(),
-            "replicated_step": self.view.replicated_step,
-            "durable_step": self.rounds.last_step if self.rounds is not None else None,
-            "durable_url": self.durable_url,
-            "failures": self.view.failures_total,
-            **self.swaps.status(),
-            "num_shards": self.num_shards,
-            "full_world_size": self.config.world_size,
-            "min_world_size": self.elastic.min_world_size,
-            "shards": {
-                str(r): list(sh) for r, sh in enumerate(assign_shards(self.num_shards, self.view.world_size))
-            },
-            "store": self.config.store,
-        }
-
-    def _answer_clients(self) -> None:
-        if not self.client_tickets or self.persister is None:
-            return
-        pending = []
-        for chan, ticket in self.client_tickets:
-            if not self.persister.wait(ticket, 0):
-                pending.append((chan, ticket))
-                continue
-            last = self.persister.last
-            reply: Message = {"t": "persisted", "error": self.persister.last_error}
-            if last is not None:
-                reply.update(step=last.step, url=self.persister.durable.url, stored_bytes=last.stored_bytes)
-            try:
-                chan.send(reply)
-            except ControlError:
-                pass
-        self.client_tickets = pending
-
     def _on_connect(self, w: WorkerRecord) -> None:
         if self.view.phase is JobState.STARTING:
             if self.view.members and all(
@@ -727,184 +455,13 @@ class Coordinator:
             self.events.emit("fault_report", rank=rank, spawn_id=w.spawn_id, error=msg.get("error"))
 
     # -- failures ----------------------------------------------------------------------------
-    def _handle_exits(self) -> None:
-        failures = []
-        failed_on: dict[int, str] = {}  # spawn id -> node, of each failure
-        exits, self._exits = self._exits, []
-        for ex in exits:
-            sid, rc = ex.sid, ex.rc
-            w = self.view.workers.pop(sid, None)
-            if w is None:
-                continue
-            node = w.node
-            self.events.emit(
-                "exit",
-                spawn_id=sid,
-                role=w.role,
-                rank=w.rank,
-                returncode=rc,
-                how=describe_exit(rc),
-                node=node,
-            )
-            is_member = w.rank is not None and self.view.members.get(w.rank) == sid
-            self.swaps.on_exit(sid, member=is_member, how=describe_exit(rc))
-            if (
-                ex.node_lost is None
-                and w.chan is None
-                and (self.view.phase is JobState.STARTING or w.role is Role.SPARE)
-            ):
-                # It died before reaching nonstop.init(): the script itself cannot start, and
-                # starting it again would fail the same way.
-                who = f"rank {w.rank}" if w.rank is not None else "a hot spare"
-                hint = (
-                    "the script must call nonstop.init()"
-                    if rc == 0
-                    else f"see its output (logs under the job dir of node {node})"
-                )
-                self.fail(f"{who} exited with {describe_exit(rc)} before joining the job: {hint}")
-                continue
-            if self.view.phase in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
-                if is_member and rc != 0 and self.view.phase is JobState.FINISHING:
-                    log.warning("rank %s exited with %s after finishing", w.rank, describe_exit(rc))
-                continue
-            if not is_member:
-                if (
-                    w.role is Role.SPARE
-                    and ex.node_lost is None
-                    and node in self.view.nodes
-                    and self.view.nodes[node].alive
-                ):
-                    self.io.spawn(node, Role.SPARE, None)  # keep K spares; a lost spare costs nothing else
-                continue
-            assert w.rank is not None
-            if ex.node_lost is not None:
-                kind, detail = FailureKind.NODE_LOST, f"node {node} lost: {ex.node_lost}"
-            else:
-                kind = classify_exit(rc, killed_for_hang=w.killed_for_hang is not None)
-                if w.fault_report is not None and kind is FailureKind.EXIT:
-                    kind = FailureKind.ERROR
-                detail = w.killed_for_hang or describe_exit(rc)
-                self._node_failed(node)
-            fault_at = w.fault_at if w.fault_at is not None else ex.fault_at
-            if fault_at is None and w.pid is not None:  # its 'injected' message may be lost with it
-                fault_at = fired_at(self.config.job_dir.resolve() / "faults", w.pid)
-            failures.append(
-                Failure(
-                    kind=kind.value,
-                    rank=w.rank,
-                    spawn_id=sid,
-                    detail=detail,
-                    detected_at=time.time(),
-                    fault_at=fault_at,
-                    step=self.view.latest_step.get(w.rank, 0),
-                )
-            )
-            failed_on[sid] = node
-            del self.view.members[w.rank]
-        # the ranks of one lost node failed at one instant: the fault time one of them recorded
-        by_node: dict[str, float] = {}
-        for f in failures:
-            if f.kind == FailureKind.NODE_LOST.value and f.fault_at is not None:
-                node = failed_on[f.spawn_id]
-                by_node[node] = min(by_node.get(node, f.fault_at), f.fault_at)
-        for f in failures:
-            if f.kind == FailureKind.NODE_LOST.value and f.fault_at is None:
-                f.fault_at = by_node.get(failed_on[f.spawn_id])
-        if self.view.phase is JobState.FINISHING and not self._members_alive():
-            self._set_state(JobState.DONE)
-            self.events.emit("job_done", generation=self.view.generation)
-        if failures and self.view.phase not in (JobState.DONE, JobState.FAILED):
-            self._on_failures(failures)
-
-    def _node_failed(self, name: str) -> None:
-        """A process failure on ``name``: quarantine the node if it fails too often."""
-        node = self.view.nodes.get(name)
-        if node is None or not node.alive:
-            return
-        now = time.monotonic()
-        node.failure_times.append(now)
-        others = len([n for n in self._alive_nodes() if n != name])
-        if self.quarantine.should_quarantine(node.failure_times, now=now, others_usable=others):
-            self.lose_node(
-                node,
-                f"{len(node.failure_times)} failures within {self.quarantine.window_s:g}s: quarantined",
-                quarantine=True,
-            )
-
-    def _on_failures(self, failures: list[Failure]) -> None:
-        self.swaps.abort(f"rank {failures[0].rank} failed: {failures[0].detail}")
-        for f in failures:
-            self.events.emit(
-                "failure",
-                kind=f.kind,
-                rank=f.rank,
-                spawn_id=f.spawn_id,
-                detail=f.detail,
-                step=f.step,
-                detect_s=(f.detected_at - f.fault_at) if f.fault_at else None,
-            )
-        self.view.failures_total += len(failures)
-        if self.view.phase is JobState.STARTING:  # died before the job formed: just start it again
-            if self.view.failures_total <= self.config.max_restarts:
-                for f in failures:
-                    node = self.view.rank_node.get(f.rank)
-                    alive = self._alive_nodes()
-                    if not alive:
-                        break
-                    self.io.spawn(node if node in alive else alive[0], Role.WORKER, f.rank)
-                return
-        if self.view.failures_total > self.config.max_restarts:
-            self.fail(
-                f"restart budget exhausted ({self.config.max_restarts} restarts); last failure: "
-                f"rank {failures[-1].rank} {failures[-1].detail}"
-            )
-            return
-        if self.gens.deferred is not None:
-            before, replans, replacements = self.gens.deferred
-            self.gens.deferred, self.gens.replan_at = None, None
-            self.gens.begin(before + failures, replans=replans + 1, replacements=replacements)
-            return
-        previous = self.gens.reconf if self.view.phase is JobState.RECONFIGURING else None
-        if previous is None:
-            self.gens.begin(failures)
-        else:  # a failure during a recovery: re-plan, keeping what the interrupted plan did
-            self.gens.begin(
-                previous.failures + failures, replans=previous.replans + 1, replacements=previous.replacements
-            )
-
-    def _detect(self) -> None:
-        if self.view.phase not in (JobState.RUNNING, JobState.RECONFIGURING):
-            return
-        in_training = self.view.phase is JobState.RUNNING or (
-            self.gens.reconf is not None and self.gens.reconf.stage is Stage.RESUME
-        )
-        verdicts = self.detector.scan(
-            now=time.monotonic(),
-            members={rank: self.view.workers[sid] for rank, sid in self.view.members.items()},
-            everyone=list(self.view.workers.values()),
-            alive=self.view.live,
-            in_training=in_training,
-        )
-        for sid, reason in verdicts.kill.items():
-            w = self.view.workers[sid]
-            if w.killed_for_hang:
-                continue
-            w.killed_for_hang = reason
-            self.events.emit("hang_detected", rank=w.rank, spawn_id=sid, reason=reason)
-            self.io.kill(sid, signal.SIGKILL)
-        for sid in verdicts.reraise:
-            w = self.view.workers[sid]
-            assert w.fault_report is not None
-            w.fault_report = (float("inf"), w.fault_report[1])  # tell it once
-            self.io.send(w, {"t": "raise"})
-
     # -- planning ---------------------------------------------------------------------------------
     def await_replies(self, reqs: list[int], timeout: float) -> dict[int, Message]:
         """Wait for the replies to ``reqs`` while serving every other event (leases included)."""
         deadline = time.monotonic() + timeout
         while any(r not in self.io.replies for r in reqs) and time.monotonic() < deadline:
             self._pump_events(0.002)
-            self._check_leases()
+            self.agents.check_leases()
         out = {r: self.io.replies.pop(r) for r in reqs if r in self.io.replies}
         for r in reqs:
             self.io.done(r)
@@ -962,7 +519,7 @@ class Coordinator:
             rounds.abort(f"the final persist did not finish in {self.config.persist_timeout_s:g}s")
         if rounds.last_step != step:
             log.warning("final persist of step %d failed: %s", step, rounds.last_error)
-        self._answer_clients()
+        self.clients.answer_persists()
 
     # -- the end -----------------------------------------------------------------------------------
     def finish(self) -> None:
@@ -977,16 +534,3 @@ class Coordinator:
 
     def _members_alive(self) -> bool:
         return self.view.members_alive()
-
-    def _replenish_spares(self) -> None:
-        for name in self._alive_nodes():
-            node = self.view.nodes[name]
-            if node.draining:
-                continue
-            have = self.view.spares_on(name)
-            want = node.spares - have
-            if self.elastic.enabled:  # a node has room for nproc + spares processes, no more
-                ranks_here = sum(1 for r in self.view.members if self.view.rank_node.get(r) == name)
-                want = min(want, node.nproc + node.spares - ranks_here - have)
-            for _ in range(want):
-                self.io.spawn(name, Role.SPARE, None)

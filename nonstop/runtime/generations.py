@@ -119,7 +119,7 @@ class Generations:
         if alive_nodes and (failures or self.initial_step is not None or inventory_needed):
             inventory = self.inventories()
             members = set(self.c.view.members.values())
-            if any(ex.sid in members for ex in self.c._exits):
+            if any(ex.sid in members for ex in self.c.failures.exits):
                 # More ranks were lost while the nodes answered (a second node going down with
                 # the first): plan once for all of them when their exits are handled.
                 self.deferred = (failures, replans, dict(replacements or {}))
@@ -492,7 +492,7 @@ class Generations:
                 self.c.view.reports.extend(records)
                 for rec in records:
                     self.c.events.emit("recovery", **rec)
-            self.c._replenish_spares()
+            self.c.agents.replenish_spares()
             if (
                 self.c.view.done_ranks >= set(range(self.c.view.world_size))
                 and self.c.view.phase is JobState.RUNNING

@@ -119,7 +119,7 @@ class StoreSync:
             node = self.c.view.nodes.get(self.jobs.node_name(ev.key))
             if ev.kind == "delete" and node is not None and node.alive:
                 self.awaiting.pop(node.name, None)
-                self.c.lose_node(node, "its lease in the control store ended")
+                self.c.agents.lose_node(node, "its lease in the control store ended")
         now = time.monotonic()
         for node in self.c.view.nodes.values():
             gone_since = self.awaiting.get(node.name, node.disconnected_at)
@@ -128,7 +128,7 @@ class StoreSync:
                     self.revoke(node)  # its agent fences; the delete event then loses the node
                 else:
                     self.awaiting.pop(node.name, None)
-                    self.c.lose_node(node, f"did not reconnect within {self.c.config.reconnect_s:g}s")
+                    self.c.agents.lose_node(node, f"did not reconnect within {self.c.config.reconnect_s:g}s")
         if self.interrupted and not self.awaiting:
             self.end_interrupted()
         if self.resync and not self.awaiting and self.c.view.phase is not JobState.FAILED:
@@ -251,4 +251,4 @@ class StoreSync:
         for name in sorted(self.awaiting):
             if name not in live:  # its lease ended while no coordinator was watching
                 self.awaiting.pop(name)
-                self.c.lose_node(self.c.view.nodes[name], "its lease in the control store ended")
+                self.c.agents.lose_node(self.c.view.nodes[name], "its lease in the control store ended")

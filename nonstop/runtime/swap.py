@@ -413,9 +413,7 @@ class BoundarySwap:
         out: list[Action] = []
         if before is not SwapPhase.SWAP and not members_left:
             for j in self.joiners:
-                out.append(
-                    Retire(sid=j.sid, respawn=self.kind is SwapKind.GROW) if j.told else Release(sid=j.sid)
-                )
+                out.append(Retire(sid=j.sid, respawn=True) if j.told else Release(sid=j.sid))
             if self.boundary is not None:
                 out.append(Continue())
         if self.kind is SwapKind.GROW:

@@ -169,7 +169,7 @@ class Swaps:
                 continue
             self.c.io.send_node(node, {"t": "release"})
             self.c.events.emit("node_released", node=node.name)
-            self.c.lose_node(node, "released after draining", failure=False)
+            self.c.agents.lose_node(node, "released after draining", failure=False)
 
     # -- the clock --------------------------------------------------------------------------------
     def tick(self) -> None:

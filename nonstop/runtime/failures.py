@@ -1,0 +1,213 @@
+"""Failures: what ends a process or a node becomes a failure, and failures become a recovery.
+
+* **exits** (an agent reports one, or a lost node takes all of its processes at once): an exit
+  of a member is a failure, classified (``classify_exit``: crash, error, killed for a hang, node
+  lost); a spare's exit costs a replacement spare; a process that died before joining the job
+  fails the job (its script cannot start);
+* **hangs** (:class:`~nonstop.runtime.detector.FailureDetector`): a member silent or stuck is
+  killed (its exit is then its failure); a member whose own exception nothing else explains is
+  told to raise it;
+* **recovery**: the failures of one tick start the next generation -- or re-plan the one in
+  setup, inheriting its failures -- within the restart budget; a boundary swap in flight is
+  aborted first.
+
+Threading: the coordinator's thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nonstop.faults import fired_at
+from nonstop.runtime.phase import JobPhase
+from nonstop.runtime.policy import FailureKind, classify_exit, describe_exit
+from nonstop.runtime.recovery import Failure, Stage
+from nonstop.runtime.view import Role
+
+if TYPE_CHECKING:
+    from nonstop.runtime.coordinator import Coordinator
+
+__all__ = ["Exit", "Failures"]
+
+log = logging.getLogger(__name__)
+
+JobState = JobPhase
+
+
+@dataclass
+class Exit:
+    """A process's end as reported: its agent's exit code, or its node's loss."""
+
+    sid: int
+    rc: int
+    pid: int | None
+    fault_at: float | None
+    node_lost: str | None = None  # why, if the whole node was lost
+
+
+class Failures:
+    """Exits waiting to be handled (``exits``), and what they lead to (see the module docstring)."""
+
+    def __init__(self, c: Coordinator) -> None:
+        self.c = c
+        self.exits: list[Exit] = []
+
+    def handle_exits(self) -> None:
+        failures = []
+        failed_on: dict[int, str] = {}  # spawn id -> node, of each failure
+        exits, self.exits = self.exits, []
+        for ex in exits:
+            sid, rc = ex.sid, ex.rc
+            w = self.c.view.workers.pop(sid, None)
+            if w is None:
+                continue
+            node = w.node
+            self.c.events.emit(
+                "exit",
+                spawn_id=sid,
+                role=w.role,
+                rank=w.rank,
+                returncode=rc,
+                how=describe_exit(rc),
+                node=node,
+            )
+            is_member = w.rank is not None and self.c.view.members.get(w.rank) == sid
+            self.c.swaps.on_exit(sid, member=is_member, how=describe_exit(rc))
+            if (
+                ex.node_lost is None
+                and w.chan is None
+                and (self.c.view.phase is JobState.STARTING or w.role is Role.SPARE)
+            ):
+                # It died before reaching nonstop.init(): the script itself cannot start, and
+                # starting it again would fail the same way.
+                who = f"rank {w.rank}" if w.rank is not None else "a hot spare"
+                hint = (
+                    "the script must call nonstop.init()"
+                    if rc == 0
+                    else f"see its output (logs under the job dir of node {node})"
+                )
+                self.c.fail(f"{who} exited with {describe_exit(rc)} before joining the job: {hint}")
+                continue
+            if self.c.view.phase in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
+                if is_member and rc != 0 and self.c.view.phase is JobState.FINISHING:
+                    log.warning("rank %s exited with %s after finishing", w.rank, describe_exit(rc))
+                continue
+            if not is_member:
+                if (
+                    w.role is Role.SPARE
+                    and ex.node_lost is None
+                    and node in self.c.view.nodes
+                    and self.c.view.nodes[node].alive
+                ):
+                    self.c.io.spawn(node, Role.SPARE, None)  # keep K spares; a lost spare costs nothing else
+                continue
+            assert w.rank is not None
+            if ex.node_lost is not None:
+                kind, detail = FailureKind.NODE_LOST, f"node {node} lost: {ex.node_lost}"
+            else:
+                kind = classify_exit(rc, killed_for_hang=w.killed_for_hang is not None)
+                if w.fault_report is not None and kind is FailureKind.EXIT:
+                    kind = FailureKind.ERROR
+                detail = w.killed_for_hang or describe_exit(rc)
+                self.c.agents.node_failed(node)
+            fault_at = w.fault_at if w.fault_at is not None else ex.fault_at
+            if fault_at is None and w.pid is not None:  # its 'injected' message may be lost with it
+                fault_at = fired_at(self.c.config.job_dir.resolve() / "faults", w.pid)
+            failures.append(
+                Failure(
+                    kind=kind.value,
+                    rank=w.rank,
+                    spawn_id=sid,
+                    detail=detail,
+                    detected_at=time.time(),
+                    fault_at=fault_at,
+                    step=self.c.view.latest_step.get(w.rank, 0),
+                )
+            )
+            failed_on[sid] = node
+            del self.c.view.members[w.rank]
+        # the ranks of one lost node failed at one instant: the fault time one of them recorded
+        by_node: dict[str, float] = {}
+        for f in failures:
+            if f.kind == FailureKind.NODE_LOST.value and f.fault_at is not None:
+                node = failed_on[f.spawn_id]
+                by_node[node] = min(by_node.get(node, f.fault_at), f.fault_at)
+        for f in failures:
+            if f.kind == FailureKind.NODE_LOST.value and f.fault_at is None:
+                f.fault_at = by_node.get(failed_on[f.spawn_id])
+        if self.c.view.phase is JobState.FINISHING and not self.c._members_alive():
+            self.c._set_state(JobState.DONE)
+            self.c.events.emit("job_done", generation=self.c.view.generation)
+        if failures and self.c.view.phase not in (JobState.DONE, JobState.FAILED):
+            self.on_failures(failures)
+
+    def on_failures(self, failures: list[Failure]) -> None:
+        self.c.swaps.abort(f"rank {failures[0].rank} failed: {failures[0].detail}")
+        for f in failures:
+            self.c.events.emit(
+                "failure",
+                kind=f.kind,
+                rank=f.rank,
+                spawn_id=f.spawn_id,
+                detail=f.detail,
+                step=f.step,
+                detect_s=(f.detected_at - f.fault_at) if f.fault_at else None,
+            )
+        self.c.view.failures_total += len(failures)
+        if self.c.view.phase is JobState.STARTING:  # died before the job formed: just start it again
+            if self.c.view.failures_total <= self.c.config.max_restarts:
+                for f in failures:
+                    node = self.c.view.rank_node.get(f.rank)
+                    alive = self.c._alive_nodes()
+                    if not alive:
+                        break
+                    self.c.io.spawn(node if node in alive else alive[0], Role.WORKER, f.rank)
+                return
+        if self.c.view.failures_total > self.c.config.max_restarts:
+            self.c.fail(
+                f"restart budget exhausted ({self.c.config.max_restarts} restarts); last failure: "
+                f"rank {failures[-1].rank} {failures[-1].detail}"
+            )
+            return
+        if self.c.gens.deferred is not None:
+            before, replans, replacements = self.c.gens.deferred
+            self.c.gens.deferred, self.c.gens.replan_at = None, None
+            self.c.gens.begin(before + failures, replans=replans + 1, replacements=replacements)
+            return
+        previous = self.c.gens.reconf if self.c.view.phase is JobState.RECONFIGURING else None
+        if previous is None:
+            self.c.gens.begin(failures)
+        else:  # a failure during a recovery: re-plan, keeping what the interrupted plan did
+            self.c.gens.begin(
+                previous.failures + failures, replans=previous.replans + 1, replacements=previous.replacements
+            )
+
+    def detect(self) -> None:
+        if self.c.view.phase not in (JobState.RUNNING, JobState.RECONFIGURING):
+            return
+        in_training = self.c.view.phase is JobState.RUNNING or (
+            self.c.gens.reconf is not None and self.c.gens.reconf.stage is Stage.RESUME
+        )
+        verdicts = self.c.detector.scan(
+            now=time.monotonic(),
+            members={rank: self.c.view.workers[sid] for rank, sid in self.c.view.members.items()},
+            everyone=list(self.c.view.workers.values()),
+            alive=self.c.view.live,
+            in_training=in_training,
+        )
+        for sid, reason in verdicts.kill.items():
+            w = self.c.view.workers[sid]
+            if w.killed_for_hang:
+                continue
+            w.killed_for_hang = reason
+            self.c.events.emit("hang_detected", rank=w.rank, spawn_id=sid, reason=reason)
+            self.c.io.kill(sid, signal.SIGKILL)
+        for sid in verdicts.reraise:
+            w = self.c.view.workers[sid]
+            assert w.fault_report is not None
+            w.fault_report = (float("inf"), w.fault_report[1])  # tell it once
+            self.c.io.send(w, {"t": "raise"})

@@ -1,0 +1,245 @@
+"""Node agents as the coordinator sees them: joining, leases, loss, quarantine, and the spare
+processes each node keeps.
+
+* **join**: an agent says hello with its node name, ``--nproc-per-node`` (must match the job's),
+  spares, failure domain and data-plane address; the job starts once ``nnodes`` joined (within
+  ``join_timeout_s``); a node joining a running job brings spares (and, in an elastic job, room
+  to grow back);
+* **leases**: an agent renews its lease every TTL/5; a node silent for a TTL -- or whose channel
+  closes -- is **lost**: every process on it ends at once (its agent fenced itself first); in
+  store mode leases live in the control store instead (:mod:`nonstop.runtime.storesync`);
+* **quarantine** (:class:`~nonstop.runtime.policy.QuarantinePolicy`): a node whose processes
+  fail too often is lost for good and refused if it rejoins;
+* **spares**: each live node keeps its ``spares`` hot spares (never more than ``nproc + spares``
+  processes in an elastic job).
+
+Threading: the coordinator's thread only.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import TYPE_CHECKING
+
+from nonstop.control.channel import Channel, Message
+from nonstop.errors import ControlError
+from nonstop.runtime.failures import Exit
+from nonstop.runtime.phase import JobPhase
+from nonstop.runtime.view import NodeRecord, Role
+
+if TYPE_CHECKING:
+    from nonstop.runtime.coordinator import Coordinator
+
+__all__ = ["NodeAgents"]
+
+JobState = JobPhase
+
+
+class NodeAgents:
+    """The job's nodes through their agents (see the module docstring)."""
+
+    def __init__(self, c: Coordinator) -> None:
+        self.c = c
+        self.started_at = time.monotonic()  # node 0 waits join_timeout_s for the others from here
+
+    def check_join(self) -> None:
+        if self.c.view.phase is not JobState.STARTING or self.c.view.members:
+            return
+        alive = self.c._alive_nodes()
+        if len(alive) >= self.c.config.nnodes:
+            self.start_job(alive[: self.c.config.nnodes])
+        elif time.monotonic() - self.started_at > self.c.config.join_timeout_s:
+            self.c.fail(
+                f"only {len(alive)} of {self.c.config.nnodes} nodes joined within "
+                f"{self.c.config.join_timeout_s:g}s; start `nonstop run --node-rank I` on every node"
+            )
+
+    def start_job(self, nodes: list[str]) -> None:
+        self.c.events.emit("nodes_joined", nodes=nodes)
+        if self.c.gens.initial_step is not None:
+            placement = {
+                n: list(range(i * self.c.config.nproc_per_node, (i + 1) * self.c.config.nproc_per_node))
+                for i, n in enumerate(nodes)
+            }
+            url = self.c.config.resume or self.c.durable_url
+            if url is None or not self.c.gens.install_durable(self.c.gens.initial_step, placement, url):
+                self.c.fail(
+                    f"could not install the resumed checkpoint step {self.c.gens.initial_step} on every node"
+                )
+                return
+        for i, name in enumerate(nodes):
+            for k in range(self.c.config.nproc_per_node):
+                self.c.io.spawn(name, Role.WORKER, i * self.c.config.nproc_per_node + k)
+            for _ in range(self.c.view.nodes[name].spares):
+                self.c.io.spawn(name, Role.SPARE, None)
+
+    def on_open(self, chan: Channel) -> None:
+        h = chan.hello
+        name = str(h.get("node", ""))
+        old = self.c.view.nodes.get(name)
+
+        def refuse(why: str) -> None:
+            self.c.events.emit("refused", peer=chan.peer, node=name, reason=why)
+            try:
+                chan.send({"t": "refused", "error": why})
+            except ControlError:
+                pass
+            chan.close()
+
+        if not name:
+            return refuse("hello without a node name")
+        reattach = (
+            self.c.store.jobs is not None
+            and h.get("resume") is not None
+            and old is not None
+            and old.alive
+            and (old.chan is None or old.chan.closed)
+        )
+        if reattach:
+            assert old is not None
+            return self.c.store.reattach(old, chan)
+        if old is not None and old.alive:
+            return refuse(f"node {name} is already part of the job")
+        if old is not None and old.quarantined:
+            return refuse(f"node {name} is quarantined after {len(old.failure_times)} failures")
+        if int(h.get("nproc", -1)) != self.c.config.nproc_per_node:
+            return refuse(
+                f"node {name} runs --nproc-per-node {h.get('nproc')} but the job has "
+                f"{self.c.config.nproc_per_node} per node; use the same value on every node"
+            )
+        if self.c.view.phase in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
+            return refuse("the job is ending")
+        node = NodeRecord(
+            name=name,
+            chan=chan,
+            nproc=int(h["nproc"]),
+            spares=int(h.get("spares", 0)),
+            domain=str(h.get("domain") or name),
+            data_addr=str(h.get("data_addr", "")),
+            last_lease=time.monotonic(),
+            failure_times=old.failure_times if old is not None else [],
+            in_process=bool(h.get("in_process", False)),
+            lease_id=int(h.get("lease_id", 0)),
+        )
+        chan.tag = ("node", name)
+        self.c.view.nodes[name] = node
+        chan.send(
+            {
+                "t": "welcome",
+                "job_id": self.c.job_id,
+                "lease_ttl_s": self.c.config.lease_ttl_s,
+                "num_slots": self.c.num_slots,
+                "env": self.c.worker_env,
+                "store": self.c.config.store if self.c.store.jobs is not None else None,
+                "reconnect_s": self.c.config.reconnect_s,
+            }
+        )
+        self.c.events.emit(
+            "node_join", node=name, domain=node.domain, data=node.data_addr, rejoin=old is not None
+        )
+        if self.c.view.phase is not JobState.STARTING:  # a node joining a running job brings capacity: spares
+            # ... and, in an elastic job, room for ranks: its rank slots wait as spares too (to grow
+            # back with, or to take the ranks of a recovery waiting for a spare)
+            extra = node.nproc if self.c.elastic.enabled else 0
+            for _ in range(node.spares + extra):
+                self.c.io.spawn(name, Role.SPARE, None)
+
+    def on_message(self, node: NodeRecord, msg: Message) -> None:
+        t = msg.get("t")
+        if t == "lease":
+            node.last_lease = time.monotonic()
+            self.c.io.send_node(node, {"t": "lease_ok", "seq": msg.get("seq")})
+        elif t == "exit":
+            sid = int(msg["spawn_id"])
+            w = self.c.view.workers.get(sid)
+            if w is not None and w.live:
+                w.live = False
+                self.c.failures.exits.append(
+                    Exit(sid=sid, rc=int(msg["rc"]), pid=msg.get("pid"), fault_at=msg.get("fault_at"))
+                )
+        elif t == "spawned":
+            if msg.get("pid") is not None:
+                w = self.c.view.workers.get(int(msg["spawn_id"]))
+                if w is not None:
+                    w.pid = int(msg["pid"])
+            self.c.events.emit("spawned", spawn_id=msg.get("spawn_id"), pid=msg.get("pid"), node=node.name)
+        elif t in ("inventory", "installed"):
+            self.c.io.replies[int(msg["id"])] = msg
+        elif t == "fetched":
+            self.c.gens.on_fetched(node, msg)
+        elif t == "replicated":
+            self.c.replication.on_replicated(node.name, msg)
+        elif t == "preempt":
+            self.c.swaps.on_preempt(node, float(msg.get("grace_s", 0.0)))
+        elif t == "registered":
+            node.lease_id = int(msg["lease_id"])
+        elif t == "persisted" and self.c.rounds is not None:
+            self.c.rounds.on_reply(node.name, msg)
+
+    def check_leases(self) -> None:
+        if self.c.store.jobs is not None:
+            return  # store mode: leases live in the store (_store_tick)
+        now = time.monotonic()
+        for node in list(self.c.view.nodes.values()):
+            if node.alive and not node.in_process and now - node.last_lease > self.c.config.lease_ttl_s:
+                self.lose_node(node, f"lease expired ({now - node.last_lease:.2f}s without renewal)")
+
+    def lose_node(
+        self, node: NodeRecord, why: str, *, quarantine: bool = False, failure: bool = True
+    ) -> None:
+        """Every process on ``node`` is gone (its agent fenced them): fail its ranks at once.
+        ``failure`` False: a planned departure (a drained node), not counted towards quarantine."""
+        node.alive = False
+        if failure:
+            node.failure_times.append(time.monotonic())
+        if quarantine:
+            node.quarantined = True
+            if node.chan is not None:
+                try:
+                    node.chan.send({"t": "fenced", "error": why})
+                except ControlError:
+                    pass
+            if self.c.store.jobs is not None and node.lease_id:
+                self.c.store.revoke(node)  # in store mode its agent fences when its lease is gone
+        if node.chan is not None:
+            node.chan.close()
+        self.c.events.emit("node_lost", node=node.name, reason=why, quarantined=quarantine)
+        for sid in sorted(s for s, w in self.c.view.workers.items() if w.live and w.node == node.name):
+            w = self.c.view.workers[sid]
+            w.live = False
+            if w.chan is not None:
+                w.chan.close()
+            self.c.failures.exits.append(
+                Exit(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why)
+            )
+        self.c.io.node_lost(node.name, keep=set(self.c.gens.waiting_fetch))  # fetches end with the generation
+        self.c.replication.reset()  # its holders or senders may be gone: start over
+
+    def node_failed(self, name: str) -> None:
+        """A process failure on ``name``: quarantine the node if it fails too often."""
+        node = self.c.view.nodes.get(name)
+        if node is None or not node.alive:
+            return
+        now = time.monotonic()
+        node.failure_times.append(now)
+        others = len([n for n in self.c._alive_nodes() if n != name])
+        if self.c.quarantine.should_quarantine(node.failure_times, now=now, others_usable=others):
+            self.lose_node(
+                node,
+                f"{len(node.failure_times)} failures within {self.c.quarantine.window_s:g}s: quarantined",
+                quarantine=True,
+            )
+
+    def replenish_spares(self) -> None:
+        for name in self.c._alive_nodes():
+            node = self.c.view.nodes[name]
+            if node.draining:
+                continue
+            have = self.c.view.spares_on(name)
+            want = node.spares - have
+            if self.c.elastic.enabled:  # a node has room for nproc + spares processes, no more
+                ranks_here = sum(1 for r in self.c.view.members if self.c.view.rank_node.get(r) == name)
+                want = min(want, node.nproc + node.spares - ranks_here - have)
+            for _ in range(want):
+                self.c.io.spawn(name, Role.SPARE, None)
