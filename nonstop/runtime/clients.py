@@ -64,7 +64,7 @@ class ClientRequests:
     def status(self) -> dict[str, Any]:
         """What ``nonstop status`` shows (JSON types)."""
         spares: dict[str, int] = {}
-        for node in self.c._idle_spares().values():
+        for node in self.c.view.idle_spares().values():
             spares[node] = spares.get(node, 0) + 1
         return {
             "job_id": self.c.job_id,

@@ -1,28 +1,30 @@
-"""The coordinator: nodes, membership, generations, leases, detection, recovery, replication.
+"""The coordinator: one per job. It routes every event to the operation that owns it.
 
-Threading: one thread (the caller of :meth:`Coordinator.run`) owns all state.
-The control server's threads only put events on a queue.
+Threading: one thread (the caller of :meth:`Coordinator.run`) owns all state; the control
+server's threads only put events on a queue, and :meth:`Coordinator.tick` handles them.
 
-Peers (all on authenticated channels):
+State: a :class:`~nonstop.runtime.view.JobView` (nodes, processes and their roles, membership,
+progress) in a :class:`~nonstop.runtime.phase.JobPhase`, which decides which background operation
+may start. I/O goes through one :class:`~nonstop.runtime.executor.Executor`. The operations:
 
-* **node agents** (``role: agent``; :mod:`nonstop.runtime.node`): one per node.
-  They hold a lease, renewed every TTL/5; a node whose lease expires, or whose
-  agent channel closes, is **lost**: every rank on it fails at once, and the
-  agent has already killed its processes (it fences itself first, see there).
-* **workers and spares**: heartbeats, step reports, rendezvous (``kv``).
-* **clients** (``nonstop persist``).
+=================================  ==========================================================
+``agents`` (runtime/nodes.py)      nodes join, renew leases, are lost or quarantined; spares
+``failures`` (runtime/failures.py) exits and hangs become failures, failures a new generation
+``gens`` (runtime/generations.py)  plan (pure ``plan_generation``), launch and time generations
+``swaps`` (runtime/swapops.py)     live migrations and grows: the pure ``BoundarySwap`` machine
+``replication`` (replication.py)   replication rounds to the peers' memory
+``store`` (runtime/storesync.py)   store mode: lead, save the record, resume from it
+``clients`` (runtime/clients.py)   ``nonstop status / persist / migrate / drain``
+=================================  ==========================================================
+
+This module keeps the loop, the routing, the workers' protocol (heartbeats, step reports,
+rendezvous ``kv``, stage reports), the persist rounds and the job's end.
 
 Fencing: every message from a worker carries the generation it was sent in;
-``restored``/``ready``/``step``/``done``/``fault``/``kv`` from an older
-generation, from a process that is no longer a member, or from a lost node are
-ignored or refused, so two processes never play one rank in one generation.
-
-Recovery planning (see :func:`~nonstop.runtime.policy.choose_replacements`):
-the coordinator asks every live node what its memory holds (its own ranks'
-slots and the replicas it keeps), picks the newest step every rank has
-somewhere, places failed ranks (spare on the node holding the data first),
-has nodes fetch what they lack from a peer, and falls back to the durable
-tier when memory has no common step.
+``restored``/``ready``/``step``/``done``/``fault``/``kv`` from an older generation, from a
+process that is no longer a member, or from a lost node are ignored or refused, so two
+processes never play one rank in one generation. A message its authenticated sender built wrong
+fails that sender only (:meth:`Coordinator._dispatch`).
 """
 
 from __future__ import annotations
@@ -40,9 +42,7 @@ from nonstop.control.rdzv import KeyValueTable
 from nonstop.errors import ControlError
 from nonstop.runtime.clients import ClientRequests
 from nonstop.runtime.detector import FailureDetector
-from nonstop.runtime.elastic import (
-    ElasticPolicy,
-)
+from nonstop.runtime.elastic import ElasticPolicy
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.executor import Executor
 from nonstop.runtime.failures import Failures
@@ -51,9 +51,7 @@ from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.nodes import NodeAgents
 from nonstop.runtime.persistence import ClusterPersister
 from nonstop.runtime.phase import Busy, JobPhase, Op, legal, may_start
-from nonstop.runtime.policy import (
-    QuarantinePolicy,
-)
+from nonstop.runtime.policy import QuarantinePolicy
 from nonstop.runtime.replication import ReplicationRounds
 from nonstop.runtime.storesync import StoreSync
 from nonstop.runtime.swapops import Swaps
@@ -65,7 +63,6 @@ __all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
 log = logging.getLogger(__name__)
 
 TICK_S = 0.005
-GROW_RETRY_S = 2.0  # an aborted grow (e.g. its prepare step was overwritten) is tried again after this
 
 
 JobState = JobPhase  # the name the launcher, the CLI and the tests know
@@ -83,6 +80,10 @@ class JobResult:
 
 
 class Coordinator:
+    """One job's coordinator (see the module docstring). ``persister``: one node's
+    :class:`~nonstop.snapshot.persist.Persister`, or a job of several nodes' persist rounds;
+    ``initial_step``: a resumed durable checkpoint to install first; ``jobs``: store mode."""
+
     def __init__(
         self,
         *,
@@ -206,9 +207,6 @@ class Coordinator:
 
     def replication_stats(self) -> dict[str, Any]:
         return self.replication.stats()
-
-    def _alive_nodes(self) -> list[str]:
-        return self.view.alive_nodes()
 
     def _set_state(self, new: JobPhase) -> None:
         assert legal(self.view.phase, new), f"the job cannot go from {self.view.phase} to {new}"
@@ -352,7 +350,6 @@ class Coordinator:
             if w is not None and w.chan is chan:
                 w.chan_closed_at = time.monotonic()
 
-    # -- node agents -----------------------------------------------------------------------------
     # -- workers -----------------------------------------------------------------------------------
     def _on_connect(self, w: WorkerRecord) -> None:
         if self.view.phase is JobState.STARTING:
@@ -454,8 +451,7 @@ class Coordinator:
             w.fault_report = (now, str(msg.get("error", "")))
             self.events.emit("fault_report", rank=rank, spawn_id=w.spawn_id, error=msg.get("error"))
 
-    # -- failures ----------------------------------------------------------------------------
-    # -- planning ---------------------------------------------------------------------------------
+    # -- requests to nodes, the committed step ---------------------------------------------------
     def await_replies(self, reqs: list[int], timeout: float) -> dict[int, Message]:
         """Wait for the replies to ``reqs`` while serving every other event (leases included)."""
         deadline = time.monotonic() + timeout
@@ -467,35 +463,22 @@ class Coordinator:
             self.io.done(r)
         return out
 
-    def _idle_spares(self) -> dict[int, str]:
-        """Connected hot spares waiting for a rank: spawn id -> node."""
-        return self.view.idle_spares()
-
     def committed(self) -> int:
         """The committed step: what is replicated to peers (with replication), else in memory."""
         if self.replication_on and self.view.replicated_step is not None:
             return self.view.replicated_step
         return min((self.view.latest_step.get(rank, 0) for rank in range(self.view.world_size)), default=0)
 
-    # -- live migration (runtime/migration.py) -----------------------------------------------------
-    # -- elasticity (runtime/elastic.py) -------------------------------------------------------------
-    # -- the control store (--store etcd://; runtime/jobstore.py) ---------------------------------
     # -- durable persistence of several nodes (runtime/persistence.py) ---------------------------
-    def _placement(self) -> dict[str, list[int]]:
-        placement: dict[str, list[int]] = {}
-        for rank in range(self.view.world_size):
-            placement.setdefault(self.view.rank_node[rank], []).append(rank)
-        return placement
-
     def _persist(self) -> None:
         """Check the persist round in flight; start the next one when due (RUNNING only)."""
         rounds = self.rounds
         if rounds is None or self.store.awaiting:
             return
-        rounds.check(set(self._alive_nodes()))
+        rounds.check(set(self.view.alive_nodes()))
         if self.may_start(Op.PERSIST) and len(self.view.latest_step) == self.view.world_size:
             if rounds.wanted(self.committed()):
-                rounds.start(self.committed(), self._placement())
+                rounds.start(self.committed(), self.view.placement())
 
     def _final_persist(self) -> None:
         """Before the nodes are released: make the newest step every rank holds durable (the
@@ -503,18 +486,18 @@ class Coordinator:
         rounds = self.rounds
         if rounds is None or len(self.view.latest_step) < self.view.world_size:
             return
-        if any(not self.view.nodes[n].alive for n in self._placement()):
+        if any(not self.view.nodes[n].alive for n in self.view.placement()):
             return  # a rank's memory is gone with its node: the last committed checkpoint stands
         step = min(self.view.latest_step.values()) if self.view.phase is JobState.DONE else self.committed()
         if rounds.round is not None and rounds.round.step != step:
             rounds.abort(f"superseded by the final persist of step {step}")
         if rounds.round is None and rounds.last_step != step:
             rounds.request()
-            rounds.start(step, self._placement())
+            rounds.start(step, self.view.placement())
         deadline = time.monotonic() + self.config.persist_timeout_s
         while rounds.round is not None and time.monotonic() < deadline:
             self._pump_events(TICK_S)
-            rounds.check(set(self._alive_nodes()))
+            rounds.check(set(self.view.alive_nodes()))
         if rounds.round is not None:
             rounds.abort(f"the final persist did not finish in {self.config.persist_timeout_s:g}s")
         if rounds.last_step != step:
@@ -531,6 +514,3 @@ class Coordinator:
         )
         for w in self.view.workers.values():
             self.io.send(w, {"t": "finish"})
-
-    def _members_alive(self) -> bool:
-        return self.view.members_alive()

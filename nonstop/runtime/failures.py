@@ -139,7 +139,7 @@ class Failures:
         for f in failures:
             if f.kind == FailureKind.NODE_LOST.value and f.fault_at is None:
                 f.fault_at = by_node.get(failed_on[f.spawn_id])
-        if self.c.view.phase is JobState.FINISHING and not self.c._members_alive():
+        if self.c.view.phase is JobState.FINISHING and not self.c.view.members_alive():
             self.c._set_state(JobState.DONE)
             self.c.events.emit("job_done", generation=self.c.view.generation)
         if failures and self.c.view.phase not in (JobState.DONE, JobState.FAILED):
@@ -162,7 +162,7 @@ class Failures:
             if self.c.view.failures_total <= self.c.config.max_restarts:
                 for f in failures:
                     node = self.c.view.rank_node.get(f.rank)
-                    alive = self.c._alive_nodes()
+                    alive = self.c.view.alive_nodes()
                     if not alive:
                         break
                     self.c.io.spawn(node if node in alive else alive[0], Role.WORKER, f.rank)

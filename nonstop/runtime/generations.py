@@ -60,7 +60,7 @@ class Generations:
         """Re-plan a generation waiting for a spare (one appeared, or the wait is over); grow the
         world back while it is below its full size and spares are idle."""
         if self.deferred is not None and self.replan_at is not None:
-            if time.monotonic() >= self.replan_at or self.c._idle_spares():
+            if time.monotonic() >= self.replan_at or self.c.view.idle_spares():
                 before, replans, replacements = self.deferred
                 self.deferred, self.replan_at = None, None
                 self.begin(before, replans=replans + 1, replacements=replacements)
@@ -87,7 +87,9 @@ class Generations:
 
     def inventories(self) -> dict[int, dict[int, list[tuple[str, str]]]]:
         """rank -> step -> [(node, "local"|"replica")] over every live node's memory."""
-        reqs = {self.c.io.request(self.c.view.nodes[n], {"t": "inventory"}): n for n in self.c._alive_nodes()}
+        reqs = {
+            self.c.io.request(self.c.view.nodes[n], {"t": "inventory"}): n for n in self.c.view.alive_nodes()
+        }
         replies = self.c.await_replies(list(reqs), PLAN_WAIT_S)
         avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
         for req, node in reqs.items():
@@ -114,7 +116,7 @@ class Generations:
         The decision is :func:`~nonstop.runtime.planning.plan_generation`'s; this carries it out."""
         now = time.time()
         self.open_generation()
-        alive_nodes = self.c._alive_nodes()
+        alive_nodes = self.c.view.alive_nodes()
         inventory: Inventory | None = None
         if alive_nodes and (failures or self.initial_step is not None or inventory_needed):
             inventory = self.inventories()
@@ -131,7 +133,7 @@ class Generations:
             present=set(self.c.view.members),
             last_node=dict(self.c.view.rank_node),
             inventory=inventory,
-            idle_spares=self.c._idle_spares(),
+            idle_spares=self.c.view.idle_spares(),
             live_nodes=alive_nodes,
             load={
                 n: sum(1 for r in self.c.view.members if self.c.view.rank_node.get(r) == n)
@@ -382,7 +384,7 @@ class Generations:
         except NonstopError as e:
             self.c.events.emit("durable_unavailable", error=str(e))
             return None
-        placement = self.c._placement()
+        placement = self.c.view.placement()
         for step in sorted(steps, reverse=True):
             t0 = time.monotonic()
             if self.install_durable(step, placement, self.c.durable_url):

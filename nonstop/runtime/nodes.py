@@ -46,7 +46,7 @@ class NodeAgents:
     def check_join(self) -> None:
         if self.c.view.phase is not JobState.STARTING or self.c.view.members:
             return
-        alive = self.c._alive_nodes()
+        alive = self.c.view.alive_nodes()
         if len(alive) >= self.c.config.nnodes:
             self.start_job(alive[: self.c.config.nnodes])
         elif time.monotonic() - self.started_at > self.c.config.join_timeout_s:
@@ -223,7 +223,7 @@ class NodeAgents:
             return
         now = time.monotonic()
         node.failure_times.append(now)
-        others = len([n for n in self.c._alive_nodes() if n != name])
+        others = len([n for n in self.c.view.alive_nodes() if n != name])
         if self.c.quarantine.should_quarantine(node.failure_times, now=now, others_usable=others):
             self.lose_node(
                 node,
@@ -232,7 +232,7 @@ class NodeAgents:
             )
 
     def replenish_spares(self) -> None:
-        for name in self.c._alive_nodes():
+        for name in self.c.view.alive_nodes():
             node = self.c.view.nodes[name]
             if node.draining:
                 continue
