@@ -143,7 +143,7 @@ def test_a_malformed_worker_message_fails_only_its_sender(tmp_path: Path) -> Non
     h.tick()
     assert bad.closed and h.coord.state is JobState.RUNNING
     [err] = h.events("protocol_error")
-    assert err["spawn_id"] == sid and err["rank"] == 1 and "KeyError" in err["error"]
+    assert err["spawn_id"] == sid and err["rank"] == 1 and "without 'step'" in err["error"]
     time.sleep(0.6)  # the detector fails a worker whose channel stays closed (CLOSE_GRACE_S)
     h.tick()
     kill = h.agents[h.coord.view.node_of(sid)].last("kill")
@@ -232,3 +232,34 @@ def test_a_restarted_coordinator_aborts_a_migration_it_finds_unswapped(tmp_path:
     finally:
         for k in keepers:
             k.stop(revoke=True)
+
+
+@pytest.mark.parametrize(
+    ("msg", "why"),
+    [
+        ({"t": "step", "gen": 1, "step": "x", "step_s": 0.1}, "must be an integer"),
+        ({"t": "step", "gen": 1, "step": 3, "step_s": True}, "must be a number"),
+        ({"t": "paused", "gen": 1}, "without 'step'"),
+        ({"t": "injected", "ts": "now"}, "must be a number"),
+        ({"t": "done", "gen": "1", "step": 3}, "must be an integer"),
+    ],
+)
+def test_typed_decoding_names_the_bad_field(tmp_path: Path, msg: dict[str, object], why: str) -> None:
+    h = two_nodes(tmp_path)
+    h.put("msg", h.member(0), msg)
+    h.tick()
+    [err] = h.events("protocol_error")
+    assert why in err["error"] and h.member(0).closed and h.coord.state is JobState.RUNNING
+
+
+def test_agent_and_client_messages_are_typed() -> None:
+    from nonstop.runtime import wire
+
+    inv = wire.decode_agent({"t": "inventory", "id": 3, "local": {"0": [4, 5]}, "replicas": {}})
+    assert inv == wire.Inventory(id=3, local={0: (4, 5)}, replicas={})
+    with pytest.raises(wire.WireError, match="map ranks to step lists"):
+        wire.decode_agent({"t": "inventory", "id": 3, "local": {"0": ["x"]}})
+    assert wire.decode_agent({"t": "from-the-future"}) is None
+    assert wire.decode_client({"t": "drain", "node": 2}) == wire.Drain(node="2")
+    with pytest.raises(wire.WireError):
+        wire.decode_client({"t": "drain", "node": [1]})

@@ -59,3 +59,55 @@ def test_coordinator_restart_on_etcd_does_not_stop_the_job(
     assert not job.events("node_lost")
     # training went on while no coordinator ran: replication resumed past the kill's step
     assert max(e["step"] for e in job.events("replicated")) > 4
+
+
+def test_coordinator_restart_mid_migration_ends_it_cleanly(
+    tmp_path: Path, etcd_server: EtcdServer, reference_hash: str
+) -> None:
+    """The coordinator dies while a rank is being moved: the new one finds the migration in its
+    record and aborts it (the joiner that prepared is replaced by a fresh spare, nothing rolls
+    back), or finishes it if the swap had begun; the job goes on and ends bitwise equal."""
+    job_dir = tmp_path / "job"
+    cfg = demo_job_config(
+        result=job_dir / "result.json",
+        steps=STEPS,
+        model="tiny",
+        batch=4,
+        script_extra=("--step-delay", "0.4"),
+        nnodes=3,
+        nproc_per_node=1,
+        spares=1,
+        job_dir=job_dir,
+        faults=("migrate:rank=1,step=3,to=2",),
+        coordinator=f"127.0.0.1:{free_port()}",
+        store=etcd_server.url,
+        secret_file=etcd_server.secret_file,
+        lease_ttl_s=3.0,
+    )
+    job = NodesInBackground(cfg)
+    deadline = time.monotonic() + 300
+    while not job.events("migration_start") and time.monotonic() < deadline and job.running:
+        time.sleep(0.02)
+    (start,) = job.events("migration_start")
+    first = json.loads((job_dir / JOB_INFO).read_text())["pid"]
+    killed_at = time.time()
+    os.kill(first, signal.SIGKILL)  # the joiner is still preparing: restoring, warming up
+    result = job.result(timeout=400)
+    assert result.state is JobState.DONE, result.error
+    out = json.loads((job_dir / "result.json").read_text())
+    assert out["final_hash"] == reference_hash
+
+    (resumed,) = job.events("coordinator_resumed")
+    assert resumed["ts"] > killed_at
+    aborted = [e for e in job.events("migration_aborted") if e["ts"] > killed_at]
+    finished = [e for e in job.events("operation_resumed") if e["ts"] > killed_at]
+    assert len(aborted) + len(finished) == 1, (aborted, finished)
+    if aborted:
+        assert aborted[0]["error"] == "the coordinator restarted" and aborted[0]["rank"] == 1
+        # the joiner that took rank 1 to prepare was stopped and a fresh spare took its place
+        joiner = start["joiner"]
+        assert any(e["spawn_id"] == joiner for e in job.events("exit") if e["ts"] > killed_at)
+        assert any(
+            e["role"] == "spare" and e["node"] == "2" for e in job.events("spawn") if e["ts"] > killed_at
+        )
+    assert job.events("failure") == [] and result.failures == []

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from nonstop.control.channel import Channel, Message
 from nonstop.errors import ControlError
 from nonstop.runtime.elastic import assign_shards
+from nonstop.runtime.wire import Drain, Migrate, PersistRequest, StatusRequest, decode_client
 
 if TYPE_CHECKING:
     from nonstop.runtime.coordinator import Coordinator
@@ -31,17 +32,18 @@ class ClientRequests:
         self.tickets: list[tuple[Channel, int]] = []  # a client waiting for a persist, its ticket
 
     def on_request(self, chan: Channel, msg: Message) -> None:
-        t = msg.get("t")
-        if t in ("migrate", "drain"):
-            if t == "migrate":
-                moves = [(int(msg["rank"]), None if msg.get("to") is None else str(msg["to"]))]
+        """One request, decoded (:func:`~nonstop.runtime.wire.decode_client`) and answered."""
+        req = decode_client(msg)
+        if isinstance(req, Migrate | Drain):
+            if isinstance(req, Migrate):
+                assert req.rank is not None
+                moves = [(req.rank, req.to)]
             else:
-                node = str(msg["node"])
-                if node not in self.c.view.nodes:
-                    chan.send({"t": "migrated", "ok": False, "error": f"no node {node} in the job"})
+                if req.node not in self.c.view.nodes:
+                    chan.send({"t": "migrated", "ok": False, "error": f"no node {req.node} in the job"})
                     return
-                moves = [(r, None) for r, n in sorted(self.c.view.rank_node.items()) if n == node]
-            reason = "migrate" if t == "migrate" else "drain"
+                moves = [(r, None) for r, n in sorted(self.c.view.rank_node.items()) if n == req.node]
+            reason = "migrate" if isinstance(req, Migrate) else "drain"
             for rank, target in moves:
                 error = self.c.swaps.request_migration(rank, target, reason)
                 if error is not None:
@@ -49,11 +51,9 @@ class ClientRequests:
                 else:
                     self.c.swaps.clients.setdefault(rank, []).append(chan)
             chan.send({"t": "accepted", "ranks": [r for r, _ in moves]})
-            return
-        if t == "status":
+        elif isinstance(req, StatusRequest):
             chan.send({"t": "status", **self.status()})
-            return
-        if msg.get("t") == "persist":
+        elif isinstance(req, PersistRequest):
             if self.c.persister is None:
                 chan.send({"t": "persisted", "error": "this job has no durable tier on this node"})
                 return

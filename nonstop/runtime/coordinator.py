@@ -40,6 +40,7 @@ from nonstop.config import JobConfig
 from nonstop.control.channel import Channel, ControlServer, Message
 from nonstop.control.rdzv import KeyValueTable
 from nonstop.errors import ControlError
+from nonstop.runtime import wire
 from nonstop.runtime.clients import ClientRequests
 from nonstop.runtime.detector import FailureDetector
 from nonstop.runtime.elastic import ElasticPolicy
@@ -56,6 +57,7 @@ from nonstop.runtime.replication import ReplicationRounds
 from nonstop.runtime.storesync import StoreSync
 from nonstop.runtime.swapops import Swaps
 from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
+from nonstop.runtime.wire import Installed, Inventory, Lost, decode_worker
 from nonstop.snapshot.persist import Persister
 
 __all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
@@ -379,80 +381,76 @@ class Coordinator:
             self.gens.advance()
 
     def _on_message(self, w: WorkerRecord, msg: Message) -> None:
-        t = msg.get("t")
+        """One message from a worker, decoded (:func:`~nonstop.runtime.wire.decode_worker`);
+        everything but heartbeats, fault timestamps and a joiner's preparation is fenced: it
+        counts only from a member of the current generation."""
+        m = decode_worker(msg)
         now = time.monotonic()
-        if t == "hb":
-            w.last_hb = now
-            w.coll = bool(msg.get("coll"))
+        if isinstance(m, wire.Heartbeat):
+            w.last_hb, w.coll = now, m.coll
             return
-        if t == "injected":
-            w.fault_at = float(msg["ts"])
+        if isinstance(m, wire.Injected):
+            w.fault_at = m.ts
             self.events.emit(
-                "fault_injected",
-                rank=msg.get("rank"),
-                step=msg.get("step"),
-                kind=msg.get("kind"),
-                spawn_id=w.spawn_id,
-                node=w.node,
+                "fault_injected", rank=m.rank, step=m.step, kind=m.kind, spawn_id=w.spawn_id, node=w.node
             )
             return
-        if t == "restored" and self.swaps.on_restored(w):
+        if isinstance(m, wire.Restored) and self.swaps.on_restored(w):
             return  # a joiner prepared its rank
-        gen = int(msg.get("gen", -1))
-        if gen != self.view.generation or w.rank is None or self.view.members.get(w.rank) != w.spawn_id:
-            if t == "kv":
+        if m is None:
+            return  # a kind this coordinator does not know
+        if m.gen != self.view.generation or w.rank is None or not self.view.is_member(w):
+            if isinstance(m, wire.Raw):  # a rendezvous request: the caller must hear why
                 self.io.send(
                     w, {"t": "kv", "id": msg.get("id"), "error": "fenced: not a member of this generation"}
                 )
             return  # fenced: an older generation, or not (any more) a member
-        rank = w.rank
-        if t == "kv":
+        rank, r = w.rank, self.gens.reconf
+        if isinstance(m, wire.Raw):
             chan = w.chan
             assert chan is not None
-            for reply, out in self.kv.handle(msg, chan.send):
+            for reply, out in self.kv.handle(dict(m.msg), chan.send):
                 try:
                     reply(out)
                 except ControlError:
                     pass
-        elif t == "step":
+        elif isinstance(m, wire.Step):
             w.last_progress, w.stepped = now, True
-            self.detector.record_step(float(msg["step_s"]))
-            self.view.latest_step[rank] = int(msg["step"])
-            self.swaps.on_step(rank, int(msg["step"]))
-            if self.gens.reconf is not None:
-                self.gens.reconf.stepped.add(rank)
+            self.detector.record_step(m.step_s)
+            self.view.latest_step[rank] = m.step
+            self.swaps.on_step(rank, m.step)
+            if r is not None:
+                r.stepped.add(rank)
                 self.gens.advance()
-        elif t == "restored" and self.gens.reconf is not None:
-            self.gens.reconf.restored.add(rank)
+        elif isinstance(m, wire.Restored) and r is not None:
+            r.restored.add(rank)
             self.gens.advance()
-        elif t == "ready" and self.gens.reconf is not None:
-            self.gens.reconf.ready.add(rank)
+        elif isinstance(m, wire.Ready) and r is not None:
+            r.ready.add(rank)
             w.last_progress = now
-            if self.gens.reconf.restore_step is None:  # a fresh start: step 0 is snapshotted (replicable)
+            if r.restore_step is None:  # a fresh start: step 0 is snapshotted (replicable)
                 self.view.latest_step.setdefault(rank, 0)
             self.gens.advance()
-        elif t == "done":
-            self.view.latest_step[rank] = int(msg["step"])
+        elif isinstance(m, wire.Done):
+            self.view.latest_step[rank] = m.step
             self.view.done_ranks.add(rank)
-            if self.gens.reconf is not None:
-                self.gens.reconf.stepped.add(rank)
+            if r is not None:
+                r.stepped.add(rank)
                 self.gens.advance()
-            if self.view.phase is JobState.RUNNING and self.view.done_ranks >= set(
-                range(self.view.world_size)
-            ):
+            if self.view.phase is JobState.RUNNING and self.view.all_done():
                 self.finish()
-        elif t == "migrate":
-            error = self.swaps.request_migration(rank, msg.get("to"), "migrate")
+        elif isinstance(m, wire.Migrate):
+            error = self.swaps.request_migration(rank, m.to, "migrate")
             if error is not None:
-                self.events.emit("migration_refused", rank=rank, target=msg.get("to"), reason=error)
-        elif t == "paused":
-            self.swaps.on_paused(rank, int(msg["step"]))
-        elif t == "fault":
-            w.fault_report = (now, str(msg.get("error", "")))
-            self.events.emit("fault_report", rank=rank, spawn_id=w.spawn_id, error=msg.get("error"))
+                self.events.emit("migration_refused", rank=rank, target=m.to, reason=error)
+        elif isinstance(m, wire.Paused):
+            self.swaps.on_paused(rank, m.step)
+        elif isinstance(m, wire.Fault):
+            w.fault_report = (now, m.error)
+            self.events.emit("fault_report", rank=rank, spawn_id=w.spawn_id, error=m.error)
 
     # -- requests to nodes, the committed step ---------------------------------------------------
-    def await_replies(self, reqs: list[int], timeout: float) -> dict[int, Message]:
+    def await_replies(self, reqs: list[int], timeout: float) -> dict[int, Inventory | Installed | Lost]:
         """Wait for the replies to ``reqs`` while serving every other event (leases included)."""
         deadline = time.monotonic() + timeout
         while any(r not in self.io.replies for r in reqs) and time.monotonic() < deadline:

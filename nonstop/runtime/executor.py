@@ -18,6 +18,7 @@ from nonstop.control.channel import Message
 from nonstop.errors import ControlError
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
+from nonstop.runtime.wire import Installed, Inventory, Lost
 
 __all__ = ["Executor"]
 
@@ -32,7 +33,7 @@ class Executor:
         self.view = view
         self.events = events
         self._req = itertools.count()
-        self.replies: dict[int, Message] = {}
+        self.replies: dict[int, Inventory | Installed | Lost] = {}
         self.pending: dict[int, str] = {}
 
     # -- channels ----------------------------------------------------------------------------------
@@ -80,7 +81,7 @@ class Executor:
         """Send ``msg`` with a fresh request id; a node already lost is answered at once."""
         req = next(self._req)
         if not node.alive:  # nobody is there to answer
-            self.replies[req] = {"t": "lost", "ok": False, "error": f"node {node.name} lost"}
+            self.replies[req] = Lost(id=req, error=f"node {node.name} lost")
             return req
         self.pending[req] = node.name
         self.send_node(node, {**msg, "id": req})
@@ -123,7 +124,7 @@ class Executor:
         (fetches, which end with their generation)."""
         for req, n in list(self.pending.items()):
             if n == name and req not in keep:
-                self.replies.setdefault(req, {"t": "lost", "ok": False, "error": f"node {name} lost"})
+                self.replies.setdefault(req, Lost(id=req, error=f"node {name} lost"))
 
     def done(self, req: int) -> None:
         """Request ``req`` is answered or abandoned."""

@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from nonstop.control.channel import Message
 from nonstop.errors import ControlError, NonstopError
+from nonstop.runtime import wire
 from nonstop.runtime.elastic import assign_shards, resume_sources
 from nonstop.runtime.phase import JobPhase
 from nonstop.runtime.planning import Inventory, PlanAction, Shrink, plan_generation
 from nonstop.runtime.recovery import Failure, Reconfiguration, Stage
 from nonstop.runtime.view import NodeRecord, Role
+from nonstop.runtime.wire import Fetched, Installed
 
 if TYPE_CHECKING:
     from nonstop.runtime.coordinator import Coordinator
@@ -94,12 +96,12 @@ class Generations:
         avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
         for req, node in reqs.items():
             msg = replies.get(req)
-            if msg is None or msg.get("t") != "inventory" or not self.c.view.nodes[node].alive:
+            if not isinstance(msg, wire.Inventory) or not self.c.view.nodes[node].alive:
                 continue
-            for kind in ("local", "replica"):
-                for rank_s, steps in dict(msg.get("local" if kind == "local" else "replicas", {})).items():
+            for kind, held in (("local", msg.local), ("replica", msg.replicas)):
+                for rank, steps in held.items():
                     for step in steps:
-                        avail.setdefault(int(rank_s), {}).setdefault(int(step), []).append((node, kind))
+                        avail.setdefault(rank, {}).setdefault(step, []).append((node, kind))
         return avail
 
     def begin(
@@ -334,22 +336,20 @@ class Generations:
             out[rank] = self.fetch_for(r, rank, step, src[0], src[1], src_rank=r.from_rank.get(rank))
         return out
 
-    def on_fetched(self, node: NodeRecord, msg: Message) -> None:
-        req = int(msg["id"])
-        if self.c.swaps.owns(req):
-            self.c.swaps.on_fetched(node.name, req, msg)
-            return
+    def on_fetched(self, node: NodeRecord, msg: Fetched) -> None:
+        """A fetch a generation waits for (or a swap's boundary fetch, asked early) ended."""
+        req = msg.id
         if req in self.early:  # arrived before the swap adopted it: nothing waits on it yet
             rank = self.early[req][0]
-            self.early[req] = (rank, bool(msg.get("ok")))
+            self.early[req] = (rank, msg.ok)
             self.c.io.done(req)
             self.c.events.emit(
                 "fetched",
                 node=node.name,
                 rank=rank,
-                ok=msg.get("ok"),
-                seconds=msg.get("seconds"),
-                error=msg.get("error"),
+                ok=msg.ok,
+                seconds=msg.seconds,
+                error=msg.error,
                 early=True,
             )
             return
@@ -357,17 +357,12 @@ class Generations:
         self.c.io.done(req)
         r = self.reconf
         self.c.events.emit(
-            "fetched",
-            node=node.name,
-            rank=rank,
-            ok=msg.get("ok"),
-            seconds=msg.get("seconds"),
-            error=msg.get("error"),
+            "fetched", node=node.name, rank=rank, ok=msg.ok, seconds=msg.seconds, error=msg.error
         )
         if r is None or gen != r.generation:
             return
-        if not msg.get("ok"):
-            self.c.fail(f"rank {rank} could not be fetched to node {node.name}: {msg.get('error')}")
+        if not msg.ok:
+            self.c.fail(f"rank {rank} could not be fetched to node {node.name}: {msg.error}")
             return
         r.waiting_fetch.discard(rank)
         self.maybe_reconfigure(rank)
@@ -422,7 +417,11 @@ class Generations:
                 msg["from"] = {str(r): sources[r] for r in ranks if r in sources}
             reqs.append(self.c.io.request(self.c.view.nodes[n], msg))
         replies = self.c.await_replies(reqs, self.c.config.persist_timeout_s)
-        bad = [m.get("error") for m in replies.values() if not m.get("ok")]
+        bad = [
+            m.error if isinstance(m, Installed | wire.Lost) else f"{type(m).__name__} answer"
+            for m in replies.values()
+            if not isinstance(m, Installed) or not m.ok
+        ]
         if bad or len(replies) < len(reqs):
             self.c.events.emit("durable_install_failed", step=step, errors=bad or ["timed out"])
             return False

@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING
 
 from nonstop.control.channel import Channel, Message
 from nonstop.errors import ControlError
+from nonstop.runtime import wire
 from nonstop.runtime.failures import Exit
 from nonstop.runtime.phase import JobPhase
 from nonstop.runtime.view import NodeRecord, Role
+from nonstop.runtime.wire import decode_agent
 
 if TYPE_CHECKING:
     from nonstop.runtime.coordinator import Coordinator
@@ -146,36 +148,37 @@ class NodeAgents:
                 self.c.io.spawn(name, Role.SPARE, None)
 
     def on_message(self, node: NodeRecord, msg: Message) -> None:
-        t = msg.get("t")
-        if t == "lease":
+        """One message from ``node``'s agent, decoded (:func:`~nonstop.runtime.wire.decode_agent`)
+        and routed to the operation that owns it."""
+        m = decode_agent(msg)
+        if isinstance(m, wire.Lease):
             node.last_lease = time.monotonic()
-            self.c.io.send_node(node, {"t": "lease_ok", "seq": msg.get("seq")})
-        elif t == "exit":
-            sid = int(msg["spawn_id"])
-            w = self.c.view.workers.get(sid)
+            self.c.io.send_node(node, {"t": "lease_ok", "seq": m.seq})
+        elif isinstance(m, wire.Exit):
+            w = self.c.view.workers.get(m.spawn_id)
             if w is not None and w.live:
                 w.live = False
-                self.c.failures.exits.append(
-                    Exit(sid=sid, rc=int(msg["rc"]), pid=msg.get("pid"), fault_at=msg.get("fault_at"))
-                )
-        elif t == "spawned":
-            if msg.get("pid") is not None:
-                w = self.c.view.workers.get(int(msg["spawn_id"]))
-                if w is not None:
-                    w.pid = int(msg["pid"])
-            self.c.events.emit("spawned", spawn_id=msg.get("spawn_id"), pid=msg.get("pid"), node=node.name)
-        elif t in ("inventory", "installed"):
-            self.c.io.replies[int(msg["id"])] = msg
-        elif t == "fetched":
-            self.c.gens.on_fetched(node, msg)
-        elif t == "replicated":
-            self.c.replication.on_replicated(node.name, msg)
-        elif t == "preempt":
-            self.c.swaps.on_preempt(node, float(msg.get("grace_s", 0.0)))
-        elif t == "registered":
-            node.lease_id = int(msg["lease_id"])
-        elif t == "persisted" and self.c.rounds is not None:
-            self.c.rounds.on_reply(node.name, msg)
+                self.c.failures.exits.append(Exit(sid=m.spawn_id, rc=m.rc, pid=m.pid, fault_at=m.fault_at))
+        elif isinstance(m, wire.Spawned):
+            w = self.c.view.workers.get(m.spawn_id)
+            if w is not None and m.pid is not None:
+                w.pid = m.pid
+            self.c.events.emit("spawned", spawn_id=m.spawn_id, pid=m.pid, node=node.name)
+        elif isinstance(m, wire.Inventory | wire.Installed):
+            self.c.io.replies[m.id] = m
+        elif isinstance(m, wire.Fetched):
+            if self.c.swaps.owns(m.id):  # a swap's prepare or catch-up fetch
+                self.c.swaps.on_fetched(m)
+            else:
+                self.c.gens.on_fetched(node, m)
+        elif isinstance(m, wire.Replicated):
+            self.c.replication.on_replicated(node.name, m)
+        elif isinstance(m, wire.Preempt):
+            self.c.swaps.on_preempt(node, m.grace_s)
+        elif isinstance(m, wire.Registered):
+            node.lease_id = m.lease_id
+        elif isinstance(m, wire.Raw) and self.c.rounds is not None:  # a persist round's answer
+            self.c.rounds.on_reply(node.name, dict(m.msg))
 
     def check_leases(self) -> None:
         if self.c.store.jobs is not None:

@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from nonstop.control.channel import Message
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.executor import Executor
 from nonstop.runtime.policy import place_replicas
 from nonstop.runtime.view import JobView
+from nonstop.runtime.wire import Replicated
 
 __all__ = ["ReplicationRounds"]
 
@@ -83,12 +83,12 @@ class ReplicationRounds:
         for node, ranks in per_node.items():
             self.io.send_node(v.nodes[node], {"t": "replicate", "step": step, "ranks": ranks})
 
-    def on_replicated(self, node: str, msg: Message) -> None:
+    def on_replicated(self, node: str, msg: Replicated) -> None:
         """A node's answer for one rank of the round."""
         rd = self.round
-        if rd is None or int(msg["step"]) != rd.step:
+        if rd is None or msg.step != rd.step:
             return
-        if not msg.get("ok"):
+        if not msg.ok:
             self.totals["failed_rounds"] += 1
             self.broadcast_committed()  # release the failed round's holds
             self._retry_at = time.monotonic() + ROUND_RETRY_S
@@ -97,14 +97,14 @@ class ReplicationRounds:
                     "replication_failed",
                     step=rd.step,
                     node=node,
-                    error=msg.get("error"),
+                    error=msg.error,
                     failed_rounds=self.totals["failed_rounds"],
                 )
             self.round = None
             return
-        rd.pending.discard(int(msg["rank"]))
-        rd.raw += int(msg.get("raw", 0))
-        rd.wire += int(msg.get("wire", 0))
+        rd.pending.discard(msg.rank)
+        rd.raw += msg.raw
+        rd.wire += msg.wire
         if rd.pending:
             return
         self.round = None

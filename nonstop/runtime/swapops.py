@@ -14,11 +14,12 @@ Threading: the coordinator's thread only.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from typing import TYPE_CHECKING, Any
 
-from nonstop.control.channel import Channel, Message
+from nonstop.control.channel import Channel
 from nonstop.errors import ControlError
 from nonstop.runtime.elastic import assign_shards
 from nonstop.runtime.migration import CatchUp, Transfer, choose_joiner, choose_target
@@ -40,6 +41,7 @@ from nonstop.runtime.swap import (
     SwapPhase,
 )
 from nonstop.runtime.view import NodeRecord, Role, WorkerRecord
+from nonstop.runtime.wire import Fetched
 
 if TYPE_CHECKING:
     from nonstop.runtime.coordinator import Coordinator
@@ -252,22 +254,17 @@ class Swaps:
         self._run(self.active.start())
 
     # -- events -----------------------------------------------------------------------------------
-    def on_fetched(self, node: str, req: int, msg: Message) -> None:
-        purpose, sid = self._reqs.pop(req)
-        self.c.io.done(req)
+    def on_fetched(self, msg: Fetched) -> None:
+        purpose, sid = self._reqs.pop(msg.id)
+        self.c.io.done(msg.id)
         a = self.active
         if a is None or a.joiner(sid) is None:
             return  # the swap it was for has ended
-        ok, error = bool(msg.get("ok")), msg.get("error")
         if purpose == "prepare":
-            self._run(a.on_prepare_fetched(sid, ok, None if error is None else str(error), time.time()))
+            self._run(a.on_prepare_fetched(sid, msg.ok, msg.error, time.time()))
         else:
-            t = Transfer(
-                raw_bytes=int(msg.get("raw_bytes") or 0),
-                wire_bytes=int(msg.get("wire_bytes") or 0),
-                seconds=float(msg.get("seconds") or 0.0),
-            )
-            self._run(a.on_catchup_fetched(ok, t, msg, **self._progress()))
+            t = Transfer(raw_bytes=msg.raw_bytes, wire_bytes=msg.wire_bytes, seconds=msg.seconds or 0.0)
+            self._run(a.on_catchup_fetched(msg.ok, t, dataclasses.asdict(msg), **self._progress()))
 
     def on_restored(self, w: WorkerRecord) -> bool:
         """A joiner restored its prepare step; False: not a joiner of the active swap."""

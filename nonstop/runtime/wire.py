@@ -1,0 +1,370 @@
+"""Typed messages to the coordinator, decoded at the edge.
+
+Peers send JSON objects (``t`` names the kind) over authenticated channels. The coordinator
+decodes each one here, once, into a frozen dataclass; its logic reads typed fields, never
+``msg["..."]``. A message that lacks a field or has one of the wrong type raises
+:class:`WireError` (a ``ValueError``): the coordinator fails that sender only (a worker's rank is
+recovered, an agent's node lost, a client answered with an error) and goes on.
+
+Unknown kinds decode to ``None`` (a newer peer's message the coordinator ignores). Rendezvous
+``kv`` requests and persist-round answers keep their own validation (:mod:`nonstop.control.rdzv`,
+:mod:`nonstop.runtime.persistence`) and pass through as :class:`Raw`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "AgentMessage",
+    "ClientRequest",
+    "Done",
+    "Drain",
+    "Exit",
+    "Fault",
+    "Fetched",
+    "Heartbeat",
+    "Injected",
+    "Installed",
+    "Inventory",
+    "Lease",
+    "Lost",
+    "Migrate",
+    "Paused",
+    "PersistRequest",
+    "Preempt",
+    "Raw",
+    "Ready",
+    "Registered",
+    "Replicated",
+    "Restored",
+    "Spawned",
+    "StatusRequest",
+    "Step",
+    "WireError",
+    "WorkerMessage",
+    "decode_agent",
+    "decode_client",
+    "decode_worker",
+]
+
+
+class WireError(ValueError):
+    """A message that breaks the protocol (a missing or mistyped field)."""
+
+
+# -- field readers ------------------------------------------------------------------------------
+def _get(m: Mapping[str, Any], key: str) -> Any:
+    if key not in m:
+        raise WireError(f"{m.get('t')!r} message without {key!r}")
+    return m[key]
+
+
+def _int(m: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    v = m.get(key, default) if default is not None else _get(m, key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise WireError(f"{m.get('t')!r} message: {key} must be an integer, not {v!r}")
+    return v
+
+
+def _opt_int(m: Mapping[str, Any], key: str) -> int | None:
+    v = m.get(key)
+    return None if v is None else _int(m, key)
+
+
+def _num(m: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    v = m.get(key, default) if default is not None else _get(m, key)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise WireError(f"{m.get('t')!r} message: {key} must be a number, not {v!r}")
+    return float(v)
+
+
+def _opt_num(m: Mapping[str, Any], key: str) -> float | None:
+    v = m.get(key)
+    return None if v is None else _num(m, key)
+
+
+def _opt_str(m: Mapping[str, Any], key: str) -> str | None:
+    v = m.get(key)
+    return None if v is None else str(v)
+
+
+def _steps_by_rank(m: Mapping[str, Any], key: str) -> dict[int, tuple[int, ...]]:
+    v = m.get(key, {})
+    if not isinstance(v, dict):
+        raise WireError(f"{m.get('t')!r} message: {key} must be an object")
+    try:
+        return {int(r): tuple(int(s) for s in steps) for r, steps in v.items()}
+    except (TypeError, ValueError) as e:
+        raise WireError(f"{m.get('t')!r} message: {key} must map ranks to step lists ({e})") from None
+
+
+# -- worker -> coordinator ----------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat:
+    coll: bool  # a gradient allreduce is pending on this rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class Injected:
+    """A fault injected on this process fired (for timing the detection)."""
+
+    ts: float
+    rank: int | None
+    step: int | None
+    kind: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restored:
+    gen: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ready:
+    gen: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    gen: int
+    step: int
+    step_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Done:
+    gen: int
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Paused:
+    gen: int
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    gen: int
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Migrate:
+    """Move ``rank`` (a worker's own request: its rank; a client's: any) to node ``to`` (None:
+    the policy picks). ``gen`` is -1 from a client."""
+
+    gen: int
+    rank: int | None
+    to: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Raw:
+    """A message with its own validation downstream (rendezvous ``kv``, ``persisted``)."""
+
+    gen: int
+    msg: Mapping[str, Any] = field(default_factory=dict)
+
+
+WorkerMessage = Heartbeat | Injected | Restored | Ready | Step | Done | Paused | Fault | Migrate | Raw
+
+
+def decode_worker(m: Mapping[str, Any]) -> WorkerMessage | None:
+    """A worker's message, typed; None for a kind the coordinator does not know."""
+    t = m.get("t")
+    gen = _int(m, "gen", -1)
+    if t == "hb":
+        return Heartbeat(coll=bool(m.get("coll")))
+    if t == "injected":
+        return Injected(
+            ts=_num(m, "ts"), rank=_opt_int(m, "rank"), step=_opt_int(m, "step"), kind=_opt_str(m, "kind")
+        )
+    if t == "restored":
+        return Restored(gen=gen)
+    if t == "ready":
+        return Ready(gen=gen)
+    if t == "step":
+        return Step(gen=gen, step=_int(m, "step"), step_s=_num(m, "step_s"))
+    if t == "done":
+        return Done(gen=gen, step=_int(m, "step"))
+    if t == "paused":
+        return Paused(gen=gen, step=_int(m, "step"))
+    if t == "fault":
+        return Fault(gen=gen, error=str(m.get("error", "")))
+    if t == "migrate":
+        return Migrate(gen=gen, rank=_opt_int(m, "rank"), to=_opt_str(m, "to"))
+    if t == "kv":
+        return Raw(gen=gen, msg=m)
+    return None
+
+
+# -- agent -> coordinator -----------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Lease:
+    seq: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exit:
+    spawn_id: int
+    rc: int
+    pid: int | None
+    fault_at: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spawned:
+    spawn_id: int
+    pid: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inventory:
+    """What a node's memory holds: rank -> complete steps, of its own ranks and its replicas."""
+
+    id: int
+    local: Mapping[int, tuple[int, ...]]
+    replicas: Mapping[int, tuple[int, ...]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Installed:
+    id: int
+    ok: bool
+    error: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fetched:
+    """A fetch into a node's memory ended; what it moved and how long it took."""
+
+    id: int
+    ok: bool
+    error: str | None
+    seconds: float | None
+    raw_bytes: int
+    wire_bytes: int
+    delta: bool
+    capped: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replicated:
+    step: int
+    rank: int
+    ok: bool
+    error: str | None
+    raw: int
+    wire: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lost:
+    """The answer to a request whose node was lost before it answered (made by the coordinator)."""
+
+    id: int
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preempt:
+    grace_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Registered:
+    lease_id: int
+
+
+AgentMessage = (
+    Lease | Exit | Spawned | Inventory | Installed | Fetched | Replicated | Preempt | Registered | Raw
+)
+
+
+def decode_agent(m: Mapping[str, Any]) -> AgentMessage | None:
+    """A node agent's message, typed; None for a kind the coordinator does not know."""
+    t = m.get("t")
+    if t == "lease":
+        return Lease(seq=_opt_int(m, "seq"))
+    if t == "exit":
+        return Exit(
+            spawn_id=_int(m, "spawn_id"),
+            rc=_int(m, "rc"),
+            pid=_opt_int(m, "pid"),
+            fault_at=_opt_num(m, "fault_at"),
+        )
+    if t == "spawned":
+        return Spawned(spawn_id=_int(m, "spawn_id"), pid=_opt_int(m, "pid"))
+    if t == "inventory":
+        return Inventory(
+            id=_int(m, "id"), local=_steps_by_rank(m, "local"), replicas=_steps_by_rank(m, "replicas")
+        )
+    if t == "installed":
+        return Installed(id=_int(m, "id"), ok=bool(m.get("ok")), error=_opt_str(m, "error"))
+    if t == "fetched":
+        return Fetched(
+            id=_int(m, "id"),
+            ok=bool(m.get("ok")),
+            error=_opt_str(m, "error"),
+            seconds=_opt_num(m, "seconds"),
+            raw_bytes=_int(m, "raw_bytes", 0) if m.get("raw_bytes") is not None else 0,
+            wire_bytes=_int(m, "wire_bytes", 0) if m.get("wire_bytes") is not None else 0,
+            delta=bool(m.get("delta")),
+            capped=bool(m.get("capped")),
+        )
+    if t == "replicated":
+        return Replicated(
+            step=_int(m, "step"),
+            rank=_int(m, "rank"),
+            ok=bool(m.get("ok")),
+            error=_opt_str(m, "error"),
+            raw=_int(m, "raw", 0),
+            wire=_int(m, "wire", 0),
+        )
+    if t == "preempt":
+        return Preempt(grace_s=_num(m, "grace_s", 0.0))
+    if t == "registered":
+        return Registered(lease_id=_int(m, "lease_id"))
+    if t == "persisted":
+        return Raw(gen=-1, msg=m)
+    return None
+
+
+# -- clients (nonstop status / persist / migrate / drain) --------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class StatusRequest:
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class PersistRequest:
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Drain:
+    node: str
+
+
+ClientRequest = StatusRequest | PersistRequest | Migrate | Drain
+
+
+def decode_client(m: Mapping[str, Any]) -> ClientRequest | None:
+    """A client's request, typed; None for a kind the coordinator does not know."""
+    t = m.get("t")
+    if t == "status":
+        return StatusRequest()
+    if t == "persist":
+        return PersistRequest()
+    if t == "migrate":
+        return Migrate(gen=-1, rank=_int(m, "rank"), to=_opt_str(m, "to"))
+    if t == "drain":
+        node = _get(m, "node")
+        if not isinstance(node, str | int) or isinstance(node, bool):
+            raise WireError(f"'drain' request: node must be a name, not {node!r}")
+        return Drain(node=str(node))
+    return None
