@@ -76,6 +76,8 @@ class Harness:
         self.held: dict[str, dict[int, set[int]]] = {}  # node -> rank -> steps in its memory
         self.replicas: dict[str, dict[int, set[int]]] = {}  # node -> rank -> replicated steps it holds
         self.fail_fetches = False
+        self.hold_inventories = False  # agents answer inventories only when released
+        self.held_replies: list[tuple[FakeChannel, Message]] = []
 
     # -- the peers' side ------------------------------------------------------------------------
     def put(self, kind: str, chan: FakeChannel, msg: Message | None = None) -> None:
@@ -125,7 +127,11 @@ class Harness:
         if t == "inventory":
             local = {str(r): sorted(st) for r, st in self.held.get(name, {}).items()}
             reps = {str(r): sorted(st) for r, st in self.replicas.get(name, {}).items()}
-            self.put("msg", chan, {"t": "inventory", "id": msg["id"], "local": local, "replicas": reps})
+            reply = {"t": "inventory", "id": msg["id"], "local": local, "replicas": reps}
+            if self.hold_inventories:
+                self.held_replies.append((chan, reply))
+            else:
+                self.put("msg", chan, reply)
         elif t == "fetch":
             ok = not self.fail_fetches
             self.held.setdefault(name, {}).setdefault(int(msg.get("as_rank", msg["rank"])), set()).add(
@@ -135,6 +141,14 @@ class Harness:
             self.put("msg", chan, reply if ok else {**reply, "error": "injected fetch failure"})
         elif t == "install_durable":
             self.put("msg", chan, {"t": "installed", "id": msg["id"], "ok": True})
+
+    def release_inventories(self) -> None:
+        self.hold_inventories = False
+        for chan, reply in self.held_replies:
+            if not chan.closed:
+                self.put("msg", chan, reply)
+        self.held_replies.clear()
+        self.tick()
 
     def spawn_requests(self) -> list[tuple[str, int, str]]:
         """(node, spawn id, role) of every spawn the coordinator asked for so far."""

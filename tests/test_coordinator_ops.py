@@ -263,3 +263,28 @@ def test_agent_and_client_messages_are_typed() -> None:
     assert wire.decode_client({"t": "drain", "node": 2}) == wire.Drain(node="2")
     with pytest.raises(wire.WireError):
         wire.decode_client({"t": "drain", "node": [1]})
+
+
+def test_a_node_lost_while_the_nodes_answer_is_planned_with_the_first(tmp_path: Path) -> None:
+    """Inventory replies are events: while they are awaited the coordinator serves everything
+    else, and a second loss merges into the plan instead of a recovery of its own."""
+    h = Harness(tmp_path, nnodes=3, nproc_per_node=1, spares=1, coordinator="127.0.0.1:0", lease_ttl_s=60.0)
+    for n in ("0", "1", "2"):
+        h.add_node(n, nproc=1, spares=1)
+    h.tick()
+    h.bring_up()
+    h.step_all(2)
+    h.replicas["0"] = {1: {2}, 2: {2}}  # node 0 holds the replicas of ranks 1 and 2
+    h.hold_inventories = True
+    h.lose_node("1")
+    assert h.coord.gens.inventory_reqs and h.coord.gens.reconf is None  # planning waits for answers
+    h.worker_says(0, {"t": "hb", "coll": True})  # served meanwhile
+    h.lose_node("2")
+    assert h.coord.generation == 3  # the first plan was never made
+    h.release_inventories()
+    r = h.coord.gens.reconf
+    assert r is not None and sorted(f.rank for f in r.failures) == [1, 2] and r.replans == 1
+    assert r.restore_step == 2 and {h.coord.view.rank_node[k] for k in (1, 2)} == {"0"}
+    h.resume_all(3)
+    assert h.coord.state is JobState.RUNNING
+    assert sorted(e["rank"] for e in h.events("recovery")) == [1, 2]

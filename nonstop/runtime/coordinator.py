@@ -187,6 +187,7 @@ class Coordinator:
             self.replication.maybe_start(now=time.monotonic())
         self._persist()
         self.swaps.tick()
+        self.gens.inventory_tick()
         self.gens.replan_tick()
         self.clients.answer_persists()
 
@@ -210,7 +211,7 @@ class Coordinator:
     def replication_stats(self) -> dict[str, Any]:
         return self.replication.stats()
 
-    def _set_state(self, new: JobPhase) -> None:
+    def set_phase(self, new: JobPhase) -> None:
         assert legal(self.view.phase, new), f"the job cannot go from {self.view.phase} to {new}"
         self.view.phase = new
 
@@ -238,7 +239,7 @@ class Coordinator:
         if self.view.phase.is_terminal:
             return  # the first cause stands
         self.error = error
-        self._set_state(JobState.FAILED)
+        self.set_phase(JobState.FAILED)
         self.events.emit("job_failed", error=error)
         for w in self.view.workers.values():
             self.io.send(w, {"t": "abort", "error": error})
@@ -506,7 +507,7 @@ class Coordinator:
     def finish(self) -> None:
         """Every rank has the final step snapshotted: release members and spares."""
         self.swaps.finish()
-        self._set_state(JobState.FINISHING)
+        self.set_phase(JobState.FINISHING)
         self.events.emit(
             "finish", step=min(self.view.latest_step.values(), default=0), generation=self.view.generation
         )

@@ -140,7 +140,7 @@ class Failures:
             if f.kind == FailureKind.NODE_LOST.value and f.fault_at is None:
                 f.fault_at = by_node.get(failed_on[f.spawn_id])
         if self.c.view.phase is JobState.FINISHING and not self.c.view.members_alive():
-            self.c._set_state(JobState.DONE)
+            self.c.set_phase(JobState.DONE)
             self.c.events.emit("job_done", generation=self.c.view.generation)
         if failures and self.c.view.phase not in (JobState.DONE, JobState.FAILED):
             self.on_failures(failures)

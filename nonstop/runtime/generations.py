@@ -53,6 +53,9 @@ class Generations:
         self.early: dict[int, tuple[int, bool | None]] = {}
         # a planning interrupted by more failures: (failures, replans, replacements) to merge
         self.deferred: tuple[list[Failure], int, dict[int, str]] | None = None
+        # the nodes' inventories asked for the generation being planned: request id -> node
+        self.inventory_reqs: dict[int, str] = {}
+        self.inventory_deadline = 0.0
 
     def drop_early(self, req: int) -> None:
         """A swap that asked for boundary fetch ``req`` ended: a late answer is ignored."""
@@ -87,14 +90,35 @@ class Generations:
                     self.c.io.kill(sid)
             r.deadline = time.time() + self.c.config.rebuild_timeout_s  # one kill round per period
 
-    def inventories(self) -> dict[int, dict[int, list[tuple[str, str]]]]:
-        """rank -> step -> [(node, "local"|"replica")] over every live node's memory."""
-        reqs = {
+    def _ask_inventories(self) -> None:
+        """Ask every live node what its memory holds; the answers arrive as events and
+        :meth:`inventory_tick` plans once all are in (or ``PLAN_WAIT_S`` passed)."""
+        self.inventory_reqs = {
             self.c.io.request(self.c.view.nodes[n], {"t": "inventory"}): n for n in self.c.view.alive_nodes()
         }
-        replies = self.c.await_replies(list(reqs), PLAN_WAIT_S)
+        self.inventory_deadline = time.monotonic() + PLAN_WAIT_S
+
+    def _drop_inventories(self) -> None:
+        for req in self.inventory_reqs:
+            self.c.io.replies.pop(req, None)
+            self.c.io.done(req)
+        self.inventory_reqs = {}
+
+    def inventory_tick(self) -> None:
+        """Plan the generation whose inventory was asked for, once every node answered (or the
+        wait is over). Exits not handled yet are handled first: a second node lost while the
+        nodes answered is planned together with the first (``on_failures`` merges them)."""
+        if not self.inventory_reqs or self.deferred is None:
+            return
+        replies = self.c.io.replies
+        if any(r not in replies for r in self.inventory_reqs) and time.monotonic() < self.inventory_deadline:
+            return
+        members = set(self.c.view.members.values())
+        if any(ex.sid in members for ex in self.c.failures.exits):
+            self.c.events.emit("replan_deferred", generation=self.c.view.generation)
+            return
         avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
-        for req, node in reqs.items():
+        for req, node in self.inventory_reqs.items():
             msg = replies.get(req)
             if not isinstance(msg, wire.Inventory) or not self.c.view.nodes[node].alive:
                 continue
@@ -102,7 +126,11 @@ class Generations:
                 for rank, steps in held.items():
                     for step in steps:
                         avail.setdefault(rank, {}).setdefault(step, []).append((node, kind))
-        return avail
+        self._drop_inventories()
+        failures, replans, replacements = self.deferred
+        self.deferred = None
+        self.initial_step = None
+        self._plan(failures, replans=replans, replacements=replacements, inventory=avail)
 
     def begin(
         self,
@@ -112,24 +140,30 @@ class Generations:
         replacements: dict[int, str] | None = None,
         inventory_needed: bool = False,
     ) -> None:
-        """Plan and start generation + 1. Every rank restores the newest step all ranks hold
+        """Open generation + 1 and plan it. Every rank restores the newest step all ranks hold
         (memory first, then durable) when there are ``failures``, a resumed checkpoint to
-        install, or ``inventory_needed`` (a restarted coordinator redoing an interrupted recovery).
-        The decision is :func:`~nonstop.runtime.planning.plan_generation`'s; this carries it out."""
-        now = time.time()
+        install, or ``inventory_needed`` (a restarted coordinator redoing an interrupted
+        recovery): the nodes' inventories are asked for first, and the plan waits for them as
+        events (the coordinator serves everything else meanwhile; a failure meanwhile merges
+        into this plan). The decision is :func:`~nonstop.runtime.planning.plan_generation`'s."""
         self.open_generation()
+        if self.c.view.alive_nodes() and (failures or self.initial_step is not None or inventory_needed):
+            self.deferred = (failures, replans, dict(replacements or {}))
+            self._ask_inventories()
+            return
+        self._plan(failures, replans=replans, replacements=dict(replacements or {}), inventory=None)
+
+    def _plan(
+        self,
+        failures: list[Failure],
+        *,
+        replans: int,
+        replacements: dict[int, str],
+        inventory: Inventory | None,
+    ) -> None:
+        """Decide (pure ``plan_generation``) and carry the decision out."""
+        now = time.time()
         alive_nodes = self.c.view.alive_nodes()
-        inventory: Inventory | None = None
-        if alive_nodes and (failures or self.initial_step is not None or inventory_needed):
-            inventory = self.inventories()
-            members = set(self.c.view.members.values())
-            if any(ex.sid in members for ex in self.c.failures.exits):
-                # More ranks were lost while the nodes answered (a second node going down with
-                # the first): plan once for all of them when their exits are handled.
-                self.deferred = (failures, replans, dict(replacements or {}))
-                self.c.events.emit("replan_deferred", generation=self.c.view.generation)
-                return
-            self.initial_step = None
         plan = plan_generation(
             world_size=self.c.view.world_size,
             present=set(self.c.view.members),
@@ -137,10 +171,7 @@ class Generations:
             inventory=inventory,
             idle_spares=self.c.view.idle_spares(),
             live_nodes=alive_nodes,
-            load={
-                n: sum(1 for r in self.c.view.members if self.c.view.rank_node.get(r) == n)
-                for n in alive_nodes
-            },
+            load=self.c.view.load(alive_nodes),
             elastic=self.c.elastic,
             waited_s=now - min((f.detected_at for f in failures), default=now),
             recovering=bool(failures),
@@ -239,8 +270,9 @@ class Generations:
     def open_generation(self) -> None:
         """Generation + 1: fence the old one (its fetches, rendezvous, replication round)."""
         self.c.view.generation += 1
-        self.c._set_state(JobState.RECONFIGURING)
+        self.c.set_phase(JobState.RECONFIGURING)
         self.reconf = None
+        self._drop_inventories()  # asked for a generation that will not be planned any more
         for req in [q for q, (_, gen) in self.waiting_fetch.items() if gen < self.c.view.generation]:
             del self.waiting_fetch[req]  # a late answer is ignored (its generation is over)
             self.c.io.done(req)
@@ -481,7 +513,7 @@ class Generations:
             for sid in self.c.view.members.values():
                 self.c.io.send(self.c.view.workers[sid], {"t": "rebuild", "gen": r.generation})
         if after in (Stage.RESUME, Stage.DONE) and before not in (Stage.RESUME, Stage.DONE):
-            self.c._set_state(JobState.RUNNING)
+            self.c.set_phase(JobState.RUNNING)
             now_m = time.monotonic()
             for sid in self.c.view.members.values():
                 self.c.view.workers[sid].last_progress = now_m
