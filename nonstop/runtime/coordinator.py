@@ -51,9 +51,11 @@ from nonstop.runtime.generations import Generations
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.nodes import NodeAgents
 from nonstop.runtime.persistence import ClusterPersister
-from nonstop.runtime.phase import Busy, JobPhase, Op, legal, may_start
+from nonstop.runtime.persistops import PersistOps
+from nonstop.runtime.phase import TICK_S, Busy, JobPhase, Op, legal, may_start
 from nonstop.runtime.policy import QuarantinePolicy
 from nonstop.runtime.replication import ReplicationRounds
+from nonstop.runtime.restoring import RestoreSources
 from nonstop.runtime.storesync import StoreSync
 from nonstop.runtime.swapops import Swaps
 from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
@@ -63,8 +65,6 @@ from nonstop.snapshot.persist import Persister
 __all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
 
 log = logging.getLogger(__name__)
-
-TICK_S = 0.005
 
 
 JobState = JobPhase  # the name the launcher, the CLI and the tests know
@@ -132,6 +132,10 @@ class Coordinator:
         self.store = StoreSync(self, jobs)
         # generations: planning, launching and timing every membership change
         self.gens = Generations(self, initial_step=initial_step)
+        # where restore steps come from: peers' memory (fetches) or the durable tier
+        self.sources = RestoreSources(self)
+        # persist rounds of a job of several nodes
+        self.persists = PersistOps(self)
         # clients (nonstop status / persist / migrate / drain)
         self.clients = ClientRequests(self)
         # node agents: joins, leases, losses, quarantine, spares
@@ -175,17 +179,17 @@ class Coordinator:
     def tick(self, wait_s: float = 0.0) -> None:
         """One turn of the loop: handle the events that arrived (waiting up to ``wait_s`` for
         the first), then every periodic check. Tests drive a coordinator through this."""
-        self._pump_events(wait_s)
+        self.pump_events(wait_s)
         self.agents.check_leases()
         self.store.tick()
         self.agents.check_join()
         self.failures.handle_exits()
-        self._pump_events(0)
+        self.pump_events(0)
         self.failures.detect()
         self.gens.check_timeouts()
         if self.replication_on and self.may_start(Op.REPLICATE):
             self.replication.maybe_start(now=time.monotonic())
-        self._persist()
+        self.persists.tick()
         self.swaps.tick()
         self.gens.inventory_tick()
         self.gens.replan_tick()
@@ -193,7 +197,7 @@ class Coordinator:
 
     def _close(self) -> JobResult:
         """The job ended: persist the last step, release the nodes, the result."""
-        self._final_persist()
+        self.persists.final()
         for node in self.view.nodes.values():
             self.io.send_node(node, {"t": "finish", "failed": self.view.phase is JobState.FAILED})
         self.store.close()
@@ -245,7 +249,7 @@ class Coordinator:
             self.io.send(w, {"t": "abort", "error": error})
 
     # -- events ------------------------------------------------------------------------------
-    def _pump_events(self, timeout: float) -> None:
+    def pump_events(self, timeout: float) -> None:
         try:
             kind, chan, msg = self.server.events.get(timeout=timeout)
         except queue.Empty:
@@ -455,7 +459,7 @@ class Coordinator:
         """Wait for the replies to ``reqs`` while serving every other event (leases included)."""
         deadline = time.monotonic() + timeout
         while any(r not in self.io.replies for r in reqs) and time.monotonic() < deadline:
-            self._pump_events(0.002)
+            self.pump_events(0.002)
             self.agents.check_leases()
         out = {r: self.io.replies.pop(r) for r in reqs if r in self.io.replies}
         for r in reqs:
@@ -467,41 +471,6 @@ class Coordinator:
         if self.replication_on and self.view.replicated_step is not None:
             return self.view.replicated_step
         return min((self.view.latest_step.get(rank, 0) for rank in range(self.view.world_size)), default=0)
-
-    # -- durable persistence of several nodes (runtime/persistence.py) ---------------------------
-    def _persist(self) -> None:
-        """Check the persist round in flight; start the next one when due (RUNNING only)."""
-        rounds = self.rounds
-        if rounds is None or self.store.awaiting:
-            return
-        rounds.check(set(self.view.alive_nodes()))
-        if self.may_start(Op.PERSIST) and len(self.view.latest_step) == self.view.world_size:
-            if rounds.wanted(self.committed()):
-                rounds.start(self.committed(), self.view.placement())
-
-    def _final_persist(self) -> None:
-        """Before the nodes are released: make the newest step every rank holds durable (the
-        final step of a finished job, else the committed step), waiting at most persist_timeout_s."""
-        rounds = self.rounds
-        if rounds is None or len(self.view.latest_step) < self.view.world_size:
-            return
-        if any(not self.view.nodes[n].alive for n in self.view.placement()):
-            return  # a rank's memory is gone with its node: the last committed checkpoint stands
-        step = min(self.view.latest_step.values()) if self.view.phase is JobState.DONE else self.committed()
-        if rounds.round is not None and rounds.round.step != step:
-            rounds.abort(f"superseded by the final persist of step {step}")
-        if rounds.round is None and rounds.last_step != step:
-            rounds.request()
-            rounds.start(step, self.view.placement())
-        deadline = time.monotonic() + self.config.persist_timeout_s
-        while rounds.round is not None and time.monotonic() < deadline:
-            self._pump_events(TICK_S)
-            rounds.check(set(self.view.alive_nodes()))
-        if rounds.round is not None:
-            rounds.abort(f"the final persist did not finish in {self.config.persist_timeout_s:g}s")
-        if rounds.last_step != step:
-            log.warning("final persist of step %d failed: %s", step, rounds.last_error)
-        self.clients.answer_persists()
 
     # -- the end -----------------------------------------------------------------------------------
     def finish(self) -> None:

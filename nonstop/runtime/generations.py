@@ -5,7 +5,8 @@ is a new generation, planned, launched and timed here.
   which step every rank restores (memory first, then the durable tier), a shrink or a wait;
   the nodes' inventories are asked first when a restore is needed;
 * **launch**: spares take ranks, cold processes start, nodes that lack a rank's restore step
-  fetch it from a peer (a swap's boundary fetch may have been asked for earlier and is adopted);
+  fetch it from a peer (:mod:`nonstop.runtime.restoring`; a swap's boundary fetch may have been
+  asked for earlier and is adopted);
 * **stages** (:class:`~nonstop.runtime.recovery.Reconfiguration`): launch -> restore ->
   rebuild -> resume -> done, each timed; a stage that overruns ``rebuild_timeout_s`` has its
   laggards killed (and recovered);
@@ -19,15 +20,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from nonstop.control.channel import Message
-from nonstop.errors import ControlError, NonstopError
+from nonstop.errors import ControlError
 from nonstop.runtime import wire
-from nonstop.runtime.elastic import assign_shards, resume_sources
+from nonstop.runtime.elastic import assign_shards
 from nonstop.runtime.phase import JobPhase
 from nonstop.runtime.planning import Inventory, PlanAction, Shrink, plan_generation
 from nonstop.runtime.recovery import Failure, Reconfiguration, Stage
-from nonstop.runtime.view import NodeRecord, Role
-from nonstop.runtime.wire import Fetched, Installed
+from nonstop.runtime.view import Role
 
 if TYPE_CHECKING:
     from nonstop.runtime.coordinator import Coordinator
@@ -47,19 +46,11 @@ class Generations:
         self.initial_step = initial_step  # resumed from the durable tier: install this first
         self.reconf: Reconfiguration | None = None
         self.replan_at: float | None = None  # elastic wait: re-plan then (or when a spare appears)
-        self.waiting_fetch: dict[int, tuple[int, int]] = {}  # request id -> (rank, generation)
-        # fetches asked for before their generation (a swap's boundary): request id -> (rank, ok),
-        # ok None while in flight; the generation adopts them (``fetch_for(early=...)``)
-        self.early: dict[int, tuple[int, bool | None]] = {}
         # a planning interrupted by more failures: (failures, replans, replacements) to merge
         self.deferred: tuple[list[Failure], int, dict[int, str]] | None = None
         # the nodes' inventories asked for the generation being planned: request id -> node
         self.inventory_reqs: dict[int, str] = {}
         self.inventory_deadline = 0.0
-
-    def drop_early(self, req: int) -> None:
-        """A swap that asked for boundary fetch ``req`` ended: a late answer is ignored."""
-        self.early.pop(req, None)
 
     def replan_tick(self) -> None:
         """Re-plan a generation waiting for a spare (one appeared, or the wait is over); grow the
@@ -195,7 +186,7 @@ class Generations:
             self.c.view.rank_node[rank] = p.node
         tier = "memory"
         if plan.action is PlanAction.FROM_DURABLE:
-            restore_step = self.restore_from_durable()
+            restore_step = self.c.sources.restore_from_durable()
             tier = "durable"
             if restore_step is None:
                 # Survivors hold later state than any fresh process could: never mix them.
@@ -234,7 +225,9 @@ class Generations:
                 r.waiting_launch.add(rank)
         r.marks["plan"] = time.time()
         fetches = (
-            self.plan_fetches(r, restore_step, avail) if tier == "memory" and restore_step is not None else {}
+            self.c.sources.plan_fetches(r, restore_step, avail)
+            if tier == "memory" and restore_step is not None
+            else {}
         )
         for rank in fetches:  # its step arrives in its new rank's memory: restore that
             r.from_rank.pop(rank, None)
@@ -273,8 +266,10 @@ class Generations:
         self.c.set_phase(JobState.RECONFIGURING)
         self.reconf = None
         self._drop_inventories()  # asked for a generation that will not be planned any more
-        for req in [q for q, (_, gen) in self.waiting_fetch.items() if gen < self.c.view.generation]:
-            del self.waiting_fetch[req]  # a late answer is ignored (its generation is over)
+        for req in [
+            q for q, (_, gen) in self.c.sources.waiting_fetch.items() if gen < self.c.view.generation
+        ]:
+            del self.c.sources.waiting_fetch[req]  # a late answer is ignored (its generation is over)
             self.c.io.done(req)
         self.c.replication.reset()
         for reply, msg in self.c.kv.new_generation(self.c.view.generation):
@@ -314,150 +309,6 @@ class Generations:
             self.maybe_reconfigure(rank)
         r.stage = Stage.LAUNCH
         self.advance()
-
-    def fetch_for(
-        self,
-        r: Reconfiguration,
-        rank: int,
-        step: int,
-        source: str,
-        kind: str,
-        *,
-        src_rank: int | None = None,
-        base: int | None = None,
-        early: int | None = None,
-    ) -> str:
-        """A fetch generation ``r`` waits for before ``rank`` restores (to the node playing it);
-        ``src_rank``: the rank whose snapshot that is, when not ``rank`` (a world-size change);
-        ``base``: a step the node holds from a catch-up (the fetch may come as a delta);
-        ``early``: the same fetch already asked for (:meth:`_fetch_early`): adopted unless it
-        failed -- waited for while in flight, nothing to wait for once done."""
-        if early is not None and early in self.early:
-            ok = self.early.pop(early)[1]
-            if ok is not False:
-                if ok is None:
-                    self.waiting_fetch[early] = (rank, r.generation)
-                    r.waiting_fetch.add(rank)
-                return f"{source}:{kind}"
-        src = rank if src_rank is None else src_rank
-        req = self.c.io.fetch(self.c.view.rank_node[rank], src, step, source, kind, as_rank=rank, base=base)
-        self.waiting_fetch[req] = (rank, r.generation)
-        r.waiting_fetch.add(rank)
-        return f"{source}:{kind}"
-
-    def fetch_early(
-        self, target: str, rank: int, step: int, source: str, *, as_rank: int, base: int | None = None
-    ) -> int:
-        """A swap's boundary fetch asked for as soon as the source rank completed the step, before
-        its generation exists (the other ranks are still finishing theirs); a request id for
-        ``_fetch_for(early=...)``."""
-        req = self.c.io.fetch(target, rank, step, source, "local", as_rank=as_rank, base=base)
-        self.early[req] = (as_rank, None)
-        return req
-
-    def plan_fetches(self, r: Reconfiguration, step: int, avail: Inventory) -> dict[int, str]:
-        """Have each node that will play a rank without holding ``step`` of it fetch it from a peer."""
-        out: dict[int, str] = {}
-        for rank in range(self.c.view.world_size):
-            target = self.c.view.rank_node[rank]
-            sources = avail.get(rank, {}).get(step, [])
-            if any(n == target and k == "local" for n, k in sources):
-                continue
-            # prefer the target's own replica (a copy within the node), then any other holder
-            src = sorted(sources, key=lambda s: (s[0] != target, s[1] != "replica", s[0]))[0]
-            out[rank] = self.fetch_for(r, rank, step, src[0], src[1], src_rank=r.from_rank.get(rank))
-        return out
-
-    def on_fetched(self, node: NodeRecord, msg: Fetched) -> None:
-        """A fetch a generation waits for (or a swap's boundary fetch, asked early) ended."""
-        req = msg.id
-        if req in self.early:  # arrived before the swap adopted it: nothing waits on it yet
-            rank = self.early[req][0]
-            self.early[req] = (rank, msg.ok)
-            self.c.io.done(req)
-            self.c.events.emit(
-                "fetched",
-                node=node.name,
-                rank=rank,
-                ok=msg.ok,
-                seconds=msg.seconds,
-                error=msg.error,
-                early=True,
-            )
-            return
-        rank, gen = self.waiting_fetch.pop(req, (-1, -1))
-        self.c.io.done(req)
-        r = self.reconf
-        self.c.events.emit(
-            "fetched", node=node.name, rank=rank, ok=msg.ok, seconds=msg.seconds, error=msg.error
-        )
-        if r is None or gen != r.generation:
-            return
-        if not msg.ok:
-            self.c.fail(f"rank {rank} could not be fetched to node {node.name}: {msg.error}")
-            return
-        r.waiting_fetch.discard(rank)
-        self.maybe_reconfigure(rank)
-        self.advance()
-
-    def restore_from_durable(self) -> int | None:
-        """Have every node install its ranks from the newest durable checkpoint that loads."""
-        if self.c.durable_url is None:
-            return None
-        from nonstop.snapshot.durable import DurableStore
-
-        try:
-            steps = DurableStore(self.c.durable_url).steps()
-        except NonstopError as e:
-            self.c.events.emit("durable_unavailable", error=str(e))
-            return None
-        placement = self.c.view.placement()
-        for step in sorted(steps, reverse=True):
-            t0 = time.monotonic()
-            if self.install_durable(step, placement, self.c.durable_url):
-                self.c.events.emit(
-                    "restore_from_durable", step=step, url=self.c.durable_url, seconds=time.monotonic() - t0
-                )
-                return step
-        return None
-
-    def install_durable(self, step: int, placement: dict[str, list[int]], url: str) -> bool:
-        """Have every node install its ranks of durable checkpoint ``step``. A checkpoint of
-        another world size (written while the job was shrunk) serves an elastic job only: its
-        ranks are data-parallel replicas (``resume_sources``)."""
-        from nonstop.snapshot.durable import DurableStore
-
-        try:
-            written = DurableStore(url).world_size_at(step)
-        except NonstopError as e:
-            self.c.events.emit("durable_install_failed", step=step, errors=[str(e)])
-            return False
-        sources: dict[int, int] = {}
-        if written != self.c.view.world_size:
-            if not self.c.elastic.enabled:
-                self.c.events.emit(
-                    "durable_install_failed",
-                    step=step,
-                    errors=[f"the checkpoint has {written} ranks, the job {self.c.view.world_size}"],
-                )
-                return False
-            sources = {r: s for r, s in resume_sources(written, self.c.view.world_size).items() if r != s}
-        reqs = []
-        for n, ranks in placement.items():
-            msg: Message = {"t": "install_durable", "url": url, "step": step, "ranks": ranks}
-            if any(r in sources for r in ranks):
-                msg["from"] = {str(r): sources[r] for r in ranks if r in sources}
-            reqs.append(self.c.io.request(self.c.view.nodes[n], msg))
-        replies = self.c.await_replies(reqs, self.c.config.persist_timeout_s)
-        bad = [
-            m.error if isinstance(m, Installed | wire.Lost) else f"{type(m).__name__} answer"
-            for m in replies.values()
-            if not isinstance(m, Installed) or not m.ok
-        ]
-        if bad or len(replies) < len(reqs):
-            self.c.events.emit("durable_install_failed", step=step, errors=bad or ["timed out"])
-            return False
-        return True
 
     def maybe_reconfigure(self, rank: int) -> None:
         r = self.reconf

@@ -65,7 +65,7 @@ class NodeAgents:
                 for i, n in enumerate(nodes)
             }
             url = self.c.config.resume or self.c.durable_url
-            if url is None or not self.c.gens.install_durable(self.c.gens.initial_step, placement, url):
+            if url is None or not self.c.sources.install_durable(self.c.gens.initial_step, placement, url):
                 self.c.fail(
                     f"could not install the resumed checkpoint step {self.c.gens.initial_step} on every node"
                 )
@@ -170,7 +170,7 @@ class NodeAgents:
             if self.c.swaps.owns(m.id):  # a swap's prepare or catch-up fetch
                 self.c.swaps.on_fetched(m)
             else:
-                self.c.gens.on_fetched(node, m)
+                self.c.sources.on_fetched(node, m)
         elif isinstance(m, wire.Replicated):
             self.c.replication.on_replicated(node.name, m)
         elif isinstance(m, wire.Preempt):
@@ -216,7 +216,9 @@ class NodeAgents:
             self.c.failures.exits.append(
                 Exit(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why)
             )
-        self.c.io.node_lost(node.name, keep=set(self.c.gens.waiting_fetch))  # fetches end with the generation
+        self.c.io.node_lost(
+            node.name, keep=set(self.c.sources.waiting_fetch)
+        )  # fetches end with the generation
         self.c.replication.reset()  # its holders or senders may be gone: start over
 
     def node_failed(self, name: str) -> None:

@@ -23,7 +23,20 @@ from __future__ import annotations
 import enum
 from collections.abc import Set
 
-__all__ = ["BLOCKED_BY", "Busy", "JobPhase", "Op", "PHASE_ALLOWS", "TRANSITIONS", "legal", "may_start"]
+__all__ = [
+    "BLOCKED_BY",
+    "TICK_S",
+    "Busy",
+    "JobPhase",
+    "Op",
+    "PHASE_ALLOWS",
+    "TRANSITIONS",
+    "legal",
+    "may_start",
+]
+
+
+TICK_S = 0.005  # the coordinator's loop waits at most this long for an event before its periodic checks
 
 
 class JobPhase(enum.StrEnum):

@@ -331,7 +331,7 @@ class Swaps:
             if act.purpose == "boundary":
                 j = a.joiner(act.sid)
                 assert j is not None
-                j.boundary_req = c.gens.fetch_early(
+                j.boundary_req = c.sources.fetch_early(
                     act.target, act.rank, act.step, act.source, as_rank=act.as_rank, base=act.base
                 )
                 return
@@ -394,7 +394,7 @@ class Swaps:
         )
         early = {j.rank: j.boundary_req for j in a.joiners}
         fetches = {
-            rank: c.gens.fetch_for(
+            rank: c.sources.fetch_for(
                 r, rank, s.step, s.source, "local", src_rank=s.source_rank, base=s.base, early=early.get(rank)
             )
             for rank in s.ranks
@@ -421,7 +421,7 @@ class Swaps:
         if not f.ok:
             for j in a.joiners:
                 if j.boundary_req is not None:
-                    self.c.gens.drop_early(j.boundary_req)
+                    self.c.sources.drop_early(j.boundary_req)
         if a.kind is SwapKind.MIGRATION:
             if f.ok:
                 self.done.append(dict(f.info))
