@@ -111,3 +111,50 @@ def test_coordinator_restart_mid_migration_ends_it_cleanly(
             e["role"] == "spare" and e["node"] == "2" for e in job.events("spawn") if e["ts"] > killed_at
         )
     assert job.events("failure") == [] and result.failures == []
+
+
+def test_coordinator_restart_mid_grow_ends_it_and_the_job_grows_again(
+    tmp_path: Path, etcd_server: EtcdServer
+) -> None:
+    """An elastic job shrunk by a lost node grows back when the node returns; the coordinator dies
+    while the joiner prepares: the new one aborts the grow it finds in its record, grows again,
+    and every step still trains on exactly the samples of an uninterrupted run."""
+    from nonstop.demo.samples import check_sequence, read_log
+
+    steps, batch = 80, 4
+    job_dir = tmp_path / "job"
+    cfg = demo_job_config(
+        result=job_dir / "result.json",
+        steps=steps,
+        model="tiny",
+        batch=batch,
+        script_extra=("--step-delay", "0.1", "--samples-log", str(job_dir / "samples")),
+        nnodes=3,
+        nproc_per_node=1,
+        spares=0,
+        job_dir=job_dir,
+        faults=("node:node=2,step=6",),
+        min_world_size=2,
+        coordinator=f"127.0.0.1:{free_port()}",
+        store=etcd_server.url,
+        secret_file=etcd_server.secret_file,
+        lease_ttl_s=3.0,
+    )
+    job = NodesInBackground(cfg)
+    job.wait_event("shrink", timeout=300)
+    job.start_node(2)
+    job.wait_event("grow_start", timeout=300)
+    first = json.loads((job_dir / JOB_INFO).read_text())["pid"]
+    killed_at = time.time()
+    os.kill(first, signal.SIGKILL)
+    result = job.result(timeout=400)
+    assert result.state is JobState.DONE, result.error
+    aborted = [e for e in job.events("grow_aborted") if e["ts"] > killed_at]
+    resumed = [e for e in job.events("operation_resumed") if e["ts"] > killed_at]
+    assert len(aborted) + len(resumed) == 1, (aborted, resumed)
+    if aborted:
+        assert aborted[0]["error"] == "the coordinator restarted"
+    assert [e["world_size"] for e in job.events("grow_done")][-1:] == [3]
+    out = json.loads((job_dir / "result.json").read_text())
+    assert out["world_size"] == 3 and out["samples_seen"] == steps * 3 * batch
+    assert check_sequence(read_log(job_dir / "samples"), steps=steps, num_shards=3, batch=batch) == []
