@@ -9,9 +9,11 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from nonstop.config import JobConfig
 from nonstop.demo.runner import demo_job_config
 from nonstop.runtime.coordinator import JobState
 from nonstop.runtime.launcher import JOB_INFO
@@ -20,26 +22,21 @@ from tests.conftest import STEPS, EtcdServer, NodesInBackground, free_port
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
+def _on_etcd(job_dir: Path, etcd: EtcdServer, **kw: Any) -> JobConfig:
+    """A 3-node demo job (one rank and one spare per node, tiny model) with its state in ``etcd``."""
+    args: dict[str, Any] = dict(
+        steps=STEPS, script_extra=("--step-delay", "0.4"), nnodes=3, nproc_per_node=1, spares=1,
+        coordinator=f"127.0.0.1:{free_port()}", store=etcd.url, secret_file=etcd.secret_file, lease_ttl_s=3.0,
+    )  # fmt: skip
+    args.update(kw)
+    return demo_job_config(result=job_dir / "result.json", model="tiny", batch=4, job_dir=job_dir, **args)
+
+
 def test_coordinator_restart_on_etcd_does_not_stop_the_job(
     tmp_path: Path, etcd_server: EtcdServer, reference_hash: str
 ) -> None:
     job_dir = tmp_path / "job"
-    cfg = demo_job_config(
-        result=job_dir / "result.json",
-        steps=STEPS,
-        model="tiny",
-        batch=4,
-        script_extra=("--step-delay", "0.4"),
-        nnodes=3,
-        nproc_per_node=1,
-        spares=1,
-        job_dir=job_dir,
-        coordinator=f"127.0.0.1:{free_port()}",
-        store=etcd_server.url,
-        secret_file=etcd_server.secret_file,
-        lease_ttl_s=3.0,
-    )
-    job = NodesInBackground(cfg)
+    job = NodesInBackground(_on_etcd(job_dir, etcd_server))
     job.wait_replicated(4)
     first = json.loads((job_dir / JOB_INFO).read_text())["pid"]
     killed_at = time.time()
@@ -68,23 +65,7 @@ def test_coordinator_restart_mid_migration_ends_it_cleanly(
     record and aborts it (the joiner that prepared is replaced by a fresh spare, nothing rolls
     back), or finishes it if the swap had begun; the job goes on and ends bitwise equal."""
     job_dir = tmp_path / "job"
-    cfg = demo_job_config(
-        result=job_dir / "result.json",
-        steps=STEPS,
-        model="tiny",
-        batch=4,
-        script_extra=("--step-delay", "0.4"),
-        nnodes=3,
-        nproc_per_node=1,
-        spares=1,
-        job_dir=job_dir,
-        faults=("migrate:rank=1,step=3,to=2",),
-        coordinator=f"127.0.0.1:{free_port()}",
-        store=etcd_server.url,
-        secret_file=etcd_server.secret_file,
-        lease_ttl_s=3.0,
-    )
-    job = NodesInBackground(cfg)
+    job = NodesInBackground(_on_etcd(job_dir, etcd_server, faults=("migrate:rank=1,step=3,to=2",)))
     deadline = time.monotonic() + 300
     while not job.events("migration_start") and time.monotonic() < deadline and job.running:
         time.sleep(0.02)
@@ -124,22 +105,10 @@ def test_coordinator_restart_mid_grow_ends_it_and_the_job_grows_again(
 
     steps, batch = 80, 4
     job_dir = tmp_path / "job"
-    cfg = demo_job_config(
-        result=job_dir / "result.json",
-        steps=steps,
-        model="tiny",
-        batch=batch,
-        script_extra=("--step-delay", "0.1", "--samples-log", str(job_dir / "samples")),
-        nnodes=3,
-        nproc_per_node=1,
-        spares=0,
-        job_dir=job_dir,
-        faults=("node:node=2,step=6",),
-        min_world_size=2,
-        coordinator=f"127.0.0.1:{free_port()}",
-        store=etcd_server.url,
-        secret_file=etcd_server.secret_file,
-        lease_ttl_s=3.0,
+    extra = ("--step-delay", "0.1", "--samples-log", str(job_dir / "samples"))
+    faults = ("node:node=2,step=6",)
+    cfg = _on_etcd(
+        job_dir, etcd_server, steps=steps, script_extra=extra, spares=0, faults=faults, min_world_size=2
     )
     job = NodesInBackground(cfg)
     job.wait_event("shrink", timeout=300)
