@@ -609,7 +609,7 @@ def test_lossy_all_zero_and_tiny_blocks() -> None:
 
 
 def test_bfloat16_rounding_matches_torch() -> None:
-    from nonstop.snapshot.codec import _from_f32
+    from nonstop.snapshot.codec.lossy import _from_f32
 
     rng = np.random.default_rng(7)
     x = (rng.standard_normal(10_000) * 10.0 ** rng.integers(-30, 30, 10_000)).astype(np.float32)

@@ -38,6 +38,12 @@ and exits. The quarter TTL of margin covers killing and reaping the processes,
 so a node cut off from the coordinator has stopped playing its ranks before
 anyone else is given them. Node 0's
 agent (``in_process``: a thread of the coordinator's process) holds no lease.
+
+**Threads.** The agent's own loop (the caller of :meth:`NodeAgent.run`) renews the
+lease, polls the processes and carries out the process commands; a reader thread
+feeds it the coordinator's messages. The commands that move snapshot bytes
+(inventory, replicate, install_durable, forget, committed, fetch, persist) go to
+:class:`~nonstop.runtime.nodework.NodeWork`, on threads of its own.
 """
 
 from __future__ import annotations
@@ -52,31 +58,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from nonstop.config import ENV
 from nonstop.control.channel import Channel, Message, connect
 from nonstop.control.store import ControlStore, LeaseKeeper, open_store
 from nonstop.errors import ControlError, NonstopError
 from nonstop.faults import fired_at, preempt_notice_path
-from nonstop.replica.peer import (
-    TRACK_TTL_S,
-    DataPlane,
-    Replicator,
-    TrackedBase,
-    TrackedBases,
-    fetch,
-    local_store_id,
-    replica_store_id,
-    shm_stores,
-)
-from nonstop.runtime.agent import Agent, ranks_with_segments, remove_segments
+from nonstop.replica.peer import DataPlane, Replicator, local_store_id, replica_store_id, shm_stores
+from nonstop.runtime.agent import Agent, remove_segments
 from nonstop.runtime.gc import hold_lock
 from nonstop.runtime.jobstore import JobStore
+from nonstop.runtime.nodework import NodeWork
 from nonstop.runtime.notice import NoticePoller
-from nonstop.snapshot.codec import CodecConfig, preload
-from nonstop.snapshot.durable import DurableStore
-from nonstop.snapshot.persist import RankEncoder
 
 __all__ = ["EXIT_FENCED", "NodeAgent", "NodeSpec"]
 
@@ -87,7 +79,6 @@ TICK_S = 0.005
 NOTICE_POLL_S = 0.1  # how often the preemption notice file is looked for
 RECONNECT_EVERY_S = 0.2  # store mode: how often a node retries a lost coordinator
 FENCE_AT = 0.75  # of the lease TTL: the rest is the margin to kill and reap the node's processes
-SETTLE_S = 2.0  # longest an inventory waits for a live writer to finish its snapshot
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,11 +124,7 @@ class NodeAgent:
         self.redirect_output = redirect_output
         self.fenced: str | None = None
         self._inbox: queue.Queue[Message | None] = queue.Queue()
-        self._work: queue.Queue[Message | None] = queue.Queue()
-        self._persist_work: queue.Queue[Message | None] = queue.Queue()  # its own thread: slow I/O
-        self._fetch_work: queue.Queue[Message | None] = queue.Queue()  # its own thread: on the critical path
-        self._encoders: dict[tuple[str, bool, int], RankEncoder] = {}
-        self._tracks: TrackedBases[int] = TrackedBases()  # local rank slot -> base of its catch-up
+        self._data_work: NodeWork | None = None  # the data path (runtime/nodework.py), once welcomed
         self.agent: Agent | None = None
         self.data: DataPlane | None = None
         self._chan: Channel | None = None
@@ -179,9 +166,8 @@ class NodeAgent:
                 raise NonstopError(f"coordinator refused node {self.spec.node}: {welcome.get('error')}")
             self._setup(welcome)
             threading.Thread(target=self._reader, name="nonstop-agent-reader", daemon=True).start()
-            threading.Thread(target=self._worker, name="nonstop-agent-work", daemon=True).start()
-            threading.Thread(target=self._persister, name="nonstop-agent-persist", daemon=True).start()
-            threading.Thread(target=self._fetcher, name="nonstop-agent-fetch", daemon=True).start()
+            assert self._data_work is not None
+            self._data_work.start()
             if self.notice is not None:
                 self.notice.start()
             return self._loop(stop, float(welcome["lease_ttl_s"]))
@@ -247,6 +233,19 @@ class NodeAgent:
             secret=self.secret,
             local=self._local,
             bandwidth_bytes_s=mb * 1e6 if mb else None,
+        )
+        assert self.data is not None
+        self._data_work = NodeWork(
+            node=self.spec.node,
+            job_id=self.job_id,
+            shm_dir=self.shm_dir,
+            secret=self.secret,
+            agent=self.agent,
+            data=self.data,
+            local=self._local,
+            replica=self._replica,
+            replicator=self.replicator,
+            send=self._send,
         )
 
     def _reader(self) -> None:
@@ -406,12 +405,9 @@ class NodeAgent:
             return 1 if msg.get("failed") else 0
         elif t == "fenced":
             return self._fence(str(msg.get("error", "fenced by the coordinator")))
-        elif t == "fetch":  # never queued behind a replication round: a recovery or a swap waits on it
-            self._fetch_work.put(msg)
-        elif t in ("inventory", "replicate", "install_durable", "forget", "committed"):
-            self._work.put(msg)
-        elif t == "persist":
-            self._persist_work.put(msg)
+        elif t in NodeWork.COMMANDS:  # the data path, on threads of its own
+            assert self._data_work is not None
+            self._data_work.submit(msg)
         return None
 
     def _fence(self, why: str) -> int:
@@ -439,9 +435,8 @@ class NodeAgent:
     def _shutdown(self) -> None:
         if self.notice is not None:
             self.notice.stop()
-        self._work.put(None)
-        self._fetch_work.put(None)
-        self._persist_work.put(None)
+        if self._data_work is not None:
+            self._data_work.stop()
         if self._keeper is not None:
             try:  # a finished node ends its lease at once; a fenced one has lost it already
                 self._keeper.stop(revoke=self.fenced is None)
@@ -463,196 +458,3 @@ class NodeAgent:
         if self._lock is not None:
             os.close(self._lock[0])
             self._lock[1].unlink(missing_ok=True)
-
-    # -- background work (one thread: inventories, replication; fetches on their own) -----------
-    def _fetcher(self) -> None:
-        while True:
-            try:
-                msg = self._fetch_work.get(timeout=TRACK_TTL_S / 4)
-            except queue.Empty:
-                self._tracks.expire()  # an aborted migration's bases go even if no fetch comes
-                continue
-            if msg is None:
-                return
-            try:
-                self._fetch(msg)
-            except Exception as e:  # report, never die: the coordinator decides
-                log.warning("node %s: fetch failed: %s", self.spec.node, e)
-
-    def _worker(self) -> None:
-        preload()  # the codec library: now, not in the first replication round
-        while True:
-            msg = self._work.get()
-            if msg is None:
-                return
-            t = msg.get("t")
-            try:
-                if t == "inventory":
-                    self._send(self._inventory(int(msg["id"])))
-                elif t == "replicate":
-                    self._replicate(msg)
-                elif t == "install_durable":
-                    self._install_durable(msg)
-                elif t == "forget":
-                    self.replicator.forget(int(msg["rank"]))
-                elif t == "committed":
-                    self._keep(msg.get("step"))
-            except Exception as e:  # report, never die: the coordinator decides
-                log.warning("node %s: %s failed: %s", self.spec.node, t, e)
-
-    def _persister(self) -> None:
-        """Writes this node's ranks of a persist round (module docstring of
-        :mod:`nonstop.runtime.persistence`); at the lowest CPU priority, like the single-node
-        Persister: training first."""
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
-        while True:
-            msg = self._persist_work.get()
-            if msg is None:
-                break
-            try:
-                self._send(self._persist(msg))
-            except Exception as e:  # report, never die: the coordinator fails the round
-                log.warning("node %s: persist failed: %s", self.spec.node, e)
-                self._send({"t": "persisted", "id": msg.get("id"), "ok": False, "error": str(e)[:300]})
-        for enc in self._encoders.values():
-            enc.close()
-
-    def _persist(self, msg: Message) -> Message:
-        step, ranks = int(msg["step"]), [int(r) for r in msg["ranks"]]
-        lossy, bits = bool(msg.get("lossy")), int(msg.get("lossy_bits", 8))
-        key = (str(msg["url"]), lossy, bits)
-        enc = self._encoders.get(key)
-        if enc is None:
-            enc = self._encoders[key] = RankEncoder(CodecConfig(lossy=lossy, lossy_bits=bits))
-        enc.forget_others(set(ranks))
-        t0 = time.monotonic()
-        snaps = [self._local(r).copy_out(step, out=enc.scratch(r)) for r in ranks]
-        durable = DurableStore(key[0])
-        writer = durable.contribute(step, int(msg["world_size"]), enc.codec.describe())
-        try:
-            raw, stored, full = enc.write(writer, snaps)
-        except BaseException:
-            enc.reset()  # a base may be what went wrong: the next write is full
-            writer.abort()
-            raise
-        return {
-            "t": "persisted",
-            "id": msg["id"],
-            "ok": True,
-            "records": [writer.record(r) for r in ranks],
-            "raw": raw,
-            "stored": stored,
-            "full": full,
-            "seconds": time.monotonic() - t0,
-        }
-
-    def _keep(self, step: object) -> None:
-        """Hold the replicated (committed) step in this node's memory, its ranks' and its replicas';
-        release older holds. Until a newer round commits, every rank can return to it."""
-        steps = set() if step is None else {int(str(step))}
-        local = local_store_id(self.job_id, self.spec.node)
-        for rank in ranks_with_segments(self.shm_dir, local):
-            self._local(rank).keep_only(steps)
-        for rank in ranks_with_segments(self.shm_dir, replica_store_id(self.job_id, self.spec.node)):
-            self._replica(rank).keep_only(steps)
-
-    def _inventory(self, req_id: int) -> Message:
-        assert self.agent is not None
-        deadline = time.monotonic() + SETTLE_S
-        while self.agent.writing_steps() and time.monotonic() < deadline:
-            time.sleep(0.002)
-        local = self.agent.complete_steps()
-        rep_id = replica_store_id(self.job_id, self.spec.node)
-        replicas = {r: self._replica(r).complete_steps() for r in ranks_with_segments(self.shm_dir, rep_id)}
-        return {
-            "t": "inventory",
-            "id": req_id,
-            "local": {str(r): s for r, s in local.items() if s},
-            "replicas": {str(r): s for r, s in replicas.items() if s},
-        }
-
-    def _replicate(self, msg: Message) -> None:
-        step = int(msg["step"])
-        for rank_s, holders in dict(msg["ranks"]).items():
-            rank = int(rank_s)
-            try:
-                st = self.replicator.replicate(rank, step, [str(a) for a in holders])
-                self._send(
-                    {
-                        "t": "replicated",
-                        "step": step,
-                        "rank": rank,
-                        "ok": True,
-                        "raw": st.raw_bytes,
-                        "wire": st.wire_bytes,
-                        "seconds": st.seconds,
-                        "full": st.full,
-                    }
-                )
-            except (NonstopError, OSError) as e:
-                self._send(
-                    {"t": "replicated", "step": step, "rank": rank, "ok": False, "error": str(e)[:300]}
-                )
-
-    def _fetch(self, msg: Message) -> None:
-        """Copy a rank's snapshot into this node's slots of ``as_rank`` (from its own stores, or
-        from a peer). ``track``: keep the data as the base of a catch-up; ``base``: the step of
-        the kept base the peer may send a delta against (see :mod:`nonstop.replica.peer`)."""
-        assert self.data is not None
-        rank, step, kind, addr = int(msg["rank"]), int(msg["step"]), str(msg["kind"]), str(msg["addr"])
-        dest = int(msg.get("as_rank", rank))  # a world-size change: another rank number here
-        track, want = bool(msg.get("track")), msg.get("base")
-        t0 = time.monotonic()
-        held = self._tracks.take(dest)
-        if held is not None and held.source != (addr, rank, kind):
-            held = None
-        info: Message = {"t": "fetched", "id": msg["id"], "rank": rank}
-        try:
-            if addr == self.data.addr:  # this node holds it: copy between its own stores
-                src = self._replica(rank) if kind == "replica" else self._local(rank)
-                snap = src.copy_out(step)
-                self._local(dest).write_raw(step, snap.meta, snap.data.data)
-                info.update(raw_bytes=len(snap.data), wire_bytes=0, delta=False)
-            else:
-                base = (held.step, held.data) if held is not None and want == held.step else None
-                got = fetch(
-                    addr,
-                    self.secret,
-                    node=self.spec.node,
-                    rank=rank,
-                    step=step,
-                    kind=kind,
-                    base=base,
-                    track=track,
-                    out=held.spare if held is not None and track else None,
-                )
-                self._local(dest).write_raw(step, got.meta, got.data)
-                info.update(
-                    raw_bytes=len(got.data),
-                    wire_bytes=got.wire_bytes,
-                    delta=got.base is not None,
-                    capped=got.capped,
-                )
-                if track:
-                    data = np.frombuffer(got.data, dtype=np.uint8)
-                    spare = held.data if held is not None else None
-                    self._tracks.put(dest, TrackedBase(step, data, spare, source=(addr, rank, kind)))
-            self._send({**info, "ok": True, "seconds": time.monotonic() - t0})
-        except (NonstopError, OSError) as e:
-            self._send({**info, "ok": False, "error": str(e)[:300]})
-
-    def _install_durable(self, msg: Message) -> None:
-        step = int(msg["step"])
-        t0 = time.monotonic()
-        try:
-            durable = DurableStore(str(msg["url"]))
-            sources = {int(k): int(v) for k, v in dict(msg.get("from", {})).items()}
-            for rank in msg["ranks"]:
-                meta, data = durable.load_rank(step, sources.get(int(rank), int(rank)))
-                self._local(int(rank)).write_raw(step, meta, data)
-            self._send({"t": "installed", "id": msg["id"], "ok": True, "seconds": time.monotonic() - t0})
-        except (NonstopError, OSError) as e:
-            self._send({"t": "installed", "id": msg["id"], "ok": False, "error": str(e)[:300]})
