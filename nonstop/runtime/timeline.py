@@ -942,7 +942,12 @@ def build_timeline(events: Iterable[Mapping[str, Any]]) -> Timeline:
     Never raises on the content of a well-formed log (missing fields default to None,
     unknown events become :class:`OtherEvent`); an empty log gives an empty Timeline.
     """
-    evs = sorted((e for e in events if _num(e.get("ts")) is not None), key=lambda e: float(e["ts"]))
+    evs = sorted(
+        (
+            e for e in events if _num(e.get("ts")) is not None and e.get("event") != "eventlog"
+        ),  # not the header
+        key=lambda e: float(e["ts"]),
+    )
     if not evs:
         return Timeline()
     evs, earlier = _last_job(evs)
