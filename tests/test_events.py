@@ -17,7 +17,7 @@ import pytest
 import nonstop
 from nonstop.runtime import events as ev
 from nonstop.runtime.eventlog import EventLog, read_events
-from nonstop.runtime.timeline import build_timeline, load_timeline
+from nonstop.timeline import build_timeline, load_timeline
 
 SOURCE = Path(nonstop.__file__).parent
 
