@@ -449,7 +449,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2) if ns.json else format_inspect(report))
         return 0
     if ns.cmd == "timeline":
-        from nonstop.runtime.timeline import load_timeline, render_timeline, timeline_text
+        from nonstop.timeline import load_timeline, render_timeline, timeline_text
 
         tl = load_timeline(ns.path)
         print(timeline_text(tl))

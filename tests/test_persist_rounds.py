@@ -22,7 +22,7 @@ def _rounds(tmp_path: Path, every: int = 0, timeout_s: float = 30.0) -> tuple[Cl
         codec=CodecConfig(),
         every=every,
         timeout_s=timeout_s,
-        emit=lambda kind, **f: events.append((kind, f)),
+        emit=lambda e: events.append((e.kind, e.fields())),
     )
     return rounds, events
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from nonstop.errors import UsageError
-from nonstop.runtime.timeline import (
+from nonstop.timeline import (
     STAGE_ORDER,
     Timeline,
     build_timeline,

@@ -1,17 +1,23 @@
 """Append-only JSONL event log of a job (``<job_dir>/events.jsonl``).
 
-Each line is one JSON object with at least ``ts`` (unix time) and ``event``.
-Lines are flushed as they are written, so the log is readable while the job
+Each line is one JSON object with at least ``ts`` (unix time) and ``event``: a typed event of
+:mod:`nonstop.runtime.events` as its :meth:`~nonstop.runtime.events.Event.to_json`. The first
+line of a new log is a header (``"event": "eventlog"``, ``"version"``); readers take logs with
+and without one. Lines are flushed as they are written, so the log is readable while the job
 runs and survives a crash of the launcher.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from nonstop.runtime.events import Event, LogHeader, from_fields
 
 __all__ = ["EventLog", "read_events"]
 
@@ -21,9 +27,21 @@ class EventLog:
         self.path = path
         self._fh = path.open("a", encoding="utf-8")
         self._lock = threading.Lock()
+        if os.fstat(self._fh.fileno()).st_size == 0:  # a new log: its format first
+            self.emit(LogHeader())
 
-    def emit(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"ts": time.time(), "event": event, **fields}, default=str)
+    def emit(self, event: Event | str, /, **fields: Any) -> None:
+        """Log ``event`` (stamped with the time now unless it has a ``ts``).
+
+        Transition form: ``emit("node_lost", node=..., ...)`` builds the event of that kind from
+        the fields and raises ``TypeError`` for an unknown kind or a field the kind does not have."""
+        if isinstance(event, str):
+            event = from_fields(event, fields)
+        elif fields:
+            raise TypeError("emit takes a typed event or a kind with its fields, not both")
+        if event.ts is None:
+            event = dataclasses.replace(event, ts=time.time())
+        line = json.dumps(event.to_json(), default=str)
         with self._lock:
             self._fh.write(line + "\n")
             self._fh.flush()
@@ -34,4 +52,6 @@ class EventLog:
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
+    """Every line of the log as a JSON object (the header included); decode them with
+    :func:`nonstop.runtime.events.decode`."""
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

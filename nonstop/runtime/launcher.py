@@ -34,6 +34,7 @@ from nonstop.faults import FaultSpec, faults_to_json, parse_fault
 from nonstop.replica.peer import local_store_id
 from nonstop.runtime.coordinator import Coordinator, JobResult, JobState
 from nonstop.runtime.eventlog import EventLog
+from nonstop.runtime.events import JobEnd, JobStart, Refused, Resume
 from nonstop.runtime.gc import hold_lock
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.node import NodeAgent, NodeSpec
@@ -195,7 +196,7 @@ def serve_coordinator(
             host=host,
             port=port,
             secret=secret,
-            on_refused=lambda peer, why: events.emit("refused", peer=peer, reason=why),
+            on_refused=lambda peer, why: events.emit(Refused(peer=peer, reason=why)),
         )
     except BaseException:
         events.close()
@@ -239,11 +240,12 @@ def serve_coordinator(
     )
     if resume is not None:
         events.emit(
-            "resume",
-            url=config.resume,
-            step=resume.step,
-            world_size=config.world_size,
-            checkpoint_world_size=resume.world_size,
+            Resume(
+                url=config.resume,
+                step=resume.step,
+                world_size=config.world_size,
+                checkpoint_world_size=resume.world_size,
+            )
         )
     node_stop = threading.Event()
     keep_memory = threading.Event()  # the local node frees its memory after the final persist
@@ -268,14 +270,15 @@ def serve_coordinator(
     )
     restore_handlers = _install_signal_handlers(stop)
     events.emit(
-        "job_start",
-        job_id=job_id,
-        nnodes=config.nnodes,
-        nproc=config.nproc_per_node,
-        spares=config.spares,
-        control=control,
-        command=command,
-        faults=[f.to_text() for f in faults],
+        JobStart(
+            job_id=job_id,
+            nnodes=config.nnodes,
+            nproc=config.nproc_per_node,
+            spares=config.spares,
+            control=control,
+            command=command,
+            faults=[f.to_text() for f in faults],
+        )
     )
     t0 = time.monotonic()
     if persister is not None:
@@ -300,12 +303,13 @@ def serve_coordinator(
                 node_thread.join(timeout=30.0)
             server.close()
             events.emit(
-                "job_end",
-                state=str(coordinator.state),
-                seconds=time.monotonic() - t0,
-                generation=coordinator.generation,
-                error=coordinator.error,
-                replication=coordinator.replication_stats(),
+                JobEnd(
+                    state=str(coordinator.state),
+                    seconds=time.monotonic() - t0,
+                    generation=coordinator.generation,
+                    error=coordinator.error,
+                    replication=coordinator.replication_stats(),
+                )
             )
             events.close()
             restore_handlers()

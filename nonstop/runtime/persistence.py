@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from nonstop.control.channel import Message
 from nonstop.errors import NonstopError
+from nonstop.runtime.events import Event, Persist, PersistFailed
 from nonstop.snapshot.codec import CodecConfig
 from nonstop.snapshot.durable import CheckpointWriter, DurableStore
 from nonstop.snapshot.persist import PersistResult
@@ -65,7 +66,7 @@ class PersistRound:
 class ClusterPersister:
     """Persist rounds across nodes (see the module docstring).
 
-    ``emit(kind, **fields)`` writes the event log; the coordinator :meth:`attach` es the way
+    ``emit(event)`` writes a typed event to the log; the coordinator :meth:`attach` es the way
     to reach a node's agent before the first round."""
 
     def __init__(
@@ -75,7 +76,7 @@ class ClusterPersister:
         codec: CodecConfig,
         every: int,
         timeout_s: float,
-        emit: Callable[..., None],
+        emit: Callable[[Event], None],
     ) -> None:
         if every < 0:
             raise ValueError("every must be >= 0 (0: only on demand)")
@@ -221,14 +222,15 @@ class ClusterPersister:
         self.last_error = None
         self._served = max(self._served, rd.tickets)
         self._emit(
-            "persist",
-            step=rd.step,
-            raw_bytes=rd.raw,
-            stored_bytes=rd.stored,
-            seconds=round(seconds, 4),
-            full=rd.full,
-            url=self.durable.url,
-            nodes=sorted(rd.nodes),
+            Persist(
+                step=rd.step,
+                raw_bytes=rd.raw,
+                stored_bytes=rd.stored,
+                seconds=round(seconds, 4),
+                full=rd.full,
+                url=self.durable.url,
+                nodes=sorted(rd.nodes),
+            )
         )
 
     def _failed(self, error: str, tickets: int) -> None:
@@ -236,4 +238,4 @@ class ClusterPersister:
         self._served = max(self._served, tickets)
         self._retry_at = time.monotonic() + RETRY_S
         log.warning("persist failed: %s", error)
-        self._emit("persist_failed", error=error)
+        self._emit(PersistFailed(error=error))

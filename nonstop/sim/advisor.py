@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nonstop.plotting import pyplot, save_figure
 from nonstop.sim.api import JobSpec, SimResult, default_spare_nodes, require
 from nonstop.sim.calibrate import Calibration
 from nonstop.sim.engine import simulate
 from nonstop.sim.failures import FailureModel
-from nonstop.sim.metrics import pyplot, save_figure
 from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
 
 __all__ = ["Advice", "Candidate", "advise", "plot_frontier"]

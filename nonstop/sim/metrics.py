@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nonstop.plotting import pyplot, save_figure
 from nonstop.sim.api import STAGES, SimResult
 
-__all__ = ["aggregate", "markdown_table", "plot_results", "pyplot", "result_json", "save_figure"]
+__all__ = ["aggregate", "markdown_table", "plot_results", "result_json"]
 
 
 def result_json(r: SimResult) -> dict[str, Any]:
@@ -86,27 +87,6 @@ def markdown_table(results: Sequence[SimResult]) -> str:
             f"{r.spare_gpus} | {r.goodput_per_provisioned_gpu:.4f} | {top} ({share:.0%}) |"
         )
     return "\n".join(rows)
-
-
-def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend (files only, no display), imported on first use."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig: Any, path: Path, title: str = "") -> Path:
-    """Title, lay out and write ``fig`` to ``path`` (parent dirs created), then free it."""
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
-    return path
 
 
 def plot_results(results: Sequence[SimResult], path: Path, *, title: str = "") -> Path:
