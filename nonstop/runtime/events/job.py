@@ -24,6 +24,7 @@ __all__ = [
     "NodeReconnected",
     "NodeReleased",
     "NodesJoined",
+    "ProtocolError",
     "Refused",
     "Resume",
     "SpareTakesOver",
@@ -165,6 +166,20 @@ class Refused(Event):
     peer: str | None
     node: str | None = field(default=None, metadata=OPTIONAL)
     reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProtocolError(Event):
+    """An authenticated peer sent a message built wrong; only that peer failed (a worker's
+    ``spawn_id``/``rank``, an agent's ``node``, or neither for a client)."""
+
+    kind: ClassVar[str] = "protocol_error"
+    peer: str | None
+    message: str | None
+    error: str
+    node: str | None = field(default=None, metadata=OPTIONAL)
+    spawn_id: int | None = field(default=None, metadata=OPTIONAL)
+    rank: int | None = field(default=None, metadata=OPTIONAL)
 
 
 # -- processes ----------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ __all__ = [
     "MigrationRefused",
     "MigrationRequested",
     "MigrationStart",
+    "OperationResumed",
     "PreemptNotice",
     "Shrink",
 ]
@@ -179,6 +180,16 @@ class MigrationDone(Event):
     reason: str
     catchup_rounds: int | None
     swap_delta: bool | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperationResumed(Event):
+    """A restarted coordinator found a migration or grow its predecessor had already swapped:
+    the resync generation finishes it."""
+
+    kind: ClassVar[str] = "operation_resumed"
+    operation: str
+    generation: int | None
 
 
 @dataclass(frozen=True, kw_only=True)
