@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from nonstop.errors import SnapshotCorruptError, SnapshotError, SnapshotMissingError, UsageError
-from nonstop.snapshot import durable
 from nonstop.snapshot.api import TensorEntry
 from nonstop.snapshot.codec import CodecConfig, Encoder, segments_for
 from nonstop.snapshot.durable import (
@@ -33,6 +32,7 @@ from nonstop.snapshot.durable import (
     rank_file,
     step_dir,
 )
+from nonstop.snapshot.durable import local as durable_local
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 3
@@ -206,7 +206,7 @@ def test_storage_contract(storage: Storage) -> None:
 def test_local_write_sizes_around_the_staging_buffer(tmp_path: Path, direct: bool) -> None:
     st = LocalStorage(tmp_path, direct=direct)
     rng = np.random.default_rng(1)
-    stage = durable._STAGE
+    stage = durable_local._STAGE
     for sizes in [(stage - 1, 2, 4097, stage, 3, 0), (stage,), (4096,), (1,), (stage + 4096, 5)]:
         parts = [rng.integers(0, 255, size=n, dtype=np.uint8).tobytes() for n in sizes]
         assert st.write("f.bin", parts) == sum(sizes)
