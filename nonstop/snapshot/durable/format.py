@@ -159,7 +159,7 @@ class Manifest:
 
 class ManifestError(Exception):
     """A manifest field (or a rank entry given to a writer) is malformed. Never escapes the
-    durable tier: readers turn it into SnapshotCorruptError, writers into UsageError."""
+    durable tier: readers turn it into SnapshotCorruptError, writers into ValueError."""
 
 
 # ---------------------------------------------------------------------------- encoding

@@ -72,7 +72,7 @@ class LocalStorage:
         if os.path.exists(root_s) and not os.path.isdir(root_s):
             raise UsageError(f"checkpoint location {root_s} is a file, not a directory: pass a directory")
         if max_bytes_per_s is not None and not max_bytes_per_s > 0:
-            raise UsageError(f"max_bytes_per_s must be > 0 (got {max_bytes_per_s!r}); omit it for no limit")
+            raise ValueError(f"max_bytes_per_s must be > 0 (got {max_bytes_per_s!r}); omit it for no limit")
         self.url = root_s
         self.root = os.path.abspath(root_s)
         self.max_bytes_per_s = max_bytes_per_s

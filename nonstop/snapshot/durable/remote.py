@@ -49,7 +49,7 @@ class FsspecStorage:
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         if "://" not in url:
-            raise UsageError(f"FsspecStorage needs a URL with a protocol (got {url!r}); use LocalStorage")
+            raise ValueError(f"FsspecStorage needs a URL with a protocol (got {url!r}); use LocalStorage")
         self.url = url.rstrip("/")
         self.fs, self.root = _fsspec_fs(url, storage_options)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)

@@ -5,7 +5,8 @@ composed of a :class:`~.catalog.Catalog` (what is there, retention), writers
 Contract: see :mod:`.format` for what is durable when (a checkpoint is committed once its
 manifest is, and current once ``latest`` names it). One writer per root at a time; loads
 may run alongside it (they see the old checkpoint or the new one, never a mix). Bad
-arguments raise UsageError.
+arguments a person typed (the location, ``keep``) raise UsageError; other API misuse
+raises ValueError.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ __all__ = ["DurableStore"]
 
 def _check_step_args(step: int, world_size: int) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise UsageError(f"step must be an integer >= 0 (got {step!r})")
+        raise ValueError(f"step must be an integer >= 0 (got {step!r})")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise UsageError(f"world_size must be an integer >= 1 (got {world_size!r})")
+        raise ValueError(f"world_size must be an integer >= 1 (got {world_size!r})")
 
 
 class DurableStore:
@@ -53,13 +54,13 @@ class DurableStore:
         if threads is None:
             threads = min(8, os.cpu_count() or 1)
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise UsageError(f"threads must be an integer >= 1 (got {threads!r})")
+            raise ValueError(f"threads must be an integer >= 1 (got {threads!r})")
         if isinstance(url_or_storage, str | os.PathLike):
             self.storage: Storage = open_storage(url_or_storage)
         elif isinstance(url_or_storage, Storage):
             self.storage = url_or_storage
         else:
-            raise UsageError(f"checkpoint location must be a path, URL or Storage (got {url_or_storage!r})")
+            raise ValueError(f"checkpoint location must be a path, URL or Storage (got {url_or_storage!r})")
         self.url = self.storage.url
         self.keep = keep
         self.threads = threads
@@ -87,7 +88,7 @@ class DurableStore:
     def begin(self, step: int, world_size: int, codec: str) -> CheckpointWriter:
         """Start writing checkpoint ``step``. An existing directory of that step is removed
         first when it is abandoned, corrupt or not the current checkpoint (nor its base);
-        overwriting the current good checkpoint is refused (UsageError)."""
+        overwriting the current good checkpoint is refused (ValueError)."""
         _check_step_args(step, world_size)
         name = step_dir(step)
         if self.storage.exists(name):
@@ -96,7 +97,7 @@ class DurableStore:
                 and step in self._catalog.protected()
                 and not self.verify(step)
             ):
-                raise UsageError(
+                raise ValueError(
                     f"{self._catalog.where(step)} is already committed and in use; persist a newer step"
                 )
             self.storage.remove_tree(name)

@@ -10,7 +10,7 @@ store's internals.
 
 Errors: misuse of the API (a rank added twice, outside the world size, a bad delta base,
 committing before every rank is in, using a committed or aborted writer) raises
-UsageError; a contributor's record that fails validation raises SnapshotCorruptError.
+ValueError; a contributor's record that fails validation raises SnapshotCorruptError.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from nonstop.errors import SnapshotCorruptError, SnapshotError, SnapshotMissingError, UsageError
+from nonstop.errors import SnapshotCorruptError, SnapshotError, SnapshotMissingError
 from nonstop.snapshot import codec as _codec
 from nonstop.snapshot.codec import Buffer, ChunkInfo
 from nonstop.snapshot.durable.format import (
@@ -122,33 +122,33 @@ class CheckpointWriter:
 
     def _check_open(self) -> None:
         if self.state is not WriterState.OPEN:
-            raise UsageError(f"checkpoint step {self.step} writer is already {self.state.value}")
+            raise ValueError(f"checkpoint step {self.step} writer is already {self.state.value}")
 
     def _check_base(self, rank: int, meta: bytes, data_len: int, base_step: int) -> None:
-        """UsageError unless ``base_step`` is a committed FULL checkpoint of ``rank`` with the
+        """ValueError unless ``base_step`` is a committed FULL checkpoint of ``rank`` with the
         same tensor layout."""
         if not 0 <= base_step < self.step:
-            raise UsageError(f"rank {rank}: base_step {base_step} must be an older step than {self.step}")
+            raise ValueError(f"rank {rank}: base_step {base_step} must be an older step than {self.step}")
         base = self._bases.get(base_step)
         if base is None:
             try:
                 base = self.catalog.read_manifest(base_step)
             except SnapshotError as e:
-                raise UsageError(
+                raise ValueError(
                     f"rank {rank}: base checkpoint step {base_step} is not usable ({one_line(e)}); "
                     "write a full checkpoint"
                 ) from None
             self._bases[base_step] = base
         if rank >= base.world_size:
-            raise UsageError(f"rank {rank}: base checkpoint step {base_step} has no rank {rank}")
+            raise ValueError(f"rank {rank}: base checkpoint step {base_step} has no rank {rank}")
         brec = base.ranks[rank]
         if brec.base_step is not None:
-            raise UsageError(
+            raise ValueError(
                 f"rank {rank}: base checkpoint step {base_step} is itself a delta (of step "
                 f"{brec.base_step}); a delta must reference a FULL checkpoint"
             )
         if brec.data_len != data_len or layout_of(brec.meta) != layout_of(meta):
-            raise UsageError(
+            raise ValueError(
                 f"rank {rank}: tensor layout differs from base checkpoint step {base_step}; "
                 "write a full checkpoint"
             )
@@ -168,27 +168,27 @@ class CheckpointWriter:
         checkpoint their delta chunks apply to (ignored when no chunk is a delta)."""
         self._check_open()
         if not 0 <= rank < self.world_size:
-            raise UsageError(f"rank {rank} is outside world size {self.world_size}")
+            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
         if rank in self._ranks:
-            raise UsageError(f"rank {rank} was already added to checkpoint step {self.step}")
+            raise ValueError(f"rank {rank} was already added to checkpoint step {self.step}")
         meta = bytes(meta)
         try:
             meta_text = meta.decode("utf-8")
             json.loads(meta_text)
         except (UnicodeDecodeError, ValueError):
-            raise UsageError(f"rank {rank}: meta must be the snapshot's JSON meta (UTF-8 JSON)") from None
+            raise ValueError(f"rank {rank}: meta must be the snapshot's JSON meta (UTF-8 JSON)") from None
         infos = [info for info, _ in chunks]
         try:
             check_coverage(infos, data_len)
         except ManifestError as e:
-            raise UsageError(f"rank {rank}: {e}") from None
+            raise ValueError(f"rank {rank}: {e}") from None
         for info, payload in chunks:
             if len(byte_view(payload)) != info.enc_len:
-                raise UsageError(f"rank {rank}: payload of chunk at {info.offset} is not enc_len bytes")
+                raise ValueError(f"rank {rank}: payload of chunk at {info.offset} is not enc_len bytes")
         if not any(info.delta for info in infos):
             base_step = None
         elif base_step is None:
-            raise UsageError(f"rank {rank}: delta chunks need a base_step")
+            raise ValueError(f"rank {rank}: delta chunks need a base_step")
         else:
             self._check_base(rank, meta, data_len, base_step)
 
@@ -226,7 +226,7 @@ class CheckpointWriter:
     def record(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s manifest entry (JSON-safe), for the checkpoint's owner to :meth:`adopt`."""
         if rank not in self._ranks:
-            raise UsageError(f"rank {rank} was not added to checkpoint step {self.step}")
+            raise ValueError(f"rank {rank} was not added to checkpoint step {self.step}")
         return rank_doc(self._ranks[rank])
 
     def adopt(self, doc: Any) -> int:
@@ -260,7 +260,7 @@ class CheckpointWriter:
         if rec.base_step is not None:
             try:
                 self._check_base(rank, rec.meta, rec.data_len, rec.base_step)
-            except UsageError as e:
+            except ValueError as e:
                 raise SnapshotCorruptError(f"{where} {rank}: {e}") from None
         self._ranks[rank] = rec
         return rank
@@ -270,10 +270,10 @@ class CheckpointWriter:
         been added (or adopted); a contributor's writer cannot commit."""
         self._check_open()
         if self.part:
-            raise UsageError(f"checkpoint step {self.step}: a contributor cannot commit; its owner does")
+            raise ValueError(f"checkpoint step {self.step}: a contributor cannot commit; its owner does")
         missing = [r for r in range(self.world_size) if r not in self._ranks]
         if missing:
-            raise UsageError(f"checkpoint step {self.step}: ranks {missing} were not added; cannot commit")
+            raise ValueError(f"checkpoint step {self.step}: ranks {missing} were not added; cannot commit")
         self._hook("bins_done")
         manifest = encode_manifest(
             self.step,
