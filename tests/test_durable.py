@@ -3,6 +3,7 @@ fallback, retention."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,7 +19,6 @@ import numpy as np
 import pytest
 
 from nonstop.errors import SnapshotCorruptError, SnapshotError, SnapshotMissingError, UsageError
-from nonstop.snapshot import durable
 from nonstop.snapshot.api import TensorEntry
 from nonstop.snapshot.codec import CodecConfig, Encoder, segments_for
 from nonstop.snapshot.durable import (
@@ -28,11 +28,13 @@ from nonstop.snapshot.durable import (
     FsspecStorage,
     LocalStorage,
     Storage,
+    WriterState,
     format_inspect,
     open_storage,
     rank_file,
     step_dir,
 )
+from nonstop.snapshot.durable import local as durable_local
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 3
@@ -123,6 +125,15 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
+@contextlib.contextmanager
+def misuse(match: str | None = None) -> Iterator[None]:
+    """API misuse raises a plain ValueError: UsageError (a ValueError too) is reserved for
+    what a person typed."""
+    with pytest.raises(ValueError, match=match) as ei:
+        yield
+    assert not isinstance(ei.value, UsageError), repr(ei.value)
+
+
 def flip_byte(path: Path, pos: int) -> None:
     raw = bytearray(path.read_bytes())
     raw[pos] ^= 0x5A
@@ -206,7 +217,7 @@ def test_storage_contract(storage: Storage) -> None:
 def test_local_write_sizes_around_the_staging_buffer(tmp_path: Path, direct: bool) -> None:
     st = LocalStorage(tmp_path, direct=direct)
     rng = np.random.default_rng(1)
-    stage = durable._STAGE
+    stage = durable_local._STAGE
     for sizes in [(stage - 1, 2, 4097, stage, 3, 0), (stage,), (4096,), (1,), (stage + 4096, 5)]:
         parts = [rng.integers(0, 255, size=n, dtype=np.uint8).tobytes() for n in sizes]
         assert st.write("f.bin", parts) == sum(sizes)
@@ -230,7 +241,7 @@ def test_local_throttle(tmp_path: Path) -> None:
     t0 = time.monotonic()
     st.write("x", [bytes(2 << 20)])
     assert time.monotonic() - t0 >= 0.4  # 2 MiB at 4 MiB/s
-    with pytest.raises(UsageError):
+    with misuse("max_bytes_per_s"):
         LocalStorage(tmp_path, max_bytes_per_s=0)
 
 
@@ -248,6 +259,8 @@ def test_open_storage(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("x")
     with pytest.raises(UsageError, match="is a file"):
         open_storage(str(tmp_path / "afile"))
+    with misuse("use LocalStorage"):
+        FsspecStorage(str(tmp_path / "a"))  # a path, not a URL: the caller picked the wrong class
 
 
 def test_store_arguments(tmp_path: Path) -> None:
@@ -256,13 +269,16 @@ def test_store_arguments(tmp_path: Path) -> None:
             DurableStore(tmp_path, keep=keep)  # type: ignore[arg-type]
     with pytest.raises(UsageError):
         DurableStore("bogus-proto://somewhere")
-    with pytest.raises(UsageError):
-        DurableStore(12345)  # type: ignore[arg-type]
-    store = DurableStore(tmp_path)
-    with pytest.raises(UsageError):
-        store.begin(-1, 2, "zstd")
-    with pytest.raises(UsageError):
-        store.begin(1, 0, "zstd")
+    for bad_call in (
+        lambda: DurableStore(12345),  # type: ignore[arg-type]
+        lambda: DurableStore(tmp_path, threads=0),
+        lambda: DurableStore(tmp_path).begin(-1, 2, "zstd"),
+        lambda: DurableStore(tmp_path).begin(1, 0, "zstd"),
+        lambda: DurableStore(tmp_path).contribute(True, 2, "zstd"),  # type: ignore[arg-type]
+        lambda: DurableStore(tmp_path).contribute(1, 0, "zstd"),
+    ):
+        with misuse():
+            bad_call()
     assert DurableStore(LocalStorage(tmp_path)).url == str(tmp_path)
 
 
@@ -334,14 +350,14 @@ def test_writer_rules(tmp_path: Path) -> None:
     b = delta_ckpt(20, a)
     persist(store, 20, b, base=(10, a))
     c = delta_ckpt(30, b)
-    with pytest.raises(UsageError, match="FULL"):  # a delta of a delta
+    with misuse("FULL"):  # a delta of a delta
         persist(store, 30, c, base=(20, b))
-    with pytest.raises(UsageError, match="base checkpoint step 15"):
+    with misuse("base checkpoint step 15"):
         persist(store, 30, c, base=(15, a))
-    with pytest.raises(UsageError, match="older step"):
+    with misuse("older step"):
         persist(store, 30, c, base=(30, a))
     other = [make_rank(7, sizes=(100, 200)), *c[1:]]
-    with pytest.raises(UsageError, match="layout"):
+    with misuse("layout"):
         persist(store, 30, other, base=(10, [make_rank(7, sizes=(100, 200)), *a[1:]]))
 
     cfg = CodecConfig(codec="zstd", chunk_bytes=CHUNK)
@@ -349,29 +365,45 @@ def test_writer_rules(tmp_path: Path) -> None:
     delta_chunks = Encoder(cfg).encode(bytes(data), segments_for(entries, len(data)), base=bytes(a[0][1]))
     full_chunks = Encoder(cfg).encode(bytes(data), segments_for(entries, len(data)))
     w = store.begin(40, 2, cfg.describe())
-    with pytest.raises(UsageError, match="base_step"):
+    with misuse("base_step"):
         w.add_rank(0, meta, len(data), delta_chunks, None)
-    with pytest.raises(UsageError, match="outside"):
+    with misuse("outside"):
         w.add_rank(2, meta, len(data), full_chunks, None)
-    with pytest.raises(UsageError, match="JSON"):
+    with misuse("JSON"):
         w.add_rank(0, b"\xff not json", len(data), full_chunks, None)
-    with pytest.raises(UsageError, match="cover"):
+    with misuse("cover"):
         w.add_rank(0, meta, len(data) + 64, full_chunks, None)
     w.add_rank(0, meta, len(data), full_chunks, None)
-    with pytest.raises(UsageError, match="already added"):
+    with misuse("already added"):
         w.add_rank(0, meta, len(data), full_chunks, None)
-    with pytest.raises(UsageError, match=r"ranks \[1\]"):
+    with misuse(r"ranks \[1\]"):
         w.commit()
+    with misuse("was not added"):
+        w.record(1)
     w.abort()
+    assert w.state is WriterState.ABORTED
     assert not store.storage.exists(step_dir(40))
-    with pytest.raises(UsageError):
+    with misuse("already aborted"):
         w.commit()
+    with misuse("already aborted"):
+        w.add_rank(1, meta, len(data), full_chunks, None)
+    w.abort()  # idempotent
     # Re-persisting the current good checkpoint is refused; nothing was touched.
-    with pytest.raises(UsageError, match="already committed"):
+    with misuse("already committed"):
         store.begin(20, WORLD, "zstd")
-    with pytest.raises(UsageError, match="already committed"):
+    with misuse("already committed"):
         store.begin(10, WORLD, "zstd")  # the base of the current one
     assert store.steps() == [10, 20] and store.verify(20) == []
+    # A committed writer is done: it neither commits again nor aborts (removes) its checkpoint.
+    w = store.begin(50, 1, cfg.describe())
+    w.add_rank(0, meta, len(data), full_chunks, None)
+    w.commit()
+    assert w.state is WriterState.COMMITTED
+    with misuse("already committed"):
+        w.commit()
+    w.abort()
+    assert w.state is WriterState.COMMITTED
+    assert store.steps() == [10, 20, 50] and store.verify(50) == []
 
 
 def _contribute(store: DurableStore, step: int, rank: int, rd: RankData, base: RankData | None) -> dict:
@@ -387,7 +419,7 @@ def _contribute(store: DurableStore, step: int, rank: int, rd: RankData, base: R
         enc.close()
     part = store.contribute(step, WORLD, cfg.describe())
     part.add_rank(rank, meta, len(data), chunks, None if base is None else 10)
-    with pytest.raises(UsageError, match="contributor cannot commit"):
+    with misuse("contributor cannot commit"):
         part.commit()
     return part.record(rank)
 
@@ -423,7 +455,7 @@ def test_checkpoint_written_by_several_contributors(tmp_path: Path) -> None:
     (tmp_path / step_dir(20) / rank_file(1)).write_bytes(b"short")
     with pytest.raises(SnapshotCorruptError, match="bytes"):
         owner.adopt(truncated)
-    with pytest.raises(UsageError, match=r"ranks \[1, 2\]"):
+    with misuse(r"ranks \[1, 2\]"):
         owner.commit()
     owner.abort()
     assert store.steps() == [10] and not (tmp_path / step_dir(20)).exists()

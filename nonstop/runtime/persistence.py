@@ -131,7 +131,7 @@ class ClusterPersister:
         world_size = len({r for ranks in placement.values() for r in ranks})
         try:
             writer = self.durable.begin(step, world_size, self.codec.describe())
-        except (NonstopError, OSError) as e:
+        except (NonstopError, OSError, ValueError) as e:  # ValueError: e.g. step already committed
             self._failed(f"cannot open checkpoint step {step}: {e}", tickets)
             return False
         rd = PersistRound(
@@ -210,7 +210,7 @@ class ClusterPersister:
     def _commit(self, rd: PersistRound) -> None:
         try:
             rd.writer.commit()
-        except (NonstopError, OSError) as e:
+        except (NonstopError, OSError, ValueError) as e:  # ValueError: the writer refused (misuse)
             self.abort(f"committing it: {e}")  # still the round in flight
             return
         self.round = None

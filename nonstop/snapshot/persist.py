@@ -293,9 +293,9 @@ class Persister:
         try:
             self._persist()
             self.last_error = None
-        except (NonstopError, OSError) as e:
+        except (NonstopError, OSError, ValueError) as e:
             # Next attempt writes full checkpoints: a delta base may be what went wrong
-            # (deleted or corrupted on the durable side).
+            # (deleted or corrupted on the durable side: the writer refuses it, ValueError).
             self._encoder.reset()
             self.last_error = f"{type(e).__name__}: {e}"
             log.warning("persist failed: %s", self.last_error)

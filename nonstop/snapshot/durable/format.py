@@ -1,0 +1,324 @@
+"""The durable tier's on-disk format: the spec, the names of its files, the manifest and rank
+records (plain values), and the manifest's encoding, decoding and validation.
+
+On-disk format, version 1 (nothing is pickled; every file is raw bytes or JSON)::
+
+    <root>/
+      latest                        "step-000000000120\\n": the committed checkpoint. Written LAST.
+      step-000000000120/
+        rank-00000.bin              rank 0's encoded chunks, concatenated in manifest order
+        rank-00001.bin
+        ...
+        manifest.json               written once every rank's .bin is durable
+
+``manifest.json`` is one line of canonical JSON (keys in the order below, separators
+``,`` and ``:``, ASCII only) followed by ``\\n``::
+
+    {"format": "nonstop-checkpoint", "version": 1, "step": 120, "world_size": 2,
+     "created_at": 1767225600.5, "codec": "<CodecConfig.describe()>",
+     "ranks": [{"rank": 0, "data_len": N, "meta": "<the rank's meta JSON, as a string>",
+                "meta_crc": C, "base_step": null | 110, "file": "rank-00000.bin",
+                "file_len": L, "chunks": [{<ChunkInfo.to_json()>, "file_offset": O}, ...]},
+               ...],
+     "manifest_crc": M}
+
+``manifest_crc`` is the zlib CRC-32 of the canonical JSON of the document without that last
+key. A reader re-serialises what it parsed and requires the file to be byte-identical to
+it and the CRC to match, so a change of any byte of the manifest is detected. Each chunk
+carries the CRC of its stored payload and of its decoded bytes; chunks tile the ``.bin``
+file exactly (``file_offset`` ascending, no gaps, ``file_len`` in total).
+
+A rank's checkpoint is either FULL (``base_step`` null) or a DELTA whose delta chunks apply
+to the same rank of checkpoint ``base_step``. Chains have depth 1: the writer accepts a
+delta only against a committed FULL checkpoint of that rank with the identical tensor layout
+(same ``data_len`` and ``meta["tensors"]``); retention never deletes a base that a retained
+checkpoint needs.
+
+Commit protocol (one writer per root at a time): every ``.bin`` is written and made durable
+(local disks: a temporary name, fsync, rename, fsync of the directory; object stores publish
+an object whole when its upload completes; on other fsspec file systems an object being
+written may be visible early, which the checksums and the write order make harmless);
+then ``manifest.json``, whose presence marks the step committed; then ``latest``; then
+retention removes checkpoints that
+are neither among the ``keep`` newest (up to the one just committed) nor a base of one of
+them, abandoned (manifest-less) step directories, checkpoints newer than the one just
+committed (a superseded timeline: training resumed from an older step), and leftover
+temporary files. A crash at any point leaves the previously committed checkpoint loadable:
+``latest`` changes only by an atomic replace once the new checkpoint is complete, and
+nothing ``latest`` depends on is removed before ``latest`` moves.
+
+Loading with ``step=None`` starts at the step ``latest`` names (or, when ``latest`` is
+missing or unreadable, the newest step with a manifest) and falls back to older committed
+steps, logging one warning line per unusable checkpoint on the ``nonstop.durable`` logger.
+
+Contract of this module: pure functions and immutable values, no I/O, safe from any thread.
+:func:`decode_manifest` accepts exactly the bytes :func:`encode_manifest` produces for a
+valid checkpoint and raises :class:`~nonstop.errors.SnapshotCorruptError` (one line, naming
+where) for anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nonstop.errors import SnapshotCorruptError
+from nonstop.snapshot.codec import ChunkInfo
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "LATEST",
+    "LATEST_RE",
+    "MANIFEST",
+    "TMP_MARK",
+    "Manifest",
+    "ManifestError",
+    "RankRecord",
+    "check_coverage",
+    "decode_manifest",
+    "encode_manifest",
+    "layout_of",
+    "one_line",
+    "parse_step_dir",
+    "rank_doc",
+    "rank_file",
+    "rank_from_doc",
+    "step_dir",
+]
+
+FORMAT_NAME = "nonstop-checkpoint"
+FORMAT_VERSION = 1
+LATEST = "latest"
+MANIFEST = "manifest.json"
+TMP_MARK = ".tmp-"  # in the name of every object being written (never in a committed file's name)
+LATEST_RE = re.compile(r"^(step-\d{12,})\n?$")
+_STEP_RE = re.compile(r"^step-(\d{12,})$")
+
+
+def step_dir(step: int) -> str:
+    """Name of the directory of checkpoint ``step``."""
+    return f"step-{step:012d}"
+
+
+def rank_file(rank: int) -> str:
+    """Name of rank ``rank``'s chunk file inside a step directory."""
+    return f"rank-{rank:05d}.bin"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a step directory's name; None when ``name`` is not one."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def one_line(text: object) -> str:
+    """``text`` with every run of whitespace (newlines included) as one space: error
+    messages that quote stored or foreign text stay one line."""
+    return " ".join(str(text).split())
+
+
+def layout_of(meta: bytes) -> Any:
+    """The part of a meta that defines the data layout (``tensors``); None when absent."""
+    try:
+        obj = json.loads(meta)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return obj.get("tensors") if isinstance(obj, dict) else None
+
+
+# ---------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class RankRecord:
+    """One rank's entry of a manifest: where its chunks are and what they decode to."""
+
+    rank: int
+    data_len: int
+    meta: bytes
+    meta_crc: int
+    base_step: int | None
+    file: str
+    file_len: int
+    chunks: tuple[tuple[ChunkInfo, int], ...]  # (info, offset in file)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed checkpoint's manifest, decoded and validated."""
+
+    step: int
+    world_size: int
+    created_at: float
+    codec: str
+    ranks: tuple[RankRecord, ...]
+
+
+class ManifestError(Exception):
+    """A manifest field (or a rank entry given to a writer) is malformed. Never escapes the
+    durable tier: readers turn it into SnapshotCorruptError, writers into ValueError."""
+
+
+# ---------------------------------------------------------------------------- encoding
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def rank_doc(r: RankRecord) -> dict[str, Any]:
+    """A rank's manifest entry (plain JSON types)."""
+    return {
+        "rank": r.rank,
+        "data_len": r.data_len,
+        "meta": r.meta.decode("utf-8"),
+        "meta_crc": r.meta_crc,
+        "base_step": r.base_step,
+        "file": r.file,
+        "file_len": r.file_len,
+        "chunks": [{**info.to_json(), "file_offset": off} for info, off in r.chunks],
+    }
+
+
+def encode_manifest(
+    step: int, world_size: int, created_at: float, codec: str, ranks: Sequence[RankRecord]
+) -> bytes:
+    """The bytes of ``manifest.json`` (see the module doc)."""
+    body: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "created_at": created_at,
+        "codec": codec,
+        "ranks": [rank_doc(r) for r in ranks],
+    }
+    crc = zlib.crc32(_canonical(body))
+    return _canonical({**body, "manifest_crc": crc}) + b"\n"
+
+
+# ---------------------------------------------------------------------------- decoding
+def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    if key not in d:
+        raise ManifestError(f"field {key!r} is missing")
+    v = d[key]
+    if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
+        raise ManifestError(f"field {key!r} has the wrong type")
+    return v
+
+
+def _nonneg(d: dict[str, Any], key: str) -> int:
+    v: int = _get(d, key, int)
+    if v < 0:
+        raise ManifestError(f"field {key!r} is negative")
+    return v
+
+
+def decode_manifest(raw: bytes, where: str) -> Manifest:
+    """Parse and validate the bytes of a ``manifest.json``; ``where`` names it in errors.
+    SnapshotCorruptError unless ``raw`` is byte-identical to a valid manifest's encoding."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise SnapshotCorruptError(f"{where}: manifest is not valid JSON (truncated or corrupt)") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise SnapshotCorruptError(f"{where}: not a {FORMAT_NAME} manifest")
+    version = doc.get("version")
+    if version != FORMAT_VERSION:
+        raise SnapshotCorruptError(
+            f"{where}: manifest format version {version!r}, this nonstop reads version {FORMAT_VERSION}"
+        )
+    try:
+        canonical = _canonical(doc) + b"\n"
+    except ValueError:
+        canonical = b""
+    crc = doc.pop("manifest_crc", None)
+    if raw != canonical or not isinstance(crc, int) or crc != zlib.crc32(_canonical(doc)):
+        raise SnapshotCorruptError(f"{where}: manifest fails its checksum (manifest_crc)")
+    try:
+        return _manifest_from_doc(doc)
+    except (ManifestError, SnapshotCorruptError, ValueError, TypeError, KeyError) as e:
+        raise SnapshotCorruptError(f"{where}: manifest: {one_line(e)}") from None
+
+
+def _manifest_from_doc(doc: dict[str, Any]) -> Manifest:
+    step = _nonneg(doc, "step")
+    world_size = _nonneg(doc, "world_size")
+    created_at = float(_get(doc, "created_at", (int, float)))
+    codec = _get(doc, "codec", str)
+    ranks_raw = _get(doc, "ranks", list)
+    if world_size < 1 or len(ranks_raw) != world_size:
+        raise ManifestError(f"world_size {world_size} but {len(ranks_raw)} rank entries")
+    ranks = []
+    for i, rd in enumerate(ranks_raw):
+        if not isinstance(rd, dict):
+            raise ManifestError(f"rank entry {i} is not an object")
+        try:
+            ranks.append(rank_from_doc(rd, i, step))
+        except ManifestError as e:
+            raise ManifestError(f"rank {i}: {e}") from None
+    return Manifest(step=step, world_size=world_size, created_at=created_at, codec=codec, ranks=tuple(ranks))
+
+
+def rank_from_doc(rd: dict[str, Any], i: int, step: int) -> RankRecord:
+    """Validate rank ``i``'s entry of checkpoint ``step`` (see :func:`rank_doc`).
+    ManifestError (or SnapshotCorruptError from a chunk's own decoding) when malformed."""
+    if _nonneg(rd, "rank") != i:
+        raise ManifestError("entries are out of rank order")
+    data_len = _nonneg(rd, "data_len")
+    meta = _get(rd, "meta", str).encode("utf-8")
+    meta_crc = _nonneg(rd, "meta_crc")
+    base_step = rd.get("base_step")
+    if base_step is not None and (not isinstance(base_step, int) or isinstance(base_step, bool)):
+        raise ManifestError("field 'base_step' has the wrong type")
+    if base_step is not None and not 0 <= base_step < step:
+        raise ManifestError(f"base_step {base_step} is not an older step")
+    file = _get(rd, "file", str)
+    if not file or "/" in file or file in (".", "..") or TMP_MARK in file:
+        raise ManifestError(f"bad file name {file!r}")
+    file_len = _nonneg(rd, "file_len")
+    chunks = []
+    pos = 0
+    for cd in _get(rd, "chunks", list):
+        if not isinstance(cd, dict):
+            raise ManifestError("a chunk entry is not an object")
+        cd = dict(cd)
+        off = cd.pop("file_offset", None)
+        info = ChunkInfo.from_json(cd)  # SnapshotCorruptError on bad input
+        if off != pos:
+            raise ManifestError("chunks do not tile the file")
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > data_len:
+            raise ManifestError(
+                f"chunk [{info.offset}, +{info.length}) lies outside the data ({data_len} bytes)"
+            )
+        if info.delta and base_step is None:
+            raise ManifestError("a delta chunk but no base_step")
+        chunks.append((info, pos))
+        pos += info.enc_len
+    if pos != file_len:
+        raise ManifestError(f"chunks cover {pos} bytes of the {file_len}-byte file")
+    check_coverage([info for info, _ in chunks], data_len)
+    return RankRecord(
+        rank=i,
+        data_len=data_len,
+        meta=meta,
+        meta_crc=meta_crc,
+        base_step=base_step,
+        file=file,
+        file_len=file_len,
+        chunks=tuple(chunks),
+    )
+
+
+def check_coverage(infos: Sequence[ChunkInfo], data_len: int) -> None:
+    """The chunks' data ranges must not overlap and must cover ``[0, data_len)`` exactly
+    (ManifestError otherwise)."""
+    pos = 0
+    for info in sorted(infos, key=lambda c: c.offset):
+        if info.offset != pos:
+            what = "overlap" if info.offset < pos else "leave a gap"
+            raise ManifestError(f"chunks {what} at data offset {min(pos, info.offset)}")
+        pos = info.offset + info.length
+    if pos != data_len:
+        raise ManifestError(f"chunks cover {pos} of {data_len} data bytes")

@@ -1,0 +1,167 @@
+"""Reading checkpoints back: :class:`Loader` (used by :class:`DurableStore`), with every
+checksum verified and, for ``load(step=None)``, fallback to the next good checkpoint.
+
+Contract: nothing here writes. A rank's bytes are returned only when its file, meta and
+every chunk (and, for a delta, its base's) pass their checksums; anything else raises
+SnapshotCorruptError (one line, naming the checkpoint, rank and file). ``load(None)`` logs
+one warning line per unusable checkpoint on the ``nonstop.durable`` logger before trying
+the next older one. Safe to use from several threads (each call reads on its own; decoding
+uses ``threads`` threads).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from nonstop.errors import SnapshotCorruptError, SnapshotError, SnapshotMissingError, UsageError
+from nonstop.snapshot import codec as _codec
+from nonstop.snapshot.durable.catalog import Catalog
+from nonstop.snapshot.durable.format import LATEST, Manifest, RankRecord, layout_of, one_line, step_dir
+
+__all__ = ["LoadedCheckpoint", "Loader"]
+
+log = logging.getLogger("nonstop.durable")
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A whole-job checkpoint read back: ``ranks[r]`` is rank ``r``'s (meta, raw data)."""
+
+    step: int
+    world_size: int
+    codec: str
+    created_at: float
+    ranks: list[tuple[bytes, bytearray]]
+
+    def meta(self, rank: int) -> bytes:
+        return self.ranks[rank][0]
+
+    def data(self, rank: int) -> bytearray:
+        return self.ranks[rank][1]
+
+
+class Loader:
+    """Loads and verifies the checkpoints of one :class:`~.catalog.Catalog`."""
+
+    def __init__(self, catalog: Catalog, threads: int) -> None:
+        self.catalog = catalog
+        self.threads = threads
+
+    def _rank_data(self, m: Manifest, rec: RankRecord, base: bytearray | None) -> bytearray:
+        where = f"{self.catalog.where(m.step)} rank {rec.rank}"
+        path = f"{step_dir(m.step)}/{rec.file}"
+        try:
+            blob = self.catalog.storage.read(path)
+        except SnapshotMissingError:
+            raise SnapshotCorruptError(f"{where}: {rec.file} is missing") from None
+        if len(blob) != rec.file_len:
+            what = "truncated" if len(blob) < rec.file_len else "longer than recorded"
+            raise SnapshotCorruptError(
+                f"{where}: {rec.file} is {what} ({len(blob)} bytes, manifest says {rec.file_len})"
+            )
+        if _codec.checksum(rec.meta) != rec.meta_crc:
+            raise SnapshotCorruptError(f"{where}: meta fails its checksum")
+        mv = memoryview(blob)
+        chunks = [(info, mv[off : off + info.enc_len]) for info, off in rec.chunks]
+        out = bytearray(rec.data_len)
+        try:
+            _codec.decode(chunks, out, base, threads=self.threads)
+        except SnapshotCorruptError as e:
+            raise SnapshotCorruptError(f"{where}: {rec.file}: {one_line(e)}") from None
+        except (ValueError, RuntimeError, OverflowError, IndexError, KeyError) as e:
+            raise SnapshotCorruptError(
+                f"{where}: {rec.file}: cannot decode ({type(e).__name__}: {one_line(e)})"
+            ) from None
+        return out
+
+    def _load_rank(self, m: Manifest, rank: int, bases: dict[int, Manifest]) -> tuple[bytes, bytearray]:
+        if not 0 <= rank < m.world_size:
+            raise SnapshotMissingError(
+                f"{self.catalog.where(m.step)} has no rank {rank} (world size {m.world_size})"
+            )
+        rec = m.ranks[rank]
+        base_data = None
+        if rec.base_step is not None:
+            where = f"{self.catalog.where(m.step)} rank {rank}"
+            b = rec.base_step
+            bm = bases.get(b)
+            if bm is None:
+                try:
+                    bm = self.catalog.read_manifest(b)
+                except SnapshotError as e:
+                    raise SnapshotCorruptError(
+                        f"{where}: its base checkpoint step {b} is unusable ({one_line(e)})"
+                    ) from None
+                bases[b] = bm
+            if rank >= bm.world_size:
+                raise SnapshotCorruptError(f"{where}: its base checkpoint step {b} has no rank {rank}")
+            brec = bm.ranks[rank]
+            if brec.base_step is not None:
+                raise SnapshotCorruptError(f"{where}: its base checkpoint step {b} is not a full checkpoint")
+            if brec.data_len != rec.data_len or layout_of(brec.meta) != layout_of(rec.meta):
+                raise SnapshotCorruptError(f"{where}: tensor layout differs from its base step {b}")
+            try:
+                base_data = self._rank_data(bm, brec, None)
+            except SnapshotCorruptError as e:
+                raise SnapshotCorruptError(f"{where}: its base is unusable: {one_line(e)}") from None
+        return rec.meta, self._rank_data(m, rec, base_data)
+
+    def load_rank(self, step: int, rank: int) -> tuple[bytes, bytearray]:
+        """(meta, raw data) of ``rank`` in checkpoint ``step``, every checksum verified."""
+        return self._load_rank(self.catalog.read_manifest(step), rank, {})
+
+    def _load_step(self, step: int, world_size: int | None) -> LoadedCheckpoint:
+        m = self.catalog.read_manifest(step)
+        if world_size is not None and world_size != m.world_size:
+            raise UsageError(
+                f"{self.catalog.where(step)} has {m.world_size} ranks but this job has {world_size}; "
+                f"run with --nproc-per-node {m.world_size}"
+            )
+        bases: dict[int, Manifest] = {}
+        ranks = [self._load_rank(m, r, bases) for r in range(m.world_size)]
+        return LoadedCheckpoint(
+            step=m.step, world_size=m.world_size, codec=m.codec, created_at=m.created_at, ranks=ranks
+        )
+
+    def load(self, step: int | None = None, *, world_size: int | None = None) -> LoadedCheckpoint:
+        """Checkpoint ``step``, or with ``step=None`` the newest good one (see the format).
+        SnapshotMissingError when there is none; UsageError when ``world_size`` differs."""
+        if step is not None:
+            return self._load_step(step, world_size)
+        committed = self.catalog.steps()
+        first, problem = self.catalog.read_latest()
+        if problem is not None:
+            log.warning("%s; using the newest committed checkpoint instead", problem)
+        if first is None:
+            if committed and problem is None:
+                log.info(
+                    "no %s pointer in %s; using the newest committed checkpoint", LATEST, self.catalog.url
+                )
+            order = committed[::-1]
+        else:
+            order = [first] + [s for s in committed[::-1] if s < first]
+        for i, s in enumerate(order):
+            try:
+                return self._load_step(s, world_size)
+            except SnapshotError as e:
+                nxt = f"falling back to step {order[i + 1]}" if i + 1 < len(order) else "no older checkpoint"
+                log.warning("durable checkpoint unusable: %s; %s", one_line(e), nxt)
+        if not order:
+            raise SnapshotMissingError(f"no committed checkpoint in {self.catalog.url}")
+        raise SnapshotMissingError(f"no loadable checkpoint in {self.catalog.url} (tried steps {order})")
+
+    def verify(self, step: int) -> list[str]:
+        """Problems of checkpoint ``step`` (empty when good): reads and checks every byte."""
+        try:
+            m = self.catalog.read_manifest(step)
+        except SnapshotError as e:
+            return [one_line(e)]
+        problems = []
+        bases: dict[int, Manifest] = {}
+        for r in range(m.world_size):
+            try:
+                self._load_rank(m, r, bases)
+            except SnapshotError as e:
+                problems.append(one_line(e))
+        return problems
