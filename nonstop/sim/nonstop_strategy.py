@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nonstop.runtime import elastic, policy
@@ -45,10 +45,13 @@ from nonstop.runtime.policy import (
     ReplacementSource,
     Tier,
 )
+from nonstop.runtime.swap import SwapKind
+from nonstop.sim import swapsim
 from nonstop.sim.api import STEADY, JobSpec, Recovery, RunContext, Trained, default_spare_nodes, require
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s
 from nonstop.sim.failures import Cause
 from nonstop.sim.strategies import SparePool
+from nonstop.sim.swapsim import SwapCosts
 
 __all__ = ["Nonstop", "NonstopParams"]
 
@@ -153,17 +156,30 @@ class Nonstop:
             f"persisting takes {self.persist_write:.0f} s: use --persist-every-s >= that",
         )
         self.rebuild = rendezvous_s(job.num_nodes)
-        self.migration = (
-            cal.migration_pause_steps * job.step_s if p.migration_pause_s is None else p.migration_pause_s
+        # live migrations and grows: the runtime's own boundary-swap machine, its actions timed at
+        # this job's scale (sim/swapsim.py); on links this fast the whole step beats a delta (the
+        # encode costs more than the bytes it saves: bench_catchup.py), so a delta takes as long
+        costs = SwapCosts(
+            step_s=job.step_s,
+            fetch_s=self.transfer,
+            delta_fetch_s=self.transfer,
+            restore_s=self.restore_local,
+            rebuild_s=self.rebuild,
+            extra_pause_s=cal.migration_pause_steps * job.step_s,
         )
+        self.migration_swap = swapsim.time_swap(SwapKind.MIGRATION, costs)
+        self.migration = self.migration_swap.pause_s if p.migration_pause_s is None else p.migration_pause_s
         require(
             p.min_world_size <= job.num_gpus,
             f"--min-world-size must be in 0..{job.num_gpus} (the job's GPUs, one rank each; 0 never "
             f"shrinks); got {p.min_world_size}",
         )
-        # an elastic grow: the joiners prepare while the job trains, then every rank pauses
-        self.grow_prepare = cal.launch_cold_s + self.transfer + self.restore_local + job.step_s
-        self.grow_pause = cal.grow_pause_steps * job.step_s
+        # an elastic grow: the pool node's processes start, its joiners prepare while the job trains,
+        # then every rank pauses at the boundary (the same machine)
+        grow_costs = replace(costs, extra_pause_s=cal.grow_pause_steps * job.step_s)
+        self.grow_swap = swapsim.time_swap(SwapKind.GROW, grow_costs, joiners=job.gpus_per_node)
+        self.grow_prepare = cal.launch_cold_s + self.grow_swap.prepare_s
+        self.grow_pause = self.grow_swap.pause_s
         self._holders: dict[int, list[int]] = {}
 
     # -- the ring of replica holders ------------------------------------------------------------
@@ -248,7 +264,7 @@ class Nonstop:
         if target <= self.world:
             return cause, Recovery()  # the policy does not grow: those nodes stay out of the job
         self.world = target
-        pause = [("restore", self.grow_pause), ("rebuild", self.rebuild)]
+        pause = list(self.grow_swap.stages)
         back = now + sum(s for _, s in pause) + self.transfer * max(1, self.p.replicas)
         for pos in ready:
             self.absent.pop(pos, None)
@@ -319,7 +335,10 @@ class Nonstop:
         assert tier is not None  # the durable tier always has the newest persisted step
         if action is RecoveryAction.MIGRATE:
             lost = 0.0
-            pause = [("plan", cal.plan_s), ("restore", self.migration)]
+            if self.p.migration_pause_s is None:
+                pause = [("plan", cal.plan_s), *self.migration_swap.stages]
+            else:
+                pause = [("plan", cal.plan_s), ("restore", self.migration)]
         else:
             lost = 0.0 if recovering and tier is not Tier.DURABLE else self._lost(tier)
             if placement.source is ReplacementSource.SPARE:
@@ -441,7 +460,7 @@ class Nonstop:
             "elastic_wait_s": self.p.elastic_wait_s,
             "shards_per_rank": self.p.shards_per_rank,
             "grow_prepare_s": self.grow_prepare,
-            "grow_pause_s": self.grow_pause + self.rebuild,
+            "grow_pause_s": self.grow_pause,
             "quarantine": {
                 "max_failures": self.p.quarantine.max_failures,
                 "window_s": self.p.quarantine.window_s,
