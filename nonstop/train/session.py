@@ -53,7 +53,8 @@ from nonstop.control.channel import Channel, Message, connect
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import ControlError, JobFailedError, SnapshotError
 from nonstop.faults import FaultInjector, preempt_notice_path
-from nonstop.snapshot import RankSnapshotStore, StateCapture, segment_prefix
+from nonstop.snapshot import RankSnapshotStore, StateCapture
+from nonstop.snapshot.slot import rank_slot_paths
 from nonstop.snapshot.store import PendingWrite
 from nonstop.train.abort import SocketWatch
 from nonstop.train.ddp import CanonicalGradSync, wrap_ddp
@@ -482,7 +483,7 @@ class Session:
             FaultInjector.fire(fault, wipe=self._wipe_snapshots, agent_pid=self.env.agent_pid)
 
     def _wipe_snapshots(self) -> None:
-        for path in self.env.shm_dir.glob(f"{segment_prefix(self.env.job_id)}r{self.rank}-s*"):
+        for path in rank_slot_paths(self.env.shm_dir, self.env.job_id, self.rank):
             path.unlink(missing_ok=True)
 
     def _destroy_group(self) -> None:

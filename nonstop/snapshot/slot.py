@@ -1,0 +1,287 @@
+"""One snapshot slot: a file in shared memory, its naming, its header and its pin word.
+
+This is the format half of the memory tier (:mod:`nonstop.snapshot.store` is the
+protocol half: which slot to write, overlapped capture, seqlock-style reads).
+The byte layout and header fields are specified in :mod:`nonstop.snapshot.api`;
+here they are mapped, encoded and decoded:
+
+* **Naming.** Every segment of a job starts with :func:`segment_prefix`; a slot
+  is ``<prefix>r<rank>-s<slot>`` (:func:`slot_path`; :func:`rank_slot_paths` lists
+  a rank's). The agent lists and deletes a job's segments by that prefix.
+* **Mapping.** :class:`Slot` maps one file ``MAP_SHARED``. A writer grows it in
+  place (same inode, larger mapping); a reader remaps when the header's
+  capacities exceed its mapping, and forgets the mapping when the file was
+  deleted or replaced (another inode).
+* **Header.** :meth:`Slot.write_header` encodes every field except the ``pinned``
+  word, which it carries over as it finds it; :meth:`Slot.header` decodes it and
+  rejects another format version; :meth:`Slot.read_info` turns it into a
+  :class:`~nonstop.snapshot.api.SnapshotInfo`. There is no checksum: a header is
+  trusted once its magic and version match, and the state word (WRITING first,
+  COMPLETE last) is what tells a torn write from a valid one.
+* **Pins.** The ``pinned`` word is a bit set owned by readers: :data:`READ_PIN`
+  while a reader copies the slot out, :data:`KEEP_PIN` while the agent keeps
+  that snapshot.
+
+Threading contract: a :class:`Slot` is not thread-safe. Its owner (one
+``RankSnapshotStore``) maps, remaps and writes headers from one thread at a time;
+the store's background copier writes the COMPLETE header of the slot it was
+handed while the caller's thread does not touch that slot's header. The one
+exception is :meth:`Slot.set_pinned`: the readers of one process (persister,
+replicator, data plane) may pin slots from several threads, so the
+read-modify-write of the pin word holds a process-wide lock. Across processes
+the pin word has one writer per bit (the reading process); the writing process
+only carries it over.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nonstop.errors import SnapshotError
+from nonstop.snapshot.api import (
+    ALIGN,
+    FORMAT_VERSION,
+    HEADER_FMT,
+    HEADER_SIZE,
+    MAGIC,
+    PIN_OFFSET,
+    SlotState,
+    SnapshotInfo,
+    TensorEntry,
+)
+
+__all__ = [
+    "KEEP_PIN",
+    "READ_PIN",
+    "Slot",
+    "align",
+    "dtype_from_name",
+    "rank_slot_paths",
+    "segment_prefix",
+    "slot_path",
+]
+
+
+def segment_prefix(job_id: str) -> str:
+    """File-name prefix of every shared-memory segment of ``job_id``."""
+    return f"nonstop-{job_id}-"
+
+
+def slot_path(shm_dir: Path, job_id: str, rank: int, slot: int) -> Path:
+    return shm_dir / f"{segment_prefix(job_id)}r{rank}-s{slot}"
+
+
+def rank_slot_paths(shm_dir: Path, job_id: str, rank: int) -> list[Path]:
+    """The slot files of ``rank`` that exist now, whatever the number of slots."""
+    return list(shm_dir.glob(f"{segment_prefix(job_id)}r{rank}-s*"))
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise SnapshotError(f"unknown dtype {name!r} in snapshot meta")
+    return dt
+
+
+READ_PIN = 1  # a reader is copying the slot (transient)
+KEEP_PIN = 2  # the node agent keeps this snapshot (the replicated step, or one being replicated)
+_PIN_LOCK = threading.Lock()
+
+
+class Slot:
+    """One mapped slot file. Grows in place (same inode, larger mapping) only when needed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._mm: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None
+        self._views: list[torch.Tensor | None] = []
+        self._views_plan = -1
+        self._registered: int | None = None  # data_ptr registered with cudaHostRegister
+        self._inode = -1  # of the mapped file: a deleted or replaced file is noticed
+        self.data_cap = 0
+        self.meta_cap = 0
+
+    # -- mapping -------------------------------------------------------------
+    def _map(self, size: int, *, create: bool) -> None:
+        self.close()
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create and os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            st = os.fstat(fd)
+            size, self._inode = st.st_size, st.st_ino
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def open_existing(self) -> bool:
+        if self._mm is not None:
+            try:
+                same = os.stat(self.path).st_ino == self._inode
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._refresh_caps()
+                return True
+            self.close()  # the file was deleted (lost memory) or replaced: forget the old mapping
+        if not self.path.exists():
+            return False
+        try:
+            self._map(0, create=False)
+        except (ValueError, FileNotFoundError):
+            # created by its writer a moment ago and not sized yet (mmap refuses an empty
+            # file), or deleted meanwhile: nothing to read in it yet
+            self.close()
+            return False
+        if len(self._mm or b"") < HEADER_SIZE:
+            self.close()
+            return False
+        self._refresh_caps()
+        return True
+
+    def _refresh_caps(self) -> None:
+        hdr = self.header()
+        if hdr is not None:
+            self.data_cap, self.meta_cap = hdr[6], hdr[7]
+            if self._mm is not None and len(self._mm) < HEADER_SIZE + self.data_cap + self.meta_cap:
+                # The writer grew the file: remap to the new size.
+                self._map(0, create=False)
+
+    def ensure_capacity(self, data_len: int, meta_len: int) -> None:
+        if self._mm is None:
+            self.open_existing()
+        if self._mm is not None and data_len <= self.data_cap and meta_len <= self.meta_cap:
+            return
+        data_cap = align(max(data_len, self.data_cap))
+        meta_cap = align(max(int(meta_len * 1.5) + 4096, self.meta_cap))
+        # Grow in place: other processes keep the same inode mapped and remap when the
+        # header's capacities exceed their mapping.
+        self._map(HEADER_SIZE + data_cap + meta_cap, create=True)
+        self.data_cap, self.meta_cap = data_cap, meta_cap
+        self.write_header(SlotState.EMPTY, -1, 0, 0, 0.0)
+
+    def views(self, plan_id: int, entries: list[TensorEntry]) -> list[torch.Tensor | None]:
+        """Destination tensors for ``entries`` in this slot (None for empty ones), made once
+        per layout and mapping."""
+        if self._views_plan != plan_id:
+            data = self.data_view()
+            self._views = [
+                data[e.offset : e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
+                if e.nbytes
+                else None
+                for e in entries
+            ]
+            self._views_plan = plan_id
+        return self._views
+
+    def pin_for_cuda(self) -> None:
+        """Page-lock the data area so device-to-host copies into it are truly asynchronous."""
+        if self._bytes is None or not torch.cuda.is_available():
+            return
+        ptr = self._bytes.data_ptr()
+        if self._registered == ptr:
+            return
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, self._bytes.numel(), 0)  # type: ignore[no-untyped-call]
+        self._registered = ptr if int(rc) == 0 else None
+
+    def close(self) -> None:
+        self._views, self._views_plan = [], -1
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)  # type: ignore[no-untyped-call]
+            self._registered = None
+        self._bytes = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+    # -- header --------------------------------------------------------------
+    def header(self) -> tuple[Any, ...] | None:
+        if self._mm is None:
+            return None
+        raw = struct.unpack_from(HEADER_FMT, self._mm, 0)
+        if raw[0] != MAGIC:
+            return None
+        if raw[1] != FORMAT_VERSION:
+            raise SnapshotError(
+                f"{self.path}: snapshot format v{raw[1]}, this nonstop reads v{FORMAT_VERSION}"
+            )
+        return raw
+
+    def read_info(self, rank: int, index: int) -> SnapshotInfo | None:
+        """The header of this slot (slot number ``index`` of ``rank``), decoded; None when the
+        file is missing, not sized yet or holds no header."""
+        if not self.open_existing():
+            return None
+        hdr = self.header()
+        if hdr is None:
+            return None
+        return SnapshotInfo(
+            rank=rank,
+            slot=index,
+            state=SlotState(hdr[2]),
+            step=hdr[3],
+            data_len=hdr[4],
+            meta_len=hdr[5],
+            written_at=hdr[8],
+            pinned=bool(hdr[9]),
+            writer_pid=hdr[10],
+        )
+
+    def write_header(
+        self, state: SlotState, step: int, data_len: int, meta_len: int, written_at: float
+    ) -> None:
+        """Everything but the ``pinned`` word, which belongs to readers."""
+        assert self._mm is not None
+        pinned = struct.unpack_from("<I", self._mm, PIN_OFFSET)[0]
+        struct.pack_into(
+            HEADER_FMT,
+            self._mm,
+            0,
+            MAGIC,
+            FORMAT_VERSION,
+            int(state),
+            step,
+            data_len,
+            meta_len,
+            self.data_cap,
+            self.meta_cap,
+            written_at,
+            pinned,
+            os.getpid(),
+        )
+
+    def set_pinned(self, pinned: bool, bit: int = 1) -> None:
+        """Set or clear one pin bit (READ_PIN: a reader is copying; KEEP_PIN: the agent keeps this
+        snapshot, e.g. the replicated step). Bits of other holders are left alone."""
+        assert self._mm is not None
+        with _PIN_LOCK:  # the readers of one process (persister, replicator, data plane) share slots
+            value = struct.unpack_from("<I", self._mm, PIN_OFFSET)[0]
+            value = value | bit if pinned else value & ~bit
+            struct.pack_into("<I", self._mm, PIN_OFFSET, value)
+
+    def data_view(self) -> torch.Tensor:
+        assert self._bytes is not None
+        return self._bytes[HEADER_SIZE : HEADER_SIZE + self.data_cap]
+
+    def data_memoryview(self) -> memoryview:
+        assert self._mm is not None
+        return memoryview(self._mm)[HEADER_SIZE : HEADER_SIZE + self.data_cap]
+
+    def meta_view(self) -> memoryview:
+        assert self._mm is not None
+        start = HEADER_SIZE + self.data_cap
+        return memoryview(self._mm)[start : start + self.meta_cap]
