@@ -30,7 +30,6 @@ Contract of :meth:`Session.run`:
 from __future__ import annotations
 
 import _thread
-import datetime
 import functools
 import importlib
 import logging
@@ -45,7 +44,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.config import WorkerEnv
@@ -56,8 +54,8 @@ from nonstop.faults import FaultInjector, preempt_notice_path
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.snapshot.slot import rank_slot_paths
 from nonstop.snapshot.store import PendingWrite
-from nonstop.train.abort import SocketWatch
-from nonstop.train.ddp import CanonicalGradSync, wrap_ddp
+from nonstop.train.ddp import CanonicalGradSync
+from nonstop.train.group import GenerationGroup
 
 __all__ = ["RunResult", "Session", "init"]
 
@@ -104,8 +102,7 @@ class Session:
         self._inbox: queue.Queue[Message] = queue.Queue()
         self._closing = False
         self._sync: CanonicalGradSync | None = None
-        self._ddp: DistributedDataParallel | None = None
-        self._group_sockets: SocketWatch | None = None
+        self._group = GenerationGroup()
         self._rdzv: ChannelStore | None = None
         self._step = 0
         self._fence_wait_s = 0.0
@@ -487,26 +484,11 @@ class Session:
             path.unlink(missing_ok=True)
 
     def _destroy_group(self) -> None:
-        """Drop this generation's DDP wrapper and process group.
-
-        The wrapper's reducer is unhooked from autograd first: otherwise it stays
-        attached to the parameters, fires on later backward passes and keeps the
-        dead group (and its threads) alive until interpreter exit.
-        """
+        """Drop this generation's rendezvous store, DDP wrapper and process group."""
         if self._rdzv is not None:
             self._rdzv.abort("the process group was torn down")
             self._rdzv = None
-        if self._group_sockets is not None:
-            self._group_sockets.half_close()  # peers blocked on us fail now, not at the timeout
-            self._group_sockets = None
-        if self._ddp is not None:
-            self._ddp._remove_autograd_hooks()  # type: ignore[no-untyped-call]
-            self._ddp = None
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as e:  # a broken group may refuse a clean teardown
-                log.warning("destroying the old process group failed: %s", e)
+        self._group.destroy()
 
     def _reconfigure(
         self, msg: Message, model: torch.nn.Module, capture: StateCapture, train_step: TrainStep
@@ -573,24 +555,16 @@ class Session:
         # A generation that is already stale fails at once: the coordinator refuses its keys.
         store = ChannelStore(self._chan.send, gen, self.env.rebuild_timeout_s)
         self._rdzv = store
-        timeout = datetime.timedelta(seconds=self.env.rebuild_timeout_s)
-        watch = SocketWatch()
-        try:
-            dist.init_process_group(
-                "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
-            )
-        finally:
-            watch.stop()
-        self._group_sockets = watch
-        # After a restore every rank holds the same committed step: skip DDP's broadcast.
-        self._ddp = wrap_ddp(
-            model,
-            self._sync,
-            dist.group.WORLD,  # type: ignore[arg-type]
-            init_sync=not restored,
+        return self._group.join(
+            store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout_s=self.env.rebuild_timeout_s,
+            model=model,
+            sync=self._sync,
+            restored=restored,  # after a restore every rank holds the same committed step
             divisor=self.num_shards,
         )
-        return self._ddp
 
     def close(self) -> None:
         self._closing = True

@@ -1,0 +1,87 @@
+"""One generation's process group on a worker: join it, wrap the model in DDP, tear it down.
+
+A :class:`GenerationGroup` builds the gloo process group of a generation from a rendezvous
+store (the coordinator's :class:`~nonstop.control.rdzv.ChannelStore`), wraps the model in
+DDP with the deterministic gradient sync, and tears both down so that peers blocked on this
+rank fail at once instead of at the collective timeout.
+
+Threading contract: main thread only. :meth:`GenerationGroup.join` and
+:meth:`GenerationGroup.destroy` are called by the training loop between steps or while it
+handles a step's failure; nothing here is shared with the control channel's threads. The
+rendezvous store is (its replies arrive on the channel's reader thread): it is passed in,
+never kept here, and whoever created it aborts it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from nonstop.control.rdzv import ChannelStore
+from nonstop.train.abort import SocketWatch
+from nonstop.train.ddp import CanonicalGradSync, wrap_ddp
+
+__all__ = ["GenerationGroup"]
+
+log = logging.getLogger(__name__)
+
+
+class GenerationGroup:
+    """The process group and DDP wrapper of the generation a worker is in, if any."""
+
+    def __init__(self) -> None:
+        self._ddp: DistributedDataParallel | None = None
+        self._sockets: SocketWatch | None = None
+
+    def join(
+        self,
+        store: ChannelStore,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        model: torch.nn.Module,
+        sync: CanonicalGradSync | None,
+        restored: bool,
+        divisor: int,
+    ) -> torch.nn.Module:
+        """Rendezvous through ``store``, start the process group and return ``model`` in DDP.
+        ``restored``: every rank holds the same committed step, so DDP's broadcast is skipped."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        watch = SocketWatch()
+        try:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        finally:
+            watch.stop()
+        self._sockets = watch
+        self._ddp = wrap_ddp(
+            model,
+            sync,
+            dist.group.WORLD,  # type: ignore[arg-type]
+            init_sync=not restored,
+            divisor=divisor,
+        )
+        return self._ddp
+
+    def destroy(self) -> None:
+        """Drop the DDP wrapper and the process group.
+
+        The wrapper's reducer is unhooked from autograd first: otherwise it stays
+        attached to the parameters, fires on later backward passes and keeps the
+        dead group (and its threads) alive until interpreter exit.
+        """
+        if self._sockets is not None:
+            self._sockets.half_close()  # peers blocked on us fail now, not at the timeout
+            self._sockets = None
+        if self._ddp is not None:
+            self._ddp._remove_autograd_hooks()  # type: ignore[no-untyped-call]
+            self._ddp = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # a broken group may refuse a clean teardown
+                log.warning("destroying the old process group failed: %s", e)
