@@ -29,14 +29,10 @@ Contract of :meth:`Session.run`:
 
 from __future__ import annotations
 
-import _thread
 import functools
 import importlib
 import logging
 import os
-import queue
-import signal
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -47,22 +43,23 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.config import WorkerEnv
-from nonstop.control.channel import Channel, Message, connect
+from nonstop.control.channel import Message
 from nonstop.control.rdzv import ChannelStore
-from nonstop.errors import ControlError, JobFailedError, SnapshotError
+from nonstop.errors import SnapshotError
 from nonstop.faults import FaultInjector, preempt_notice_path
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.snapshot.slot import rank_slot_paths
 from nonstop.snapshot.store import PendingWrite
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.group import GenerationGroup
+from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
+from nonstop.train.link import CoordinatorLink, PeerFailed
 
 __all__ = ["RunResult", "Session", "init"]
 
 log = logging.getLogger(__name__)
 
 TrainStep = Callable[[torch.nn.Module, int], float | None]
-EXIT_COORDINATOR_LOST = 75
 # Imported by a hot spare before it waits: the first torch.optim construction
 # imports torch._dynamo (~1 s on these machines), which a spare must not pay
 # after it has been given a rank.
@@ -78,12 +75,6 @@ class RunResult:
     generation: int
 
 
-class _PeerFailed(BaseException):
-    """Raised in the main thread inside ``train_step`` when the coordinator has started a
-    recovery: the rank stops computing a step that cannot complete. A BaseException, like
-    KeyboardInterrupt, so a broad ``except Exception`` in user code does not swallow it."""
-
-
 class _Reconfigure(Exception):
     def __init__(self, msg: Message) -> None:
         super().__init__(f"reconfigure to generation {msg['gen']}")
@@ -91,7 +82,12 @@ class _Reconfigure(Exception):
 
 
 class Session:
-    """A worker's connection to its job. Create it with :func:`init`."""
+    """A worker's connection to its job. Create it with :func:`init`.
+
+    The control connection and its threads are a :class:`~nonstop.train.link.CoordinatorLink`,
+    the process group of the current generation a :class:`~nonstop.train.group.GenerationGroup`;
+    the session runs the training loop and the worker's side of recovery on the main thread.
+    """
 
     def __init__(
         self, env: WorkerEnv, *, connect_timeout: float = 30.0, prewarm: tuple[str, ...] = PREWARM_MODULES
@@ -99,34 +95,25 @@ class Session:
         self.env = env
         self.world_size = 0
         self.generation = 0
-        self._inbox: queue.Queue[Message] = queue.Queue()
-        self._closing = False
         self._sync: CanonicalGradSync | None = None
         self._group = GenerationGroup()
-        self._rdzv: ChannelStore | None = None
         self._step = 0
         self._fence_wait_s = 0.0
         self._faults = FaultInjector.from_json(env.faults_json, env.job_dir / "faults")
         self._done = False  # this rank reported its last step (a restarted coordinator asks)
-        self._pause_at: int | None = None  # live migration: stop after this step, wait for the swap
         self._live_at: int | None = None  # paused after this step: the live state is that step's
         self.warming_up = False  # a joiner's sandboxed step (see _warm_up): skip side effects
-        self._in_step = False
-        self._can_interrupt = threading.current_thread() is threading.main_thread()
-        if self._can_interrupt:
-            signal.signal(signal.SIGUSR1, self._on_interrupt)
-        self._chan: Channel = connect(env.control_addr, env.secret, self._hello(), timeout=connect_timeout)
-        threading.Thread(target=self._reader, name="nonstop-reader", daemon=True).start()
-        threading.Thread(target=self._heartbeat, name="nonstop-heartbeat", daemon=True).start()
+        self._link = CoordinatorLink(
+            env, timeout=connect_timeout, heartbeat=self._heartbeat_msg, resume=self._resume_point
+        )
         # A spare waits here, imported and connected, until it is given a rank. Pay
         # the lazy imports a first optimizer / DDP construction would pay now.
         if env.role == "spare":
             for name in prewarm:
                 importlib.import_module(name)
-        first = self._wait_for("reconfigure", "finish")
+        first = self._link.wait_for("reconfigure", "finish")
         if first["t"] == "finish":  # the job ended while this process waited as a spare
-            self._closing = True
-            self._chan.close()
+            self._link.close()
             raise SystemExit(0)
         self._pending_reconfigure: Message | None = first
         self.rank: int = int(first["rank"])
@@ -174,108 +161,18 @@ class Session:
         when a new generation starts. A request the coordinator refuses (``add`` on a key that
         holds text, a fenced generation) raises :class:`~nonstop.errors.ControlError` here, as
         torch's ``TCPStore`` raises; the job goes on."""
-        if self._rdzv is None:
+        rdzv = self._link.rdzv
+        if rdzv is None:
             raise ValueError("the process group's store exists once Session.run() has joined a generation")
-        return self._rdzv
+        return rdzv
 
-    # -- channel threads -------------------------------------------------------------------
-    def _reader(self) -> None:
-        while True:
-            self._read()
-            if self._closing or self.env.reconnect_s <= 0 or not self._reconnect():
-                # The coordinator is gone: nobody can recover this job; do not linger.
-                if not self._closing:
-                    os._exit(EXIT_COORDINATOR_LOST)
-                return
+    # -- what the link's threads report (read-only on the session) -----------------------
+    def _heartbeat_msg(self) -> Message:
+        since = self._sync.pending_since if self._sync is not None else None
+        return {"t": "hb", "coll": since is not None, "step": self._step}
 
-    def _hello(self) -> Message:
-        return {"role": self.env.role, "spawn_id": self.env.spawn_id, "pid": os.getpid()}
-
-    def _reconnect(self) -> bool:
-        """Store mode: the coordinator restarts; reach the new one (same address) within
-        ``reconnect_s``, telling it where this rank is. Training goes on meanwhile."""
-        deadline = time.monotonic() + self.env.reconnect_s
-        hello = self._hello()
-        hello["resume"] = {"gen": self.generation, "step": self._step, "done": self._done}
-        while time.monotonic() < deadline and not self._closing:
-            try:
-                self._chan = connect(self.env.control_addr, self.env.secret, hello, timeout=1.0)
-                log.info("reconnected to the coordinator")
-                return True
-            except (ControlError, OSError):
-                time.sleep(0.2)
-        return False
-
-    def _read(self) -> None:
-        """Deliver the coordinator's messages until the connection ends."""
-        try:
-            while True:
-                msg = self._chan.recv()
-                if msg.get("t") == "kv":
-                    rdzv = self._rdzv
-                    if rdzv is not None:
-                        rdzv.deliver(msg)
-                    continue
-                if msg.get("t") in ("reconfigure", "abort") and self._rdzv is not None:
-                    self._rdzv.abort("a newer generation started")  # unblock a rendezvous in progress
-                self._inbox.put(msg)
-                if msg.get("t") == "reconfigure" and self._in_step and self._can_interrupt:
-                    _thread.interrupt_main(signal.SIGUSR1)
-        except (ControlError, OSError, ValueError):
-            return
-
-    def _on_interrupt(self, _signum: int, _frame: object) -> None:
-        if self._in_step:  # outside train_step the loop sees the message between steps
-            self._in_step = False
-            raise _PeerFailed("a peer failed; abandoning this step")
-
-    def _heartbeat(self) -> None:
-        interval = self.env.heartbeat_interval_s
-        while not self._closing:
-            since = self._sync.pending_since if self._sync is not None else None
-            try:
-                self._chan.send({"t": "hb", "coll": since is not None, "step": self._step})
-            except ControlError:
-                if self.env.reconnect_s <= 0:
-                    return  # the reader ends the process
-            time.sleep(interval)
-
-    def _send(self, msg: Message) -> None:
-        try:
-            self._chan.send(msg)
-        except ControlError:
-            if self.env.reconnect_s <= 0:
-                raise
-            # store mode: the coordinator is restarting; the reconnect tells it where we are
-
-    def _wait_for(self, *kinds: str) -> Message:
-        while True:
-            msg = self._inbox.get()
-            if msg["t"] in kinds:
-                return msg
-            if msg["t"] == "pause":
-                self._pause_at = int(msg["at"])
-            elif msg["t"] == "continue":
-                self._pause_at = None
-            if msg["t"] == "abort":
-                raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
-
-    def _poll_reconfigure(self) -> Message | None:
-        """A reconfigure that arrived between steps, if any (newest wins)."""
-        found = None
-        while True:
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return found
-            if msg["t"] == "reconfigure":
-                found = msg
-            elif msg["t"] == "pause":
-                self._pause_at = int(msg["at"])
-            elif msg["t"] == "continue":
-                self._pause_at = None
-            elif msg["t"] == "abort":
-                raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
+    def _resume_point(self) -> Message:
+        return {"gen": self.generation, "step": self._step, "done": self._done}
 
     # -- the training loop -----------------------------------------------------------------
     def run(
@@ -310,16 +207,17 @@ class Session:
                     msg = None
                 try:
                     while self._step < num_steps:
-                        pending = self._poll_reconfigure()
-                        if pending is None and self._pause_at is not None and self._step >= self._pause_at:
+                        pending = self._link.poll_reconfigure()
+                        pause_at = self._link.pause_at
+                        if pending is None and pause_at is not None and self._step >= pause_at:
                             pending = self._pause(self._live_store())
                         if pending is not None:
                             raise _Reconfigure(pending)
                         t0 = time.monotonic()
-                        self._in_step = True  # from here a recovery interrupts the step
+                        self._link.in_step = True  # from here a recovery interrupts the step
                         self._maybe_inject("step", self._step)
                         loss = train_step(ddp, self._step)
-                        self._in_step = False
+                        self._link.in_step = False
                         step_s = time.monotonic() - t0
                         self._step += 1
                         t1 = time.monotonic()
@@ -340,23 +238,23 @@ class Session:
                         # A step counts as done (committed) once its snapshot is complete:
                         # with overlapped capture that is when the background copy finishes.
                         if snap is None:
-                            self._send(report)
+                            self._link.send(report)
                         else:
-                            snap.on_complete(functools.partial(self._send_quietly, report))
+                            snap.on_complete(functools.partial(self._link.send_quietly, report))
                     self._drain(self._live_store())  # the last snapshot is complete before we report done
                     self._done = True
-                    self._send({"t": "done", "gen": self.generation, "step": self._step})
-                    reply = self._wait_for("finish", "reconfigure")
+                    self._link.send({"t": "done", "gen": self.generation, "step": self._step})
+                    reply = self._link.wait_for("finish", "reconfigure")
                     if reply["t"] == "finish":
-                        self._closing = True
+                        self._link.closing = True
                         return RunResult(step=self._step, last_loss=loss, generation=self.generation)
                     msg = reply
                 except _Reconfigure as r:
                     msg = r.msg
-                except _PeerFailed as e:
+                except PeerFailed as e:
                     msg = self._on_step_error(e)
                 except Exception as e:  # a collective failed, or the user's code raised
-                    self._in_step = False
+                    self._link.in_step = False
                     msg = self._on_step_error(e)
         finally:
             if fence_hook is not None:
@@ -394,10 +292,10 @@ class Session:
         """Live migration: stop after the boundary step (its snapshot complete, for the joiner to
         fetch) until the coordinator swaps the rank (a reconfigure) or gives up (continue)."""
         self._drain(store)
-        self._pause_at = None
+        self._link.pause_at = None
         self._live_at = self._step  # until the next step starts, the live state is that of this step
-        self._send({"t": "paused", "gen": self.generation, "step": self._step})
-        reply = self._wait_for("reconfigure", "continue")
+        self._link.send({"t": "paused", "gen": self.generation, "step": self._step})
+        reply = self._link.wait_for("reconfigure", "continue")
         if reply["t"] == "reconfigure":
             return reply
         self._live_at = None
@@ -409,13 +307,6 @@ class Session:
             return None
         deferred = capture.deferrable() if mode == "overlapped" else None
         return store.begin(self._step, capture.state(self._step), deferred=deferred)
-
-    def _send_quietly(self, msg: Message) -> None:
-        """Send from a helper thread: a lost coordinator is the reader thread's business."""
-        try:
-            self._chan.send(msg)
-        except ControlError:
-            pass
 
     def _fence(self, store: RankSnapshotStore) -> None:
         pending = store.pending
@@ -439,7 +330,7 @@ class Session:
         if err.__traceback__ is not None:
             traceback.clear_frames(err.__traceback__)  # frames hold the old DDP and its group
         self._destroy_group()
-        self._send(
+        self._link.send(
             {
                 "t": "fault",
                 "gen": self.generation,
@@ -447,7 +338,7 @@ class Session:
                 "error": f"{type(err).__name__}: {err}"[:500],
             }
         )
-        reply = self._wait_for("reconfigure", "raise")
+        reply = self._link.wait_for("reconfigure", "raise")
         if reply["t"] == "raise":
             raise err
         return reply
@@ -465,9 +356,9 @@ class Session:
                 return
             if fault.kind == "migrate":  # a planned event, not a fault: ask and go on training
                 to = None if fault.to < 0 else str(fault.to)
-                self._send({"t": "migrate", "gen": self.generation, "rank": self.rank, "to": to})
+                self._link.send({"t": "migrate", "gen": self.generation, "rank": self.rank, "to": to})
                 return
-            self._send(
+            self._link.send(
                 {
                     "t": "injected",
                     "index": index,
@@ -485,9 +376,7 @@ class Session:
 
     def _destroy_group(self) -> None:
         """Drop this generation's rendezvous store, DDP wrapper and process group."""
-        if self._rdzv is not None:
-            self._rdzv.abort("the process group was torn down")
-            self._rdzv = None
+        self._link.drop_rdzv("the process group was torn down")
         self._group.destroy()
 
     def _reconfigure(
@@ -498,7 +387,7 @@ class Session:
             gen = int(msg["gen"])
             restore_step = msg.get("restore_step")
             self.generation = gen
-            self._pause_at = None  # a new generation ends any migration's pause
+            self._link.pause_at = None  # a new generation ends any migration's pause
             self._destroy_group()
             if restore_step is not None and msg.get("recovery"):
                 self._maybe_inject("recovery", int(restore_step))
@@ -527,8 +416,10 @@ class Session:
             if msg.get("prepare") and restore_step is not None:
                 store.prefault(capture.state(self._step))  # before the warm-up changes the state
                 self._warm_up(train_step, model)
-            self._send({"t": "restored", "gen": gen, "step": self._step, "restore_s": time.monotonic() - t0})
-            reply = self._wait_for("rebuild", "reconfigure")
+            self._link.send(
+                {"t": "restored", "gen": gen, "step": self._step, "restore_s": time.monotonic() - t0}
+            )
+            reply = self._link.wait_for("rebuild", "reconfigure")
             if reply["t"] == "reconfigure":
                 msg = reply
                 continue
@@ -547,14 +438,13 @@ class Session:
                 continue
             if restore_step is None:
                 store.write(0, capture.state(0))
-            self._send({"t": "ready", "gen": gen, "rebuild_s": time.monotonic() - t1})
+            self._link.send({"t": "ready", "gen": gen, "rebuild_s": time.monotonic() - t1})
             return ddp
 
     def _join_group(self, gen: int, model: torch.nn.Module, *, restored: bool) -> torch.nn.Module:
         # Rendezvous through the coordinator (authenticated, fenced by generation, abortable).
         # A generation that is already stale fails at once: the coordinator refuses its keys.
-        store = ChannelStore(self._chan.send, gen, self.env.rebuild_timeout_s)
-        self._rdzv = store
+        store = self._link.open_rdzv(gen, self.env.rebuild_timeout_s)
         return self._group.join(
             store,
             rank=self.rank,
@@ -567,9 +457,9 @@ class Session:
         )
 
     def close(self) -> None:
-        self._closing = True
+        self._link.closing = True
         self._destroy_group()
-        self._chan.close()
+        self._link.close()
 
 
 def init() -> Session:

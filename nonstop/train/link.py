@@ -1,0 +1,216 @@
+"""A worker's link to its coordinator: the control connection, its threads and its inbox.
+
+:class:`CoordinatorLink` is the control-channel side of a :class:`~nonstop.train.session.Session`:
+it connects (``hello``), receives everything the coordinator sends, heartbeats, reconnects to
+a restarted coordinator (store mode), and hands the session the messages it waits for between
+steps. It also carries the current generation's rendezvous store
+(:class:`~nonstop.control.rdzv.ChannelStore`), whose requests and replies travel on this same
+connection.
+
+Threading contract:
+
+* The **reader thread** (``nonstop-reader``) is the only one that receives. It delivers ``kv``
+  replies to ``rdzv``, aborts ``rdzv`` when a reconfigure or an abort arrives (so a rendezvous
+  in progress gives up), and queues every other message in the inbox. A reconfigure that
+  arrives while the main thread is inside ``train_step`` (``in_step``) interrupts it: SIGUSR1
+  makes the handler raise :class:`PeerFailed` in the main thread. When the connection ends
+  the reader reconnects within ``reconnect_s`` (store mode, replacing ``chan``) or ends the
+  process with :data:`EXIT_COORDINATOR_LOST`; after ``closing`` it just returns.
+* The **heartbeat thread** (``nonstop-heartbeat``) sends the owner's heartbeat message every
+  ``heartbeat_interval_s`` until ``closing``.
+* The **main thread** (the one that built the link, the training loop's) alone consumes the
+  inbox (:meth:`wait_for`, :meth:`poll_reconfigure`), reads and writes ``pause_at`` and
+  writes ``in_step``, ``rdzv`` and ``closing``; the other threads only read them.
+* :meth:`send` and :meth:`send_quietly` may be called from any thread (the channel serialises
+  sends); ``send_quietly`` is the one for helper threads such as the snapshot copier.
+* The owner's ``heartbeat`` and ``resume`` callbacks run on the heartbeat and reader threads:
+  they must only read the owner's state.
+"""
+
+from __future__ import annotations
+
+import _thread
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+from nonstop.config import WorkerEnv
+from nonstop.control.channel import Channel, Message, connect
+from nonstop.control.rdzv import ChannelStore
+from nonstop.errors import ControlError, JobFailedError
+
+__all__ = ["EXIT_COORDINATOR_LOST", "CoordinatorLink", "PeerFailed"]
+
+log = logging.getLogger(__name__)
+
+EXIT_COORDINATOR_LOST = 75
+
+
+class PeerFailed(BaseException):
+    """Raised in the main thread inside ``train_step`` when the coordinator has started a
+    recovery: the rank stops computing a step that cannot complete. A BaseException, like
+    KeyboardInterrupt, so a broad ``except Exception`` in user code does not swallow it."""
+
+
+class CoordinatorLink:
+    """The control connection of one worker process. See the module docstring for threads.
+
+    ``heartbeat()`` returns the heartbeat message to send; ``resume()`` what a reconnecting
+    worker tells a restarted coordinator about where it is (the hello's ``resume``).
+    """
+
+    def __init__(
+        self,
+        env: WorkerEnv,
+        *,
+        timeout: float,
+        heartbeat: Callable[[], Message],
+        resume: Callable[[], Message],
+    ) -> None:
+        self.env = env
+        self._heartbeat_msg = heartbeat
+        self._resume = resume
+        self._inbox: queue.Queue[Message] = queue.Queue()
+        self.closing = False
+        self.rdzv: ChannelStore | None = None  # this generation's rendezvous store, if any
+        self.pause_at: int | None = None  # live migration: stop after this step, wait for the swap
+        self.in_step = False
+        self._can_interrupt = threading.current_thread() is threading.main_thread()
+        if self._can_interrupt:
+            signal.signal(signal.SIGUSR1, self._on_interrupt)
+        self.chan: Channel = connect(env.control_addr, env.secret, self._hello(), timeout=timeout)
+        threading.Thread(target=self._reader, name="nonstop-reader", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name="nonstop-heartbeat", daemon=True).start()
+
+    # -- the reader thread -----------------------------------------------------------------
+    def _reader(self) -> None:
+        while True:
+            self._read()
+            if self.closing or self.env.reconnect_s <= 0 or not self._reconnect():
+                # The coordinator is gone: nobody can recover this job; do not linger.
+                if not self.closing:
+                    os._exit(EXIT_COORDINATOR_LOST)
+                return
+
+    def _hello(self) -> Message:
+        return {"role": self.env.role, "spawn_id": self.env.spawn_id, "pid": os.getpid()}
+
+    def _reconnect(self) -> bool:
+        """Store mode: the coordinator restarts; reach the new one (same address) within
+        ``reconnect_s``, telling it where this rank is. Training goes on meanwhile."""
+        deadline = time.monotonic() + self.env.reconnect_s
+        hello = self._hello()
+        hello["resume"] = self._resume()
+        while time.monotonic() < deadline and not self.closing:
+            try:
+                self.chan = connect(self.env.control_addr, self.env.secret, hello, timeout=1.0)
+                log.info("reconnected to the coordinator")
+                return True
+            except (ControlError, OSError):
+                time.sleep(0.2)
+        return False
+
+    def _read(self) -> None:
+        """Deliver the coordinator's messages until the connection ends."""
+        try:
+            while True:
+                msg = self.chan.recv()
+                if msg.get("t") == "kv":
+                    rdzv = self.rdzv
+                    if rdzv is not None:
+                        rdzv.deliver(msg)
+                    continue
+                if msg.get("t") in ("reconfigure", "abort") and self.rdzv is not None:
+                    self.rdzv.abort("a newer generation started")  # unblock a rendezvous in progress
+                self._inbox.put(msg)
+                if msg.get("t") == "reconfigure" and self.in_step and self._can_interrupt:
+                    _thread.interrupt_main(signal.SIGUSR1)
+        except (ControlError, OSError, ValueError):
+            return
+
+    def _on_interrupt(self, _signum: int, _frame: object) -> None:
+        if self.in_step:  # outside train_step the loop sees the message between steps
+            self.in_step = False
+            raise PeerFailed("a peer failed; abandoning this step")
+
+    # -- the heartbeat thread --------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        interval = self.env.heartbeat_interval_s
+        while not self.closing:
+            msg = self._heartbeat_msg()
+            try:
+                self.chan.send(msg)
+            except ControlError:
+                if self.env.reconnect_s <= 0:
+                    return  # the reader ends the process
+            time.sleep(interval)
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, msg: Message) -> None:
+        try:
+            self.chan.send(msg)
+        except ControlError:
+            if self.env.reconnect_s <= 0:
+                raise
+            # store mode: the coordinator is restarting; the reconnect tells it where we are
+
+    def send_quietly(self, msg: Message) -> None:
+        """Send from a helper thread: a lost coordinator is the reader thread's business."""
+        try:
+            self.chan.send(msg)
+        except ControlError:
+            pass
+
+    # -- the inbox (main thread) -----------------------------------------------------------
+    def wait_for(self, *kinds: str) -> Message:
+        while True:
+            msg = self._inbox.get()
+            if msg["t"] in kinds:
+                return msg
+            if msg["t"] == "pause":
+                self.pause_at = int(msg["at"])
+            elif msg["t"] == "continue":
+                self.pause_at = None
+            if msg["t"] == "abort":
+                raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
+
+    def poll_reconfigure(self) -> Message | None:
+        """A reconfigure that arrived between steps, if any (newest wins)."""
+        found = None
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return found
+            if msg["t"] == "reconfigure":
+                found = msg
+            elif msg["t"] == "pause":
+                self.pause_at = int(msg["at"])
+            elif msg["t"] == "continue":
+                self.pause_at = None
+            elif msg["t"] == "abort":
+                raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
+
+    # -- the rendezvous store --------------------------------------------------------------
+    def open_rdzv(self, gen: int, timeout_s: float) -> ChannelStore:
+        """A rendezvous store for generation ``gen`` over this connection (authenticated, fenced
+        by generation, abortable): a generation that is already stale fails at once, since the
+        coordinator refuses its keys. The reader delivers its replies until :meth:`drop_rdzv`."""
+        store = ChannelStore(self.chan.send, gen, timeout_s)
+        self.rdzv = store
+        return store
+
+    def drop_rdzv(self, why: str) -> None:
+        """Abort the generation's rendezvous store (a request blocked on it fails) and forget it."""
+        if self.rdzv is not None:
+            self.rdzv.abort(why)
+            self.rdzv = None
+
+    def close(self) -> None:
+        """Stop the threads' work (the reader returns instead of reconnecting) and disconnect."""
+        self.closing = True
+        self.chan.close()
