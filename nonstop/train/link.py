@@ -124,8 +124,9 @@ class CoordinatorLink:
                     if rdzv is not None:
                         rdzv.deliver(msg)
                     continue
-                if msg.get("t") in ("reconfigure", "abort") and self.rdzv is not None:
-                    self.rdzv.abort("a newer generation started")  # unblock a rendezvous in progress
+                rdzv = self.rdzv  # read once: the main thread may drop it meanwhile
+                if msg.get("t") in ("reconfigure", "abort") and rdzv is not None:
+                    rdzv.abort("a newer generation started")  # unblock a rendezvous in progress
                 self._inbox.put(msg)
                 if msg.get("t") == "reconfigure" and self.in_step and self._can_interrupt:
                     _thread.interrupt_main(signal.SIGUSR1)
