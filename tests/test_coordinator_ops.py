@@ -288,3 +288,44 @@ def test_a_node_lost_while_the_nodes_answer_is_planned_with_the_first(tmp_path: 
     h.resume_all(3)
     assert h.coord.state is JobState.RUNNING
     assert sorted(e["rank"] for e in h.events("recovery")) == [1, 2]
+
+
+def test_a_shrunk_job_grows_back_through_a_boundary_swap(tmp_path: Path) -> None:
+    """Elastic: a lost node shrinks the job; a node joining brings its rank slots as spares; the
+    joiner prepares (rank 0's committed step fetched to it, restored), every rank pauses at a
+    boundary, and the grow's generation starts there without a rollback."""
+    h = Harness(
+        tmp_path, nnodes=2, nproc_per_node=1, spares=0, coordinator="127.0.0.1:0", lease_ttl_s=60.0,
+        min_world_size=1,
+    )  # fmt: skip
+    h.add_node("0", nproc=1)
+    h.add_node("1", nproc=1)
+    h.tick()
+    h.bring_up()
+    h.step_all(2)
+    h.lose_node("1")
+    h.resume_all(3)
+    assert h.coord.view.world_size == 1 and h.coord.state is JobState.RUNNING
+    h.add_node("2", nproc=1)  # a node joins the running job: its rank slot waits as a spare
+    h.connect_spawned()
+    h.tick()
+    z = h.coord.swaps.grow
+    assert z is not None and [j.rank for j in z.joiners] == [1]
+    joiner = h.workers[z.joiners[0].sid]
+    h.tick()  # the joiner's node answered the prepare fetch: it is told its rank
+    prep = joiner.last("reconfigure")
+    assert prep["prepare"] is True and prep["rank"] == 1 and prep["world_size"] == 2
+    h.put("msg", joiner, {"t": "restored", "gen": h.coord.generation})
+    h.tick()
+    pause = h.member(0).last("pause")
+    boundary = pause["at"]
+    h.worker_says(0, {"t": "paused", "step": boundary})  # the source rank: its boundary is fetched now
+    h.tick(2)
+    assert h.coord.generation == 3 and h.coord.view.world_size == 2
+    assert h.coord.view.members[1] == z.joiners[0].sid
+    gen = h.events("generation")[-1]
+    assert gen["grow"] == [1] and gen["restore_step"] == boundary
+    h.resume_all(boundary + 1)
+    assert h.coord.state is JobState.RUNNING and h.coord.swaps.active is None
+    [done] = h.events("grow_done")
+    assert done["world_size"] == 2 and done["boundary"] == boundary
