@@ -76,6 +76,7 @@ class Harness:
         self.held: dict[str, dict[int, set[int]]] = {}  # node -> rank -> steps in its memory
         self.replicas: dict[str, dict[int, set[int]]] = {}  # node -> rank -> replicated steps it holds
         self.fail_fetches = False
+        self.bad_durable_steps: set[int] = set()  # agents fail to install these checkpoints
         self.hold_inventories = False  # agents answer inventories only when released
         self.held_replies: list[tuple[FakeChannel, Message]] = []
 
@@ -140,7 +141,9 @@ class Harness:
             reply = {"t": "fetched", "id": msg["id"], "ok": ok, "seconds": 0.01, "raw_bytes": 100}
             self.put("msg", chan, reply if ok else {**reply, "error": "injected fetch failure"})
         elif t == "install_durable":
-            self.put("msg", chan, {"t": "installed", "id": msg["id"], "ok": True})
+            ok = int(msg["step"]) not in self.bad_durable_steps
+            reply = {"t": "installed", "id": msg["id"], "ok": ok}
+            self.put("msg", chan, reply if ok else {**reply, "error": f"step {msg['step']} is corrupt"})
 
     def release_inventories(self) -> None:
         self.hold_inventories = False

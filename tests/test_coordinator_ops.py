@@ -329,3 +329,59 @@ def test_a_shrunk_job_grows_back_through_a_boundary_swap(tmp_path: Path) -> None
     assert h.coord.state is JobState.RUNNING and h.coord.swaps.active is None
     [done] = h.events("grow_done")
     assert done["world_size"] == 2 and done["boundary"] == boundary
+
+
+class _Durable:
+    """What the coordinator asks of a durable tier: its steps and their world sizes."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def steps(self) -> list[int]:
+        return [2, 4]
+
+    def world_size_at(self, step: int) -> int:
+        return 2
+
+
+def test_memory_lost_with_its_node_falls_back_to_the_durable_tier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No replica holds the lost node's rank: every node installs the newest checkpoint that
+    installs everywhere (the nodes' answers are events; a corrupt step 4 is skipped for 2)."""
+    import nonstop.snapshot.durable as durable
+
+    monkeypatch.setattr(durable, "DurableStore", _Durable)
+    h = Harness(tmp_path, nnodes=2, nproc_per_node=1, spares=1, coordinator="127.0.0.1:0", lease_ttl_s=60.0)
+    h.coord.durable_url = str(tmp_path / "ckpt")
+    h.add_node("0", nproc=1, spares=1)
+    h.add_node("1", nproc=1, spares=1)
+    h.tick()
+    h.bring_up()
+    h.step_all(5)
+    h.bad_durable_steps = {4}
+    h.lose_node("1")
+    h.tick(3)
+    r = h.coord.gens.reconf
+    assert r is not None and r.restore_step == 2
+    [gen] = [e for e in h.events("generation") if e["generation"] == 2]
+    assert gen["tier"] == "durable" and gen["restore_step"] == 2
+    [bad] = h.events("durable_install_failed")
+    assert bad["step"] == 4 and "corrupt" in bad["errors"][0]
+    assert h.events("restore_from_durable")[0]["step"] == 2
+    h.resume_all(3)
+    assert h.coord.state is JobState.RUNNING
+    [rec] = h.events("recovery")
+    assert rec["restore_step"] == 2 and rec["lost_steps"] == 3
+
+
+def test_nothing_durable_fails_the_job_with_what_to_do(tmp_path: Path) -> None:
+    h = Harness(tmp_path, nnodes=2, nproc_per_node=1, spares=1, coordinator="127.0.0.1:0", lease_ttl_s=60.0)
+    h.add_node("0", nproc=1, spares=1)
+    h.add_node("1", nproc=1, spares=1)
+    h.tick()
+    h.bring_up()
+    h.step_all(5)
+    h.lose_node("1")
+    h.tick()
+    assert h.coord.state is JobState.FAILED and "--persist-every" in str(h.coord.error)

@@ -59,7 +59,7 @@ from nonstop.runtime.restoring import RestoreSources
 from nonstop.runtime.storesync import StoreSync
 from nonstop.runtime.swapops import Swaps
 from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
-from nonstop.runtime.wire import Installed, Inventory, Lost, decode_worker
+from nonstop.runtime.wire import decode_worker
 from nonstop.snapshot.persist import Persister
 
 __all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
@@ -192,6 +192,7 @@ class Coordinator:
         self.persists.tick()
         self.swaps.tick()
         self.gens.inventory_tick()
+        self.sources.install_tick()
         self.gens.replan_tick()
         self.clients.answer_persists()
 
@@ -455,17 +456,6 @@ class Coordinator:
             self.events.emit("fault_report", rank=rank, spawn_id=w.spawn_id, error=m.error)
 
     # -- requests to nodes, the committed step ---------------------------------------------------
-    def await_replies(self, reqs: list[int], timeout: float) -> dict[int, Inventory | Installed | Lost]:
-        """Wait for the replies to ``reqs`` while serving every other event (leases included)."""
-        deadline = time.monotonic() + timeout
-        while any(r not in self.io.replies for r in reqs) and time.monotonic() < deadline:
-            self.pump_events(0.002)
-            self.agents.check_leases()
-        out = {r: self.io.replies.pop(r) for r in reqs if r in self.io.replies}
-        for r in reqs:
-            self.io.done(r)
-        return out
-
     def committed(self) -> int:
         """The committed step: what is replicated to peers (with replication), else in memory."""
         if self.replication_on and self.view.replicated_step is not None:

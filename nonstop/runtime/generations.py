@@ -24,7 +24,7 @@ from nonstop.errors import ControlError
 from nonstop.runtime import wire
 from nonstop.runtime.elastic import assign_shards
 from nonstop.runtime.phase import JobPhase
-from nonstop.runtime.planning import Inventory, PlanAction, Shrink, plan_generation
+from nonstop.runtime.planning import Inventory, Plan, PlanAction, Shrink, plan_generation
 from nonstop.runtime.recovery import Failure, Reconfiguration, Stage
 from nonstop.runtime.view import Role
 
@@ -181,22 +181,47 @@ class Generations:
         if plan.shrink is not None:
             from_rank = self.shrink(plan.shrink, plan.reason)
         placements, avail, restore_step = plan.placements, plan.inventory, plan.restore_step
-        unplaced = plan.unplaced
         for rank, p in placements.items():
             self.c.view.rank_node[rank] = p.node
-        tier = "memory"
         if plan.action is PlanAction.FROM_DURABLE:
-            restore_step = self.c.sources.restore_from_durable()
-            tier = "durable"
-            if restore_step is None:
-                # Survivors hold later state than any fresh process could: never mix them.
-                self.c.fail(
-                    "no step is snapshotted for every rank in memory or in the durable tier "
-                    f"({self.c.durable_url or 'none configured'}); "
-                    "cannot recover this failure (persist more often with --persist-every)"
-                )
-                return
-            avail = {}
+            # A failure while the nodes install merges into this plan (``deferred``), as one
+            # while they answer inventories does.
+            self.deferred = (failures, replans, dict(replacements))
+
+            def installed(step: int | None) -> None:
+                self.deferred = None
+                if step is None:
+                    # Survivors hold later state than any fresh process could: never mix them.
+                    self.c.fail(
+                        "no step is snapshotted for every rank in memory or in the durable tier "
+                        f"({self.c.durable_url or 'none configured'}); "
+                        "cannot recover this failure (persist more often with --persist-every)"
+                    )
+                elif any(p.spare is not None and not self.c.view.live(p.spare) for p in placements.values()):
+                    self.begin(
+                        failures, replans=replans + 1, replacements=replacements
+                    )  # a spare died meanwhile
+                else:
+                    self._start(failures, replans, replacements, plan, from_rank, step, "durable", {}, now)
+
+            self.c.sources.restore_from_durable(installed)
+            return
+        self._start(failures, replans, replacements, plan, from_rank, restore_step, "memory", avail, now)
+
+    def _start(
+        self,
+        failures: list[Failure],
+        replans: int,
+        replacements: dict[int, str],
+        plan: Plan,
+        from_rank: dict[int, int],
+        restore_step: int | None,
+        tier: str,
+        avail: Inventory,
+        now: float,
+    ) -> None:
+        """Carry the plan out: the generation's record, spares and cold processes, fetches, launch."""
+        placements, unplaced = plan.placements, plan.unplaced
         r = Reconfiguration(
             generation=self.c.view.generation,
             world_size=self.c.view.world_size,
@@ -266,6 +291,7 @@ class Generations:
         self.c.set_phase(JobState.RECONFIGURING)
         self.reconf = None
         self._drop_inventories()  # asked for a generation that will not be planned any more
+        self.c.sources.cancel_install()
         for req in [
             q for q, (_, gen) in self.c.sources.waiting_fetch.items() if gen < self.c.view.generation
         ]:

@@ -44,9 +44,10 @@ class NodeAgents:
     def __init__(self, c: Coordinator) -> None:
         self.c = c
         self.started_at = time.monotonic()  # node 0 waits join_timeout_s for the others from here
+        self.starting = False  # the nodes joined: a resumed checkpoint is being installed
 
     def check_join(self) -> None:
-        if self.c.view.phase is not JobState.STARTING or self.c.view.members:
+        if self.c.view.phase is not JobState.STARTING or self.c.view.members or self.starting:
             return
         alive = self.c.view.alive_nodes()
         if len(alive) >= self.c.config.nnodes:
@@ -65,11 +66,24 @@ class NodeAgents:
                 for i, n in enumerate(nodes)
             }
             url = self.c.config.resume or self.c.durable_url
-            if url is None or not self.c.sources.install_durable(self.c.gens.initial_step, placement, url):
-                self.c.fail(
-                    f"could not install the resumed checkpoint step {self.c.gens.initial_step} on every node"
-                )
+            step = self.c.gens.initial_step
+            if url is None:
+                self.c.fail(f"could not install the resumed checkpoint step {step}: no durable tier")
                 return
+            self.starting = True
+
+            def installed(got: int | None) -> None:
+                if got is None:
+                    self.c.fail(f"could not install the resumed checkpoint step {step} on every node")
+                else:
+                    self._spawn_all(nodes)
+
+            self.c.sources.install_durable([step], placement, url, installed)
+            return
+        self._spawn_all(nodes)
+
+    def _spawn_all(self, nodes: list[str]) -> None:
+        """The first processes: every node's ranks and its spares."""
         for i, name in enumerate(nodes):
             for k in range(self.c.config.nproc_per_node):
                 self.c.io.spawn(name, Role.WORKER, i * self.c.config.nproc_per_node + k)

@@ -9,13 +9,15 @@
 * **durable tier**: every node installs its ranks of the newest checkpoint that loads (older
   ones on failure); a checkpoint of another world size serves an elastic job only.
 
-Threading: the coordinator's thread only. I/O goes through the coordinator's executor; the
-durable install waits for the nodes' answers while serving every other event.
+Threading: the coordinator's thread only. I/O goes through the coordinator's executor; the nodes'
+answers to an install are events, judged by :meth:`RestoreSources.install_tick`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nonstop.control.channel import Message
@@ -41,6 +43,7 @@ class RestoreSources:
         # fetches asked for before their generation (a swap's boundary): request id -> (rank, ok),
         # ok None while in flight; the generation adopts them (``fetch_for(early=...)``)
         self.early: dict[int, tuple[int, bool | None]] = {}
+        self.installing: _Install | None = None  # a durable checkpoint being installed
 
     def drop_early(self, req: int) -> None:
         """A swap that asked for boundary fetch ``req`` ended: a late answer is ignored."""
@@ -131,61 +134,121 @@ class RestoreSources:
         self.c.gens.maybe_reconfigure(rank)
         self.c.gens.advance()
 
-    def restore_from_durable(self) -> int | None:
-        """Have every node install its ranks from the newest durable checkpoint that loads."""
+    def restore_from_durable(self, done: Callable[[int | None], None]) -> None:
+        """Have every node install its ranks from the newest durable checkpoint that loads (older
+        ones when it does not); ``done(step)`` once one is installed everywhere, ``done(None)``
+        when none is. The nodes' answers are events (:meth:`install_tick`)."""
         if self.c.durable_url is None:
-            return None
+            done(None)
+            return
         from nonstop.snapshot.durable import DurableStore
 
         try:
             steps = DurableStore(self.c.durable_url).steps()
         except NonstopError as e:
             self.c.events.emit("durable_unavailable", error=str(e))
-            return None
-        placement = self.c.view.placement()
-        for step in sorted(steps, reverse=True):
-            t0 = time.monotonic()
-            if self.install_durable(step, placement, self.c.durable_url):
-                self.c.events.emit(
-                    "restore_from_durable", step=step, url=self.c.durable_url, seconds=time.monotonic() - t0
-                )
-                return step
-        return None
+            done(None)
+            return
+        self.install_durable(sorted(steps, reverse=True), self.c.view.placement(), self.c.durable_url, done,
+                             recovery=True)  # fmt: skip
 
-    def install_durable(self, step: int, placement: dict[str, list[int]], url: str) -> bool:
-        """Have every node install its ranks of durable checkpoint ``step``. A checkpoint of
-        another world size (written while the job was shrunk) serves an elastic job only: its
-        ranks are data-parallel replicas (``resume_sources``)."""
+    def install_durable(
+        self,
+        steps: list[int],
+        placement: dict[str, list[int]],
+        url: str,
+        done: Callable[[int | None], None],
+        *,
+        recovery: bool = False,
+    ) -> None:
+        """Have every node install its ranks of the first of ``steps`` that installs everywhere;
+        ``done(step)``, or ``done(None)`` when none does. A checkpoint of another world size
+        (written while the job was shrunk) serves an elastic job only: its ranks are data-parallel
+        replicas (``resume_sources``). ``recovery``: a recovery's fallback (logged as one)."""
+        self.installing = _Install(
+            steps=list(steps), placement=placement, url=url, done=done, recovery=recovery
+        )
+        self._next_install()
+
+    def cancel_install(self) -> None:
+        """A newer generation: the install in progress is abandoned (late answers are ignored)."""
+        inst, self.installing = self.installing, None
+        if inst is not None:
+            for req in inst.reqs:
+                self.c.io.replies.pop(req, None)
+                self.c.io.done(req)
+
+    def _next_install(self) -> None:
         from nonstop.snapshot.durable import DurableStore
 
-        try:
-            written = DurableStore(url).world_size_at(step)
-        except NonstopError as e:
-            self.c.events.emit("durable_install_failed", step=step, errors=[str(e)])
-            return False
-        sources: dict[int, int] = {}
-        if written != self.c.view.world_size:
-            if not self.c.elastic.enabled:
-                self.c.events.emit(
-                    "durable_install_failed",
-                    step=step,
-                    errors=[f"the checkpoint has {written} ranks, the job {self.c.view.world_size}"],
-                )
-                return False
-            sources = {r: s for r, s in resume_sources(written, self.c.view.world_size).items() if r != s}
-        reqs = []
-        for n, ranks in placement.items():
-            msg: Message = {"t": "install_durable", "url": url, "step": step, "ranks": ranks}
-            if any(r in sources for r in ranks):
-                msg["from"] = {str(r): sources[r] for r in ranks if r in sources}
-            reqs.append(self.c.io.request(self.c.view.nodes[n], msg))
-        replies = self.c.await_replies(reqs, self.c.config.persist_timeout_s)
+        inst = self.installing
+        assert inst is not None
+        while inst.steps:
+            step = inst.steps.pop(0)
+            try:
+                written = DurableStore(inst.url).world_size_at(step)
+            except NonstopError as e:
+                self.c.events.emit("durable_install_failed", step=step, errors=[str(e)])
+                continue
+            sources: dict[int, int] = {}
+            world = self.c.view.world_size
+            if written != world:
+                if not self.c.elastic.enabled:
+                    errors = [f"the checkpoint has {written} ranks, the job {world}"]
+                    self.c.events.emit("durable_install_failed", step=step, errors=errors)
+                    continue
+                sources = {r: s for r, s in resume_sources(written, world).items() if r != s}
+            inst.step, inst.t0 = step, time.monotonic()
+            inst.deadline = inst.t0 + self.c.config.persist_timeout_s
+            inst.reqs = []
+            for n, ranks in inst.placement.items():
+                msg: Message = {"t": "install_durable", "url": inst.url, "step": step, "ranks": ranks}
+                if any(r in sources for r in ranks):
+                    msg["from"] = {str(r): sources[r] for r in ranks if r in sources}
+                inst.reqs.append(self.c.io.request(self.c.view.nodes[n], msg))
+            return
+        self.installing = None
+        inst.done(None)
+
+    def install_tick(self) -> None:
+        """Judge the install in progress once every node answered (or ``persist_timeout_s``
+        passed): done, or the next older checkpoint."""
+        inst = self.installing
+        if inst is None or inst.step is None:
+            return
+        replies = self.c.io.replies
+        if any(r not in replies for r in inst.reqs) and time.monotonic() < inst.deadline:
+            return
+        got = {r: replies.pop(r) for r in inst.reqs if r in replies}
+        for r in inst.reqs:
+            self.c.io.done(r)
         bad = [
             m.error if isinstance(m, Installed | Lost) else f"{type(m).__name__} answer"
-            for m in replies.values()
+            for m in got.values()
             if not isinstance(m, Installed) or not m.ok
         ]
-        if bad or len(replies) < len(reqs):
-            self.c.events.emit("durable_install_failed", step=step, errors=bad or ["timed out"])
-            return False
-        return True
+        if bad or len(got) < len(inst.reqs):
+            self.c.events.emit("durable_install_failed", step=inst.step, errors=bad or ["timed out"])
+            self._next_install()
+            return
+        self.installing = None
+        if inst.recovery:
+            seconds = time.monotonic() - inst.t0
+            self.c.events.emit("restore_from_durable", step=inst.step, url=inst.url, seconds=seconds)
+        inst.done(inst.step)
+
+
+@dataclass
+class _Install:
+    """A durable checkpoint being installed on every node: the steps still to try (newest first),
+    the one asked for now and its requests."""
+
+    steps: list[int]
+    placement: dict[str, list[int]]
+    url: str
+    done: Callable[[int | None], None]
+    recovery: bool
+    step: int | None = None
+    reqs: list[int] = field(default_factory=list)
+    deadline: float = 0.0
+    t0: float = 0.0
