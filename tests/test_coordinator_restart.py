@@ -87,9 +87,10 @@ def test_coordinator_restart_mid_migration_ends_it_cleanly(
         assert aborted[0]["error"] == "the coordinator restarted" and aborted[0]["rank"] == 1
         # a joiner that had taken rank 1 to prepare is stopped and a fresh spare takes its place;
         # one that had not been told yet (its node was still fetching) is an idle spare again
-        (joiner,) = [e for e in job.events("exit") if e["spawn_id"] == start["joiner"]]
-        assert joiner["role"] in ("retired", "spare") and joiner["rank"] is None
-        if joiner["role"] == "retired":
+        # (an idle spare's exit at the job's end may come after the log's last event)
+        exits = [e for e in job.events("exit") if e["spawn_id"] == start["joiner"]]
+        assert all(e["role"] in ("retired", "spare") and e["rank"] is None for e in exits), exits
+        if any(e["role"] == "retired" for e in exits):
             later = [e for e in job.events("spawn") if e["ts"] > killed_at]
             assert any(e["role"] == "spare" and e["node"] == "2" for e in later)
     assert job.events("failure") == [] and result.failures == []
