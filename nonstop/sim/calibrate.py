@@ -18,9 +18,11 @@ Laws (docs/simulator.md has the derivations):
   a bare device-to-host copy of the GPU's state.
 * **Restore from memory**: ``bytes / restore_local_gbps``, the rate measured for the in-place
   restore stage (mttr.json, 26.3 M parameters x 12 bytes of fp32 + Adam per rank).
-* **Elastic grow at scale**: ``grow_pause_steps x step + rendezvous_s(n)`` — the pause measured on
-  one node beyond the step itself (elastic.json: rank 0's step gap at the grow / the median step,
-  minus 1; the joiners prepare while the job trains), plus a group rendezvous at the job's scale.
+* **Migration and elastic grow at scale** (``sim/swapsim.py``): the runtime's boundary-swap machine
+  timed action by action; its pause is the boundary fetch still in flight + the joiner's restore +
+  ``rendezvous_s(n)`` + the per-swap cost measured on one node beyond the step itself
+  (``migration_pause_steps`` from migration.json, ``grow_pause_steps`` from elastic.json: the
+  step gap at the swap / the median step, minus 1).
 """
 
 from __future__ import annotations
