@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = [
     "ElasticAction",
     "ElasticDecision",
     "ElasticPolicy",
-    "Resize",
     "assign_shards",
     "renumber",
     "resume_sources",
@@ -143,24 +142,3 @@ class ElasticPolicy:
         if not self.enabled:
             return world_size
         return min(self.full_world_size, world_size + max(0, idle_spares))
-
-
-@dataclass
-class Resize:
-    """A grow in progress. *prepare*: each of ``joiners`` (spawn ids of idle spares, to become
-    ranks ``world_size..new_world_size-1``) gets rank 0's committed step ``prepare_step`` and
-    restores it and warms up, as a migration's joiner does, while the job trains; *pause*: every
-    rank stops after ``boundary``; then the swap."""
-
-    world_size: int
-    new_world_size: int
-    joiners: list[int]
-    started: float  # wall clock, for the timeout and the event
-    prepare_step: int
-    boundary: int | None = None  # set once every joiner is prepared
-    fetches: dict[int, int] = field(default_factory=dict)  # fetch request id -> joiner spawn id
-    prepared: set[int] = field(default_factory=set)  # joiners that restored and warmed up
-    paused: dict[int, int] = field(default_factory=dict)  # rank -> step it stopped after
-    generation: int | None = None  # the generation the grow started, once swapped in
-    # the boundary's fetches, asked for as soon as rank 0 completed it: new rank -> request id
-    boundary_reqs: dict[int, int] = field(default_factory=dict)

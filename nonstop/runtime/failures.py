@@ -35,8 +35,6 @@ __all__ = ["Exit", "Failures"]
 
 log = logging.getLogger(__name__)
 
-JobState = JobPhase
-
 
 @dataclass
 class Exit:
@@ -80,7 +78,7 @@ class Failures:
             if (
                 ex.node_lost is None
                 and w.chan is None
-                and (self.c.view.phase is JobState.STARTING or w.role is Role.SPARE)
+                and (self.c.view.phase is JobPhase.STARTING or w.role is Role.SPARE)
             ):
                 # It died before reaching nonstop.init(): the script itself cannot start, and
                 # starting it again would fail the same way.
@@ -92,8 +90,8 @@ class Failures:
                 )
                 self.c.fail(f"{who} exited with {describe_exit(rc)} before joining the job: {hint}")
                 continue
-            if self.c.view.phase in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
-                if is_member and rc != 0 and self.c.view.phase is JobState.FINISHING:
+            if self.c.view.phase.is_ending:
+                if is_member and rc != 0 and self.c.view.phase is JobPhase.FINISHING:
                     log.warning("rank %s exited with %s after finishing", w.rank, describe_exit(rc))
                 continue
             if not is_member:
@@ -139,10 +137,10 @@ class Failures:
         for f in failures:
             if f.kind == FailureKind.NODE_LOST.value and f.fault_at is None:
                 f.fault_at = by_node.get(failed_on[f.spawn_id])
-        if self.c.view.phase is JobState.FINISHING and not self.c.view.members_alive():
-            self.c.set_phase(JobState.DONE)
+        if self.c.view.phase is JobPhase.FINISHING and not self.c.view.members_alive():
+            self.c.set_phase(JobPhase.DONE)
             self.c.events.emit("job_done", generation=self.c.view.generation)
-        if failures and self.c.view.phase not in (JobState.DONE, JobState.FAILED):
+        if failures and not self.c.view.phase.is_terminal:
             self.on_failures(failures)
 
     def on_failures(self, failures: list[Failure]) -> None:
@@ -158,7 +156,7 @@ class Failures:
                 detect_s=(f.detected_at - f.fault_at) if f.fault_at else None,
             )
         self.c.view.failures_total += len(failures)
-        if self.c.view.phase is JobState.STARTING:  # died before the job formed: just start it again
+        if self.c.view.phase is JobPhase.STARTING:  # died before the job formed: just start it again
             if self.c.view.failures_total <= self.c.config.max_restarts:
                 for f in failures:
                     node = self.c.view.rank_node.get(f.rank)
@@ -178,7 +176,7 @@ class Failures:
             self.c.gens.deferred, self.c.gens.replan_at = None, None
             self.c.gens.begin(before + failures, replans=replans + 1, replacements=replacements)
             return
-        previous = self.c.gens.reconf if self.c.view.phase is JobState.RECONFIGURING else None
+        previous = self.c.gens.reconf if self.c.view.phase is JobPhase.RECONFIGURING else None
         if previous is None:
             self.c.gens.begin(failures)
         else:  # a failure during a recovery: re-plan, keeping what the interrupted plan did
@@ -187,9 +185,9 @@ class Failures:
             )
 
     def detect(self) -> None:
-        if self.c.view.phase not in (JobState.RUNNING, JobState.RECONFIGURING):
+        if self.c.view.phase not in (JobPhase.RUNNING, JobPhase.RECONFIGURING):
             return
-        in_training = self.c.view.phase is JobState.RUNNING or (
+        in_training = self.c.view.phase is JobPhase.RUNNING or (
             self.c.gens.reconf is not None and self.c.gens.reconf.stage is Stage.RESUME
         )
         verdicts = self.c.detector.scan(

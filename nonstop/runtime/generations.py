@@ -35,8 +35,6 @@ __all__ = ["Generations"]
 
 PLAN_WAIT_S = 3.0  # longest planning waits for the nodes' inventories
 
-JobState = JobPhase
-
 
 class Generations:
     """The current generation's setup (``reconf``) and what it waits for (see the module docstring)."""
@@ -65,7 +63,7 @@ class Generations:
     def check_timeouts(self) -> None:
         r = self.reconf
         if (
-            self.c.view.phase is not JobState.RECONFIGURING
+            self.c.view.phase is not JobPhase.RECONFIGURING
             or r is None
             or r.stage in (Stage.LAUNCH, Stage.RESUME)
         ):
@@ -237,7 +235,7 @@ class Generations:
         if failures and restore_step is not None:
             r.lost_steps = max(0, self.c.committed() - restore_step)
         if restore_step is not None:
-            self.rewind(restore_step)
+            self.c.view.rewind(restore_step)
         for rank, p in sorted(placements.items()):
             r.replacements[rank] = p.source.value
             if p.spare is not None:
@@ -264,12 +262,7 @@ class Generations:
         renumbered."""
         old_world = self.c.view.world_size
         new_of = shrink.new_of
-        self.c.view.world_size = shrink.world_size
-        self.c.view.members = {new_of[r]: sid for r, sid in self.c.view.members.items() if r in new_of}
-        for rank, sid in self.c.view.members.items():
-            self.c.view.workers[sid].rank = rank
-        self.c.view.rank_node = {new_of[r]: n for r, n in self.c.view.rank_node.items() if r in new_of}
-        self.c.view.latest_step = {new_of[r]: st for r, st in self.c.view.latest_step.items() if r in new_of}
+        self.c.view.renumber(dict(new_of), shrink.world_size)
         self.c.swaps.forget_steps()
         self.c.events.emit(
             "shrink",
@@ -288,7 +281,7 @@ class Generations:
     def open_generation(self) -> None:
         """Generation + 1: fence the old one (its fetches, rendezvous, replication round)."""
         self.c.view.generation += 1
-        self.c.set_phase(JobState.RECONFIGURING)
+        self.c.set_phase(JobPhase.RECONFIGURING)
         self.reconf = None
         self._drop_inventories()  # asked for a generation that will not be planned any more
         self.c.sources.cancel_install()
@@ -304,12 +297,6 @@ class Generations:
             except ControlError:
                 pass
         self.c.view.done_ranks.clear()
-
-    def rewind(self, step: int) -> None:
-        """Every rank goes back to ``step``: later step reports are void."""
-        self.c.view.latest_step = {rank: step for rank in range(self.c.view.world_size)}
-        if self.c.view.replicated_step is not None and self.c.view.replicated_step > step:
-            self.c.view.replicated_step = step
 
     def launch(self, r: Reconfiguration, *, tier: str, fetches: dict[int, str], **extra: Any) -> None:
         """Log the planned generation ``r`` and start it: reconfigure every connected member."""
@@ -390,7 +377,7 @@ class Generations:
             for sid in self.c.view.members.values():
                 self.c.io.send(self.c.view.workers[sid], {"t": "rebuild", "gen": r.generation})
         if after in (Stage.RESUME, Stage.DONE) and before not in (Stage.RESUME, Stage.DONE):
-            self.c.set_phase(JobState.RUNNING)
+            self.c.set_phase(JobPhase.RUNNING)
             now_m = time.monotonic()
             for sid in self.c.view.members.values():
                 self.c.view.workers[sid].last_progress = now_m
@@ -403,28 +390,8 @@ class Generations:
                 for rec in records:
                     self.c.events.emit("recovery", **rec)
             self.c.agents.replenish_spares()
-            if (
-                self.c.view.done_ranks >= set(range(self.c.view.world_size))
-                and self.c.view.phase is JobState.RUNNING
-            ):
+            if self.c.view.all_done() and self.c.view.phase is JobPhase.RUNNING:
                 self.c.finish()
-
-    def send_prepare(self, sid: int, rank: int, world_size: int, step: int | None) -> None:
-        """Tell a joiner (a migration's or a grow's) its rank: it restores ``step``, which its node
-        holds, and warms up while the job trains; it is no member until the swap."""
-        self.c.io.send(
-            self.c.view.workers[sid],
-            {
-                "t": "reconfigure",
-                "gen": self.c.view.generation,
-                "rank": rank,
-                "world_size": world_size,
-                "restore_step": step,
-                "recovery": False,
-                "prepare": True,
-                **self.shards_of(rank, world_size),
-            },
-        )
 
     def boundary_generation(
         self, step: int, replacements: dict[int, str], *, fresh: set[int] | None = None
@@ -442,7 +409,7 @@ class Generations:
             live=True,
         )
         r.marks["detect"] = r.marks["plan"] = time.time()
-        self.rewind(step)
+        self.c.view.rewind(step)
         return r
 
 

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = ["NodeAgents"]
 
-JobState = JobPhase
-
 
 class NodeAgents:
     """The job's nodes through their agents (see the module docstring)."""
@@ -47,7 +45,7 @@ class NodeAgents:
         self.starting = False  # the nodes joined: a resumed checkpoint is being installed
 
     def check_join(self) -> None:
-        if self.c.view.phase is not JobState.STARTING or self.c.view.members or self.starting:
+        if self.c.view.phase is not JobPhase.STARTING or self.c.view.members or self.starting:
             return
         alive = self.c.view.alive_nodes()
         if len(alive) >= self.c.config.nnodes:
@@ -124,7 +122,7 @@ class NodeAgents:
                 f"node {name} runs --nproc-per-node {h.get('nproc')} but the job has "
                 f"{self.c.config.nproc_per_node} per node; use the same value on every node"
             )
-        if self.c.view.phase in (JobState.FINISHING, JobState.DONE, JobState.FAILED):
+        if self.c.view.phase.is_ending:
             return refuse("the job is ending")
         node = NodeRecord(
             name=name,
@@ -154,7 +152,7 @@ class NodeAgents:
         self.c.events.emit(
             "node_join", node=name, domain=node.domain, data=node.data_addr, rejoin=old is not None
         )
-        if self.c.view.phase is not JobState.STARTING:  # a node joining a running job brings capacity: spares
+        if self.c.view.phase is not JobPhase.STARTING:  # a node joining a running job brings capacity: spares
             # ... and, in an elastic job, room for ranks: its rank slots wait as spares too (to grow
             # back with, or to take the ranks of a recovery waiting for a spare)
             extra = node.nproc if self.c.elastic.enabled else 0

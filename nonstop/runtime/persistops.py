@@ -21,8 +21,6 @@ __all__ = ["PersistOps"]
 
 log = logging.getLogger(__name__)
 
-JobState = JobPhase
-
 
 class PersistOps:
     """Persist rounds as the job runs and as it ends (see the module docstring)."""
@@ -50,7 +48,7 @@ class PersistOps:
             return  # a rank's memory is gone with its node: the last committed checkpoint stands
         step = (
             min(self.c.view.latest_step.values())
-            if self.c.view.phase is JobState.DONE
+            if self.c.view.phase is JobPhase.DONE
             else self.c.committed()
         )
         if rounds.round is not None and rounds.round.step != step:

@@ -38,7 +38,6 @@ __all__ = ["EXIT_NOT_LEADER", "StoreSync"]
 log = logging.getLogger(__name__)
 
 EXIT_NOT_LEADER = 76  # store mode: this coordinator lost its leadership lease and stopped
-JobState = JobPhase
 
 
 class StoreSync:
@@ -131,7 +130,7 @@ class StoreSync:
                     self.c.agents.lose_node(node, f"did not reconnect within {self.c.config.reconnect_s:g}s")
         if self.interrupted and not self.awaiting:
             self.end_interrupted()
-        if self.resync and not self.awaiting and self.c.view.phase is not JobState.FAILED:
+        if self.resync and not self.awaiting and self.c.view.phase is not JobPhase.FAILED:
             self.resync = False
             if self.c.view.members:
                 self.c.gens.begin([], inventory_needed=True)
@@ -215,11 +214,9 @@ class StoreSync:
         if w.spawn_id in self.continue_on_resume:  # paused for an operation that was aborted
             self.continue_on_resume.discard(w.spawn_id)
             self.c.io.send(w, {"t": "continue"})
-        if self.c.view.phase is JobState.FINISHING:
+        if self.c.view.phase is JobPhase.FINISHING:
             self.c.io.send(w, {"t": "finish"})  # it may have missed it
-        elif self.c.view.phase is JobState.RUNNING and self.c.view.done_ranks >= set(
-            range(self.c.view.world_size)
-        ):
+        elif self.c.view.phase is JobPhase.RUNNING and self.c.view.all_done():
             self.c.finish()
 
     def record(self) -> dict[str, Any]:
@@ -243,11 +240,11 @@ class StoreSync:
         self.interrupted = {k: rec[k] for k in ("migration", "grow") if rec.get(k)}
         for rank, target, reason in rec.get("migrate_queue", []):
             self.c.swaps.queue.append((int(rank), target, str(reason), now))
-        state = JobState(str(rec["state"]))
-        self.c.view.phase = JobState.RUNNING if state is JobState.RECONFIGURING else state
-        self.resync = state in (JobState.RECONFIGURING, JobState.STARTING) and bool(self.c.view.members)
+        state = self.c.view.phase  # as the record had it
+        self.c.view.phase = JobPhase.RUNNING if state is JobPhase.RECONFIGURING else state
+        self.resync = state in (JobPhase.RECONFIGURING, JobPhase.STARTING) and bool(self.c.view.members)
         if self.resync:
-            self.c.view.phase = JobState.RECONFIGURING
+            self.c.view.phase = JobPhase.RECONFIGURING
         for name in sorted(self.awaiting):
             if name not in live:  # its lease ended while no coordinator was watching
                 self.awaiting.pop(name)

@@ -349,7 +349,7 @@ class Swaps:
             if act.purpose == "catchup" and a.catch is not None:
                 a.catch.catchup_req = req
         elif isinstance(act, Prepare):
-            c.gens.send_prepare(act.sid, act.rank, act.world_size, act.step)
+            self._send_prepare(act.sid, act.rank, act.world_size, act.step)
         elif isinstance(act, Pause):
             c.io.send_members({"t": "pause", "at": act.at})
         elif isinstance(act, Continue):
@@ -412,6 +412,23 @@ class Swaps:
             c.gens.launch(r, tier="memory", fetches=fetches, grow=sorted(s.ranks))
         else:
             c.gens.launch(r, tier="memory", fetches=fetches, migration=a.rank)
+
+    def _send_prepare(self, sid: int, rank: int, world_size: int, step: int | None) -> None:
+        """Tell a joiner (a migration's or a grow's) its rank: it restores ``step``, which its node
+        holds, and warms up while the job trains; it is no member until the swap."""
+        self.c.io.send(
+            self.c.view.workers[sid],
+            {
+                "t": "reconfigure",
+                "gen": self.c.view.generation,
+                "rank": rank,
+                "world_size": world_size,
+                "restore_step": step,
+                "recovery": False,
+                "prepare": True,
+                **self.c.gens.shards_of(rank, world_size),
+            },
+        )
 
     def _finished(self, a: BoundarySwap, f: Finished) -> None:
         self.active = None

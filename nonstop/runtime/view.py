@@ -111,10 +111,6 @@ class JobView:
         w = self.workers.get(sid)
         return w.node if w is not None else ""
 
-    def member(self, rank: int) -> WorkerRecord | None:
-        sid = self.members.get(rank)
-        return None if sid is None else self.workers.get(sid)
-
     def is_member(self, w: WorkerRecord) -> bool:
         return w.rank is not None and self.members.get(w.rank) == w.spawn_id
 

@@ -311,8 +311,8 @@ def decode_agent(m: Mapping[str, Any]) -> AgentMessage | None:
             ok=bool(m.get("ok")),
             error=_opt_str(m, "error"),
             seconds=_opt_num(m, "seconds"),
-            raw_bytes=_int(m, "raw_bytes", 0) if m.get("raw_bytes") is not None else 0,
-            wire_bytes=_int(m, "wire_bytes", 0) if m.get("wire_bytes") is not None else 0,
+            raw_bytes=_opt_int(m, "raw_bytes") or 0,  # absent or null when the fetch failed
+            wire_bytes=_opt_int(m, "wire_bytes") or 0,
             delta=bool(m.get("delta")),
             capped=bool(m.get("capped")),
         )
