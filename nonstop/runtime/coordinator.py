@@ -40,7 +40,7 @@ from nonstop.config import JobConfig
 from nonstop.control.channel import Channel, ControlServer, Message
 from nonstop.control.rdzv import KeyValueTable
 from nonstop.errors import ControlError
-from nonstop.runtime import wire
+from nonstop.runtime import recovery, wire
 from nonstop.runtime.clients import ClientRequests
 from nonstop.runtime.detector import FailureDetector
 from nonstop.runtime.elastic import ElasticPolicy
@@ -382,9 +382,7 @@ class Coordinator:
                     "spare_takes_over", rank=rank, spawn_id=w.spawn_id, cold_spawn_id=cold.spawn_id
                 )
         if r is not None and w.rank is not None and w.rank in r.waiting_launch:
-            r.waiting_launch.discard(w.rank)
-            self.gens.maybe_reconfigure(w.rank)
-            self.gens.advance()
+            self.gens.report(recovery.Launched(w.rank, time.time()))
 
     def _on_message(self, w: WorkerRecord, msg: Message) -> None:
         """One message from a worker, decoded (:func:`~nonstop.runtime.wire.decode_worker`);
@@ -425,24 +423,18 @@ class Coordinator:
             self.detector.record_step(m.step_s)
             self.view.latest_step[rank] = m.step
             self.swaps.on_step(rank, m.step)
-            if r is not None:
-                r.stepped.add(rank)
-                self.gens.advance()
-        elif isinstance(m, wire.Restored) and r is not None:
-            r.restored.add(rank)
-            self.gens.advance()
+            self.gens.report(recovery.Stepped(rank, time.time()))
+        elif isinstance(m, wire.Restored):
+            self.gens.report(recovery.Restored(rank, time.time()))
         elif isinstance(m, wire.Ready) and r is not None:
-            r.ready.add(rank)
             w.last_progress = now
             if r.restore_step is None:  # a fresh start: step 0 is snapshotted (replicable)
                 self.view.latest_step.setdefault(rank, 0)
-            self.gens.advance()
+            self.gens.report(recovery.Joined(rank, time.time()))
         elif isinstance(m, wire.Done):
             self.view.latest_step[rank] = m.step
             self.view.done_ranks.add(rank)
-            if r is not None:
-                r.stepped.add(rank)
-                self.gens.advance()
+            self.gens.report(recovery.Stepped(rank, time.time()))
             if self.view.phase is JobState.RUNNING and self.view.all_done():
                 self.finish()
         elif isinstance(m, wire.Migrate):

@@ -25,7 +25,19 @@ from nonstop.runtime import wire
 from nonstop.runtime.elastic import assign_shards
 from nonstop.runtime.phase import JobPhase
 from nonstop.runtime.planning import Inventory, Plan, PlanAction, Shrink, plan_generation
-from nonstop.runtime.recovery import Failure, Reconfiguration, Stage
+from nonstop.runtime.recovery import (
+    Action,
+    Failure,
+    Finished,
+    KillLaggards,
+    Rebuild,
+    Reconfiguration,
+    Reconfigure,
+    RecoveryEvent,
+    Resumed,
+    StageEnded,
+    Tick,
+)
 from nonstop.runtime.view import Role
 
 if TYPE_CHECKING:
@@ -61,23 +73,9 @@ class Generations:
             return
 
     def check_timeouts(self) -> None:
-        r = self.reconf
-        if (
-            self.c.view.phase is not JobPhase.RECONFIGURING
-            or r is None
-            or r.stage in (Stage.LAUNCH, Stage.RESUME)
-        ):
-            return
-        if r.deadline == 0.0:
-            r.deadline = time.time() + self.c.config.rebuild_timeout_s
-        if time.time() > r.deadline:
-            waiting = r.restored if r.stage is Stage.RESTORE else r.ready
-            for rank in set(range(self.c.view.world_size)) - waiting:
-                sid = self.c.view.members.get(rank)
-                if sid is not None and sid in self.c.view.workers:
-                    self.c.view.workers[sid].killed_for_hang = f"stage {r.stage} timed out"
-                    self.c.io.kill(sid)
-            r.deadline = time.time() + self.c.config.rebuild_timeout_s  # one kill round per period
+        """A stage that overran ``rebuild_timeout_s`` has its laggards killed (the machine says who)."""
+        if self.c.view.phase is JobPhase.RECONFIGURING:
+            self.report(Tick(time.time()))
 
     def _ask_inventories(self) -> None:
         """Ask every live node what its memory holds; the answers arrive as events and
@@ -315,23 +313,45 @@ class Generations:
             **extra,
         )
         for rank, sid in self.c.view.members.items():
-            if (
-                self.c.view.workers[sid].chan is None
-            ):  # still starting (e.g. launched by a re-planned generation)
+            if self.c.view.workers[sid].chan is None:  # still starting (e.g. launched by a re-plan)
                 r.waiting_launch.add(rank)
-            self.maybe_reconfigure(rank)
-        r.stage = Stage.LAUNCH
-        self.advance()
+        r.timeout_s = self.c.config.rebuild_timeout_s
+        self._execute(r, r.start(time.time()))
 
-    def maybe_reconfigure(self, rank: int) -> None:
+    def report(self, ev: RecoveryEvent) -> None:
+        """What a rank reported (or a clock tick), for the generation being set up."""
         r = self.reconf
-        if r is None or rank in r.waiting_launch or rank in r.waiting_fetch:
-            return
+        if r is not None:
+            self._execute(r, r.on_event(ev))
+
+    def _execute(self, r: Reconfiguration, actions: list[Action]) -> None:
+        """Carry out what the generation's machine (:class:`Reconfiguration`) decided."""
+        for a in actions:
+            if isinstance(a, Reconfigure):
+                self._reconfigure(r, a.rank)
+            elif isinstance(a, StageEnded):
+                self.c.events.emit("stage", generation=r.generation, stage=a.stage.value, seconds=a.seconds)
+            elif isinstance(a, Rebuild):
+                for sid in self.c.view.members.values():
+                    self.c.io.send(self.c.view.workers[sid], {"t": "rebuild", "gen": r.generation})
+            elif isinstance(a, Resumed):
+                self.c.set_phase(JobPhase.RUNNING)
+                now_m = time.monotonic()
+                for member in self.c.view.members.values():
+                    self.c.view.workers[member].last_progress = now_m
+            elif isinstance(a, KillLaggards):
+                for rank in a.ranks:
+                    laggard = self.c.view.members.get(rank)
+                    if laggard is not None and laggard in self.c.view.workers:
+                        self.c.view.workers[laggard].killed_for_hang = a.why
+                        self.c.io.kill(laggard)
+            elif isinstance(a, Finished):
+                self._finished(r, a)
+
+    def _reconfigure(self, r: Reconfiguration, rank: int) -> None:
         sid = self.c.view.members.get(rank)
-        if sid is None:
-            return
-        w = self.c.view.workers[sid]
-        if w.chan is None:
+        w = self.c.view.workers.get(sid) if sid is not None else None
+        if w is None or w.chan is None:
             return
         w.stepped, w.coll, w.fault_report = False, False, None
         self.c.io.send(
@@ -358,40 +378,16 @@ class Generations:
             "num_shards": self.c.num_shards,
         }
 
-    def advance(self) -> None:
-        r = self.reconf
-        if r is None:
-            return
-        before = r.stage
-        after = r.advance()
-        if after is not before:
-            r.deadline = 0.0  # each stage gets its own rebuild_timeout_s
-        order = [Stage.LAUNCH, Stage.RESTORE, Stage.REBUILD, Stage.RESUME, Stage.DONE]
-        now = time.time()
-        for s in order[order.index(before) : order.index(after)]:
-            r.marks[s.value] = now
-            self.c.events.emit(
-                "stage", generation=r.generation, stage=s.value, seconds=now - r.marks[_previous(s)]
-            )
-        if before is not Stage.REBUILD and after in (Stage.REBUILD, Stage.RESUME, Stage.DONE):
-            for sid in self.c.view.members.values():
-                self.c.io.send(self.c.view.workers[sid], {"t": "rebuild", "gen": r.generation})
-        if after in (Stage.RESUME, Stage.DONE) and before not in (Stage.RESUME, Stage.DONE):
-            self.c.set_phase(JobPhase.RUNNING)
-            now_m = time.monotonic()
-            for sid in self.c.view.members.values():
-                self.c.view.workers[sid].last_progress = now_m
-        if after is Stage.DONE:
-            self.reconf = None
-            self.c.swaps.on_generation_done(r.generation)
-            if r.failures:
-                records = r.report()
-                self.c.view.reports.extend(records)
-                for rec in records:
-                    self.c.events.emit("recovery", **rec)
-            self.c.agents.replenish_spares()
-            if self.c.view.all_done() and self.c.view.phase is JobPhase.RUNNING:
-                self.c.finish()
+    def _finished(self, r: Reconfiguration, a: Finished) -> None:
+        """The generation is set up: reports, what waited on it, spares, the job's end."""
+        self.reconf = None
+        self.c.swaps.on_generation_done(r.generation)
+        self.c.view.reports.extend(a.reports)
+        for rec in a.reports:
+            self.c.events.emit("recovery", **rec)
+        self.c.agents.replenish_spares()
+        if self.c.view.all_done() and self.c.view.phase is JobPhase.RUNNING:
+            self.c.finish()
 
     def boundary_generation(
         self, step: int, replacements: dict[int, str], *, fresh: set[int] | None = None
@@ -411,13 +407,3 @@ class Generations:
         r.marks["detect"] = r.marks["plan"] = time.time()
         self.c.view.rewind(step)
         return r
-
-
-def _previous(stage: Stage) -> str:
-    return {
-        Stage.LAUNCH: "plan",
-        Stage.RESTORE: "launch",
-        Stage.REBUILD: "restore",
-        Stage.RESUME: "rebuild",
-        Stage.DONE: "resume",
-    }.get(stage, "plan")

@@ -24,7 +24,7 @@ from nonstop.control.channel import Message
 from nonstop.errors import NonstopError
 from nonstop.runtime.elastic import resume_sources
 from nonstop.runtime.planning import Inventory
-from nonstop.runtime.recovery import Reconfiguration
+from nonstop.runtime.recovery import FetchDone, Reconfiguration
 from nonstop.runtime.view import NodeRecord
 from nonstop.runtime.wire import Fetched, Installed, Lost
 
@@ -130,9 +130,7 @@ class RestoreSources:
         if not msg.ok:
             self.c.fail(f"rank {rank} could not be fetched to node {node.name}: {msg.error}")
             return
-        r.waiting_fetch.discard(rank)
-        self.c.gens.maybe_reconfigure(rank)
-        self.c.gens.advance()
+        self.c.gens.report(FetchDone(rank, time.time()))
 
     def restore_from_durable(self, done: Callable[[int | None], None]) -> None:
         """Have every node install its ranks from the newest durable checkpoint that loads (older

@@ -46,10 +46,11 @@ from nonstop.runtime.policy import (
     Tier,
 )
 from nonstop.runtime.swap import SwapKind
-from nonstop.sim import swapsim
+from nonstop.sim import recoverysim, swapsim
 from nonstop.sim.api import STEADY, JobSpec, Recovery, RunContext, Trained, default_spare_nodes, require
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s
 from nonstop.sim.failures import Cause
+from nonstop.sim.recoverysim import RecoveryCosts
 from nonstop.sim.strategies import SparePool
 from nonstop.sim.swapsim import SwapCosts
 
@@ -347,13 +348,7 @@ class Nonstop:
                 launch = cal.node_provision_s + cal.launch_cold_s
             else:
                 launch = cal.launch_cold_s
-            pause = [
-                ("detect", self._detect(cause.kind)),
-                ("plan", cal.plan_s),
-                ("launch", launch),
-                ("restore", self._restore(tier)),
-                ("rebuild", self.rebuild),
-            ]
+            pause = [("detect", self._detect(cause.kind)), *self._generation(tier, launch)]
         self.work -= lost
         # bookkeeping: spares used, machines leaving, memory that must be re-replicated
         back = sum(s for _, s in pause) + self.transfer * max(1, self.p.replicas)
@@ -406,12 +401,8 @@ class Nonstop:
         assert tier is not None
         lost = 0.0 if recovering and tier is not Tier.DURABLE else self._lost(tier)
         detect = self._detect(cause.kind)
-        pause = [
-            ("detect", detect),
-            ("plan", cal.plan_s + waited),  # the wait for a spare is part of the planning
-            ("restore", self._restore(tier)),
-            ("rebuild", self.rebuild),
-        ]
+        # the wait for a spare is part of the planning
+        pause = [("detect", detect), *self._generation(tier, None, waited_s=waited)]
         self.work -= lost
         self.world = decision.world_size
         self.absent[node] = cause.name
@@ -424,12 +415,25 @@ class Nonstop:
             pause=pause, lost_work_s=lost, action=action, tier=tier, replacement="shrink", resize="shrink"
         )
 
-    def _restore(self, tier: Tier) -> float:
-        if tier is Tier.LOCAL:
-            return self.restore_local
-        if tier is Tier.PEER:
-            return self.transfer + self.restore_local
-        return self.durable_read
+    def _generation(
+        self, tier: Tier, launch_s: float | None, *, waited_s: float = 0.0
+    ) -> list[tuple[str, float]]:
+        """Plan, then the new generation's setup, timed by the runtime's own machine
+        (:mod:`nonstop.sim.recoverysim`): the replacement launches while its node fetches the
+        step from a peer (PEER); a durable install comes first, inside the plan (as the runtime
+        plans FROM_DURABLE: every node installs, then the generation starts); ``launch_s`` None:
+        nothing is replaced (a shrink)."""
+        plan = self.cal.plan_s + waited_s + (self.durable_read if tier is Tier.DURABLE else 0.0)
+        timing = recoverysim.time_recovery(
+            RecoveryCosts(
+                launch_s=launch_s,
+                fetch_s=self.transfer if tier is Tier.PEER and launch_s is not None else None,
+                restore_s=self.restore_local,
+                rebuild_s=self.rebuild,
+                step_s=self.job.step_s,
+            )
+        )
+        return [("plan", plan), *((n, s) for n, s in timing.pause if n != "launch" or launch_s is not None)]
 
     def _detect(self, kind: FailureKind) -> float:
         cal = self.cal
