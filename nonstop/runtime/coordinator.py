@@ -174,6 +174,8 @@ class Coordinator:
                 self.fail("stopped by signal")
                 break
             self.tick(TICK_S)
+        while not self.persists.final_tick():  # the job ended: its last step is made durable
+            self.pump_events(TICK_S)
         return self._close()
 
     def tick(self, wait_s: float = 0.0) -> None:
@@ -197,8 +199,7 @@ class Coordinator:
         self.clients.answer_persists()
 
     def _close(self) -> JobResult:
-        """The job ended: persist the last step, release the nodes, the result."""
-        self.persists.final()
+        """The job ended (and its last step is persisted): release the nodes, the result."""
         for node in self.view.nodes.values():
             self.io.send_node(node, {"t": "finish", "failed": self.view.phase is JobState.FAILED})
         self.store.close()
