@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from nonstop.runtime.elastic import ElasticPolicy
-from nonstop.runtime.planning import PlanAction, plan_generation
+from nonstop.runtime.planning import (
+    Answered,
+    NodeGone,
+    Pending,
+    PlanAction,
+    PlanNow,
+    Replan,
+    SpareIdle,
+    Waited,
+    plan_generation,
+)
 
 FIXED = ElasticPolicy(full_world_size=4, min_world_size=4, wait_s=0.0)  # not elastic
 ELASTIC = ElasticPolicy(full_world_size=4, min_world_size=2, wait_s=0.0)
@@ -98,3 +108,48 @@ def test_a_fresh_start_restores_nothing() -> None:
 def test_no_live_node_fails() -> None:
     p = plan(live_nodes=[])
     assert p.action is PlanAction.FAIL and "every node" in p.reason
+
+
+# -- the wait before a plan (Pending) ------------------------------------------------------------
+def pending() -> Pending:
+    return Pending(failures=[], replans=0)
+
+
+def test_a_plan_waits_for_every_asked_node_then_merges_their_inventories() -> None:
+    p = pending()
+    assert p.ask({"a", "b"}, deadline=10.0) == []
+    assert p.on_event(Answered("b", {2: [5]}, {0: [5]}, 1.0)) == []
+    assert p.on_event(Waited(2.0)) == []
+    [now] = p.on_event(Answered("a", {0: [5, 6]}, {}, 3.0))
+    assert isinstance(now, PlanNow) and now.inventory == {
+        0: {5: [("a", "local"), ("b", "replica")], 6: [("a", "local")]},
+        2: {5: [("b", "local")]},
+    }
+    assert p.on_event(Waited(4.0)) == [] and not p.inventory_wait  # planned once
+
+
+def test_a_lost_node_is_not_waited_for_and_its_answer_is_void() -> None:
+    p = pending()
+    p.ask({"a", "b"}, deadline=10.0)
+    p.on_event(Answered("a", {0: [5]}, {}, 1.0))
+    [now] = p.on_event(NodeGone("b", 1.5))
+    assert isinstance(now, PlanNow) and now.inventory == {0: {5: [("a", "local")]}}
+    q = pending()
+    q.ask({"a", "b"}, deadline=10.0)
+    q.on_event(Answered("a", {0: [5]}, {}, 1.0))
+    q.on_event(NodeGone("a", 2.0))
+    assert q.on_event(Waited(9.9)) == []
+    [late] = q.on_event(Waited(10.0))  # the deadline: plan with what is in (nothing)
+    assert isinstance(late, PlanNow) and late.inventory == {}
+
+
+def test_nothing_to_ask_plans_at_once_and_an_elastic_wait_ends_on_a_spare_or_the_time() -> None:
+    p = pending()
+    [now] = p.ask(set(), deadline=5.0)
+    assert isinstance(now, PlanNow) and now.inventory is None
+    p.wait_for_spare(until=30.0)
+    assert p.on_event(Waited(29.0)) == []
+    assert p.on_event(Waited(30.0)) == [Replan()]
+    assert p.on_event(Waited(31.0)) == []  # once
+    p.wait_for_spare(until=30.0)
+    assert p.on_event(SpareIdle(1.0)) == [Replan()]

@@ -171,10 +171,12 @@ class Failures:
                 f"rank {failures[-1].rank} {failures[-1].detail}"
             )
             return
-        if self.c.gens.deferred is not None:
-            before, replans, replacements = self.c.gens.deferred
-            self.c.gens.deferred, self.c.gens.replan_at = None, None
-            self.c.gens.begin(before + failures, replans=replans + 1, replacements=replacements)
+        pending = self.c.gens.pending
+        if pending is not None:  # a generation not planned yet: plan it for these failures too
+            self.c.gens.pending = None
+            self.c.gens.begin(
+                pending.failures + failures, replans=pending.replans + 1, replacements=pending.replacements
+            )
             return
         previous = self.c.gens.reconf if self.c.view.phase is JobPhase.RECONFIGURING else None
         if previous is None:

@@ -1,14 +1,17 @@
 """Generations: every membership change of a job -- its start, a recovery, a boundary swap --
-is a new generation, planned, launched and timed here.
+is a new generation, planned, launched and timed here. This module is the executor of three
+pure pieces; it feeds them events (with the time) and carries their actions out:
 
-* **plan** (:func:`~nonstop.runtime.planning.plan_generation`, pure): who plays each missing rank,
+* **wait** (:class:`~nonstop.runtime.planning.Pending`): the generation waits for the live
+  nodes' inventories when a restore is needed (their answers are events), or, after an elastic
+  ``WAIT`` plan, for a spare; a failure meanwhile merges into it;
+* **plan** (:func:`~nonstop.runtime.planning.plan_generation`): who plays each missing rank,
   which step every rank restores (memory first, then the durable tier), a shrink or a wait;
-  the nodes' inventories are asked first when a restore is needed;
 * **launch**: spares take ranks, cold processes start, nodes that lack a rank's restore step
   fetch it from a peer (:mod:`nonstop.runtime.restoring`; a swap's boundary fetch may have been
   asked for earlier and is adopted);
-* **stages** (:class:`~nonstop.runtime.recovery.Reconfiguration`): launch -> restore ->
-  rebuild -> resume -> done, each timed; a stage that overruns ``rebuild_timeout_s`` has its
+* **setup** (:class:`~nonstop.runtime.recovery.Reconfiguration`, a machine): launch -> restore
+  -> rebuild -> resume -> done, each timed; a stage that overruns ``rebuild_timeout_s`` has its
   laggards killed (and recovered);
 * a failure during a generation's setup starts the next one, inheriting the failures.
 
@@ -24,7 +27,20 @@ from nonstop.errors import ControlError
 from nonstop.runtime import wire
 from nonstop.runtime.elastic import assign_shards
 from nonstop.runtime.phase import JobPhase
-from nonstop.runtime.planning import Inventory, Plan, PlanAction, Shrink, plan_generation
+from nonstop.runtime.planning import (
+    Answered,
+    Inventory,
+    NodeGone,
+    Pending,
+    Plan,
+    PlanAction,
+    PlanNow,
+    Replan,
+    Shrink,
+    SpareIdle,
+    Waited,
+    plan_generation,
+)
 from nonstop.runtime.recovery import (
     Action,
     Failure,
@@ -55,35 +71,32 @@ class Generations:
         self.c = c
         self.initial_step = initial_step  # resumed from the durable tier: install this first
         self.reconf: Reconfiguration | None = None
-        self.replan_at: float | None = None  # elastic wait: re-plan then (or when a spare appears)
-        # a planning interrupted by more failures: (failures, replans, replacements) to merge
-        self.deferred: tuple[list[Failure], int, dict[int, str]] | None = None
+        # a generation not planned yet: what it waits for (inventories, a spare, an install)
+        self.pending: Pending | None = None
         # the nodes' inventories asked for the generation being planned: request id -> node
         self.inventory_reqs: dict[int, str] = {}
-        self.inventory_deadline = 0.0
+        self._deferral_logged = 0  # the generation whose plan was last deferred for exits
 
     def replan_tick(self) -> None:
-        """Re-plan a generation waiting for a spare (one appeared, or the wait is over); grow the
-        world back while it is below its full size and spares are idle."""
-        if self.deferred is not None and self.replan_at is not None:
-            if time.monotonic() >= self.replan_at or self.c.view.idle_spares():
-                before, replans, replacements = self.deferred
-                self.deferred, self.replan_at = None, None
-                self.begin(before, replans=replans + 1, replacements=replacements)
+        """Re-plan a generation waiting for a spare (one appeared, or the wait is over)."""
+        p = self.pending
+        if p is None or p.replan_at is None:
             return
+        now = time.monotonic()
+        ev = SpareIdle(now) if self.c.view.idle_spares() else Waited(now)
+        if p.on_event(ev):  # [Replan]
+            self.pending = None
+            self.begin(p.failures, replans=p.replans + 1, replacements=p.replacements)
 
     def check_timeouts(self) -> None:
         """A stage that overran ``rebuild_timeout_s`` has its laggards killed (the machine says who)."""
         if self.c.view.phase is JobPhase.RECONFIGURING:
             self.report(Tick(time.time()))
 
-    def _ask_inventories(self) -> None:
-        """Ask every live node what its memory holds; the answers arrive as events and
-        :meth:`inventory_tick` plans once all are in (or ``PLAN_WAIT_S`` passed)."""
-        self.inventory_reqs = {
-            self.c.io.request(self.c.view.nodes[n], {"t": "inventory"}): n for n in self.c.view.alive_nodes()
-        }
-        self.inventory_deadline = time.monotonic() + PLAN_WAIT_S
+    def _ask_inventories(self, nodes: list[str]) -> None:
+        """Ask ``nodes`` what their memory holds; the answers arrive as events and
+        :meth:`inventory_tick` feeds them to the pending plan."""
+        self.inventory_reqs = {self.c.io.request(self.c.view.nodes[n], {"t": "inventory"}): n for n in nodes}
 
     def _drop_inventories(self) -> None:
         for req in self.inventory_reqs:
@@ -92,32 +105,37 @@ class Generations:
         self.inventory_reqs = {}
 
     def inventory_tick(self) -> None:
-        """Plan the generation whose inventory was asked for, once every node answered (or the
-        wait is over). Exits not handled yet are handled first: a second node lost while the
-        nodes answered is planned together with the first (``on_failures`` merges them)."""
-        if not self.inventory_reqs or self.deferred is None:
-            return
-        replies = self.c.io.replies
-        if any(r not in replies for r in self.inventory_reqs) and time.monotonic() < self.inventory_deadline:
+        """Feed the nodes' inventory answers (and lost nodes, and the time) to the pending plan;
+        plan once it says so (every node answered, or ``PLAN_WAIT_S`` passed). Exits not handled
+        yet are handled first: a second node lost while the nodes answered is planned together
+        with the first (``on_failures`` merges them into the pending plan)."""
+        p = self.pending
+        if p is None or not p.inventory_wait:
             return
         members = set(self.c.view.members.values())
         if any(ex.sid in members for ex in self.c.failures.exits):
-            self.c.events.emit("replan_deferred", generation=self.c.view.generation)
+            if self._deferral_logged != self.c.view.generation:
+                self._deferral_logged = self.c.view.generation
+                self.c.events.emit("replan_deferred", generation=self.c.view.generation)
             return
-        avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
+        now = time.monotonic()
+        out: list[PlanNow | Replan] = []
+        replies = self.c.io.replies
         for req, node in self.inventory_reqs.items():
             msg = replies.get(req)
-            if not isinstance(msg, wire.Inventory) or not self.c.view.nodes[node].alive:
-                continue
-            for kind, held in (("local", msg.local), ("replica", msg.replicas)):
-                for rank, steps in held.items():
-                    for step in steps:
-                        avail.setdefault(rank, {}).setdefault(step, []).append((node, kind))
-        self._drop_inventories()
-        failures, replans, replacements = self.deferred
-        self.deferred = None
-        self.initial_step = None
-        self._plan(failures, replans=replans, replacements=replacements, inventory=avail)
+            if not self.c.view.nodes[node].alive:
+                out += p.on_event(NodeGone(node, now))
+            elif isinstance(msg, wire.Inventory):
+                out += p.on_event(Answered(node, msg.local, msg.replicas, now))
+            elif msg is not None:  # an error reply: plan without this node's memory
+                out += p.on_event(NodeGone(node, now))
+        out += p.on_event(Waited(now))
+        for a in out:
+            if isinstance(a, PlanNow):
+                self._drop_inventories()
+                self.initial_step = None
+                self._plan(a.inventory)
+                return
 
     def begin(
         self,
@@ -131,24 +149,25 @@ class Generations:
         (memory first, then durable) when there are ``failures``, a resumed checkpoint to
         install, or ``inventory_needed`` (a restarted coordinator redoing an interrupted
         recovery): the nodes' inventories are asked for first, and the plan waits for them as
-        events (the coordinator serves everything else meanwhile; a failure meanwhile merges
-        into this plan). The decision is :func:`~nonstop.runtime.planning.plan_generation`'s."""
+        events (:class:`~nonstop.runtime.planning.Pending`; the coordinator serves everything
+        else meanwhile; a failure meanwhile merges into this plan). The decision is
+        :func:`~nonstop.runtime.planning.plan_generation`'s."""
         self.open_generation()
-        if self.c.view.alive_nodes() and (failures or self.initial_step is not None or inventory_needed):
-            self.deferred = (failures, replans, dict(replacements or {}))
-            self._ask_inventories()
-            return
-        self._plan(failures, replans=replans, replacements=dict(replacements or {}), inventory=None)
+        self.pending = p = Pending(failures=failures, replans=replans, replacements=dict(replacements or {}))
+        if failures or self.initial_step is not None or inventory_needed:
+            nodes = self.c.view.alive_nodes()
+            self._ask_inventories(nodes)
+            out = p.ask(set(nodes), deadline=time.monotonic() + PLAN_WAIT_S)
+        else:
+            out = [PlanNow(None)]
+        for a in out:
+            self._plan(a.inventory)
 
-    def _plan(
-        self,
-        failures: list[Failure],
-        *,
-        replans: int,
-        replacements: dict[int, str],
-        inventory: Inventory | None,
-    ) -> None:
-        """Decide (pure ``plan_generation``) and carry the decision out."""
+    def _plan(self, inventory: Inventory | None) -> None:
+        """Decide (pure ``plan_generation``) for the pending generation and carry it out."""
+        p = self.pending
+        assert p is not None
+        failures, replans, replacements = p.failures, p.replans, p.replacements
         now = time.time()
         alive_nodes = self.c.view.alive_nodes()
         plan = plan_generation(
@@ -164,28 +183,28 @@ class Generations:
             recovering=bool(failures),
         )
         if plan.action is PlanAction.FAIL:
+            self.pending = None
             self.c.fail(plan.reason)
             return
         if plan.action is PlanAction.WAIT:
             for sid in self.c.view.members.values():  # their fault reports are answered after the wait
                 self.c.view.workers[sid].fault_report = None
-            self.deferred = (failures, replans, dict(replacements or {}))
-            self.replan_at = time.monotonic() + plan.wait_s
+            p.wait_for_spare(time.monotonic() + plan.wait_s)
             self.c.events.emit("elastic_wait", ranks=list(plan.unplaced), wait_s=plan.wait_s)
             return
         from_rank: dict[int, int] = {}
         if plan.shrink is not None:
             from_rank = self.shrink(plan.shrink, plan.reason)
         placements, avail, restore_step = plan.placements, plan.inventory, plan.restore_step
-        for rank, p in placements.items():
-            self.c.view.rank_node[rank] = p.node
+        for rank, pl in placements.items():
+            self.c.view.rank_node[rank] = pl.node
         if plan.action is PlanAction.FROM_DURABLE:
-            # A failure while the nodes install merges into this plan (``deferred``), as one
+            # A failure while the nodes install merges into this plan (it stays pending), as one
             # while they answer inventories does.
-            self.deferred = (failures, replans, dict(replacements))
+            p.installing = True
 
             def installed(step: int | None) -> None:
-                self.deferred = None
+                self.pending = None
                 if step is None:
                     # Survivors hold later state than any fresh process could: never mix them.
                     self.c.fail(
@@ -193,7 +212,9 @@ class Generations:
                         f"({self.c.durable_url or 'none configured'}); "
                         "cannot recover this failure (persist more often with --persist-every)"
                     )
-                elif any(p.spare is not None and not self.c.view.live(p.spare) for p in placements.values()):
+                elif any(
+                    pl.spare is not None and not self.c.view.live(pl.spare) for pl in placements.values()
+                ):
                     self.begin(
                         failures, replans=replans + 1, replacements=replacements
                     )  # a spare died meanwhile
@@ -202,6 +223,7 @@ class Generations:
 
             self.c.sources.restore_from_durable(installed)
             return
+        self.pending = None
         self._start(failures, replans, replacements, plan, from_rank, restore_step, "memory", avail, now)
 
     def _start(

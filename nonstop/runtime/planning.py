@@ -18,6 +18,12 @@ returns a :class:`Plan`:
 It is built from the existing pure policies (``committed_step``, ``choose_replacements``,
 ``ElasticPolicy``, ``renumber``); the coordinator carries a plan out, and the simulator can ask
 the same function.
+
+Before a plan, a generation may wait: for the live nodes' inventories (a restore is needed), or
+(a ``WAIT`` plan) for a spare. :class:`Pending` is that wait as a pure machine: an inventory
+answer, a lost node, a spare coming idle or a clock tick in (time from the event), and out
+:class:`PlanNow` (with what the nodes answered) or :class:`Replan` (the elastic wait is over).
+It holds the failures the plan is for, so a failure meanwhile merges into it.
 """
 
 from __future__ import annotations
@@ -25,11 +31,26 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from nonstop.runtime.elastic import ElasticAction, ElasticPolicy, renumber
 from nonstop.runtime.policy import Placement, choose_replacements, committed_step
+from nonstop.runtime.recovery import Failure
 
-__all__ = ["Inventory", "Plan", "PlanAction", "Shrink", "plan_generation"]
+__all__ = [
+    "Answered",
+    "Inventory",
+    "NodeGone",
+    "Pending",
+    "Plan",
+    "PlanAction",
+    "PlanNow",
+    "Replan",
+    "Shrink",
+    "SpareIdle",
+    "Waited",
+    "plan_generation",
+]
 
 # rank -> step -> [(node, "local" | "replica")]: where each rank's snapshots are in memory
 Inventory = Mapping[int, Mapping[int, Sequence[tuple[str, str]]]]
@@ -147,3 +168,112 @@ def plan_generation(
 
 def _steps(avail: Inventory) -> dict[int, list[int]]:
     return {r: list(steps) for r, steps in avail.items()}
+
+
+# -- the wait before a plan (pure) ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Answered:
+    """Node ``node`` said what its memory holds: rank -> steps, of its own ranks (``local``)
+    and of the replicas it keeps for peers (``replicas``)."""
+
+    node: str
+    local: Mapping[int, Sequence[int]]
+    replicas: Mapping[int, Sequence[int]]
+    t: float
+
+
+@dataclass(frozen=True)
+class NodeGone:
+    """Node ``node`` was lost: its answer will not come (one it gave is void)."""
+
+    node: str
+    t: float
+
+
+@dataclass(frozen=True)
+class SpareIdle:
+    """A hot spare is idle (a WAIT for one is over)."""
+
+    t: float
+
+
+@dataclass(frozen=True)
+class Waited:
+    """Time passed."""
+
+    t: float
+
+
+PendingEvent: TypeAlias = Answered | NodeGone | SpareIdle | Waited
+
+
+@dataclass(frozen=True)
+class PlanNow:
+    """Plan with ``inventory`` (None: the nodes were not asked; no restore is needed)."""
+
+    inventory: Inventory | None
+
+
+@dataclass(frozen=True)
+class Replan:
+    """The elastic wait is over: plan generation + 1 for the same failures (``replans`` + 1)."""
+
+
+@dataclass(kw_only=True)
+class Pending:
+    """A generation not planned yet, and what it waits for (see the module docstring).
+
+    ``asked``: the nodes whose inventories are awaited until ``deadline`` (then the plan goes
+    with the answers in); ``replan_at``: an elastic WAIT, until then or until a spare is idle.
+    ``installing``: a durable install runs for it (the install's own machine answers)."""
+
+    failures: list[Failure]
+    replans: int = 0
+    replacements: dict[int, str] = field(default_factory=dict)
+    asked: set[str] = field(default_factory=set)
+    answers: dict[str, Answered] = field(default_factory=dict)
+    deadline: float = 0.0
+    replan_at: float | None = None
+    installing: bool = False
+
+    @property
+    def inventory_wait(self) -> bool:
+        return bool(self.asked) or bool(self.answers)
+
+    def ask(self, nodes: Set[str], *, deadline: float) -> list[PlanNow]:
+        """Wait for ``nodes``' inventories until ``deadline`` (no node: plan at once, with none)."""
+        self.asked, self.answers, self.deadline = set(nodes), {}, deadline
+        return [] if self.asked else [PlanNow(None)]
+
+    def wait_for_spare(self, until: float) -> None:
+        self.asked, self.answers, self.replan_at = set(), {}, until
+
+    def on_event(self, ev: PendingEvent) -> list[PlanNow | Replan]:
+        if isinstance(ev, Answered) and ev.node in self.asked:
+            self.asked.discard(ev.node)
+            self.answers[ev.node] = ev
+        elif isinstance(ev, NodeGone):
+            self.asked.discard(ev.node)
+            self.answers.pop(ev.node, None)
+        elif isinstance(ev, SpareIdle | Waited) and self.replan_at is not None:
+            if isinstance(ev, SpareIdle) or ev.t >= self.replan_at:
+                self.replan_at = None
+                return [Replan()]
+            return []
+        if not self.inventory_wait:
+            return []
+        if self.asked and ev.t < self.deadline:
+            return []
+        return [PlanNow(self._inventory())]
+
+    def _inventory(self) -> Inventory:
+        """rank -> step -> [(node, "local" | "replica")] from the answers in (node order)."""
+        avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
+        for node in sorted(self.answers):
+            a = self.answers[node]
+            for kind, held in (("local", a.local), ("replica", a.replicas)):
+                for rank, steps in held.items():
+                    for step in steps:
+                        avail.setdefault(rank, {}).setdefault(step, []).append((node, kind))
+        self.asked, self.answers = set(), {}
+        return avail
