@@ -202,6 +202,14 @@ def _node_args(p: argparse.ArgumentParser) -> None:
         "against the step its catch-up fetched, the whole step, or auto: a delta when the catch-up "
         "measured deltas faster (a slow link) (default %(default)s)",
     )
+    g.add_argument(
+        "--mesh",
+        default=c.mesh,
+        metavar="replicate=R,shard=S,tp=T",
+        help="a sharded job's device mesh (any subset of the dims; their product is the world size, "
+        "tp divides --nproc-per-node): the script trains through Session.run(build=...), which "
+        "builds its FSDP2 / HSDP / TP model on that mesh (default: data-parallel DDP)",
+    )
 
 
 def _node_config(ns: argparse.Namespace) -> dict[str, object]:
@@ -228,6 +236,7 @@ def _node_config(ns: argparse.Namespace) -> dict[str, object]:
         "elastic_wait_s": ns.elastic_wait,
         "swap_transfer": ns.swap_transfer,
         "shards_per_rank": ns.shards_per_rank,
+        "mesh": ns.mesh,
     }
 
 

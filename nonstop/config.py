@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from nonstop.errors import UsageError
+from nonstop.mesh import MeshSpec
 
 __all__ = [
     "DetectorConfig",
@@ -45,6 +46,7 @@ class ENV:
     SLOTS = "NONSTOP_SNAPSHOT_SLOTS"
     SECRET = "NONSTOP_SECRET"  # alternative to a secret file for node agents
     RECONNECT = "NONSTOP_RECONNECT_S"  # how long a worker retries a lost coordinator (0: exit at once)
+    MESH = "NONSTOP_MESH"  # the job's device mesh (--mesh), for Session.run(build=...)
 
 
 SNAPSHOT_MODES = ("overlapped", "sync", "off")
@@ -124,6 +126,7 @@ class JobConfig:
     preempt_poll_s: float = 2.0
     shards_per_rank: int = 1  # data shards (micro-batches) a rank plays per step at full size
     swap_transfer: str = "auto"  # a migration's swap fetches the boundary: auto | delta | whole
+    mesh: str | None = None  # replicate=R,shard=S,tp=T (nonstop/mesh.py); None: data-parallel DDP
     # -- elasticity (runtime/elastic.py) ---------------------------------------------------
     min_world_size: int = 0  # shrink down to this many ranks when no spare is left (0: never shrink)
     elastic_wait_s: float = 0.0  # wait this long for a spare before shrinking
@@ -222,6 +225,13 @@ class JobConfig:
             raise UsageError(f"--elastic-wait must be >= 0 seconds (got {self.elastic_wait_s})")
         if isinstance(self.shards_per_rank, bool) or not 1 <= self.shards_per_rank <= 4096:
             raise UsageError(f"--shards-per-rank must be in 1..4096 (got {self.shards_per_rank})")
+        if self.mesh is not None:
+            MeshSpec.parse(self.mesh).check(world_size=self.world_size, nproc_per_node=self.nproc_per_node)
+            if self.min_world_size or self.shards_per_rank != 1:
+                raise UsageError(
+                    "--min-world-size and --shards-per-rank (elastic resizing) are not supported with "
+                    "--mesh yet: a sharded job keeps its size (spares and the durable tier recover it)"
+                )
         if self.swap_transfer not in SWAP_TRANSFERS:
             raise UsageError(
                 f"--swap-transfer must be one of {', '.join(SWAP_TRANSFERS)} (got {self.swap_transfer!r})"
@@ -257,6 +267,7 @@ class WorkerEnv:
     agent_pid: int | None = None
     num_slots: int = 2
     reconnect_s: float = 0.0  # > 0: a lost coordinator is waited for (it restarts), not fatal
+    mesh: str | None = None  # the job's --mesh
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -285,6 +296,7 @@ class WorkerEnv:
             agent_pid=int(env[ENV.AGENT_PID]) if ENV.AGENT_PID in env else None,
             num_slots=int(env.get(ENV.SLOTS, "2")),
             reconnect_s=float(env.get(ENV.RECONNECT, "0")),
+            mesh=env.get(ENV.MESH) or None,
         )
 
 

@@ -214,6 +214,7 @@ def serve_coordinator(
         ENV.REBUILD_TIMEOUT: str(config.rebuild_timeout_s),
         ENV.SNAPSHOT: config.snapshot,
         ENV.RECONNECT: str(config.reconnect_s if jobs is not None else 0),
+        **({ENV.MESH: config.mesh} if config.mesh is not None else {}),
     }
     codec = CodecConfig(lossy=config.lossy, lossy_bits=config.lossy_bits)
     persister: Persister | None = None

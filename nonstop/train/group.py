@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,8 @@ from nonstop.train.abort import SocketWatch
 from nonstop.train.ddp import CanonicalGradSync, wrap_ddp
 
 __all__ = ["GenerationGroup"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +55,7 @@ class GenerationGroup:
     ) -> torch.nn.Module:
         """Rendezvous through ``store``, start the process group and return ``model`` in DDP.
         ``restored``: every rank holds the same committed step, so DDP's broadcast is skipped."""
-        timeout = datetime.timedelta(seconds=timeout_s)
-        watch = SocketWatch()
-        try:
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        finally:
-            watch.stop()
-        self._sockets = watch
+        self.join_plain(store, rank=rank, world_size=world_size, timeout_s=timeout_s)
         self._ddp = wrap_ddp(
             model,
             sync,
@@ -66,6 +64,27 @@ class GenerationGroup:
             divisor=divisor,
         )
         return self._ddp
+
+    def join_plain(
+        self,
+        store: ChannelStore,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        then: Callable[[], T] | None = None,
+    ) -> T | None:
+        """Rendezvous through ``store`` and start the default process group, then run ``then``
+        (a sharded model creates its mesh's subgroups there); every socket the groups connect
+        in the meantime is half-closed at :meth:`destroy`. Returns what ``then`` returned."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        watch = SocketWatch()
+        try:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+            return then() if then is not None else None
+        finally:
+            watch.stop()
+            self._sockets = watch
 
     def destroy(self) -> None:
         """Drop the DDP wrapper and the process group.

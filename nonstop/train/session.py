@@ -45,8 +45,9 @@ from torch.nn.parallel import DistributedDataParallel
 from nonstop.config import WorkerEnv
 from nonstop.control.channel import Message
 from nonstop.control.rdzv import ChannelStore
-from nonstop.errors import SnapshotError
+from nonstop.errors import SnapshotError, UsageError
 from nonstop.faults import FaultInjector, preempt_notice_path
+from nonstop.mesh import MeshSpec
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.snapshot.slot import rank_slot_paths
 from nonstop.snapshot.store import PendingWrite
@@ -54,6 +55,7 @@ from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.group import GenerationGroup
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
 from nonstop.train.link import CoordinatorLink, PeerFailed
+from nonstop.train.trainee import Build, Replicated, Sharded, Trainee
 
 __all__ = ["RunResult", "Session", "init"]
 
@@ -155,6 +157,24 @@ class Session:
                 yield shard
 
     @property
+    def mesh(self) -> MeshSpec | None:
+        """The job's ``--mesh`` (None: a data-parallel job)."""
+        return MeshSpec.parse(self.env.mesh) if self.env.mesh is not None else None
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the batch it reads (ranks of one TP group read the
+        same); the rank itself in a data-parallel job."""
+        mesh = self.mesh
+        return mesh.dp_rank(self.rank) if mesh is not None else self.rank
+
+    @property
+    def dp_size(self) -> int:
+        """How many different batches the job reads per step (its data-parallel degree)."""
+        mesh = self.mesh
+        return mesh.dp_size if mesh is not None else self.world_size
+
+    @property
     def store(self) -> ChannelStore:
         """The key-value store of this generation's process group (a ``torch.distributed.Store``
         served by the coordinator), for the script's own rendezvous keys. Its keys are dropped
@@ -179,31 +199,54 @@ class Session:
         self,
         train_step: TrainStep,
         *,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        build: Build | None = None,
         num_steps: int,
         extras: Callable[[], dict[str, Any]] | None = None,
         load_extras: Callable[[dict[str, Any]], None] | None = None,
         deterministic: bool = True,
     ) -> RunResult:
-        """Train ``num_steps`` steps through failures. See the module docstring."""
-        capture = StateCapture(model=model, optimizer=optimizer, extras=extras, load_extras=load_extras)
-        self._store = self._open_store(self.rank)
-        self._sync = CanonicalGradSync(model) if deterministic else None
+        """Train ``num_steps`` steps through failures. See the module docstring.
+
+        Data-parallel (DDP): give ``model`` and ``optimizer``. Sharded (the job's ``--mesh``:
+        FSDP2, HSDP, tensor parallel): give ``build(mesh) -> (model, optimizer)`` instead; it is
+        called on every rank of every generation with a ``DeviceMesh`` whose dims carry the
+        mesh's names, and must run no collective (``fully_shard`` is local; give
+        ``parallelize_module`` ``src_data_rank=None``)."""
+        fence = (lambda: self._fence(self._live_store())) if self.env.snapshot == "overlapped" else None
+        if (model is None) == (build is None):
+            raise UsageError("Session.run: give model= (and optimizer=) for DDP, or build= for a --mesh job")
+        if build is not None:
+            if self.env.mesh is None:
+                raise UsageError("Session.run(build=...) trains a sharded model: start the job with --mesh")
+            self.trainee: Trainee = Sharded(
+                build, MeshSpec.parse(self.env.mesh), extras=extras, load_extras=load_extras, fence=fence
+            )
+        else:
+            assert model is not None
+            if self.env.mesh is not None:
+                raise UsageError(f"this job has --mesh {self.env.mesh}: train through Session.run(build=...)")
+            self.trainee = Replicated(
+                model,
+                optimizer,
+                extras=extras,
+                load_extras=load_extras,
+                deterministic=deterministic,
+                fence=fence if optimizer is not None else None,
+            )
+        self._sync = self.trainee.sync
         if self._sync is not None:
             self._sync.divisor = self.num_shards
+        self._store = self._open_store(self.rank)
         mode = self.env.snapshot
-        fence_hook = None
-        if mode == "overlapped" and optimizer is not None:
-            # The bulk copy of step k runs during step k+1 until its optimizer step.
-            fence_hook = optimizer.register_step_pre_hook(lambda *_: self._fence(self._live_store()))
         loss: float | None = None
         msg = self._pending_reconfigure
         self._pending_reconfigure = None
         try:
             while True:
                 if msg is not None:
-                    ddp = self._reconfigure(msg, model, capture, train_step)
+                    ddp = self._reconfigure(msg, train_step)
                     msg = None
                 try:
                     while self._step < num_steps:
@@ -221,7 +264,7 @@ class Session:
                         step_s = time.monotonic() - t0
                         self._step += 1
                         t1 = time.monotonic()
-                        snap = self._snapshot(mode, self._live_store(), capture)
+                        snap = self._snapshot(mode, self._live_store())
                         # Stall: time the loop spent on this snapshot now, plus what the
                         # step just run waited for the previous snapshot's background copy.
                         stall_s = time.monotonic() - t1 + self._fence_wait_s
@@ -257,8 +300,7 @@ class Session:
                     self._link.in_step = False
                     msg = self._on_step_error(e)
         finally:
-            if fence_hook is not None:
-                fence_hook.remove()
+            self.trainee.close()
             self._live_store().close()
 
     def _warm_up(self, train_step: TrainStep, model: torch.nn.Module) -> None:
@@ -301,10 +343,16 @@ class Session:
         self._live_at = None
         return None
 
-    def _snapshot(self, mode: str, store: RankSnapshotStore, capture: StateCapture) -> PendingWrite | None:
+    def _capture(self) -> StateCapture:
+        capture = self.trainee.capture
+        assert capture is not None, "the model is built once the generation's group is joined"
+        return capture
+
+    def _snapshot(self, mode: str, store: RankSnapshotStore) -> PendingWrite | None:
         """Snapshot the state after ``self._step`` steps per the job's snapshot mode."""
         if mode == "off":  # only for measuring what snapshots cost; nothing to recover from
             return None
+        capture = self._capture()
         deferred = capture.deferrable() if mode == "overlapped" else None
         return store.begin(self._step, capture.state(self._step), deferred=deferred)
 
@@ -379,10 +427,13 @@ class Session:
         self._link.drop_rdzv("the process group was torn down")
         self._group.destroy()
 
-    def _reconfigure(
-        self, msg: Message, model: torch.nn.Module, capture: StateCapture, train_step: TrainStep
-    ) -> torch.nn.Module:
-        """Restore the committed step, then rebuild the process group for a new generation."""
+    def _reconfigure(self, msg: Message, train_step: TrainStep) -> torch.nn.Module:
+        """Restore the committed step, then rebuild the process group for a new generation.
+
+        A data-parallel model restores before the group is joined; a sharded one is built in
+        the new group (:mod:`nonstop.train.trainee`), so its snapshot is read (and checked) at the
+        restore stage and copied into the fresh model once it is built."""
+        trainee = self.trainee
         while True:
             gen = int(msg["gen"])
             restore_step = msg.get("restore_step")
@@ -400,22 +451,27 @@ class Session:
             self._set_membership(msg)
             store = self._live_store()
             t0 = time.monotonic()
+            held: dict[str, Any] | None = None  # a sharded model's snapshot, until it is built
             if restore_step is None:
                 self._step = 0
+            elif trainee.restore_in_group:
+                held = store.read(int(restore_step), copy=False)
+                self._step = int(held["step"])
             elif msg.get("live") and self._live_at == int(restore_step):
                 pass  # paused after exactly that step: the live state is the snapshot, bit for bit
             elif msg.get("from_rank") is not None:  # the state is in this process's old rank's memory
                 old = self._open_store(int(msg["from_rank"]))
                 try:
-                    self._step = capture.restore(old.read(int(restore_step), copy=False))
+                    self._step = self._capture().restore(old.read(int(restore_step), copy=False))
                 finally:
                     old.close()
             else:
-                self._step = capture.restore(store.read(int(restore_step), copy=False))
+                self._step = self._capture().restore(store.read(int(restore_step), copy=False))
             self._live_at = None
-            if msg.get("prepare") and restore_step is not None:
-                store.prefault(capture.state(self._step))  # before the warm-up changes the state
-                self._warm_up(train_step, model)
+            bare = trainee.bare
+            if msg.get("prepare") and restore_step is not None and bare is not None:
+                store.prefault(self._capture().state(self._step))  # before the warm-up changes the state
+                self._warm_up(train_step, bare)
             self._link.send(
                 {"t": "restored", "gen": gen, "step": self._step, "restore_s": time.monotonic() - t0}
             )
@@ -429,30 +485,33 @@ class Session:
                 # Every rank has restored (the rebuild says so): what this rank number's slots hold
                 # was written under another numbering. Start them over with the restored step.
                 store.clear()
-                store.write(self._step, capture.state(self._step))
+                store.write(self._step, self._capture().state(self._step))
             t1 = time.monotonic()
             try:
-                ddp = self._join_group(gen, model, restored=restore_step is not None)
+                module = self._join_group(gen, restored=restore_step is not None)
+                if held is not None:
+                    self._capture().restore(held)
             except Exception as e:
+                held = None
                 msg = self._on_step_error(e)
                 continue
+            held = None
             if restore_step is None:
-                store.write(0, capture.state(0))
+                store.write(0, self._capture().state(0))
             self._link.send({"t": "ready", "gen": gen, "rebuild_s": time.monotonic() - t1})
-            return ddp
+            return module
 
-    def _join_group(self, gen: int, model: torch.nn.Module, *, restored: bool) -> torch.nn.Module:
+    def _join_group(self, gen: int, *, restored: bool) -> torch.nn.Module:
         # Rendezvous through the coordinator (authenticated, fenced by generation, abortable).
         # A generation that is already stale fails at once: the coordinator refuses its keys.
         store = self._link.open_rdzv(gen, self.env.rebuild_timeout_s)
-        return self._group.join(
+        return self.trainee.join(
+            self._group,
             store,
             rank=self.rank,
             world_size=self.world_size,
             timeout_s=self.env.rebuild_timeout_s,
-            model=model,
-            sync=self._sync,
-            restored=restored,  # after a restore every rank holds the same committed step
+            restored=restored,
             divisor=self.num_shards,
         )
 

@@ -1,0 +1,132 @@
+"""The job's device mesh: ``--mesh replicate=R,shard=S,tp=T`` (any subset), pure.
+
+A sharded job declares how its ranks form a mesh. The dims always nest in one order, outermost
+first -- ``replicate`` (HSDP's replica groups), ``shard`` (FSDP's shard groups), ``tp`` (tensor
+parallel) -- and ranks are numbered row-major over the dims given, so a TP group is ``T``
+consecutive ranks and a shard group ``S x T`` consecutive ones::
+
+    replicate=2,shard=2     rank = 2*r + s          ranks {0,1} and {2,3} shard, {0,2} and {1,3} replicate
+    shard=2,tp=2            rank = 2*s + t          TP groups {0,1}, {2,3}
+
+A node plays consecutive ranks (``nproc_per_node`` of them), so a TP group stays within a node
+exactly when ``T`` divides ``nproc_per_node``; :meth:`MeshSpec.check` refuses a mesh that breaks
+that, or whose product is not the world size, with one line that says what to change.
+
+The coordinator fixes rank <-> coordinates with this numbering for the life of the job (a
+replacement plays the same coordinates); the worker builds a ``torch.distributed.device_mesh.
+DeviceMesh`` with these dim names (:func:`nonstop.train.sharded.build_mesh`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from nonstop.errors import UsageError
+
+__all__ = ["DIMS", "MeshSpec"]
+
+DIMS = ("replicate", "shard", "tp")  # outermost first
+_EXAMPLE = "e.g. --mesh shard=4 or --mesh replicate=2,shard=2 or --mesh shard=2,tp=2"
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """The mesh's dims in nesting order (only those given), each with its size."""
+
+    dims: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> MeshSpec:
+        """``"replicate=2,shard=2"`` -> the spec; a malformed one raises :class:`UsageError`."""
+        sizes: dict[str, int] = {}
+        for part in (p.strip() for p in text.split(",")):
+            name, eq, value = part.partition("=")
+            name = name.strip()
+            if not eq or not name:
+                raise UsageError(f"--mesh: {part!r} is not NAME=SIZE ({_EXAMPLE})")
+            if name not in DIMS:
+                raise UsageError(f"--mesh: unknown dim {name!r}; the dims are {', '.join(DIMS)} ({_EXAMPLE})")
+            if name in sizes:
+                raise UsageError(f"--mesh: dim {name!r} is given twice")
+            try:
+                size = int(value)
+            except ValueError:
+                raise UsageError(f"--mesh: the size of {name!r} must be an integer (got {value!r})") from None
+            if size < 1:
+                raise UsageError(f"--mesh: the size of {name!r} must be at least 1 (got {size})")
+            sizes[name] = size
+        return cls.of(sizes)
+
+    @classmethod
+    def of(cls, sizes: Mapping[str, int]) -> MeshSpec:
+        unknown = set(sizes) - set(DIMS)
+        if unknown or not sizes:
+            raise ValueError(f"a mesh needs one or more of {DIMS}, got {sorted(sizes)}")
+        return cls(tuple((d, int(sizes[d])) for d in DIMS if d in sizes))
+
+    def __str__(self) -> str:
+        return ",".join(f"{d}={n}" for d, n in self.dims)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d for d, _ in self.dims)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(n for _, n in self.dims)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    def size(self, dim: str) -> int:
+        """The size of ``dim`` (1 when the mesh does not have it)."""
+        return dict(self.dims).get(dim, 1)
+
+    def check(self, *, world_size: int, nproc_per_node: int) -> None:
+        """Refuse a mesh the job cannot run (one line, what to change)."""
+        if self.world_size != world_size:
+            raise UsageError(
+                f"--mesh {self} has {self.world_size} ranks but the job has {world_size} "
+                "(nnodes x nproc-per-node): make the product of the sizes equal the world size"
+            )
+        tp = self.size("tp")
+        if nproc_per_node % tp != 0:
+            raise UsageError(
+                f"--mesh {self}: a tensor-parallel group of {tp} ranks would span nodes of "
+                f"{nproc_per_node} processes; tp must divide --nproc-per-node"
+            )
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank -> its index along every dim (row-major)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in a mesh of {self.world_size}")
+        out: dict[str, int] = {}
+        for name, size in reversed(self.dims):
+            rank, out[name] = divmod(rank, size)
+        return {d: out[d] for d in self.names}
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        rank = 0
+        for name, size in self.dims:
+            i = coords.get(name, 0)
+            if not 0 <= i < size:
+                raise ValueError(f"index {i} is outside dim {name} of size {size}")
+            rank = rank * size + i
+        return rank
+
+    def group_of(self, rank: int, dim: str) -> list[int]:
+        """The ranks along ``dim`` that share every other coordinate with ``rank``."""
+        c = self.coords(rank)
+        return [self.rank_of({**c, dim: i}) for i in range(self.size(dim))]
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel index (replicate x shard): ranks of one TP group read the same batch."""
+        c = self.coords(rank)
+        return c.get("replicate", 0) * self.size("shard") + c.get("shard", 0)
+
+    @property
+    def dp_size(self) -> int:
+        return self.size("replicate") * self.size("shard")

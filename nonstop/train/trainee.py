@@ -1,0 +1,210 @@
+"""What a :class:`~nonstop.train.session.Session` trains, generation after generation.
+
+Two kinds, one contract (:class:`Trainee`):
+
+* :class:`Replicated` -- data-parallel replicas (``Session.run(model=, optimizer=)``): one model
+  for the life of the process, restored from the snapshot *before* the generation's group is
+  joined, then wrapped in DDP with the deterministic gradient sync (:mod:`nonstop.train.ddp`).
+* :class:`Sharded` -- a model whose state is sharded over the job's mesh (``--mesh``;
+  ``Session.run(build=)``: FSDP2, HSDP, tensor parallel). Its parameters are DTensors over the
+  generation's process groups, so the model exists only once the group is joined: every
+  generation, every rank -- survivors included -- calls the user's collective-free
+  ``build(mesh)`` on the new mesh and restores its own snapshot into the fresh model. Survivors
+  rebuild rather than rebind because FSDP2 caches its process-group objects in private state
+  (``FSDPParamGroup.mesh_info``); a rebuilt module relies on public API only, and restoring the
+  committed step from local memory makes it bitwise the state a rebind would have kept.
+
+Threading contract: main thread only (the training loop's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from nonstop.control.rdzv import ChannelStore
+from nonstop.errors import UsageError
+from nonstop.mesh import MeshSpec
+from nonstop.snapshot import StateCapture
+from nonstop.train.ddp import CanonicalGradSync
+from nonstop.train.group import GenerationGroup
+
+__all__ = ["Build", "Replicated", "Sharded", "Trainee"]
+
+# build(mesh) -> (model, optimizer): collective-free; called on every rank of every generation
+Build = Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]]
+Fence = Callable[[], None]
+Extras = Callable[[], dict[str, Any]] | None
+LoadExtras = Callable[[dict[str, Any]], None] | None
+
+
+class Trainee(Protocol):
+    """The model side of a Session (see the module docstring)."""
+
+    restore_in_group: bool  # True: restore after the group is joined (the model is built there)
+    sync: CanonicalGradSync | None  # the deterministic DDP gradient sync, if any (heartbeats read it)
+
+    @property
+    def capture(self) -> StateCapture | None:
+        """What snapshots read and restores write (None until a sharded model is built)."""
+        ...
+
+    @property
+    def bare(self) -> torch.nn.Module | None:
+        """The unwrapped model for a joiner's warm-up step (None: no warm-up possible)."""
+        ...
+
+    def join(
+        self,
+        group: GenerationGroup,
+        store: ChannelStore,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        restored: bool,
+        divisor: int,
+    ) -> torch.nn.Module:
+        """Join the generation's group; the module ``train_step`` gets this generation."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Replicated:
+    """Data-parallel replicas in DDP (see the module docstring)."""
+
+    restore_in_group = False
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        extras: Extras,
+        load_extras: LoadExtras,
+        deterministic: bool,
+        fence: Fence | None,
+    ) -> None:
+        self.model = model
+        self._capture = StateCapture(model=model, optimizer=optimizer, extras=extras, load_extras=load_extras)
+        self.sync = CanonicalGradSync(model) if deterministic else None
+        # overlapped snapshots: the bulk copy of step k runs during step k+1 until its optimizer step
+        self._hook = (
+            optimizer.register_step_pre_hook(lambda *_: fence())
+            if fence is not None and optimizer is not None
+            else None
+        )
+
+    @property
+    def capture(self) -> StateCapture:
+        return self._capture
+
+    @property
+    def bare(self) -> torch.nn.Module:
+        return self.model
+
+    def join(
+        self,
+        group: GenerationGroup,
+        store: ChannelStore,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        restored: bool,
+        divisor: int,
+    ) -> torch.nn.Module:
+        return group.join(
+            store,
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            model=self.model,
+            sync=self.sync,
+            restored=restored,  # after a restore every rank holds the same committed step
+            divisor=divisor,
+        )
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+class Sharded:
+    """A model built on the job's mesh every generation (see the module docstring)."""
+
+    restore_in_group = True
+    sync: CanonicalGradSync | None = None
+    bare = None  # a sharded model's step is collective: no sandboxed warm-up
+
+    def __init__(
+        self,
+        build: Build,
+        spec: MeshSpec,
+        *,
+        extras: Extras,
+        load_extras: LoadExtras,
+        fence: Fence | None,
+        device_type: str = "cpu",
+    ) -> None:
+        self._build, self.spec, self.device_type = build, spec, device_type
+        self._extras, self._load_extras, self._fence = extras, load_extras, fence
+        self._capture: StateCapture | None = None
+        self._hook: Any = None
+        self.model: torch.nn.Module | None = None
+
+    @property
+    def capture(self) -> StateCapture | None:
+        return self._capture
+
+    def join(
+        self,
+        group: GenerationGroup,
+        store: ChannelStore,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        restored: bool,
+        divisor: int,
+    ) -> torch.nn.Module:
+        if world_size != self.spec.world_size:
+            raise UsageError(
+                f"--mesh {self.spec} needs {self.spec.world_size} ranks, the generation has {world_size}"
+            )
+        self.close()  # the previous generation's model and optimizer go with its groups
+        from torch.distributed.device_mesh import init_device_mesh
+
+        def mesh() -> Any:
+            return init_device_mesh(self.device_type, self.spec.shape, mesh_dim_names=self.spec.names)
+
+        device_mesh = group.join_plain(
+            store, rank=rank, world_size=world_size, timeout_s=timeout_s, then=mesh
+        )
+        built = self._build(device_mesh)
+        if (
+            not isinstance(built, tuple)
+            or len(built) != 2
+            or not isinstance(built[0], torch.nn.Module)
+            or not isinstance(built[1], torch.optim.Optimizer)
+        ):
+            raise UsageError("Session.run(build=...): build(mesh) must return (model, optimizer)")
+        model, optimizer = built
+        self.model = model
+        self._capture = StateCapture(
+            model=model, optimizer=optimizer, extras=self._extras, load_extras=self._load_extras
+        )
+        fence = self._fence
+        if fence is not None:
+            self._hook = optimizer.register_step_pre_hook(lambda *_: fence())
+        return model
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.model, self._capture = None, None
