@@ -33,6 +33,7 @@ import functools
 import importlib
 import logging
 import os
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -51,6 +52,7 @@ from nonstop.mesh import MeshSpec
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.snapshot.slot import rank_slot_paths
 from nonstop.snapshot.store import PendingWrite
+from nonstop.train.collectives import in_collective
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.group import GenerationGroup
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
@@ -121,6 +123,7 @@ class Session:
         self.rank: int = int(first["rank"])
         self._set_membership(first)
         self._store: RankSnapshotStore | None = None
+        self._train_thread: int | None = None  # the thread in run(): its collectives are watched
 
     def _set_membership(self, msg: Message) -> None:
         """Rank, world size and data shards of the generation ``msg`` (a reconfigure) starts."""
@@ -189,7 +192,8 @@ class Session:
     # -- what the link's threads report (read-only on the session) -----------------------
     def _heartbeat_msg(self) -> Message:
         since = self._sync.pending_since if self._sync is not None else None
-        return {"t": "hb", "coll": since is not None, "step": self._step}
+        coll = since is not None or in_collective(self._train_thread)
+        return {"t": "hb", "coll": coll, "step": self._step}
 
     def _resume_point(self) -> Message:
         return {"gen": self.generation, "step": self._step, "done": self._done}
@@ -214,6 +218,7 @@ class Session:
         called on every rank of every generation with a ``DeviceMesh`` whose dims carry the
         mesh's names, and must run no collective (``fully_shard`` is local; give
         ``parallelize_module`` ``src_data_rank=None``)."""
+        self._train_thread = threading.get_ident()
         fence = (lambda: self._fence(self._live_store())) if self.env.snapshot == "overlapped" else None
         if (model is None) == (build is None):
             raise UsageError("Session.run: give model= (and optimizer=) for DDP, or build= for a --mesh job")
