@@ -84,3 +84,17 @@ def test_cold_when_no_spare_and_never_on_quarantined_or_dead_nodes() -> None:
         choose_replacements(
             failed={0: "a"}, spares={}, data_nodes={}, live_nodes=["q"], load={}, quarantined=["q"]
         )
+
+
+def test_replicas_go_to_another_replica_group_first() -> None:
+    """HSDP, 2 replica groups of 2 nodes each (a..b: group 0, c..d: group 1): a rank's copy goes to
+    a node of the other group, whose failure is independent of its own group's."""
+    nodes = ["a", "b", "c", "d"]
+    groups = {"a": 0, "b": 0, "c": 1, "d": 1}
+    out = place_replicas(nodes, {}, 1, groups)
+    assert out == {"a": ["c"], "b": ["c"], "c": ["a"], "d": ["a"]}
+    assert place_replicas(nodes, {}, 1) == {"a": ["b"], "b": ["c"], "c": ["d"], "d": ["a"]}  # no groups
+    # within the other group, another failure domain first
+    doms = {"a": "r1", "b": "r1", "c": "r1", "d": "r2"}
+    assert place_replicas(nodes, doms, 1, groups)["a"] == ["d"]
+    assert place_replicas(nodes, doms, 3, groups)["a"] == ["d", "c", "b"]

@@ -40,6 +40,7 @@ from nonstop.config import JobConfig
 from nonstop.control.channel import Channel, ControlServer, Message
 from nonstop.control.rdzv import KeyValueTable
 from nonstop.errors import ControlError
+from nonstop.mesh import MeshSpec
 from nonstop.runtime import recovery, wire
 from nonstop.runtime.clients import ClientRequests
 from nonstop.runtime.detector import FailureDetector
@@ -126,7 +127,11 @@ class Coordinator:
         self.error: str | None = None
         self.kv = KeyValueTable()
         self.replication = ReplicationRounds(
-            view=self.view, io=self.io, events=events, replicas=config.replicas
+            view=self.view,
+            io=self.io,
+            events=events,
+            replicas=config.replicas,
+            mesh=MeshSpec.parse(config.mesh) if config.mesh is not None else None,
         )
         # store mode (--store etcd://): state saved in and restored from the control store
         self.store = StoreSync(self, jobs)

@@ -217,22 +217,30 @@ class QuarantinePolicy:
         return len(recent) >= self.max_failures
 
 
-def place_replicas(nodes: Sequence[str], domains: Mapping[str, str], r: int) -> dict[str, list[str]]:
+def place_replicas(
+    nodes: Sequence[str], domains: Mapping[str, str], r: int, groups: Mapping[str, int] | None = None
+) -> dict[str, list[str]]:
     """For each node, the ``r`` nodes holding replicas of its ranks' snapshots.
 
     Walks the ring of ``nodes`` (in the given order) from each node and takes the
     next nodes in a *different* failure domain; if there are not enough of those,
     the remaining slots go to other nodes of the same domain (a replica on
     another node still survives a process or node loss). Deterministic.
+
+    ``groups`` (a sharded job with several replica groups, ``--mesh replicate=R``): node ->
+    the replica group its ranks belong to. A node of *another* group is preferred over
+    any of its own group (then other domains first within each): a failure that takes a
+    whole replica group (its nodes often share a switch) leaves the replica elsewhere.
     """
     out: dict[str, list[str]] = {}
     n = len(nodes)
+    grp = groups or {}
     for i, node in enumerate(nodes):
         ring = [nodes[(i + k) % n] for k in range(1, n)]
-        dom = domains.get(node, node)
-        other = [m for m in ring if domains.get(m, m) != dom]
-        same = [m for m in ring if domains.get(m, m) == dom]
-        out[node] = (other + same)[: max(0, r)]
+        dom, g = domains.get(node, node), grp.get(node, 0)
+        # stable: ring order within each tier
+        ranked = sorted(ring, key=lambda m: (grp.get(m, 0) == g, domains.get(m, m) == dom))
+        out[node] = ranked[: max(0, r)]
     return out
 
 

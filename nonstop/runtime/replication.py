@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from nonstop.mesh import MeshSpec
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.executor import Executor
 from nonstop.runtime.policy import place_replicas
@@ -43,9 +44,12 @@ class _Round:
 class ReplicationRounds:
     """Starts, tracks and accounts replication rounds (see the module docstring)."""
 
-    def __init__(self, *, view: JobView, io: Executor, events: EventLog, replicas: int) -> None:
+    def __init__(
+        self, *, view: JobView, io: Executor, events: EventLog, replicas: int, mesh: MeshSpec | None = None
+    ) -> None:
         self.view, self.io, self.events = view, io, events
         self.replicas = replicas
+        self.mesh = mesh  # with several replica groups, a rank's replica goes to another group's node
         self.round: _Round | None = None
         self._retry_at = 0.0  # after a failed round, wait a moment before the next
         self._event_at = 0.0
@@ -71,7 +75,7 @@ class ReplicationRounds:
         if v.replicated_step is not None and step <= v.replicated_step:
             return
         alive = v.alive_nodes()
-        holders = place_replicas(alive, {n: v.nodes[n].domain for n in alive}, self.replicas)
+        holders = place_replicas(alive, {n: v.nodes[n].domain for n in alive}, self.replicas, self._groups())
         per_node: dict[str, dict[str, list[str]]] = {}
         for rank in range(v.world_size):
             node = v.rank_node[rank]
@@ -82,6 +86,18 @@ class ReplicationRounds:
         self.round = _Round(step=step, pending=set(range(v.world_size)), started=now)
         for node, ranks in per_node.items():
             self.io.send_node(v.nodes[node], {"t": "replicate", "step": step, "ranks": ranks})
+
+    def _groups(self) -> dict[str, int] | None:
+        """Node -> the replica group (``replicate`` index) of its ranks, when there are several."""
+        mesh = self.mesh
+        if mesh is None or mesh.size("replicate") < 2:
+            return None
+        out: dict[str, int] = {}
+        for rank, node in self.view.rank_node.items():
+            if node is not None and rank < mesh.world_size:
+                g = mesh.coords(rank)["replicate"]
+                out[node] = min(out.get(node, g), g)
+        return out
 
     def on_replicated(self, node: str, msg: Replicated) -> None:
         """A node's answer for one rank of the round."""
