@@ -291,6 +291,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run without faults and check the final weights are bitwise equal",
     )
+    demo.add_argument(
+        "--mesh",
+        default=None,
+        metavar="replicate=R,shard=S,tp=T",
+        help="train the sharded demo on this mesh (FSDP2 on shard, HSDP with replicate, tensor "
+        "parallel on tp; the product is nnodes x nproc); --verify compares every rank's shards",
+    )
     demo.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     demo.add_argument("--job-dir", type=Path, default=Path(".nonstop/demo"))
     _detector_args(demo)
@@ -408,6 +415,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
             verify=ns.verify,
             job_dir=ns.job_dir,
             detector=_detector(ns),
+            mesh=ns.mesh,
         )
         report = run_demo(opts)
         if ns.json is not None:

@@ -8,6 +8,7 @@ ranks to the committed step).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ class DemoOptions:
     verify: bool = False
     job_dir: Path = Path(".nonstop/demo")
     detector: DetectorConfig = field(default_factory=DetectorConfig)
+    mesh: str | None = None  # the sharded demo (nonstop.demo.train_sharded) on this mesh
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -68,7 +70,8 @@ def demo_job_config(
     if batch is not None:
         args += ["--batch", str(batch)]
     args += ["--result", str(result), *script_extra]
-    return JobConfig(script="-m nonstop.demo.train", script_args=tuple(args), **config)
+    script = "-m nonstop.demo.train_sharded" if config.get("mesh") else "-m nonstop.demo.train"
+    return JobConfig(script=script, script_args=tuple(args), **config)
 
 
 def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple[JobResult, dict[str, Any]]:
@@ -86,13 +89,23 @@ def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple
         detector=opts.detector,
         nnodes=opts.nnodes,
         coordinator="127.0.0.1:0" if opts.nnodes > 1 else None,
+        mesh=opts.mesh,
     )
     result = run_local_nodes(cfg, redirect_output=True)
     if result.state is not JobState.DONE or not result_file.exists():
         raise JobFailedError(
             f"demo job failed ({result.error or result.state}); worker logs are in {job_dir / 'logs'}"
         )
-    return result, json.loads(result_file.read_text())
+    out = json.loads(result_file.read_text())
+    if opts.mesh is not None:  # every rank holds its own shards: the job's weights are all of them
+        ranks = [
+            json.loads(result_file.with_suffix(f".rank{r}.json").read_text()) for r in range(cfg.world_size)
+        ]
+        h = hashlib.sha256()
+        for r in ranks:
+            h.update(r["local_hash"].encode())
+        out["final_hash"] = h.hexdigest()
+    return result, out
 
 
 def run_demo(opts: DemoOptions, *, echo: bool = True) -> dict[str, Any]:
@@ -101,7 +114,8 @@ def run_demo(opts: DemoOptions, *, echo: bool = True) -> dict[str, Any]:
     where = f"{opts.nnodes} nodes x {opts.nproc}" if opts.nnodes > 1 else f"{opts.nproc}"
     say(
         f"nonstop demo: {where} ranks, {opts.spares} hot spare(s) per node, {opts.steps} steps, "
-        f"model {opts.model}, faults: {', '.join(opts.faults) or 'none'}"
+        f"model {opts.model}{f', mesh {opts.mesh}' if opts.mesh else ''}, "
+        f"faults: {', '.join(opts.faults) or 'none'}"
     )
     result, out = _one_run(opts, opts.job_dir / "run", opts.faults)
     for i, f in enumerate(result.failures, 1):
@@ -133,6 +147,7 @@ def run_demo(opts: DemoOptions, *, echo: bool = True) -> dict[str, Any]:
         "steps": opts.steps,
         "spares": opts.spares,
         "model": opts.model,
+        "mesh": opts.mesh,
         "faults": list(opts.faults),
         "failures": result.failures,
         "median_step_s": result.median_step_s,

@@ -11,6 +11,10 @@ snapshot memory (which the next snapshot overwrites). The model copies out
 tensors are overwritten in place when their layout matches (a survivor); else
 (a fresh replacement) it is given clones, because ``Optimizer.load_state_dict``
 keeps references to the tensors it receives.
+
+Sharded models (FSDP2, TP): DTensor state is snapshotted as each rank's local shard
+(:mod:`nonstop.snapshot.sharded`) and restored into the live DTensors' local tensors, checked to
+be laid out alike; a fresh optimizer's state is made DTensors on its parameters' meshes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from nonstop.errors import SnapshotError
+from nonstop.snapshot.sharded import LocalShard, check_matches, copy_into, is_dtensor, to_dtensor
 
 __all__ = ["StateCapture"]
 
@@ -92,22 +99,74 @@ class StateCapture:
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
-                    ptrs.add(p.data_ptr())
+                    ptrs.add(_ptr(p))
                     for value in self.optimizer.state.get(p, {}).values():
                         if isinstance(value, torch.Tensor):
-                            ptrs.add(value.data_ptr())
+                            ptrs.add(_ptr(value))
+        # the snapshot holds a DTensor's local tensor (DTensor.data_ptr() is 0)
         return lambda t: t.data_ptr() in ptrs
 
     def restore(self, state: dict[str, Any]) -> int:
         """Load ``state`` (from ``RankSnapshotStore.read(..., copy=False)``); return its step."""
-        self.model.load_state_dict(state["model"])
+        _restore_model(self.model, state["model"])
         if self.optimizer is not None and state["optimizer"] is not None:
             if not _copy_into_optimizer(self.optimizer, state["optimizer"]):
-                self.optimizer.load_state_dict(_clone_tensors(state["optimizer"]))
+                self.optimizer.load_state_dict(_fresh_optimizer_state(self.optimizer, state["optimizer"]))
         _set_rng_state(state["rng"])
         if self._load_extras is not None:
             self._load_extras(_clone_tensors(state["extras"]))
         return int(state["step"])
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.to_local().data_ptr() if is_dtensor(t) else t.data_ptr()  # type: ignore[attr-defined]
+
+
+def _restore_model(model: torch.nn.Module, saved: dict[str, Any]) -> None:
+    """Load ``saved`` into ``model``: ``load_state_dict`` for plain tensors; a sharded model's
+    :class:`LocalShard` s are copied into its live DTensors' local tensors (checked)."""
+    if not any(isinstance(v, LocalShard) for v in saved.values()):
+        model.load_state_dict(saved)
+        return
+    live = model.state_dict()
+    if set(live) != set(saved):
+        missing, extra = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+        raise SnapshotError(f"cannot restore the model: keys missing {missing[:5]}, unexpected {extra[:5]}")
+    with torch.no_grad():
+        for key, value in saved.items():
+            cur = live[key]
+            if isinstance(value, LocalShard):
+                if not is_dtensor(cur):
+                    raise SnapshotError(
+                        f"cannot restore model {key}: the snapshot holds a shard, the model a tensor"
+                    )
+                copy_into(cur, value, f"model {key}")
+            elif is_dtensor(cur):
+                raise SnapshotError(
+                    f"cannot restore model {key}: the snapshot holds a tensor, the model a DTensor"
+                )
+            else:
+                cur.copy_(value)
+
+
+def _fresh_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` for ``Optimizer.load_state_dict`` of an optimizer without state yet: tensors
+    cloned (it keeps references), a :class:`LocalShard` made a DTensor on its parameter's mesh."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    state: dict[int, dict[str, Any]] = {}
+    for i, entries in saved["state"].items():
+        out: dict[str, Any] = {}
+        for key, value in entries.items():
+            if isinstance(value, LocalShard):
+                if not 0 <= int(i) < len(params) or not is_dtensor(params[int(i)]):
+                    raise SnapshotError(
+                        f"cannot restore optimizer state {i}.{key}: its parameter is not sharded"
+                    )
+                out[key] = to_dtensor(value, params[int(i)], f"optimizer state {i}.{key}")
+            else:
+                out[key] = _clone_tensors(value)
+        state[i] = out
+    return {**_clone_tensors({k: v for k, v in saved.items() if k != "state"}), "state": state}
 
 
 def _copy_into_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> bool:
@@ -130,14 +189,21 @@ def _copy_into_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> b
             return False
         for key, value in entries.items():
             cur = live[key]
-            if isinstance(value, torch.Tensor) != isinstance(cur, torch.Tensor):
+            if isinstance(value, LocalShard):
+                if not is_dtensor(cur):
+                    return False
+                check_matches(cur, value, f"optimizer state {i}.{key}")
+                continue
+            if isinstance(value, torch.Tensor) != isinstance(cur, torch.Tensor) or is_dtensor(cur):
                 return False
             if isinstance(value, torch.Tensor) and (value.shape != cur.shape or value.dtype != cur.dtype):
                 return False
     for i, entries in saved_state.items():
         live = opt.state[params[i]]
         for key, value in entries.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, LocalShard):
+                copy_into(live[key], value, f"optimizer state {i}.{key}")
+            elif isinstance(value, torch.Tensor):
                 live[key].copy_(value)
             else:
                 live[key] = value

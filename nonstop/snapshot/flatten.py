@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from nonstop.errors import SnapshotError
+from nonstop.snapshot.sharded import DT_KEY, decode_dtensor, encode_dtensor, is_dtensor
 
 __all__ = ["flatten_state", "unflatten_state"]
 
@@ -32,6 +33,10 @@ def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
 
     def walk(obj: Any, path: str) -> Any:
+        if is_dtensor(obj):  # its local shard, and the metadata that places it (snapshot/sharded.py)
+            node, local = encode_dtensor(obj, len(tensors))
+            tensors.append(local)
+            return node
         if isinstance(obj, torch.Tensor):
             tensors.append(obj.detach())
             return {_T: len(tensors) - 1}
@@ -70,6 +75,8 @@ def unflatten_state(tree: Any, tensors: list[torch.Tensor]) -> Any:
         if isinstance(obj, dict):
             if _T in obj:
                 return tensors[obj[_T]]
+            if DT_KEY in obj:
+                return decode_dtensor(obj, tensors)
             if _NDARRAY in obj:
                 return tensors[obj[_NDARRAY]].numpy()
             if _TUPLE in obj:

@@ -107,6 +107,7 @@ class Session:
         self._done = False  # this rank reported its last step (a restarted coordinator asks)
         self._live_at: int | None = None  # paused after this step: the live state is that step's
         self.warming_up = False  # a joiner's sandboxed step (see _warm_up): skip side effects
+        self._train_thread: int | None = None  # the thread in run(): its collectives are watched
         self._link = CoordinatorLink(
             env, timeout=connect_timeout, heartbeat=self._heartbeat_msg, resume=self._resume_point
         )
@@ -123,7 +124,6 @@ class Session:
         self.rank: int = int(first["rank"])
         self._set_membership(first)
         self._store: RankSnapshotStore | None = None
-        self._train_thread: int | None = None  # the thread in run(): its collectives are watched
 
     def _set_membership(self, msg: Message) -> None:
         """Rank, world size and data shards of the generation ``msg`` (a reconfigure) starts."""

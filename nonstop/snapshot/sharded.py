@@ -1,0 +1,185 @@
+"""DTensor state in snapshots: a rank keeps its own local shard, plus what places it in the whole.
+
+A sharded model (FSDP2, HSDP, tensor parallel) holds its parameters and optimizer state as
+``DTensor`` s. A snapshot stores each one as its **local tensor** (the bytes this rank owns) and, in
+the snapshot's JSON tree, the metadata that places it: the global shape and stride, the local
+shard's offset in the global tensor, the placements (``Shard(dim=0)``, ``Replicate()``,
+``_StridedShard(dim=0, sf=2)``: their ``repr``) and the mesh's shape and dim names. Reading needs no
+process group: a snapshot's DTensor reads back as a :class:`LocalShard`. Restoring copies a
+LocalShard into the live DTensor's local tensor (checked: same placements, same local shape), or,
+for optimizer state a fresh rank does not have yet, makes the DTensor on the live parameter's mesh
+(:func:`to_dtensor`). :func:`stitch` assembles the global tensor from every rank's shards (the basis
+of resharding).
+
+Encoding in the tree (JSON, no pickle)::
+
+    {"__dt__": <tensor index>, "shape": [..], "stride": [..], "offset": [..] | null,
+     "placements": ["Shard(dim=0)", ...], "mesh": [..], "dims": [..] | null}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nonstop.errors import SnapshotError
+
+__all__ = ["DT_KEY", "LocalShard", "decode_dtensor", "encode_dtensor", "is_dtensor", "stitch", "to_dtensor"]
+
+DT_KEY = "__dt__"
+
+
+def is_dtensor(t: object) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (without importing it on a plain path)."""
+    if not isinstance(t, torch.Tensor) or type(t) is torch.Tensor:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalShard:
+    """One rank's part of a DTensor, as a snapshot holds it (see the module docstring)."""
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    global_stride: tuple[int, ...]
+    offset: tuple[int, ...] | None  # where ``tensor`` starts in the global tensor (None: unknown)
+    placements: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_dims: tuple[str, ...] | None
+
+    def describe(self) -> str:
+        return (
+            f"local {tuple(self.tensor.shape)} of global {self.global_shape}, "
+            f"placements {list(self.placements)} on mesh {self.mesh_shape}"
+        )
+
+
+def encode_dtensor(t: Any, index: int) -> tuple[dict[str, Any], torch.Tensor]:
+    """The tree node of DTensor ``t`` stored as tensor ``index``, and its local tensor."""
+    mesh = t.device_mesh
+    placements = tuple(t.placements)
+    return {
+        DT_KEY: index,
+        "shape": list(t.shape),
+        "stride": list(t.stride()),
+        "offset": _offset(t),
+        "placements": [repr(p) for p in placements],
+        "mesh": list(mesh.shape),
+        "dims": list(mesh.mesh_dim_names) if mesh.mesh_dim_names is not None else None,
+    }, t.to_local().detach()
+
+
+def _offset(t: Any) -> list[int] | None:
+    """The local shard's global offset. torch computes it in ``compute_local_shape_and_global_offset``
+    (``torch.distributed.tensor._utils``, not public API): if it moves, the offset is left out and
+    only :func:`stitch` (which needs it) refuses such a snapshot."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - a torch that moved it
+        return None
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return [int(o) for o in offset]
+
+
+def decode_dtensor(node: dict[str, Any], tensors: list[torch.Tensor]) -> LocalShard:
+    try:
+        offset = node.get("offset")
+        dims = node.get("dims")
+        return LocalShard(
+            tensor=tensors[int(node[DT_KEY])],
+            global_shape=tuple(int(s) for s in node["shape"]),
+            global_stride=tuple(int(s) for s in node["stride"]),
+            offset=tuple(int(o) for o in offset) if offset is not None else None,
+            placements=tuple(str(p) for p in node["placements"]),
+            mesh_shape=tuple(int(s) for s in node["mesh"]),
+            mesh_dims=tuple(str(d) for d in dims) if dims is not None else None,
+        )
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise SnapshotError(f"a sharded tensor's record in the snapshot is malformed ({e!r})") from e
+
+
+def check_matches(live: Any, saved: LocalShard, where: str) -> None:
+    """Refuse to restore ``saved`` into the live DTensor ``live`` unless they are laid out alike."""
+    mine = tuple(repr(p) for p in live.placements)
+    local = live.to_local()
+    if (
+        mine != saved.placements
+        or tuple(live.shape) != saved.global_shape
+        or tuple(local.shape) != tuple(saved.tensor.shape)
+        or tuple(live.device_mesh.shape) != saved.mesh_shape
+    ):
+        raise SnapshotError(
+            f"cannot restore {where}: the snapshot holds {saved.describe()}, the model has local "
+            f"{tuple(local.shape)} of global {tuple(live.shape)}, placements {list(mine)} on mesh "
+            f"{tuple(live.device_mesh.shape)}; restore onto the mesh the snapshot was taken on"
+        )
+    if saved.tensor.dtype != local.dtype:
+        raise SnapshotError(f"cannot restore {where}: dtype {saved.tensor.dtype} into {local.dtype}")
+
+
+def copy_into(live: Any, saved: LocalShard, where: str) -> None:
+    """Copy ``saved`` into the live DTensor's local tensor, in place (checked first)."""
+    check_matches(live, saved, where)
+    with torch.no_grad():
+        live.to_local().copy_(saved.tensor)
+
+
+def to_dtensor(saved: LocalShard, like: Any, where: str) -> Any:
+    """A new DTensor holding a copy of ``saved`` on the mesh of ``like`` (a live DTensor: the
+    parameter an optimizer state tensor belongs to), with the saved placements."""
+    from torch.distributed.tensor import DTensor
+
+    mine = tuple(repr(p) for p in like.placements)
+    if mine != saved.placements or tuple(like.device_mesh.shape) != saved.mesh_shape:
+        raise SnapshotError(
+            f"cannot restore {where}: the snapshot holds {saved.describe()}, its parameter has "
+            f"placements {list(mine)} on mesh {tuple(like.device_mesh.shape)}"
+        )
+    return DTensor.from_local(
+        saved.tensor.clone(),
+        device_mesh=like.device_mesh,
+        placements=like.placements,
+        run_check=False,
+        shape=torch.Size(saved.global_shape),
+        stride=saved.global_stride,
+    )
+
+
+def stitch(shards: list[LocalShard]) -> torch.Tensor:
+    """The global tensor assembled from every rank's :class:`LocalShard` by their offsets.
+
+    Replicated copies may overlap (they must then be equal); together the shards must cover every
+    element exactly, else :class:`SnapshotError` says what is missing."""
+    if not shards:
+        raise SnapshotError("stitch: no shards given")
+    first = shards[0]
+    shape = first.global_shape
+    out = torch.empty(shape, dtype=first.tensor.dtype)
+    covered = torch.zeros(shape, dtype=torch.bool)
+    for sh in shards:
+        if sh.global_shape != shape or sh.tensor.dtype != first.tensor.dtype:
+            raise SnapshotError(
+                f"stitch: shards of different tensors ({sh.describe()} vs {first.describe()})"
+            )
+        if sh.offset is None:
+            raise SnapshotError("stitch: a shard has no recorded offset (written by a torch without it)")
+        if any("_StridedShard" in p for p in sh.placements):
+            raise SnapshotError(f"stitch: strided shards are not supported yet ({list(sh.placements)})")
+        if sh.tensor.numel() == 0:
+            continue
+        index = tuple(slice(o, o + n) for o, n in zip(sh.offset, sh.tensor.shape, strict=True))
+        region = out[index]
+        if covered[index].any() and not torch.equal(region[covered[index]], sh.tensor[covered[index]]):
+            raise SnapshotError("stitch: overlapping shards disagree (replicas are not equal)")
+        region.copy_(sh.tensor)
+        covered[index] = True
+    if not bool(covered.all()):
+        missing = math.prod(shape) - int(covered.sum())
+        raise SnapshotError(f"stitch: the shards leave {missing} of {math.prod(shape)} elements uncovered")
+    return out
