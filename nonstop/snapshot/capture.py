@@ -125,7 +125,9 @@ def _ptr(t: torch.Tensor) -> int:
 def _restore_model(model: torch.nn.Module, saved: dict[str, Any]) -> None:
     """Load ``saved`` into ``model``: ``load_state_dict`` for plain tensors; a sharded model's
     :class:`LocalShard` s are copied into its live DTensors' local tensors (checked)."""
-    if not any(isinstance(v, LocalShard) for v in saved.values()):
+    if not any(isinstance(v, LocalShard) for v in saved.values()) and not any(
+        is_dtensor(p) for p in model.parameters()
+    ):
         model.load_state_dict(saved)
         return
     live = model.state_dict()

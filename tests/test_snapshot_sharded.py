@@ -1,0 +1,151 @@
+"""DTensor state in snapshots (snapshot/sharded.py), on torch's fake process group (one process
+plays rank 1 of 2; no collective runs): the local shard and its placement round-trip through the
+tree, the memory slots and the durable tier; a restore into a model laid out differently is refused
+with a clear error; stitch() assembles the global tensor from every rank's shards."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nonstop.errors import SnapshotError
+from nonstop.snapshot import RankSnapshotStore, StateCapture, flatten_state, unflatten_state
+from nonstop.snapshot.sharded import LocalShard, stitch
+
+FULL = torch.arange(12.0).reshape(6, 2)
+
+
+@pytest.fixture
+def mesh() -> Iterator[Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded(mesh: Any, dim: int = 0) -> Any:
+    """Rank 1's DTensor of FULL sharded on ``dim``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = FULL[3:].clone() if dim == 0 else FULL[:, 1:].clone()
+    return DTensor.from_local(
+        local, mesh, [Shard(dim)], run_check=False, shape=FULL.shape, stride=FULL.stride()
+    )
+
+
+class Tiny(nn.Module):
+    def __init__(self, mesh: Any, dim: int = 0) -> None:
+        super().__init__()
+        self.w = nn.Parameter(sharded(mesh, dim))
+        self.b = nn.Parameter(torch.zeros(2))
+
+
+def test_a_dtensor_is_its_local_shard_and_what_places_it(mesh: Any) -> None:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    rep = DTensor.from_local(FULL.clone(), mesh, [Replicate()], run_check=False)
+    tree, tensors = flatten_state({"w": sharded(mesh), "r": rep, "plain": torch.ones(1)})
+    assert tree["w"] == {
+        "__dt__": 0,
+        "shape": [6, 2],
+        "stride": [2, 1],
+        "offset": [3, 0],
+        "placements": ["Shard(dim=0)"],
+        "mesh": [2],
+        "dims": ["shard"],
+    }
+    assert torch.equal(tensors[0], FULL[3:]) and tensors[0].data_ptr() != 0
+    back = unflatten_state(tree, tensors)
+    w = back["w"]
+    assert isinstance(w, LocalShard) and w.offset == (3, 0) and w.placements == ("Shard(dim=0)",)
+    assert back["r"].offset == (0, 0) and back["r"].placements == ("Replicate()",)
+    assert torch.equal(back["plain"], torch.ones(1))
+
+
+def test_a_sharded_model_and_optimizer_round_trip_through_memory_slots(mesh: Any, tmp_path: Path) -> None:
+    model = Tiny(mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model.w.grad = sharded(mesh) * 0 + 1.0
+    model.b.grad = torch.ones(2)
+    opt.step()
+    cap = StateCapture(model=model, optimizer=opt)
+    store = RankSnapshotStore(shm_dir=tmp_path, job_id="t", rank=1, num_slots=2)
+    try:
+        pending = store.begin(1, cap.state(1), deferred=cap.deferrable())  # the overlapped path
+        pending.wait()
+        before = {
+            k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+            for k, v in model.state_dict().items()
+        }
+        moments = opt.state[model.w]["exp_avg"].to_local().clone()
+        # a fresh rank: new model and optimizer (no state yet) restore the snapshot
+        fresh = Tiny(mesh)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        StateCapture(model=fresh, optimizer=fresh_opt).restore(store.read(1, copy=False))
+        assert torch.equal(fresh.w.to_local(), before["w"]) and torch.equal(fresh.b, before["b"])
+        exp_avg = fresh_opt.state[fresh.w]["exp_avg"]
+        assert type(exp_avg).__name__ == "DTensor" and torch.equal(exp_avg.to_local(), moments)
+        assert exp_avg.placements == fresh.w.placements
+        # a survivor: its state tensors are copied into in place
+        live = opt.state[model.w]["exp_avg"].to_local()
+        live.zero_()
+        cap.restore(store.read(1, copy=False))
+        assert torch.equal(opt.state[model.w]["exp_avg"].to_local(), moments)
+        assert opt.state[model.w]["exp_avg"].to_local().data_ptr() == live.data_ptr()
+    finally:
+        store.close()
+
+
+def test_a_snapshot_restored_onto_another_layout_is_refused_clearly(mesh: Any, tmp_path: Path) -> None:
+    cap = StateCapture(model=Tiny(mesh, dim=0))
+    store = RankSnapshotStore(shm_dir=tmp_path, job_id="t", rank=1, num_slots=2)
+    try:
+        store.write(3, cap.state(3))
+        other = StateCapture(model=Tiny(mesh, dim=1))
+        with pytest.raises(
+            SnapshotError, match=r"model w: the snapshot holds local \(3, 2\).*Shard\(dim=0\)"
+        ):
+            other.restore(store.read(3, copy=False))
+        with pytest.raises(SnapshotError, match="the snapshot holds a tensor, the model a DTensor"):
+            StateCapture(model=Tiny(mesh)).restore(
+                {**cap.state(3), "model": {"w": FULL, "b": torch.zeros(2)}}
+            )
+    finally:
+        store.close()
+
+
+def shard(rows: slice, offset: int, placement: str = "Shard(dim=0)") -> LocalShard:
+    return LocalShard(
+        tensor=FULL[rows].clone(),
+        global_shape=(6, 2),
+        global_stride=(2, 1),
+        offset=(offset, 0),
+        placements=(placement,),
+        mesh_shape=(2,),
+        mesh_dims=("shard",),
+    )
+
+
+def test_stitch_assembles_the_global_tensor_from_every_ranks_shard() -> None:
+    assert torch.equal(stitch([shard(slice(3, 6), 3), shard(slice(0, 3), 0)]), FULL)
+    replicas = [shard(slice(0, 6), 0, "Replicate()")] * 2
+    assert torch.equal(stitch(replicas), FULL)
+    with pytest.raises(SnapshotError, match="leave 6 of 12 elements uncovered"):
+        stitch([shard(slice(0, 3), 0)])
+    bad = LocalShard(**{**vars(shard(slice(0, 6), 0, "Replicate()")), "tensor": FULL + 1})
+    with pytest.raises(SnapshotError, match="replicas are not equal"):
+        stitch([shard(slice(0, 6), 0, "Replicate()"), bad])
+    with pytest.raises(SnapshotError, match="strided"):
+        stitch([shard(slice(0, 6), 0, "_StridedShard(dim=0, sf=2)")])
+    with pytest.raises(SnapshotError, match="no shards"):
+        stitch([])
