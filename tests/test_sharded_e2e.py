@@ -115,3 +115,15 @@ def test_fsdp2_recovers_from_the_durable_tier_bitwise(tmp_path: Path, reference:
     restored = events_named(run.events, "restore_from_durable")
     assert len(restored) == 1 and 0 < restored[0]["step"] <= 10
     assert shards(run) == reference(FSDP)
+
+
+def test_an_fsdp2_rank_migrates_live_bitwise(tmp_path: Path, reference: Any) -> None:
+    """Rank 1 of FSDP2 moves to node 0's spare at a step boundary: the joiner prepares from the
+    fetched snapshot (no warm-up: a sharded step is collective), every rank rebuilds its model on
+    the new mesh and restores the boundary step from its own memory; nothing is lost."""
+    cfg = {**FSDP, "nproc": 1, "nnodes": 2, "coordinator": "127.0.0.1:0", "lease_ttl_s": 3.0}
+    run = run_demo_job(tmp_path, steps=STEPS, faults=("migrate:rank=1,step=5",), **cfg)
+    check(run, 0)
+    (done,) = events_named(run.events, "migration_done")
+    assert (done["rank"], done["source"], done["target"]) == (1, "1", "0")
+    assert shards(run) == reference({**cfg, "nproc": 1})
