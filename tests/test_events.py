@@ -169,23 +169,29 @@ def test_the_header_is_written_once_and_a_log_without_one_reads_the_same(tmp_pat
 
 
 def _emit_kinds(text: str) -> list[str]:
-    return re.findall(r"emit\(\s*\"(\w+)\"", text)
+    """Kinds still logged by name: the persister's callback and the swap machine's Emit actions
+    (everything else constructs the typed classes, which mypy checks)."""
+    return re.findall(r"(?:_emit\(\s*|Emit\(\s*kind=)\"(\w+)\"", text)
 
 
 def test_every_kind_logged_in_the_source_is_registered() -> None:
     found: dict[str, list[str]] = {}
+    typed = 0
     for path in sorted(SOURCE.rglob("*.py")):
-        for kind in _emit_kinds(path.read_text()):
+        text = path.read_text()
+        typed += len(re.findall(r"emit\(\s*ev\.[A-Z]\w*\(", text))
+        for kind in _emit_kinds(text):
             found.setdefault(kind, []).append(path.name)
-    assert len(found) >= 40, "the scan finds the coordinator's emit calls"
+    assert typed >= 40, "the coordinator's modules log typed events"
+    assert len(found) >= 6, "the scan finds the by-name kinds"
     unregistered = {k: v for k, v in found.items() if k not in ev.REGISTRY}
     assert unregistered == {}, f"kinds logged but not in runtime/events.py: {unregistered}"
-    assert _emit_kinds('self.events.emit(\n    "node_lost", node=x)') == ["node_lost"]
+    assert _emit_kinds('self._emit(\n    "persist_failed", error=x)') == ["persist_failed"]
 
 
 def test_the_fields_of_every_emit_call_are_those_of_its_kind() -> None:
-    """A call ``emit("kind", a=..., b=...)`` names only fields of the kind's class and, unless it
-    expands ``**more``, every field the class requires."""
+    """A call ``_emit("kind", a=...)`` (the persister's callback) names only fields of the kind's
+    class and, unless it expands ``**more``, every field the class requires."""
     checked = 0
     for path in sorted(SOURCE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -213,4 +219,4 @@ def test_the_fields_of_every_emit_call_are_those_of_its_kind() -> None:
                 }
                 assert required <= named, f"{where}: misses {sorted(required - named)}"
             checked += 1
-    assert checked >= 40
+    assert checked >= 2

@@ -41,3 +41,19 @@ def test_the_scan_sees_an_import_of_the_simulator(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from nonstop.sim.metrics import plot_results\n    import nonstop.sim\n")
     assert {"nonstop.sim.metrics", "nonstop.sim"} <= _imports(probe)
+
+
+def test_the_runtime_logs_typed_events_not_kinds_by_name() -> None:
+    """The coordinator's modules construct the event classes (a renamed field is a mypy error);
+    only the snapshot persister, which may not import the runtime, logs through a callback by name
+    (validated when it is logged)."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent / "nonstop"
+    by_name = re.compile(r"""\.emit\(\s*["']""")
+    offenders = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.name != "eventlog.py" and by_name.search(p.read_text())
+    ]
+    assert offenders == [], offenders

@@ -41,6 +41,7 @@ from nonstop.control.channel import Channel, ControlServer, Message
 from nonstop.control.rdzv import KeyValueTable
 from nonstop.errors import ControlError
 from nonstop.mesh import MeshSpec
+from nonstop.runtime import events as ev
 from nonstop.runtime import recovery, wire
 from nonstop.runtime.clients import ClientRequests
 from nonstop.runtime.detector import FailureDetector
@@ -251,7 +252,7 @@ class Coordinator:
             return  # the first cause stands
         self.error = error
         self.set_phase(JobState.FAILED)
-        self.events.emit("job_failed", error=error)
+        self.events.emit(ev.JobFailed(error=error))
         for w in self.view.workers.values():
             self.io.send(w, {"t": "abort", "error": error})
 
@@ -286,7 +287,7 @@ class Coordinator:
         who: dict[str, Any] = {"peer": chan.peer, "message": t, "error": what}
         if isinstance(tag, tuple) and tag[0] == "node" and tag[1] in self.view.nodes:
             who["node"] = tag[1]
-            self.events.emit("protocol_error", **who)
+            self.events.emit(ev.ProtocolError(**who))
             node = self.view.nodes[tag[1]]
             if node.alive and node.chan is chan:
                 self.agents.lose_node(node, f"its agent broke the protocol ({what})")
@@ -294,12 +295,12 @@ class Coordinator:
         if isinstance(tag, int) and tag in self.view.workers:
             w = self.view.workers[tag]
             who.update(spawn_id=tag, rank=w.rank)
-            self.events.emit("protocol_error", **who)
+            self.events.emit(ev.ProtocolError(**who))
             if w.chan is chan:  # the detector fails it once the channel has been closed a moment
                 w.chan_closed_at = time.monotonic()
             chan.close()
             return
-        self.events.emit("protocol_error", **who)
+        self.events.emit(ev.ProtocolError(**who))
         if isinstance(tag, tuple) and tag[0] == "client":
             try:
                 chan.send({"t": "error", "error": f"malformed request: {what}"})
@@ -312,7 +313,7 @@ class Coordinator:
         if kind == "open" and role == "client":
             chan.tag = ("client", len(self.clients.channels))
             self.clients.channels[len(self.clients.channels)] = chan
-            self.events.emit("client", peer=chan.peer)
+            self.events.emit(ev.Client(peer=chan.peer))
             return
         if kind == "open" and role == "agent":
             self.agents.on_open(chan)
@@ -333,7 +334,7 @@ class Coordinator:
                     self.agents.lose_node(node, "its agent's connection closed")
                 else:  # lost when its lease in the store ends; until then it may reconnect
                     node.disconnected_at = time.monotonic()
-                    self.events.emit("node_disconnected", node=node.name)
+                    self.events.emit(ev.NodeDisconnected(node=node.name))
             return
         if kind == "open":
             sid = int(chan.hello.get("spawn_id", -1))
@@ -343,14 +344,14 @@ class Coordinator:
             reconnect = resume is not None and w is not None and (w.chan is None or w.chan.closed)
             if w is None or (w.chan is not None and not reconnect) or node is None or not node.alive:
                 self.events.emit(
-                    "refused", peer=chan.peer, reason=f"unknown, duplicate or fenced spawn id {sid}"
+                    ev.Refused(peer=chan.peer, reason=f"unknown, duplicate or fenced spawn id {sid}")
                 )
                 chan.close()
                 return
             chan.tag = sid
             w.chan = chan
             w.last_hb = time.monotonic()
-            self.events.emit("connect", spawn_id=sid, role=w.role, rank=w.rank, resumed=resume is not None)
+            self.events.emit(ev.Connect(spawn_id=sid, role=w.role, rank=w.rank, resumed=resume is not None))
             if isinstance(resume, dict):
                 self.store.on_worker_resumed(w, resume)
             else:
@@ -385,7 +386,7 @@ class Coordinator:
                 self.view.members[rank] = w.spawn_id
                 r.replacements[rank] = "spare"
                 self.events.emit(
-                    "spare_takes_over", rank=rank, spawn_id=w.spawn_id, cold_spawn_id=cold.spawn_id
+                    ev.SpareTakesOver(rank=rank, spawn_id=w.spawn_id, cold_spawn_id=cold.spawn_id)
                 )
         if r is not None and w.rank is not None and w.rank in r.waiting_launch:
             self.gens.report(recovery.Launched(w.rank, time.time()))
@@ -402,7 +403,9 @@ class Coordinator:
         if isinstance(m, wire.Injected):
             w.fault_at = m.ts
             self.events.emit(
-                "fault_injected", rank=m.rank, step=m.step, kind=m.kind, spawn_id=w.spawn_id, node=w.node
+                ev.FaultInjected(
+                    rank=m.rank, step=m.step, fault_kind=m.kind, spawn_id=w.spawn_id, node=w.node
+                )
             )
             return
         if isinstance(m, wire.Restored) and self.swaps.on_restored(w):
@@ -446,12 +449,12 @@ class Coordinator:
         elif isinstance(m, wire.Migrate):
             error = self.swaps.request_migration(rank, m.to, "migrate")
             if error is not None:
-                self.events.emit("migration_refused", rank=rank, target=m.to, reason=error)
+                self.events.emit(ev.MigrationRefused(rank=rank, target=m.to, reason=error))
         elif isinstance(m, wire.Paused):
             self.swaps.on_paused(rank, m.step)
         elif isinstance(m, wire.Fault):
             w.fault_report = (now, m.error)
-            self.events.emit("fault_report", rank=rank, spawn_id=w.spawn_id, error=m.error)
+            self.events.emit(ev.FaultReport(rank=rank, spawn_id=w.spawn_id, error=m.error))
 
     # -- requests to nodes, the committed step ---------------------------------------------------
     def committed(self) -> int:
@@ -466,7 +469,7 @@ class Coordinator:
         self.swaps.finish()
         self.set_phase(JobState.FINISHING)
         self.events.emit(
-            "finish", step=min(self.view.latest_step.values(), default=0), generation=self.view.generation
+            ev.Finish(step=min(self.view.latest_step.values(), default=0), generation=self.view.generation)
         )
         for w in self.view.workers.values():
             self.io.send(w, {"t": "finish"})

@@ -16,6 +16,7 @@ import time
 
 from nonstop.control.channel import Message
 from nonstop.errors import ControlError
+from nonstop.runtime import events as ev
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.runtime.wire import Installed, Inventory, Lost
@@ -68,7 +69,7 @@ class Executor:
         """Have ``node``'s agent start a process (``rank``: it plays that rank); its spawn id."""
         sid = self.view.add_worker(node, role, rank, time.monotonic()).spawn_id
         self.send_node(self.view.nodes[node], {"t": "spawn", "spawn_id": sid, "role": str(role)})
-        self.events.emit("spawn", spawn_id=sid, role=str(role), rank=rank, node=node)
+        self.events.emit(ev.Spawn(spawn_id=sid, role=str(role), rank=rank, node=node))
         return sid
 
     def kill(self, sid: int, sig: int = signal.SIGKILL) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nonstop.faults import fired_at
+from nonstop.runtime import events as ev
 from nonstop.runtime.phase import JobPhase
 from nonstop.runtime.policy import FailureKind, classify_exit, describe_exit
 from nonstop.runtime.recovery import Failure, Stage
@@ -65,13 +66,9 @@ class Failures:
                 continue
             node = w.node
             self.c.events.emit(
-                "exit",
-                spawn_id=sid,
-                role=w.role,
-                rank=w.rank,
-                returncode=rc,
-                how=describe_exit(rc),
-                node=node,
+                ev.Exit(
+                    spawn_id=sid, role=w.role, rank=w.rank, returncode=rc, how=describe_exit(rc), node=node
+                )
             )
             is_member = w.rank is not None and self.c.view.members.get(w.rank) == sid
             self.c.swaps.on_exit(sid, member=is_member, how=describe_exit(rc))
@@ -139,7 +136,7 @@ class Failures:
                 f.fault_at = by_node.get(failed_on[f.spawn_id])
         if self.c.view.phase is JobPhase.FINISHING and not self.c.view.members_alive():
             self.c.set_phase(JobPhase.DONE)
-            self.c.events.emit("job_done", generation=self.c.view.generation)
+            self.c.events.emit(ev.JobDone(generation=self.c.view.generation))
         if failures and not self.c.view.phase.is_terminal:
             self.on_failures(failures)
 
@@ -147,13 +144,14 @@ class Failures:
         self.c.swaps.abort(f"rank {failures[0].rank} failed: {failures[0].detail}")
         for f in failures:
             self.c.events.emit(
-                "failure",
-                kind=f.kind,
-                rank=f.rank,
-                spawn_id=f.spawn_id,
-                detail=f.detail,
-                step=f.step,
-                detect_s=(f.detected_at - f.fault_at) if f.fault_at else None,
+                ev.Failure(
+                    failure_kind=f.kind,
+                    rank=f.rank,
+                    spawn_id=f.spawn_id,
+                    detail=f.detail,
+                    step=f.step,
+                    detect_s=(f.detected_at - f.fault_at) if f.fault_at else None,
+                )
             )
         self.c.view.failures_total += len(failures)
         if self.c.view.phase is JobPhase.STARTING:  # died before the job formed: just start it again
@@ -204,7 +202,7 @@ class Failures:
             if w.killed_for_hang:
                 continue
             w.killed_for_hang = reason
-            self.c.events.emit("hang_detected", rank=w.rank, spawn_id=sid, reason=reason)
+            self.c.events.emit(ev.HangDetected(rank=w.rank, spawn_id=sid, reason=reason))
             self.c.io.kill(sid, signal.SIGKILL)
         for sid in verdicts.reraise:
             w = self.c.view.workers[sid]

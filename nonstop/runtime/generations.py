@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from nonstop.errors import ControlError
+from nonstop.runtime import events as ev
 from nonstop.runtime import wire
 from nonstop.runtime.elastic import assign_shards
 from nonstop.runtime.phase import JobPhase
@@ -116,7 +117,7 @@ class Generations:
         if any(ex.sid in members for ex in self.c.failures.exits):
             if self._deferral_logged != self.c.view.generation:
                 self._deferral_logged = self.c.view.generation
-                self.c.events.emit("replan_deferred", generation=self.c.view.generation)
+                self.c.events.emit(ev.ReplanDeferred(generation=self.c.view.generation))
             return
         now = time.monotonic()
         out: list[PlanNow | Replan] = []
@@ -190,7 +191,7 @@ class Generations:
             for sid in self.c.view.members.values():  # their fault reports are answered after the wait
                 self.c.view.workers[sid].fault_report = None
             p.wait_for_spare(time.monotonic() + plan.wait_s)
-            self.c.events.emit("elastic_wait", ranks=list(plan.unplaced), wait_s=plan.wait_s)
+            self.c.events.emit(ev.ElasticWait(ranks=list(plan.unplaced), wait_s=plan.wait_s))
             return
         from_rank: dict[int, int] = {}
         if plan.shrink is not None:
@@ -285,16 +286,17 @@ class Generations:
         self.c.view.renumber(dict(new_of), shrink.world_size)
         self.c.swaps.forget_steps()
         self.c.events.emit(
-            "shrink",
-            world_size=self.c.view.world_size,
-            old_world_size=old_world,
-            dropped=list(shrink.dropped),
-            renumbered={str(o): n for o, n in new_of.items() if o != n},
-            shards={
-                str(r): list(sh)
-                for r, sh in enumerate(assign_shards(self.c.num_shards, self.c.view.world_size))
-            },
-            reason=why,
+            ev.Shrink(
+                world_size=self.c.view.world_size,
+                old_world_size=old_world,
+                dropped=list(shrink.dropped),
+                renumbered={str(o): n for o, n in new_of.items() if o != n},
+                shards={
+                    str(r): list(sh)
+                    for r, sh in enumerate(assign_shards(self.c.num_shards, self.c.view.world_size))
+                },
+                reason=why,
+            )
         )
         return {n: o for o, n in new_of.items() if o != n}
 
@@ -322,17 +324,18 @@ class Generations:
         """Log the planned generation ``r`` and start it: reconfigure every connected member."""
         self.reconf = r
         self.c.events.emit(
-            "generation",
-            generation=r.generation,
-            restore_step=r.restore_step,
-            tier=tier,
-            members={str(k): v for k, v in sorted(self.c.view.members.items())},
-            nodes={str(k): self.c.view.rank_node.get(k) for k in sorted(self.c.view.members)},
-            replacements=r.replacements,
-            cause=[f.rank for f in r.failures],
-            fetches={str(k): v for k, v in fetches.items()},
-            replans=r.replans,
-            **extra,
+            ev.NewGeneration(
+                generation=r.generation,
+                restore_step=r.restore_step,
+                tier=tier,
+                members={str(k): v for k, v in sorted(self.c.view.members.items())},
+                nodes={str(k): self.c.view.rank_node.get(k) for k in sorted(self.c.view.members)},
+                replacements={str(k): v for k, v in r.replacements.items()},
+                cause=[f.rank for f in r.failures],
+                fetches={str(k): v for k, v in fetches.items()},
+                replans=r.replans,
+                **extra,
+            )
         )
         for rank, sid in self.c.view.members.items():
             if self.c.view.workers[sid].chan is None:  # still starting (e.g. launched by a re-plan)
@@ -352,7 +355,7 @@ class Generations:
             if isinstance(a, Reconfigure):
                 self._reconfigure(r, a.rank)
             elif isinstance(a, StageEnded):
-                self.c.events.emit("stage", generation=r.generation, stage=a.stage.value, seconds=a.seconds)
+                self.c.events.emit(ev.Stage(generation=r.generation, stage=a.stage.value, seconds=a.seconds))
             elif isinstance(a, Rebuild):
                 for sid in self.c.view.members.values():
                     self.c.io.send(self.c.view.workers[sid], {"t": "rebuild", "gen": r.generation})
@@ -406,7 +409,7 @@ class Generations:
         self.c.swaps.on_generation_done(r.generation)
         self.c.view.reports.extend(a.reports)
         for rec in a.reports:
-            self.c.events.emit("recovery", **rec)
+            self.c.events.emit(ev.from_fields("recovery", rec))  # the report record, keyed as logged
         self.c.agents.replenish_spares()
         if self.c.view.all_done() and self.c.view.phase is JobPhase.RUNNING:
             self.c.finish()

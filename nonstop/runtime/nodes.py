@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from nonstop.control.channel import Channel, Message
 from nonstop.errors import ControlError
+from nonstop.runtime import events as ev
 from nonstop.runtime import wire
 from nonstop.runtime.failures import Exit
 from nonstop.runtime.phase import JobPhase
@@ -57,7 +58,7 @@ class NodeAgents:
             )
 
     def start_job(self, nodes: list[str]) -> None:
-        self.c.events.emit("nodes_joined", nodes=nodes)
+        self.c.events.emit(ev.NodesJoined(nodes=nodes))
         if self.c.gens.initial_step is not None:
             placement = {
                 n: list(range(i * self.c.config.nproc_per_node, (i + 1) * self.c.config.nproc_per_node))
@@ -94,7 +95,7 @@ class NodeAgents:
         old = self.c.view.nodes.get(name)
 
         def refuse(why: str) -> None:
-            self.c.events.emit("refused", peer=chan.peer, node=name, reason=why)
+            self.c.events.emit(ev.Refused(peer=chan.peer, node=name, reason=why))
             try:
                 chan.send({"t": "refused", "error": why})
             except ControlError:
@@ -150,7 +151,7 @@ class NodeAgents:
             }
         )
         self.c.events.emit(
-            "node_join", node=name, domain=node.domain, data=node.data_addr, rejoin=old is not None
+            ev.NodeJoin(node=name, domain=node.domain, data=node.data_addr, rejoin=old is not None)
         )
         if self.c.view.phase is not JobPhase.STARTING:  # a node joining a running job brings capacity: spares
             # ... and, in an elastic job, room for ranks: its rank slots wait as spares too (to grow
@@ -175,7 +176,7 @@ class NodeAgents:
             w = self.c.view.workers.get(m.spawn_id)
             if w is not None and m.pid is not None:
                 w.pid = m.pid
-            self.c.events.emit("spawned", spawn_id=m.spawn_id, pid=m.pid, node=node.name)
+            self.c.events.emit(ev.Spawned(spawn_id=m.spawn_id, pid=m.pid, node=node.name))
         elif isinstance(m, wire.Inventory | wire.Installed):
             self.c.io.replies[m.id] = m
         elif isinstance(m, wire.Fetched):
@@ -219,7 +220,7 @@ class NodeAgents:
                 self.c.store.revoke(node)  # in store mode its agent fences when its lease is gone
         if node.chan is not None:
             node.chan.close()
-        self.c.events.emit("node_lost", node=node.name, reason=why, quarantined=quarantine)
+        self.c.events.emit(ev.NodeLost(node=node.name, reason=why, quarantined=quarantine))
         for sid in sorted(s for s, w in self.c.view.workers.items() if w.live and w.node == node.name):
             w = self.c.view.workers[sid]
             w.live = False

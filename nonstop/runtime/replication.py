@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nonstop.mesh import MeshSpec
+from nonstop.runtime import events as ev
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.executor import Executor
 from nonstop.runtime.policy import place_replicas
@@ -110,11 +111,9 @@ class ReplicationRounds:
             self._retry_at = time.monotonic() + ROUND_RETRY_S
             if self.totals["failed_rounds"] <= 3 or self.totals["failed_rounds"] % 100 == 0:
                 self.events.emit(
-                    "replication_failed",
-                    step=rd.step,
-                    node=node,
-                    error=msg.error,
-                    failed_rounds=self.totals["failed_rounds"],
+                    ev.ReplicationFailed(
+                        step=rd.step, node=node, error=msg.error, failed_rounds=self.totals["failed_rounds"]
+                    )
                 )
             self.round = None
             return
@@ -133,12 +132,13 @@ class ReplicationRounds:
         if now - self._event_at >= REPLICATED_EVENT_EVERY_S:
             self._event_at = now
             self.events.emit(
-                "replicated",
-                step=rd.step,
-                seconds=now - rd.started,
-                raw_bytes=rd.raw,
-                wire_bytes=rd.wire,
-                rounds=self.totals["rounds"],
+                ev.Replicated(
+                    step=rd.step,
+                    seconds=now - rd.started,
+                    raw_bytes=rd.raw,
+                    wire_bytes=rd.wire,
+                    rounds=self.totals["rounds"],
+                )
             )
 
     def broadcast_committed(self) -> None:

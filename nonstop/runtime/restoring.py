@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from nonstop.control.channel import Message
 from nonstop.errors import NonstopError
+from nonstop.runtime import events as ev
 from nonstop.runtime.elastic import resume_sources
 from nonstop.runtime.planning import Inventory
 from nonstop.runtime.recovery import FetchDone, Reconfiguration
@@ -110,20 +111,16 @@ class RestoreSources:
             self.early[req] = (rank, msg.ok)
             self.c.io.done(req)
             self.c.events.emit(
-                "fetched",
-                node=node.name,
-                rank=rank,
-                ok=msg.ok,
-                seconds=msg.seconds,
-                error=msg.error,
-                early=True,
+                ev.Fetched(
+                    node=node.name, rank=rank, ok=msg.ok, seconds=msg.seconds, error=msg.error, early=True
+                )
             )
             return
         rank, gen = self.waiting_fetch.pop(req, (-1, -1))
         self.c.io.done(req)
         r = self.c.gens.reconf
         self.c.events.emit(
-            "fetched", node=node.name, rank=rank, ok=msg.ok, seconds=msg.seconds, error=msg.error
+            ev.Fetched(node=node.name, rank=rank, ok=msg.ok, seconds=msg.seconds, error=msg.error)
         )
         if r is None or gen != r.generation:
             return
@@ -144,7 +141,7 @@ class RestoreSources:
         try:
             steps = DurableStore(self.c.durable_url).steps()
         except NonstopError as e:
-            self.c.events.emit("durable_unavailable", error=str(e))
+            self.c.events.emit(ev.DurableUnavailable(error=str(e)))
             done(None)
             return
         self.install_durable(sorted(steps, reverse=True), self.c.view.placement(), self.c.durable_url, done,
@@ -186,14 +183,14 @@ class RestoreSources:
             try:
                 written = DurableStore(inst.url).world_size_at(step)
             except NonstopError as e:
-                self.c.events.emit("durable_install_failed", step=step, errors=[str(e)])
+                self.c.events.emit(ev.DurableInstallFailed(step=step, errors=[str(e)]))
                 continue
             sources: dict[int, int] = {}
             world = self.c.view.world_size
             if written != world:
                 if not self.c.elastic.enabled:
-                    errors = [f"the checkpoint has {written} ranks, the job {world}"]
-                    self.c.events.emit("durable_install_failed", step=step, errors=errors)
+                    errors: list[str | None] = [f"the checkpoint has {written} ranks, the job {world}"]
+                    self.c.events.emit(ev.DurableInstallFailed(step=step, errors=errors))
                     continue
                 sources = {r: s for r, s in resume_sources(written, world).items() if r != s}
             inst.step, inst.t0 = step, time.monotonic()
@@ -226,13 +223,13 @@ class RestoreSources:
             if not isinstance(m, Installed) or not m.ok
         ]
         if bad or len(got) < len(inst.reqs):
-            self.c.events.emit("durable_install_failed", step=inst.step, errors=bad or ["timed out"])
+            self.c.events.emit(ev.DurableInstallFailed(step=inst.step, errors=bad or ["timed out"]))
             self._next_install()
             return
         self.installing = None
         if inst.recovery:
             seconds = time.monotonic() - inst.t0
-            self.c.events.emit("restore_from_durable", step=inst.step, url=inst.url, seconds=seconds)
+            self.c.events.emit(ev.RestoreFromDurable(step=inst.step, url=inst.url, seconds=seconds))
         inst.done(inst.step)
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from nonstop.control.channel import Channel
 from nonstop.control.store import LeaseKeeper, Watch
 from nonstop.errors import ControlError
+from nonstop.runtime import events as ev
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.phase import JobPhase
 from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
@@ -72,17 +73,18 @@ class StoreSync:
         self.node_watch = self.jobs.watch_nodes(rev + 1)
         record = self.jobs.load()
         if record is None:
-            self.c.events.emit("coordinator_leads", address=addr, waited_s=time.monotonic() - t0)
+            self.c.events.emit(ev.CoordinatorLeads(address=addr, waited_s=time.monotonic() - t0))
             return
         self.restore(record, live)
         self.c.events.emit(
-            "coordinator_resumed",
-            address=addr,
-            waited_s=time.monotonic() - t0,
-            generation=self.c.view.generation,
-            state=str(self.c.view.phase),
-            nodes=sorted(self.awaiting),
-            lost=sorted(n for n, r in self.c.view.nodes.items() if not r.alive),
+            ev.CoordinatorResumed(
+                address=addr,
+                waited_s=time.monotonic() - t0,
+                generation=self.c.view.generation,
+                state=str(self.c.view.phase),
+                nodes=sorted(self.awaiting),
+                lost=sorted(n for n, r in self.c.view.nodes.items() if not r.alive),
+            )
         )
 
     def close(self) -> None:
@@ -149,7 +151,7 @@ class StoreSync:
         v = self.c.view
         for kind, op in sorted(self.interrupted.items()):
             if op.get("swapped"):
-                self.c.events.emit("operation_resumed", operation=kind, generation=v.generation)
+                self.c.events.emit(ev.OperationResumed(operation=kind, generation=v.generation))
                 continue
             told = {int(sid) for sid in op.get("told", [])}
             for sid in (int(s) for s in op.get("joiners", [])):
@@ -170,9 +172,9 @@ class StoreSync:
                     self.c.io.send(v.workers[sid], {"t": "continue"})
                     self.continue_on_resume.discard(sid)
             if kind == "migration":
-                self.c.events.emit("migration_aborted", rank=op.get("rank"), phase=op.get("phase"), error=why)
+                self.c.events.emit(ev.MigrationAborted(rank=op.get("rank"), phase=op.get("phase"), error=why))
             else:
-                self.c.events.emit("grow_aborted", boundary=None, error=why)
+                self.c.events.emit(ev.GrowAborted(boundary=None, error=why))
         self.interrupted = {}
 
     def revoke(self, node: NodeRecord) -> None:
@@ -200,7 +202,7 @@ class StoreSync:
                 "lease_ttl_s": self.c.config.lease_ttl_s,
             }
         )
-        self.c.events.emit("node_reconnected", node=node.name)
+        self.c.events.emit(ev.NodeReconnected(node=node.name))
 
     def on_worker_resumed(self, w: WorkerRecord, resume: dict[str, Any]) -> None:
         """A worker reconnected after the coordinator restarted: take its progress."""

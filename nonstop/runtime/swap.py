@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nonstop.runtime.events import Event, from_fields
 from nonstop.runtime.migration import CatchUp, Transfer, boundary_step, catch_up_to, swap_as_delta
 
 __all__ = [
@@ -156,10 +157,15 @@ class SwapNow:
 
 @dataclass(frozen=True, kw_only=True)
 class Emit:
-    """An event for the job's log."""
+    """An event for the job's log: its kind and fields, as the typed event (:meth:`event`) names
+    them (the simulator reads ``kind``)."""
 
     kind: str
     fields: Mapping[str, Any]
+
+    def event(self) -> Event:
+        """The typed event (``TypeError`` for a kind or field the log does not have)."""
+        return from_fields(self.kind, self.fields)
 
 
 @dataclass(frozen=True, kw_only=True)

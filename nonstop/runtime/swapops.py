@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from nonstop.control.channel import Channel
 from nonstop.errors import ControlError
+from nonstop.runtime import events as ev
 from nonstop.runtime.elastic import assign_shards
 from nonstop.runtime.migration import CatchUp, Transfer, choose_joiner, choose_target
 from nonstop.runtime.phase import Op
@@ -134,7 +135,7 @@ class Swaps:
         if any(q[0] == rank for q in self.queue) or (m is not None and m.rank == rank):
             return f"rank {rank} is already being moved"
         self.queue.append((rank, target, reason, time.monotonic()))
-        self.c.events.emit("migration_requested", rank=rank, target=target, reason=reason)
+        self.c.events.emit(ev.MigrationRequested(rank=rank, target=target, reason=reason))
         return None
 
     def answer(self, rank: int, *, ok: bool, error: str | None = None, **info: Any) -> None:
@@ -151,13 +152,13 @@ class Swaps:
             return
         node.draining = True
         ranks = self.c.view.ranks_on(node.name)
-        self.c.events.emit("preempt_notice", node=node.name, grace_s=grace_s, ranks=ranks)
+        self.c.events.emit(ev.PreemptNotice(node=node.name, grace_s=grace_s, ranks=ranks))
         if self.c.rounds is not None:
             self.c.rounds.request()
         for rank in ranks:
             error = self.request_migration(rank, None, "preempt")
             if error is not None:
-                self.c.events.emit("migration_refused", rank=rank, target=None, reason=error)
+                self.c.events.emit(ev.MigrationRefused(rank=rank, target=None, reason=error))
         self.release_drained()
 
     def release_drained(self) -> None:
@@ -170,7 +171,7 @@ class Swaps:
             if any(n == node.name for n in self.c.view.rank_node.values()):
                 continue
             self.c.io.send_node(node, {"t": "release"})
-            self.c.events.emit("node_released", node=node.name)
+            self.c.events.emit(ev.NodeReleased(node=node.name))
             self.c.agents.lose_node(node, "released after draining", failure=False)
 
     # -- the clock --------------------------------------------------------------------------------
@@ -208,7 +209,7 @@ class Swaps:
                 self.queue.append((rank, wanted, reason, asked))
                 return
             why = f"no idle hot spare on node {target}" if target is not None else "no node has an idle spare"
-            self.c.events.emit("migration_refused", rank=rank, target=target, reason=why)
+            self.c.events.emit(ev.MigrationRefused(rank=rank, target=target, reason=why))
             self.answer(rank, ok=False, error=why)
             return
         w = v.workers[joiner]
@@ -326,7 +327,7 @@ class Swaps:
         c, v, a = self.c, self.c.view, self.active
         assert a is not None
         if isinstance(act, Emit):
-            c.events.emit(act.kind, **act.fields)
+            c.events.emit(act.event())
         elif isinstance(act, Fetch):
             if act.purpose == "boundary":
                 j = a.joiner(act.sid)
@@ -403,11 +404,12 @@ class Swaps:
             self._step_at.clear()
             shards = assign_shards(c.num_shards, v.world_size)
             c.events.emit(
-                "grow",
-                world_size=v.world_size,
-                old_world_size=old_world,
-                boundary=s.step,
-                shards={str(k): list(sh) for k, sh in enumerate(shards)},
+                ev.Grow(
+                    world_size=v.world_size,
+                    old_world_size=old_world,
+                    boundary=s.step,
+                    shards={str(k): list(sh) for k, sh in enumerate(shards)},
+                )
             )
             c.gens.launch(r, tier="memory", fetches=fetches, grow=sorted(s.ranks))
         else:

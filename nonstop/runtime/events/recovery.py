@@ -195,7 +195,7 @@ class RestoreFromDurable(Event):
 class DurableInstallFailed(Event):
     kind: ClassVar[str] = "durable_install_failed"
     step: int | None
-    errors: list[str]
+    errors: list[str | None]  # a node's error, null when it gave none
 
 
 @dataclass(frozen=True, kw_only=True)
