@@ -15,7 +15,12 @@ A worker that fails (a collective with a dead peer) prints the error and leaves 
 ``os._exit(1)``: left to the interpreter it hangs ~1.5 s in torch.distributed's native teardown
 before torchrun's agent sees it exit (the baseline's best case, not what a plain script does).
 
-Fault: with ``--fault-step S`` (given to one node's agent only), the first of that node's workers to
+Sharded (``--mesh``, as ``nonstop.demo.train_sharded``): the model is laid out by the demo's
+``shard_model`` (FSDP2 / HSDP / TP) once the group exists, instead of DDP; DCP saves and loads its
+sharded state (``get_state_dict`` / ``set_state_dict``).
+
+Fault: with ``--fault-rank R``, rank R SIGKILLs itself when it starts step S (``--fault-step``).
+Without, with ``--fault-step S`` (given to one node's agent only), the first of that node's workers to
 start step S (marker file, once per run) writes a ``fault`` event and SIGKILLs every process of its
 node, torchrun's agent included: each process launched for a node carries ``BENCH_NODE_TAG`` in its
 environment (:func:`kill_node`).
@@ -55,6 +60,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
@@ -110,6 +116,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--sync-save", action="store_true", help="dcp.save instead of dcp.async_save")
     ap.add_argument("--fault-step", type=int, default=-1, help="-1: no fault")
+    ap.add_argument(
+        "--fault-rank",
+        type=int,
+        default=-1,
+        help="kill only this rank at --fault-step (SIGKILL itself); -1: its whole node (BENCH_NODE_TAG)",
+    )
+    ap.add_argument(
+        "--mesh",
+        default=None,
+        help="sharded, as the nonstop demo (replicate=R,shard=S,tp=T): FSDP2 / HSDP / TP instead of DDP",
+    )
     ap.add_argument("--run-dir", type=Path, required=True, help="checkpoints and the fault marker live here")
     ap.add_argument("--events", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -129,6 +146,18 @@ def main(argv: list[str] | None = None) -> None:
 
     dist.init_process_group("gloo")  # env:// rendezvous from torchrun's variables
     ckpt_pg = dist.new_group(backend="gloo")  # DCP's collectives, apart from DDP's
+    data_rank = rank
+    if args.mesh is not None:  # the sharded demo's layout, built the same way (collective-free)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from nonstop.demo.train_sharded import shard_model
+        from nonstop.mesh import MeshSpec
+
+        spec = MeshSpec.parse(args.mesh)
+        mesh = init_device_mesh("cpu", spec.shape, mesh_dim_names=spec.names)
+        shard_model(model, mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)  # over the sharded parameters
+        data_rank = spec.dp_rank(rank)
     ev.emit("pg_ready")
 
     root = args.run_dir / "dcp"
@@ -143,8 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         del state, msd, osd
     ev.emit("ckpt_loaded", step=start, load_s=time.monotonic() - t1)
-    ddp = DistributedDataParallel(model)
-    ev.emit("ddp_ready")
+    ddp = DistributedDataParallel(model) if args.mesh is None else model
+    ev.emit("ddp_ready")  # (sharded: the model is ready; the name is kept for the analysis)
 
     pending: Future[Any] | None = None  # the save in flight
 
@@ -162,11 +191,14 @@ def main(argv: list[str] | None = None) -> None:
             pending = None
 
     for step in range(start, args.steps):
-        if args.fault_step >= 0 and step == args.fault_step and claim_fault(args.run_dir / "fault-marker"):
+        faulty = args.fault_step >= 0 and step == args.fault_step and args.fault_rank in (-1, rank)
+        if faulty and claim_fault(args.run_dir / "fault-marker"):
             ev.emit("fault", step=step)
-            kill_node(os.environ[NODE_TAG_ENV])
+            if args.fault_rank < 0:
+                kill_node(os.environ[NODE_TAG_ENV])
+            os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.monotonic()
-        x, y = corpus.batch(step=step, rank=rank, batch=args.batch, seq=cfg.seq)
+        x, y = corpus.batch(step=step, rank=data_rank, batch=args.batch, seq=cfg.seq)
         loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()

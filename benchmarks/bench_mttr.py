@@ -83,7 +83,9 @@ from nonstop.runtime.coordinator import JobState  # noqa: E402
 from nonstop.runtime.launcher import run_job  # noqa: E402
 
 BASELINE_SCRIPT = REPO / "benchmarks" / "baseline_torchrun_train.py"
+DCP_SCRIPT = REPO / "benchmarks" / "baseline_torchrun_dcp_train.py"  # --mesh: sharded state needs DCP
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "mttr.json"
+SHARDED_OUT = REPO / "benchmarks" / "results" / "mttr-sharded.json"
 QUICK_OUT = REPO / "benchmarks" / "results" / "mttr-quick.json"
 
 CONTENDERS: dict[str, str] = {
@@ -111,6 +113,7 @@ class Options:
     timeout_s: float
     quick: bool
     batch: int = 8
+    mesh: str | None = None  # sharded (nonstop.demo.train_sharded): the baseline is torchrun + DCP
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -169,6 +172,7 @@ def run_nonstop(opts: Options, *, spares: int, run_dir: Path) -> dict[str, Any]:
         job_dir=run_dir / "job",
         faults=(f"kill:rank={opts.fault_rank},step={opts.fault_step}",),
         extra_env=(("OMP_NUM_THREADS", str(opts.omp_threads)), ("GLOO_SOCKET_IFNAME", "lo")),
+        mesh=opts.mesh,
     )
     stop = threading.Event()
     timer = threading.Timer(opts.timeout_s, stop.set)
@@ -225,7 +229,7 @@ def _kill_leftover_workers(events: list[dict[str, Any]]) -> None:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if BASELINE_SCRIPT.name.encode() in cmdline:
+        if BASELINE_SCRIPT.name.encode() in cmdline or DCP_SCRIPT.name.encode() in cmdline:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -258,7 +262,8 @@ def run_baseline(opts: Options, *, run_dir: Path) -> dict[str, Any]:
         "0.1",
         "--log-dir",  # else torchrun leaves a /tmp/torchelastic_* dir behind
         str(run_dir / "torchelastic"),
-        str(BASELINE_SCRIPT),
+        str(DCP_SCRIPT if opts.mesh else BASELINE_SCRIPT),
+        *(("--mesh", opts.mesh) if opts.mesh else ()),
         "--model",
         opts.model,
         "--batch",
@@ -369,7 +374,8 @@ def analyze_baseline(
         for e in events
         if e["event"] == "step" and e.get("attempt", 0) == 0 and e["step"] > 0
     ]
-    saves = [float(e["save_s"]) for e in events if e["event"] == "ckpt_saved"]
+    # torch.save's time, or DCP async_save's stall of the loop (what the training waits for)
+    saves = [float(e.get("save_s", e.get("block_s", 0.0))) for e in events if e["event"] == "ckpt_saved"]
     return {
         "ok": True,
         "detect_s": declared - fault,
@@ -464,10 +470,11 @@ def print_table(report: dict[str, Any]) -> None:
     head = f"{'contender':<24}{'detect':>20}{'training again':>22}{'MTTR':>22}{'lost':>8}{'back at K':>22}"
     print(head)
     print("-" * len(head))
-    for name, label in CONTENDERS.items():
+    for name in CONTENDERS:
         s = report["contenders"][name]["summary"]
+        who = report["contenders"][name]["label"]
         print(
-            f"{label:<24}{fmt(s['detect_s'], digits=3):>20}{fmt(s['training_again_s']):>22}"
+            f"{who:<24}{fmt(s['detect_s'], digits=3):>20}{fmt(s['training_again_s']):>22}"
             f"{fmt(s['mttr_s']):>22}{fmt(s['lost_steps'], digits=0):>8}{fmt(s['back_at_fault_step_s']):>22}"
         )
     for name in CONTENDERS:
@@ -483,6 +490,12 @@ def print_table(report: dict[str, Any]) -> None:
         if r is not None:
             print(f"ratio {key}: {r['median']:.1f}x [{r['min']:.1f}-{r['max']:.1f}]")
     print(f"benchmark wall time {report['wall_s']:.0f}s -> {report['out']}")
+
+
+def label(name: str, opts: Options) -> str:
+    if name == BASELINE and opts.mesh:
+        return "torchrun + DCP async"
+    return CONTENDERS[name] + (f" {opts.mesh}" if opts.mesh and name != BASELINE else "")
 
 
 def run_benchmark(opts: Options, work: Path, out: Path) -> dict[str, Any]:
@@ -531,7 +544,7 @@ def run_benchmark(opts: Options, work: Path, out: Path) -> dict[str, Any]:
             "ckpt_save_s_median": statistics.median(saves) if saves else None,
             "env": {"OMP_NUM_THREADS": opts.omp_threads, "GLOO_SOCKET_IFNAME": "lo"},
         },
-        "contenders": {n: {"label": CONTENDERS[n], "summary": summaries[n], "runs": runs[n]} for n in order},
+        "contenders": {n: {"label": label(n, opts), "summary": summaries[n], "runs": runs[n]} for n in order},
         "warmup": warm,
         "ratios": {
             "torchrun_ckpt/nonstop_hot": ratio_summary(runs[BASELINE], runs["nonstop_hot"]),
@@ -571,6 +584,12 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path, Path | None, bool
         "--work-dir", type=Path, default=None, help="job dirs and checkpoints (default: a tmp dir)"
     )
     ap.add_argument("--keep-work", action="store_true", help="keep the work dir (logs, events)")
+    ap.add_argument(
+        "--mesh",
+        default=None,
+        help="sharded: both contenders lay the model out on this mesh (nonstop.demo.train_sharded: "
+        "FSDP2 / HSDP / TP); the baseline is torchrun + DCP async_save (default: DDP, torch.save)",
+    )
     a = ap.parse_args(argv)
     q = a.quick
     fault_step = a.fault_step if a.fault_step is not None else (5 if q else 15)
@@ -590,6 +609,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path, Path | None, bool
         timeout_s=a.timeout if a.timeout is not None else (120.0 if q else 900.0),
         quick=q,
         batch=a.batch,
+        mesh=a.mesh,
     )
     if opts.nproc < 2 or opts.runs < 1 or opts.warmup < 0 or opts.ckpt_every < 1:
         ap.error("need --nproc >= 2, --runs >= 1, --warmup >= 0, --ckpt-every >= 1")
@@ -597,7 +617,12 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path, Path | None, bool
         ap.error(f"--fault-step must be in 1..steps-1 (steps {opts.steps})")
     if opts.fault_step < opts.ckpt_every:
         ap.error("--fault-step must come after the first checkpoint (>= --ckpt-every)")
-    out = a.out or (QUICK_OUT if q else DEFAULT_OUT)
+    if opts.mesh is not None:
+        from nonstop.mesh import MeshSpec
+
+        if MeshSpec.parse(opts.mesh).world_size != opts.nproc:
+            ap.error(f"--mesh {opts.mesh} must have --nproc ({opts.nproc}) ranks")
+    out = a.out or (QUICK_OUT if q else SHARDED_OUT if opts.mesh else DEFAULT_OUT)
     return opts, out, a.work_dir, a.keep_work
 
 

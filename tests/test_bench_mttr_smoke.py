@@ -35,3 +35,19 @@ def test_bench_mttr_quick(tmp_path: Path) -> None:
     w = report["workload"]
     assert base["lost_steps"] == w["fault_step"] - (w["fault_step"] // w["ckpt_every"]) * w["ckpt_every"]
     assert report["ratios"]["torchrun_ckpt/nonstop_hot"]["median"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_mttr_quick_sharded(tmp_path: Path) -> None:
+    """FSDP2 on 2 ranks: nonstop against torchrun + DCP async_save (sharded state needs DCP)."""
+    out = tmp_path / "mttr.json"
+    args = ("--mesh", "shard=2", "--nproc", "2", "--work-dir", str(tmp_path / "work"))
+    report = run_benchmark_quick("bench_mttr", out, *args, timeout=230)
+    contenders = report["contenders"]
+    assert contenders["torchrun_ckpt"]["label"] == "torchrun + DCP async"
+    for name, c in contenders.items():
+        assert c["runs"] and all(r["ok"] for r in c["runs"]), (name, c["runs"])
+    assert all(r["lost_steps"] == 0 for r in contenders["nonstop_hot"]["runs"])
+    assert report["workload"]["mesh"] == "shard=2"
+    assert report["ratios"]["torchrun_ckpt/nonstop_hot"]["median"] > 0
