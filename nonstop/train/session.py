@@ -9,6 +9,12 @@ Usage in a training script (run it with ``nonstop run``)::
         ...
     session.run(train_step, model=model, optimizer=opt, num_steps=1000)
 
+A sharded job (``nonstop run --mesh shard=S,...``: FSDP2, HSDP, tensor parallel) gives a
+collective-free ``build(mesh) -> (model, optimizer)`` instead, called on every rank of every
+generation (:mod:`nonstop.train.trainee`)::
+
+    session.run(train_step, build=build, num_steps=1000)   # train_step(model, step)
+
 Contract of :meth:`Session.run`:
 
 * ``train_step(ddp_model, step)`` performs optimizer step number ``step``
