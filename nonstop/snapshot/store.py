@@ -508,6 +508,16 @@ class RankSnapshotStore:
             slot.set_pinned(False, READ_PIN)
         return RawSnapshot(rank=self.rank, step=step, meta=meta, data=data, written_at=inf.written_at)
 
+    def drain(self) -> None:
+        """Finish the write in flight, if any; a failed one is simply not complete (not committed:
+        logged, not raised)."""
+        try:
+            pending = self.pending  # (a write that already failed raises here)
+            if pending is not None:
+                pending.wait()
+        except SnapshotError as e:
+            log.warning("%s", e)
+
     def close(self) -> None:
         if self._pending is not None:
             try:

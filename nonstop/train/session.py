@@ -52,15 +52,14 @@ from torch.nn.parallel import DistributedDataParallel
 from nonstop.config import WorkerEnv
 from nonstop.control.channel import Message
 from nonstop.control.rdzv import ChannelStore
-from nonstop.errors import SnapshotError, UsageError
-from nonstop.faults import FaultInjector, preempt_notice_path
+from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
 from nonstop.snapshot import RankSnapshotStore, StateCapture
-from nonstop.snapshot.slot import rank_slot_paths
 from nonstop.snapshot.store import PendingWrite
 from nonstop.train.collectives import in_collective
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.group import GenerationGroup
+from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
 from nonstop.train.link import CoordinatorLink, PeerFailed
 from nonstop.train.trainee import Build, Replicated, Sharded, Trainee
@@ -109,7 +108,6 @@ class Session:
         self._group = GenerationGroup()
         self._step = 0
         self._fence_wait_s = 0.0
-        self._faults = FaultInjector.from_json(env.faults_json, env.job_dir / "faults")
         self._done = False  # this rank reported its last step (a restarted coordinator asks)
         self._live_at: int | None = None  # paused after this step: the live state is that step's
         self.warming_up = False  # a joiner's sandboxed step (see _warm_up): skip side effects
@@ -117,6 +115,7 @@ class Session:
         self._link = CoordinatorLink(
             env, timeout=connect_timeout, heartbeat=self._heartbeat_msg, resume=self._resume_point
         )
+        self._faults = WorkerFaults(env, self._link)
         # A spare waits here, imported and connected, until it is given a rank. Pay
         # the lazy imports a first optimizer / DDP construction would pay now.
         if env.role == "spare":
@@ -295,7 +294,7 @@ class Session:
                             self._link.send(report)
                         else:
                             snap.on_complete(functools.partial(self._link.send_quietly, report))
-                    self._drain(self._live_store())  # the last snapshot is complete before we report done
+                    self._live_store().drain()  # the last snapshot is complete before we report done
                     self._done = True
                     self._link.send({"t": "done", "gen": self.generation, "step": self._step})
                     reply = self._link.wait_for("finish", "reconfigure")
@@ -344,7 +343,7 @@ class Session:
     def _pause(self, store: RankSnapshotStore) -> Message | None:
         """Live migration: stop after the boundary step (its snapshot complete, for the joiner to
         fetch) until the coordinator swaps the rank (a reconfigure) or gives up (continue)."""
-        self._drain(store)
+        store.drain()
         self._link.pause_at = None
         self._live_at = self._step  # until the next step starts, the live state is that of this step
         self._link.send({"t": "paused", "gen": self.generation, "step": self._step})
@@ -374,16 +373,6 @@ class Session:
             pending.fence()
             self._fence_wait_s += pending.waited_s - before
 
-    @staticmethod
-    def _drain(store: RankSnapshotStore) -> None:
-        """Finish an in-flight snapshot; a failed one is simply not complete (not committed)."""
-        pending = store.pending
-        if pending is not None:
-            try:
-                pending.wait()
-            except SnapshotError as e:
-                log.warning("%s", e)
-
     def _on_step_error(self, err: BaseException) -> Message:
         """Tear down the group at once (so blocked peers fail fast), then ask what to do."""
         if err.__traceback__ is not None:
@@ -403,35 +392,7 @@ class Session:
         return reply
 
     def _maybe_inject(self, phase: str, step: int) -> None:
-        node = int(self.env.node) if self.env.node.isdigit() else -1
-        due = self._faults.due(rank=self.rank, step=step, phase=phase, node=node)
-        if due is not None:
-            index, fault = due
-            if fault.kind == "preempt":  # the node's notice arrives; its agent drains it
-                notice = preempt_notice_path(self.env.job_dir, self.env.node)
-                tmp = notice.with_suffix(".tmp")
-                tmp.write_text(f"{fault.grace}\n")
-                tmp.replace(notice)
-                return
-            if fault.kind == "migrate":  # a planned event, not a fault: ask and go on training
-                to = None if fault.to < 0 else str(fault.to)
-                self._link.send({"t": "migrate", "gen": self.generation, "rank": self.rank, "to": to})
-                return
-            self._link.send(
-                {
-                    "t": "injected",
-                    "index": index,
-                    "kind": fault.kind,
-                    "rank": self.rank,
-                    "step": step,
-                    "ts": time.time(),
-                }
-            )
-            FaultInjector.fire(fault, wipe=self._wipe_snapshots, agent_pid=self.env.agent_pid)
-
-    def _wipe_snapshots(self) -> None:
-        for path in rank_slot_paths(self.env.shm_dir, self.env.job_id, self.rank):
-            path.unlink(missing_ok=True)
+        self._faults.maybe_fire(phase, rank=self.rank, step=step, generation=self.generation)
 
     def _destroy_group(self) -> None:
         """Drop this generation's rendezvous store, DDP wrapper and process group."""
@@ -455,7 +416,7 @@ class Session:
                 self._maybe_inject("recovery", int(restore_step))
             elif restore_step is not None and msg.get("prepare"):
                 self._maybe_inject("prepare", int(restore_step))
-            self._drain(self._live_store())  # never restore under a copy still writing into the slots
+            self._live_store().drain()  # never restore under a copy still writing into the slots
             if int(msg["rank"]) != self.rank:  # renumbered (elastic): snapshot under the new number
                 self._live_store().close()
                 self._store = self._open_store(int(msg["rank"]))
