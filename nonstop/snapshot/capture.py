@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from nonstop.errors import SnapshotError
-from nonstop.snapshot.sharded import LocalShard, check_matches, copy_into, is_dtensor, to_dtensor
+from nonstop.snapshot.sharded import LocalShard, check_matches, copy_into, is_dtensor, local_of, to_dtensor
 
 __all__ = ["StateCapture"]
 
@@ -119,7 +119,7 @@ class StateCapture:
 
 
 def _ptr(t: torch.Tensor) -> int:
-    return t.to_local().data_ptr() if is_dtensor(t) else t.data_ptr()  # type: ignore[attr-defined]
+    return local_of(t).data_ptr() if is_dtensor(t) else t.data_ptr()
 
 
 def _restore_model(model: torch.nn.Module, saved: dict[str, Any]) -> None:
