@@ -149,3 +149,68 @@ def test_stitch_assembles_the_global_tensor_from_every_ranks_shard() -> None:
         stitch([shard(slice(0, 6), 0, "_StridedShard(dim=0, sf=2)")])
     with pytest.raises(SnapshotError, match="no shards"):
         stitch([])
+
+
+LAYOUTS = [
+    ((7, 4), ("Shard(dim=0)",), (3,)),  # uneven: 3, 3, 1 rows
+    ((5, 4), ("Shard(dim=0)",), (4,)),  # the last rank gets none
+    ((6, 8), ("Replicate()", "Shard(dim=0)"), (2, 2)),  # HSDP
+    ((6, 8), ("Shard(dim=0)", "Shard(dim=1)"), (2, 2)),  # FSDP x TP (column-wise)
+    ((9, 2), ("Shard(dim=0)", "Shard(dim=0)"), (2, 2)),  # one dim split twice
+]
+
+
+@pytest.mark.parametrize(("shape", "placements", "mesh_shape"), LAYOUTS)
+def test_shard_layout_is_dtensors_own_rule(
+    shape: tuple[int, ...], placements: tuple[str, ...], mesh_shape: tuple[int, ...]
+) -> None:
+    """Every rank's (local shape, offset) equals what torch computes for a DTensor (fake world)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from nonstop.snapshot.sharded import shard_layout
+
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    objs = [Replicate() if p == "Replicate()" else Shard(int(p[len("Shard(dim=") : -1])) for p in placements]
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            theirs = compute_local_shape_and_global_offset(shape, mesh, objs)
+            coord = tuple(mesh.get_coordinate() or ())
+        finally:
+            dist.destroy_process_group()
+        assert shard_layout(shape, placements, mesh_shape, coord) == (tuple(theirs[0]), tuple(theirs[1]))
+
+
+def test_reshard_cuts_a_new_layouts_shard_out_of_the_old_ones() -> None:
+    """FSDP2 on 2 ranks -> 3 ranks (uneven), and onto HSDP 2x2, from the 2 old shards."""
+    from nonstop.snapshot.sharded import reshard, shard_layout
+
+    whole = torch.arange(28.0).reshape(7, 4)
+    old = []
+    for r in range(2):
+        shape, off = shard_layout((7, 4), ("Shard(dim=0)",), (2,), (r,))
+        local = whole[off[0] : off[0] + shape[0]].clone()
+        old.append(
+            LocalShard(
+                tensor=local,
+                global_shape=(7, 4),
+                global_stride=(4, 1),
+                offset=off,
+                placements=("Shard(dim=0)",),
+                mesh_shape=(2,),
+                mesh_dims=("shard",),
+            )
+        )
+    got = [reshard(old, ("Shard(dim=0)",), (3,), (r,)) for r in range(3)]
+    assert [tuple(t.shape) for t in got] == [(3, 4), (3, 4), (1, 4)]
+    assert torch.equal(torch.cat(got), whole)
+    hsdp = reshard(old, ("Replicate()", "Shard(dim=0)"), (2, 2), (1, 1))
+    assert torch.equal(hsdp, whole[4:])
+    with pytest.raises(SnapshotError, match="not supported yet"):
+        reshard(old, ("_StridedShard(dim=0, sf=2)",), (2,), (0,))

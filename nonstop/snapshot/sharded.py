@@ -8,8 +8,9 @@ shard's offset in the global tensor, the placements (``Shard(dim=0)``, ``Replica
 process group: a snapshot's DTensor reads back as a :class:`LocalShard`. Restoring copies a
 LocalShard into the live DTensor's local tensor (checked: same placements, same local shape), or,
 for optimizer state a fresh rank does not have yet, makes the DTensor on the live parameter's mesh
-(:func:`to_dtensor`). :func:`stitch` assembles the global tensor from every rank's shards (the basis
-of resharding).
+(:func:`to_dtensor`). :func:`stitch` assembles the global tensor from every rank's shards;
+:func:`reshard` cuts one rank's shard of another layout out of them (the basis of resuming on
+another mesh; :func:`shard_layout` is DTensor's placement rule, pure).
 
 Encoding in the tree (JSON, no pickle)::
 
@@ -34,6 +35,8 @@ __all__ = [
     "encode_dtensor",
     "is_dtensor",
     "local_of",
+    "reshard",
+    "shard_layout",
     "stitch",
     "to_dtensor",
 ]
@@ -212,3 +215,50 @@ def stitch(shards: list[LocalShard]) -> torch.Tensor:
         missing = math.prod(shape) - int(covered.sum())
         raise SnapshotError(f"stitch: the shards leave {missing} of {math.prod(shape)} elements uncovered")
     return out
+
+
+def _shard_dim(placement: str) -> int | None:
+    """``Shard(dim=d)`` -> d; ``Replicate()`` -> None; anything else is refused."""
+    if placement == "Replicate()":
+        return None
+    if placement.startswith("Shard(dim=") and placement.endswith(")"):
+        return int(placement[len("Shard(dim=") : -1])
+    raise SnapshotError(f"reshard: placement {placement} is not supported yet (Shard and Replicate are)")
+
+
+def shard_layout(
+    global_shape: tuple[int, ...],
+    placements: tuple[str, ...],
+    mesh_shape: tuple[int, ...],
+    coord: tuple[int, ...],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of the rank at ``coord`` of ``mesh_shape`` for a tensor of
+    ``global_shape`` placed by ``placements`` (one per mesh dim), as DTensor places it: each
+    ``Shard(dim=d)`` splits dim d the way ``torch.chunk`` does (chunks of ceil(n / k); trailing
+    ranks may get fewer rows or none), mesh dims applied in order."""
+    if not len(placements) == len(mesh_shape) == len(coord):
+        raise SnapshotError(f"reshard: {len(placements)} placements for a mesh of {len(mesh_shape)} dims")
+    shape, offset = list(global_shape), [0] * len(global_shape)
+    for placement, n, k in zip(placements, mesh_shape, coord, strict=True):
+        d = _shard_dim(placement)
+        if d is None:
+            continue
+        chunk = -(-shape[d] // n)  # ceil
+        start = min(k * chunk, shape[d])
+        stop = min(start + chunk, shape[d])
+        offset[d] += start
+        shape[d] = stop - start
+    return tuple(shape), tuple(offset)
+
+
+def reshard(
+    shards: list[LocalShard], placements: tuple[str, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...]
+) -> torch.Tensor:
+    """The local tensor of the rank at ``coord`` of a new layout (``placements`` on ``mesh_shape``),
+    cut from every old rank's :class:`LocalShard` of one tensor (:func:`stitch`, then the slice
+    :func:`shard_layout` gives). The old and new layouts may differ in everything but the global
+    shape."""
+    whole = stitch(shards)
+    shape, offset = shard_layout(tuple(whole.shape), placements, mesh_shape, coord)
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+    return whole[index].clone()
