@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from nonstop.runtime.coordinator import JobState
 from nonstop.runtime.gc import collect_garbage
@@ -129,3 +130,50 @@ def test_an_fsdp2_rank_migrates_live_bitwise(tmp_path: Path, reference: Any) -> 
     (done,) = events_named(run.events, "migration_done")
     assert (done["rank"], done["source"], done["target"]) == (1, "1", "0")
     assert shards(run) == reference({**cfg, "nproc": 1})
+
+
+def _stitched(url: Path, step: int) -> dict[str, torch.Tensor]:
+    """Every sharded tensor of a checkpoint, assembled from all its ranks' shards."""
+    from nonstop.snapshot.durable import DurableStore
+    from nonstop.snapshot.sharded import LocalShard, stitch
+    from nonstop.snapshot.store import decode_raw
+
+    store = DurableStore(str(url))
+    states = [decode_raw(*store.load_rank(step, r)) for r in range(store.world_size_at(step))]
+    out: dict[str, torch.Tensor] = {}
+    for key in states[0]["model"]:
+        out[f"model.{key}"] = stitch([st["model"][key] for st in states])
+    for i, entries in states[0]["optimizer"]["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, LocalShard):
+                out[f"optim.{i}.{name}"] = stitch([st["optimizer"]["state"][i][name] for st in states])
+    return out
+
+
+def test_fsdp2_resumes_on_another_mesh_resharded_bitwise(tmp_path: Path) -> None:
+    """A 2-rank FSDP2 checkpoint resumed on 3 ranks: every rank cuts its shards (model and AdamW
+    moments) out of the old ones; the whole state is bitwise the checkpoint's. A rank whose memory
+    is lost before the job has a checkpoint of its own size reshards again, and the run ends
+    exactly as one without the fault."""
+    old = tmp_path / "ckpt2"
+    run = run_demo_job(tmp_path / "a", steps=8, persist_url=str(old), persist_every=4, **FSDP)
+    assert run.result.state is JobState.DONE, run.result.error
+    three = {"mesh": "shard=3", "nproc": 3, "resume": str(old)}
+    same = run_demo_job(tmp_path / "b", steps=8, persist_url=str(tmp_path / "ckpt3"), **three)
+    assert same.result.state is JobState.DONE, same.result.error
+    (gen,) = events_named(same.events, "generation")
+    assert gen["restore_step"] == 8 and gen["tier"] == "durable"
+    before, after = _stitched(old, 8), _stitched(tmp_path / "ckpt3", 8)
+    assert before.keys() == after.keys() and len(before) > 10
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    clean = run_demo_job(tmp_path / "c", steps=STEPS, persist_url=str(tmp_path / "ckpt-c"), **three)
+    lost = run_demo_job(
+        tmp_path / "d",
+        steps=STEPS,
+        persist_url=str(tmp_path / "ckpt-d"),
+        faults=("wipe:rank=1,step=9",),
+        **three,
+    )
+    check(lost, 1, from_durable=True)
+    assert lost.result.failures[0]["restore_step"] == 8
+    assert shards(lost) == shards(clean)

@@ -77,6 +77,10 @@ class Generations:
         # the nodes' inventories asked for the generation being planned: request id -> node
         self.inventory_reqs: dict[int, str] = {}
         self._deferral_logged = 0  # the generation whose plan was last deferred for exits
+        # a sharded job resumed from a checkpoint of another size: {url, step, world}, which the
+        # first generation's workers reshard (nothing is installed on the nodes), and any later
+        # one's when memory is lost before a checkpoint of the job's own size exists
+        self.reshard: dict[str, Any] | None = None
 
     def replan_tick(self) -> None:
         """Re-plan a generation waiting for a spare (one appeared, or the wait is over)."""
@@ -170,6 +174,14 @@ class Generations:
         assert p is not None
         failures, replans, replacements = p.failures, p.replans, p.replacements
         now = time.time()
+        if self.reshard is not None and not failures:  # the first generation: every rank is present
+            self.pending = None
+            plan = Plan(action=PlanAction.REPLACE)
+            step = int(self.reshard["step"])
+            self._start(
+                failures, replans, replacements, plan, {}, step, "durable", {}, now, reshard=self.reshard
+            )
+            return
         alive_nodes = self.c.view.alive_nodes()
         plan = plan_generation(
             world_size=self.c.view.world_size,
@@ -206,6 +218,13 @@ class Generations:
 
             def installed(step: int | None) -> None:
                 self.pending = None
+                if step is None and self.reshard is not None:
+                    # a sharded job resumed on another mesh has no checkpoint of its own size yet:
+                    # every rank reshards the one it resumed from again
+                    again = int(self.reshard["step"])
+                    self._start(failures, replans, replacements, plan, from_rank, again, "durable", {}, now,
+                                reshard=self.reshard)  # fmt: skip
+                    return
                 if step is None:
                     # Survivors hold later state than any fresh process could: never mix them.
                     self.c.fail(
@@ -238,8 +257,11 @@ class Generations:
         tier: str,
         avail: Inventory,
         now: float,
+        *,
+        reshard: dict[str, Any] | None = None,
     ) -> None:
-        """Carry the plan out: the generation's record, spares and cold processes, fetches, launch."""
+        """Carry the plan out: the generation's record, spares and cold processes, fetches, launch.
+        ``reshard``: every rank cuts its shards out of that checkpoint of another size."""
         placements, unplaced = plan.placements, plan.unplaced
         r = Reconfiguration(
             generation=self.c.view.generation,
@@ -251,6 +273,9 @@ class Generations:
         )
         r.marks["detect"] = max((f.detected_at for f in failures), default=now)
         r.from_rank = from_rank
+        if reshard is not None:
+            r.reshard = reshard
+            r.fresh = set(range(r.world_size))  # each rank writes its new shards into its own slots
         if unplaced:  # renumbered ranks and new processes write their new number's slots afresh
             r.fresh = set(from_rank) | set(placements)
         if failures and restore_step is not None:
@@ -392,6 +417,7 @@ class Generations:
                 **({"from_rank": r.from_rank[rank]} if rank in r.from_rank else {}),
                 **({"fresh": True} if rank in r.fresh else {}),
                 **({"live": True} if r.live else {}),
+                **({"reshard": r.reshard} if r.reshard is not None else {}),
             },
         )
 

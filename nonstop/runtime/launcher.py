@@ -534,13 +534,14 @@ def _write_job_info(
 def _load_resume(config: JobConfig) -> LoadedCheckpoint:
     """The newest good checkpoint at ``--resume``, checked against the job's world size: an
     elastic job (``--min-world-size``, its ranks data-parallel replicas) resumes a checkpoint of
-    any size (``elastic.resume_sources``); any other job needs the size it was written at."""
+    any size (``elastic.resume_sources``), a sharded job (``--mesh``) too (its workers reshard
+    it: ``Generations.reshard``); any other job needs the size it was written at."""
     assert config.resume is not None
     try:
         ckpt = DurableStore(config.resume, keep=config.keep).load()
     except SnapshotMissingError as e:
         raise UsageError(f"--resume {config.resume}: no loadable checkpoint ({e})") from None
-    if ckpt.world_size != config.world_size and not config.min_world_size:
+    if ckpt.world_size != config.world_size and not config.min_world_size and config.mesh is None:
         raise UsageError(
             f"--resume {config.resume}: checkpoint step {ckpt.step} has {ckpt.world_size} ranks but this "
             f"job has {config.world_size}; run {ckpt.world_size} ranks (--nnodes x --nproc-per-node, e.g. "

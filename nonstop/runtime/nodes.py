@@ -69,6 +69,16 @@ class NodeAgents:
             if url is None:
                 self.c.fail(f"could not install the resumed checkpoint step {step}: no durable tier")
                 return
+            if self.c.config.mesh is not None:
+                from nonstop.snapshot.durable import DurableStore
+
+                written = DurableStore(url).world_size_at(step)
+                if written != self.c.config.world_size:
+                    # every new rank cuts its shards out of all the old ranks' (its worker reads
+                    # them from the durable tier once its model is built on the new mesh)
+                    self.c.gens.reshard = {"url": url, "step": step, "world": written}
+                    self._spawn_all(nodes)
+                    return
             self.starting = True
 
             def installed(got: int | None) -> None:

@@ -219,6 +219,8 @@ class Reconfiguration:
     fresh: set[int] = field(default_factory=set)
     # a swap at a boundary (migration, grow): a rank paused there keeps its live state, no restore
     live: bool = False
+    # a sharded job resumed at another size: {url, step, world} of the checkpoint every rank reshards
+    reshard: dict[str, Any] | None = None
     lost_steps: int = 0
     replans: int = 0
     stage: Stage = Stage.PLAN

@@ -29,7 +29,7 @@ import torch
 from nonstop.errors import SnapshotError
 from nonstop.snapshot.sharded import LocalShard, check_matches, copy_into, is_dtensor, local_of, to_dtensor
 
-__all__ = ["StateCapture"]
+__all__ = ["StateCapture", "restore_resharded"]
 
 Extras = dict[str, Any]
 
@@ -116,6 +116,71 @@ class StateCapture:
         if self._load_extras is not None:
             self._load_extras(_clone_tensors(state["extras"]))
         return int(state["step"])
+
+
+def restore_resharded(capture: StateCapture, states: list[dict[str, Any]], rank: int) -> int:
+    """Restore ``capture`` (a sharded model just built on a new mesh) from every old rank's state
+    of a snapshot taken on another mesh (``states[r]``: old rank r's). Each DTensor of the model
+    and of the optimizer is cut from all the old ranks' shards for its live layout
+    (:func:`~nonstop.snapshot.sharded.reshard`); the rest (plain tensors, optimizer scalars and
+    hyper-parameters, RNG, extras) comes from old rank ``rank % len(states)``. Returns the step."""
+    from nonstop.snapshot.sharded import reshard
+
+    base = states[rank % len(states)]
+
+    def cut(live: Any, key: Any, pick: Any, where: str) -> torch.Tensor:
+        shards = [pick(st) for st in states]
+        if not all(isinstance(sh, LocalShard) for sh in shards):
+            raise SnapshotError(f"cannot reshard {where}: the snapshot does not hold it sharded")
+        coord = tuple(live.device_mesh.get_coordinate() or ())
+        placements = tuple(repr(pl) for pl in live.placements)
+        local = reshard(shards, placements, tuple(live.device_mesh.shape), coord)
+        if tuple(local.shape) != tuple(local_of(live).shape):
+            raise SnapshotError(
+                f"cannot reshard {where}: {tuple(local.shape)} for a local {tuple(local_of(live).shape)}"
+            )
+        return local
+
+    with torch.no_grad():
+        for key, cur in capture.model.state_dict().items():
+            if is_dtensor(cur):
+                local_of(cur).copy_(cut(cur, key, lambda st, k=key: st["model"][k], f"model {key}"))
+            else:
+                cur.copy_(base["model"][key])
+    opt = capture.optimizer
+    if opt is not None and base["optimizer"] is not None:
+        from torch.distributed.tensor import DTensor
+
+        params = [p for group in opt.param_groups for p in group["params"]]
+        state: dict[int, dict[str, Any]] = {}
+        for i, entries in base["optimizer"]["state"].items():
+            out: dict[str, Any] = {}
+            for name, value in entries.items():
+                if isinstance(value, LocalShard):
+                    like = params[int(i)]
+                    local = cut(
+                        like,
+                        name,
+                        lambda st, i=i, n=name: st["optimizer"]["state"][i][n],
+                        f"optimizer {i}.{name}",
+                    )
+                    out[name] = DTensor.from_local(
+                        local,
+                        device_mesh=like.device_mesh,
+                        placements=like.placements,
+                        run_check=False,
+                        shape=like.shape,
+                        stride=like.stride(),
+                    )
+                else:
+                    out[name] = _clone_tensors(value)
+            state[i] = out
+        saved = {k: v for k, v in base["optimizer"].items() if k != "state"}
+        opt.load_state_dict({**_clone_tensors(saved), "state": state})
+    _set_rng_state(base["rng"])
+    if capture._load_extras is not None:
+        capture._load_extras(_clone_tensors(base["extras"]))
+    return int(base["step"])
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -532,3 +532,15 @@ class RankSnapshotStore:
             self._jobs, self._copier = None, None
         for s in self._slots:
             s.close()
+
+
+def decode_raw(meta: bytes, data: bytes | bytearray) -> Any:
+    """The state a snapshot's raw form holds (its meta JSON and data bytes, e.g. one rank of a
+    durable checkpoint: ``DurableStore.load_rank``); tensors are views of ``data``."""
+    doc = json.loads(bytes(meta))
+    buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    tensors = []
+    for raw in doc["tensors"]:
+        e = TensorEntry.from_json(raw)
+        tensors.append(buf[e.offset : e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape))
+    return unflatten_state(doc["tree"], tensors)

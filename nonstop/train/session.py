@@ -55,6 +55,7 @@ from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
 from nonstop.snapshot import RankSnapshotStore, StateCapture
+from nonstop.snapshot.capture import restore_resharded
 from nonstop.snapshot.store import PendingWrite
 from nonstop.train.collectives import in_collective
 from nonstop.train.ddp import CanonicalGradSync
@@ -62,7 +63,7 @@ from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
 from nonstop.train.link import CoordinatorLink, PeerFailed
-from nonstop.train.trainee import Build, Replicated, Sharded, Trainee
+from nonstop.train.trainee import Build, Replicated, Sharded, Trainee, read_to_reshard
 
 __all__ = ["RunResult", "Session", "init"]
 
@@ -424,8 +425,12 @@ class Session:
             store = self._live_store()
             t0 = time.monotonic()
             held: dict[str, Any] | None = None  # a sharded model's snapshot, until it is built
+            old_ranks: list[dict[str, Any]] | None = None  # ... or every old rank's, to reshard
             if restore_step is None:
                 self._step = 0
+            elif trainee.restore_in_group and msg.get("reshard") is not None:
+                old_ranks = read_to_reshard(msg["reshard"])
+                self._step = int(msg["reshard"]["step"])
             elif trainee.restore_in_group:
                 held = store.read(int(restore_step), copy=False)
                 self._step = int(held["step"])
@@ -453,7 +458,8 @@ class Session:
                 continue
             if int(reply["gen"]) != gen:
                 continue
-            if msg.get("fresh") and restore_step is not None:
+            fresh = bool(msg.get("fresh")) and restore_step is not None
+            if fresh and not trainee.restore_in_group:
                 # Every rank has restored (the rebuild says so): what this rank number's slots hold
                 # was written under another numbering. Start them over with the restored step.
                 store.clear()
@@ -463,11 +469,16 @@ class Session:
                 module = self._join_group(gen, restored=restore_step is not None)
                 if held is not None:
                     self._capture().restore(held)
+                elif old_ranks is not None:
+                    restore_resharded(self._capture(), old_ranks, self.rank)
             except Exception as e:
-                held = None
+                held = old_ranks = None
                 msg = self._on_step_error(e)
                 continue
-            held = None
+            held = old_ranks = None
+            if fresh and trainee.restore_in_group:  # (a sharded model exists only now)
+                store.clear()
+                store.write(self._step, self._capture().state(self._step))
             if restore_step is None:
                 store.write(0, self._capture().state(0))
             self._link.send({"t": "ready", "gen": gen, "rebuild_s": time.monotonic() - t1})

@@ -31,7 +31,7 @@ from nonstop.snapshot import StateCapture
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.group import GenerationGroup
 
-__all__ = ["Build", "Replicated", "Sharded", "Trainee"]
+__all__ = ["Build", "Replicated", "Sharded", "Trainee", "read_to_reshard"]
 
 # build(mesh) -> (model, optimizer): collective-free; called on every rank of every generation
 Build = Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]]
@@ -208,3 +208,15 @@ class Sharded:
             self._hook.remove()
             self._hook = None
         self.model, self._capture = None, None
+
+
+def read_to_reshard(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every old rank's state of the durable checkpoint ``info`` (``url``, ``step``, ``world``: a
+    sharded job resumed on another mesh), each checksum verified; the new model, once built,
+    cuts its shards out of them (:func:`~nonstop.snapshot.capture.restore_resharded`)."""
+    from nonstop.snapshot.durable import DurableStore
+    from nonstop.snapshot.store import decode_raw
+
+    store = DurableStore(str(info["url"]))
+    step = int(info["step"])
+    return [decode_raw(*store.load_rank(step, r)) for r in range(int(info["world"]))]
