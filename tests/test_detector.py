@@ -79,3 +79,17 @@ def test_unexplained_exception_is_reraised_after_two_heartbeat_timeouts() -> Non
     w = _rec(2, 1, 100.0, fault_report=(100.0, "ValueError: bug"))
     assert _scan(det, 101.5, [w])[1] == []
     assert _scan(det, 102.5, [w])[1] == [2]
+
+
+def test_silence_is_not_judged_across_the_coordinators_own_stall() -> None:
+    """A coordinator starved of CPU for 2 s reads no heartbeat meanwhile: on resuming it gives
+    every rank a full timeout from then, and still catches a rank that stays silent."""
+    det = FailureDetector(CFG)
+    det.record_step(0.1)
+    w = _rec(7, 0, 100.0)
+    assert _scan(det, 100.1, [w])[0] == {}
+    assert _scan(det, 102.1, [w])[0] == {}  # 2.1 s since its last heartbeat, but the scan stalled
+    for i in range(1, 10):  # the coordinator runs again (a scan every 0.1 s)
+        assert _scan(det, 102.1 + i * 0.1, [w])[0] == {}
+    kill, _ = _scan(det, 103.2, [w])  # silent a full timeout after the coordinator resumed
+    assert list(kill) == [7] and "no heartbeat" in kill[7]

@@ -37,6 +37,11 @@ class FailureDetector:
     def __init__(self, config: DetectorConfig) -> None:
         self.config = config
         self.step_times: collections.deque[float] = collections.deque(maxlen=64)
+        self._last_scan: float | None = None
+        # when the coordinator last resumed from a stall of its own (starved of CPU): silence and
+        # lack of progress are judged from then on, never across a gap in which it could not read
+        # the heartbeats and step reports waiting for it
+        self._resumed_at = 0.0
 
     def record_step(self, seconds: float) -> None:
         self.step_times.append(seconds)
@@ -60,10 +65,15 @@ class FailureDetector:
         coordinator's stage deadline applies instead, and only heartbeats count.
         """
         v = Verdicts()
+        if self._last_scan is not None and now - self._last_scan > max(
+            0.2, self.config.heartbeat_timeout_s / 4
+        ):
+            self._resumed_at = now  # this process did not run for a while: the heartbeats wait unread
+        self._last_scan = now
         obs = {
             rank: RankObservation(
-                last_heartbeat=w.last_hb,
-                last_progress=w.last_progress if in_training else now,
+                last_heartbeat=max(w.last_hb, self._resumed_at),
+                last_progress=max(w.last_progress, self._resumed_at) if in_training else now,
                 collective_pending=w.coll,
                 stepped=w.stepped,
             )
