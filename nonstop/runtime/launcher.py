@@ -32,9 +32,9 @@ from nonstop.control.store import open_store
 from nonstop.errors import ControlError, JobFailedError, SnapshotMissingError, UsageError
 from nonstop.faults import FaultSpec, faults_to_json, parse_fault
 from nonstop.replica.peer import local_store_id
+from nonstop.runtime import events as ev
 from nonstop.runtime.coordinator import Coordinator, JobResult, JobState
 from nonstop.runtime.eventlog import EventLog
-from nonstop.runtime.events import JobEnd, JobStart, Refused, Resume
 from nonstop.runtime.gc import hold_lock
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.node import NodeAgent, NodeSpec
@@ -196,7 +196,7 @@ def serve_coordinator(
             host=host,
             port=port,
             secret=secret,
-            on_refused=lambda peer, why: events.emit(Refused(peer=peer, reason=why)),
+            on_refused=lambda peer, why: events.emit(ev.Refused(peer=peer, reason=why)),
         )
     except BaseException:
         events.close()
@@ -241,7 +241,7 @@ def serve_coordinator(
     )
     if resume is not None:
         events.emit(
-            Resume(
+            ev.Resume(
                 url=config.resume,
                 step=resume.step,
                 world_size=config.world_size,
@@ -271,7 +271,7 @@ def serve_coordinator(
     )
     restore_handlers = _install_signal_handlers(stop)
     events.emit(
-        JobStart(
+        ev.JobStart(
             job_id=job_id,
             nnodes=config.nnodes,
             nproc=config.nproc_per_node,
@@ -304,7 +304,7 @@ def serve_coordinator(
                 node_thread.join(timeout=30.0)
             server.close()
             events.emit(
-                JobEnd(
+                ev.JobEnd(
                     state=str(coordinator.state),
                     seconds=time.monotonic() - t0,
                     generation=coordinator.generation,
