@@ -93,3 +93,20 @@ def test_silence_is_not_judged_across_the_coordinators_own_stall() -> None:
         assert _scan(det, 102.1 + i * 0.1, [w])[0] == {}
     kill, _ = _scan(det, 103.2, [w])  # silent a full timeout after the coordinator resumed
     assert list(kill) == [7] and "no heartbeat" in kill[7]
+
+
+def test_a_rank_joining_the_new_group_may_be_silent_longer() -> None:
+    """Gloo's rendezvous and a sharded model's build may hold the GIL for seconds on a busy machine:
+    a rank in REBUILD gets 10x the heartbeat timeout; a stopped one is still caught."""
+    det = FailureDetector(CFG)
+    w = _rec(8, 0, 100.0)
+    members = {0: w}
+
+    def scan(now: float, rebuilding: set[int]) -> dict[int, str]:
+        det._last_scan = now  # consecutive scans (no coordinator stall)
+        return det.scan(now=now, members=members, everyone=[w], alive=lambda s: True, in_training=False,
+                        rebuilding=rebuilding).kill  # fmt: skip
+
+    assert scan(102.0, {0}) == {}
+    assert list(scan(102.0, set())) == [8]
+    assert list(scan(111.0, {0})) == [8]

@@ -11,7 +11,7 @@ bookkeeping around it. A process exit needs no verdict: the agent reports it.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from nonstop.config import DetectorConfig
@@ -58,11 +58,13 @@ class FailureDetector:
         everyone: Iterable[WorkerRecord],
         alive: Callable[[int], bool],
         in_training: bool,
+        rebuilding: Collection[int] = (),
     ) -> Verdicts:
         """Verdicts for this tick. ``members`` maps rank -> worker playing it.
 
         Progress is judged only ``in_training``; during a reconfiguration the
         coordinator's stage deadline applies instead, and only heartbeats count.
+        ``rebuilding``: ranks joining the new generation's groups (a longer silence is allowed).
         """
         v = Verdicts()
         if self._last_scan is not None and now - self._last_scan > max(
@@ -76,6 +78,7 @@ class FailureDetector:
                 last_progress=max(w.last_progress, self._resumed_at) if in_training else now,
                 collective_pending=w.coll,
                 stepped=w.stepped,
+                rebuilding=rank in rebuilding,
             )
             for rank, w in members.items()
             if w.chan is not None and not w.killed_for_hang

@@ -190,12 +190,19 @@ class Failures:
         in_training = self.c.view.phase is JobPhase.RUNNING or (
             self.c.gens.reconf is not None and self.c.gens.reconf.stage is Stage.RESUME
         )
+        r = self.c.gens.reconf
+        rebuilding = (
+            set(range(self.c.view.world_size)) - r.ready
+            if r is not None and r.stage is Stage.REBUILD
+            else set()
+        )
         verdicts = self.c.detector.scan(
             now=time.monotonic(),
             members={rank: self.c.view.workers[sid] for rank, sid in self.c.view.members.items()},
             everyone=list(self.c.view.workers.values()),
             alive=self.c.view.live,
             in_training=in_training,
+            rebuilding=rebuilding,
         )
         for sid, reason in verdicts.kill.items():
             w = self.c.view.workers[sid]

@@ -69,6 +69,9 @@ class ReplacementSource(enum.StrEnum):
     COLD = "cold"  # a new process (pays interpreter + torch import)
 
 
+REBUILD_SILENCE_FACTOR = 10.0  # how much longer a rank joining a new group may be silent
+
+
 @dataclass(frozen=True, kw_only=True)
 class RankObservation:
     """What the coordinator last saw of the worker playing a rank (monotonic seconds)."""
@@ -77,6 +80,11 @@ class RankObservation:
     last_progress: float
     collective_pending: bool
     stepped: bool  # has completed at least one step in this generation
+    # joining the new generation's groups (REBUILD, not ready yet): gloo's rendezvous and a sharded
+    # model's mesh and build run in C with the GIL held for long stretches on a busy machine, so
+    # its heartbeats may pause; silence is judged with REBUILD_SILENCE_FACTOR x the timeout (the
+    # stage's own rebuild_timeout_s bounds it too)
+    rebuilding: bool = False
 
 
 def classify_exit(returncode: int, *, killed_for_hang: bool) -> FailureKind:
@@ -131,7 +139,8 @@ def find_hung_ranks(
     hung: dict[int, str] = {}
     for rank, obs in observations.items():
         silent = now - obs.last_heartbeat
-        if silent > config.heartbeat_timeout_s:
+        allowed = config.heartbeat_timeout_s * (REBUILD_SILENCE_FACTOR if obs.rebuilding else 1)
+        if silent > allowed:
             hung[rank] = f"no heartbeat for {silent:.2f}s"
             continue
         if not obs.stepped or median_step_s is None:
