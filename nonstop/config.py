@@ -226,12 +226,15 @@ class JobConfig:
         if isinstance(self.shards_per_rank, bool) or not 1 <= self.shards_per_rank <= 4096:
             raise UsageError(f"--shards-per-rank must be in 1..4096 (got {self.shards_per_rank})")
         if self.mesh is not None:
-            MeshSpec.parse(self.mesh).check(world_size=self.world_size, nproc_per_node=self.nproc_per_node)
-            if self.min_world_size or self.shards_per_rank != 1:
+            spec = MeshSpec.parse(self.mesh)
+            spec.check(world_size=self.world_size, nproc_per_node=self.nproc_per_node)
+            if self.shards_per_rank != 1:
                 raise UsageError(
-                    "--min-world-size and --shards-per-rank (elastic resizing) are not supported with "
-                    "--mesh yet: a sharded job keeps its size (spares and the durable tier recover it)"
+                    "--shards-per-rank is not supported with --mesh: a sharded job's data shards are "
+                    "its data-parallel ranks (replicate x shard)"
                 )
+            if self.min_world_size and self.min_world_size < self.world_size:
+                spec.check_elastic(min_world_size=self.min_world_size)
         if self.swap_transfer not in SWAP_TRANSFERS:
             raise UsageError(
                 f"--swap-transfer must be one of {', '.join(SWAP_TRANSFERS)} (got {self.swap_transfer!r})"

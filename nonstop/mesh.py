@@ -15,6 +15,13 @@ that, or whose product is not the world size, with one line that says what to ch
 The coordinator fixes rank <-> coordinates with this numbering for the life of the job (a
 replacement plays the same coordinates); the worker builds a ``torch.distributed.device_mesh.
 DeviceMesh`` with these dim names (:func:`nonstop.train.sharded.build_mesh`).
+
+**Elastic** (``--min-world-size`` with ``replicate`` of 2 or more): what shrinks and grows is a
+whole replica group (``S x T`` consecutive ranks, one full copy of the sharded state). A smaller
+generation's mesh is the job's with fewer replica groups (:meth:`MeshSpec.with_world`); every rank
+that stays keeps its ``shard`` and ``tp`` coordinates, so its own shards are still its state. The
+data shards are the full-size job's data-parallel indices (``replicate x shard``): the surviving
+groups play the dropped groups' batches by gradient accumulation (:meth:`MeshSpec.data_shards`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from nonstop.errors import UsageError
+from nonstop.runtime.elastic import assign_shards
 
 __all__ = ["DIMS", "MeshSpec"]
 
@@ -130,3 +138,52 @@ class MeshSpec:
     @property
     def dp_size(self) -> int:
         return self.size("replicate") * self.size("shard")
+
+    # -- elastic: whole replica groups ------------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        """Ranks per replica group (``shard x tp``): the unit an elastic sharded job shrinks and
+        grows by."""
+        return self.world_size // self.size("replicate")
+
+    def with_world(self, world_size: int) -> MeshSpec:
+        """The mesh of a generation of ``world_size`` ranks: the job's with as many replica groups
+        as fit (``world_size`` must be a whole number of groups, at most the job's)."""
+        if world_size == self.world_size:
+            return self
+        unit = self.group_size
+        if "replicate" not in self.names or world_size % unit or not 0 < world_size < self.world_size:
+            raise ValueError(
+                f"a generation of {world_size} ranks does not fit --mesh {self}: an elastic sharded "
+                f"job runs whole replica groups of {unit} ranks, at most {self.size('replicate')}"
+            )
+        return MeshSpec(tuple((d, world_size // unit if d == "replicate" else n) for d, n in self.dims))
+
+    def data_shards(self, world_size: int) -> tuple[tuple[int, ...], ...]:
+        """The data shards (the full-size job's data-parallel indices) each rank of a generation
+        of ``world_size`` ranks plays: one at full size (its ``dp_rank``); after a shrink, a
+        surviving replica group plays the dropped groups' batches too (contiguous, balanced), each
+        rank those of its own ``shard`` index. Ranks of one TP group play the same shards."""
+        now = self.with_world(world_size)
+        groups = assign_shards(self.size("replicate"), now.size("replicate"))
+        shard = self.size("shard")
+        out = []
+        for r in range(world_size):
+            c = now.coords(r)
+            out.append(tuple(g * shard + c.get("shard", 0) for g in groups[c.get("replicate", 0)]))
+        return tuple(out)
+
+    def check_elastic(self, *, min_world_size: int) -> None:
+        """Refuse an elastic setting this mesh cannot follow (one line, what to change)."""
+        unit = self.group_size
+        if self.size("replicate") < 2:
+            raise UsageError(
+                f"--min-world-size with --mesh {self}: an elastic sharded job shrinks by whole replica "
+                "groups, so it needs replicate=2 or more (e.g. --mesh replicate=2,shard=S); without "
+                "replicas a sharded job keeps its size (spares and the durable tier recover it)"
+            )
+        if min_world_size % unit:
+            raise UsageError(
+                f"--min-world-size {min_world_size} with --mesh {self}: it must be a whole number of "
+                f"replica groups of {unit} ranks (e.g. --min-world-size {unit})"
+            )

@@ -177,3 +177,55 @@ def test_fsdp2_resumes_on_another_mesh_resharded_bitwise(tmp_path: Path) -> None
     check(lost, 1, from_durable=True)
     assert lost.result.failures[0]["restore_step"] == 8
     assert shards(lost) == shards(clean)
+
+
+def test_hsdp_shrinks_by_a_replica_group_and_grows_it_back(tmp_path: Path, reference: Any) -> None:
+    """Elastic HSDP 2x2 on two nodes with no spare: node 1 (replica group 1) is lost and the job
+    goes on with one group playing both groups' batches (gradient accumulation, FSDP2 dividing by
+    the full job's data-parallel size); node 1 joins again and the group is brought back at a step
+    boundary, each joiner restoring the shards of its coordinates from group 0. Every sample is
+    read once in order, the loss is the uninterrupted run's up to float rounding, and after the
+    grow both groups hold the same shards again."""
+    from nonstop.demo.runner import demo_job_config
+    from nonstop.demo.samples import check_sequence, read_log
+    from tests.conftest import NodesInBackground
+
+    steps, batch, job_dir = 80, 4, tmp_path / "job"
+    config = demo_job_config(
+        result=job_dir / "result.json",
+        steps=steps,
+        model="tiny",
+        batch=batch,
+        script_extra=("--step-delay", "0.1", "--samples-log", str(job_dir / "samples")),
+        nproc_per_node=2,
+        spares=0,
+        nnodes=2,
+        job_dir=job_dir,
+        faults=("node:node=1,step=6",),
+        coordinator="127.0.0.1:0",
+        lease_ttl_s=3.0,
+        mesh="replicate=2,shard=2",
+        min_world_size=2,
+    )
+    job = NodesInBackground(config)
+    job.wait_event("shrink", timeout=120)
+    job.start_node(1)
+    result = job.result(timeout=300)
+    assert result.error is None, result.error
+    events = job.events()
+    (shrink,) = events_named(events, "shrink")
+    assert shrink["world_size"] == 2 and shrink["dropped"] == [2, 3]
+    assert shrink["shards"] == {"0": [0, 2], "1": [1, 3]}
+    (grown,) = events_named(events, "grow_done")
+    assert grown["world_size"] == 4
+    shrunk = next(g for g in events_named(events, "generation") if g["cause"])
+    assert shrunk["restore_step"] >= 5 and shrunk["tier"] == "memory"
+    records = read_log(job_dir / "samples")
+    assert check_sequence(records, steps=steps, num_shards=4, batch=batch) == []
+    out = json.loads((job_dir / "result.json").read_text())
+    assert out["world_size"] == 4 and out["samples_seen"] == steps * 4 * batch
+    hashes = [json.loads((job_dir / f"result.rank{r}.json").read_text())["local_hash"] for r in range(4)]
+    assert hashes[0] == hashes[2] and hashes[1] == hashes[3]  # the replica groups agree again
+    ref = run_demo_job(tmp_path / "ref", spares=0, steps=steps, **HSDP)
+    assert ref.out is not None
+    assert out["final_loss"] == pytest.approx(ref.out["final_loss"], rel=2e-3)

@@ -11,11 +11,17 @@ uninterrupted run of the full-size job (every shard once, every sample once, in 
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["MicroBatch", "check_sequence", "effective_samples", "read_log"]
+if TYPE_CHECKING:
+    from nonstop.train.session import Session
+
+__all__ = ["MicroBatch", "SamplesLog", "check_sequence", "effective_samples", "read_log"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,23 @@ class MicroBatch:
     first: int
     n: int
     t: float
+
+
+class SamplesLog:
+    """The writing side: one file per process in ``samples_dir``, a line per micro-batch."""
+
+    def __init__(self, samples_dir: Path, *, batch: int) -> None:
+        samples_dir.mkdir(parents=True, exist_ok=True)
+        self.batch = batch
+        self._f = (samples_dir / f"samples-{os.getpid()}.jsonl").open("a")
+
+    def record(self, session: Session, step: int, shard: int) -> None:
+        """Shard ``shard`` of step ``step`` holds samples ``(step * num_shards + shard) * batch ...``."""
+        first = (step * session.num_shards + shard) * self.batch
+        gen = session.generation
+        rec = {"gen": gen, "step": step, "shard": shard, "first": first, "n": self.batch, "t": time.time()}
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
 
 
 def read_log(samples_dir: Path) -> list[MicroBatch]:

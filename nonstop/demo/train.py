@@ -11,7 +11,6 @@ import argparse
 import hashlib
 import itertools
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 import nonstop
 from nonstop.demo.data import MarkovCorpus
 from nonstop.demo.model import GPT, PRESETS
+from nonstop.demo.samples import SamplesLog
 from nonstop.errors import ControlError
 
 
@@ -69,10 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
     session = nonstop.init()  # a hot spare waits here
     data: dict[str, Any] = {"samples_seen": 0}  # by the whole job (the same on every rank)
-    samples_log = None
-    if args.samples_log is not None:
-        args.samples_log.mkdir(parents=True, exist_ok=True)
-        samples_log = (args.samples_log / f"samples-{os.getpid()}.jsonl").open("a")
+    samples_log = SamplesLog(args.samples_log, batch=args.batch) if args.samples_log is not None else None
 
     starts: list[float] = []  # when each train_step began: the loop's pace, snapshots included
     starts_unix: list[float] = []  # the same, wall clock (to line steps up with the event log)
@@ -91,10 +88,7 @@ def main(argv: list[str] | None = None) -> None:
             loss.backward()
             losses.append(float(loss.item()))
             if samples_log is not None and not session.warming_up:
-                first = (step * session.num_shards + shard) * args.batch
-                rec = {"gen": session.generation, "step": step, "shard": shard, "first": first}
-                samples_log.write(json.dumps({**rec, "n": args.batch, "t": time.time()}) + "\n")
-                samples_log.flush()
+                samples_log.record(session, step, shard)
         if args.step_delay:
             time.sleep(args.step_delay)
         if step == args.kv_probe_step and session.rank == 0 and not session.warming_up:

@@ -7,7 +7,8 @@
 ``build(mesh)`` is collective-free, as ``Session.run(build=...)`` requires: tensor parallel (the
 MLP of every block, column- then row-wise, ``src_data_rank=None``) on the ``tp`` dim, then FSDP2
 ``fully_shard`` on the data-parallel dims (``shard``, or ``replicate`` x ``shard``: HSDP). Ranks
-of one TP group read the same batch (``Session.dp_rank``).
+of one TP group read the same batch; the batches come through ``Session.shard_steps`` (an
+elastic HSDP job that lost a replica group plays its batches too).
 
 Every rank writes ``<result>.rank<R>.json`` (its loss and the SHA-256 of its own local shards);
 rank 0 also writes ``--result``. Two runs on the same mesh are equal when every rank's shards are.
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 import nonstop
 from nonstop.demo.data import MarkovCorpus
 from nonstop.demo.model import GPT, PRESETS
+from nonstop.demo.samples import SamplesLog
 
 
 def local_hash(model: torch.nn.Module) -> str:
@@ -69,12 +71,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result", type=Path, default=None)
     ap.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step")
+    ap.add_argument(
+        "--samples-log", type=Path, default=None, help="directory: a line per micro-batch (see demo.train)"
+    )
     args = ap.parse_args(argv)
 
     cfg = PRESETS[args.model]
     corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
     session = nonstop.init()  # a hot spare waits here
     data: dict[str, Any] = {"samples_seen": 0}
+    samples_log = SamplesLog(args.samples_log, batch=args.batch) if args.samples_log is not None else None
     built: dict[str, Any] = {}
 
     def build(mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -88,14 +94,21 @@ def main(argv: list[str] | None = None) -> None:
     def train_step(model: torch.nn.Module, step: int) -> float:
         opt = built["opt"]
         opt.zero_grad(set_to_none=True)
-        x, y = corpus.batch(step=step, rank=session.dp_rank, batch=args.batch, seq=cfg.seq)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
+        losses = []
+        # the data shards this rank plays: its dp_rank's at full size; after an elastic shrink
+        # also those of the replica groups that were dropped (accumulated, reduced once)
+        for shard in session.shard_steps(model):
+            x, y = corpus.batch(step=step, rank=shard, batch=args.batch, seq=cfg.seq)
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            losses.append(float(loss.item()))
+            if samples_log is not None:
+                samples_log.record(session, step, shard)
         if args.step_delay:
             time.sleep(args.step_delay)
         opt.step()
-        data["samples_seen"] += args.batch * session.dp_size
-        return float(loss.item())
+        data["samples_seen"] += args.batch * session.num_shards
+        return sum(losses) / len(losses)
 
     t0 = time.time()
     result = session.run(

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from nonstop.control.channel import Channel, Message
 from nonstop.errors import ControlError
-from nonstop.runtime.elastic import assign_shards
 from nonstop.runtime.wire import Drain, Migrate, PersistRequest, StatusRequest, decode_client
 
 if TYPE_CHECKING:
@@ -100,10 +99,7 @@ class ClientRequests:
             "num_shards": self.c.num_shards,
             "full_world_size": self.c.config.world_size,
             "min_world_size": self.c.elastic.min_world_size,
-            "shards": {
-                str(r): list(sh)
-                for r, sh in enumerate(assign_shards(self.c.num_shards, self.c.view.world_size))
-            },
+            "shards": {str(r): list(sh) for r, sh in enumerate(self.c.data_shards(self.c.view.world_size))},
             "store": self.c.config.store,
         }
 

@@ -45,7 +45,7 @@ from nonstop.runtime import events as ev
 from nonstop.runtime import recovery, wire
 from nonstop.runtime.clients import ClientRequests
 from nonstop.runtime.detector import FailureDetector
-from nonstop.runtime.elastic import ElasticPolicy
+from nonstop.runtime.elastic import ElasticPolicy, assign_shards
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.executor import Executor
 from nonstop.runtime.failures import Failures
@@ -114,10 +114,16 @@ class Coordinator:
         self.io = Executor(self.view, events)
         if self.rounds is not None:
             self.rounds.attach(self.io.send_to)
-        # elastic (runtime/elastic.py): the data-parallel shards stay those of the full-size job
-        self.num_shards = config.world_size * config.shards_per_rank  # micro-batches of a step
+        # elastic (runtime/elastic.py): the data-parallel shards stay those of the full-size job;
+        # a sharded job comes and goes by whole replica groups (nonstop/mesh.py)
+        self.mesh = MeshSpec.parse(config.mesh) if config.mesh is not None else None
+        mesh = self.mesh
+        self.num_shards = mesh.dp_size if mesh else config.world_size * config.shards_per_rank
         self.elastic = ElasticPolicy(
-            full_world_size=config.world_size, min_world_size=config.min_world, wait_s=config.elastic_wait_s
+            full_world_size=config.world_size,
+            min_world_size=config.min_world,
+            wait_s=config.elastic_wait_s,
+            unit=mesh.group_size if mesh else 1,
         )
         # replicating: the held replicated step, the one a round is sending, the newest, one to write
         self.num_slots = 4 if config.replicas > 0 and config.nnodes > 1 else 2
@@ -132,7 +138,7 @@ class Coordinator:
             io=self.io,
             events=events,
             replicas=config.replicas,
-            mesh=MeshSpec.parse(config.mesh) if config.mesh is not None else None,
+            mesh=self.mesh,
         )
         # store mode (--store etcd://): state saved in and restored from the control store
         self.store = StoreSync(self, jobs)
@@ -154,6 +160,12 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         """What ``nonstop status`` shows (JSON types)."""
         return self.clients.status()
+
+    def data_shards(self, world_size: int) -> tuple[tuple[int, ...], ...]:
+        """The data shards each rank of a generation of ``world_size`` ranks plays."""
+        if self.mesh is not None:
+            return self.mesh.data_shards(world_size)
+        return assign_shards(self.num_shards, world_size)
 
     def adopt_view(self, view: JobView) -> None:
         """Replace the view (a coordinator restarted from its record): every operation sees it."""

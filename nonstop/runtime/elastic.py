@@ -92,11 +92,16 @@ class ElasticPolicy:
     """When ranks cannot be replaced: wait up to ``wait_s`` for a spare, then shrink, never
     below ``min_world_size``. ``min_world_size`` equal to the full world size turns shrinking
     off (a rank that cannot be replaced fails the job after the wait, as it would without
-    elasticity). Grows back to ``full_world_size`` as soon as spares are idle."""
+    elasticity). Grows back to ``full_world_size`` as soon as spares are idle.
+
+    ``unit``: the ranks that come and go together (1 for data parallelism; a sharded job's
+    replica group, ``shard x tp``, see :mod:`nonstop.mesh`): world sizes are multiples of it, a
+    grow waits for a whole unit of idle spares."""
 
     full_world_size: int
     min_world_size: int
     wait_s: float = 0.0
+    unit: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_world_size <= self.full_world_size:
@@ -105,6 +110,11 @@ class ElasticPolicy:
             )
         if self.wait_s < 0:
             raise ValueError(f"the wait for a spare must be >= 0 seconds (got {self.wait_s})")
+        if self.unit < 1 or self.full_world_size % self.unit or self.min_world_size % self.unit:
+            raise ValueError(
+                f"world sizes {self.min_world_size}..{self.full_world_size} are not whole units "
+                f"of {self.unit} ranks"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -141,4 +151,5 @@ class ElasticPolicy:
         """The world size to grow to now (``world_size`` itself: do not grow)."""
         if not self.enabled:
             return world_size
-        return min(self.full_world_size, world_size + max(0, idle_spares))
+        more = max(0, idle_spares) // self.unit * self.unit
+        return min(self.full_world_size, world_size + more)

@@ -20,13 +20,13 @@ Threading: the coordinator's thread only. I/O goes through the coordinator's exe
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import TYPE_CHECKING, Any
 
 from nonstop.errors import ControlError
 from nonstop.runtime import events as ev
 from nonstop.runtime import wire
-from nonstop.runtime.elastic import assign_shards
 from nonstop.runtime.phase import JobPhase
 from nonstop.runtime.planning import (
     Answered,
@@ -308,6 +308,15 @@ class Generations:
         renumbered."""
         old_world = self.c.view.world_size
         new_of = shrink.new_of
+        v = self.c.view
+        for rank in shrink.dropped:  # a sharded job's replica group goes whole: retire its live ranks
+            sid = v.members.get(rank)
+            w = v.workers.get(sid) if sid is not None else None
+            if w is not None and w.live:
+                w.role, w.rank = Role.RETIRED, None  # its exit is no failure
+                self.c.io.kill(w.spawn_id, signal.SIGKILL)
+                if v.nodes[w.node].alive:  # its place on the node waits as a spare for a grow
+                    self.c.io.spawn(w.node, Role.SPARE, None)
         self.c.view.renumber(dict(new_of), shrink.world_size)
         self.c.swaps.forget_steps()
         self.c.events.emit(
@@ -316,10 +325,7 @@ class Generations:
                 old_world_size=old_world,
                 dropped=list(shrink.dropped),
                 renumbered={str(o): n for o, n in new_of.items() if o != n},
-                shards={
-                    str(r): list(sh)
-                    for r, sh in enumerate(assign_shards(self.c.num_shards, self.c.view.world_size))
-                },
+                shards={str(r): list(sh) for r, sh in enumerate(self.c.data_shards(self.c.view.world_size))},
                 reason=why,
             )
         )
@@ -425,7 +431,7 @@ class Generations:
         """The data shards ``rank`` plays in ``world_size`` (default: the current one)."""
         world = self.c.view.world_size if world_size is None else world_size
         return {
-            "shards": list(assign_shards(self.c.num_shards, world)[rank]),
+            "shards": list(self.c.data_shards(world)[rank]),
             "num_shards": self.c.num_shards,
         }
 

@@ -9,7 +9,8 @@ returns a :class:`Plan`:
   ``restore_step`` from memory (None: a fresh start, nothing to restore);
 * ``SHRINK``: no process can be had for some ranks and the elastic policy says go on without
   them: the ranks that stay are renumbered (``new_of``) and ``restore_step`` is the newest step
-  every one of them holds;
+  every one of them holds; a sharded job drops the whole replica groups of those ranks
+  (``ElasticPolicy.unit``), live ranks of them included, which the coordinator retires;
 * ``FROM_DURABLE``: memory holds no step common to every rank: restore from the durable tier
   (the coordinator tries its checkpoints newest first; ``shrink`` is set too when it shrank);
 * ``WAIT``: the elastic policy waits ``wait_s`` for a spare before deciding again;
@@ -131,7 +132,10 @@ def plan_generation(
     shrink: Shrink | None = None
     why = ""
     if unplaced:
-        decision = elastic.on_unplaced(world_size=world_size, unplaced=len(unplaced), waited_s=waited_s)
+        # a sharded job drops whole replica groups (elastic.unit ranks): their other ranks go too
+        units = {u // elastic.unit for u in unplaced}
+        dropped = tuple(r for r in range(world_size) if r // elastic.unit in units)
+        decision = elastic.on_unplaced(world_size=world_size, unplaced=len(dropped), waited_s=waited_s)
         if decision.action is ElasticAction.WAIT:
             return Plan(
                 action=PlanAction.WAIT, wait_s=decision.wait_s, unplaced=unplaced, reason=decision.reason
@@ -139,9 +143,9 @@ def plan_generation(
         if decision.action is ElasticAction.FAIL:
             return Plan(action=PlanAction.FAIL, unplaced=unplaced, reason=decision.reason)
         why = decision.reason
-        new_of = renumber([r for r in range(world_size) if r not in unplaced])
-        shrink = Shrink(dropped=unplaced, new_of=new_of)
-        placements = {new_of[r]: p for r, p in placements.items()}
+        new_of = renumber([r for r in range(world_size) if r not in dropped])
+        shrink = Shrink(dropped=dropped, new_of=new_of)
+        placements = {new_of[r]: p for r, p in placements.items() if r in new_of}
         avail = {new_of[r]: st for r, st in avail.items() if r in new_of}
         if avail:
             # the newest step every rank that stays holds: a data-parallel rank's snapshot has

@@ -16,7 +16,9 @@ Both bring hot spares (*joiners*) into the job without rolling anything back::
   (tracked fetches, the first as a compressed delta: :func:`~nonstop.runtime.migration.catch_up_to`)
   and the swap fetches the boundary as a delta when deltas measured faster
   (:func:`~nonstop.runtime.migration.swap_as_delta`).
-* **grow**: joiners take ranks ``W..W'-1``; the source is rank 0 (data-parallel replicas).
+* **grow**: joiners take ranks ``W..W'-1``; the source is rank 0 (data-parallel replicas), or
+  for a sharded job each joiner's own (:attr:`Joiner.source`): the rank with the same shard and
+  TP coordinates in a replica group that stayed, whose shards are the joiner's.
 
 :class:`BoundarySwap` is pure: each ``on_*`` method takes one event (time comes with it, from
 the caller) and returns the :class:`Action` s to carry out; it never does I/O. The coordinator's
@@ -80,6 +82,7 @@ class Joiner:
     told: bool = False  # took the rank in its script (its prepare reconfigure was sent)
     prepared: bool = False  # restored the prepare step and warmed up
     boundary_req: int | None = None  # the boundary's fetch, asked for once the source completed it
+    source: tuple[int, str] | None = None  # (rank, node) whose snapshot it restores; None: the swap's
 
 
 # -- actions (what the executor carries out) -------------------------------------------------------
@@ -143,7 +146,8 @@ class Release:
 class SwapNow:
     """Open the swap's generation at ``step``: joiners become members (``ranks``: rank ->
     spawn id, node), the world becomes ``world_size``, a leaver retires; each joiner restores
-    ``source_rank``'s boundary snapshot fetched from ``source`` (as a delta against ``base``)."""
+    ``source_rank``'s boundary snapshot fetched from ``source`` (as a delta against ``base``),
+    or the one ``sources`` names for its rank (a sharded grow)."""
 
     step: int
     world_size: int
@@ -153,6 +157,7 @@ class SwapNow:
     leaver: int | None
     base: int | None
     fresh: bool  # the new ranks write their slots afresh (a grow)
+    sources: Mapping[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (rank, node)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,6 +226,10 @@ class BoundarySwap:
     def joiner(self, sid: int) -> Joiner | None:
         return next((j for j in self.joiners if j.sid == sid), None)
 
+    def source_of(self, j: Joiner) -> tuple[int, str]:
+        """(rank, node) whose snapshots joiner ``j`` restores."""
+        return j.source if j.source is not None else (self.source_rank, self.source_node)
+
     def stage_seconds(self) -> dict[str, float]:
         """Seconds between consecutive marks, named by the later mark."""
         order = sorted(self.marks.items(), key=lambda kv: kv[1])
@@ -236,9 +245,9 @@ class BoundarySwap:
                 purpose="prepare",
                 sid=j.sid,
                 target=j.node,
-                rank=self.source_rank,
+                rank=self.source_of(j)[0],
                 step=self.prepare_step,
-                source=self.source_node,
+                source=self.source_of(j)[1],
                 as_rank=j.rank,
                 track=track,
             )
@@ -321,11 +330,8 @@ class BoundarySwap:
             return []
         self.paused[rank] = step
         out: list[Action] = []
-        if (
-            rank == self.source_rank
-            and step == self.boundary
-            and all(j.boundary_req is None for j in self.joiners)
-        ):
+        ready = [j for j in self.joiners if self.source_of(j)[0] == rank and j.boundary_req is None]
+        if step == self.boundary and ready:
             # the source's step S is complete: the joiners' nodes fetch it while the others finish
             base = self._swap_base()
             out += [
@@ -333,13 +339,13 @@ class BoundarySwap:
                     purpose="boundary",
                     sid=j.sid,
                     target=j.node,
-                    rank=self.source_rank,
+                    rank=rank,
                     step=step,
-                    source=self.source_node,
+                    source=self.source_of(j)[1],
                     as_rank=j.rank,
                     base=base,
                 )
-                for j in self.joiners
+                for j in ready
             ]
         if len(self.paused) < self.world_size:
             return out
@@ -361,6 +367,7 @@ class BoundarySwap:
             leaver=self.leaver_sid,
             base=self._swap_base(),
             fresh=self.kind is SwapKind.GROW,
+            sources={j.rank: self.source_of(j) for j in self.joiners if j.source is not None},
         )
         return [*out, swap]
 

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from nonstop.control.channel import Channel
 from nonstop.errors import ControlError
 from nonstop.runtime import events as ev
-from nonstop.runtime.elastic import assign_shards
 from nonstop.runtime.migration import CatchUp, Transfer, choose_joiner, choose_target
 from nonstop.runtime.phase import Op
 from nonstop.runtime.swap import (
@@ -236,8 +235,14 @@ class Swaps:
         target = self.c.elastic.grow_to(world_size=v.world_size, idle_spares=len(idle))
         if target <= v.world_size:
             return
+        unit = self.c.elastic.unit  # a sharded job: each joiner restores its coordinates' shards
         joiners = [
-            Joiner(sid=sid, rank=v.world_size + i, node=idle[sid])
+            Joiner(
+                sid=sid,
+                rank=v.world_size + i,
+                node=idle[sid],
+                source=(i % unit, v.rank_node[i % unit]) if unit > 1 else None,
+            )
             for i, sid in enumerate(sorted(idle)[: target - v.world_size])
         ]
         for j in joiners:
@@ -394,15 +399,15 @@ class Swaps:
             s.step, dict.fromkeys(s.ranks, label), fresh=set(s.ranks) if s.fresh else None
         )
         early = {j.rank: j.boundary_req for j in a.joiners}
-        fetches = {
-            rank: c.sources.fetch_for(
-                r, rank, s.step, s.source, "local", src_rank=s.source_rank, base=s.base, early=early.get(rank)
+        fetches = {}
+        for rank in s.ranks:
+            src_rank, src = s.sources.get(rank, (s.source_rank, s.source))
+            fetches[rank] = c.sources.fetch_for(
+                r, rank, s.step, src, "local", src_rank=src_rank, base=s.base, early=early.get(rank)
             )
-            for rank in s.ranks
-        }
         if a.kind is SwapKind.GROW:
             self._step_at.clear()
-            shards = assign_shards(c.num_shards, v.world_size)
+            shards = c.data_shards(v.world_size)
             c.events.emit(
                 ev.Grow(
                     world_size=v.world_size,

@@ -36,6 +36,7 @@ __all__ = [
     "is_dtensor",
     "local_of",
     "reshard",
+    "same_mesh",
     "shard_layout",
     "stitch",
     "to_dtensor",
@@ -136,6 +137,15 @@ def decode_dtensor(node: dict[str, Any], tensors: list[torch.Tensor]) -> LocalSh
         raise SnapshotError(f"a sharded tensor's record in the snapshot is malformed ({e!r})") from e
 
 
+def same_mesh(live: tuple[int, ...], saved: tuple[int, ...], placements: tuple[str, ...]) -> bool:
+    """Whether a shard saved on mesh ``saved`` is the local tensor of the same place on mesh
+    ``live``: the meshes are equal except, maybe, along dims the tensor is replicated on (an
+    elastic sharded job with fewer replica groups: a rank's own shards are unchanged)."""
+    if len(live) != len(saved) or len(placements) != len(live):
+        return False
+    return all(a == b or p.startswith("Replicate") for a, b, p in zip(live, saved, placements, strict=True))
+
+
 def check_matches(live: Any, saved: LocalShard, where: str) -> None:
     """Refuse to restore ``saved`` into the live DTensor ``live`` unless they are laid out alike."""
     mine = tuple(repr(p) for p in live.placements)
@@ -144,7 +154,7 @@ def check_matches(live: Any, saved: LocalShard, where: str) -> None:
         mine != saved.placements
         or tuple(live.shape) != saved.global_shape
         or tuple(local.shape) != tuple(saved.tensor.shape)
-        or tuple(live.device_mesh.shape) != saved.mesh_shape
+        or not same_mesh(tuple(live.device_mesh.shape), saved.mesh_shape, mine)
     ):
         raise SnapshotError(
             f"cannot restore {where}: the snapshot holds {saved.describe()}, the model has local "
@@ -168,7 +178,7 @@ def to_dtensor(saved: LocalShard, like: Any, where: str) -> Any:
     from torch.distributed.tensor import DTensor
 
     mine = tuple(repr(p) for p in like.placements)
-    if mine != saved.placements or tuple(like.device_mesh.shape) != saved.mesh_shape:
+    if mine != saved.placements or not same_mesh(tuple(like.device_mesh.shape), saved.mesh_shape, mine):
         raise SnapshotError(
             f"cannot restore {where}: the snapshot holds {saved.describe()}, its parameter has "
             f"placements {list(mine)} on mesh {tuple(like.device_mesh.shape)}"

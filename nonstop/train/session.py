@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.config import WorkerEnv
 from nonstop.control.channel import Message
@@ -63,7 +62,7 @@ from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
 from nonstop.train.link import CoordinatorLink, PeerFailed
-from nonstop.train.trainee import Build, Replicated, Sharded, Trainee, read_to_reshard
+from nonstop.train.trainee import Build, Replicated, Sharded, Trainee, accumulate, read_to_reshard
 
 __all__ = ["RunResult", "Session", "init"]
 
@@ -146,29 +145,28 @@ class Session:
             LOCAL_WORLD_SIZE=str(self.world_size),
         )
 
-    def shard_steps(self, ddp_model: torch.nn.Module) -> Iterator[int]:
+    def shard_steps(self, model: torch.nn.Module) -> Iterator[int]:
         """The data shards this rank plays in this step, for gradient accumulation::
 
-            for shard in session.shard_steps(ddp_model):
+            for shard in session.shard_steps(model):
                 x, y = batch_for(step, shard)          # shard k: what rank k of the full job reads
-                loss_fn(ddp_model(x), y).backward()
+                loss_fn(model(x), y).backward()
 
-        In a job at its full size each rank plays one shard (its rank). After an elastic shrink
-        a rank plays several: the gradients of all but the last are accumulated locally (DDP's
-        ``no_sync``), the last backward allreduces, and the sum is divided by the number of
-        shards, so the global batch and its samples are those of the full-size job."""
-        shards = self.shards
-        for i, shard in enumerate(shards):
-            if i < len(shards) - 1 and isinstance(ddp_model, DistributedDataParallel):
-                with ddp_model.no_sync():
-                    yield shard
-            else:
-                yield shard
+        In a job at its full size each rank plays one shard (its rank; a sharded job's: its
+        ``dp_rank``). After an elastic shrink a rank plays several: the gradients of all but the
+        last are accumulated locally (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``),
+        the last backward reduces, and the sum is divided by the number of shards, so the global
+        batch and its samples are those of the full-size job."""
+        return accumulate(model, self.shards)
 
     @property
     def mesh(self) -> MeshSpec | None:
-        """The job's ``--mesh`` (None: a data-parallel job)."""
-        return MeshSpec.parse(self.env.mesh) if self.env.mesh is not None else None
+        """This generation's mesh: the job's ``--mesh``, with fewer replica groups after an
+        elastic shrink (None: a data-parallel job)."""
+        if self.env.mesh is None:
+            return None
+        spec = MeshSpec.parse(self.env.mesh)
+        return spec.with_world(self.world_size) if self.world_size else spec
 
     @property
     def dp_rank(self) -> int:
@@ -432,16 +430,12 @@ class Session:
                 old_ranks = read_to_reshard(msg["reshard"])
                 self._step = int(msg["reshard"]["step"])
             elif trainee.restore_in_group:
-                held = store.read(int(restore_step), copy=False)
+                held = self._read_own(msg, int(restore_step))
                 self._step = int(held["step"])
             elif msg.get("live") and self._live_at == int(restore_step):
                 pass  # paused after exactly that step: the live state is the snapshot, bit for bit
-            elif msg.get("from_rank") is not None:  # the state is in this process's old rank's memory
-                old = self._open_store(int(msg["from_rank"]))
-                try:
-                    self._step = self._capture().restore(old.read(int(restore_step), copy=False))
-                finally:
-                    old.close()
+            elif msg.get("from_rank") is not None:
+                self._step = self._capture().restore(self._read_own(msg, int(restore_step)))
             else:
                 self._step = self._capture().restore(store.read(int(restore_step), copy=False))
             self._live_at = None
@@ -483,6 +477,17 @@ class Session:
                 store.write(0, self._capture().state(0))
             self._link.send({"t": "ready", "gen": gen, "rebuild_s": time.monotonic() - t1})
             return module
+
+    def _read_own(self, msg: Message, step: int) -> Any:
+        """This process's snapshot of ``step``: in its old rank's memory when it was renumbered
+        (an elastic shrink; copied out, that store closes), else in its rank's."""
+        if msg.get("from_rank") is None:
+            return self._live_store().read(step, copy=False)
+        old = self._open_store(int(msg["from_rank"]))
+        try:
+            return old.read(step, copy=True)
+        finally:
+            old.close()
 
     def _join_group(self, gen: int, *, restored: bool) -> torch.nn.Module:
         # Rendezvous through the coordinator (authenticated, fenced by generation, abortable).

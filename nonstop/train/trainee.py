@@ -19,7 +19,7 @@ Threading contract: main thread only (the training loop's).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -172,15 +172,15 @@ class Sharded:
         restored: bool,
         divisor: int,
     ) -> torch.nn.Module:
-        if world_size != self.spec.world_size:
-            raise UsageError(
-                f"--mesh {self.spec} needs {self.spec.world_size} ranks, the generation has {world_size}"
-            )
+        try:
+            spec = self.spec.with_world(world_size)  # fewer replica groups after an elastic shrink
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         self.close()  # the previous generation's model and optimizer go with its groups
         from torch.distributed.device_mesh import init_device_mesh
 
         def mesh() -> Any:
-            return init_device_mesh(self.device_type, self.spec.shape, mesh_dim_names=self.spec.names)
+            return init_device_mesh(self.device_type, spec.shape, mesh_dim_names=spec.names)
 
         device_mesh = group.join_plain(
             store, rank=rank, world_size=world_size, timeout_s=timeout_s, then=mesh
@@ -195,6 +195,8 @@ class Sharded:
             raise UsageError("Session.run(build=...): build(mesh) must return (model, optimizer)")
         model, optimizer = built
         self.model = model
+        if spec.dp_size < self.spec.dp_size:
+            average_over(model, self.spec.dp_size)
         self._capture = StateCapture(
             model=model, optimizer=optimizer, extras=self._extras, load_extras=self._load_extras
         )
@@ -208,6 +210,38 @@ class Sharded:
             self._hook.remove()
             self._hook = None
         self.model, self._capture = None, None
+
+
+def average_over(model: torch.nn.Module, dp_size: int) -> None:
+    """Make FSDP2 divide the summed gradients by ``dp_size`` (the full-size job's data-parallel
+    degree) instead of the generation's: a shrunk job's ranks play several data shards each
+    (:func:`accumulate`), so their sum over the smaller mesh is the full job's, and the mean must
+    be the full job's too. Per FSDP module (the setting is not recursive); on gloo the divide
+    factor needs sum reductions (FSDP's pre-multiplied sum is not a gloo op)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+            m.set_gradient_divide_factor(float(dp_size))
+
+
+def accumulate(model: torch.nn.Module, shards: tuple[int, ...]) -> Iterator[int]:
+    """Yield ``shards`` for gradient accumulation: only the last backward synchronises gradients
+    (DDP's ``no_sync``; FSDP2's ``set_requires_gradient_sync``), the others accumulate locally."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    for i, shard in enumerate(shards):
+        last = i == len(shards) - 1
+        if not last and isinstance(model, DistributedDataParallel):
+            with model.no_sync():
+                yield shard
+        elif isinstance(model, FSDPModule) and len(shards) > 1:
+            model.set_requires_gradient_sync(last)
+            yield shard
+        else:
+            yield shard
 
 
 def read_to_reshard(info: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,0 +1,149 @@
+"""An elastic sharded job (``--mesh replicate=R,...`` with ``--min-world-size``) shrinks and grows
+by whole replica groups: the pure rules (mesh, planner, policy, snapshot layout check) and the
+coordinator's side against fake peers (a lost node drops its group, a live rank of that group is
+retired, the group comes back through a boundary swap whose joiners restore their coordinates'
+shards)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nonstop.config import JobConfig
+from nonstop.errors import UsageError
+from nonstop.mesh import MeshSpec
+from nonstop.runtime.coordinator import JobState
+from nonstop.runtime.elastic import ElasticPolicy
+from nonstop.runtime.planning import PlanAction, plan_generation
+from nonstop.snapshot.sharded import same_mesh
+from tests.coord_fakes import Harness
+
+
+# -- pure rules -------------------------------------------------------------------------------------
+def test_a_smaller_generation_has_fewer_replica_groups() -> None:
+    m = MeshSpec.parse("replicate=3,shard=2,tp=2")
+    assert m.group_size == 4
+    assert m.with_world(12) is m and str(m.with_world(8)) == "replicate=2,shard=2,tp=2"
+    assert str(m.with_world(4)) == "replicate=1,shard=2,tp=2"
+    for bad in (6, 0, 16):  # not whole groups; none; more than the job
+        with pytest.raises(ValueError, match="whole replica groups"):
+            m.with_world(bad)
+    with pytest.raises(ValueError, match="whole replica groups"):
+        MeshSpec.parse("shard=4").with_world(2)  # no replica groups to drop
+
+
+def test_surviving_groups_play_the_dropped_groups_batches() -> None:
+    m = MeshSpec.parse("replicate=3,shard=2,tp=2")
+    # full size: every rank its dp_rank, a TP pair the same
+    assert m.data_shards(12) == tuple((m.dp_rank(r),) for r in range(12))
+    # one group left: each shard index plays its index in all three groups
+    assert m.data_shards(4) == ((0, 2, 4), (0, 2, 4), (1, 3, 5), (1, 3, 5))
+    # two groups: the six dp indices once each, contiguous and balanced
+    two = m.data_shards(8)
+    assert two == ((0,), (0,), (1,), (1,), (2, 4), (2, 4), (3, 5), (3, 5))
+    played = sorted(k for r in range(0, 8, 2) for k in two[r])  # one rank of each TP pair
+    assert played == list(range(6))
+
+
+def test_elastic_meshes_are_checked_at_start() -> None:
+    base = {"script": "t.py", "nproc_per_node": 2, "nnodes": 2, "coordinator": "127.0.0.1:0"}
+    assert JobConfig(mesh="replicate=2,shard=2", min_world_size=2, **base).min_world == 2
+    with pytest.raises(UsageError, match="replicate=2 or more"):
+        JobConfig(mesh="shard=4", min_world_size=2, **base)
+    with pytest.raises(UsageError, match="whole number of replica groups of 2"):
+        JobConfig(mesh="replicate=2,shard=2", min_world_size=3, **base)
+    with pytest.raises(UsageError, match="--shards-per-rank is not supported with --mesh"):
+        JobConfig(mesh="replicate=2,shard=2", shards_per_rank=2, **base)
+
+
+def test_the_policy_grows_by_whole_groups() -> None:
+    p = ElasticPolicy(full_world_size=6, min_world_size=2, unit=2)
+    assert p.grow_to(world_size=2, idle_spares=1) == 2  # half a group: wait for the rest
+    assert p.grow_to(world_size=2, idle_spares=3) == 4
+    assert p.grow_to(world_size=2, idle_spares=9) == 6
+    with pytest.raises(ValueError, match="whole units"):
+        ElasticPolicy(full_world_size=6, min_world_size=3, unit=2)
+
+
+def test_the_planner_drops_the_whole_group_of_an_unplaced_rank() -> None:
+    inv = {r: {5: [(str(r), "local")]} for r in range(6)}
+    plan = plan_generation(
+        world_size=6,
+        present={0, 1, 2, 4, 5},  # rank 3 is gone with its node; rank 2 (its group) lives on
+        last_node={3: "3"},
+        inventory=inv,
+        idle_spares={},
+        live_nodes=["0", "1", "2", "4", "5"],
+        load={},
+        elastic=ElasticPolicy(full_world_size=6, min_world_size=2, unit=2),
+        waited_s=0.0,
+        recovering=True,
+    )
+    assert plan.action is PlanAction.SHRINK and plan.shrink is not None
+    assert plan.shrink.dropped == (2, 3) and plan.unplaced == (3,)
+    assert dict(plan.shrink.new_of) == {0: 0, 1: 1, 4: 2, 5: 3}
+    assert plan.restore_step == 5 and plan.placements == {}
+
+
+def test_a_shard_restores_onto_a_mesh_with_fewer_replicas_only() -> None:
+    hsdp = ("Replicate()", "Shard(dim=0)")
+    assert same_mesh((1, 2), (2, 2), hsdp)  # one replica group left: the same local shard
+    assert not same_mesh((2, 1), (2, 2), hsdp)  # the shard dim changed: another layout
+    assert not same_mesh((2,), (2, 2), ("Shard(dim=0)",))
+
+
+# -- the coordinator, against fakes -----------------------------------------------------------------
+def test_a_lost_node_drops_its_replica_group_and_the_group_grows_back(tmp_path: Path) -> None:
+    """HSDP 2x2 on four nodes of one rank: node 3 is lost with no spare anywhere. Its replica group
+    (ranks 2, 3) goes: rank 2 is retired (its place on node 2 waits as a spare), ranks 0 and 1 play
+    all four data shards. Node 3 joins again: the group comes back through a boundary swap, each
+    joiner restoring the shards of the rank with its coordinates in the group that stayed."""
+    h = Harness(
+        tmp_path, nnodes=4, nproc_per_node=1, spares=0, coordinator="127.0.0.1:0", lease_ttl_s=60.0,
+        mesh="replicate=2,shard=2", min_world_size=2,
+    )  # fmt: skip
+    for n in "0123":
+        h.add_node(n, nproc=1)
+    h.tick()
+    h.bring_up()
+    assert [h.member(r).last("reconfigure")["shards"] for r in range(4)] == [[0], [1], [2], [3]]
+    h.step_all(2)
+    retired = h.coord.view.members[2]
+    h.lose_node("3")
+    assert h.coord.view.world_size == 2 and h.coord.generation == 2
+    [shrink] = h.events("shrink")
+    assert shrink["dropped"] == [2, 3] and shrink["shards"] == {"0": [0, 2], "1": [1, 3]}
+    assert h.coord.view.workers[retired].role == "retired"
+    kills = [m for m in h.agents["2"].sent if m.get("t") == "kill"]
+    assert [int(m["spawn_id"]) for m in kills] == [retired]
+    assert ("2", "spare") in {(n, role) for n, _, role in h.spawn_requests() if n == "2"}
+    assert h.member(1).last("reconfigure")["shards"] == [1, 3]
+    h.resume_all(3)
+    assert h.coord.state is JobState.RUNNING
+    h.exit(retired)  # its exit is no failure
+    assert h.coord.state is JobState.RUNNING and h.coord.generation == 2
+
+    h.add_node("3", nproc=1)  # node 3 joins again: with node 2's, two spares -- a whole group
+    h.connect_spawned()
+    h.tick()
+    z = h.coord.swaps.grow
+    assert z is not None and [j.rank for j in z.joiners] == [2, 3]
+    assert [z.source_of(j)[0] for j in z.joiners] == [0, 1]  # same shard coordinate, group 0
+    fetches = [m for a in h.agents.values() for m in a.sent if m.get("t") == "fetch"]
+    assert sorted((int(m["rank"]), int(m["as_rank"])) for m in fetches) == [(0, 2), (1, 3)]
+    for j in z.joiners:
+        assert h.workers[j.sid].last("reconfigure")["shards"] == [j.rank]
+        h.put("msg", h.workers[j.sid], {"t": "restored", "gen": h.coord.generation})
+    h.tick()
+    boundary = h.member(0).last("pause")["at"]
+    for r in (0, 1):
+        h.worker_says(r, {"t": "paused", "step": boundary})
+    h.tick(2)
+    assert h.coord.generation == 3 and h.coord.view.world_size == 4
+    gen = h.events("generation")[-1]
+    assert gen["grow"] == [2, 3] and gen["restore_step"] == boundary
+    h.resume_all(boundary + 1)
+    assert h.coord.state is JobState.RUNNING and h.coord.swaps.active is None
+    [grow] = h.events("grow")
+    assert grow["shards"] == {"0": [0], "1": [1], "2": [2], "3": [3]}
