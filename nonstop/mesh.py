@@ -16,12 +16,14 @@ The coordinator fixes rank <-> coordinates with this numbering for the life of t
 replacement plays the same coordinates); the worker builds a ``torch.distributed.device_mesh.
 DeviceMesh`` with these dim names (:func:`nonstop.train.sharded.build_mesh`).
 
-**Elastic** (``--min-world-size`` with ``replicate`` of 2 or more): what shrinks and grows is a
-whole replica group (``S x T`` consecutive ranks, one full copy of the sharded state). A smaller
-generation's mesh is the job's with fewer replica groups (:meth:`MeshSpec.with_world`); every rank
-that stays keeps its ``shard`` and ``tp`` coordinates, so its own shards are still its state. The
-data shards are the full-size job's data-parallel indices (``replicate x shard``): the surviving
-groups play the dropped groups' batches by gradient accumulation (:meth:`MeshSpec.data_shards`).
+**Elastic** (``--min-world-size``): with ``replicate`` of 2 or more what shrinks and grows is a
+whole replica group (``S x T`` consecutive ranks, one full copy of the sharded state): every rank
+that stays keeps its ``shard`` and ``tp`` coordinates, so its own shards are still its state.
+Without replicas (``shard`` of 2 or more) it is a TP group (``T`` ranks), and the state is
+resharded over the shard groups that stay (:attr:`MeshSpec.reshards`). A smaller generation's
+mesh is the job's with that dim cut (:meth:`MeshSpec.with_world`). The data shards are the
+full-size job's data-parallel indices (``replicate x shard``): the groups that stay play the
+dropped groups' batches by gradient accumulation (:meth:`MeshSpec.data_shards`).
 """
 
 from __future__ import annotations
@@ -139,51 +141,72 @@ class MeshSpec:
     def dp_size(self) -> int:
         return self.size("replicate") * self.size("shard")
 
-    # -- elastic: whole replica groups ------------------------------------------------------------
+    # -- elastic: whole replica groups, or shard groups with a reshard ------------------------------
+    @property
+    def elastic_dim(self) -> str | None:
+        """The dim an elastic job resizes: ``replicate`` when the job has 2 or more replica
+        groups (whole copies of the state come and go; nothing is resharded), else ``shard``
+        when it has 2 or more (the state is resharded over fewer shard groups), else None."""
+        if self.size("replicate") >= 2:
+            return "replicate"
+        return "shard" if self.size("shard") >= 2 else None
+
+    @property
+    def reshards(self) -> bool:
+        """Whether a resize cuts every rank's shards anew (the elastic dim is ``shard``)."""
+        return self.elastic_dim == "shard"
+
     @property
     def group_size(self) -> int:
-        """Ranks per replica group (``shard x tp``): the unit an elastic sharded job shrinks and
-        grows by."""
-        return self.world_size // self.size("replicate")
+        """Ranks that come and go together: a replica group (``shard x tp``), or without
+        replicas a TP group (``tp``)."""
+        dim = self.elastic_dim or "replicate"
+        return self.world_size // self.size(dim)
 
     def with_world(self, world_size: int) -> MeshSpec:
-        """The mesh of a generation of ``world_size`` ranks: the job's with as many replica groups
-        as fit (``world_size`` must be a whole number of groups, at most the job's)."""
+        """The mesh of a generation of ``world_size`` ranks: the job's with its elastic dim cut
+        to fit (``world_size`` must be a whole number of groups, at most the job's)."""
         if world_size == self.world_size:
             return self
-        unit = self.group_size
-        if "replicate" not in self.names or world_size % unit or not 0 < world_size < self.world_size:
+        unit, dim = self.group_size, self.elastic_dim
+        if dim is None or world_size % unit or not 0 < world_size < self.world_size:
             raise ValueError(
                 f"a generation of {world_size} ranks does not fit --mesh {self}: an elastic sharded "
-                f"job runs whole replica groups of {unit} ranks, at most {self.size('replicate')}"
+                f"job runs whole groups of {unit} ranks along {dim or 'replicate or shard'}, at most "
+                f"{self.world_size // unit}"
             )
-        return MeshSpec(tuple((d, world_size // unit if d == "replicate" else n) for d, n in self.dims))
+        return MeshSpec(tuple((d, world_size // unit if d == dim else n) for d, n in self.dims))
 
     def data_shards(self, world_size: int) -> tuple[tuple[int, ...], ...]:
         """The data shards (the full-size job's data-parallel indices) each rank of a generation
-        of ``world_size`` ranks plays: one at full size (its ``dp_rank``); after a shrink, a
-        surviving replica group plays the dropped groups' batches too (contiguous, balanced), each
-        rank those of its own ``shard`` index. Ranks of one TP group play the same shards."""
+        of ``world_size`` ranks plays: one at full size (its ``dp_rank``); after a shrink the
+        groups that stay play the dropped groups' batches too (contiguous, balanced): a replica
+        group those of every group it stands for, at its own ``shard`` index; without replicas
+        a shard index those of the shard indices it stands for. Ranks of one TP group play the
+        same shards."""
         now = self.with_world(world_size)
-        groups = assign_shards(self.size("replicate"), now.size("replicate"))
         shard = self.size("shard")
+        groups = assign_shards(self.size("replicate"), now.size("replicate"))
+        shards = assign_shards(shard, now.size("shard"))
         out = []
         for r in range(world_size):
             c = now.coords(r)
-            out.append(tuple(g * shard + c.get("shard", 0) for g in groups[c.get("replicate", 0)]))
+            mine = groups[c.get("replicate", 0)]
+            out.append(tuple(g * shard + s for g in mine for s in shards[c.get("shard", 0)]))
         return tuple(out)
 
     def check_elastic(self, *, min_world_size: int) -> None:
         """Refuse an elastic setting this mesh cannot follow (one line, what to change)."""
-        unit = self.group_size
-        if self.size("replicate") < 2:
+        if self.elastic_dim is None:
             raise UsageError(
                 f"--min-world-size with --mesh {self}: an elastic sharded job shrinks by whole replica "
-                "groups, so it needs replicate=2 or more (e.g. --mesh replicate=2,shard=S); without "
-                "replicas a sharded job keeps its size (spares and the durable tier recover it)"
+                "groups (replicate=2 or more) or shard groups (shard=2 or more); this mesh has neither, "
+                "so it keeps its size (spares and the durable tier recover it)"
             )
+        unit = self.group_size
         if min_world_size % unit:
+            what = "replica groups" if self.elastic_dim == "replicate" else "tensor-parallel groups"
             raise UsageError(
                 f"--min-world-size {min_world_size} with --mesh {self}: it must be a whole number of "
-                f"replica groups of {unit} ranks (e.g. --min-world-size {unit})"
+                f"{what} of {unit} ranks (e.g. --min-world-size {unit})"
             )

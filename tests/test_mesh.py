@@ -57,5 +57,5 @@ def test_a_mesh_the_job_cannot_run_fails_at_start() -> None:
         )
     with pytest.raises(UsageError, match="unknown dim"):
         JobConfig(script="t.py", nproc_per_node=2, mesh="dp=2")
-    with pytest.raises(UsageError, match="needs replicate=2 or more"):  # elastic: whole replica groups
-        JobConfig(script="t.py", nproc_per_node=2, mesh="shard=2", min_world_size=1)
+    with pytest.raises(UsageError, match="has neither"):  # elastic: replica or shard groups to drop
+        JobConfig(script="t.py", nproc_per_node=2, mesh="tp=2", min_world_size=1)

@@ -229,3 +229,54 @@ def test_hsdp_shrinks_by_a_replica_group_and_grows_it_back(tmp_path: Path, refer
     ref = run_demo_job(tmp_path / "ref", spares=0, steps=steps, **HSDP)
     assert ref.out is not None
     assert out["final_loss"] == pytest.approx(ref.out["final_loss"], rel=2e-3)
+
+
+def test_fsdp2_without_replicas_reshards_in_memory_to_shrink_and_to_grow(tmp_path: Path) -> None:
+    """Elastic FSDP2 on three nodes of one rank, no spare: node 2 is lost, and the two ranks that
+    stay reshard the job's state over a mesh of 2 from memory -- each node gathers every old
+    rank's committed step (its own slots, the replicas it holds, fetches of the rest) and every
+    rank cuts its new shards out of them. Node 2 joins again: at a step boundary every rank, the
+    joiner too, reshards the 2 ranks' state over 3. The samples are read once each in order, the
+    loss is the uninterrupted run's up to float rounding."""
+    from nonstop.demo.runner import demo_job_config
+    from nonstop.demo.samples import check_sequence, read_log
+    from tests.conftest import NodesInBackground
+
+    steps, batch, job_dir = 80, 4, tmp_path / "job"
+    three = {"mesh": "shard=3", "nproc": 1, "nnodes": 3, "coordinator": "127.0.0.1:0", "lease_ttl_s": 3.0}
+    config = demo_job_config(
+        result=job_dir / "result.json",
+        steps=steps,
+        model="tiny",
+        batch=batch,
+        script_extra=("--step-delay", "0.1", "--samples-log", str(job_dir / "samples")),
+        nproc_per_node=1,
+        spares=0,
+        nnodes=3,
+        job_dir=job_dir,
+        faults=("node:node=2,step=8",),
+        coordinator="127.0.0.1:0",
+        lease_ttl_s=3.0,
+        mesh="shard=3",
+        min_world_size=2,
+    )
+    job = NodesInBackground(config)
+    job.wait_event("shrink", timeout=120)
+    job.start_node(2)
+    result = job.result(timeout=300)
+    assert result.error is None, result.error
+    events = job.events()
+    (shrink,) = events_named(events, "shrink")
+    assert shrink["world_size"] == 2 and shrink["dropped"] == [2]
+    assert shrink["shards"] == {"0": [0], "1": [1, 2]}
+    gen = next(g for g in events_named(events, "generation") if g["cause"])
+    assert gen["tier"] == "memory" and gen["restore_step"] >= 5
+    (grown,) = events_named(events, "grow_done")
+    assert grown["world_size"] == 3
+    records = read_log(job_dir / "samples")
+    assert check_sequence(records, steps=steps, num_shards=3, batch=batch) == []
+    out = json.loads((job_dir / "result.json").read_text())
+    assert out["world_size"] == 3 and out["samples_seen"] == steps * 3 * batch
+    ref = run_demo_job(tmp_path / "ref", spares=0, steps=steps, **three)
+    assert ref.out is not None
+    assert out["final_loss"] == pytest.approx(ref.out["final_loss"], rel=2e-3)

@@ -27,10 +27,20 @@ def test_a_smaller_generation_has_fewer_replica_groups() -> None:
     assert m.with_world(12) is m and str(m.with_world(8)) == "replicate=2,shard=2,tp=2"
     assert str(m.with_world(4)) == "replicate=1,shard=2,tp=2"
     for bad in (6, 0, 16):  # not whole groups; none; more than the job
-        with pytest.raises(ValueError, match="whole replica groups"):
+        with pytest.raises(ValueError, match="whole groups of 4 ranks along replicate"):
             m.with_world(bad)
-    with pytest.raises(ValueError, match="whole replica groups"):
-        MeshSpec.parse("shard=4").with_world(2)  # no replica groups to drop
+    assert m.elastic_dim == "replicate" and not m.reshards
+
+
+def test_without_replicas_the_shard_dim_shrinks_and_reshards() -> None:
+    m = MeshSpec.parse("shard=3,tp=2")
+    assert m.elastic_dim == "shard" and m.reshards and m.group_size == 2  # a TP group
+    assert str(m.with_world(4)) == "shard=2,tp=2"
+    # shard indices 0..2 over 2: the TP pairs play theirs, the second one two
+    assert m.data_shards(4) == ((0,), (0,), (1, 2), (1, 2))
+    assert MeshSpec.parse("shard=3").data_shards(1) == ((0, 1, 2),)
+    with pytest.raises(ValueError, match="along replicate or shard"):
+        MeshSpec.parse("tp=2").with_world(1)
 
 
 def test_surviving_groups_play_the_dropped_groups_batches() -> None:
@@ -49,10 +59,13 @@ def test_surviving_groups_play_the_dropped_groups_batches() -> None:
 def test_elastic_meshes_are_checked_at_start() -> None:
     base = {"script": "t.py", "nproc_per_node": 2, "nnodes": 2, "coordinator": "127.0.0.1:0"}
     assert JobConfig(mesh="replicate=2,shard=2", min_world_size=2, **base).min_world == 2
-    with pytest.raises(UsageError, match="replicate=2 or more"):
-        JobConfig(mesh="shard=4", min_world_size=2, **base)
+    assert JobConfig(mesh="shard=4", min_world_size=2, **base).min_world == 2  # resharded
+    with pytest.raises(UsageError, match="has neither"):
+        JobConfig(script="t.py", nproc_per_node=4, mesh="tp=4", min_world_size=2)
     with pytest.raises(UsageError, match="whole number of replica groups of 2"):
         JobConfig(mesh="replicate=2,shard=2", min_world_size=3, **base)
+    with pytest.raises(UsageError, match="whole number of tensor-parallel groups of 2"):
+        JobConfig(mesh="shard=2,tp=2", min_world_size=3, **base)
     with pytest.raises(UsageError, match="--shards-per-rank is not supported with --mesh"):
         JobConfig(mesh="replicate=2,shard=2", shards_per_rank=2, **base)
 
@@ -147,3 +160,75 @@ def test_a_lost_node_drops_its_replica_group_and_the_group_grows_back(tmp_path: 
     assert h.coord.state is JobState.RUNNING and h.coord.swaps.active is None
     [grow] = h.events("grow")
     assert grow["shards"] == {"0": [0], "1": [1], "2": [2], "3": [3]}
+
+
+def test_without_replicas_a_shrink_and_a_grow_gather_every_old_ranks_step_on_each_node(
+    tmp_path: Path,
+) -> None:
+    """FSDP2 on three nodes of one rank, no spare: node 2 is lost. The step every OLD rank holds
+    (rank 2's from its replica on node 0) is the one resharded; each node that plays a new rank
+    reads every old rank's step from its own slots or its replicas, fetching the rest into its
+    replica slots first, and its ranks are told their generation only once those fetches are in.
+    A node joining brings the job back to 3 ranks at a boundary, every rank resharding again."""
+    h = Harness(
+        tmp_path, nnodes=3, nproc_per_node=1, spares=0, coordinator="127.0.0.1:0", lease_ttl_s=60.0,
+        mesh="shard=3", min_world_size=2,
+    )  # fmt: skip
+    for n in "012":
+        h.add_node(n, nproc=1)
+    h.tick()
+    h.bring_up()
+    h.step_all(2)
+    h.step_all(3)
+    h.replicas["0"] = {2: {2}}  # rank 2's step 2 is replicated to node 0; step 3 nowhere else
+    h.lose_node("2")
+    assert h.coord.view.world_size == 2
+    [shrink] = h.events("shrink")
+    assert shrink["dropped"] == [2] and shrink["shards"] == {"0": [0], "1": [1, 2]}
+    fetches = sorted(
+        (n, int(m["rank"]), m.get("into"))
+        for n, a in h.agents.items()
+        for m in a.sent
+        if m.get("t") == "fetch"
+    )
+    # node 0 lacks old rank 1's step; node 1 lacks old ranks 0 and 2 (2 from node 0's replica)
+    assert fetches == [("0", 1, "replica"), ("1", 0, "replica"), ("1", 2, "replica")]
+    h.tick()  # the agents answered
+    told = {r: h.member(r).last("reconfigure") for r in (0, 1)}
+    assert all(m["restore_step"] == 2 and m["gen"] == 2 for m in told.values())
+    assert told[0]["reshard"] == {
+        "step": 2,
+        "world": 3,
+        "memory": {"0": "local", "1": "replica", "2": "replica"},
+    }
+    assert told[1]["reshard"]["memory"] == {"0": "replica", "1": "local", "2": "replica"}
+    assert told[1]["shards"] == [1, 2] and told[1].get("fresh") is True
+    h.resume_all(3)
+    assert h.coord.state is JobState.RUNNING
+    # node 3 joins: the job grows back to 3 at a boundary, every rank resharding the 2 ranks' step
+    h.add_node("3", nproc=1)
+    h.connect_spawned()
+    h.tick()
+    z = h.coord.swaps.grow
+    assert z is not None and [j.rank for j in z.joiners] == [2] and z.joiners[0].source is None
+    joiner = h.workers[z.joiners[0].sid]
+    h.tick()  # the prepare fetch answered
+    h.put("msg", joiner, {"t": "restored", "gen": h.coord.generation})
+    h.tick()
+    boundary = h.member(0).last("pause")["at"]
+    for r in (0, 1):
+        h.worker_says(r, {"t": "paused", "step": boundary})
+    h.tick(2)
+    assert h.coord.generation == 3 and h.coord.view.world_size == 3
+    sent = [(n, m) for n, a in h.agents.items() for m in a.sent if m.get("t") == "fetch"]
+    resharding = sorted((n, int(m["rank"])) for n, m in sent if m.get("into") and m["step"] == boundary)
+    assert resharding == [("0", 1), ("1", 0), ("3", 0), ("3", 1)]  # each node gathers both old ranks
+    h.tick()
+    for r in range(3):
+        m = h.member(r).last("reconfigure")
+        assert m["gen"] == 3 and m["reshard"]["step"] == boundary and m["reshard"]["world"] == 2
+        assert m["shards"] == [r] and m.get("fresh") is True
+    h.resume_all(boundary + 1)
+    assert h.coord.state is JobState.RUNNING and h.coord.swaps.active is None
+    [grow] = h.events("grow")
+    assert grow["shards"] == {"0": [0], "1": [1], "2": [2]}

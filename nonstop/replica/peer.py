@@ -42,6 +42,7 @@ __all__ = [
     "TrackedBase",
     "TrackedBases",
     "DataPlane",
+    "REPLICA_SLOTS",
     "FetchError",
     "Fetched",
     "ReplicaStats",
@@ -50,6 +51,7 @@ __all__ = [
     "fetch_snapshot",
     "local_store_id",
     "replica_store_id",
+    "replicas_beside",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,9 @@ K = TypeVar("K")
 TRACK_TTL_S = 120.0  # a tracked fetch's base is dropped when no catch-up used it for this long
 
 
+REPLICA_SLOTS = 3  # slots a node keeps per rank it holds replicas of
+
+
 def local_store_id(job_id: str, node: str) -> str:
     """Name under which a node keeps its own ranks' snapshot slots."""
     return f"{job_id}.{node}"
@@ -66,7 +71,13 @@ def local_store_id(job_id: str, node: str) -> str:
 
 def replica_store_id(job_id: str, node: str) -> str:
     """Name under which a node keeps the replicas it holds for other nodes' ranks."""
-    return f"{job_id}.{node}.rep"
+    return replicas_beside(local_store_id(job_id, node))
+
+
+def replicas_beside(local_id: str) -> str:
+    """The replica store id of the node whose own ranks' store id is ``local_id`` (what a worker
+    knows: ``NONSTOP_JOB_ID``)."""
+    return f"{local_id}.rep"
 
 
 class FetchError(NonstopError):

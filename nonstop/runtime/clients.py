@@ -99,7 +99,9 @@ class ClientRequests:
             "num_shards": self.c.num_shards,
             "full_world_size": self.c.config.world_size,
             "min_world_size": self.c.elastic.min_world_size,
-            "shards": {str(r): list(sh) for r, sh in enumerate(self.c.data_shards(self.c.view.world_size))},
+            "shards": {
+                str(r): list(sh) for r, sh in enumerate(self.c.resize.data_shards(self.c.view.world_size))
+            },
             "store": self.c.config.store,
         }
 

@@ -45,7 +45,7 @@ from nonstop.runtime import events as ev
 from nonstop.runtime import recovery, wire
 from nonstop.runtime.clients import ClientRequests
 from nonstop.runtime.detector import FailureDetector
-from nonstop.runtime.elastic import ElasticPolicy, assign_shards
+from nonstop.runtime.elastic import ElasticPolicy
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.executor import Executor
 from nonstop.runtime.failures import Failures
@@ -57,6 +57,7 @@ from nonstop.runtime.persistops import PersistOps
 from nonstop.runtime.phase import TICK_S, Busy, JobPhase, Op, legal, may_start
 from nonstop.runtime.policy import QuarantinePolicy
 from nonstop.runtime.replication import ReplicationRounds
+from nonstop.runtime.resizing import Resizing
 from nonstop.runtime.restoring import RestoreSources
 from nonstop.runtime.storesync import StoreSync
 from nonstop.runtime.swapops import Swaps
@@ -156,16 +157,12 @@ class Coordinator:
         self.failures = Failures(self)
         # live migrations and elastic grows: boundary swaps (runtime/swap.py, runtime/swapops.py)
         self.swaps = Swaps(self)
+        # the job's size: data shards, shrinks, where a resharded generation reads
+        self.resize = Resizing(self)
 
     def status(self) -> dict[str, Any]:
         """What ``nonstop status`` shows (JSON types)."""
         return self.clients.status()
-
-    def data_shards(self, world_size: int) -> tuple[tuple[int, ...], ...]:
-        """The data shards each rank of a generation of ``world_size`` ranks plays."""
-        if self.mesh is not None:
-            return self.mesh.data_shards(world_size)
-        return assign_shards(self.num_shards, world_size)
 
     def adopt_view(self, view: JobView) -> None:
         """Replace the view (a coordinator restarted from its record): every operation sees it."""

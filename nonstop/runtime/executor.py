@@ -99,12 +99,14 @@ class Executor:
         as_rank: int | None = None,
         base: int | None = None,
         track: bool = False,
+        into: str = "local",
     ) -> int:
         """Ask ``target``'s agent to copy ``rank``'s snapshot of ``step`` from ``source``'s memory
         (``kind``: its own ranks' ``local`` slots or the ``replica`` s it holds) into its slots of
         ``as_rank`` (default ``rank``); a request id, answered by a ``fetched`` message.
         ``track`` / ``base``: a catch-up (the step comes as a delta against ``base``, which the
-        last tracked fetch brought)."""
+        last tracked fetch brought). ``into="replica"``: into the replica slots it keeps of
+        ``rank`` instead (an old rank's step for a reshard, read there by the new ranks)."""
         msg: Message = {
             "t": "fetch",
             "rank": rank,
@@ -118,6 +120,8 @@ class Executor:
             msg["base"] = base
         if track:
             msg["track"] = True
+        if into != "local":
+            msg["into"] = into
         return self.request(self.view.nodes[target], msg)
 
     def node_lost(self, name: str, *, keep: set[int]) -> None:

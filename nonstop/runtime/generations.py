@@ -20,7 +20,6 @@ Threading: the coordinator's thread only. I/O goes through the coordinator's exe
 
 from __future__ import annotations
 
-import signal
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,6 @@ from nonstop.runtime.planning import (
     PlanAction,
     PlanNow,
     Replan,
-    Shrink,
     SpareIdle,
     Waited,
     plan_generation,
@@ -194,6 +192,7 @@ class Generations:
             elastic=self.c.elastic,
             waited_s=now - min((f.detected_at for f in failures), default=now),
             recovering=bool(failures),
+            reshard=self.c.mesh is not None and self.c.mesh.reshards,
         )
         if plan.action is PlanAction.FAIL:
             self.pending = None
@@ -206,11 +205,19 @@ class Generations:
             self.c.events.emit(ev.ElasticWait(ranks=list(plan.unplaced), wait_s=plan.wait_s))
             return
         from_rank: dict[int, int] = {}
+        old_world = self.c.view.world_size
         if plan.shrink is not None:
-            from_rank = self.shrink(plan.shrink, plan.reason)
+            from_rank = self.c.resize.shrink(plan.shrink, plan.reason)
         placements, avail, restore_step = plan.placements, plan.inventory, plan.restore_step
         for rank, pl in placements.items():
             self.c.view.rank_node[rank] = pl.node
+        if plan.reshard:  # every rank cuts its new shards out of all the old ranks'
+            self.pending = None
+            source = self.c.resize.reshard_source(restore_step, old_world)
+            if source is not None:
+                step, tier = int(source["step"]), "durable" if "url" in source else "memory"
+                self._start(failures, replans, replacements, plan, {}, step, tier, avail, now, reshard=source)
+            return
         if plan.action is PlanAction.FROM_DURABLE:
             # A failure while the nodes install merges into this plan (it stays pending), as one
             # while they answer inventories does.
@@ -276,7 +283,7 @@ class Generations:
         if reshard is not None:
             r.reshard = reshard
             r.fresh = set(range(r.world_size))  # each rank writes its new shards into its own slots
-        if unplaced:  # renumbered ranks and new processes write their new number's slots afresh
+        elif unplaced:  # renumbered ranks and new processes write their new number's slots afresh
             r.fresh = set(from_rank) | set(placements)
         if failures and restore_step is not None:
             r.lost_steps = max(0, self.c.committed() - restore_step)
@@ -293,43 +300,17 @@ class Generations:
                 self.c.io.spawn(p.node, Role.WORKER, rank)
                 r.waiting_launch.add(rank)
         r.marks["plan"] = time.time()
-        fetches = (
-            self.c.sources.plan_fetches(r, restore_step, avail)
-            if tier == "memory" and restore_step is not None
-            else {}
-        )
+        if reshard is not None and "memory" in reshard:
+            assert restore_step is not None
+            reshard["memory"] = self.c.sources.plan_reshard(r, restore_step, avail, int(reshard["world"]))
+            fetches: dict[int, str] = {}
+        elif tier == "memory" and restore_step is not None:
+            fetches = self.c.sources.plan_fetches(r, restore_step, avail)
+        else:
+            fetches = {}
         for rank in fetches:  # its step arrives in its new rank's memory: restore that
             r.from_rank.pop(rank, None)
         self.launch(r, tier=tier, fetches=fetches)
-
-    def shrink(self, shrink: Shrink, why: str) -> dict[int, int]:
-        """Drop ``shrink.dropped``: the ranks that stay are renumbered ``0..W'-1`` in their old
-        order and the shards spread over them. Returns new rank -> old rank for every rank
-        renumbered."""
-        old_world = self.c.view.world_size
-        new_of = shrink.new_of
-        v = self.c.view
-        for rank in shrink.dropped:  # a sharded job's replica group goes whole: retire its live ranks
-            sid = v.members.get(rank)
-            w = v.workers.get(sid) if sid is not None else None
-            if w is not None and w.live:
-                w.role, w.rank = Role.RETIRED, None  # its exit is no failure
-                self.c.io.kill(w.spawn_id, signal.SIGKILL)
-                if v.nodes[w.node].alive:  # its place on the node waits as a spare for a grow
-                    self.c.io.spawn(w.node, Role.SPARE, None)
-        self.c.view.renumber(dict(new_of), shrink.world_size)
-        self.c.swaps.forget_steps()
-        self.c.events.emit(
-            ev.Shrink(
-                world_size=self.c.view.world_size,
-                old_world_size=old_world,
-                dropped=list(shrink.dropped),
-                renumbered={str(o): n for o, n in new_of.items() if o != n},
-                shards={str(r): list(sh) for r, sh in enumerate(self.c.data_shards(self.c.view.world_size))},
-                reason=why,
-            )
-        )
-        return {n: o for o, n in new_of.items() if o != n}
 
     def open_generation(self) -> None:
         """Generation + 1: fence the old one (its fetches, rendezvous, replication round)."""
@@ -419,21 +400,13 @@ class Generations:
                 "world_size": self.c.view.world_size,
                 "restore_step": r.restore_step,
                 "recovery": bool(r.failures),
-                **self.shards_of(rank),
+                **self.c.resize.shards_of(rank),
                 **({"from_rank": r.from_rank[rank]} if rank in r.from_rank else {}),
                 **({"fresh": True} if rank in r.fresh else {}),
                 **({"live": True} if r.live else {}),
-                **({"reshard": r.reshard} if r.reshard is not None else {}),
+                **({"reshard": self.c.resize.reshard_for(r.reshard, rank)} if r.reshard is not None else {}),
             },
         )
-
-    def shards_of(self, rank: int, world_size: int | None = None) -> dict[str, Any]:
-        """The data shards ``rank`` plays in ``world_size`` (default: the current one)."""
-        world = self.c.view.world_size if world_size is None else world_size
-        return {
-            "shards": list(self.c.data_shards(world)[rank]),
-            "num_shards": self.c.num_shards,
-        }
 
     def _finished(self, r: Reconfiguration, a: Finished) -> None:
         """The generation is set up: reports, what waited on it, spares, the job's end."""

@@ -63,7 +63,14 @@ from nonstop.control.channel import Channel, Message, connect
 from nonstop.control.store import ControlStore, LeaseKeeper, open_store
 from nonstop.errors import ControlError, NonstopError
 from nonstop.faults import fired_at, preempt_notice_path
-from nonstop.replica.peer import DataPlane, Replicator, local_store_id, replica_store_id, shm_stores
+from nonstop.replica.peer import (
+    REPLICA_SLOTS,
+    DataPlane,
+    Replicator,
+    local_store_id,
+    replica_store_id,
+    shm_stores,
+)
 from nonstop.runtime.agent import Agent, remove_segments
 from nonstop.runtime.gc import hold_lock
 from nonstop.runtime.jobstore import JobStore
@@ -226,7 +233,7 @@ class NodeAgent:
             num_slots=self.num_slots,
         )
         self._local = shm_stores(self.shm_dir, local_store_id(self.job_id, self.spec.node), self.num_slots)
-        self._replica = shm_stores(self.shm_dir, replica_store_id(self.job_id, self.spec.node), 3)
+        self._replica = shm_stores(self.shm_dir, replica_store_id(self.job_id, self.spec.node), REPLICA_SLOTS)
         mb = self.spec.replica_bandwidth_mb_s
         self.replicator = Replicator(
             node=self.spec.node,

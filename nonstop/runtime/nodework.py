@@ -263,6 +263,7 @@ class NodeWork:
         the kept base the peer may send a delta against (see :mod:`nonstop.replica.peer`)."""
         rank, step, kind, addr = int(msg["rank"]), int(msg["step"]), str(msg["kind"]), str(msg["addr"])
         dest = int(msg.get("as_rank", rank))  # a world-size change: another rank number here
+        into = self._replica if msg.get("into") == "replica" else self._local  # replica: to reshard
         track, want = bool(msg.get("track")), msg.get("base")
         t0 = time.monotonic()
         held = self._tracks.take(dest)
@@ -273,7 +274,7 @@ class NodeWork:
             if addr == self.data.addr:  # this node holds it: copy between its own stores
                 src = self._replica(rank) if kind == "replica" else self._local(rank)
                 snap = src.copy_out(step)
-                self._local(dest).write_raw(step, snap.meta, snap.data.data)
+                into(dest).write_raw(step, snap.meta, snap.data.data)
                 info.update(raw_bytes=len(snap.data), wire_bytes=0, delta=False)
             else:
                 base = (held.step, held.data) if held is not None and want == held.step else None
@@ -288,7 +289,7 @@ class NodeWork:
                     track=track,
                     out=held.spare if held is not None and track else None,
                 )
-                self._local(dest).write_raw(step, got.meta, got.data)
+                into(dest).write_raw(step, got.meta, got.data)
                 info.update(
                     raw_bytes=len(got.data),
                     wire_bytes=got.wire_bytes,

@@ -86,6 +86,9 @@ class Plan:
     restore_step: int | None = None
     inventory: Inventory = field(default_factory=dict)  # renumbered when shrunk
     shrink: Shrink | None = None
+    # a shrunk sharded job without replicas: every rank that stays cuts its new shards out of
+    # every old rank's ``restore_step`` (``inventory`` then keeps the old numbering)
+    reshard: bool = False
     wait_s: float = 0.0
     unplaced: tuple[int, ...] = ()
     reason: str = ""
@@ -103,12 +106,15 @@ def plan_generation(
     elastic: ElasticPolicy,
     waited_s: float,
     recovering: bool,
+    reshard: bool = False,
 ) -> Plan:
     """Plan generation + 1 (pure, deterministic).
 
     ``present``: ranks whose process lives on; ``last_node``: where each missing rank ran;
     ``inventory``: None when no restore is needed (a fresh start); ``recovering``: failures
-    caused this generation (then a step every rank holds is required: memory, else durable).
+    caused this generation (then a step every rank holds is required: memory, else durable);
+    ``reshard``: a shrink reshards (a sharded job without replicas), so the restore step must be
+    one every old rank holds somewhere, the dropped ones' replicas included.
     """
     if not live_nodes:
         return Plan(
@@ -146,6 +152,17 @@ def plan_generation(
         new_of = renumber([r for r in range(world_size) if r not in dropped])
         shrink = Shrink(dropped=dropped, new_of=new_of)
         placements = {new_of[r]: p for r, p in placements.items() if r in new_of}
+        if reshard:  # every old rank's shards are cut anew: the old numbering's step, held anywhere
+            return Plan(
+                action=PlanAction.SHRINK if restore_step is not None else PlanAction.FROM_DURABLE,
+                placements=placements,
+                restore_step=restore_step,
+                inventory=avail,
+                shrink=shrink,
+                reshard=True,
+                unplaced=unplaced,
+                reason=why if restore_step is not None else "no step is snapshotted for every rank in memory",
+            )
         avail = {new_of[r]: st for r, st in avail.items() if r in new_of}
         if avail:
             # the newest step every rank that stays holds: a data-parallel rank's snapshot has

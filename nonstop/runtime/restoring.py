@@ -45,6 +45,8 @@ class RestoreSources:
         # ok None while in flight; the generation adopts them (``fetch_for(early=...)``)
         self.early: dict[int, tuple[int, bool | None]] = {}
         self.installing: _Install | None = None  # a durable checkpoint being installed
+        # a reshard's fetches to one node: request id -> (the node's shared barrier, the old rank)
+        self.barriers: dict[int, tuple[_Barrier, int]] = {}
 
     def drop_early(self, req: int) -> None:
         """A swap that asked for boundary fetch ``req`` ended: a late answer is ignored."""
@@ -103,9 +105,61 @@ class RestoreSources:
             out[rank] = self.fetch_for(r, rank, step, src[0], src[1], src_rank=r.from_rank.get(rank))
         return out
 
+    def plan_reshard(
+        self, r: Reconfiguration, step: int, avail: Inventory, old_world: int
+    ) -> dict[str, dict[int, str]]:
+        """A resize that reshards (a sharded job without replicas): every node playing a rank of
+        generation ``r`` needs every old rank's ``step`` in its memory -- in its own slots (an
+        old rank it played), else in its replica slots (a replica it holds, or fetched there from
+        a holder). Returns node -> old rank -> ``local`` | ``replica``, where the node's ranks
+        read them; its ranks are told their generation once all its fetches are done."""
+        where: dict[str, dict[int, str]] = {}
+        view = self.c.view
+        for node in sorted({view.rank_node[rank] for rank in range(view.world_size)}):
+            mine: dict[int, str] = {}
+            reqs: dict[int, int] = {}  # request -> old rank
+            for old in range(old_world):
+                holders = [(str(n), str(k)) for n, k in avail.get(old, {}).get(step, [])]
+                if (node, "local") in holders or (node, "replica") in holders:
+                    mine[old] = "local" if (node, "local") in holders else "replica"
+                    continue
+                src_node, kind = sorted(holders, key=lambda h: (h[1] != "local", h[0]))[0]
+                req = self.c.io.fetch(node, old, step, src_node, kind, into="replica")
+                self.waiting_fetch[req] = (-1, r.generation)  # (dropped with its generation)
+                reqs[req] = old
+                mine[old] = "replica"
+            where[node] = mine
+            if reqs:
+                barrier = _Barrier(
+                    ranks={rank for rank in range(view.world_size) if view.rank_node[rank] == node},
+                    left=set(reqs),
+                )
+                r.waiting_fetch |= barrier.ranks
+                self.barriers.update({q: (barrier, old) for q, old in reqs.items()})
+        return where
+
     def on_fetched(self, node: NodeRecord, msg: Fetched) -> None:
         """A fetch a generation waits for (or a swap's boundary fetch, asked early) ended."""
         req = msg.id
+        entry = self.barriers.pop(req, None)
+        if entry is not None:  # one of a reshard's fetches to this node
+            barrier, old = entry
+            _, gen = self.waiting_fetch.pop(req, (-1, -1))
+            self.c.io.done(req)
+            self.c.events.emit(
+                ev.Fetched(node=node.name, rank=old, ok=msg.ok, seconds=msg.seconds, error=msg.error)
+            )
+            r = self.c.gens.reconf
+            if r is None or gen != r.generation:
+                return
+            if not msg.ok:
+                self.c.fail(f"old rank {old}'s step could not be fetched to node {node.name}: {msg.error}")
+                return
+            barrier.left.discard(req)
+            if not barrier.left:
+                for rank in sorted(barrier.ranks):
+                    self.c.gens.report(FetchDone(rank, time.time()))
+            return
         if req in self.early:  # arrived before the swap adopted it: nothing waits on it yet
             rank = self.early[req][0]
             self.early[req] = (rank, msg.ok)
@@ -128,6 +182,20 @@ class RestoreSources:
             self.c.fail(f"rank {rank} could not be fetched to node {node.name}: {msg.error}")
             return
         self.c.gens.report(FetchDone(rank, time.time()))
+
+    def newest_durable(self) -> tuple[int, int] | None:
+        """(step, world size) of the newest durable checkpoint, or None (none, or no tier)."""
+        if self.c.durable_url is None:
+            return None
+        from nonstop.snapshot.durable import DurableStore
+
+        try:
+            store = DurableStore(self.c.durable_url)
+            step = store.latest_step()
+            return None if step is None else (step, store.world_size_at(step))
+        except NonstopError as e:
+            self.c.events.emit(ev.DurableUnavailable(error=str(e)))
+            return None
 
     def restore_from_durable(self, done: Callable[[int | None], None]) -> None:
         """Have every node install its ranks from the newest durable checkpoint that loads (older
@@ -231,6 +299,14 @@ class RestoreSources:
             seconds = time.monotonic() - inst.t0
             self.c.events.emit(ev.RestoreFromDurable(step=inst.step, url=inst.url, seconds=seconds))
         inst.done(inst.step)
+
+
+@dataclass
+class _Barrier:
+    """A node's reshard fetches: its ranks wait until none is ``left``."""
+
+    ranks: set[int]
+    left: set[int]
 
 
 @dataclass

@@ -235,16 +235,7 @@ class Swaps:
         target = self.c.elastic.grow_to(world_size=v.world_size, idle_spares=len(idle))
         if target <= v.world_size:
             return
-        unit = self.c.elastic.unit  # a sharded job: each joiner restores its coordinates' shards
-        joiners = [
-            Joiner(
-                sid=sid,
-                rank=v.world_size + i,
-                node=idle[sid],
-                source=(i % unit, v.rank_node[i % unit]) if unit > 1 else None,
-            )
-            for i, sid in enumerate(sorted(idle)[: target - v.world_size])
-        ]
+        joiners = self.c.resize.joiners(idle, target)
         for j in joiners:
             v.workers[j.sid].role = Role.JOINER  # held for the grow: no recovery takes it meanwhile
         self.active = BoundarySwap(
@@ -400,14 +391,19 @@ class Swaps:
         )
         early = {j.rank: j.boundary_req for j in a.joiners}
         fetches = {}
-        for rank in s.ranks:
+        if a.kind is SwapKind.GROW and c.mesh is not None and c.mesh.reshards:
+            for req in early.values():  # every rank reshards from all the old ranks' boundary
+                if req is not None:
+                    c.sources.drop_early(req)
+            c.resize.reshard_at_boundary(r, s.step, old_world)
+        for rank in s.ranks if r.reshard is None else ():
             src_rank, src = s.sources.get(rank, (s.source_rank, s.source))
             fetches[rank] = c.sources.fetch_for(
                 r, rank, s.step, src, "local", src_rank=src_rank, base=s.base, early=early.get(rank)
             )
         if a.kind is SwapKind.GROW:
             self._step_at.clear()
-            shards = c.data_shards(v.world_size)
+            shards = c.resize.data_shards(v.world_size)
             c.events.emit(
                 ev.Grow(
                     world_size=v.world_size,
@@ -433,7 +429,7 @@ class Swaps:
                 "restore_step": step,
                 "recovery": False,
                 "prepare": True,
-                **self.c.gens.shards_of(rank, world_size),
+                **self.c.resize.shards_of(rank, world_size),
             },
         )
 

@@ -62,7 +62,16 @@ from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
 from nonstop.train.link import CoordinatorLink, PeerFailed
-from nonstop.train.trainee import Build, Replicated, Sharded, Trainee, accumulate, read_to_reshard
+from nonstop.train.trainee import (
+    Build,
+    Replicated,
+    Sharded,
+    Trainee,
+    accumulate,
+    open_store,
+    read_own,
+    read_to_reshard,
+)
 
 __all__ = ["RunResult", "Session", "init"]
 
@@ -331,9 +340,7 @@ class Session:
         log.info("warm-up step took %.3fs", time.monotonic() - t0)
 
     def _open_store(self, rank: int) -> RankSnapshotStore:
-        return RankSnapshotStore(
-            shm_dir=self.env.shm_dir, job_id=self.env.job_id, rank=rank, num_slots=self.env.num_slots
-        )
+        return open_store(self.env, rank)
 
     def _live_store(self) -> RankSnapshotStore:
         assert self._store is not None, "Session.run() has not started"
@@ -427,15 +434,16 @@ class Session:
             if restore_step is None:
                 self._step = 0
             elif trainee.restore_in_group and msg.get("reshard") is not None:
-                old_ranks = read_to_reshard(msg["reshard"])
+                old_ranks = read_to_reshard(msg["reshard"], self.env)
                 self._step = int(msg["reshard"]["step"])
             elif trainee.restore_in_group:
-                held = self._read_own(msg, int(restore_step))
+                held = read_own(self.env, self._live_store(), msg.get("from_rank"), int(restore_step))
                 self._step = int(held["step"])
             elif msg.get("live") and self._live_at == int(restore_step):
                 pass  # paused after exactly that step: the live state is the snapshot, bit for bit
             elif msg.get("from_rank") is not None:
-                self._step = self._capture().restore(self._read_own(msg, int(restore_step)))
+                own = read_own(self.env, store, msg.get("from_rank"), int(restore_step))
+                self._step = self._capture().restore(own)
             else:
                 self._step = self._capture().restore(store.read(int(restore_step), copy=False))
             self._live_at = None
@@ -477,17 +485,6 @@ class Session:
                 store.write(0, self._capture().state(0))
             self._link.send({"t": "ready", "gen": gen, "rebuild_s": time.monotonic() - t1})
             return module
-
-    def _read_own(self, msg: Message, step: int) -> Any:
-        """This process's snapshot of ``step``: in its old rank's memory when it was renumbered
-        (an elastic shrink; copied out, that store closes), else in its rank's."""
-        if msg.get("from_rank") is None:
-            return self._live_store().read(step, copy=False)
-        old = self._open_store(int(msg["from_rank"]))
-        try:
-            return old.read(step, copy=True)
-        finally:
-            old.close()
 
     def _join_group(self, gen: int, *, restored: bool) -> torch.nn.Module:
         # Rendezvous through the coordinator (authenticated, fenced by generation, abortable).

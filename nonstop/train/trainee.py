@@ -24,10 +24,12 @@ from typing import Any, Protocol
 
 import torch
 
+from nonstop.config import WorkerEnv
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
 from nonstop.snapshot import StateCapture
+from nonstop.snapshot.store import RankSnapshotStore
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.group import GenerationGroup
 
@@ -213,22 +215,32 @@ class Sharded:
 
 
 def average_over(model: torch.nn.Module, dp_size: int) -> None:
-    """Make FSDP2 divide the summed gradients by ``dp_size`` (the full-size job's data-parallel
-    degree) instead of the generation's: a shrunk job's ranks play several data shards each
-    (:func:`accumulate`), so their sum over the smaller mesh is the full job's, and the mean must
-    be the full job's too. Per FSDP module (the setting is not recursive); on gloo the divide
-    factor needs sum reductions (FSDP's pre-multiplied sum is not a gloo op)."""
+    """Set FSDP2 up for a shrunk generation, whose ranks play several data shards each
+    (:func:`accumulate`), maybe not all as many:
+
+    * divide the summed gradients by ``dp_size``, the full-size job's data-parallel degree, not
+      the generation's: the sum over the smaller mesh is the full job's, so the mean must be the
+      full job's too (per FSDP module, the setting is not recursive; on gloo the divide factor
+      needs sum reductions: FSDP's pre-multiplied sum is not a gloo op);
+    * keep the parameters unsharded from the step's first forward to its last backward
+      (``reshard_after_forward`` off, and ``accumulate`` keeps them after a backward that does
+      not sync): a rank's collectives are then one all-gather per module and one reduce-scatter
+      per module, however many micro-batches it plays, so ranks playing 1 and 2 shards of one
+      shard group issue the same collectives (without it, the first waits for the second's
+      second all-gather, forever)."""
     from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
             m.set_gradient_divide_factor(float(dp_size))
+            m.set_reshard_after_forward(False, recurse=False)
 
 
 def accumulate(model: torch.nn.Module, shards: tuple[int, ...]) -> Iterator[int]:
     """Yield ``shards`` for gradient accumulation: only the last backward synchronises gradients
-    (DDP's ``no_sync``; FSDP2's ``set_requires_gradient_sync``), the others accumulate locally."""
+    (DDP's ``no_sync``; FSDP2's ``set_requires_gradient_sync``, with its parameters kept
+    unsharded until then: see :func:`average_over`), the others accumulate locally."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
@@ -239,18 +251,58 @@ def accumulate(model: torch.nn.Module, shards: tuple[int, ...]) -> Iterator[int]
                 yield shard
         elif isinstance(model, FSDPModule) and len(shards) > 1:
             model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
             yield shard
         else:
             yield shard
 
 
-def read_to_reshard(info: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every old rank's state of the durable checkpoint ``info`` (``url``, ``step``, ``world``: a
-    sharded job resumed on another mesh), each checksum verified; the new model, once built,
-    cuts its shards out of them (:func:`~nonstop.snapshot.capture.restore_resharded`)."""
-    from nonstop.snapshot.durable import DurableStore
+def open_store(env: WorkerEnv, rank: int) -> RankSnapshotStore:
+    """The snapshot slots of ``rank`` on this process's node."""
+    return RankSnapshotStore(shm_dir=env.shm_dir, job_id=env.job_id, rank=rank, num_slots=env.num_slots)
+
+
+def read_own(env: WorkerEnv, store: RankSnapshotStore, from_rank: int | None, step: int) -> Any:
+    """This process's snapshot of ``step``: in ``store`` (its rank's slots), or in its old rank's
+    when it was renumbered (an elastic shrink; copied out, as that store closes)."""
+    if from_rank is None:
+        return store.read(step, copy=False)
+    old = open_store(env, int(from_rank))
+    try:
+        return old.read(step, copy=True)
+    finally:
+        old.close()
+
+
+def read_to_reshard(info: dict[str, Any], env: WorkerEnv) -> list[dict[str, Any]]:
+    """Every old rank's state of step ``info["step"]`` of a world of ``info["world"]`` ranks,
+    which the new model, once built, cuts its shards out of
+    (:func:`~nonstop.snapshot.capture.restore_resharded`): from this node's memory when
+    ``info["memory"]`` says where each old rank's is (``local``: the slots of that rank number
+    here, ``replica``: the replicas this node keeps; an elastic shrink), else from the durable
+    checkpoint at ``info["url"]``, each checksum verified (a job resumed on another mesh)."""
     from nonstop.snapshot.store import decode_raw
 
-    store = DurableStore(str(info["url"]))
-    step = int(info["step"])
-    return [decode_raw(*store.load_rank(step, r)) for r in range(int(info["world"]))]
+    step, world = int(info["step"]), int(info["world"])
+    where = info.get("memory")
+    if where is None:
+        from nonstop.snapshot.durable import DurableStore
+
+        durable = DurableStore(str(info["url"]))
+        return [decode_raw(*durable.load_rank(step, r)) for r in range(world)]
+    from nonstop.replica.peer import REPLICA_SLOTS, replicas_beside
+
+    states = []
+    for old in range(world):
+        local = where[str(old)] == "local"
+        store = RankSnapshotStore(
+            shm_dir=env.shm_dir,
+            job_id=env.job_id if local else replicas_beside(env.job_id),
+            rank=old,
+            num_slots=env.num_slots if local else REPLICA_SLOTS,
+        )
+        try:
+            states.append(store.read(step, copy=True))
+        finally:
+            store.close()
+    return states

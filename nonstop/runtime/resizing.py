@@ -1,0 +1,132 @@
+"""A job changing size: which data shards each rank plays, a shrink carried out on the view, and
+where a resharded generation reads the old ranks' state.
+
+* **data shards** (:meth:`Resizing.data_shards`): a data-parallel job spreads its
+  ``W0 x --shards-per-rank`` micro-batches over the ranks (``elastic.assign_shards``); a sharded
+  job's are its data-parallel indices (``MeshSpec.data_shards``).
+* **shrink** (:meth:`Resizing.shrink`): the planned :class:`~nonstop.runtime.planning.Shrink`
+  applied to the view -- the live ranks of a dropped group retired (a spare takes each one's
+  place on its node, for a later grow), the others renumbered, the event logged.
+* **reshard** (a sharded job without replicas, ``MeshSpec.reshards``): every rank of the smaller
+  generation cuts its new shards out of every old rank's state. :meth:`Resizing.reshard_source`
+  says where that state is -- the committed step in the nodes' memory (each node told, once its
+  fetches are planned, which old ranks it holds in its own slots and which in its replica slots:
+  :meth:`~nonstop.runtime.restoring.RestoreSources.plan_reshard`), else the newest durable
+  checkpoint -- and :meth:`Resizing.reshard_for` what one rank is told.
+
+Threading: the coordinator's thread only; I/O through its executor.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from nonstop.runtime import events as ev
+from nonstop.runtime.elastic import assign_shards
+from nonstop.runtime.planning import Shrink
+from nonstop.runtime.recovery import Reconfiguration
+from nonstop.runtime.swap import Joiner
+from nonstop.runtime.view import Role
+
+if TYPE_CHECKING:
+    from nonstop.runtime.coordinator import Coordinator
+
+__all__ = ["Resizing"]
+
+
+class Resizing:
+    """The coordinator's view of the job's size (see the module docstring)."""
+
+    def __init__(self, c: Coordinator) -> None:
+        self.c = c
+
+    def data_shards(self, world_size: int) -> tuple[tuple[int, ...], ...]:
+        """The data shards each rank of a generation of ``world_size`` ranks plays."""
+        if self.c.mesh is not None:
+            return self.c.mesh.data_shards(world_size)
+        return assign_shards(self.c.num_shards, world_size)
+
+    def shards_of(self, rank: int, world_size: int | None = None) -> dict[str, Any]:
+        """What ``rank`` is told of its data shards in ``world_size`` (default: the current one)."""
+        world = self.c.view.world_size if world_size is None else world_size
+        return {"shards": list(self.data_shards(world)[rank]), "num_shards": self.c.num_shards}
+
+    def shrink(self, shrink: Shrink, why: str) -> dict[int, int]:
+        """Drop ``shrink.dropped``: the ranks that stay are renumbered ``0..W'-1`` in their old
+        order and the shards spread over them; a dropped rank still alive (a sharded job drops
+        whole groups) is retired and a spare takes its place on its node. Returns new rank ->
+        old rank for every rank renumbered."""
+        v = self.c.view
+        old_world = v.world_size
+        for rank in shrink.dropped:
+            sid = v.members.get(rank)
+            w = v.workers.get(sid) if sid is not None else None
+            if w is not None and w.live:
+                w.role, w.rank = Role.RETIRED, None  # its exit is no failure
+                self.c.io.kill(w.spawn_id, signal.SIGKILL)
+                if v.nodes[w.node].alive:  # its place on the node waits as a spare for a grow
+                    self.c.io.spawn(w.node, Role.SPARE, None)
+        v.renumber(dict(shrink.new_of), shrink.world_size)
+        self.c.swaps.forget_steps()
+        self.c.events.emit(
+            ev.Shrink(
+                world_size=v.world_size,
+                old_world_size=old_world,
+                dropped=list(shrink.dropped),
+                renumbered={str(o): n for o, n in shrink.new_of.items() if o != n},
+                shards={str(r): list(sh) for r, sh in enumerate(self.data_shards(v.world_size))},
+                reason=why,
+            )
+        )
+        return {n: o for o, n in shrink.new_of.items() if o != n}
+
+    def reshard_source(self, step: int | None, old_world: int) -> dict[str, Any] | None:
+        """Where a resharded generation reads the old ranks' state: ``step`` of ``old_world``
+        ranks in memory (``memory`` filled in per node when the fetches are planned), else the
+        newest durable checkpoint (``url``); None when there is neither (the job has failed)."""
+        if step is not None:
+            return {"step": step, "world": old_world, "memory": {}}
+        ck = self.c.sources.newest_durable()
+        if ck is None:
+            self.c.fail(
+                "no step is snapshotted for every rank in memory or in the durable tier "
+                f"({self.c.durable_url or 'none configured'}); cannot reshard the job to "
+                f"{self.c.view.world_size} ranks (persist more often with --persist-every)"
+            )
+            return None
+        return {"url": self.c.durable_url, "step": ck[0], "world": ck[1]}
+
+    def joiners(self, idle: Mapping[int, str], target: int) -> list[Joiner]:
+        """The idle spares (spawn id -> node) a grow to ``target`` ranks brings in, as ranks
+        ``W..target-1``. A sharded job with replicas: each restores the shards of the rank with
+        its coordinates in group 0 (a grow without replicas reshards every rank instead)."""
+        v, unit = self.c.view, self.c.elastic.unit
+        by_source = self.c.mesh is not None and not self.c.mesh.reshards
+        return [
+            Joiner(
+                sid=sid,
+                rank=v.world_size + i,
+                node=idle[sid],
+                source=(i % unit, v.rank_node[i % unit]) if by_source else None,
+            )
+            for i, sid in enumerate(sorted(idle)[: target - v.world_size])
+        ]
+
+    def reshard_at_boundary(self, r: Reconfiguration, step: int, old_world: int) -> None:
+        """A grow of a job without replicas: every rank of generation ``r`` (the old ones paused
+        after ``step``, the joiners) cuts its shards out of the old ranks' ``step``, which each
+        old rank holds in its own node's memory; each node gathers them (fetches planned)."""
+        held = {o: {step: [(self.c.view.rank_node[o], "local")]} for o in range(old_world)}
+        where = self.c.sources.plan_reshard(r, step, held, old_world)
+        r.reshard = {"step": step, "world": old_world, "memory": where}
+        r.fresh = set(range(r.world_size))
+
+    def reshard_for(self, reshard: dict[str, Any], rank: int) -> dict[str, Any]:
+        """What ``rank`` reshards from: a durable checkpoint, or (memory) where its node holds
+        every old rank's step: ``{old rank: "local" | "replica"}``."""
+        if "memory" not in reshard:
+            return reshard
+        where = reshard["memory"].get(self.c.view.rank_node.get(rank), {})
+        return {**reshard, "memory": {str(o): kind for o, kind in where.items()}}
