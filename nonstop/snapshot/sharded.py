@@ -198,14 +198,17 @@ def stitch(shards: list[LocalShard]) -> torch.Tensor:
 
     Replicated copies may overlap (they must then be equal); together the shards must cover every
     element exactly, else :class:`SnapshotError` says what is missing."""
+    first = _checked(shards)
+    return _assemble(shards, first.global_shape, (0,) * len(first.global_shape), "stitch")
+
+
+def _checked(shards: list[LocalShard]) -> LocalShard:
+    """The first shard, once every shard is known to be a piece of the same tensor with an offset."""
     if not shards:
         raise SnapshotError("stitch: no shards given")
     first = shards[0]
-    shape = first.global_shape
-    out = torch.empty(shape, dtype=first.tensor.dtype)
-    covered = torch.zeros(shape, dtype=torch.bool)
     for sh in shards:
-        if sh.global_shape != shape or sh.tensor.dtype != first.tensor.dtype:
+        if sh.global_shape != first.global_shape or sh.tensor.dtype != first.tensor.dtype:
             raise SnapshotError(
                 f"stitch: shards of different tensors ({sh.describe()} vs {first.describe()})"
             )
@@ -213,17 +216,35 @@ def stitch(shards: list[LocalShard]) -> torch.Tensor:
             raise SnapshotError("stitch: a shard has no recorded offset (written by a torch without it)")
         if any("_StridedShard" in p for p in sh.placements):
             raise SnapshotError(f"stitch: strided shards are not supported yet ({list(sh.placements)})")
-        if sh.tensor.numel() == 0:
+    return first
+
+
+def _assemble(
+    shards: list[LocalShard], shape: tuple[int, ...], offset: tuple[int, ...], what: str
+) -> torch.Tensor:
+    """The region ``shape`` at global ``offset`` of the tensor the (checked) ``shards`` are pieces
+    of: each shard's overlap with it copied in, nothing else touched (a new rank's slice costs its
+    own size, not the whole tensor's). Overlapping replicas must agree; the region must be covered."""
+    out = torch.empty(shape, dtype=shards[0].tensor.dtype)
+    covered = torch.zeros(shape, dtype=torch.bool)
+    for sh in shards:
+        assert sh.offset is not None
+        lo = [max(a, b) for a, b in zip(sh.offset, offset, strict=True)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(sh.offset, sh.tensor.shape, offset, shape, strict=True)]
+        if sh.tensor.numel() == 0 or any(low >= high for low, high in zip(lo, hi, strict=True)):
             continue
-        index = tuple(slice(o, o + n) for o, n in zip(sh.offset, sh.tensor.shape, strict=True))
-        region = out[index]
-        if covered[index].any() and not torch.equal(region[covered[index]], sh.tensor[covered[index]]):
-            raise SnapshotError("stitch: overlapping shards disagree (replicas are not equal)")
-        region.copy_(sh.tensor)
-        covered[index] = True
+        src = sh.tensor[
+            tuple(slice(low - a, high - a) for low, high, a in zip(lo, hi, sh.offset, strict=True))
+        ]
+        dst = tuple(slice(low - b, high - b) for low, high, b in zip(lo, hi, offset, strict=True))
+        seen = covered[dst]
+        if seen.any() and not torch.equal(out[dst][seen], src[seen]):
+            raise SnapshotError(f"{what}: overlapping shards disagree (replicas are not equal)")
+        out[dst].copy_(src)
+        covered[dst] = True
     if not bool(covered.all()):
         missing = math.prod(shape) - int(covered.sum())
-        raise SnapshotError(f"stitch: the shards leave {missing} of {math.prod(shape)} elements uncovered")
+        raise SnapshotError(f"{what}: the shards leave {missing} of {math.prod(shape)} elements uncovered")
     return out
 
 
@@ -265,10 +286,10 @@ def reshard(
     shards: list[LocalShard], placements: tuple[str, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...]
 ) -> torch.Tensor:
     """The local tensor of the rank at ``coord`` of a new layout (``placements`` on ``mesh_shape``),
-    cut from every old rank's :class:`LocalShard` of one tensor (:func:`stitch`, then the slice
-    :func:`shard_layout` gives). The old and new layouts may differ in everything but the global
+    cut from every old rank's :class:`LocalShard` of one tensor: the slice :func:`shard_layout`
+    gives, assembled from the old shards' overlaps with it only (as :func:`stitch` would, without
+    building the whole tensor). The old and new layouts may differ in everything but the global
     shape."""
-    whole = stitch(shards)
-    shape, offset = shard_layout(tuple(whole.shape), placements, mesh_shape, coord)
-    index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-    return whole[index].clone()
+    first = _checked(shards)
+    shape, offset = shard_layout(first.global_shape, placements, mesh_shape, coord)
+    return _assemble(shards, shape, offset, "reshard")
