@@ -16,11 +16,16 @@ boundary. Per run, from the demo's ``--samples-log`` (rank 0's micro-batch times
   and the final loss relative to an uninterrupted run of the same job (same samples, same global
   batch; float rounding differs with the reduction order, so not bitwise).
 
+With ``--mesh replicate=2,shard=2`` the job is the sharded demo as elastic HSDP, 2 nodes x 2 ranks
+(a replica group each): node 1 is lost, its whole replica group is dropped (group 0 plays all 4
+data shards, FSDP2 dividing by the full data-parallel size) and comes back when node 1 rejoins.
+
 Summaries are median [min, max] over ``--runs`` runs. Results go to
-``benchmarks/results/elastic.json``::
+``benchmarks/results/elastic.json`` (``elastic-hsdp.json`` with ``--mesh``)::
 
     .venv/bin/python benchmarks/bench_elastic.py              # small model, 3 runs
     .venv/bin/python benchmarks/bench_elastic.py --quick      # tiny model, 1 run (smoke)
+    .venv/bin/python benchmarks/bench_elastic.py --mesh replicate=2,shard=2   # elastic HSDP
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ from nonstop.runtime.localnodes import LocalNodesJob  # noqa: E402
 SKIP = 2  # steps at the start of each phase left out (lazy initialisation, the restore)
 
 
+def _shape(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(nodes, ranks per node, the node lost): 3 x 1 data-parallel, or 2 x 2 elastic HSDP."""
+    return (2, 2, 1) if args.mesh else (3, 1, 2)
+
+
 def _config(args: argparse.Namespace, run_dir: Path, faults: tuple[str, ...]) -> JobConfig:
     extra = ["--samples-log", str(run_dir / "samples")]
     if args.step_delay:
@@ -64,24 +74,25 @@ def _config(args: argparse.Namespace, run_dir: Path, faults: tuple[str, ...]) ->
         model=args.model,
         batch=args.batch,
         script_extra=tuple(extra),
-        nproc_per_node=1,
+        nproc_per_node=_shape(args)[1],
         spares=0,
-        nnodes=3,
+        nnodes=_shape(args)[0],
         coordinator="127.0.0.1:0",
         job_dir=run_dir,
         faults=faults,
         persist_every=0,
         lease_ttl_s=args.lease_ttl,
         min_world_size=2,
+        mesh=args.mesh,
     )
 
 
-def _run(config: JobConfig, *, rejoin_after: str | None) -> JobResult:
-    """Run the job; start node 2 again once ``rejoin_after`` is logged."""
+def _run(config: JobConfig, *, rejoin_after: str | None, node: int = 2) -> JobResult:
+    """Run the job; start ``node`` again once ``rejoin_after`` is logged."""
     job = LocalNodesJob(config)
     if rejoin_after is not None:
         job.wait_event(rejoin_after, timeout=300)
-        job.start_node(2)
+        job.start_node(node)
     try:
         return job.result(timeout=1800)
     finally:
@@ -106,8 +117,10 @@ def _phase(recs: list[MicroBatch], batch: int, shards: int) -> dict[str, float] 
 def elastic_run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    config = _config(args, run_dir, (f"node:node=2,step={args.event_step}",))
-    result = _run(config, rejoin_after="shrink")
+    lost = _shape(args)[2]
+    config = _config(args, run_dir, (f"node:node={lost},step={args.event_step}",))
+    result = _run(config, rejoin_after="shrink", node=lost)
+    shards = config.world_size  # data-parallel shards (HSDP 2x2: 4)
     events = read_events(run_dir / "events.jsonl")
     out = json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else {}
     gens = [e for e in events if e["event"] == "generation"]
@@ -116,7 +129,7 @@ def elastic_run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     recs = read_log(run_dir / "samples")
     rank0 = [r for r in recs if r.shard == 0]  # node 0's process plays shard 0 throughout
     phases = {
-        name: _phase([r for r in rank0 if r.gen == gen], args.batch, 3)
+        name: _phase([r for r in rank0 if r.gen == gen], args.batch, shards)
         for name, gen in (("full", 1), ("shrunk", shrunk), ("grown", grown))
         if gen is not None
     }
@@ -141,7 +154,7 @@ def elastic_run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         else None,
         "gap_over_median": gaps,
         "grow_s": grow_done["seconds"] if grow_done else None,
-        "sequence_problems": check_sequence(recs, steps=args.steps, num_shards=3, batch=args.batch),
+        "sequence_problems": check_sequence(recs, steps=args.steps, num_shards=shards, batch=args.batch),
         "final_loss": out.get("final_loss"),
         "failures": result.failures,
     }
@@ -150,13 +163,14 @@ def elastic_run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
 def reference_run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    result = _run(_config(args, run_dir, ()), rejoin_after=None)
+    config = _config(args, run_dir, ())
+    result = _run(config, rejoin_after=None)
     out = json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else {}
     recs = read_log(run_dir / "samples")
     return {
         "ok": result.state.value == "done",
         "final_loss": out.get("final_loss"),
-        "full": _phase([r for r in recs if r.shard == 0], args.batch, 3),
+        "full": _phase([r for r in recs if r.shard == 0], args.batch, config.world_size),
     }
 
 
@@ -170,8 +184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--step-delay", type=float, default=0.0)
     ap.add_argument("--lease-ttl", type=float, default=3.0, help="3 s on a 2-core VM (see bench_node_loss)")
     ap.add_argument("--quick", action="store_true", help="tiny model, one run (smoke test)")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "elastic.json")
+    ap.add_argument("--mesh", default=None, help="replicate=2,shard=2: elastic HSDP on 2 nodes x 2")
+    ap.add_argument("--out", type=Path, default=None, help="default results/elastic[-hsdp].json")
     args = ap.parse_args(argv)
+    if args.mesh is not None and args.mesh != "replicate=2,shard=2":
+        ap.error("--mesh: this benchmark runs replicate=2,shard=2 (2 nodes x 2 ranks)")
+    if args.out is None:
+        args.out = REPO / "benchmarks" / "results" / ("elastic-hsdp.json" if args.mesh else "elastic.json")
     if args.quick:
         args.model, args.runs, args.steps, args.event_step, args.step_delay = "tiny", 1, 80, 5, 0.1
     tmp = Path(tempfile.mkdtemp(prefix="nonstop-bench-elastic-"))
@@ -196,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine_info(),
         "workload": {
             "model": args.model,
-            "ranks": 3,
+            "ranks": 4 if args.mesh else 3,
+            "mesh": args.mesh,
             "batch_per_shard": args.batch,
             "steps": args.steps,
             "event_step": args.event_step,
@@ -223,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     s = report["summary"]
-    print(f"\nElastic shrink and grow, 3 ranks, model {args.model}, node 2 lost at step {args.event_step}")
+    what = f"HSDP {args.mesh}, 2 nodes x 2" if args.mesh else "3 ranks"
+    print(f"\nElastic shrink and grow, {what}, model {args.model}, node lost at step {args.event_step}")
     ref = fmt(s["reference_samples_per_s"])
     print(f"  samples/s full     {fmt(s['full_samples_per_s'])} (uninterrupted run: {ref})")
     print(f"  samples/s shrunk   {fmt(s['shrunk_samples_per_s'])}  ratio {fmt(s['shrunk_over_full'])}")
