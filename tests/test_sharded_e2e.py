@@ -179,57 +179,71 @@ def test_fsdp2_resumes_on_another_mesh_resharded_bitwise(tmp_path: Path) -> None
     assert shards(lost) == shards(clean)
 
 
-def test_hsdp_shrinks_by_a_replica_group_and_grows_it_back(tmp_path: Path, reference: Any) -> None:
-    """Elastic HSDP 2x2 on two nodes with no spare: node 1 (replica group 1) is lost and the job
-    goes on with one group playing both groups' batches (gradient accumulation, FSDP2 dividing by
-    the full job's data-parallel size); node 1 joins again and the group is brought back at a step
-    boundary, each joiner restoring the shards of its coordinates from group 0. Every sample is
-    read once in order, the loss is the uninterrupted run's up to float rounding, and after the
-    grow both groups hold the same shards again."""
+ELASTIC_STEPS, ELASTIC_BATCH = 100, 4  # long enough for a node to rejoin on a busy machine
+
+
+def _shrink_then_grow(job_dir: Path, cfg: dict[str, Any], lost: int, at: int) -> list[dict[str, Any]]:
+    """Run the elastic sharded demo (``cfg``: the mesh and its nodes, no spare); node ``lost`` is
+    killed at step ``at`` and started again once the shrink is logged. Checks what every elastic
+    run must hold -- one shrink and one grow back, every sample read once in order, the loss of
+    an uninterrupted run of the same mesh up to float rounding -- and returns the events."""
     from nonstop.demo.runner import demo_job_config
     from nonstop.demo.samples import check_sequence, read_log
     from tests.conftest import NodesInBackground
 
-    steps, batch, job_dir = 100, 4, tmp_path / "job"  # long enough for a node to rejoin on a busy machine
+    steps, batch = ELASTIC_STEPS, ELASTIC_BATCH
+    world = cfg["nproc"] * cfg["nnodes"]
     config = demo_job_config(
         result=job_dir / "result.json",
         steps=steps,
         model="tiny",
         batch=batch,
         script_extra=("--step-delay", "0.15", "--samples-log", str(job_dir / "samples")),
-        nproc_per_node=2,
+        nproc_per_node=cfg["nproc"],
         spares=0,
-        nnodes=2,
+        nnodes=cfg["nnodes"],
         job_dir=job_dir,
-        faults=("node:node=1,step=6",),
+        faults=(f"node:node={lost},step={at}",),
         coordinator="127.0.0.1:0",
         lease_ttl_s=3.0,
-        mesh="replicate=2,shard=2",
+        mesh=cfg["mesh"],
         min_world_size=2,
     )
     job = NodesInBackground(config)
     job.wait_event("shrink", timeout=120)
-    job.start_node(1)
+    job.start_node(lost)
     result = job.result(timeout=300)
     assert result.error is None, result.error
     events = job.events()
+    grown = events_named(events, "grow_done")
+    assert len(grown) == 1, events_named(events, "grow_aborted")
+    assert grown[0]["world_size"] == world
+    shrunk = next(g for g in events_named(events, "generation") if g["cause"])
+    assert shrunk["restore_step"] >= at - 3 and shrunk["tier"] == "memory"
+    records = read_log(job_dir / "samples")
+    assert check_sequence(records, steps=steps, num_shards=world, batch=batch) == []
+    out = json.loads((job_dir / "result.json").read_text())
+    assert out["world_size"] == world and out["samples_seen"] == steps * world * batch
+    ref = run_demo_job(job_dir.parent / "ref", spares=0, steps=steps, **cfg)
+    assert ref.out is not None
+    assert out["final_loss"] == pytest.approx(ref.out["final_loss"], rel=2e-3)
+    return events
+
+
+def test_hsdp_shrinks_by_a_replica_group_and_grows_it_back(tmp_path: Path) -> None:
+    """Elastic HSDP 2x2 on two nodes with no spare: node 1 (replica group 1) is lost and the job
+    goes on with one group playing both groups' batches (gradient accumulation, FSDP2 dividing by
+    the full job's data-parallel size); node 1 joins again and the group is brought back at a step
+    boundary, each joiner restoring the shards of its coordinates from group 0. Every sample is
+    read once in order, the loss is the uninterrupted run's up to float rounding, and after the
+    grow both groups hold the same shards again."""
+    events = _shrink_then_grow(tmp_path / "job", HSDP, lost=1, at=6)
     (shrink,) = events_named(events, "shrink")
     assert shrink["world_size"] == 2 and shrink["dropped"] == [2, 3]
     assert shrink["shards"] == {"0": [0, 2], "1": [1, 3]}
-    grown = events_named(events, "grow_done")
-    assert len(grown) == 1, events_named(events, "grow_aborted")
-    assert grown[0]["world_size"] == 4
-    shrunk = next(g for g in events_named(events, "generation") if g["cause"])
-    assert shrunk["restore_step"] >= 5 and shrunk["tier"] == "memory"
-    records = read_log(job_dir / "samples")
-    assert check_sequence(records, steps=steps, num_shards=4, batch=batch) == []
-    out = json.loads((job_dir / "result.json").read_text())
-    assert out["world_size"] == 4 and out["samples_seen"] == steps * 4 * batch
+    job_dir = tmp_path / "job"
     hashes = [json.loads((job_dir / f"result.rank{r}.json").read_text())["local_hash"] for r in range(4)]
     assert hashes[0] == hashes[2] and hashes[1] == hashes[3]  # the replica groups agree again
-    ref = run_demo_job(tmp_path / "ref", spares=0, steps=steps, **HSDP)
-    assert ref.out is not None
-    assert out["final_loss"] == pytest.approx(ref.out["final_loss"], rel=2e-3)
 
 
 def test_fsdp2_without_replicas_reshards_in_memory_to_shrink_and_to_grow(tmp_path: Path) -> None:
@@ -239,46 +253,10 @@ def test_fsdp2_without_replicas_reshards_in_memory_to_shrink_and_to_grow(tmp_pat
     rank cuts its new shards out of them. Node 2 joins again: at a step boundary every rank, the
     joiner too, reshards the 2 ranks' state over 3. The samples are read once each in order, the
     loss is the uninterrupted run's up to float rounding."""
-    from nonstop.demo.runner import demo_job_config
-    from nonstop.demo.samples import check_sequence, read_log
-    from tests.conftest import NodesInBackground
-
-    steps, batch, job_dir = 100, 4, tmp_path / "job"  # long enough for a node to rejoin on a busy machine
     three = {"mesh": "shard=3", "nproc": 1, "nnodes": 3, "coordinator": "127.0.0.1:0", "lease_ttl_s": 3.0}
-    config = demo_job_config(
-        result=job_dir / "result.json",
-        steps=steps,
-        model="tiny",
-        batch=batch,
-        script_extra=("--step-delay", "0.15", "--samples-log", str(job_dir / "samples")),
-        nproc_per_node=1,
-        spares=0,
-        nnodes=3,
-        job_dir=job_dir,
-        faults=("node:node=2,step=8",),
-        coordinator="127.0.0.1:0",
-        lease_ttl_s=3.0,
-        mesh="shard=3",
-        min_world_size=2,
-    )
-    job = NodesInBackground(config)
-    job.wait_event("shrink", timeout=120)
-    job.start_node(2)
-    result = job.result(timeout=300)
-    assert result.error is None, result.error
-    events = job.events()
+    events = _shrink_then_grow(tmp_path / "job", three, lost=2, at=8)
     (shrink,) = events_named(events, "shrink")
     assert shrink["world_size"] == 2 and shrink["dropped"] == [2]
     assert shrink["shards"] == {"0": [0], "1": [1, 2]}
-    gen = next(g for g in events_named(events, "generation") if g["cause"])
-    assert gen["tier"] == "memory" and gen["restore_step"] >= 5
-    grown = events_named(events, "grow_done")
-    assert len(grown) == 1, events_named(events, "grow_aborted")
-    assert grown[0]["world_size"] == 3
-    records = read_log(job_dir / "samples")
-    assert check_sequence(records, steps=steps, num_shards=3, batch=batch) == []
-    out = json.loads((job_dir / "result.json").read_text())
-    assert out["world_size"] == 3 and out["samples_seen"] == steps * 3 * batch
-    ref = run_demo_job(tmp_path / "ref", spares=0, steps=steps, **three)
-    assert ref.out is not None
-    assert out["final_loss"] == pytest.approx(ref.out["final_loss"], rel=2e-3)
+    fetched = [e for e in events_named(events, "fetched") if e["ok"]]
+    assert fetched, "the nodes gathered the old ranks' steps"
