@@ -1,6 +1,7 @@
 """Read back the demo's ``--samples-log``: which samples a run trained on, step by step.
 
-Each training process appends one JSON line per micro-batch: ``{gen, step, shard, first, n, t}``
+Each training process appends one JSON line per micro-batch as it starts it (a rank killed just
+after its backward's collective still counts in that step): ``{gen, step, shard, first, n, t}``
 (generation, optimizer step, data shard, first sample index, sample count, wall time). A step
 interrupted by a failure is redone by a later generation, after every rank rolled back to a step
 before it; only the last generation that ran a step counts. :func:`check_sequence` is the proof

@@ -83,12 +83,12 @@ def main(argv: list[str] | None = None) -> None:
         # One micro-batch per data shard this rank plays (one, unless the job has shrunk).
         # Shard k of step s holds samples (s * num_shards + k) * batch ... + batch - 1.
         for shard in session.shard_steps(ddp):
+            if samples_log is not None and not session.warming_up:  # before: a kill may follow the
+                samples_log.record(session, step, shard)  # backward's collective (the step counts)
             x, y = corpus.batch(step=step, rank=shard, batch=args.batch, seq=cfg.seq)
             loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
             loss.backward()
             losses.append(float(loss.item()))
-            if samples_log is not None and not session.warming_up:
-                samples_log.record(session, step, shard)
         if args.step_delay:
             time.sleep(args.step_delay)
         if step == args.kv_probe_step and session.rank == 0 and not session.warming_up:

@@ -98,12 +98,12 @@ def main(argv: list[str] | None = None) -> None:
         # the data shards this rank plays: its dp_rank's at full size; after an elastic shrink
         # also those of the replica groups that were dropped (accumulated, reduced once)
         for shard in session.shard_steps(model):
+            if samples_log is not None:  # before: a kill may follow the backward's collective
+                samples_log.record(session, step, shard)
             x, y = corpus.batch(step=step, rank=shard, batch=args.batch, seq=cfg.seq)
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
             losses.append(float(loss.item()))
-            if samples_log is not None:
-                samples_log.record(session, step, shard)
         if args.step_delay:
             time.sleep(args.step_delay)
         opt.step()
