@@ -111,7 +111,8 @@ class Resizing:
                 node=idle[sid],
                 source=(i % unit, v.rank_node[i % unit]) if by_source else None,
             )
-            for i, sid in enumerate(sorted(idle)[: target - v.world_size])
+            # by node: consecutive new ranks (a TP group) land on one node when it has the spares
+            for i, sid in enumerate(sorted(idle, key=lambda sid: (idle[sid], sid))[: target - v.world_size])
         ]
 
     def reshard_at_boundary(self, r: Reconfiguration, step: int, old_world: int) -> None:
