@@ -54,7 +54,6 @@ from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
 from nonstop.snapshot import RankSnapshotStore, StateCapture
-from nonstop.snapshot.capture import restore_resharded
 from nonstop.snapshot.store import PendingWrite
 from nonstop.train.collectives import in_collective
 from nonstop.train.ddp import CanonicalGradSync
@@ -62,16 +61,8 @@ from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
 from nonstop.train.link import CoordinatorLink, PeerFailed
-from nonstop.train.trainee import (
-    Build,
-    Replicated,
-    Sharded,
-    Trainee,
-    accumulate,
-    open_store,
-    read_own,
-    read_to_reshard,
-)
+from nonstop.train.restore import open_store, read_restore
+from nonstop.train.trainee import Build, Replicated, Sharded, Trainee, accumulate
 
 __all__ = ["RunResult", "Session", "init"]
 
@@ -429,23 +420,15 @@ class Session:
             self._set_membership(msg)
             store = self._live_store()
             t0 = time.monotonic()
-            held: dict[str, Any] | None = None  # a sharded model's snapshot, until it is built
-            old_ranks: list[dict[str, Any]] | None = None  # ... or every old rank's, to reshard
-            if restore_step is None:
-                self._step = 0
-            elif trainee.restore_in_group and msg.get("reshard") is not None:
-                old_ranks = read_to_reshard(msg["reshard"], self.env)
-                self._step = int(msg["reshard"]["step"])
-            elif trainee.restore_in_group:
-                held = read_own(self.env, self._live_store(), msg.get("from_rank"), int(restore_step))
-                self._step = int(held["step"])
-            elif msg.get("live") and self._live_at == int(restore_step):
-                pass  # paused after exactly that step: the live state is the snapshot, bit for bit
-            elif msg.get("from_rank") is not None:
-                own = read_own(self.env, store, msg.get("from_rank"), int(restore_step))
-                self._step = self._capture().restore(own)
-            else:
-                self._step = self._capture().restore(store.read(int(restore_step), copy=False))
+            self._step, pending = read_restore(
+                msg,
+                env=self.env,
+                store=store,
+                in_group=trainee.restore_in_group,
+                capture=self._capture,
+                step=self._step,
+                live_at=self._live_at,
+            )
             self._live_at = None
             bare = trainee.bare
             if msg.get("prepare") and restore_step is not None and bare is not None:
@@ -469,15 +452,13 @@ class Session:
             t1 = time.monotonic()
             try:
                 module = self._join_group(gen, restored=restore_step is not None)
-                if held is not None:
-                    self._capture().restore(held)
-                elif old_ranks is not None:
-                    restore_resharded(self._capture(), old_ranks, self.rank)
+                if pending is not None:
+                    pending.apply(self._capture(), self.rank)
             except Exception as e:
-                held = old_ranks = None
+                pending = None
                 msg = self._on_step_error(e)
                 continue
-            held = old_ranks = None
+            pending = None
             if fresh and trainee.restore_in_group:  # (a sharded model exists only now)
                 store.clear()
                 store.write(self._step, self._capture().state(self._step))

@@ -24,16 +24,14 @@ from typing import Any, Protocol
 
 import torch
 
-from nonstop.config import WorkerEnv
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
 from nonstop.snapshot import StateCapture
-from nonstop.snapshot.store import RankSnapshotStore
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.group import GenerationGroup
 
-__all__ = ["Build", "Replicated", "Sharded", "Trainee", "read_to_reshard"]
+__all__ = ["Build", "Replicated", "Sharded", "Trainee", "accumulate", "average_over"]
 
 # build(mesh) -> (model, optimizer): collective-free; called on every rank of every generation
 Build = Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]]
@@ -255,54 +253,3 @@ def accumulate(model: torch.nn.Module, shards: tuple[int, ...]) -> Iterator[int]
             yield shard
         else:
             yield shard
-
-
-def open_store(env: WorkerEnv, rank: int) -> RankSnapshotStore:
-    """The snapshot slots of ``rank`` on this process's node."""
-    return RankSnapshotStore(shm_dir=env.shm_dir, job_id=env.job_id, rank=rank, num_slots=env.num_slots)
-
-
-def read_own(env: WorkerEnv, store: RankSnapshotStore, from_rank: int | None, step: int) -> Any:
-    """This process's snapshot of ``step``: in ``store`` (its rank's slots), or in its old rank's
-    when it was renumbered (an elastic shrink; copied out, as that store closes)."""
-    if from_rank is None:
-        return store.read(step, copy=False)
-    old = open_store(env, int(from_rank))
-    try:
-        return old.read(step, copy=True)
-    finally:
-        old.close()
-
-
-def read_to_reshard(info: dict[str, Any], env: WorkerEnv) -> list[dict[str, Any]]:
-    """Every old rank's state of step ``info["step"]`` of a world of ``info["world"]`` ranks,
-    which the new model, once built, cuts its shards out of
-    (:func:`~nonstop.snapshot.capture.restore_resharded`): from this node's memory when
-    ``info["memory"]`` says where each old rank's is (``local``: the slots of that rank number
-    here, ``replica``: the replicas this node keeps; an elastic shrink), else from the durable
-    checkpoint at ``info["url"]``, each checksum verified (a job resumed on another mesh)."""
-    from nonstop.snapshot.store import decode_raw
-
-    step, world = int(info["step"]), int(info["world"])
-    where = info.get("memory")
-    if where is None:
-        from nonstop.snapshot.durable import DurableStore
-
-        durable = DurableStore(str(info["url"]))
-        return [decode_raw(*durable.load_rank(step, r)) for r in range(world)]
-    from nonstop.replica.peer import REPLICA_SLOTS, replicas_beside
-
-    states = []
-    for old in range(world):
-        local = where[str(old)] == "local"
-        store = RankSnapshotStore(
-            shm_dir=env.shm_dir,
-            job_id=env.job_id if local else replicas_beside(env.job_id),
-            rank=old,
-            num_slots=env.num_slots if local else REPLICA_SLOTS,
-        )
-        try:
-            states.append(store.read(step, copy=True))
-        finally:
-            store.close()
-    return states

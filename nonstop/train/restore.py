@@ -1,0 +1,119 @@
+"""What a worker restores when a generation starts, read from this node's memory or the
+durable tier (no process group needed), and applied once a sharded model is built.
+
+* its own snapshot of the restore step (:func:`read_own`; under its old rank number when an
+  elastic shrink renumbered it);
+* every old rank's state, to reshard (:func:`read_to_reshard`): an elastic resize of a sharded
+  job without replicas (from the node's own and replica slots) or a resume on another mesh
+  (from the durable tier);
+* :func:`read_restore` decides which from the ``reconfigure`` message: a data-parallel model
+  restores at once; a sharded model exists only once the generation's groups are joined, so
+  what it restores is held (:class:`InGroup`) and copied in then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nonstop.config import WorkerEnv
+from nonstop.control.channel import Message
+from nonstop.snapshot import RankSnapshotStore, StateCapture
+from nonstop.snapshot.capture import restore_resharded
+
+__all__ = ["InGroup", "open_store", "read_own", "read_restore", "read_to_reshard"]
+
+
+@dataclass
+class InGroup:
+    """A sharded model's restore, read at the restore stage: its own snapshot (``held``) or
+    every old rank's (``old_ranks``, to reshard); :meth:`apply` once the model is built."""
+
+    held: Any = None
+    old_ranks: list[dict[str, Any]] | None = None
+
+    def apply(self, capture: StateCapture, rank: int) -> None:
+        if self.held is not None:
+            capture.restore(self.held)
+        elif self.old_ranks is not None:
+            restore_resharded(capture, self.old_ranks, rank)
+
+
+def read_restore(
+    msg: Message,
+    *,
+    env: WorkerEnv,
+    store: RankSnapshotStore,
+    in_group: bool,
+    capture: Callable[[], StateCapture],
+    step: int,
+    live_at: int | None,
+) -> tuple[int, InGroup | None]:
+    """Restore what the ``reconfigure`` message ``msg`` says (``store``: this rank's slots;
+    ``capture``: a callable giving the data-parallel model's :class:`StateCapture`). Returns the
+    step this rank is at, and for a sharded model (``in_group``) what to apply once it is built.
+    ``live_at``: the step this rank paused after (a boundary swap keeps that live state)."""
+    restore_step = msg.get("restore_step")
+    if restore_step is None:
+        return 0, None
+    if in_group and msg.get("reshard") is not None:
+        return int(msg["reshard"]["step"]), InGroup(old_ranks=read_to_reshard(msg["reshard"], env))
+    own_step = int(restore_step)
+    if in_group:
+        held = read_own(env, store, msg.get("from_rank"), own_step)
+        return int(held["step"]), InGroup(held=held)
+    if msg.get("live") and live_at == own_step:
+        return step, None  # paused after exactly that step: the live state is the snapshot, bit for bit
+    return capture().restore(read_own(env, store, msg.get("from_rank"), own_step)), None
+
+
+def open_store(env: WorkerEnv, rank: int) -> RankSnapshotStore:
+    """The snapshot slots of ``rank`` on this process's node."""
+    return RankSnapshotStore(shm_dir=env.shm_dir, job_id=env.job_id, rank=rank, num_slots=env.num_slots)
+
+
+def read_own(env: WorkerEnv, store: RankSnapshotStore, from_rank: int | None, step: int) -> Any:
+    """This process's snapshot of ``step``: in ``store`` (its rank's slots), or in its old rank's
+    when it was renumbered (an elastic shrink; copied out, as that store closes)."""
+    if from_rank is None:
+        return store.read(step, copy=False)
+    old = open_store(env, int(from_rank))
+    try:
+        return old.read(step, copy=True)
+    finally:
+        old.close()
+
+
+def read_to_reshard(info: dict[str, Any], env: WorkerEnv) -> list[dict[str, Any]]:
+    """Every old rank's state of step ``info["step"]`` of a world of ``info["world"]`` ranks,
+    which the new model, once built, cuts its shards out of
+    (:func:`~nonstop.snapshot.capture.restore_resharded`): from this node's memory when
+    ``info["memory"]`` says where each old rank's is (``local``: the slots of that rank number
+    here, ``replica``: the replicas this node keeps; an elastic shrink), else from the durable
+    checkpoint at ``info["url"]``, each checksum verified (a job resumed on another mesh)."""
+    from nonstop.snapshot.store import decode_raw
+
+    step, world = int(info["step"]), int(info["world"])
+    where = info.get("memory")
+    if where is None:
+        from nonstop.snapshot.durable import DurableStore
+
+        durable = DurableStore(str(info["url"]))
+        return [decode_raw(*durable.load_rank(step, r)) for r in range(world)]
+    from nonstop.replica.peer import REPLICA_SLOTS, replicas_beside
+
+    states = []
+    for old in range(world):
+        local = where[str(old)] == "local"
+        store = RankSnapshotStore(
+            shm_dir=env.shm_dir,
+            job_id=env.job_id if local else replicas_beside(env.job_id),
+            rank=old,
+            num_slots=env.num_slots if local else REPLICA_SLOTS,
+        )
+        try:
+            states.append(store.read(step, copy=True))
+        finally:
+            store.close()
+    return states
