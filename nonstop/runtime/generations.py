@@ -192,7 +192,7 @@ class Generations:
             elastic=self.c.elastic,
             waited_s=now - min((f.detected_at for f in failures), default=now),
             recovering=bool(failures),
-            reshard=self.c.mesh is not None and self.c.mesh.reshards,
+            reshard=self.c.resize.reshards,
         )
         if plan.action is PlanAction.FAIL:
             self.pending = None

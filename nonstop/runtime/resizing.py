@@ -42,6 +42,11 @@ class Resizing:
     def __init__(self, c: Coordinator) -> None:
         self.c = c
 
+    @property
+    def reshards(self) -> bool:
+        """Whether a resize cuts every rank's shards anew (a sharded job without replicas)."""
+        return self.c.mesh is not None and self.c.mesh.reshards
+
     def data_shards(self, world_size: int) -> tuple[tuple[int, ...], ...]:
         """The data shards each rank of a generation of ``world_size`` ranks plays."""
         if self.c.mesh is not None:
@@ -103,7 +108,7 @@ class Resizing:
         ``W..target-1``. A sharded job with replicas: each restores the shards of the rank with
         its coordinates in group 0 (a grow without replicas reshards every rank instead)."""
         v, unit = self.c.view, self.c.elastic.unit
-        by_source = self.c.mesh is not None and not self.c.mesh.reshards
+        by_source = self.c.mesh is not None and not self.reshards
         return [
             Joiner(
                 sid=sid,

@@ -207,6 +207,9 @@ class BoundarySwap:
     marks: dict[str, float] = field(default_factory=dict)
     catch: CatchUp | None = None  # a migration's catch-up
     swap_mode: str = "auto"  # --swap-transfer
+    # the joiners restore their sources' boundary step (False: a grow that reshards every rank
+    # from all the old ranks' boundary instead, so no joiner fetches one source's)
+    fetch_boundary: bool = True
     error: str | None = None
 
     def __post_init__(self) -> None:
@@ -331,7 +334,7 @@ class BoundarySwap:
         self.paused[rank] = step
         out: list[Action] = []
         ready = [j for j in self.joiners if self.source_of(j)[0] == rank and j.boundary_req is None]
-        if step == self.boundary and ready:
+        if step == self.boundary and ready and self.fetch_boundary:
             # the source's step S is complete: the joiners' nodes fetch it while the others finish
             base = self._swap_base()
             out += [

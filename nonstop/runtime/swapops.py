@@ -247,6 +247,7 @@ class Swaps:
             source_node=v.rank_node[0],
             prepare_step=self.c.committed(),  # held in rank 0's node until a newer one commits
             started=time.time(),
+            fetch_boundary=not self.c.resize.reshards,
         )
         self._run(self.active.start())
 
@@ -391,16 +392,14 @@ class Swaps:
         )
         early = {j.rank: j.boundary_req for j in a.joiners}
         fetches = {}
-        if a.kind is SwapKind.GROW and c.mesh is not None and c.mesh.reshards:
-            for req in early.values():  # every rank reshards from all the old ranks' boundary
-                if req is not None:
-                    c.sources.drop_early(req)
+        if not a.fetch_boundary:  # every rank reshards from all the old ranks' boundary
             c.resize.reshard_at_boundary(r, s.step, old_world)
-        for rank in s.ranks if r.reshard is None else ():
-            src_rank, src = s.sources.get(rank, (s.source_rank, s.source))
-            fetches[rank] = c.sources.fetch_for(
-                r, rank, s.step, src, "local", src_rank=src_rank, base=s.base, early=early.get(rank)
-            )
+        else:
+            for rank in s.ranks:
+                src_rank, src = s.sources.get(rank, (s.source_rank, s.source))
+                fetches[rank] = c.sources.fetch_for(
+                    r, rank, s.step, src, "local", src_rank=src_rank, base=s.base, early=early.get(rank)
+                )
         if a.kind is SwapKind.GROW:
             self._step_at.clear()
             shards = c.resize.data_shards(v.world_size)
