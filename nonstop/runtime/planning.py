@@ -136,6 +136,7 @@ def plan_generation(
     )
     unplaced = tuple(r for r in missing if r not in placements)
     shrink: Shrink | None = None
+    resharded = False
     why = ""
     if unplaced:
         # a sharded job drops whole replica groups (elastic.unit ranks): their other ranks go too
@@ -152,27 +153,19 @@ def plan_generation(
         new_of = renumber([r for r in range(world_size) if r not in dropped])
         shrink = Shrink(dropped=dropped, new_of=new_of)
         placements = {new_of[r]: p for r, p in placements.items() if r in new_of}
-        if reshard:  # every old rank's shards are cut anew: the old numbering's step, held anywhere
-            return Plan(
-                action=PlanAction.SHRINK if restore_step is not None else PlanAction.FROM_DURABLE,
-                placements=placements,
-                restore_step=restore_step,
-                inventory=avail,
-                shrink=shrink,
-                reshard=True,
-                unplaced=unplaced,
-                reason=why if restore_step is not None else "no step is snapshotted for every rank in memory",
-            )
-        avail = {new_of[r]: st for r, st in avail.items() if r in new_of}
-        if avail:
-            # the newest step every rank that stays holds: a data-parallel rank's snapshot has
-            # every shard's gradient up to its step, so the dropped ranks are not needed
-            restore_step = committed_step(_steps(avail), shrink.world_size)
-    if recovering and restore_step is None:
+        resharded = reshard  # every old rank's shards are cut anew: the old numbering's step, held anywhere
+        if not resharded:
+            avail = {new_of[r]: st for r, st in avail.items() if r in new_of}
+            if avail:
+                # the newest step every rank that stays holds: a data-parallel rank's snapshot has
+                # every shard's gradient up to its step, so the dropped ranks are not needed
+                restore_step = committed_step(_steps(avail), shrink.world_size)
+    if (recovering or resharded) and restore_step is None:
         return Plan(
             action=PlanAction.FROM_DURABLE,
             placements=placements,
             shrink=shrink,
+            reshard=resharded,
             unplaced=unplaced,
             reason=("no step is snapshotted for every rank in memory"),
         )
@@ -182,6 +175,7 @@ def plan_generation(
         restore_step=restore_step,
         inventory=avail,
         shrink=shrink,
+        reshard=resharded,
         unplaced=unplaced,
         reason=why,
     )
