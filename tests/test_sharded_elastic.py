@@ -107,19 +107,36 @@ def test_a_shard_restores_onto_a_mesh_with_fewer_replicas_only() -> None:
 
 
 # -- the coordinator, against fakes -----------------------------------------------------------------
+def _running(tmp_path: Path, mesh: str, *, nodes: int) -> Harness:
+    """An elastic sharded job on ``nodes`` nodes of one rank and no spare, its first step done."""
+    h = Harness(
+        tmp_path, nnodes=nodes, nproc_per_node=1, spares=0, coordinator="127.0.0.1:0", lease_ttl_s=60.0,
+        mesh=mesh, min_world_size=2,
+    )  # fmt: skip
+    for n in range(nodes):
+        h.add_node(str(n), nproc=1)
+    h.tick()
+    h.bring_up()
+    return h
+
+
+def _all_pause(h: Harness, ranks: tuple[int, ...]) -> int:
+    """The joiners have restored: the members are told to pause, each stops after the boundary
+    (the swap then opens its generation); the boundary step."""
+    h.tick()
+    boundary = int(h.member(ranks[0]).last("pause")["at"])
+    for r in ranks:
+        h.worker_says(r, {"t": "paused", "step": boundary})
+    h.tick(2)
+    return boundary
+
+
 def test_a_lost_node_drops_its_replica_group_and_the_group_grows_back(tmp_path: Path) -> None:
     """HSDP 2x2 on four nodes of one rank: node 3 is lost with no spare anywhere. Its replica group
     (ranks 2, 3) goes: rank 2 is retired (its place on node 2 waits as a spare), ranks 0 and 1 play
     all four data shards. Node 3 joins again: the group comes back through a boundary swap, each
     joiner restoring the shards of the rank with its coordinates in the group that stayed."""
-    h = Harness(
-        tmp_path, nnodes=4, nproc_per_node=1, spares=0, coordinator="127.0.0.1:0", lease_ttl_s=60.0,
-        mesh="replicate=2,shard=2", min_world_size=2,
-    )  # fmt: skip
-    for n in "0123":
-        h.add_node(n, nproc=1)
-    h.tick()
-    h.bring_up()
+    h = _running(tmp_path, "replicate=2,shard=2", nodes=4)
     assert [h.member(r).last("reconfigure")["shards"] for r in range(4)] == [[0], [1], [2], [3]]
     h.step_all(2)
     retired = h.coord.view.members[2]
@@ -148,11 +165,7 @@ def test_a_lost_node_drops_its_replica_group_and_the_group_grows_back(tmp_path: 
     for j in z.joiners:
         assert h.workers[j.sid].last("reconfigure")["shards"] == [j.rank]
         h.put("msg", h.workers[j.sid], {"t": "restored", "gen": h.coord.generation})
-    h.tick()
-    boundary = h.member(0).last("pause")["at"]
-    for r in (0, 1):
-        h.worker_says(r, {"t": "paused", "step": boundary})
-    h.tick(2)
+    boundary = _all_pause(h, (0, 1))
     assert h.coord.generation == 3 and h.coord.view.world_size == 4
     gen = h.events("generation")[-1]
     assert gen["grow"] == [2, 3] and gen["restore_step"] == boundary
@@ -170,14 +183,7 @@ def test_without_replicas_a_shrink_and_a_grow_gather_every_old_ranks_step_on_eac
     reads every old rank's step from its own slots or its replicas, fetching the rest into its
     replica slots first, and its ranks are told their generation only once those fetches are in.
     A node joining brings the job back to 3 ranks at a boundary, every rank resharding again."""
-    h = Harness(
-        tmp_path, nnodes=3, nproc_per_node=1, spares=0, coordinator="127.0.0.1:0", lease_ttl_s=60.0,
-        mesh="shard=3", min_world_size=2,
-    )  # fmt: skip
-    for n in "012":
-        h.add_node(n, nproc=1)
-    h.tick()
-    h.bring_up()
+    h = _running(tmp_path, "shard=3", nodes=3)
     h.step_all(2)
     h.step_all(3)
     h.replicas["0"] = {2: {2}}  # rank 2's step 2 is replicated to node 0; step 3 nowhere else
@@ -214,11 +220,7 @@ def test_without_replicas_a_shrink_and_a_grow_gather_every_old_ranks_step_on_eac
     joiner = h.workers[z.joiners[0].sid]
     h.tick()  # the prepare fetch answered
     h.put("msg", joiner, {"t": "restored", "gen": h.coord.generation})
-    h.tick()
-    boundary = h.member(0).last("pause")["at"]
-    for r in (0, 1):
-        h.worker_says(r, {"t": "paused", "step": boundary})
-    h.tick(2)
+    boundary = _all_pause(h, (0, 1))
     assert h.coord.generation == 3 and h.coord.view.world_size == 3
     sent = [(n, m) for n, a in h.agents.items() for m in a.sent if m.get("t") == "fetch"]
     resharding = sorted((n, int(m["rank"])) for n, m in sent if m.get("into") and m["step"] == boundary)
