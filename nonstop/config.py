@@ -47,6 +47,7 @@ class ENV:
     SECRET = "NONSTOP_SECRET"  # alternative to a secret file for node agents
     RECONNECT = "NONSTOP_RECONNECT_S"  # how long a worker retries a lost coordinator (0: exit at once)
     MESH = "NONSTOP_MESH"  # the job's device mesh (--mesh), for Session.run(build=...)
+    ELASTIC = "NONSTOP_ELASTIC"  # "1": the world size may change (exact gradient mean)
 
 
 SNAPSHOT_MODES = ("overlapped", "sync", "off")
@@ -271,6 +272,7 @@ class WorkerEnv:
     num_slots: int = 2
     reconnect_s: float = 0.0  # > 0: a lost coordinator is waited for (it restarts), not fatal
     mesh: str | None = None  # the job's --mesh
+    elastic: bool = False  # --min-world-size below the world size: the gradient mean is exact
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -300,6 +302,7 @@ class WorkerEnv:
             num_slots=int(env.get(ENV.SLOTS, "2")),
             reconnect_s=float(env.get(ENV.RECONNECT, "0")),
             mesh=env.get(ENV.MESH) or None,
+            elastic=env.get(ENV.ELASTIC) == "1",
         )
 
 

@@ -4,8 +4,9 @@
   spares), the rank is placed on it, and the result is bitwise equal to an uninterrupted run.
 * ``--elastic-wait 0``: the job shrinks at once to 2 ranks (one plays 2 data shards by gradient
   accumulation), then grows back to 3 when the node comes back. The samples consumed, step by
-  step, are exactly those of an uninterrupted run (every sample once), and the loss stays that of
-  the uninterrupted run up to float rounding (the reduction order changes with the world size).
+  step, are exactly those of an uninterrupted run (every sample once), and the final weights are
+  bitwise those of an uninterrupted elastic run (the gradient mean does not depend on the world
+  size: ``nonstop.train.exactsum``).
 """
 
 from __future__ import annotations
@@ -97,11 +98,11 @@ def test_shrink_then_grow_reads_every_sample_once(tmp_path: Path) -> None:
     assert sorted(doubled.values()) == [[0], [1, 2]], doubled
 
     out = json.loads((config.job_dir / "result.json").read_text())
-    ref = run_nodes_job(tmp_path / "ref", nnodes=3, spares=0, steps=steps)
+    ref = run_nodes_job(tmp_path / "ref", nnodes=3, spares=0, steps=steps, min_world_size=2)
     assert ref.out is not None and out["world_size"] == 3
     assert out["samples_seen"] == ref.out["samples_seen"] == steps * 3 * BATCH
-    # same global batch, same samples: the loss matches to float rounding, not bitwise
-    assert out["final_loss"] == pytest.approx(ref.out["final_loss"], rel=2e-3)
+    # same global batch, same samples, the shards summed in one order at every size: bitwise
+    assert out["final_hash"] == ref.out["final_hash"]
 
 
 def _shards_per_process(samples_dir: Path, gen: int) -> dict[str, list[int]]:

@@ -13,17 +13,23 @@ gradient into a flat buffer in a fixed canonical order (the order of
 element is then the same in every generation, so recovered runs are bitwise
 equal to uninterrupted ones. Cost: no overlap of communication with backward
 (one bucket) and two memory copies of the gradients per step.
+
+An elastic job (``exact``) goes further: its gradient mean must not depend on the world size
+either, so each shard's gradient is kept apart and summed in shard order
+(:mod:`nonstop.train.exactsum`); see :meth:`CanonicalGradSync.accumulate`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from torch.nn.parallel import DistributedDataParallel
+
+from nonstop.train.exactsum import exact_mean
 
 __all__ = ["CanonicalGradSync", "wrap_ddp"]
 
@@ -35,6 +41,7 @@ class CanonicalGradSync:
 
     def __init__(self, module: torch.nn.Module) -> None:
         params = [p for p in module.parameters() if p.requires_grad]
+        self._params = params
         self.offsets: dict[int, tuple[int, int]] = {}
         total = 0
         for p in params:
@@ -48,6 +55,57 @@ class CanonicalGradSync:
         # the gradient sum is divided by this: the data shards of the full-size job (elastic);
         # None: the world size
         self.divisor: int | None = None
+        # elastic: the mean is bitwise independent of the world size (exactsum); then the shards
+        # this rank plays in the generation, one row of ``_parts`` each
+        self.exact = False
+        self.shards: tuple[int, ...] = ()
+        self._parts: torch.Tensor | None = None
+
+    def set_shards(self, shards: tuple[int, ...], num_shards: int) -> None:
+        """The generation's data shards: this rank's and the job's count (the divisor)."""
+        self.shards, self.divisor = tuple(shards), num_shards
+
+    def accumulate(self, ddp: DistributedDataParallel) -> Iterator[int]:
+        """``Session.shard_steps`` of an exact job: yield each shard with DDP's reducer off, keep
+        its gradient apart (its row of the parts, the parameters' ``.grad`` zeroed), and after the
+        last one set ``.grad`` to the exact mean over every shard of the job."""
+        for i, shard in enumerate(self.shards):
+            with ddp.no_sync():
+                yield shard
+            self._stash(i)
+        self._finish(ddp.process_group)
+
+    def _rows(self) -> torch.Tensor:
+        n = len(self.shards)
+        if self._parts is None or self._parts.shape[0] != n:
+            self._parts = torch.zeros((n, self.flat.numel()), dtype=self.flat.dtype)
+        return self._parts
+
+    def _stash(self, i: int) -> None:
+        row = self._rows()[i]
+        for p in self._params:
+            a, n = self.offsets[p.data_ptr()]
+            if p.grad is None:
+                row[a : a + n].zero_()
+            else:
+                row[a : a + n].copy_(p.grad.reshape(-1))
+                p.grad.zero_()
+
+    def _finish(self, group: dist.ProcessGroup) -> None:
+        mean = self._mean(self._rows(), group)
+        for p in self._params:
+            a, n = self.offsets[p.data_ptr()]
+            if p.grad is None:
+                p.grad = mean[a : a + n].view_as(p).clone()
+            else:
+                p.grad.copy_(mean[a : a + n].view_as(p.grad))
+
+    def _mean(self, parts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        self.pending_since = time.monotonic()
+        try:
+            return exact_mean(parts, shards=self.shards, num_shards=self.divisor or group.size(), group=group)
+        finally:
+            self.pending_since = None
 
     def hook(
         self, process_group: dist.ProcessGroup
@@ -65,6 +123,8 @@ class CanonicalGradSync:
             for p, g in zip(params, grads, strict=True):
                 a, n = self.offsets[p.data_ptr()]
                 flat[a : a + n].copy_(g.reshape(-1))
+            if self.exact:
+                return self._exact_hook(process_group, bucket, flat)
             flat.div_(self.divisor or world)
             self.pending_since = time.monotonic()
             fut = dist.all_reduce(flat, group=process_group, async_op=True).get_future()
@@ -84,6 +144,27 @@ class CanonicalGradSync:
         # DDP checks these annotations at registration; keep them real objects, not strings.
         _hook.__annotations__ = {"bucket": GradBucket, "return": torch.futures.Future[torch.Tensor]}
         return _hook
+
+    def _exact_hook(
+        self, group: dist.ProcessGroup, bucket: GradBucket, flat: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor]:
+        """An exact job's backward outside ``shard_steps``: this rank's one shard, by exactsum."""
+        if len(self.shards) != 1:
+            raise RuntimeError(
+                f"nonstop: this rank plays shards {list(self.shards)} in this generation (the job "
+                "shrank): read each shard's batch through session.shard_steps(model)"
+            )
+        mean = self._mean(flat.view(1, -1), group)
+        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            a, n = self.offsets[p.data_ptr()]
+            g.copy_(mean[a : a + n].view_as(g))
+        return _done(bucket.buffer())
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 def wrap_ddp(

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.config import WorkerEnv
 from nonstop.control.channel import Message
@@ -137,7 +138,7 @@ class Session:
         self.shards: tuple[int, ...] = tuple(int(k) for k in msg.get("shards", (self.rank,)))
         self.num_shards: int = int(msg.get("num_shards", self.world_size))
         if self._sync is not None:
-            self._sync.divisor = self.num_shards
+            self._sync.set_shards(self.shards, self.num_shards)
         os.environ.update(
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size),
@@ -156,7 +157,11 @@ class Session:
         ``dp_rank``). After an elastic shrink a rank plays several: the gradients of all but the
         last are accumulated locally (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``),
         the last backward reduces, and the sum is divided by the number of shards, so the global
-        batch and its samples are those of the full-size job."""
+        batch and its samples are those of the full-size job. In an elastic data-parallel job
+        the mean is bitwise the same at every world size (:mod:`nonstop.train.exactsum`): each
+        shard's gradient is kept apart and the shards are summed in their order."""
+        if self._sync is not None and self._sync.exact and isinstance(model, DistributedDataParallel):
+            return self._sync.accumulate(model)
         return accumulate(model, self.shards)
 
     @property
@@ -246,7 +251,8 @@ class Session:
             )
         self._sync = self.trainee.sync
         if self._sync is not None:
-            self._sync.divisor = self.num_shards
+            self._sync.exact = self.env.elastic
+            self._sync.set_shards(self.shards, self.num_shards)
         self._store = self._open_store(self.rank)
         mode = self.env.snapshot
         loss: float | None = None
