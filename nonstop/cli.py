@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from nonstop.config import SNAPSHOT_MODES, SWAP_TRANSFERS, DetectorConfig, JobConfig
+from nonstop.config import SNAPSHOT_MODES, SURVIVOR_MODES, SWAP_TRANSFERS, DetectorConfig, JobConfig
 from nonstop.errors import JobFailedError, NonstopError, UsageError
 
 __all__ = ["main"]
@@ -186,6 +186,15 @@ def _node_args(p: argparse.ArgumentParser) -> None:
         help="elastic: wait this long for a spare before shrinking (default %(default)s)",
     )
     g.add_argument(
+        "--survivors",
+        choices=SURVIVOR_MODES,
+        default=c.survivors,
+        help="elastic: a failed rank a hot spare could take: 'continue' goes on without it at once "
+        "(its data shards played by the others) and the spare joins at a step boundary; 'wait' "
+        "has every rank wait for the spare's restore; 'auto' chooses per failure by the restore "
+        "and step times measured (default %(default)s)",
+    )
+    g.add_argument(
         "--shards-per-rank",
         type=int,
         default=c.shards_per_rank,
@@ -234,6 +243,7 @@ def _node_config(ns: argparse.Namespace) -> dict[str, object]:
         "preempt_poll_s": ns.preempt_poll,
         "min_world_size": ns.min_world_size,
         "elastic_wait_s": ns.elastic_wait,
+        "survivors": ns.survivors,
         "swap_transfer": ns.swap_transfer,
         "shards_per_rank": ns.shards_per_rank,
         "mesh": ns.mesh,

@@ -52,6 +52,7 @@ class ENV:
 
 SNAPSHOT_MODES = ("overlapped", "sync", "off")
 SWAP_TRANSFERS = ("auto", "delta", "whole")  # runtime/migration.py: swap_as_delta
+SURVIVOR_MODES = ("auto", "wait", "continue")  # runtime/survivors.py: SurvivorMode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +132,9 @@ class JobConfig:
     # -- elasticity (runtime/elastic.py) ---------------------------------------------------
     min_world_size: int = 0  # shrink down to this many ranks when no spare is left (0: never shrink)
     elastic_wait_s: float = 0.0  # wait this long for a spare before shrinking
+    # a failure spares could replace: auto | wait (replace first) | continue (shrink first, then
+    # grow with the spares): runtime/survivors.py
+    survivors: str = "auto"
     # -- control store -----------------------------------------------------------------
     store: str = "embedded://"  # or etcd://HOST:PORT[,...]: the coordinator may restart
     reconnect_s: float = 30.0  # store mode: how long agents and workers wait for a new coordinator
@@ -236,6 +240,21 @@ class JobConfig:
                 )
             if self.min_world_size and self.min_world_size < self.world_size:
                 spec.check_elastic(min_world_size=self.min_world_size)
+        if self.survivors not in SURVIVOR_MODES:
+            raise UsageError(
+                f"--survivors must be one of {', '.join(SURVIVOR_MODES)} (got {self.survivors!r})"
+            )
+        if self.survivors == "continue":
+            if self.min_world >= self.world_size:
+                raise UsageError(
+                    "--survivors continue needs an elastic job: set --min-world-size below the world "
+                    "size (the script must read its batches through session.shard_steps)"
+                )
+            if self.mesh is not None and MeshSpec.parse(self.mesh).reshards:
+                raise UsageError(
+                    f"--survivors continue needs replica groups to go on without (--mesh {self.mesh} "
+                    "has none: a shrink reshards every rank); use --mesh replicate=R with R >= 2"
+                )
         if self.swap_transfer not in SWAP_TRANSFERS:
             raise UsageError(
                 f"--swap-transfer must be one of {', '.join(SWAP_TRANSFERS)} (got {self.swap_transfer!r})"

@@ -153,3 +153,30 @@ def test_nothing_to_ask_plans_at_once_and_an_elastic_wait_ends_on_a_spare_or_the
     assert p.on_event(Waited(31.0)) == []  # once
     p.wait_for_spare(until=30.0)
     assert p.on_event(SpareIdle(1.0)) == [Replan()]
+
+
+def test_shrink_first_goes_on_without_a_rank_a_spare_could_take_at_once() -> None:
+    # the spare on node b could take rank 3; shrinking first, the survivors go on without it, at
+    # the newest step the three of them hold (6, not the 5 rank 3 held), with no elastic wait
+    p = plan(elastic=PATIENT, shrink_first=True)
+    assert p.action is PlanAction.SHRINK and p.shrink_first and p.shrink is not None
+    assert p.shrink.dropped == (3,) and not p.placements and p.restore_step == 6
+    assert "grow" in p.reason
+    # not chosen: the spare replaces the rank as always
+    assert plan(elastic=PATIENT).action is PlanAction.REPLACE
+
+
+def test_shrink_first_below_the_minimum_replaces_instead() -> None:
+    tight = ElasticPolicy(full_world_size=4, min_world_size=4, wait_s=0.0)
+    p = plan(elastic=tight, shrink_first=True)
+    assert p.action is PlanAction.REPLACE and not p.shrink_first and p.placements[3].spare == 10
+    two_lost = plan(present={0, 1}, idle_spares={10: "b", 11: "b"},
+                    elastic=ElasticPolicy(full_world_size=4, min_world_size=3), shrink_first=True)  # fmt: skip
+    assert two_lost.action is PlanAction.REPLACE and set(two_lost.placements) == {2, 3}
+
+
+def test_shrink_first_drops_a_sharded_jobs_whole_replica_group() -> None:
+    groups = ElasticPolicy(full_world_size=4, min_world_size=2, unit=2)
+    p = plan(elastic=groups, shrink_first=True)
+    assert p.action is PlanAction.SHRINK and p.shrink is not None and p.shrink.dropped == (2, 3)
+    assert dict(p.shrink.new_of) == {0: 0, 1: 1}

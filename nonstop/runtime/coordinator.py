@@ -60,6 +60,7 @@ from nonstop.runtime.replication import ReplicationRounds
 from nonstop.runtime.resizing import Resizing
 from nonstop.runtime.restoring import RestoreSources
 from nonstop.runtime.storesync import StoreSync
+from nonstop.runtime.survivors import SurvivorMode
 from nonstop.runtime.swapops import Swaps
 from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.runtime.wire import decode_worker
@@ -120,6 +121,7 @@ class Coordinator:
         self.mesh = MeshSpec.parse(config.mesh) if config.mesh is not None else None
         mesh = self.mesh
         self.num_shards = mesh.dp_size if mesh else config.world_size * config.shards_per_rank
+        self.survivor_mode = SurvivorMode(config.survivors)  # runtime/survivors.py
         self.elastic = ElasticPolicy(
             full_world_size=config.world_size,
             min_world_size=config.min_world,

@@ -181,6 +181,8 @@ class Generations:
             )
             return
         alive_nodes = self.c.view.alive_nodes()
+        missing = self.c.view.world_size - len(self.c.view.members)
+        choice = self.c.resize.survivor_choice(missing) if failures and missing else None
         plan = plan_generation(
             world_size=self.c.view.world_size,
             present=set(self.c.view.members),
@@ -193,6 +195,7 @@ class Generations:
             waited_s=now - min((f.detected_at for f in failures), default=now),
             recovering=bool(failures),
             reshard=self.c.resize.reshards,
+            shrink_first=choice is not None and choice.shrink_first,
         )
         if plan.action is PlanAction.FAIL:
             self.pending = None
@@ -207,7 +210,9 @@ class Generations:
         from_rank: dict[int, int] = {}
         old_world = self.c.view.world_size
         if plan.shrink is not None:
-            from_rank = self.c.resize.shrink(plan.shrink, plan.reason)
+            first = plan.shrink_first and choice is not None
+            reason = choice.reason if first and choice is not None else plan.reason
+            from_rank = self.c.resize.shrink(plan.shrink, reason, shrink_first=first)
         placements, avail, restore_step = plan.placements, plan.inventory, plan.restore_step
         for rank, pl in placements.items():
             self.c.view.rank_node[rank] = pl.node

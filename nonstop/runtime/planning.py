@@ -8,8 +8,9 @@ returns a :class:`Plan`:
 * ``REPLACE``: every missing rank gets a process (a spare, else a cold one); every rank restores
   ``restore_step`` from memory (None: a fresh start, nothing to restore);
 * ``SHRINK``: no process can be had for some ranks and the elastic policy says go on without
-  them: the ranks that stay are renumbered (``new_of``) and ``restore_step`` is the newest step
-  every one of them holds; a sharded job drops the whole replica groups of those ranks
+  them, or the survivors go on first by choice (``shrink_first``, :mod:`.survivors`: spares
+  join later by a grow): the ranks that stay are renumbered (``new_of``) and ``restore_step``
+  is the newest step every one of them holds; a sharded job drops the whole replica groups of those ranks
   (``ElasticPolicy.unit``), live ranks of them included, which the coordinator retires;
 * ``FROM_DURABLE``: memory holds no step common to every rank: restore from the durable tier
   (the coordinator tries its checkpoints newest first; ``shrink`` is set too when it shrank);
@@ -30,6 +31,7 @@ It holds the failures the plan is for, so a failure meanwhile merges into it.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import TypeAlias
@@ -89,6 +91,9 @@ class Plan:
     # a shrunk sharded job without replicas: every rank that stays cuts its new shards out of
     # every old rank's ``restore_step`` (``inventory`` then keeps the old numbering)
     reshard: bool = False
+    # the survivors go on without the missing ranks although spares could take them (they join
+    # by a grow): runtime/survivors.py
+    shrink_first: bool = False
     wait_s: float = 0.0
     unplaced: tuple[int, ...] = ()
     reason: str = ""
@@ -107,6 +112,7 @@ def plan_generation(
     waited_s: float,
     recovering: bool,
     reshard: bool = False,
+    shrink_first: bool = False,
 ) -> Plan:
     """Plan generation + 1 (pure, deterministic).
 
@@ -114,7 +120,9 @@ def plan_generation(
     ``inventory``: None when no restore is needed (a fresh start); ``recovering``: failures
     caused this generation (then a step every rank holds is required: memory, else durable);
     ``reshard``: a shrink reshards (a sharded job without replicas), so the restore step must be
-    one every old rank holds somewhere, the dropped ones' replicas included.
+    one every old rank holds somewhere, the dropped ones' replicas included; ``shrink_first``:
+    shrink without the missing ranks even where spares could take them, at once (no elastic
+    wait), unless that would go below the minimum world size (then they are replaced).
     """
     if not live_nodes:
         return Plan(
@@ -134,14 +142,16 @@ def plan_generation(
         load=load,
         cold_elsewhere=not elastic.enabled,
     )
+    first = shrink_first and bool(missing) and _may_shrink(elastic, world_size, missing)
+    if first:
+        placements, waited_s = {}, math.inf
     unplaced = tuple(r for r in missing if r not in placements)
     shrink: Shrink | None = None
     resharded = False
     why = ""
     if unplaced:
         # a sharded job drops whole replica groups (elastic.unit ranks): their other ranks go too
-        units = {u // elastic.unit for u in unplaced}
-        dropped = tuple(r for r in range(world_size) if r // elastic.unit in units)
+        dropped = _dropped(elastic, world_size, unplaced)
         decision = elastic.on_unplaced(world_size=world_size, unplaced=len(dropped), waited_s=waited_s)
         if decision.action is ElasticAction.WAIT:
             return Plan(
@@ -149,7 +159,7 @@ def plan_generation(
             )
         if decision.action is ElasticAction.FAIL:
             return Plan(action=PlanAction.FAIL, unplaced=unplaced, reason=decision.reason)
-        why = decision.reason
+        why = "the survivors go on first; spares join by a grow" if first else decision.reason
         new_of = renumber([r for r in range(world_size) if r not in dropped])
         shrink = Shrink(dropped=dropped, new_of=new_of)
         placements = {new_of[r]: p for r, p in placements.items() if r in new_of}
@@ -176,9 +186,23 @@ def plan_generation(
         inventory=avail,
         shrink=shrink,
         reshard=resharded,
+        shrink_first=first,
         unplaced=unplaced,
         reason=why,
     )
+
+
+def _dropped(elastic: ElasticPolicy, world_size: int, unplaced: Sequence[int]) -> tuple[int, ...]:
+    """The ranks a shrink without ``unplaced`` drops: their whole units (replica groups)."""
+    units = {u // elastic.unit for u in unplaced}
+    return tuple(r for r in range(world_size) if r // elastic.unit in units)
+
+
+def _may_shrink(elastic: ElasticPolicy, world_size: int, missing: Sequence[int]) -> bool:
+    decision = elastic.on_unplaced(
+        world_size=world_size, unplaced=len(_dropped(elastic, world_size, missing)), waited_s=math.inf
+    )
+    return decision.action is ElasticAction.SHRINK
 
 
 def _steps(avail: Inventory) -> dict[int, list[int]]:

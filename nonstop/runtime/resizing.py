@@ -7,6 +7,8 @@ where a resharded generation reads the old ranks' state.
 * **shrink** (:meth:`Resizing.shrink`): the planned :class:`~nonstop.runtime.planning.Shrink`
   applied to the view -- the live ranks of a dropped group retired (a spare takes each one's
   place on its node, for a later grow), the others renumbered, the event logged.
+* **shrink first** (:meth:`Resizing.survivor_choice`): whether a failure that spares could
+  replace is recovered by a shrink now and a grow later (:mod:`~nonstop.runtime.survivors`).
 * **reshard** (a sharded job without replicas, ``MeshSpec.reshards``): every rank of the smaller
   generation cuts its new shards out of every old rank's state. :meth:`Resizing.reshard_source`
   says where that state is -- the committed step in the nodes' memory (each node told, once its
@@ -27,6 +29,7 @@ from nonstop.runtime import events as ev
 from nonstop.runtime.elastic import assign_shards
 from nonstop.runtime.planning import Shrink
 from nonstop.runtime.recovery import Reconfiguration
+from nonstop.runtime.survivors import SurvivorChoice, choose, costs_from_reports, shrunk_rate
 from nonstop.runtime.swap import Joiner
 from nonstop.runtime.view import Role
 
@@ -53,16 +56,35 @@ class Resizing:
             return self.c.mesh.data_shards(world_size)
         return assign_shards(self.c.num_shards, world_size)
 
+    def survivor_choice(self, missing: int) -> SurvivorChoice:
+        """Shrink first or replace first, for a generation missing ``missing`` ranks
+        (:func:`~nonstop.runtime.survivors.choose`, with what the job measured so far)."""
+        c = self.c
+        world, unit = c.view.world_size, c.elastic.unit
+        lost = -(-missing // unit) * unit  # whole replica groups
+        can = (
+            c.elastic.enabled
+            and not self.reshards
+            and 0 < lost < world
+            and world - lost >= c.elastic.min_world_size
+            and bool(c.view.idle_spares())
+        )
+        rate = shrunk_rate(self.data_shards(world), self.data_shards(world - lost)) if can else 0.0
+        ratios = [float(d["pause_ratio"]) for d in c.swaps.done if d.get("pause_ratio")]
+        costs = costs_from_reports(c.view.reports, step_s=c.detector.median_step_s, swap_ratios=ratios)
+        return choose(c.survivor_mode, can_shrink=can, costs=costs, rate=rate)
+
     def shards_of(self, rank: int, world_size: int | None = None) -> dict[str, Any]:
         """What ``rank`` is told of its data shards in ``world_size`` (default: the current one)."""
         world = self.c.view.world_size if world_size is None else world_size
         return {"shards": list(self.data_shards(world)[rank]), "num_shards": self.c.num_shards}
 
-    def shrink(self, shrink: Shrink, why: str) -> dict[int, int]:
+    def shrink(self, shrink: Shrink, why: str, *, shrink_first: bool = False) -> dict[int, int]:
         """Drop ``shrink.dropped``: the ranks that stay are renumbered ``0..W'-1`` in their old
         order and the shards spread over them; a dropped rank still alive (a sharded job drops
         whole groups) is retired and a spare takes its place on its node. Returns new rank ->
-        old rank for every rank renumbered."""
+        old rank for every rank renumbered. ``shrink_first``: spares could have taken the ranks;
+        the survivors go on first and the spares join by a grow."""
         v = self.c.view
         old_world = v.world_size
         for rank in shrink.dropped:
@@ -83,6 +105,7 @@ class Resizing:
                 renumbered={str(o): n for o, n in shrink.new_of.items() if o != n},
                 shards={str(r): list(sh) for r, sh in enumerate(self.data_shards(v.world_size))},
                 reason=why,
+                shrink_first=shrink_first,
             )
         )
         return {n: o for o, n in shrink.new_of.items() if o != n}

@@ -40,7 +40,8 @@ class ElasticWait(Event):
 @dataclass(frozen=True, kw_only=True)
 class Shrink(Event):
     """The job goes on with fewer ranks: ``dropped`` (old numbers), ``renumbered`` old -> new,
-    ``shards``: new rank -> the data shards it plays (keys as JSON text)."""
+    ``shards``: new rank -> the data shards it plays (keys as JSON text); ``shrink_first``: by
+    choice (runtime/survivors.py), spares join later by a grow."""
 
     kind: ClassVar[str] = "shrink"
     world_size: int | None
@@ -49,6 +50,7 @@ class Shrink(Event):
     renumbered: dict[str, int]
     shards: dict[str, list[int]]
     reason: str
+    shrink_first: bool = False  # spares could take the ranks: they join later by a grow
 
     @property
     def renumbered_ranks(self) -> dict[int, int]:
