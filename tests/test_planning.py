@@ -170,8 +170,8 @@ def test_shrink_first_below_the_minimum_replaces_instead() -> None:
     tight = ElasticPolicy(full_world_size=4, min_world_size=4, wait_s=0.0)
     p = plan(elastic=tight, shrink_first=True)
     assert p.action is PlanAction.REPLACE and not p.shrink_first and p.placements[3].spare == 10
-    two_lost = plan(present={0, 1}, idle_spares={10: "b", 11: "b"},
-                    elastic=ElasticPolicy(full_world_size=4, min_world_size=3), shrink_first=True)  # fmt: skip
+    three = ElasticPolicy(full_world_size=4, min_world_size=3)
+    two_lost = plan(present={0, 1}, idle_spares={10: "b", 11: "b"}, elastic=three, shrink_first=True)
     assert two_lost.action is PlanAction.REPLACE and set(two_lost.placements) == {2, 3}
 
 

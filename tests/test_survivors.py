@@ -78,7 +78,7 @@ def test_costs_come_from_the_newest_replacement_and_the_swaps_measured() -> None
 def test_continue_needs_an_elastic_job_that_can_go_on_without_a_group(tmp_path) -> None:  # type: ignore[no-untyped-def]
     base = dict(script="-m x", job_dir=tmp_path, nproc_per_node=4)
     JobConfig(**base, survivors="continue", min_world_size=2)  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match="--survivors continue needs an elastic job.*--min-world-size"):
+    with pytest.raises(UsageError, match=r"--survivors continue needs an elastic job.*--min-world-size"):
         JobConfig(**base, survivors="continue")  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="--survivors must be one of auto, wait, continue"):
         JobConfig(**base, survivors="sometimes")  # type: ignore[arg-type]
