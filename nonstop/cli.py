@@ -308,6 +308,20 @@ def _parser() -> argparse.ArgumentParser:
         help="train the sharded demo on this mesh (FSDP2 on shard, HSDP with replicate, tensor "
         "parallel on tp; the product is nnodes x nproc); --verify compares every rank's shards",
     )
+    demo.add_argument(
+        "--min-world-size",
+        type=int,
+        default=0,
+        metavar="N",
+        help="elastic: the job may shrink to N ranks (the demo reads its batches by data shard)",
+    )
+    demo.add_argument(
+        "--survivors",
+        choices=SURVIVOR_MODES,
+        default="auto",
+        help="elastic: on a failure a spare could replace, 'continue' goes on without the rank at "
+        "once and the spare joins at a step boundary; 'wait' waits for the spare (default %(default)s)",
+    )
     demo.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     demo.add_argument("--job-dir", type=Path, default=Path(".nonstop/demo"))
     _detector_args(demo)
@@ -426,6 +440,8 @@ def _dispatch(ns: argparse.Namespace) -> int:
             job_dir=ns.job_dir,
             detector=_detector(ns),
             mesh=ns.mesh,
+            min_world_size=ns.min_world_size,
+            survivors=ns.survivors,
         )
         report = run_demo(opts)
         if ns.json is not None:

@@ -65,6 +65,25 @@ def test_a_recovery_runs_stage_by_stage_on_the_events_times() -> None:
     assert r.on_event(Stepped(0, 20.0)) == [] and r.on_event(Tick(99.0)) == []  # done: nothing more
 
 
+def test_the_survivors_gap_runs_from_their_last_step_to_their_first_in_the_generation() -> None:
+    r = fresh()
+    r.survivors_since = {1: 9.0, 2: 9.4}  # rank 0 is the replacement: no gap of its own
+    r.start(11.0)
+    for rank in range(3):
+        r.on_event(Restored(rank, 12.0))
+    for rank in range(3):
+        r.on_event(Joined(rank, 13.0))
+    r.on_event(Stepped(1, 14.0))
+    r.on_event(Stepped(1, 15.0))  # only a rank's first step counts
+    r.on_event(Stepped(0, 16.0))
+    out = r.on_event(Stepped(2, 14.2))
+    [report] = out[-1].reports if isinstance(out[-1], Finished) else []
+    assert r.survivor_gaps == {1: 5.0, 2: pytest.approx(4.8)}
+    assert report["survivor_gap_s"] == 5.0
+    r.survivor_gaps.clear()  # no survivor: no gap
+    assert r.report()[0]["survivor_gap_s"] is None
+
+
 def test_the_machine_is_deterministic_and_tells_a_rank_once() -> None:
     def play() -> list[recovery.Action]:
         r = fresh(world=2)

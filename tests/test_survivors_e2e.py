@@ -66,6 +66,11 @@ def _check_shrink_then_grow(
     # no spare took a rank in a recovery: every failure was recovered by a shrink
     assert all(r["replacement"] == "none" for r in events_named(events, "recovery"))
     assert all(r["lost_steps"] == 0 for r in events_named(events, "recovery"))
+    # every recovery says how long the survivors went between two steps
+    assert all(
+        r["survivor_gap_s"] > 0 and r["survivor_gap_steps"] > 0 for r in events_named(events, "recovery")
+    )
+    assert grows[-1]["pause_ratio"] > 0
     records = read_log(config.job_dir / "samples")
     assert check_sequence(records, steps=steps, num_shards=WORLD, batch=BATCH) == []
 

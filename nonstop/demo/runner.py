@@ -36,6 +36,8 @@ class DemoOptions:
     job_dir: Path = Path(".nonstop/demo")
     detector: DetectorConfig = field(default_factory=DetectorConfig)
     mesh: str | None = None  # the sharded demo (nonstop.demo.train_sharded) on this mesh
+    min_world_size: int = 0  # elastic: the job may shrink to this many ranks
+    survivors: str = "auto"  # elastic: shrink first or replace first (runtime/survivors.py)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -90,6 +92,8 @@ def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple
         nnodes=opts.nnodes,
         coordinator="127.0.0.1:0" if opts.nnodes > 1 else None,
         mesh=opts.mesh,
+        min_world_size=opts.min_world_size,
+        survivors=opts.survivors,
     )
     result = run_local_nodes(cfg, redirect_output=True)
     if result.state is not JobState.DONE or not result_file.exists():
@@ -108,6 +112,16 @@ def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple
     return result, out
 
 
+def _resizes(job_dir: Path) -> list[dict[str, Any]]:
+    """The shrinks and grows of a run, from its event log (what, when, the gap at a grow)."""
+    out = []
+    for line in (job_dir / "events.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        if e.get("event") in ("shrink", "grow_done", "grow_aborted"):
+            out.append({k: v for k, v in e.items() if k != "shards"})
+    return out
+
+
 def run_demo(opts: DemoOptions, *, echo: bool = True) -> dict[str, Any]:
     """Run the demo; return the report (also what ``--json`` writes)."""
     say = print if echo else (lambda *a, **k: None)
@@ -124,11 +138,22 @@ def run_demo(opts: DemoOptions, *, echo: bool = True) -> dict[str, Any]:
             f"failure {i}: {f['kind']} rank {f['rank']} after step {f['step']} ({f['detail']}) -> "
             f"replacement {f['replacement']}, restored step {f['restore_step']}"
         )
+        gap = f.get("survivor_gap_steps")
         say(
             "  "
             + "  ".join(f"{k} {v * 1000:.0f}ms" for k, v in st.items())
             + f"  | MTTR {f['mttr_s']:.3f}s  lost steps {f['lost_steps']}"
+            + (f"  survivors' gap {gap:.2f} steps" if gap is not None else "")
         )
+    resizes = _resizes(opts.job_dir / "run")
+    for z in resizes:
+        if z["event"] == "shrink":
+            first = " first, a spare joins later" if z.get("shrink_first") else ""
+            say(f"shrink{first}: {z['old_world_size']} -> {z['world_size']} ranks ({z['reason']})")
+        elif z["event"] == "grow_done":
+            ratio = z.get("pause_ratio")
+            pause = f", pause {ratio:.2f} steps" if ratio is not None else ""
+            say(f"grow: back to {z['world_size']} ranks at step {z['boundary']}{pause}")
     say(
         f"final loss {out['final_loss']:.4f} after {out['step']} steps "
         f"(generation {result.generation}, median step {(result.median_step_s or 0) * 1000:.0f}ms), "
@@ -150,6 +175,7 @@ def run_demo(opts: DemoOptions, *, echo: bool = True) -> dict[str, Any]:
         "mesh": opts.mesh,
         "faults": list(opts.faults),
         "failures": result.failures,
+        "resizes": resizes,
         "median_step_s": result.median_step_s,
         "final_loss": out["final_loss"],
         "final_hash": out["final_hash"],

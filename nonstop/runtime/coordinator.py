@@ -439,7 +439,7 @@ class Coordinator:
                 except ControlError:
                     pass
         elif isinstance(m, wire.Step):
-            w.last_progress, w.stepped = now, True
+            w.last_progress, w.stepped, w.last_step_wall = now, True, time.time()
             self.detector.record_step(m.step_s)
             self.view.latest_step[rank] = m.step
             self.swaps.on_step(rank, m.step)

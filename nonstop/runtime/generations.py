@@ -294,6 +294,11 @@ class Generations:
             r.lost_steps = max(0, self.c.committed() - restore_step)
         if restore_step is not None:
             self.c.view.rewind(restore_step)
+        if failures:  # the survivors' gap runs from their last step before the failure
+            for rank, sid in self.c.view.members.items():
+                w = self.c.view.workers.get(sid)
+                if rank not in placements and w is not None and w.live and w.last_step_wall:
+                    r.survivors_since[rank] = w.last_step_wall
         for rank, p in sorted(placements.items()):
             r.replacements[rank] = p.source.value
             if p.spare is not None:
@@ -417,6 +422,10 @@ class Generations:
         """The generation is set up: reports, what waited on it, spares, the job's end."""
         self.reconf = None
         self.c.swaps.on_generation_done(r.generation)
+        median = self.c.detector.median_step_s
+        for rec in a.reports:
+            gap = rec.get("survivor_gap_s")
+            rec["survivor_gap_steps"] = gap / median if gap is not None and median else None
         self.c.view.reports.extend(a.reports)
         for rec in a.reports:
             self.c.events.emit(ev.from_fields("recovery", rec))  # the report record, keyed as logged

@@ -233,6 +233,10 @@ class Reconfiguration:
     deadline: float = 0.0  # wall time by which RESTORE/REBUILD must finish (0: not set yet)
     timeout_s: float = 0.0  # how long RESTORE and REBUILD may each take (0: forever)
     told: set[int] = field(default_factory=set)  # ranks told their new generation
+    # survivors (ranks that kept their process): wall time of each one's last step before the
+    # failure, and the gap to its first step in this generation (the survivor gap)
+    survivors_since: dict[int, float] = field(default_factory=dict)
+    survivor_gaps: dict[int, float] = field(default_factory=dict)
 
     # -- the machine ---------------------------------------------------------------------------------
     def start(self, t: float) -> list[Action]:
@@ -259,6 +263,8 @@ class Reconfiguration:
         elif isinstance(ev, Joined):
             self.ready.add(ev.rank)
         elif isinstance(ev, Stepped):
+            if ev.rank not in self.stepped and ev.rank in self.survivors_since:
+                self.survivor_gaps[ev.rank] = ev.t - self.survivors_since[ev.rank]
             self.stepped.add(ev.rank)
         elif isinstance(ev, Tick):
             return self._check_timeout(ev.t)
@@ -350,6 +356,8 @@ class Reconfiguration:
                     "detect_s": f.detected_at - start,
                     "stages": stages,
                     "training_again_s": m["rebuild"] - start,
+                    # the longest a surviving rank went between two completed steps
+                    "survivor_gap_s": max(self.survivor_gaps.values(), default=None),
                     "mttr_s": m["resume"] - start,
                     "lost_steps": self.lost_steps,
                     "restore_step": self.restore_step,

@@ -70,8 +70,9 @@ class Resizing:
             and bool(c.view.idle_spares())
         )
         rate = shrunk_rate(self.data_shards(world), self.data_shards(world - lost)) if can else 0.0
-        ratios = [float(d["pause_ratio"]) for d in c.swaps.done if d.get("pause_ratio")]
-        costs = costs_from_reports(c.view.reports, step_s=c.detector.median_step_s, swap_ratios=ratios)
+        costs = costs_from_reports(
+            c.view.reports, step_s=c.detector.median_step_s, swap_ratios=c.swaps.pause_ratios
+        )
         return choose(c.survivor_mode, can_shrink=can, costs=costs, rate=rate)
 
     def shards_of(self, rank: int, world_size: int | None = None) -> dict[str, Any]:

@@ -387,14 +387,17 @@ class BoundarySwap:
             return []
         self.phase = SwapPhase.DONE
         self.marks["resumed"] = now
+        gap = max(self.gaps.values(), default=None)
+        ratio = (gap / median_step_s) if gap is not None and median_step_s else None
         if self.kind is SwapKind.GROW:
             info: dict[str, Any] = {
                 "world_size": self.new_world_size,
                 "boundary": self.boundary,
                 "seconds": now - self.started,
+                "max_step_gap_s": gap,
+                "pause_ratio": ratio,
             }
             return [Emit(kind="grow_done", fields=info), Finished(ok=True, error=None, info=info)]
-        gap = max(self.gaps.values(), default=None)
         assert self.catch is not None
         info = {
             "rank": self.rank,
@@ -404,7 +407,7 @@ class BoundarySwap:
             "stages": self.stage_seconds(),
             "max_step_gap_s": gap,
             "median_step_s": median_step_s,
-            "pause_ratio": (gap / median_step_s) if gap is not None and median_step_s else None,
+            "pause_ratio": ratio,
             "reason": self.reason,
             "catchup_rounds": self.catch.rounds,
             "swap_delta": self.catch.swap_delta,

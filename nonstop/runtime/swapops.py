@@ -61,6 +61,7 @@ class Swaps:
         self.queue: list[tuple[int, str | None, str, float]] = []
         self.clients: dict[int, list[Channel]] = {}  # rank -> clients waiting for its migration
         self.done: list[dict[str, Any]] = []  # finished migrations' reports
+        self.pause_ratios: list[float] = []  # finished swaps' gaps across the boundary / median step
         self._reqs: dict[int, tuple[str, int]] = {}  # fetch request id -> (purpose, joiner spawn id)
         self._step_at: dict[int, tuple[int, float]] = {}  # rank -> (step, when its report arrived)
         self._grow_retry_at = 0.0
@@ -401,7 +402,8 @@ class Swaps:
                     r, rank, s.step, src, "local", src_rank=src_rank, base=s.base, early=early.get(rank)
                 )
         if a.kind is SwapKind.GROW:
-            self._step_at.clear()
+            for rank in s.ranks:  # the members keep their numbers; the joiners' are new
+                self._step_at.pop(rank, None)
             shards = c.resize.data_shards(v.world_size)
             c.events.emit(
                 ev.Grow(
@@ -441,6 +443,8 @@ class Swaps:
             for j in a.joiners:
                 if j.boundary_req is not None:
                     self.c.sources.drop_early(j.boundary_req)
+        if f.ok and f.info.get("pause_ratio") is not None:
+            self.pause_ratios.append(float(f.info["pause_ratio"]))
         if a.kind is SwapKind.MIGRATION:
             if f.ok:
                 self.done.append(dict(f.info))

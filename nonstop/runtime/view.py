@@ -46,6 +46,7 @@ class WorkerRecord:
     chan: Channel | None = None
     last_hb: float = 0.0
     last_progress: float = 0.0
+    last_step_wall: float = 0.0  # wall time of its last step report (0: none yet)
     coll: bool = False  # a gradient allreduce is pending on this rank
     stepped: bool = False  # completed a step in the current generation
     killed_for_hang: str | None = None  # why nonstop killed it, if it did

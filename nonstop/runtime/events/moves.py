@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from nonstop.runtime.events.base import ABSENT, Event, as_int
+from nonstop.runtime.events.base import ABSENT, OPTIONAL, Event, as_int
 
 __all__ = [
     "Catchup",
@@ -96,6 +96,9 @@ class GrowDone(Event):
     world_size: int | None
     boundary: int | None
     seconds: float | None
+    # the longest gap of a rank across the boundary (S -> S+1) and over the median step
+    max_step_gap_s: float | None = field(default=None, metadata=OPTIONAL)
+    pause_ratio: float | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -128,6 +128,10 @@ class Recovery(Event):
     replacement: str | None
     generation: int | None
     replans: int | None
+    # the longest a surviving rank went between two completed steps, in seconds and over the
+    # median step (None: no survivor, or a log older than the field)
+    survivor_gap_s: float | None = field(default=None, metadata=OPTIONAL)
+    survivor_gap_steps: float | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True, kw_only=True)
