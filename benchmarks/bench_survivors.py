@@ -1,0 +1,163 @@
+"""Survivors never wait (issue 18): shrink first against replace first, side by side.
+
+What is measured. A data-parallel job of the demo transformer (``--model``, ``small`` by default;
+gloo, CPU), 2 nodes x 2 ranks, one hot spare per node, ``--min-world-size 2``. When rank 1 starts
+step ``--event-step`` it is SIGKILLed (``--fault``, any demo fault spec). The same job runs with
+``--survivors wait`` (the spare takes the rank, every rank restores, one rebuild: what nonstop always
+did) and ``--survivors continue`` (the survivors go on at once as 3 ranks, the spare prepares in the
+background and joins at a step boundary), alternating run by run, then once without a fault (the
+reference). Per run, from the job's event log:
+
+* ``survivor_gap_steps``: the longest gap between two completed steps of any surviving rank around
+  the failure, over the median step (the coordinator's recovery record), and in seconds;
+* ``training_again_s``: fault -> every rank of the next generation in its new group;
+* ``full_s``: fault -> every rank of the full-size job training (``continue``: the grow's end;
+  ``wait``: the recovery's first step everywhere); ``grow_pause_steps``: the grow's gap across its
+  boundary over the median step;
+* ``lost_steps`` and whether the final weights are bitwise equal to the reference's.
+
+Summaries are median [min, max] over ``--runs`` runs (after ``--warmup`` rounds). Results go to
+``benchmarks/results/survivors.json``::
+
+    .venv/bin/python benchmarks/bench_survivors.py            # small model, 3 runs
+    .venv/bin/python benchmarks/bench_survivors.py --quick    # tiny model, 1 run (smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_mttr import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
+
+from nonstop.demo.runner import demo_job_config  # noqa: E402
+from nonstop.runtime.coordinator import JobState  # noqa: E402
+from nonstop.runtime.eventlog import read_events  # noqa: E402
+from nonstop.runtime.localnodes import run_local_nodes  # noqa: E402
+
+MODES = ("wait", "continue")
+
+
+def _run(args: argparse.Namespace, run_dir: Path, mode: str | None) -> dict[str, Any]:
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    faults = () if mode is None else (args.fault.format(step=args.event_step),)
+    config = demo_job_config(
+        result=run_dir / "result.json",
+        steps=args.steps,
+        model=args.model,
+        nproc_per_node=2,
+        nnodes=2,
+        spares=1,
+        job_dir=run_dir,
+        faults=faults,
+        coordinator="127.0.0.1:0",
+        lease_ttl_s=3.0,
+        min_world_size=2,
+        survivors=mode or "wait",
+    )
+    result = run_local_nodes(config, redirect_output=True)
+    out: dict[str, Any] = {"mode": mode, "ok": result.state is JobState.DONE}
+    if not out["ok"]:
+        out["error"] = result.error
+        return out
+    out["final_hash"] = json.loads((run_dir / "result.json").read_text())["final_hash"]
+    out["median_step_s"] = result.median_step_s
+    if mode is None:
+        return out
+    events = read_events(run_dir / "events.jsonl")
+    fault_ts = min(e["ts"] for e in events if e["event"] == "fault_injected")
+    recoveries = [e for e in events if e["event"] == "recovery"]
+    rec = recoveries[0]
+    out.update(
+        survivor_gap_s=rec.get("survivor_gap_s"),
+        survivor_gap_steps=rec.get("survivor_gap_steps"),
+        training_again_s=rec["training_again_s"],
+        lost_steps=sum(r["lost_steps"] or 0 for r in recoveries),
+        shrinks=sum(e["event"] == "shrink" for e in events),
+    )
+    grows = [e for e in events if e["event"] == "grow_done" and e["world_size"] == config.world_size]
+    if mode == "continue" and grows:
+        out["full_s"] = grows[0]["ts"] - fault_ts
+        out["grow_pause_steps"] = grows[0].get("pause_ratio")
+    elif mode == "wait":
+        out["full_s"] = rec["mttr_s"]
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--event-step", type=int, default=12)
+    p.add_argument("--fault", default="kill:rank=1,step={step}", help="a demo fault spec; {step} is filled")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="tiny model, 24 steps, 1 run, no warm-up")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "survivors.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.steps, args.event_step, args.runs, args.warmup = "tiny", 24, 8, 1, 0
+    info = machine_info()
+    work = Path(tempfile.mkdtemp(prefix="nonstop-bench-survivors-"))
+    try:
+        ref = _run(args, work / "reference", None)
+        runs = []
+        for i in range(args.warmup + args.runs):
+            for mode in MODES:
+                r = _run(args, work / f"{mode}-{i}", mode)
+                r["warmup"] = i < args.warmup
+                r["equal"] = r.get("final_hash") == ref.get("final_hash") if r["ok"] else False
+                runs.append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "final_hash"}), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    counted = [r for r in runs if not r["warmup"] and r["ok"]]
+    keys = (
+        "survivor_gap_steps",
+        "survivor_gap_s",
+        "training_again_s",
+        "full_s",
+        "grow_pause_steps",
+        "lost_steps",
+    )
+    summary = {
+        mode: {
+            k: summarize([r[k] for r in counted if r["mode"] == mode and r.get(k) is not None]) for k in keys
+        }
+        | {"equal": sum(r["equal"] for r in counted if r["mode"] == mode)}
+        | {"runs": sum(r["mode"] == mode for r in counted)}
+        for mode in MODES
+    }
+    report = {
+        "settings": vars(args) | {"out": str(args.out)},
+        "machine": info,
+        "stamp": run_stamp(),
+        "reference": {k: v for k, v in ref.items() if k != "final_hash"},
+        "runs": runs,
+        "summary": summary,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"{'':10} {'survivors gap (steps)':>24} {'training again (s)':>22} {'full size (s)':>22} equal")
+    for mode in MODES:
+        s = summary[mode]
+        print(
+            f"{mode:10} {fmt(s['survivor_gap_steps']):>24} {fmt(s['training_again_s']):>22} "
+            f"{fmt(s['full_s']):>22} {s['equal']}/{s['runs']}"
+        )
+    return 0 if all(r["ok"] and r["equal"] for r in counted) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
