@@ -16,11 +16,17 @@ reference). Per run, from the job's event log:
   boundary over the median step;
 * ``lost_steps`` and whether the final weights are bitwise equal to the reference's.
 
+``--restore-delay X`` stands in for a state that takes X seconds to restore (a large model on a
+slow link): rank 3 is killed instead, and whichever process restores it -- the spare taking the
+rank (``wait``) or the spare preparing to join (``continue``) -- sleeps X seconds in its restore
+(``slow:...,at=recovery`` / ``at=prepare``). Results then go to ``survivors-delay.json``.
+
 Summaries are median [min, max] over ``--runs`` runs (after ``--warmup`` rounds). Results go to
 ``benchmarks/results/survivors.json``::
 
     .venv/bin/python benchmarks/bench_survivors.py            # small model, 3 runs
     .venv/bin/python benchmarks/bench_survivors.py --quick    # tiny model, 1 run (smoke)
+    .venv/bin/python benchmarks/bench_survivors.py --restore-delay 3   # a slow restore
 """
 
 from __future__ import annotations
@@ -51,7 +57,15 @@ MODES = ("wait", "continue")
 def _run(args: argparse.Namespace, run_dir: Path, mode: str | None) -> dict[str, Any]:
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    faults = () if mode is None else (args.fault.format(step=args.event_step),)
+    faults: tuple[str, ...] = ()
+    if mode is not None and args.restore_delay > 0:
+        faults = (
+            f"kill:rank=3,step={args.event_step}",
+            f"slow:rank=3,step=0,seconds={args.restore_delay:g},at=recovery",
+            f"slow:rank=3,step=0,seconds={args.restore_delay:g},at=prepare",
+        )
+    elif mode is not None:
+        faults = (args.fault.format(step=args.event_step),)
     config = demo_job_config(
         result=run_dir / "result.json",
         steps=args.steps,
@@ -101,11 +115,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--event-step", type=int, default=12)
     p.add_argument("--fault", default="kill:rank=1,step={step}", help="a demo fault spec; {step} is filled")
+    p.add_argument("--restore-delay", type=float, default=0.0, help="seconds a restore of the rank takes")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="tiny model, 24 steps, 1 run, no warm-up")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "survivors.json")
     args = p.parse_args(argv)
+    if args.restore_delay > 0 and args.out == p.get_default("out"):
+        args.out = args.out.with_name("survivors-delay.json")
     if args.quick:
         args.model, args.steps, args.event_step, args.runs, args.warmup = "tiny", 24, 8, 1, 0
     info = machine_info()
