@@ -72,6 +72,23 @@ def run_demo_job(
     return DemoRun(result, out, job_dir, read_events(job_dir / "events.jsonl"))
 
 
+def sampled_nodes_config(job_dir: Path, steps: int, faults: tuple[str, ...], **kw: Any) -> Any:
+    """A tiny demo job of several local nodes (batch 4, 0.1 s steps) that logs every micro-batch
+    it trains on to ``job_dir/samples`` (``nonstop.demo.samples``); ``kw`` goes to the config."""
+    kw.setdefault("coordinator", "127.0.0.1:0")
+    kw.setdefault("lease_ttl_s", 3.0)  # no spurious fencing on a loaded machine
+    return demo_job_config(
+        result=job_dir / "result.json",
+        steps=steps,
+        model="tiny",
+        batch=4,
+        script_extra=("--step-delay", "0.1", "--samples-log", str(job_dir / "samples")),
+        job_dir=job_dir,
+        faults=faults,
+        **kw,
+    )
+
+
 def run_nodes_job(job_dir: Path, **kw: Any) -> DemoRun:
     """A demo job of several local nodes (``nnodes`` in ``kw``), one rank per node by default."""
     kw.setdefault("nproc", 1)

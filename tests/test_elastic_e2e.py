@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 
-from nonstop.demo.runner import demo_job_config
 from nonstop.demo.samples import check_sequence, effective_samples, read_log
 from nonstop.errors import UsageError
 from nonstop.runtime.launcher import _load_resume
 from nonstop.snapshot.durable import DurableStore
-from tests.conftest import NodesInBackground, events_named, run_nodes_job
+from tests.conftest import NodesInBackground, events_named, run_nodes_job, sampled_nodes_config
 
 pytestmark = pytest.mark.slow
 
@@ -30,21 +29,7 @@ BATCH = 4
 
 
 def _config(job_dir: Path, steps: int, faults: tuple[str, ...], **kw: Any) -> Any:
-    return demo_job_config(
-        result=job_dir / "result.json",
-        steps=steps,
-        model="tiny",
-        batch=BATCH,
-        script_extra=("--step-delay", "0.1", "--samples-log", str(job_dir / "samples")),
-        nproc_per_node=1,
-        spares=0,
-        nnodes=3,
-        job_dir=job_dir,
-        faults=faults,
-        coordinator="127.0.0.1:0",
-        lease_ttl_s=3.0,
-        **kw,
-    )
+    return sampled_nodes_config(job_dir, steps, faults, nproc_per_node=1, spares=0, nnodes=3, **kw)
 
 
 def _run_with_rejoin(config: Any, event: str) -> list[dict[str, Any]]:

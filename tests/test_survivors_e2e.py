@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 
-from nonstop.demo.runner import demo_job_config
 from nonstop.demo.samples import check_sequence, read_log
-from tests.conftest import NodesInBackground, events_named, run_nodes_job
+from tests.conftest import NodesInBackground, events_named, run_nodes_job, sampled_nodes_config
 
 pytestmark = pytest.mark.slow
 
@@ -25,21 +24,8 @@ WORLD = 4
 
 def _config(job_dir: Path, steps: int, faults: tuple[str, ...], **kw: Any) -> Any:
     kw.setdefault("survivors", "continue")
-    return demo_job_config(
-        result=job_dir / "result.json",
-        steps=steps,
-        model="tiny",
-        batch=BATCH,
-        script_extra=("--step-delay", "0.1", "--samples-log", str(job_dir / "samples")),
-        nproc_per_node=2,
-        spares=1,
-        nnodes=2,
-        job_dir=job_dir,
-        faults=faults,
-        coordinator="127.0.0.1:0",
-        lease_ttl_s=3.0,
-        min_world_size=2,
-        **kw,
+    return sampled_nodes_config(
+        job_dir, steps, faults, nproc_per_node=2, spares=1, nnodes=2, min_world_size=2, **kw
     )
 
 
