@@ -4,12 +4,22 @@ uninterrupted run."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import DemoRun, events_named, run_nodes_job
+from tests.conftest import (
+    STEPS,
+    DemoRun,
+    NodesInBackground,
+    events_named,
+    run_nodes_job,
+    sampled_nodes_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -39,16 +49,31 @@ def test_migrate_a_rank_to_another_node_bitwise(tmp_path: Path, reference_hash: 
 
 def test_leaver_death_mid_migration_falls_back_to_recovery(tmp_path: Path, reference_hash: str) -> None:
     """The leaver dies before the swap: the migration is aborted (its joiner stopped) and ordinary
-    recovery restores the rank from the replica."""
-    run = run_nodes_job(
-        tmp_path / "job", nnodes=3, spares=1, faults=("migrate:rank=1,step=4,to=2", "kill:rank=1,step=6")
+    recovery restores the rank from the replica. The joiner's prepare is held 3 s
+    (``slow:...,at=prepare``) and the leaver is SIGKILLed once the migration has started, so the
+    death falls inside the migration however loaded the machine is."""
+    config = sampled_nodes_config(
+        tmp_path / "job",
+        STEPS,
+        ("migrate:rank=1,step=4,to=2", "slow:rank=1,step=0,seconds=3,at=prepare"),
+        nproc_per_node=1,
+        spares=1,
+        nnodes=3,
     )
-    assert run.out is not None, run.result.error
-    assert run.out["final_hash"] == reference_hash
-    (aborted,) = events_named(run.events, "migration_aborted")
+    job = NodesInBackground(config)
+    job.wait_event("migration_start", timeout=120)
+    gen = job.events("generation")[-1]
+    pid = next(e["pid"] for e in job.events("spawned") if e["spawn_id"] == gen["members"]["1"])
+    os.kill(pid, signal.SIGKILL)
+    result = job.result(timeout=300)
+    assert result.error is None, result.error
+    events = job.events()
+    out = json.loads((config.job_dir / "result.json").read_text())
+    assert out["final_hash"] == reference_hash
+    (aborted,) = events_named(events, "migration_aborted")
     assert aborted["rank"] == 1 and "failed" in aborted["error"]
-    assert events_named(run.events, "migration_done") == []
-    (f,) = run.result.failures
+    assert events_named(events, "migration_done") == []
+    (f,) = result.failures
     assert f["rank"] == 1 and f["kind"] == "kill" and f["lost_steps"] == 0
 
 
