@@ -63,6 +63,9 @@ for p in model.parameters():
     h.update(p.detach().numpy().tobytes())
 json.dump({"mean": hashlib.sha256(mean.numpy().tobytes()).hexdigest(), "params": h.hexdigest(),
            "ref": [float(v) for v in mean[:3]]}, open(out, "w"))
+# every rank done with its last collective before any tears gloo down: a rank that destroys its
+# group while a peer still finishes the all-gather's last transfer can abort at exit (SIGABRT)
+dist.barrier()
 dist.destroy_process_group()
 """
 
