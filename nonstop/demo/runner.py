@@ -19,6 +19,7 @@ from nonstop.config import DetectorConfig, JobConfig
 from nonstop.errors import JobFailedError, UsageError
 from nonstop.faults import parse_fault
 from nonstop.runtime.coordinator import JobResult, JobState
+from nonstop.runtime.eventlog import read_events
 from nonstop.runtime.localnodes import run_local_nodes
 
 __all__ = ["DemoOptions", "run_demo"]
@@ -114,12 +115,11 @@ def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple
 
 def _resizes(job_dir: Path) -> list[dict[str, Any]]:
     """The shrinks and grows of a run, from its event log (what, when, the gap at a grow)."""
-    out = []
-    for line in (job_dir / "events.jsonl").read_text().splitlines():
-        e = json.loads(line)
-        if e.get("event") in ("shrink", "grow_done", "grow_aborted"):
-            out.append({k: v for k, v in e.items() if k != "shards"})
-    return out
+    return [
+        {k: v for k, v in e.items() if k != "shards"}
+        for e in read_events(job_dir / "events.jsonl")
+        if e.get("event") in ("shrink", "grow_done", "grow_aborted")
+    ]
 
 
 def run_demo(opts: DemoOptions, *, echo: bool = True) -> dict[str, Any]:

@@ -181,7 +181,7 @@ class Generations:
             )
             return
         alive_nodes = self.c.view.alive_nodes()
-        missing = self.c.view.world_size - len(self.c.view.members)
+        missing = [r for r in range(self.c.view.world_size) if r not in self.c.view.members]
         choice = self.c.resize.survivor_choice(missing) if failures and missing else None
         plan = plan_generation(
             world_size=self.c.view.world_size,
@@ -210,9 +210,8 @@ class Generations:
         from_rank: dict[int, int] = {}
         old_world = self.c.view.world_size
         if plan.shrink is not None:
-            first = plan.shrink_first and choice is not None
-            reason = choice.reason if first and choice is not None else plan.reason
-            from_rank = self.c.resize.shrink(plan.shrink, reason, shrink_first=first)
+            why = choice.reason if plan.shrink_first and choice is not None else plan.reason
+            from_rank = self.c.resize.shrink(plan.shrink, why, shrink_first=plan.shrink_first)
         placements, avail, restore_step = plan.placements, plan.inventory, plan.restore_step
         for rank, pl in placements.items():
             self.c.view.rank_node[rank] = pl.node

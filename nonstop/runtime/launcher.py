@@ -215,7 +215,7 @@ def serve_coordinator(
         ENV.SNAPSHOT: config.snapshot,
         ENV.RECONNECT: str(config.reconnect_s if jobs is not None else 0),
         **({ENV.MESH: config.mesh} if config.mesh is not None else {}),
-        ENV.ELASTIC: "1" if config.min_world_size and config.min_world_size < config.world_size else "0",
+        ENV.ELASTIC: "1" if config.min_world < config.world_size else "0",
     }
     codec = CodecConfig(lossy=config.lossy, lossy_bits=config.lossy_bits)
     persister: Persister | None = None

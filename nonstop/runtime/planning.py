@@ -52,6 +52,8 @@ __all__ = [
     "Shrink",
     "SpareIdle",
     "Waited",
+    "dropped_with",
+    "may_shrink",
     "plan_generation",
 ]
 
@@ -142,7 +144,7 @@ def plan_generation(
         load=load,
         cold_elsewhere=not elastic.enabled,
     )
-    first = shrink_first and bool(missing) and _may_shrink(elastic, world_size, missing)
+    first = shrink_first and bool(missing) and may_shrink(elastic, world_size, missing)
     if first:
         placements, waited_s = {}, math.inf
     unplaced = tuple(r for r in missing if r not in placements)
@@ -151,7 +153,7 @@ def plan_generation(
     why = ""
     if unplaced:
         # a sharded job drops whole replica groups (elastic.unit ranks): their other ranks go too
-        dropped = _dropped(elastic, world_size, unplaced)
+        dropped = dropped_with(elastic, world_size, unplaced)
         decision = elastic.on_unplaced(world_size=world_size, unplaced=len(dropped), waited_s=waited_s)
         if decision.action is ElasticAction.WAIT:
             return Plan(
@@ -192,15 +194,16 @@ def plan_generation(
     )
 
 
-def _dropped(elastic: ElasticPolicy, world_size: int, unplaced: Sequence[int]) -> tuple[int, ...]:
-    """The ranks a shrink without ``unplaced`` drops: their whole units (replica groups)."""
-    units = {u // elastic.unit for u in unplaced}
+def dropped_with(elastic: ElasticPolicy, world_size: int, ranks: Sequence[int]) -> tuple[int, ...]:
+    """The ranks a shrink without ``ranks`` drops: their whole units (replica groups)."""
+    units = {u // elastic.unit for u in ranks}
     return tuple(r for r in range(world_size) if r // elastic.unit in units)
 
 
-def _may_shrink(elastic: ElasticPolicy, world_size: int, missing: Sequence[int]) -> bool:
+def may_shrink(elastic: ElasticPolicy, world_size: int, missing: Sequence[int]) -> bool:
+    """Whether the policy lets the job go on without ``missing`` (their units) at once."""
     decision = elastic.on_unplaced(
-        world_size=world_size, unplaced=len(_dropped(elastic, world_size, missing)), waited_s=math.inf
+        world_size=world_size, unplaced=len(dropped_with(elastic, world_size, missing)), waited_s=math.inf
     )
     return decision.action is ElasticAction.SHRINK
 

@@ -22,12 +22,12 @@ Threading: the coordinator's thread only; I/O through its executor.
 from __future__ import annotations
 
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nonstop.runtime import events as ev
 from nonstop.runtime.elastic import assign_shards
-from nonstop.runtime.planning import Shrink
+from nonstop.runtime.planning import Shrink, dropped_with, may_shrink
 from nonstop.runtime.recovery import Reconfiguration
 from nonstop.runtime.survivors import SurvivorChoice, choose, costs_from_reports, shrunk_rate
 from nonstop.runtime.swap import Joiner
@@ -56,19 +56,17 @@ class Resizing:
             return self.c.mesh.data_shards(world_size)
         return assign_shards(self.c.num_shards, world_size)
 
-    def survivor_choice(self, missing: int) -> SurvivorChoice:
-        """Shrink first or replace first, for a generation missing ``missing`` ranks
+    def survivor_choice(self, missing: Sequence[int]) -> SurvivorChoice:
+        """Shrink first or replace first, for a generation without the ``missing`` ranks
         (:func:`~nonstop.runtime.survivors.choose`, with what the job measured so far)."""
         c = self.c
-        world, unit = c.view.world_size, c.elastic.unit
-        lost = -(-missing // unit) * unit  # whole replica groups
+        world = c.view.world_size
         can = (
-            c.elastic.enabled
-            and not self.reshards
-            and 0 < lost < world
-            and world - lost >= c.elastic.min_world_size
+            not self.reshards
             and bool(c.view.idle_spares())
+            and may_shrink(c.elastic, world, missing)  # elastic, and not below its minimum
         )
+        lost = len(dropped_with(c.elastic, world, missing))
         rate = shrunk_rate(self.data_shards(world), self.data_shards(world - lost)) if can else 0.0
         costs = costs_from_reports(
             c.view.reports, step_s=c.detector.median_step_s, swap_ratios=c.swaps.pause_ratios

@@ -22,7 +22,7 @@ either, so each shard's gradient is kept apart and summed in shard order
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,24 +81,35 @@ class CanonicalGradSync:
             self._parts = torch.zeros((n, self.flat.numel()), dtype=self.flat.dtype)
         return self._parts
 
-    def _stash(self, i: int) -> None:
-        row = self._rows()[i]
-        for p in self._params:
+    def _pack(self, dst: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        """Gradients into the flat ``dst``, each at its parameter's canonical offset."""
+        for p, g in zip(params, grads, strict=True):
             a, n = self.offsets[p.data_ptr()]
+            dst[a : a + n].copy_(g.reshape(-1))
+
+    def _unpack(
+        self, src: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+    ) -> None:
+        """The flat ``src`` back into the gradients."""
+        for p, g in zip(params, grads, strict=True):
+            a, n = self.offsets[p.data_ptr()]
+            g.copy_(src[a : a + n].view_as(g))
+
+    def _grads(self) -> list[torch.Tensor]:
+        """Every parameter's ``.grad``, a zero one made for a parameter this shard did not use."""
+        for p in self._params:
             if p.grad is None:
-                row[a : a + n].zero_()
-            else:
-                row[a : a + n].copy_(p.grad.reshape(-1))
-                p.grad.zero_()
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self._params if p.grad is not None]
+
+    def _stash(self, i: int) -> None:
+        grads = self._grads()
+        self._pack(self._rows()[i], self._params, grads)
+        for g in grads:
+            g.zero_()
 
     def _finish(self, group: dist.ProcessGroup) -> None:
-        mean = self._mean(self._rows(), group)
-        for p in self._params:
-            a, n = self.offsets[p.data_ptr()]
-            if p.grad is None:
-                p.grad = mean[a : a + n].view_as(p).clone()
-            else:
-                p.grad.copy_(mean[a : a + n].view_as(p.grad))
+        self._unpack(self._mean(self._rows(), group), self._params, self._grads())
 
     def _mean(self, parts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         self.pending_since = time.monotonic()
@@ -120,9 +131,7 @@ class CanonicalGradSync:
                     "deterministic sync needs a single bucket"
                 )
             flat = self.flat
-            for p, g in zip(params, grads, strict=True):
-                a, n = self.offsets[p.data_ptr()]
-                flat[a : a + n].copy_(g.reshape(-1))
+            self._pack(flat, params, grads)
             if self.exact:
                 return self._exact_hook(process_group, bucket, flat)
             flat.div_(self.divisor or world)
@@ -132,9 +141,7 @@ class CanonicalGradSync:
             def _unpack(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
                 self.pending_since = None
                 f.value()  # re-raise a communication error here
-                for p, g in zip(params, grads, strict=True):
-                    a, n = self.offsets[p.data_ptr()]
-                    g.copy_(flat[a : a + n].view_as(g))
+                self._unpack(flat, params, grads)
                 out: torch.Tensor = bucket.buffer()
                 return out
 
@@ -154,10 +161,7 @@ class CanonicalGradSync:
                 f"nonstop: this rank plays shards {list(self.shards)} in this generation (the job "
                 "shrank): read each shard's batch through session.shard_steps(model)"
             )
-        mean = self._mean(flat.view(1, -1), group)
-        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            a, n = self.offsets[p.data_ptr()]
-            g.copy_(mean[a : a + n].view_as(g))
+        self._unpack(self._mean(flat.view(1, -1), group), bucket.parameters(), bucket.gradients())
         return _done(bucket.buffer())
 
 
