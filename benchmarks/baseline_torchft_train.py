@@ -88,6 +88,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--timeout", type=float, default=30.0, help="Manager timeout (collectives, healing)")
     ap.add_argument(
+        "--wrappers",
+        action="store_true",
+        help="train through torchft's own DistributedDataParallel and OptimizerWrapper (its documented "
+        "way: the quorum starts in zero_grad, bucketed gradients go through Manager.allreduce in DDP's "
+        "comm hook, the commit vote runs in step); bench_step_cost_peers.py uses it without faults. "
+        "Off (the node-loss benchmark): Manager.allreduce per gradient after backward, since torchft's "
+        "DDP hook crashed survivors when a peer died mid-allreduce",
+    )
+    ap.add_argument(
         "--sync-quorum",
         action="store_true",
         help="use_async_quorum=False: a healing replica loads the state before its first step's forward",
@@ -144,6 +153,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     ev.emit("manager_ready")
 
+    wrapped = None
+    if args.wrappers:  # torchft's documented way of training DDP (no intra-group ranks here)
+        if group_size != 1:
+            ap.error("--wrappers runs one process per replica group")
+        wrapped = (torchft.DistributedDataParallel(manager, model), torchft.Optimizer(manager, opt))
+
+    def wrapped_step(step: int) -> tuple[bool, float]:
+        """One step through torchft's wrappers: (committed, loss)."""
+        assert wrapped is not None
+        ddp, ft_opt = wrapped
+        ft_opt.zero_grad()  # starts the quorum
+        x, y = corpus.batch(step=step, rank=global_rank, batch=args.batch, seq=cfg.seq)
+        loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        loss.backward()  # the comm hook averages each bucket over the participating groups
+        before = manager.current_step()
+        ft_opt.step()  # the commit vote; the optimizer steps only on a commit
+        return manager.current_step() > before, float(loss.item())
+
     full_streak = 0  # committed steps in a row that every group took part in (the same in every group)
     while (step := manager.current_step()) < args.max_steps:
         if step >= args.steps and full_streak >= args.min_full_steps:
@@ -153,6 +180,20 @@ def main(argv: list[str] | None = None) -> None:
             kill_node(os.environ[NODE_TAG_ENV])
         t0 = time.monotonic()
         began = step
+        if wrapped is not None:
+            committed, loss = wrapped_step(step)
+            full = committed and manager.num_participants() == args.num_groups
+            full_streak = full_streak + 1 if full else 0
+            ev.emit(
+                "step",
+                step=manager.current_step() - (1 if committed else 0),
+                began_as=began,
+                committed=committed,
+                participants=manager.num_participants(),
+                loss=loss,
+                step_s=time.monotonic() - t0,
+            )
+            continue
         manager.start_quorum()
         if args.sync_quorum:  # a healing replica has loaded the state: it is at the others' step
             step = manager.current_step()
