@@ -40,4 +40,6 @@ def test_bench_step_cost_peers_quick(tmp_path: Path) -> None:
 
 def test_bench_step_cost_peers_refuses_unknown_contenders(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="--contenders"):
-        run_benchmark_quick("bench_step_cost_peers", tmp_path / "x.json", "--contenders", "deepspeed", timeout=60)
+        run_benchmark_quick(
+            "bench_step_cost_peers", tmp_path / "x.json", "--contenders", "deepspeed", timeout=60
+        )
