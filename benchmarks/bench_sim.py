@@ -13,7 +13,9 @@ What is measured.
   exact renewal formula.
 * **Projection**: ETTR and lost GPU-hours per day at 1,024, 16,384 and 100,352 GPUs for each
   strategy, median [min-max] over ``--seeds`` failure draws (the same draws for every strategy),
-  with the calibration used (every figure's source) in the JSON.
+  with the calibration used (every figure's source) in the JSON. Besides nonstop's defaults, two
+  elastic variants (``--min-world-size`` 90% of the GPUs, ``--shards-per-rank`` 4): ``--survivors
+  auto`` (the runtime's policy chooses per failure) and ``continue`` (always shrink first).
 
 Run it::
 
@@ -43,6 +45,7 @@ if str(REPO_ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from nonstop.runtime.policy import FailureKind  # noqa: E402
+from nonstop.runtime.survivors import SurvivorMode  # noqa: E402
 from nonstop.sim import theory  # noqa: E402
 from nonstop.sim.api import JobSpec, SimResult, Strategy  # noqa: E402
 from nonstop.sim.calibrate import Calibration, load_calibration  # noqa: E402
@@ -80,16 +83,25 @@ def stats(vals: list[float]) -> dict[str, float]:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
 
 
-def strategies(job: JobSpec, model: FailureModel, cal: Calibration) -> list[Strategy]:
+def strategies(
+    job: JobSpec, model: FailureModel, cal: Calibration, *, variants: bool = False
+) -> list[Strategy]:
     lam = model.job_rate_per_s(job.num_nodes)
     blocking = cal.dcp_blocking_s(job.state_bytes_per_gpu)
     write = cal.durable_write_s(job.state_bytes_per_gpu, job.num_gpus, job.gpus_per_node)
     interval = max(theory.optimal_interval(ckpt_s=blocking, rate_per_s=lam), write)
-    return [
+    out: list[Strategy] = [
         CheckpointRestart(job=job, interval_s=interval, calibration=cal),
         TorchftLike(job=job, calibration=cal),
         Nonstop(job=job, calibration=cal),
     ]
+    if variants:
+        for mode in (SurvivorMode.AUTO, SurvivorMode.CONTINUE):
+            params = NonstopParams(min_world_size=int(0.9 * job.num_gpus), shards_per_rank=4, survivors=mode)
+            ns = Nonstop(job=job, params=params, calibration=cal)
+            ns.name = f"nonstop elastic {mode.value}"
+            out.append(ns)
+    return out
 
 
 def bench_speed(cal: Calibration, runs: int, days: float) -> dict[str, Any]:
@@ -185,7 +197,7 @@ def bench_projection(cal: Calibration, days: float, seeds: int, sizes: list[int]
         model = preset(preset_name)
         for gpus in sizes:
             job = JobSpec(num_gpus=gpus, days=days)
-            for s in strategies(job, model, cal):
+            for s in strategies(job, model, cal, variants=True):
                 runs: list[SimResult] = [simulate(job, model, s, seed=k) for k in range(seeds)]
                 stage_hours = {
                     k: statistics.median(r.lost_by_stage[k] / 3600 / days for r in runs)
@@ -201,6 +213,10 @@ def bench_projection(cal: Calibration, days: float, seeds: int, sizes: list[int]
                         "lost_gpu_hours_per_day_by_stage_median": stage_hours,
                         "goodput_per_provisioned_gpu": stats([r.goodput_per_provisioned_gpu for r in runs]),
                         "failures": stats([float(r.failures) for r in runs]),
+                        "resizes_median": {
+                            k: statistics.median(r.resizes.get(k, 0) for r in runs)
+                            for k in sorted({k for r in runs for k in r.resizes})
+                        },
                         "spare_gpus": runs[0].spare_gpus,
                         "params": runs[0].params,
                     }

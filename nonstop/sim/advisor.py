@@ -9,7 +9,11 @@ with the same failures (common random numbers), so the comparison is not drowned
 * snapshot interval (every k steps): stall / k against ~k/2 steps redone per in-memory restore;
 * persist interval: at least ``10 x`` the time one persist takes (the durable tier stays <= 10%
   busy), and the multiples 2x, 4x of that;
-* spare nodes: 0 up to ~5% of the job's nodes.
+* spare nodes: 0 up to ~5% of the job's nodes;
+* elasticity (a third stage, on the best setting so far, with the spare scan again): off, or
+  ``--min-world-size`` at 90% of the GPUs with ``--shards-per-rank`` 1 or 4 (a lost node no hot
+  spare can take is dropped and the job trains on shrunk instead of waiting for the scheduler's
+  pool; the runtime's ``--survivors auto`` decides per failure whether to shrink first).
 
 The objective is goodput per *provisioned* GPU (spares cost GPUs). The frontier is, for each host
 memory level (each r), the best goodput reachable.
@@ -42,6 +46,14 @@ class Candidate:
     host_bytes_per_node: float
     ettr: float
     goodput_per_provisioned_gpu: float
+    min_world_size: int = 0  # 0: not elastic
+    shards_per_rank: int = 1
+
+    @property
+    def elastic(self) -> str:
+        if not self.min_world_size:
+            return "off"
+        return f">= {self.min_world_size:,} GPUs, {self.shards_per_rank} shard(s)/rank"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -49,6 +61,8 @@ class Candidate:
             "snapshot_every": self.snapshot_every,
             "persist_every_s": self.persist_every_s,
             "spare_nodes": self.spare_nodes,
+            "min_world_size": self.min_world_size,
+            "shards_per_rank": self.shards_per_rank,
             "host_gb_per_node": self.host_bytes_per_node / 1e9,
             "ettr": self.ettr,
             "goodput_per_provisioned_gpu": self.goodput_per_provisioned_gpu,
@@ -72,15 +86,15 @@ class Advice:
 
     def table(self) -> str:
         rows = [
-            "| replicas | host GB/node | snapshot every | persist every | spare nodes | ETTR "
+            "| replicas | host GB/node | snapshot every | persist every | spare nodes | elastic | ETTR "
             "| goodput/provisioned GPU |",
-            "|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for c in self.frontier:
             mark = " **(chosen)**" if c == self.best else ""
             rows.append(
                 f"| {c.replicas} | {c.host_bytes_per_node / 1e9:,.0f} | {c.snapshot_every} steps | "
-                f"{c.persist_every_s:,.0f} s | {c.spare_nodes} | {c.ettr:.4f} | "
+                f"{c.persist_every_s:,.0f} s | {c.spare_nodes} | {c.elastic} | {c.ettr:.4f} | "
                 f"{c.goodput_per_provisioned_gpu:.4f}{mark} |"
             )
         return "\n".join(rows)
@@ -114,12 +128,19 @@ def advise(
     top = max(1, math.ceil(0.05 * job.num_nodes))
     spares = sorted({0, 1, 2, 4, *(2**i for i in range(3, 16) if 2**i <= top), top})
     snaps = [1, 2, 4, 8]
-    evaluated: dict[tuple[int, int, float, int], Candidate] = {}
+    evaluated: dict[tuple[int, int, float, int, int, int], Candidate] = {}
 
-    def run(r: int, k: int, pe: float, s: int) -> Candidate | None:
-        key = (r, k, pe, s)
+    def run(r: int, k: int, pe: float, s: int, floor: int = 0, m: int = 1) -> Candidate | None:
+        key = (r, k, pe, s, floor, m)
         if key not in evaluated:
-            params = NonstopParams(replicas=r, snapshot_every=k, persist_every_s=pe, spare_nodes=s)
+            params = NonstopParams(
+                replicas=r,
+                snapshot_every=k,
+                persist_every_s=pe,
+                spare_nodes=s,
+                min_world_size=floor,
+                shards_per_rank=m,
+            )
             try:
                 strat = Nonstop(job=job, params=params, calibration=calibration)
             except ValueError:
@@ -133,6 +154,8 @@ def advise(
                 host_bytes_per_node=host_bytes(job, r),
                 ettr=sum(x.ettr for x in runs) / len(runs),
                 goodput_per_provisioned_gpu=sum(x.goodput_per_provisioned_gpu for x in runs) / len(runs),
+                min_world_size=floor,
+                shards_per_rank=m,
             )
         return evaluated[key]
 
@@ -147,6 +170,13 @@ def advise(
             b = max(mine, key=lambda c: c.goodput_per_provisioned_gpu)
             for s in spares:
                 run(r, b.snapshot_every, b.persist_every_s, s)
+    # stage 3: elasticity on the best so far, the spare count scanned again (shrinking instead of
+    # waiting for the pool may need fewer spares)
+    so_far = max(evaluated.values(), key=lambda c: c.goodput_per_provisioned_gpu, default=None)
+    floor = int(0.9 * job.num_gpus)
+    if so_far is not None and 0 < floor < job.num_gpus:
+        for m, s in itertools.product((1, 4), spares):
+            run(so_far.replicas, so_far.snapshot_every, so_far.persist_every_s, s, floor, m)
     out = list(evaluated.values())
     require(bool(out), "no feasible setting: the snapshot stall exceeds the step time at every interval")
     frontier = []

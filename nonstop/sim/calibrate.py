@@ -18,6 +18,13 @@ Laws (docs/simulator.md has the derivations):
   a bare device-to-host copy of the GPU's state.
 * **Restore from memory**: ``bytes / restore_local_gbps``, the rate measured for the in-place
   restore stage (mttr.json, 26.3 M parameters x 12 bytes of fp32 + Adam per rank).
+* **Per-step cost of the framework** (every step, whether or not anything fails): the seconds
+  torchft's quorum, commit vote and managed allreduce add to a plain-DDP step, and nonstop's
+  worker without its snapshot, measured side by side with a model small enough that compute and
+  gradient traffic are negligible (``step_cost_peers-tiny.json``, ``bench_step_cost_peers.py
+  --model tiny``): the fixed latency each step pays on any hardware. The part that grows with the
+  model (on CPU: torchft's comm hook waits for each bucket inside backward) is not charged: it
+  depends on the backend (NCCL waits on the stream, not the CPU), so this is a lower bound.
 * **Migration and elastic grow at scale** (``sim/swapsim.py``): the runtime's boundary-swap machine
   timed action by action; its pause is the boundary fetch still in flight + the joiner's restore +
   ``rendezvous_s(n)`` + the per-swap cost measured on one node beyond the step itself
@@ -83,6 +90,11 @@ class Calibration:
     cpu_every_step_throughput: float = 0.918
     # measured by benchmarks/bench_persist.py
     persist_node_gbps: float = 0.93
+    # measured by benchmarks/bench_step_cost_peers.py --model tiny: seconds a framework adds to every
+    # plain-DDP step (torchft: quorum + commit vote + managed allreduce; nonstop: its worker with
+    # the snapshot off -- the snapshot's stall is charged by the law above)
+    torchft_step_overhead_s: float = 0.0018
+    nonstop_step_overhead_s: float = 0.0006
     # live-migration pause in median steps beyond the step itself (bench_migration.py)
     migration_pause_steps: float = 2.0
     # measured by benchmarks/bench_elastic.py: the pause of an elastic grow (joiners prepared while
@@ -240,6 +252,17 @@ def load_calibration(results_dir: Path = DEFAULT_RESULTS, **overrides: float) ->
         _num(_get(persist, "summary", "persist_none", "raw_gb_per_s")),
         "persist.json persist_none raw GB/s",
     )
+    peers = load("step_cost_peers-tiny.json")
+    for name, contender in (
+        ("torchft_step_overhead_s", "torchft"),
+        ("nonstop_step_overhead_s", "nonstop_off"),
+    ):
+        extra = _get(peers, "summary", contender, "extra_s_vs_ddp", "median")
+        take(
+            name,
+            max(0.0, float(extra)) if isinstance(extra, int | float) and math.isfinite(extra) else None,
+            f"step_cost_peers-tiny.json {contender} extra_s_vs_ddp (>= 0)",
+        )
     elastic = load("elastic.json")
     gap = _num(_get(elastic, "summary", "grow_gap_over_median", "median"))
     take(

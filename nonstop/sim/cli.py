@@ -16,6 +16,7 @@ from typing import Any
 
 from nonstop.errors import UsageError
 from nonstop.runtime.policy import QuarantinePolicy
+from nonstop.runtime.survivors import SurvivorMode
 from nonstop.sim.advisor import advise, plot_frontier
 from nonstop.sim.api import JobSpec, SimResult, Strategy, require
 from nonstop.sim.calibrate import DEFAULT_RESULTS, Calibration, load_calibration
@@ -122,6 +123,14 @@ def add_parsers(sub: Any) -> None:
         metavar="SECONDS",
         help="nonstop elastic: wait this long for the fresh node before shrinking (default %(default)s)",
     )
+    sim.add_argument(
+        "--survivors",
+        choices=[m.value for m in SurvivorMode],
+        default=SurvivorMode.AUTO.value,
+        help="nonstop elastic, a failure a hot spare could take: auto (the runtime's policy chooses "
+        "with this job's costs at scale), wait (replace first), continue (shrink first, the spare "
+        "joins by a grow) (default %(default)s)",
+    )
     progress = sim.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None)
     progress.add_argument("--no-progress", dest="progress", action="store_false")
@@ -207,6 +216,7 @@ def build_strategies(
                 min_world_size=ns.min_world_size,
                 elastic_wait_s=ns.elastic_wait,
                 shards_per_rank=ns.shards_per_rank,
+                survivors=SurvivorMode(ns.survivors),
             )
             out.append(Nonstop(job=job, params=params, calibration=cal))
     return out
@@ -290,7 +300,8 @@ def _advise(ns: argparse.Namespace) -> int:
     print(
         f"advice for {job.num_gpus:,} GPUs, {job.state_bytes_per_gpu / 1e9:g} GB/GPU, preset {model.name}, "
         f"{ns.host_mem_gb:g} GB host memory/node: replicas {b.replicas}, snapshot every {b.snapshot_every} "
-        f"step(s), persist every {b.persist_every_s:,.0f} s, {b.spare_nodes} spare node(s) -> "
+        f"step(s), persist every {b.persist_every_s:,.0f} s, {b.spare_nodes} spare node(s), elastic "
+        f"{b.elastic} -> "
         f"ETTR {b.ettr:.4f}, goodput/provisioned GPU {b.goodput_per_provisioned_gpu:.4f}"
     )
     if adv.rejected_for_memory:

@@ -22,6 +22,13 @@ without elasticity); the shrunk job's rate comes from
 :func:`~nonstop.runtime.elastic.assign_shards` (the slowest rank plays the most shards), and it
 grows back through :meth:`~nonstop.runtime.elastic.ElasticPolicy.grow_to` when the pool node joins.
 
+Survivors (``NonstopParams.survivors``, the runtime's ``--survivors``): a failure a hot spare could
+take goes to :func:`~nonstop.runtime.survivors.choose` when :func:`~nonstop.runtime.planning.may_shrink`
+lets the job go on without the node -- shrink first (the survivors pause for one rebuild and train
+shrunk while the spare prepares: launch, fetch, restore, a warm-up step; it then joins by a grow)
+or replace first (everyone waits for the spare), with this job's costs at scale as the runtime
+passes it the costs it measured.
+
 Granularity: one call per failed node; the node's ranks move together (a node's GPUs share its
 snapshot memory and its spare), so ``failed`` holds one entry for the node's rank group. Ranks are
 GPUs (one data-parallel rank per GPU, as the runtime starts them): an elastic job has
@@ -35,7 +42,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nonstop.runtime import elastic, policy
+from nonstop.runtime import elastic, planning, policy, survivors
 from nonstop.runtime.elastic import ElasticAction, ElasticDecision
 from nonstop.runtime.policy import (
     FailureKind,
@@ -45,6 +52,7 @@ from nonstop.runtime.policy import (
     ReplacementSource,
     Tier,
 )
+from nonstop.runtime.survivors import SurvivorChoice, SurvivorCosts, SurvivorMode
 from nonstop.runtime.swap import SwapKind
 from nonstop.sim import recoverysim, swapsim
 from nonstop.sim.api import STEADY, JobSpec, Recovery, RunContext, Trained, default_spare_nodes, require
@@ -73,7 +81,9 @@ class NonstopParams:
     GPU count) never shrinks: the job waits for the pool node. elastic_wait_s: the runtime's
     ``--elastic-wait``: wait this long for the pool node before shrinking. shards_per_rank: the
     runtime's ``--shards-per-rank`` M (micro-batches per rank and step at full size): a shrunk
-    step takes ``max(len(shards)) / M`` of a full one.
+    step takes ``max(len(shards)) / M`` of a full one. survivors: the runtime's ``--survivors``
+    (``auto``: :func:`~nonstop.runtime.survivors.choose` decides per failure; ``wait``: replace
+    first; ``continue``: shrink first wherever the job may shrink); only an elastic job shrinks.
     """
 
     snapshot_every: int = 1
@@ -87,6 +97,7 @@ class NonstopParams:
     min_world_size: int = 0
     elastic_wait_s: float = 0.0
     shards_per_rank: int = 1
+    survivors: SurvivorMode = SurvivorMode.AUTO
 
     def __post_init__(self) -> None:
         require(self.snapshot_every >= 1, f"--snapshot-every must be >= 1 step; got {self.snapshot_every}")
@@ -147,6 +158,8 @@ class Nonstop:
             f"a snapshot stall of {self.stall:.2f} s does not fit in {p.snapshot_every} step(s) of "
             f"{job.step_s} s: snapshot less often (--snapshot-every)",
         )
+        # what every step gives up: the snapshot's stall, and the worker's own per-step cost
+        self.steady_fraction = (self.stall / p.snapshot_every + cal.nonstop_step_overhead_s) / job.step_s
         self.transfer = cal.peer_transfer_s(b)
         self.replica_lag_steps = math.ceil(p.replicas * self.transfer / job.step_s) if p.replicas else 0
         self.restore_local = cal.restore_local_s(b)
@@ -216,6 +229,7 @@ class Nonstop:
         self.world = n  # data-parallel ranks playing now
         self.absent: dict[int, str] = {}  # position dropped by a shrink -> its cause, until its node joins
         self.joins: list[tuple[float, int]] = []  # (when a pool node is ready to join, its position)
+        self.joiner: dict[int, str] = {}  # position -> what joins it: "pool", or a hot "spare" (shrink first)
         self._slowest: dict[int, int] = {}  # world size -> most shards one rank plays
 
     def advance(self, dt: float) -> float:
@@ -224,13 +238,14 @@ class Nonstop:
         return tr.overhead_s + tr.shrunk_s
 
     def train(self, dt: float) -> Trained:
-        """``dt`` of training: the snapshot stall, and while shrunk the rate given up.
+        """``dt`` of training: the snapshot stall and the worker's per-step cost (``steady_fraction``),
+        and while shrunk the rate given up.
 
-        At full size the job progresses ``dt x (1 - stall fraction)``; with ``W'`` ranks a step
+        At full size the job progresses ``dt x (1 - steady_fraction)``; with ``W'`` ranks a step
         takes ``max(len(shards))`` times as long (``elastic.assign_shards``), so it progresses that
         much less, and the difference is booked as ``shrunk`` to the cause of the newest shrink.
         """
-        frac = self.stall / (self.job.step_s * self.p.snapshot_every)
+        frac = self.steady_fraction
         if self.world >= self.job.num_gpus:
             self.work += dt * (1.0 - frac)
             return Trained(overhead_s=dt * frac)
@@ -267,11 +282,13 @@ class Nonstop:
         self.world = target
         pause = list(self.grow_swap.stages)
         back = now + sum(s for _, s in pause) + self.transfer * max(1, self.p.replicas)
+        sources = {self.joiner.pop(pos, POOL) for pos in ready}
         for pos in ready:
             self.absent.pop(pos, None)
-            self.mem_back_at[pos] = back  # the new machine's memory holds replicas again
-            self.proc_spare_at[pos] = back
-        return cause, Recovery(pause=pause, replacement=POOL, resize="grow")
+            if self.mem_back_at.get(pos) == math.inf:  # a new machine: its memory holds replicas again
+                self.mem_back_at[pos] = back
+                self.proc_spare_at[pos] = back
+        return cause, Recovery(pause=pause, replacement=min(sources), resize="grow")
 
     def _lost(self, tier: Tier) -> float:
         step, k = self.job.step_s, self.p.snapshot_every
@@ -320,6 +337,25 @@ class Nonstop:
         waited = 0.0
         if 0 in placed:
             placement = placed[0]
+            if placement.source is ReplacementSource.SPARE and action is not RecoveryAction.MIGRATE:
+                prepare = self._spare_prepare_s(in_place=placement.node == name)
+                if self.survivor_choice(prepare).shrink_first:
+                    self._take(node, placement, healthy=action is RecoveryAction.RESTART_IN_PLACE, now=now)
+                    shrunk = ElasticDecision(
+                        action=ElasticAction.SHRINK, world_size=self.world - self.job.gpus_per_node
+                    )
+                    return self._shrink(
+                        now,
+                        node,
+                        cause,
+                        action,
+                        shrunk,
+                        0.0,
+                        recovering,
+                        join_after_s=prepare,
+                        first=True,
+                        keeps_machine=placement.node == name,
+                    )
         else:
             decision, waited = self._unplaced()
             resize = decision.action.value
@@ -355,9 +391,7 @@ class Nonstop:
         if placement.source is ReplacementSource.SPARE and placement.node == name:
             self.proc_spare_at[node] = now + cal.launch_cold_s  # a new spare warms up
         elif placement.node != name:
-            healthy = action is RecoveryAction.RESTART_IN_PLACE
-            if placement.node != POOL:
-                self.spares.take(placement.node, now=now, back_after_s=0.0 if healthy else cal.repair_s)
+            self._take(node, placement, healthy=action is RecoveryAction.RESTART_IN_PLACE, now=now)
             self.mem_back_at[node] = now + back
             self.history[node] = []  # a different machine plays this position now
             self.proc_spare_at[node] = now + back
@@ -365,6 +399,37 @@ class Nonstop:
         return Recovery(
             pause=pause, lost_work_s=lost, action=action, tier=tier, replacement=source, resize=resize
         )
+
+    def _take(self, node: int, placement: Placement, *, healthy: bool, now: float) -> None:
+        """A spare node taken for ``node`` (its machine comes back as a spare after repair unless
+        it was healthy); a process spare on the node itself warms up again."""
+        if placement.node == f"n{node}":
+            self.proc_spare_at[node] = now + self.cal.launch_cold_s
+        elif placement.node != POOL:
+            self.spares.take(placement.node, now=now, back_after_s=0.0 if healthy else self.cal.repair_s)
+
+    def _spare_prepare_s(self, *, in_place: bool) -> float:
+        """A hot spare's time to be ready to train a lost node's ranks: its launch, the fetch of
+        the step from a peer (a spare node), the restore, and one warm-up step."""
+        fetch = 0.0 if in_place else self.transfer
+        return max(self.cal.launch_spare_s, fetch) + self.restore_local + self.job.step_s
+
+    def survivor_choice(self, prepare_s: float) -> SurvivorChoice:
+        """The runtime's :func:`~nonstop.runtime.survivors.choose` for a node a hot spare could
+        replace, with this job's costs at scale: the spare's launch, fetch and restore, one rebuild
+        of the group, the grow's pause at the boundary, the shrunk job's rate."""
+        gpus = self.job.gpus_per_node
+        missing = range(self.world - gpus, self.world)
+        can = self.elastic.enabled and planning.may_shrink(self.elastic, self.world, missing)
+        shrunk = self.world - gpus
+        rate = self.p.shards_per_rank / self.slowest_rank_shards(shrunk) if shrunk > 0 else 0.0
+        costs = SurvivorCosts(
+            step_s=self.job.step_s,
+            restore_s=prepare_s - self.job.step_s,
+            rebuild_s=self.rebuild,
+            swap_s=self.grow_pause,
+        )
+        return survivors.choose(self.p.survivors, can_shrink=can, costs=costs, rate=min(1.0, rate))
 
     def _unplaced(self) -> tuple[ElasticDecision, float]:
         """What ``elastic.ElasticPolicy.on_unplaced`` does with a node's ranks no spare can take,
@@ -392,10 +457,16 @@ class Nonstop:
         decision: ElasticDecision,
         waited: float,
         recovering: bool,
+        *,
+        join_after_s: float | None = None,
+        first: bool = False,
+        keeps_machine: bool = False,
     ) -> Recovery:
         """Go on without node ``node``: the survivors restore their own newest step (the tier the
         policy picks for ranks whose memory is alive) and rebuild a group of
-        ``decision.world_size`` ranks; a pool node is asked for and joins once prepared."""
+        ``decision.world_size`` ranks; a pool node is asked for and joins once prepared, or
+        (``join_after_s``: a hot spare, shrink ``first``) the spare joins that long after the plan;
+        ``keeps_machine``: the spare is a process on the node itself (its memory stays usable)."""
         cal = self.cal
         tier = policy.choose_tier(local_alive=True, has_local=True, peer_has=True, durable_has=True)
         assert tier is not None
@@ -406,13 +477,21 @@ class Nonstop:
         self.work -= lost
         self.world = decision.world_size
         self.absent[node] = cause.name
-        self.history[node] = []  # its machine leaves the job
-        self.mem_back_at[node] = math.inf  # until a machine plays the position again
-        self.proc_spare_at[node] = math.inf
-        ready = now + detect + cal.plan_s + cal.node_provision_s + self.grow_prepare
-        heapq.heappush(self.joins, (ready, node))
+        if not keeps_machine:
+            self.history[node] = []  # its machine leaves the job
+            self.mem_back_at[node] = math.inf  # until a machine plays the position again
+            self.proc_spare_at[node] = math.inf
+        if join_after_s is None:
+            join_after_s = cal.node_provision_s + self.grow_prepare
+        self.joiner[node] = "spare" if first else POOL
+        heapq.heappush(self.joins, (now + detect + cal.plan_s + join_after_s, node))
         return Recovery(
-            pause=pause, lost_work_s=lost, action=action, tier=tier, replacement="shrink", resize="shrink"
+            pause=pause,
+            lost_work_s=lost,
+            action=action,
+            tier=tier,
+            replacement="spare" if first else "shrink",
+            resize="shrink_first" if first else "shrink",
         )
 
     def _generation(
@@ -449,6 +528,8 @@ class Nonstop:
             "snapshot_every": self.p.snapshot_every,
             "stall_s": self.stall,
             "stall_fraction": self.stall / (self.job.step_s * self.p.snapshot_every),
+            "step_overhead_s": self.cal.nonstop_step_overhead_s,
+            "steady_fraction": self.steady_fraction,
             "replicas": self.p.replicas,
             "replica_lag_steps": self.replica_lag_steps,
             "spares_per_node": self.p.spares_per_node,
@@ -463,6 +544,7 @@ class Nonstop:
             "min_world_size": self.p.min_world_size,
             "elastic_wait_s": self.p.elastic_wait_s,
             "shards_per_rank": self.p.shards_per_rank,
+            "survivors": self.p.survivors.value,
             "grow_prepare_s": self.grow_prepare,
             "grow_pause_s": self.grow_pause,
             "quarantine": {

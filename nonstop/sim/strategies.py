@@ -280,6 +280,7 @@ class TorchftLike:
         self.spare_gpus = spare_nodes * job.gpus_per_node
         b = job.state_bytes_per_gpu
         self.fetch = cal.peer_transfer_s(b)
+        self.step_overhead_fraction = cal.torchft_step_overhead_s / job.step_s
         self.ckpt_blocking = cal.dcp_blocking_s(b)
         self.durable_load = cal.durable_read_s(b, job.num_gpus, job.gpus_per_node)
         for label, v in (
@@ -297,10 +298,13 @@ class TorchftLike:
         self.spares = SparePool(self.spare_nodes)
 
     def advance(self, dt: float) -> float:
+        """Checkpoint blocking, and every step torchft's own cost (quorum, commit vote, managed
+        allreduce: ``Calibration.torchft_step_overhead_s``, measured side by side with DDP)."""
         cycle = self.ckpt_interval + self.ckpt_blocking
         n_ckpt = math.floor((self.since_ckpt + dt) / cycle)
         overhead = n_ckpt * self.ckpt_blocking
         self.since_ckpt = (self.since_ckpt + dt) - n_ckpt * cycle
+        overhead += (dt - overhead) * self.step_overhead_fraction
         self.work += dt - overhead
         return overhead
 
@@ -368,5 +372,6 @@ class TorchftLike:
             "fetch_s": self.fetch,
             "ckpt_interval_s": self.ckpt_interval,
             "ckpt_blocking_s": self.ckpt_blocking,
+            "step_overhead_s": self.cal.torchft_step_overhead_s,
             "spare_nodes": self.spare_nodes,
         }
