@@ -415,27 +415,34 @@ def torchft_node(
     return out
 
 
+def start_lighthouse(procs: Procs) -> subprocess.Popen[bytes]:
+    """torchft's Lighthouse (:data:`LIGHTHOUSE_FLAGS`) on a free local port, listening; the
+    processes ``procs`` starts next find it through ``TORCHFT_LIGHTHOUSE``."""
+    port = free_port()
+    lighthouse = procs.start(
+        "lighthouse",
+        [
+            str(Path(sys.executable).parent / "torchft_lighthouse"),
+            *LIGHTHOUSE_FLAGS.split(),
+            "--bind",
+            f"127.0.0.1:{port}",
+        ],
+    )
+    wait_listening(port, lighthouse, 30)
+    procs.env["TORCHFT_LIGHTHOUSE"] = f"http://127.0.0.1:{port}"
+    return lighthouse
+
+
 def run_torchft(opts: Options, run_dir: Path) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     events_path = run_dir / "events.jsonl"
     procs = Procs(run_dir, base_env(opts))
-    lh_port = free_port()
     rec: dict[str, Any] = {"ok": False}
     t_start = time.monotonic()
     deadline = t_start + opts.timeout_s
     lighthouse: subprocess.Popen[bytes] | None = None
     try:
-        lighthouse = procs.start(
-            "lighthouse",
-            [
-                str(Path(sys.executable).parent / "torchft_lighthouse"),
-                *LIGHTHOUSE_FLAGS.split(),
-                "--bind",
-                f"127.0.0.1:{lh_port}",
-            ],
-        )
-        wait_listening(lh_port, lighthouse, 30)
-        procs.env["TORCHFT_LIGHTHOUSE"] = f"http://127.0.0.1:{lh_port}"
+        lighthouse = start_lighthouse(procs)
         nodes = {
             g: torchft_node(
                 procs,

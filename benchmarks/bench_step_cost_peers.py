@@ -52,7 +52,7 @@ for _p in (str(REPO), str(BENCH)):
         sys.path.insert(0, _p)
 
 from bench_mttr import machine_info, read_jsonl, run_stamp  # noqa: E402
-from bench_node_loss_peers import LIGHTHOUSE_FLAGS, Procs, free_port, wait_listening  # noqa: E402
+from bench_node_loss_peers import LIGHTHOUSE_FLAGS, Procs, free_port, start_lighthouse  # noqa: E402
 
 from nonstop.demo.runner import demo_job_config  # noqa: E402
 from nonstop.runtime.coordinator import JobState  # noqa: E402
@@ -123,19 +123,8 @@ def run_ddp(args: argparse.Namespace, run_dir: Path) -> list[float]:
 def run_torchft(args: argparse.Namespace, run_dir: Path) -> list[float]:
     procs = Procs(run_dir, _env(args))
     events = run_dir / "events.jsonl"
-    lh_port = free_port()
     try:
-        lighthouse = procs.start(
-            "lighthouse",
-            [
-                str(Path(sys.executable).parent / "torchft_lighthouse"),
-                *LIGHTHOUSE_FLAGS.split(),
-                "--bind",
-                f"127.0.0.1:{lh_port}",
-            ],
-        )
-        wait_listening(lh_port, lighthouse, 30)
-        procs.env["TORCHFT_LIGHTHOUSE"] = f"http://127.0.0.1:{lh_port}"
+        start_lighthouse(procs)
         workers = [
             procs.start(
                 f"torchft-g{g}",

@@ -7,46 +7,26 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from nonstop.errors import UsageError
 from nonstop.runtime import elastic
 from nonstop.runtime.elastic import ElasticAction, ElasticDecision, ElasticPolicy
-from nonstop.runtime.policy import FailureKind
-from nonstop.sim.api import FailureEvents, JobSpec, Resizing, SimResult
+from nonstop.sim.api import JobSpec, Resizing, SimResult
 from nonstop.sim.calibrate import Calibration, rendezvous_s
 from nonstop.sim.cli import add_parsers, dispatch
 from nonstop.sim.engine import simulate
-from nonstop.sim.failures import Cause, FailureModel, preset
+from nonstop.sim.failures import FailureModel, preset
 from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
 from nonstop.sim.strategies import CheckpointRestart, TorchftLike
+from tests.simscript import NODE_LOSS, Scripted
 
 # code defaults (results that do not move when benchmarks/results is rewritten), without the
 # frameworks' per-step costs measured since these figures were pinned (tests/test_sim_survivors.py)
 CAL = Calibration(torchft_step_overhead_s=0.0, nonstop_step_overhead_s=0.0)
 SLOW_POOL = Calibration(node_provision_s=3600.0, torchft_step_overhead_s=0.0, nonstop_step_overhead_s=0.0)
 JOB = JobSpec(num_gpus=1024, days=30)
-NODE_LOSS = (Cause(name="node", weight=1, kind=FailureKind.NODE_LOST),)
-LOSSES = FailureModel(rate_per_node_day=0.05, causes=NODE_LOSS)
-
-
-class Scripted:
-    """Failures at given times and node positions (all node losses)."""
-
-    def __init__(self, *failures: tuple[float, int]) -> None:
-        self.failures = failures
-
-    def sample(self, job: JobSpec, rng: np.random.Generator) -> FailureEvents:
-        del job, rng
-        n = len(self.failures)
-        return FailureEvents(
-            time=np.array([t for t, _ in self.failures], dtype=np.float64),
-            node=np.array([k for _, k in self.failures], dtype=np.int64),
-            cause=np.zeros(n, dtype=np.int64),
-            lemon=np.zeros(n, dtype=np.bool_),
-            causes=NODE_LOSS,
-        )
+LOSSES = FailureModel(rate_per_node_day=0.05, causes=(NODE_LOSS,))
 
 
 def run(

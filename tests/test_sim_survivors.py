@@ -7,45 +7,25 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from nonstop.runtime import survivors
 from nonstop.runtime.policy import FailureKind
 from nonstop.runtime.survivors import SurvivorChoice, SurvivorMode
 from nonstop.sim.advisor import advise
-from nonstop.sim.api import FailureEvents, JobSpec, SimResult
+from nonstop.sim.api import JobSpec, SimResult
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s
 from nonstop.sim.engine import simulate
 from nonstop.sim.failures import Cause, FailureModel
 from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
 from nonstop.sim.strategies import CheckpointRestart, TorchftLike
+from tests.simscript import NODE_LOSS, Scripted
 
 JOB = JobSpec(num_gpus=64, days=1)
-NODE_LOSS = Cause(name="node", weight=1, kind=FailureKind.NODE_LOST)
 CRASH = Cause(name="crash", weight=1, kind=FailureKind.KILLED)
 # a slow link to the peers (0.05 GB/s: 80 s for a GPU's 4 GB): a spare node's fetch is long, while
 # the survivors restore from their own memory
 SLOW_FETCH = Calibration(peer_gbps_per_gpu=0.05)
-
-
-class Scripted:
-    """Failures at given times and node positions, each of a given cause."""
-
-    def __init__(self, cause: Cause, *failures: tuple[float, int]) -> None:
-        self.cause = cause
-        self.failures = failures
-
-    def sample(self, job: JobSpec, rng: np.random.Generator) -> FailureEvents:
-        del job, rng
-        n = len(self.failures)
-        return FailureEvents(
-            time=np.array([t for t, _ in self.failures], dtype=np.float64),
-            node=np.array([k for _, k in self.failures], dtype=np.int64),
-            cause=np.zeros(n, dtype=np.int64),
-            lemon=np.zeros(n, dtype=np.bool_),
-            causes=(self.cause,),
-        )
 
 
 def run(
@@ -57,7 +37,7 @@ def run(
 ) -> tuple[SimResult, Nonstop]:
     params = NonstopParams(spare_nodes=2, min_world_size=min_world_size, survivors=survivors_mode)
     strat = Nonstop(job=JOB, params=params, calibration=cal)
-    return simulate(JOB, Scripted(cause, (10_000.0, 3)), strat), strat
+    return simulate(JOB, Scripted((10_000.0, 3), cause=cause), strat), strat
 
 
 def test_shrink_first_goes_on_while_the_spare_prepares() -> None:
