@@ -148,12 +148,13 @@ def test_rank_memory_lost_recovers_from_the_durable_tier(tmp_path: Path, referen
         tmp_path / "job",
         persist_url=str(tmp_path / "ckpt"),
         persist_every=3,
-        faults=("wipe:rank=1,step=10",),
-        script_extra=("--step-delay", "0.15"),  # time for the lazy persister to commit some steps
+        faults=("wipe:rank=1,step=14",),
+        # time for the lazy persister to commit some steps, even on a loaded machine
+        script_extra=("--step-delay", "0.3"),
     )
     assert run.out is not None, run.result.error
     restored = [e for e in run.events if e["event"] == "restore_from_durable"]
-    assert len(restored) == 1 and 0 < restored[0]["step"] <= 10
+    assert len(restored) == 1 and 0 < restored[0]["step"] <= 14
     gen = [e for e in run.events if e["event"] == "generation" and e["cause"]]
     assert gen[0]["restore_step"] == restored[0]["step"]
     assert run.out["final_hash"] == reference_hash
