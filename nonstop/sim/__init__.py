@@ -11,7 +11,11 @@ Concepts (each in its own module):
 * :mod:`~nonstop.sim.engine` — the discrete-event engine (:func:`simulate`).
 * :mod:`~nonstop.sim.strategies` — :class:`CheckpointRestart` (DCP + torchrun) and
   :class:`TorchftLike`; :mod:`~nonstop.sim.nonstop_strategy` — :class:`Nonstop`, which decides
-  through the runtime's own policies (:mod:`nonstop.runtime.policy`, :mod:`nonstop.runtime.elastic`).
+  through the runtime's own policies (:mod:`nonstop.runtime.policy`, :mod:`nonstop.runtime.elastic`);
+  its elastic world (who is out, who joins, the shrunk rate, shrink first or replace first:
+  :mod:`nonstop.runtime.survivors`) is :mod:`~nonstop.sim.elasticsim`; grows, migrations and
+  recoveries are timed through the runtime's machines (:mod:`~nonstop.sim.swapsim`,
+  :mod:`~nonstop.sim.recoverysim`).
 * :mod:`~nonstop.sim.calibrate` — costs read from ``benchmarks/results`` and the scaling laws.
 * :mod:`~nonstop.sim.theory` — Young/Daly, the exact renewal formula, Meta's E[ETTR].
 * :mod:`~nonstop.sim.metrics` — ETTR, goodput, breakdowns, JSON, plots.

@@ -37,12 +37,11 @@ GPUs (one data-parallel rank per GPU, as the runtime starts them): an elastic jo
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nonstop.runtime import elastic, planning, policy, survivors
+from nonstop.runtime import policy
 from nonstop.runtime.elastic import ElasticAction, ElasticDecision
 from nonstop.runtime.policy import (
     FailureKind,
@@ -55,8 +54,9 @@ from nonstop.runtime.policy import (
 from nonstop.runtime.survivors import SurvivorChoice, SurvivorCosts, SurvivorMode
 from nonstop.runtime.swap import SwapKind
 from nonstop.sim import recoverysim, swapsim
-from nonstop.sim.api import STEADY, JobSpec, Recovery, RunContext, Trained, default_spare_nodes, require
+from nonstop.sim.api import JobSpec, Recovery, RunContext, Trained, default_spare_nodes, require
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s
+from nonstop.sim.elasticsim import ElasticWorld
 from nonstop.sim.failures import Cause
 from nonstop.sim.recoverysim import RecoveryCosts
 from nonstop.sim.strategies import SparePool
@@ -222,15 +222,13 @@ class Nonstop:
         self.proc_spare_at: dict[int, float] = {}  # position -> when its process spare is ready again
         self.mem_back_at: dict[int, float] = {}  # position -> when its snapshot memory is usable again
         self.spares = SparePool(self.num_spare_nodes)
-        n = self.job.num_gpus
-        self.elastic = elastic.ElasticPolicy(
-            full_world_size=n, min_world_size=self.p.min_world_size or n, wait_s=self.p.elastic_wait_s
+        self.elastic = ElasticWorld(
+            num_gpus=self.job.num_gpus,
+            gpus_per_node=self.job.gpus_per_node,
+            min_world_size=self.p.min_world_size,
+            wait_s=self.p.elastic_wait_s,
+            shards_per_rank=self.p.shards_per_rank,
         )
-        self.world = n  # data-parallel ranks playing now
-        self.absent: dict[int, str] = {}  # position dropped by a shrink -> its cause, until its node joins
-        self.joins: list[tuple[float, int]] = []  # (when a pool node is ready to join, its position)
-        self.joiner: dict[int, str] = {}  # position -> what joins it: "pool", or a hot "spare" (shrink first)
-        self._slowest: dict[int, int] = {}  # world size -> most shards one rank plays
 
     def advance(self, dt: float) -> float:
         """``Strategy.advance``: everything :meth:`train` says was given up, in one figure."""
@@ -246,49 +244,33 @@ class Nonstop:
         much less, and the difference is booked as ``shrunk`` to the cause of the newest shrink.
         """
         frac = self.steady_fraction
-        if self.world >= self.job.num_gpus:
+        if self.elastic.full:
             self.work += dt * (1.0 - frac)
             return Trained(overhead_s=dt * frac)
-        useful = dt * (1.0 - frac) * self.p.shards_per_rank / self.slowest_rank_shards(self.world)
+        useful = dt * (1.0 - frac) * self.elastic.rate(self.elastic.world)
         self.work += useful
-        cause = next(reversed(self.absent.values()), STEADY)
+        cause = self.elastic.newest_cause
         return Trained(overhead_s=dt * frac, shrunk_s=dt - dt * frac - useful, cause=cause, shrunk=True)
 
-    def slowest_rank_shards(self, world_size: int) -> int:
-        """The shards the busiest of ``world_size`` ranks plays (``elastic.assign_shards`` of the
-        job's ``num_gpus x shards_per_rank`` shards); over ``shards_per_rank``, the factor by which
-        a step of the shrunk job is longer than the full job's."""
-        if world_size not in self._slowest:
-            shards = elastic.assign_shards(self.job.num_gpus * self.p.shards_per_rank, world_size)
-            self._slowest[world_size] = max(len(s) for s in shards)
-        return self._slowest[world_size]
-
     def next_event(self) -> float | None:
-        """When the next pool node that replaces a dropped one is prepared to join (a grow)."""
-        return self.joins[0][0] if self.joins else None
+        """When the next machine that replaces a dropped node is prepared to join (a grow)."""
+        return self.elastic.next_join()
 
     def on_event(self, *, now: float) -> tuple[str, Recovery]:
         """Every pool node prepared by ``now`` joins, if ``elastic.ElasticPolicy.grow_to`` grows the
         world: every rank pauses after a boundary step, the joiners fetch it and a new generation
         starts (``grow_pause_steps`` steps + a rendezvous, nothing rolled back). Booked to the cause
         of the shrink the first joiner undoes."""
-        ready: list[int] = []
-        while self.joins and self.joins[0][0] <= now:
-            ready.append(heapq.heappop(self.joins)[1])
-        cause = self.absent.get(ready[0], STEADY) if ready else STEADY
-        target = self.elastic.grow_to(world_size=self.world, idle_spares=len(ready) * self.job.gpus_per_node)
-        if target <= self.world:
+        ready, cause, joined = self.elastic.grow(now)
+        if joined is None:
             return cause, Recovery()  # the policy does not grow: those nodes stay out of the job
-        self.world = target
         pause = list(self.grow_swap.stages)
         back = now + sum(s for _, s in pause) + self.transfer * max(1, self.p.replicas)
-        sources = {self.joiner.pop(pos, POOL) for pos in ready}
         for pos in ready:
-            self.absent.pop(pos, None)
             if self.mem_back_at.get(pos) == math.inf:  # a new machine: its memory holds replicas again
                 self.mem_back_at[pos] = back
                 self.proc_spare_at[pos] = back
-        return cause, Recovery(pause=pause, replacement=min(sources), resize="grow")
+        return cause, Recovery(pause=pause, replacement=joined, resize="grow")
 
     def _lost(self, tier: Tier) -> float:
         step, k = self.job.step_s, self.p.snapshot_every
@@ -302,7 +284,7 @@ class Nonstop:
 
     def on_failure(self, *, now: float, node: int, cause: Cause, recovering: bool) -> Recovery:
         cal = self.cal
-        if node in self.absent:  # dropped by a shrink: no machine plays this position until one joins
+        if node in self.elastic.absent:  # dropped by a shrink: no machine plays this position until one joins
             return Recovery()
         name = f"n{node}"
         hist = self.history.setdefault(node, [])
@@ -323,7 +305,7 @@ class Nonstop:
         load = {nm: 1 for nm in live if nm.startswith("n")}
         # an elastic job starts no cold process on another node (as the runtime): the ranks no
         # spare takes are unplaced, and the elastic policy decides (a planned move is unchanged)
-        elastic_here = self.elastic.enabled and action is not RecoveryAction.MIGRATE
+        elastic_here = self.elastic.policy.enabled and action is not RecoveryAction.MIGRATE
         placed = policy.choose_replacements(
             failed={0: name},
             spares=spares,
@@ -342,7 +324,7 @@ class Nonstop:
                 if self.survivor_choice(prepare).shrink_first:
                     self._take(node, placement, healthy=action is RecoveryAction.RESTART_IN_PLACE, now=now)
                     shrunk = ElasticDecision(
-                        action=ElasticAction.SHRINK, world_size=self.world - self.job.gpus_per_node
+                        action=ElasticAction.SHRINK, world_size=self.elastic.world - self.job.gpus_per_node
                     )
                     return self._shrink(
                         now,
@@ -357,7 +339,7 @@ class Nonstop:
                         keeps_machine=placement.node == name,
                     )
         else:
-            decision, waited = self._unplaced()
+            decision, waited = self.elastic.unplaced(cal.node_provision_s)
             resize = decision.action.value
             if decision.action is ElasticAction.SHRINK:
                 return self._shrink(now, node, cause, action, decision, waited, recovering)
@@ -388,10 +370,9 @@ class Nonstop:
         self.work -= lost
         # bookkeeping: spares used, machines leaving, memory that must be re-replicated
         back = sum(s for _, s in pause) + self.transfer * max(1, self.p.replicas)
-        if placement.source is ReplacementSource.SPARE and placement.node == name:
-            self.proc_spare_at[node] = now + cal.launch_cold_s  # a new spare warms up
-        elif placement.node != name:
+        if placement.source is ReplacementSource.SPARE or placement.node != name:
             self._take(node, placement, healthy=action is RecoveryAction.RESTART_IN_PLACE, now=now)
+        if placement.node != name:
             self.mem_back_at[node] = now + back
             self.history[node] = []  # a different machine plays this position now
             self.proc_spare_at[node] = now + back
@@ -415,38 +396,16 @@ class Nonstop:
         return max(self.cal.launch_spare_s, fetch) + self.restore_local + self.job.step_s
 
     def survivor_choice(self, prepare_s: float) -> SurvivorChoice:
-        """The runtime's :func:`~nonstop.runtime.survivors.choose` for a node a hot spare could
-        replace, with this job's costs at scale: the spare's launch, fetch and restore, one rebuild
-        of the group, the grow's pause at the boundary, the shrunk job's rate."""
-        gpus = self.job.gpus_per_node
-        missing = range(self.world - gpus, self.world)
-        can = self.elastic.enabled and planning.may_shrink(self.elastic, self.world, missing)
-        shrunk = self.world - gpus
-        rate = self.p.shards_per_rank / self.slowest_rank_shards(shrunk) if shrunk > 0 else 0.0
+        """The runtime's choice (:meth:`ElasticWorld.survivor_choice`) for a node a hot spare
+        could replace, with this job's costs at scale: the spare's launch, fetch and restore
+        (``prepare_s`` less its warm-up step), one rebuild of the group, the grow's pause."""
         costs = SurvivorCosts(
             step_s=self.job.step_s,
             restore_s=prepare_s - self.job.step_s,
             rebuild_s=self.rebuild,
             swap_s=self.grow_pause,
         )
-        return survivors.choose(self.p.survivors, can_shrink=can, costs=costs, rate=min(1.0, rate))
-
-    def _unplaced(self) -> tuple[ElasticDecision, float]:
-        """What ``elastic.ElasticPolicy.on_unplaced`` does with a node's ranks no spare can take,
-        asked again after each WAIT, as the runtime re-plans. A WAIT the pool node ends (it arrives
-        ``node_provision_s`` after the plan) or that names no time waits for it: the decision is
-        returned with that wait. Returns the last decision and the seconds waited before it."""
-        provision = self.cal.node_provision_s
-        waited = 0.0
-        while True:
-            d = self.elastic.on_unplaced(
-                world_size=self.world, unplaced=self.job.gpus_per_node, waited_s=waited
-            )
-            if d.action is not ElasticAction.WAIT:
-                return d, waited
-            if d.wait_s <= 0 or waited + d.wait_s >= provision:
-                return d, provision
-            waited += d.wait_s
+        return self.elastic.survivor_choice(self.p.survivors, costs)
 
     def _shrink(
         self,
@@ -475,16 +434,19 @@ class Nonstop:
         # the wait for a spare is part of the planning
         pause = [("detect", detect), *self._generation(tier, None, waited_s=waited)]
         self.work -= lost
-        self.world = decision.world_size
-        self.absent[node] = cause.name
         if not keeps_machine:
             self.history[node] = []  # its machine leaves the job
             self.mem_back_at[node] = math.inf  # until a machine plays the position again
             self.proc_spare_at[node] = math.inf
         if join_after_s is None:
             join_after_s = cal.node_provision_s + self.grow_prepare
-        self.joiner[node] = "spare" if first else POOL
-        heapq.heappush(self.joins, (now + detect + cal.plan_s + join_after_s, node))
+        self.elastic.drop(
+            node,
+            cause=cause.name,
+            world_size=decision.world_size,
+            join_at=now + detect + cal.plan_s + join_after_s,
+            joiner="spare" if first else POOL,
+        )
         return Recovery(
             pause=pause,
             lost_work_s=lost,
