@@ -53,10 +53,7 @@ for _p in (str(REPO), str(BENCH)):
 
 from bench_mttr import machine_info, read_jsonl, run_stamp  # noqa: E402
 from bench_node_loss_peers import LIGHTHOUSE_FLAGS, Procs, free_port, start_lighthouse  # noqa: E402
-
-from nonstop.demo.runner import demo_job_config  # noqa: E402
-from nonstop.runtime.coordinator import JobState  # noqa: E402
-from nonstop.runtime.launcher import run_job  # noqa: E402
+from bench_step_overhead import one_job  # noqa: E402
 
 CONTENDERS = ("ddp", "torchft", "nonstop_off", "nonstop")
 BASE = "ddp"
@@ -152,40 +149,19 @@ def run_torchft(args: argparse.Namespace, run_dir: Path) -> list[float]:
     return [b - a for a, b in itertools.pairwise(ts)]
 
 
-def run_nonstop(args: argparse.Namespace, run_dir: Path, *, snapshot: str) -> list[float]:
-    result_file = run_dir / "result.json"
-    cfg = demo_job_config(
-        result=result_file,
-        steps=args.steps,
-        model=args.model,
-        batch=args.batch,
-        nproc_per_node=args.nproc,
-        job_dir=run_dir / "job",
-        snapshot=snapshot,
-        persist_every=0,
-        persist_url=str(run_dir / "ckpt"),
-    )
-    res = run_job(cfg, redirect_output=True)
-    if res.state is not JobState.DONE or not result_file.exists():
-        raise RuntimeError(f"nonstop ({snapshot}) failed: {res.error}")
-    return [float(x) for x in json.loads(result_file.read_text())["step_intervals_s"]]
-
-
 def one_round(args: argparse.Namespace, work: Path) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name in args.contenders:
         run_dir = work / f"{name}-{time.monotonic_ns()}"
         run_dir.mkdir(parents=True)
-        if name == "ddp":
-            intervals = run_ddp(args, run_dir)
-        elif name == "torchft":
-            intervals = run_torchft(args, run_dir)
+        if name.startswith("nonstop"):  # bench_step_overhead's job: nonstop run, rank 0's loop pace
+            out[name] = one_job("off" if name == "nonstop_off" else "overlapped", args, run_dir)
         else:
-            intervals = run_nonstop(args, run_dir, snapshot="off" if name == "nonstop_off" else "overlapped")
-        counted = intervals[args.skip :]
-        if not counted:
-            raise RuntimeError(f"{name}: no step interval after the {args.skip} skipped")
-        out[name] = {"median_interval_s": statistics.median(counted), "intervals_s": counted}
+            intervals = run_ddp(args, run_dir) if name == "ddp" else run_torchft(args, run_dir)
+            counted = intervals[args.skip :]
+            if not counted:
+                raise RuntimeError(f"{name}: no step interval after the {args.skip} skipped")
+            out[name] = {"median_interval_s": statistics.median(counted), "intervals_s": counted}
         shutil.rmtree(run_dir, ignore_errors=True)
     return out
 
