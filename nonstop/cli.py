@@ -219,6 +219,12 @@ def _node_args(p: argparse.ArgumentParser) -> None:
         "tp divides --nproc-per-node): the script trains through Session.run(build=...), which "
         "builds its FSDP2 / HSDP / TP model on that mesh (default: data-parallel DDP)",
     )
+    g.add_argument(
+        "--rebuild-all-groups",
+        action="store_true",
+        help="a sharded job builds every mesh group again in each new generation; by default a "
+        "group whose members all left the last one at a step boundary, unchanged, is kept",
+    )
 
 
 def _node_config(ns: argparse.Namespace) -> dict[str, object]:
@@ -247,6 +253,7 @@ def _node_config(ns: argparse.Namespace) -> dict[str, object]:
         "swap_transfer": ns.swap_transfer,
         "shards_per_rank": ns.shards_per_rank,
         "mesh": ns.mesh,
+        "keep_groups": not ns.rebuild_all_groups,
     }
 
 

@@ -48,6 +48,7 @@ class ENV:
     RECONNECT = "NONSTOP_RECONNECT_S"  # how long a worker retries a lost coordinator (0: exit at once)
     MESH = "NONSTOP_MESH"  # the job's device mesh (--mesh), for Session.run(build=...)
     ELASTIC = "NONSTOP_ELASTIC"  # "1": the world size may change (exact gradient mean)
+    KEEP_GROUPS = "NONSTOP_KEEP_GROUPS"  # "0": build every mesh group again each generation
 
 
 SNAPSHOT_MODES = ("overlapped", "sync", "off")
@@ -129,6 +130,7 @@ class JobConfig:
     shards_per_rank: int = 1  # data shards (micro-batches) a rank plays per step at full size
     swap_transfer: str = "auto"  # a migration's swap fetches the boundary: auto | delta | whole
     mesh: str | None = None  # replicate=R,shard=S,tp=T (nonstop/mesh.py); None: data-parallel DDP
+    keep_groups: bool = True  # a new generation keeps the mesh groups nothing changed (train/meshgroups.py)
     # -- elasticity (runtime/elastic.py) ---------------------------------------------------
     min_world_size: int = 0  # shrink down to this many ranks when no spare is left (0: never shrink)
     elastic_wait_s: float = 0.0  # wait this long for a spare before shrinking
@@ -292,6 +294,7 @@ class WorkerEnv:
     reconnect_s: float = 0.0  # > 0: a lost coordinator is waited for (it restarts), not fatal
     mesh: str | None = None  # the job's --mesh
     elastic: bool = False  # --min-world-size below the world size: the gradient mean is exact
+    keep_groups: bool = True  # the job's keep_groups
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -322,6 +325,7 @@ class WorkerEnv:
             reconnect_s=float(env.get(ENV.RECONNECT, "0")),
             mesh=env.get(ENV.MESH) or None,
             elastic=env.get(ENV.ELASTIC) == "1",
+            keep_groups=env.get(ENV.KEEP_GROUPS, "1") != "0",
         )
 
 

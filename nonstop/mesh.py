@@ -29,7 +29,7 @@ dropped groups' batches by gradient accumulation (:meth:`MeshSpec.data_shards`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from nonstop.errors import UsageError
@@ -131,6 +131,17 @@ class MeshSpec:
         """The ranks along ``dim`` that share every other coordinate with ``rank``."""
         c = self.coords(rank)
         return [self.rank_of({**c, dim: i}) for i in range(self.size(dim))]
+
+    def changed_groups(self, moved: Iterable[int]) -> list[tuple[str, tuple[int, ...]]]:
+        """The groups ``(dim, ranks)`` that a generation must build when the ranks ``moved`` are
+        played by new processes at a step boundary (a migration, a spare that joins): those with
+        a moved rank in them. Every other group is kept, its members unchanged
+        (:mod:`nonstop.train.meshgroups`); the simulator charges the rebuild of these only."""
+        out: set[tuple[str, tuple[int, ...]]] = set()
+        for rank in moved:
+            for dim in self.names:
+                out.add((dim, tuple(self.group_of(rank, dim))))
+        return sorted(out)
 
     def dp_rank(self, rank: int) -> int:
         """The data-parallel index (replicate x shard): ranks of one TP group read the same batch."""

@@ -59,3 +59,11 @@ def test_a_mesh_the_job_cannot_run_fails_at_start() -> None:
         JobConfig(script="t.py", nproc_per_node=2, mesh="dp=2")
     with pytest.raises(UsageError, match="has neither"):  # elastic: replica or shard groups to drop
         JobConfig(script="t.py", nproc_per_node=2, mesh="tp=2", min_world_size=1)
+
+
+def test_a_moved_rank_changes_only_the_groups_it_is_in() -> None:
+    spec = MeshSpec.parse("replicate=2,shard=2")  # shard {0,1} {2,3}, replicate {0,2} {1,3}
+    assert spec.changed_groups([3]) == [("replicate", (1, 3)), ("shard", (2, 3))]
+    assert spec.changed_groups([]) == []
+    # a whole replica group coming back changes every replica group and its own shard group
+    assert spec.changed_groups([2, 3]) == [("replicate", (0, 2)), ("replicate", (1, 3)), ("shard", (2, 3))]

@@ -132,6 +132,36 @@ def test_an_fsdp2_rank_migrates_live_bitwise(tmp_path: Path, reference: Any) -> 
     assert shards(run) == reference({**cfg, "nproc": 1})
 
 
+def test_an_hsdp_migration_keeps_the_mesh_groups_it_did_not_touch_bitwise(
+    tmp_path: Path, reference: Any
+) -> None:
+    """Rank 3 of HSDP 2 x 2 (node 1) moves to node 0's spare at a step boundary. Every rank left
+    its step complete, so only the groups with the mover in them are built again -- its shard
+    group {2, 3} and its replica group {1, 3} -- and the others, {0, 1} and {0, 2}, keep their
+    connections; the weights are those of a run without the move. With --rebuild-all-groups
+    every group is new."""
+    run = run_demo_job(tmp_path / "keep", steps=STEPS, faults=("migrate:rank=3,step=5",), **HSDP)
+    check(run, 0)
+    (done,) = events_named(run.events, "migration_done")
+    assert (done["rank"], done["source"], done["target"]) == (3, "1", "0")
+    gen = max(e["gen"] for e in events_named(run.events, "groups_joined"))
+    joined = {
+        e["rank"]: (e["kept"], e["built"])
+        for e in events_named(run.events, "groups_joined")
+        if e["gen"] == gen
+    }
+    assert joined == {0: (2, 0), 1: (1, 1), 2: (1, 1), 3: (0, 2)}, joined
+    assert shards(run) == reference(HSDP)
+
+    every = run_demo_job(
+        tmp_path / "all", steps=STEPS, faults=("migrate:rank=3,step=5",), keep_groups=False, **HSDP
+    )
+    check(every, 0)
+    joined = [(e["kept"], e["built"]) for e in events_named(every.events, "groups_joined")]
+    assert joined and all(kept == 0 and built == 2 for kept, built in joined), joined
+    assert shards(every) == reference(HSDP)
+
+
 def _stitched(url: Path, step: int) -> dict[str, torch.Tensor]:
     """Every sharded tensor of a checkpoint, assembled from all its ranks' shards."""
     from nonstop.snapshot.durable import DurableStore

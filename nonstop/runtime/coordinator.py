@@ -451,6 +451,8 @@ class Coordinator:
             if r.restore_step is None:  # a fresh start: step 0 is snapshotted (replicable)
                 self.view.latest_step.setdefault(rank, 0)
             self.gens.report(recovery.Joined(rank, time.time()))
+            if m.groups is not None:
+                self.events.emit(groups_joined(m, rank, m.groups))
         elif isinstance(m, wire.Done):
             self.view.latest_step[rank] = m.step
             self.view.done_ranks.add(rank)
@@ -484,3 +486,8 @@ class Coordinator:
         )
         for w in self.view.workers.values():
             self.io.send(w, {"t": "finish"})
+
+
+def groups_joined(m: wire.Ready, rank: int, groups: tuple[int, int, float]) -> ev.GroupsJoined:
+    kept, built, mesh_s = groups
+    return ev.GroupsJoined(gen=m.gen, rank=rank, kept=kept, built=built, mesh_s=mesh_s, rebuild_s=m.rebuild_s)

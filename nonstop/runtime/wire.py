@@ -125,6 +125,8 @@ class Restored:
 @dataclass(frozen=True, kw_only=True)
 class Ready:
     gen: int
+    rebuild_s: float = 0.0
+    groups: tuple[int, int, float] | None = None  # a sharded job's mesh groups: kept, built, seconds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,7 +188,14 @@ def decode_worker(m: Mapping[str, Any]) -> WorkerMessage | None:
     if t == "restored":
         return Restored(gen=gen)
     if t == "ready":
-        return Ready(gen=gen)
+        groups = m.get("groups")
+        return Ready(
+            gen=gen,
+            rebuild_s=_num(m, "rebuild_s", 0.0),
+            groups=(int(groups[0]), int(groups[1]), float(groups[2]))
+            if isinstance(groups, list) and len(groups) == 3
+            else None,
+        )
     if t == "step":
         return Step(gen=gen, step=_int(m, "step"), step_s=_num(m, "step_s"))
     if t == "done":

@@ -131,6 +131,15 @@ def add_parsers(sub: Any) -> None:
         "with this job's costs at scale), wait (replace first), continue (shrink first, the spare "
         "joins by a grow) (default %(default)s)",
     )
+    sim.add_argument(
+        "--replica-nodes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="nonstop: the job is HSDP over replica groups of N nodes, so a live migration or a "
+        "grow rebuilds only the groups with the moved node's ranks in them; 0: data-parallel, one "
+        "group of the whole job (default %(default)s)",
+    )
     progress = sim.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None)
     progress.add_argument("--no-progress", dest="progress", action="store_false")
@@ -217,6 +226,7 @@ def build_strategies(
                 elastic_wait_s=ns.elastic_wait,
                 shards_per_rank=ns.shards_per_rank,
                 survivors=SurvivorMode(ns.survivors),
+                replica_nodes=ns.replica_nodes,
             )
             out.append(Nonstop(job=job, params=params, calibration=cal))
     return out

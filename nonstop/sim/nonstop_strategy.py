@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from nonstop.mesh import MeshSpec
 from nonstop.runtime import policy
 from nonstop.runtime.elastic import ElasticAction, ElasticDecision
 from nonstop.runtime.policy import (
@@ -84,6 +85,11 @@ class NonstopParams:
     step takes ``max(len(shards)) / M`` of a full one. survivors: the runtime's ``--survivors``
     (``auto``: :func:`~nonstop.runtime.survivors.choose` decides per failure; ``wait``: replace
     first; ``continue``: shrink first wherever the job may shrink); only an elastic job shrinks.
+    replica_nodes: the job is HSDP over replica groups of this many nodes (the runtime's ``--mesh
+    replicate=R,shard=S``, a shard group per replica group); a live migration or a grow then
+    builds only the groups with the moved node's ranks in them (:meth:`MeshSpec.changed_groups`,
+    the runtime's ``train/meshgroups.py``), a failure every group (gloo cannot cancel a
+    collective in flight); 0: data-parallel, one group of the whole job.
     """
 
     snapshot_every: int = 1
@@ -98,6 +104,7 @@ class NonstopParams:
     elastic_wait_s: float = 0.0
     shards_per_rank: int = 1
     survivors: SurvivorMode = SurvivorMode.AUTO
+    replica_nodes: int = 0
 
     def __post_init__(self) -> None:
         require(self.snapshot_every >= 1, f"--snapshot-every must be >= 1 step; got {self.snapshot_every}")
@@ -115,10 +122,29 @@ class NonstopParams:
             f"--min-world-size must be >= 0 (0: never shrink); got {self.min_world_size}",
         )
         require(self.shards_per_rank >= 1, f"--shards-per-rank must be >= 1; got {self.shards_per_rank}")
+        require(self.replica_nodes >= 0, f"--replica-nodes must be >= 0; got {self.replica_nodes}")
         require(
             math.isfinite(self.elastic_wait_s) and self.elastic_wait_s >= 0,
             f"--elastic-wait must be >= 0 s; got {self.elastic_wait_s}",
         )
+
+
+def swap_rebuild_s(job: JobSpec, replica_nodes: int) -> float:
+    """The rebuild a step-boundary swap of one node costs: the rendezvous of the widest group
+    with one of the node's ranks in it (a group's rendezvous scales with the nodes it spans,
+    :func:`rendezvous_s`); every other group is kept. The default group is new too, but at
+    scale its rendezvous is a store exchange (NCCL creates a communicator at its first
+    collective), not charged. ``replica_nodes`` 0: one data-parallel group of the whole job."""
+    if not replica_nodes:
+        return rendezvous_s(job.num_nodes)
+    require(
+        job.num_nodes % replica_nodes == 0,
+        f"--replica-nodes must divide the job's {job.num_nodes} nodes; got {replica_nodes}",
+    )
+    g = job.gpus_per_node
+    spec = MeshSpec.of({"replicate": job.num_nodes // replica_nodes, "shard": replica_nodes * g})
+    spans = [len({r // g for r in ranks}) for _, ranks in spec.changed_groups(range(g))]
+    return rendezvous_s(max(spans))
 
 
 class Nonstop:
@@ -169,7 +195,8 @@ class Nonstop:
             self.persist_write <= p.persist_every_s,
             f"persisting takes {self.persist_write:.0f} s: use --persist-every-s >= that",
         )
-        self.rebuild = rendezvous_s(job.num_nodes)
+        self.rebuild = rendezvous_s(job.num_nodes)  # a failure: every group
+        self.swap_rebuild = swap_rebuild_s(job, p.replica_nodes)  # a boundary swap: what changed
         # live migrations and grows: the runtime's own boundary-swap machine, its actions timed at
         # this job's scale (sim/swapsim.py); on links this fast the whole step beats a delta (the
         # encode costs more than the bytes it saves: bench_catchup.py), so a delta takes as long
@@ -178,7 +205,7 @@ class Nonstop:
             fetch_s=self.transfer,
             delta_fetch_s=self.transfer,
             restore_s=self.restore_local,
-            rebuild_s=self.rebuild,
+            rebuild_s=self.swap_rebuild,
             extra_pause_s=cal.migration_pause_steps * job.step_s,
         )
         self.migration_swap = swapsim.time_swap(SwapKind.MIGRATION, costs)
@@ -502,6 +529,8 @@ class Nonstop:
             "peer_transfer_s": self.transfer,
             "durable_read_s": self.durable_read,
             "rebuild_s": self.rebuild,
+            "replica_nodes": self.p.replica_nodes,
+            "swap_rebuild_s": self.swap_rebuild,
             "migration_pause_s": self.migration,
             "min_world_size": self.p.min_world_size,
             "elastic_wait_s": self.p.elastic_wait_s,

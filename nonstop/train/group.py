@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from nonstop.control.rdzv import ChannelStore
 from nonstop.train.abort import SocketWatch
 from nonstop.train.ddp import CanonicalGradSync, wrap_ddp
+from nonstop.train.meshgroups import MeshGroups
 
 __all__ = ["GenerationGroup"]
 
@@ -37,9 +38,10 @@ log = logging.getLogger(__name__)
 class GenerationGroup:
     """The process group and DDP wrapper of the generation a worker is in, if any."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_groups: bool = True) -> None:
         self._ddp: DistributedDataParallel | None = None
         self._sockets: SocketWatch | None = None
+        self.mesh_groups = MeshGroups(keep=keep_groups)  # a sharded job's, kept across generations
 
     def join(
         self,
@@ -75,24 +77,31 @@ class GenerationGroup:
         then: Callable[[], T] | None = None,
     ) -> T | None:
         """Rendezvous through ``store`` and start the default process group, then run ``then``
-        (a sharded model creates its mesh's subgroups there); every socket the groups connect
-        in the meantime is half-closed at :meth:`destroy`. Returns what ``then`` returned."""
+        (a sharded model builds its mesh there, through :attr:`mesh_groups`); every socket the
+        default group connects is half-closed at :meth:`destroy`. Returns what ``then`` returned."""
         timeout = datetime.timedelta(seconds=timeout_s)
         watch = SocketWatch()
         try:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-            return then() if then is not None else None
         finally:
             watch.stop()
             self._sockets = watch
+        return then() if then is not None else None
 
-    def destroy(self) -> None:
+    def destroy(self, *, at_boundary: bool = False) -> None:
         """Drop the DDP wrapper and the process group.
 
-        The wrapper's reducer is unhooked from autograd first: otherwise it stays
-        attached to the parameters, fires on later backward passes and keeps the
-        dead group (and its threads) alive until interpreter exit.
+        ``at_boundary``: this rank left its last step complete (a migration, a grow, a pause),
+        so its mesh groups have no collective in flight and are parked for the next generation
+        to keep (:class:`~nonstop.train.meshgroups.MeshGroups`); otherwise they are torn down
+        with the rest. The wrapper's reducer is unhooked from autograd first: otherwise it
+        stays attached to the parameters, fires on later backward passes and keeps the dead
+        group (and its threads) alive until interpreter exit.
         """
+        if at_boundary:
+            self.mesh_groups.park()
+        else:
+            self.mesh_groups.drop()
         if self._sockets is not None:
             self._sockets.half_close()  # peers blocked on us fail now, not at the timeout
             self._sockets = None

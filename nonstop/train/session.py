@@ -106,7 +106,7 @@ class Session:
         self.world_size = 0
         self.generation = 0
         self._sync: CanonicalGradSync | None = None
-        self._group = GenerationGroup()
+        self._group = GenerationGroup(keep_groups=env.keep_groups)
         self._step = 0
         self._fence_wait_s = 0.0
         self._done = False  # this rank reported its last step (a restarted coordinator asks)
@@ -397,10 +397,10 @@ class Session:
     def _maybe_inject(self, phase: str, step: int) -> None:
         self._faults.maybe_fire(phase, rank=self.rank, step=step, generation=self.generation)
 
-    def _destroy_group(self) -> None:
-        """Drop this generation's rendezvous store, DDP wrapper and process group."""
+    def _destroy_group(self, *, at_boundary: bool = False) -> None:
+        """Drop this generation's rendezvous store, DDP wrapper and groups (GenerationGroup.destroy)."""
         self._link.drop_rdzv("the process group was torn down")
-        self._group.destroy()
+        self._group.destroy(at_boundary=at_boundary)
 
     def _reconfigure(self, msg: Message, train_step: TrainStep) -> torch.nn.Module:
         """Restore the committed step, then rebuild the process group for a new generation.
@@ -414,7 +414,8 @@ class Session:
             restore_step = msg.get("restore_step")
             self.generation = gen
             self._link.pause_at = None  # a new generation ends any migration's pause
-            self._destroy_group()
+            # here the last step is complete (a failed one tore its groups down already)
+            self._destroy_group(at_boundary=True)
             if restore_step is not None and msg.get("recovery"):
                 self._maybe_inject("recovery", int(restore_step))
             elif restore_step is not None and msg.get("prepare"):
@@ -470,7 +471,9 @@ class Session:
                 store.write(self._step, self._capture().state(self._step))
             if restore_step is None:
                 store.write(0, self._capture().state(0))
-            self._link.send({"t": "ready", "gen": gen, "rebuild_s": time.monotonic() - t1})
+            self._link.send(
+                _ready(gen, time.monotonic() - t1, self._group if trainee.restore_in_group else None)
+            )
             return module
 
     def _join_group(self, gen: int, *, restored: bool) -> torch.nn.Module:
@@ -485,12 +488,23 @@ class Session:
             timeout_s=self.env.rebuild_timeout_s,
             restored=restored,
             divisor=self.num_shards,
+            generation=gen,
         )
 
     def close(self) -> None:
         self._link.closing = True
         self._destroy_group()
         self._link.close()
+
+
+def _ready(gen: int, rebuild_s: float, sharded: GenerationGroup | None) -> Message:
+    """The message that says this rank joined generation ``gen``; a sharded job's says which of
+    its mesh groups it kept."""
+    out: Message = {"t": "ready", "gen": gen, "rebuild_s": rebuild_s}
+    if sharded is not None:
+        g = sharded.mesh_groups
+        out["groups"] = [g.kept, g.built, g.build_s]
+    return out
 
 
 def init() -> Session:

@@ -66,6 +66,7 @@ class Trainee(Protocol):
         timeout_s: float,
         restored: bool,
         divisor: int,
+        generation: int = 0,
     ) -> torch.nn.Module:
         """Join the generation's group; the module ``train_step`` gets this generation."""
         ...
@@ -116,6 +117,7 @@ class Replicated:
         timeout_s: float,
         restored: bool,
         divisor: int,
+        generation: int = 0,
     ) -> torch.nn.Module:
         return group.join(
             store,
@@ -171,16 +173,18 @@ class Sharded:
         timeout_s: float,
         restored: bool,
         divisor: int,
+        generation: int = 0,
     ) -> torch.nn.Module:
         try:
             spec = self.spec.with_world(world_size)  # fewer replica groups after an elastic shrink
         except ValueError as e:
             raise UsageError(str(e)) from None
         self.close()  # the previous generation's model and optimizer go with its groups
-        from torch.distributed.device_mesh import init_device_mesh
 
         def mesh() -> Any:
-            return init_device_mesh(self.device_type, spec.shape, mesh_dim_names=spec.names)
+            return group.mesh_groups.build(
+                spec, rank=rank, generation=generation, store=store, device_type=self.device_type
+            )
 
         device_mesh = group.join_plain(
             store, rank=rank, world_size=world_size, timeout_s=timeout_s, then=mesh

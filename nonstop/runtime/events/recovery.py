@@ -14,6 +14,7 @@ __all__ = [
     "FaultInjected",
     "FaultReport",
     "Fetched",
+    "GroupsJoined",
     "HangDetected",
     "NewGeneration",
     "Persist",
@@ -45,6 +46,22 @@ class FaultReport(Event):
     rank: int | None
     spawn_id: int | None
     error: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupsJoined(Event):
+    """A sharded job's rank joined a generation's mesh: how many of its mesh groups it kept from
+    the last generation and how many it built, the seconds that took (``mesh_s``: the default
+    group excluded), and the seconds of its whole join (``rebuild_s``: the default group, the
+    mesh, the model built on it and the restored state copied in)."""
+
+    kind: ClassVar[str] = "groups_joined"
+    gen: int
+    rank: int
+    kept: int
+    built: int
+    mesh_s: float
+    rebuild_s: float
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,268 @@
+"""A sharded job's mesh groups, kept across generations when nothing about them changed.
+
+Member replacement for collective groups (what TrainMover does on a migration): when a new
+generation starts, only the mesh groups (``shard``, ``replicate``, ``tp``) that contain a
+replaced rank, a rank that moved, or a rank that left its last step mid-collective are built
+again; the others are carried over with their connections. The default (world) group is always
+new: it contains every rank, so some member of it changed.
+
+**When a group is kept** -- every member of the group in the new generation agrees, through the
+new generation's rendezvous store, that it holds the *same* group object (created in the same
+generation, for the same dim, with the same ranks), at the *same* collective sequence number,
+at its position in the new group (see :func:`keep_decision`, pure). A member that is new (a
+spare, a joiner), or that left its last generation mid-step, has nothing parked and says so:
+the group is then built again by all its members. Agreement is needed because each member's
+view alone is not enough -- its peer may have left its step mid-collective.
+
+**Why only at a step boundary on gloo** -- a rank that abandons a step (its collective failed,
+or a recovery interrupted it) may have a collective in flight on *any* of its groups, and gloo
+can neither cancel it nor realign the peers' sequence numbers: :meth:`MeshGroups.drop` tears
+every group down (half-closing its sockets so blocked peers fail at once). A rank that leaves
+at a boundary (a migration, a grow, a pause) parks its groups instead. On a failure, then,
+survivors rebuild every group they were in; the grow that brings the spare back after a shrink
+first, and every live migration, keep what they can. On NCCL the same decision would pick the
+communicators to build with ``ncclCommSplit``, and a failure could keep more by aborting only
+the affected communicators (``ncclCommShrink`` with ``NCCL_SHRINK_ABORT``, torch's
+``shrink_group`` where the backend ``supports_shrinking``): that path is written nowhere yet
+and is untested until a GPU machine is lent (docs/architecture.md).
+
+**torch internals** -- a group outlives ``destroy_process_group()`` of the world only if it is
+taken out of torch's group registry first (``distributed_c10d._world`` and the named-group
+registry) and put back after the new world is created, with its members' new global ranks.
+These are private; if this torch lacks them every group is simply built again
+(:func:`registry_supported`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nonstop.mesh import MeshSpec
+from nonstop.train.abort import SocketWatch
+
+__all__ = ["GroupClaim", "MeshGroups", "keep_decision", "registry_supported"]
+
+log = logging.getLogger(__name__)
+
+NONE = "-"  # a member with nothing to keep
+
+
+@dataclass(frozen=True)
+class GroupClaim:
+    """What one member says about the group it would keep: the group's token (creation
+    generation, dim, ranks at creation), its collective sequence number, and its rank in it."""
+
+    token: str
+    seq: int
+    group_rank: int
+
+    def encode(self) -> str:
+        return f"{self.token}|{self.seq}|{self.group_rank}"
+
+    @classmethod
+    def decode(cls, text: str) -> GroupClaim | None:
+        if text == NONE:
+            return None
+        token, seq, group_rank = text.rsplit("|", 2)
+        return cls(token, int(seq), int(group_rank))
+
+
+def keep_decision(claims: list[GroupClaim | None], *, dim: str, ranks: list[int]) -> bool:
+    """``claims[i]``: what the member at position ``i`` of the new group (global ``ranks``,
+    on ``dim``) holds. The group is kept when every member holds the same group, made for this
+    dim, at the same sequence number, each at its own position -- whatever the members' global
+    ranks are now (an elastic resize renumbers ranks). Pure: every member computes the same
+    answer from the same claims."""
+    if not claims or len(claims) != len(ranks) or any(c is None for c in claims):
+        return False
+    first = claims[0]
+    assert first is not None
+    return first.token.split(":")[1] == dim and all(
+        c is not None and c.token == first.token and c.seq == first.seq and c.group_rank == i
+        for i, c in enumerate(claims)
+    )
+
+
+def _c10d() -> Any:
+    """torch's process-group module, whose private registry a kept group goes through."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d
+
+
+def registry_supported() -> bool:
+    """Whether this torch has the registry internals a kept group needs."""
+    c10d = _c10d()
+    world = getattr(c10d, "_world", None)
+    names = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg")
+    return (
+        world is not None
+        and all(hasattr(world, n) for n in names)
+        and hasattr(c10d, "_register_process_group")
+        and hasattr(c10d, "_unregister_process_group")
+    )
+
+
+@dataclass
+class _Group:
+    pg: Any  # torch.distributed.ProcessGroup
+    token: str
+    sockets: SocketWatch
+    entry: dict[str, Any] | None = None  # its registry entry while parked
+
+    def seq(self) -> int:
+        return int(self.pg._get_sequence_number_for_group())
+
+
+class MeshGroups:
+    """This rank's mesh groups (one per dim), live or parked between generations.
+
+    Threading contract: main thread only, like :class:`~nonstop.train.group.GenerationGroup`
+    which owns it. ``kept``, ``built`` and ``build_s`` (its seconds) describe the last
+    :meth:`build`.
+    """
+
+    def __init__(self, *, keep: bool = True) -> None:
+        self._keep = keep and registry_supported()
+        self._groups: dict[str, _Group] = {}  # dim -> group
+        self._parked = False
+        self.kept = 0
+        self.built = 0
+        self.build_s = 0.0
+
+    def build(self, spec: MeshSpec, *, rank: int, generation: int, store: Any, device_type: str) -> Any:
+        """The generation's ``DeviceMesh`` for ``spec``, in the default group just created
+        through ``store`` (the generation's rendezvous store): a parked group every member
+        agrees to keep is put back, every other group is created by its members only."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        t0 = time.monotonic()
+        parked, self._groups = self._groups, {}
+        self.kept = self.built = 0
+        groups = []
+        for dim in spec.names:  # in the same order on every rank: no claim waits on a later dim
+            ranks = spec.group_of(rank, dim)
+            old = parked.pop(dim, None)
+            if old is not None and self._agree(store, generation, dim, ranks, rank, old):
+                _register(old, ranks, generation)
+                group, self.kept = old, self.kept + 1
+            else:
+                if old is None and self._keep:  # the members waiting on this rank's claim
+                    _claim(store, generation, dim, ranks, rank, NONE)
+                elif old is not None:
+                    _shutdown(old)
+                watch = SocketWatch()
+                try:
+                    pg = dist.new_group(ranks, use_local_synchronization=True)
+                finally:
+                    watch.stop()
+                group = _Group(pg, _token(generation, dim, ranks), watch)
+                self.built += 1
+            self._groups[dim] = group
+            groups.append(group.pg)
+        for old in parked.values():  # dims this generation's mesh no longer has
+            _shutdown(old)
+        self._parked = False
+        mesh = DeviceMesh.from_group(
+            groups,
+            device_type,
+            mesh=torch.arange(spec.world_size).view(spec.shape),
+            mesh_dim_names=spec.names,
+        )
+        self.build_s = time.monotonic() - t0
+        return mesh
+
+    def _agree(self, store: Any, generation: int, dim: str, ranks: list[int], rank: int, old: _Group) -> bool:
+        """Post this rank's claim on its parked group for ``dim``, read its peers', decide."""
+        if not self._keep:
+            return False
+        mine = GroupClaim(old.token, old.seq(), int(old.pg.rank()))
+        _claim(store, generation, dim, ranks, rank, mine.encode())
+        claims = [
+            mine if r == rank else GroupClaim.decode(store.get(_key(generation, dim, ranks, r)).decode())
+            for r in ranks
+        ]
+        return keep_decision(claims, dim=dim, ranks=ranks)
+
+    def park(self) -> None:
+        """Leave the generation at a step boundary: take the groups out of torch's registry so
+        they outlive the world's ``destroy_process_group``. Nothing is closed."""
+        if not self._keep or self._parked:
+            return
+        for group in self._groups.values():
+            group.entry = _unregister(group.pg)
+        self._parked = True
+
+    def drop(self) -> None:
+        """Leave the generation mid-step (or for good): half-close every group's sockets so
+        peers blocked on this rank fail at once, and forget them."""
+        for group in self._groups.values():
+            group.sockets.half_close()
+            if self._parked:
+                _shutdown(group)
+        self._groups, self._parked = {}, False
+
+
+def _token(generation: int, dim: str, ranks: list[int]) -> str:
+    return f"{generation}:{dim}:{','.join(map(str, ranks))}"
+
+
+def _key(generation: int, dim: str, ranks: list[int], rank: int) -> str:
+    return f"nonstop/keep/{generation}/{dim}/{','.join(map(str, ranks))}/{rank}"
+
+
+def _claim(store: Any, generation: int, dim: str, ranks: list[int], rank: int, value: str) -> None:
+    store.set(_key(generation, dim, ranks, rank), value)
+
+
+def _unregister(pg: Any) -> dict[str, Any]:
+    c10d = _c10d()
+    w = c10d._world
+    entry: dict[str, Any] = {
+        "map": w.pg_map.pop(pg),
+        "name": w.pg_names.pop(pg),
+        "cfg": w.pg_backend_config.pop(pg),
+        "tag": w.pg_to_tag.pop(pg, None),
+    }
+    w.pg_group_ranks.pop(pg, None)
+    for members in w.tags_to_pg.values():
+        while pg in members:
+            members.remove(pg)
+    c10d._unregister_process_group(entry["name"])
+    return entry
+
+
+def _register(group: _Group, ranks: list[int], generation: int) -> None:
+    """Put a parked group back, with its members' global ranks in the new world, under a name
+    of its own: torch names a group by its ranks, and a renumbered kept group's old ranks may
+    be a new group's now."""
+    c10d = _c10d()
+    w, pg, entry = c10d._world, group.pg, group.entry
+    assert entry is not None
+    name = f"{entry['name'].split('/')[0]}/kept{generation}"
+    pg._set_group_name(name)
+    w.pg_map[pg] = entry["map"]
+    w.pg_names[pg] = name
+    w.pg_backend_config[pg] = entry["cfg"]
+    w.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    if entry["tag"] is not None:
+        w.pg_to_tag[pg] = entry["tag"]
+        w.tags_to_pg.setdefault(entry["tag"], []).append(pg)
+        w.tags_to_pg.setdefault("", []).append(pg)
+    c10d._register_process_group(name, pg)
+    group.entry = None
+
+
+def _shutdown(group: _Group) -> None:
+    """Close a parked group no one keeps (its peers are at a boundary too: nobody waits on it)."""
+    group.sockets.half_close()
+    try:
+        group.pg.shutdown()
+    except Exception as e:  # a group whose peer died may refuse a clean shutdown
+        log.debug("shutting a parked group down failed: %s", e)

@@ -1,0 +1,108 @@
+"""Mesh groups kept across generations (nonstop/train/meshgroups.py): the pure decision, and
+real gloo groups in four processes that outlive their world's destruction."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nonstop.mesh import MeshSpec
+from nonstop.train.meshgroups import GroupClaim, MeshGroups, keep_decision, registry_supported
+
+RANKS = [1, 3]
+TOKEN = "4:replicate:1,3"
+
+
+def claim(token: str = TOKEN, seq: int = 7, group_rank: int = 0) -> GroupClaim:
+    return GroupClaim(token, seq, group_rank)
+
+
+def test_a_group_every_member_holds_unchanged_is_kept() -> None:
+    assert keep_decision([claim(), claim(group_rank=1)], dim="replicate", ranks=RANKS)
+
+
+@pytest.mark.parametrize(
+    "claims",
+    [
+        pytest.param([claim(), None], id="a new member (a spare) holds nothing"),
+        pytest.param([claim(), claim(seq=8, group_rank=1)], id="a member issued one more collective"),
+        pytest.param([claim(), claim(token="5:replicate:1,3", group_rank=1)], id="two different groups"),
+        pytest.param([claim(group_rank=1), claim(group_rank=0)], id="members swapped places"),
+        pytest.param([claim()], id="a member is missing"),
+    ],
+)
+def test_a_group_is_built_again_unless_all_agree(claims: list[GroupClaim | None]) -> None:
+    assert not keep_decision(claims, dim="replicate", ranks=RANKS)
+
+
+def test_a_renumbered_group_is_kept_but_not_on_another_dim() -> None:
+    both = [claim(), claim(group_rank=1)]
+    assert keep_decision(both, dim="replicate", ranks=[0, 2])  # an elastic resize renumbered its members
+    assert not keep_decision(both, dim="shard", ranks=RANKS)
+
+
+def test_a_claim_survives_its_encoding() -> None:
+    c = GroupClaim("3:shard:0,1", 12, 1)
+    assert GroupClaim.decode(c.encode()) == c
+    assert GroupClaim.decode("-") is None
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, port: int, results: Any) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 4, rank == 0, timeout=datetime.timedelta(seconds=60))
+    spec = MeshSpec.parse("replicate=2,shard=2")
+    groups = MeshGroups()
+    seen = []
+    for gen in (1, 2, 3, 4):
+        me = (rank + 2) % 4 if gen == 4 else rank  # generation 4 renumbers: the replica groups swap
+        gstore = dist.PrefixStore(f"gen{gen}/", store)
+        timeout = datetime.timedelta(seconds=60)
+        dist.init_process_group("gloo", store=gstore, rank=me, world_size=4, timeout=timeout)
+        mesh = groups.build(spec, rank=me, generation=gen, store=gstore, device_type="cpu")
+        sums = []
+        for dim in spec.names:
+            x = torch.tensor([float(me)])
+            dist.all_reduce(x, group=mesh.get_group(dim))
+            sums.append(int(x.item()))
+        seen.append((groups.kept, groups.built, tuple(sums)))
+        # generation 2 ends with rank 3 leaving mid-step (it tears its groups down); the others
+        # leave at a boundary and park theirs
+        dirty = gen == 2 and rank == 3
+        if dirty:
+            groups.drop()
+        else:
+            groups.park()
+        dist.destroy_process_group()
+    groups.drop()
+    results[rank] = seen
+
+
+@pytest.mark.skipif(not registry_supported(), reason="this torch lacks the group registry internals")
+def test_real_gloo_groups_outlive_their_world_and_a_torn_one_is_built_again() -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    results = mp.Manager().dict()
+    mp.spawn(_worker, args=(_port(), results), nprocs=4, join=True)
+    # rank = 2 * replica + shard: shard groups {0,1} {2,3}, replicate groups {0,2} {1,3}
+    sums = {0: (2, 1), 1: (4, 1), 2: (2, 5), 3: (4, 5)}  # (replicate, shard) sums of the ranks
+    for rank in range(4):
+        first, second, third, fourth = results[rank]
+        assert first == (0, 2, sums[rank])
+        assert second == (2, 0, sums[rank])  # everyone parked at a boundary: all kept
+        # rank 3 tore its groups down: its shard group {2,3} and replica group {1,3} are new
+        kept = {0: 2, 1: 1, 2: 1, 3: 0}[rank]
+        assert third == (kept, 2 - kept, sums[rank])
+        # renumbered: a shard group keeps its members in order (kept, under its new ranks); a
+        # replica group's members swap places (built again)
+        assert fourth == (1, 1, sums[(rank + 2) % 4])

@@ -1,0 +1,31 @@
+"""The simulator charges a boundary swap the rebuild of the groups it changes (MeshSpec.changed_groups)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nonstop.errors import UsageError
+from nonstop.sim.api import JobSpec
+from nonstop.sim.calibrate import rendezvous_s
+from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams, swap_rebuild_s
+
+
+def test_a_data_parallel_swap_rebuilds_the_whole_job() -> None:
+    job = JobSpec(num_gpus=16_384)
+    assert swap_rebuild_s(job, 0) == rendezvous_s(2048)
+
+
+def test_an_hsdp_swap_rebuilds_its_widest_changed_group_only() -> None:
+    job = JobSpec(num_gpus=16_384)  # 2,048 nodes
+    # replica groups of 16 nodes: the moved node's shard group spans 16 nodes, its ranks' replica
+    # groups one node of each of the 128 replica groups
+    assert swap_rebuild_s(job, 16) == rendezvous_s(128)
+    assert swap_rebuild_s(job, 256) == rendezvous_s(256)  # 8 replica groups of 256 nodes
+    ns = Nonstop(job=job, params=NonstopParams(replica_nodes=16))
+    assert ns.swap_rebuild < ns.rebuild  # a failure still rebuilds every group
+    assert ns.migration < Nonstop(job=job).migration
+
+
+def test_replica_groups_must_divide_the_job() -> None:
+    with pytest.raises(UsageError, match="--replica-nodes"):
+        swap_rebuild_s(JobSpec(num_gpus=16_384), 3)
