@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nonstop.mesh import MeshSpec
-from nonstop.train.meshgroups import GroupClaim, MeshGroups, keep_decision, registry_supported
+from nonstop.train.meshgroups import GroupClaim, MeshGroups, agree, keep_decision, registry_supported
 
 RANKS = [1, 3]
 TOKEN = "4:replicate:1,3"
@@ -48,10 +49,33 @@ def test_a_renumbered_group_is_kept_but_not_on_another_dim() -> None:
     assert not keep_decision(both, dim="shard", ranks=RANKS)
 
 
-def test_a_claim_survives_its_encoding() -> None:
-    c = GroupClaim("3:shard:0,1", 12, 1)
-    assert GroupClaim.decode(c.encode()) == c
-    assert GroupClaim.decode("-") is None
+CASES = [
+    [claim(), claim(group_rank=1)],
+    [claim(), None],
+    [None, None],
+    [claim(), claim(seq=8, group_rank=1)],
+    [claim(), claim(token="5:replicate:1,3", group_rank=1)],
+    [claim(group_rank=1), claim(group_rank=0)],
+    [claim(token="4:shard:1,3"), claim(token="4:shard:1,3", group_rank=1)],
+    [claim(), claim(group_rank=1), claim(group_rank=2)],
+    [claim(), claim(group_rank=1), None],
+]
+
+
+@pytest.mark.parametrize("claims", CASES)
+def test_the_store_protocol_reaches_the_pure_decision_on_every_member(
+    claims: list[GroupClaim | None],
+) -> None:
+    ranks = list(range(len(claims)))
+    store = dist.HashStore()
+    with ThreadPoolExecutor(len(claims)) as pool:  # the members post concurrently, in any order
+        votes = list(
+            pool.map(
+                lambda i: agree(store, "g", claims[i], dim="replicate", ranks=ranks, position=i),
+                range(len(claims)),
+            )
+        )
+    assert votes == [keep_decision(claims, dim="replicate", ranks=ranks)] * len(claims)
 
 
 def _port() -> int:

@@ -7,7 +7,8 @@ again; the others are carried over with their connections. The default (world) g
 new: it contains every rank, so some member of it changed.
 
 **When a group is kept** -- every member of the group in the new generation agrees, through the
-new generation's rendezvous store, that it holds the *same* group object (created in the same
+new generation's rendezvous store (:func:`agree`, a few round trips per member whatever the
+group's size), that it holds the *same* group object (created in the same
 generation, for the same dim, with the same ranks), at the *same* collective sequence number,
 at its position in the new group (see :func:`keep_decision`, pure). A member that is new (a
 spare, a joiner), or that left its last generation mid-step, has nothing parked and says so:
@@ -46,11 +47,9 @@ import torch.distributed as dist
 from nonstop.mesh import MeshSpec
 from nonstop.train.abort import SocketWatch
 
-__all__ = ["GroupClaim", "MeshGroups", "keep_decision", "registry_supported"]
+__all__ = ["GroupClaim", "MeshGroups", "agree", "keep_decision", "registry_supported"]
 
 log = logging.getLogger(__name__)
-
-NONE = "-"  # a member with nothing to keep
 
 
 @dataclass(frozen=True)
@@ -61,16 +60,6 @@ class GroupClaim:
     token: str
     seq: int
     group_rank: int
-
-    def encode(self) -> str:
-        return f"{self.token}|{self.seq}|{self.group_rank}"
-
-    @classmethod
-    def decode(cls, text: str) -> GroupClaim | None:
-        if text == NONE:
-            return None
-        token, seq, group_rank = text.rsplit("|", 2)
-        return cls(token, int(seq), int(group_rank))
 
 
 def keep_decision(claims: list[GroupClaim | None], *, dim: str, ranks: list[int]) -> bool:
@@ -87,6 +76,25 @@ def keep_decision(claims: list[GroupClaim | None], *, dim: str, ranks: list[int]
         c is not None and c.token == first.token and c.seq == first.seq and c.group_rank == i
         for i, c in enumerate(claims)
     )
+
+
+def agree(
+    store: Any, key: str, claim: GroupClaim | None, *, dim: str, ranks: list[int], position: int
+) -> bool:
+    """:func:`keep_decision` for one group, reached through ``store`` (``key``: the group's
+    prefix in this generation) in a few round trips per member whatever the group's size: a
+    member whose claim holds up counts itself under its claim (token and sequence number), every
+    member counts itself as posted, and the last to post -- every other member has counted by
+    then -- keeps the group if its own claim's count is the group's size, and says so to all."""
+    n = len(ranks)
+    mine = None
+    if claim is not None and claim.group_rank == position and claim.token.split(":")[1] == dim:
+        mine = f"{key}/ok/{claim.token}|{claim.seq}"
+        store.add(mine, 1)
+    if store.add(f"{key}/posted", 1) == n:
+        keep = mine is not None and store.add(mine, 0) == n
+        store.set(f"{key}/decision", b"1" if keep else b"0")
+    return bytes(store.get(f"{key}/decision")) == b"1"
 
 
 def _c10d() -> Any:
@@ -149,13 +157,14 @@ class MeshGroups:
         for dim in spec.names:  # in the same order on every rank: no claim waits on a later dim
             ranks = spec.group_of(rank, dim)
             old = parked.pop(dim, None)
-            if old is not None and self._agree(store, generation, dim, ranks, rank, old):
+            claim = GroupClaim(old.token, old.seq(), int(old.pg.rank())) if old is not None else None
+            key = f"nonstop/keep/{generation}/{dim}/{','.join(map(str, ranks))}"
+            if self._keep and agree(store, key, claim, dim=dim, ranks=ranks, position=ranks.index(rank)):
+                assert old is not None  # (a member without a claim never agrees)
                 _register(old, ranks, generation)
                 group, self.kept = old, self.kept + 1
             else:
-                if old is None and self._keep:  # the members waiting on this rank's claim
-                    _claim(store, generation, dim, ranks, rank, NONE)
-                elif old is not None:
+                if old is not None:
                     _shutdown(old)
                 watch = SocketWatch()
                 try:
@@ -178,18 +187,6 @@ class MeshGroups:
         self.build_s = time.monotonic() - t0
         return mesh
 
-    def _agree(self, store: Any, generation: int, dim: str, ranks: list[int], rank: int, old: _Group) -> bool:
-        """Post this rank's claim on its parked group for ``dim``, read its peers', decide."""
-        if not self._keep:
-            return False
-        mine = GroupClaim(old.token, old.seq(), int(old.pg.rank()))
-        _claim(store, generation, dim, ranks, rank, mine.encode())
-        claims = [
-            mine if r == rank else GroupClaim.decode(store.get(_key(generation, dim, ranks, r)).decode())
-            for r in ranks
-        ]
-        return keep_decision(claims, dim=dim, ranks=ranks)
-
     def park(self) -> None:
         """Leave the generation at a step boundary: take the groups out of torch's registry so
         they outlive the world's ``destroy_process_group``. Nothing is closed."""
@@ -211,14 +208,6 @@ class MeshGroups:
 
 def _token(generation: int, dim: str, ranks: list[int]) -> str:
     return f"{generation}:{dim}:{','.join(map(str, ranks))}"
-
-
-def _key(generation: int, dim: str, ranks: list[int], rank: int) -> str:
-    return f"nonstop/keep/{generation}/{dim}/{','.join(map(str, ranks))}/{rank}"
-
-
-def _claim(store: Any, generation: int, dim: str, ranks: list[int], rank: int, value: str) -> None:
-    store.set(_key(generation, dim, ranks, rank), value)
 
 
 def _unregister(pg: Any) -> dict[str, Any]:
