@@ -158,8 +158,10 @@ class MeshGroups:
             ranks = spec.group_of(rank, dim)
             old = parked.pop(dim, None)
             claim = GroupClaim(old.token, old.seq(), int(old.pg.rank())) if old is not None else None
-            key = f"nonstop/keep/{generation}/{dim}/{','.join(map(str, ranks))}"
-            if self._keep and agree(store, key, claim, dim=dim, ranks=ranks, position=ranks.index(rank)):
+            token = _token(generation, dim, ranks)  # the group this generation would build
+            if self._keep and agree(
+                store, f"nonstop/keep/{token}", claim, dim=dim, ranks=ranks, position=ranks.index(rank)
+            ):
                 assert old is not None  # (a member without a claim never agrees)
                 _register(old, ranks, generation)
                 group, self.kept = old, self.kept + 1
@@ -171,7 +173,7 @@ class MeshGroups:
                     pg = dist.new_group(ranks, use_local_synchronization=True)
                 finally:
                     watch.stop()
-                group = _Group(pg, _token(generation, dim, ranks), watch)
+                group = _Group(pg, token, watch)
                 self.built += 1
             self._groups[dim] = group
             groups.append(group.pg)
@@ -189,8 +191,12 @@ class MeshGroups:
 
     def park(self) -> None:
         """Leave the generation at a step boundary: take the groups out of torch's registry so
-        they outlive the world's ``destroy_process_group``. Nothing is closed."""
-        if not self._keep or self._parked:
+        they outlive the world's ``destroy_process_group``. Nothing is closed. Without keeping,
+        they go with the world's groups and are forgotten here."""
+        if not self._keep:
+            self._groups = {}
+            return
+        if self._parked:
             return
         for group in self._groups.values():
             group.entry = _unregister(group.pg)
@@ -200,9 +206,10 @@ class MeshGroups:
         """Leave the generation mid-step (or for good): half-close every group's sockets so
         peers blocked on this rank fail at once, and forget them."""
         for group in self._groups.values():
-            group.sockets.half_close()
-            if self._parked:
+            if self._parked:  # out of torch's registry: the world's teardown will not close it
                 _shutdown(group)
+            else:
+                group.sockets.half_close()
         self._groups, self._parked = {}, False
 
 
