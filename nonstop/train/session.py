@@ -55,14 +55,14 @@ from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
 from nonstop.snapshot import RankSnapshotStore, StateCapture
-from nonstop.snapshot.store import PendingWrite
 from nonstop.train.collectives import in_collective
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
 from nonstop.train.link import CoordinatorLink, PeerFailed
-from nonstop.train.restore import open_store, read_restore
+from nonstop.train.restore import read_restore
+from nonstop.train.snapshots import LoopSnapshots
 from nonstop.train.trainee import Build, Replicated, Sharded, Trainee, accumulate
 
 __all__ = ["RunResult", "Session", "init"]
@@ -108,7 +108,6 @@ class Session:
         self._sync: CanonicalGradSync | None = None
         self._group = GenerationGroup(keep_groups=env.keep_groups)
         self._step = 0
-        self._fence_wait_s = 0.0
         self._done = False  # this rank reported its last step (a restarted coordinator asks)
         self._live_at: int | None = None  # paused after this step: the live state is that step's
         self.warming_up = False  # a joiner's sandboxed step (see _warm_up): skip side effects
@@ -129,7 +128,7 @@ class Session:
         self._pending_reconfigure: Message | None = first
         self.rank: int = int(first["rank"])
         self._set_membership(first)
-        self._store: RankSnapshotStore | None = None
+        self._snaps = LoopSnapshots(env)
 
     def _set_membership(self, msg: Message) -> None:
         """Rank, world size and data shards of the generation ``msg`` (a reconfigure) starts."""
@@ -228,7 +227,7 @@ class Session:
         mesh's names, and must run no collective (``fully_shard`` is local; give
         ``parallelize_module`` ``src_data_rank=None``)."""
         self._train_thread = threading.get_ident()
-        fence = (lambda: self._fence(self._live_store())) if self.env.snapshot == "overlapped" else None
+        fence = self._snaps.fence if self.env.snapshot == "overlapped" else None
         if (model is None) == (build is None):
             raise UsageError("Session.run: give model= (and optimizer=) for DDP, or build= for a --mesh job")
         if build is not None:
@@ -253,8 +252,7 @@ class Session:
         if self._sync is not None:
             self._sync.exact = self.env.elastic
             self._sync.set_shards(self.shards, self.num_shards)
-        self._store = self._open_store(self.rank)
-        mode = self.env.snapshot
+        self._snaps.open(self.rank)
         loss: float | None = None
         msg = self._pending_reconfigure
         self._pending_reconfigure = None
@@ -268,7 +266,7 @@ class Session:
                         pending = self._link.poll_reconfigure()
                         pause_at = self._link.pause_at
                         if pending is None and pause_at is not None and self._step >= pause_at:
-                            pending = self._pause(self._live_store())
+                            pending = self._pause(self._snaps.live)
                         if pending is not None:
                             raise _Reconfigure(pending)
                         t0 = time.monotonic()
@@ -279,11 +277,10 @@ class Session:
                         step_s = time.monotonic() - t0
                         self._step += 1
                         t1 = time.monotonic()
-                        snap = self._snapshot(mode, self._live_store())
+                        snap = self._snaps.take(self._step, self._capture())
                         # Stall: time the loop spent on this snapshot now, plus what the
                         # step just run waited for the previous snapshot's background copy.
-                        stall_s = time.monotonic() - t1 + self._fence_wait_s
-                        self._fence_wait_s = 0.0
+                        stall_s = time.monotonic() - t1 + self._snaps.waited_s()
                         report = {
                             "t": "step",
                             "gen": self.generation,
@@ -299,7 +296,7 @@ class Session:
                             self._link.send(report)
                         else:
                             snap.on_complete(functools.partial(self._link.send_quietly, report))
-                    self._live_store().drain()  # the last snapshot is complete before we report done
+                    self._snaps.live.drain()  # the last snapshot is complete before we report done
                     self._done = True
                     self._link.send({"t": "done", "gen": self.generation, "step": self._step})
                     reply = self._link.wait_for("finish", "reconfigure")
@@ -316,7 +313,7 @@ class Session:
                     msg = self._on_step_error(e)
         finally:
             self.trainee.close()
-            self._live_store().close()
+            self._snaps.live.close()
 
     def _warm_up(self, train_step: TrainStep, model: torch.nn.Module) -> None:
         """A migration's joiner, while the others train: one sandboxed step on the bare model (no
@@ -336,13 +333,6 @@ class Session:
             model.zero_grad(set_to_none=True)
         log.info("warm-up step took %.3fs", time.monotonic() - t0)
 
-    def _open_store(self, rank: int) -> RankSnapshotStore:
-        return open_store(self.env, rank)
-
-    def _live_store(self) -> RankSnapshotStore:
-        assert self._store is not None, "Session.run() has not started"
-        return self._store
-
     def _pause(self, store: RankSnapshotStore) -> Message | None:
         """Live migration: stop after the boundary step (its snapshot complete, for the joiner to
         fetch) until the coordinator swaps the rank (a reconfigure) or gives up (continue)."""
@@ -360,21 +350,6 @@ class Session:
         capture = self.trainee.capture
         assert capture is not None, "the model is built once the generation's group is joined"
         return capture
-
-    def _snapshot(self, mode: str, store: RankSnapshotStore) -> PendingWrite | None:
-        """Snapshot the state after ``self._step`` steps per the job's snapshot mode."""
-        if mode == "off":  # only for measuring what snapshots cost; nothing to recover from
-            return None
-        capture = self._capture()
-        deferred = capture.deferrable() if mode == "overlapped" else None
-        return store.begin(self._step, capture.state(self._step), deferred=deferred)
-
-    def _fence(self, store: RankSnapshotStore) -> None:
-        pending = store.pending
-        if pending is not None:
-            before = pending.waited_s
-            pending.fence()
-            self._fence_wait_s += pending.waited_s - before
 
     def _on_step_error(self, err: BaseException) -> Message:
         """Tear down the group at once (so blocked peers fail fast), then ask what to do."""
@@ -420,12 +395,11 @@ class Session:
                 self._maybe_inject("recovery", int(restore_step))
             elif restore_step is not None and msg.get("prepare"):
                 self._maybe_inject("prepare", int(restore_step))
-            self._live_store().drain()  # never restore under a copy still writing into the slots
+            self._snaps.live.drain()  # never restore under a copy still writing into the slots
             if int(msg["rank"]) != self.rank:  # renumbered (elastic): snapshot under the new number
-                self._live_store().close()
-                self._store = self._open_store(int(msg["rank"]))
+                self._snaps.open(int(msg["rank"]))
             self._set_membership(msg)
-            store = self._live_store()
+            store = self._snaps.live
             t0 = time.monotonic()
             self._step, pending = read_restore(
                 msg,
