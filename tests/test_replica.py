@@ -167,7 +167,7 @@ def test_corrupt_chunk_is_rejected_and_nothing_installed(
     planes: tuple[DataPlane, Replicator, bytes, Path, str],
 ) -> None:
     holder, _rep, secret, shm, job = planes
-    ch = connect(holder.address, secret, {"role": "peer", "node": "evil"})
+    ch = connect(holder.address, secret, {"role": "peer", "node": "evil"}, purpose="data")
     ch.send(
         {"t": "rep", "rank": 5, "step": 7, "base": None, "data_len": 8, "nchunks": 1},
         b'{"tree": 0, "tensors": []}',
@@ -192,7 +192,7 @@ def test_corrupt_chunk_is_rejected_and_nothing_installed(
 def test_data_plane_refuses_a_wrong_secret(planes: tuple[DataPlane, Replicator, bytes, Path, str]) -> None:
     holder, _rep, _secret, _shm, _job = planes
     with pytest.raises((AuthError, ControlError)):
-        connect(holder.address, new_secret(), {"role": "peer", "node": "intruder"})
+        connect(holder.address, new_secret(), {"role": "peer", "node": "intruder"}, purpose="data")
     with pytest.raises(FetchError):
         fetch_snapshot(holder.addr, new_secret(), node="x", rank=0, step=0, kind="replica")
 
@@ -200,7 +200,7 @@ def test_data_plane_refuses_a_wrong_secret(planes: tuple[DataPlane, Replicator, 
 def test_blob_frames_round_trip_and_are_authenticated(
     planes: tuple[DataPlane, Replicator, bytes, Path, str],
 ) -> None:
-    from nonstop.control.channel import ControlServer
+    from nonstop.control.listener import ControlServer
 
     secret = new_secret()
     srv = ControlServer(host="127.0.0.1", port=0, secret=secret)

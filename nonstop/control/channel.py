@@ -1,54 +1,93 @@
-"""Authenticated JSON message channel over TCP.
+"""Authenticated JSON message channel over TCP: frames, keys and the client's handshake.
 
 Wire format: each frame is ``len:u32be | mac:32 bytes | payload`` where
 ``payload = jlen:u32be | json | blob``: ``json`` is UTF-8 JSON of one object
 (at most 1 MiB) and ``blob`` optional raw bytes (at most 64 MiB; snapshot
-chunks on the data plane). ``mac = HMAC-SHA256(session_key, seq:u64be |
+chunks on the data plane). ``mac = HMAC-SHA256(direction_key, seq:u64be |
 payload)``; ``seq`` counts frames per direction from 0, so a replayed, dropped
-or reordered frame fails verification. Nothing received is ever unpickled: a
-blob is handed to the receiver as bytes, JSON is parsed as JSON.
+or reordered frame fails verification, and each direction has its own key, so a
+frame reflected back to its sender fails too. Nothing received is ever unpickled:
+a blob is handed to the receiver as bytes, JSON is parsed as JSON.
 
-Handshake (before any frame)::
+Keys: the job secret never leaves the machines that hold it and never keys a
+channel directly. Each purpose has its own key, ``K = HMAC(secret, "nonstop/v1/" +
+purpose)`` (:func:`derive_key`): ``control`` (workers, agents and clients to the
+coordinator), ``data`` (the node-to-node data plane) and ``etcd`` (the etcd root
+password, :func:`etcd_password`), so a peer that learns one learns nothing of the
+others, and a control client cannot open a data-plane channel or the reverse.
+
+Handshake (before any frame; at most :data:`MAX_HANDSHAKE` bytes a message)::
 
     server -> client  {"nonce": Ns}
-    client -> server  {"nonce": Nc, "mac": H(secret, "c" | Ns | Nc), "hello": {...}}
-    server -> client  {"ok": true, "mac": H(secret, "s" | Nc | Ns)}  (or ok: false, then close)
+    client -> server  {"nonce": Nc, "mac": H(K, "c" | Ns | Nc), "hello": {...}}
+    server -> client  {"ok": true, "mac": H(K, "s" | Nc | Ns)}  (or ok: false, then close)
 
-``session_key = H(secret, "k" | Ns | Nc)``. Handshake messages are length-
-prefixed JSON without a MAC.
+Frames client -> server are keyed ``H(K, "kc" | Ns | Nc)``, server -> client
+``H(K, "ks" | Ns | Nc)``. Handshake messages are length-prefixed JSON without a MAC.
+The listening side is :mod:`nonstop.control.listener`.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import hmac
 import json
 import logging
-import queue
 import secrets
 import socket
 import struct
 import threading
-from collections.abc import Callable
+import time
 from typing import Any
 
 from nonstop.errors import AuthError, ControlError, UsageError
 
-__all__ = ["BLOB", "Channel", "ControlServer", "connect", "new_secret"]
+__all__ = [
+    "BLOB",
+    "MIN_SECRET_BYTES",
+    "PURPOSES",
+    "Channel",
+    "connect",
+    "derive_key",
+    "etcd_password",
+    "new_secret",
+]
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 1 << 20  # JSON part of a frame
 MAX_BLOB = 64 << 20  # binary part of a frame
 BLOB = "_blob"  # key under which recv() returns a frame's binary part
-HANDSHAKE_TIMEOUT_S = 5.0
+MAX_HANDSHAKE = 256 << 10  # one handshake message (the hello), before the peer is authenticated
+HANDSHAKE_TIMEOUT_S = 5.0  # the whole handshake, not each read
+MIN_SECRET_BYTES = 16
+PURPOSES = ("control", "data", "etcd")
 Message = dict[str, Any]
 
 
 def new_secret() -> bytes:
     """A fresh per-job secret (hex text, so it can live in a file or env var)."""
     return secrets.token_hex(32).encode()
+
+
+def derive_key(secret: bytes, purpose: str) -> bytes:
+    """The key of one ``purpose`` (:data:`PURPOSES`), derived from the job secret.
+
+    Raises UsageError for a secret shorter than :data:`MIN_SECRET_BYTES` (a guessable one)."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"unknown key purpose {purpose!r}; one of {PURPOSES}")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise UsageError(
+            f"the job secret has {len(secret)} bytes, fewer than {MIN_SECRET_BYTES}: use a real one "
+            "(nonstop writes a fresh 64-byte one when it starts a job without --secret-file)"
+        )
+    return hmac.new(secret, b"nonstop/v1/" + purpose.encode(), hashlib.sha256).digest()
+
+
+def etcd_password(secret: bytes) -> str:
+    """The password of etcd's ``root`` user for this job: derived, so the secret itself never
+    crosses the network (hex text; ``scripts/etcd.sh`` derives the same)."""
+    return derive_key(secret, "etcd").hex()
 
 
 def _mac(key: bytes, *parts: bytes | bytearray | memoryview) -> bytes:
@@ -59,10 +98,25 @@ def _mac(key: bytes, *parts: bytes | bytearray | memoryview) -> bytes:
     return h.digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes; with a ``deadline`` (time.monotonic) the whole read ends by then, however
+    the peer paces its bytes (a peer that drips one byte a second cannot stretch it)."""
     buf = bytearray()
     while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ControlError("handshake not completed in time")
+            sock.settimeout(left)
+        try:
+            chunk = sock.recv(min(n - len(buf), 1 << 16))
+        except TimeoutError:
+            what = (
+                "handshake not completed in time"
+                if deadline is not None
+                else "timed out waiting for the peer"
+            )
+            raise ControlError(what) from None
         if not chunk:
             raise ControlError("connection closed")
         buf += chunk
@@ -74,7 +128,10 @@ def _recv_into(sock: socket.socket, n: int) -> bytearray:
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:])
+        try:
+            k = sock.recv_into(view[got:])
+        except TimeoutError:
+            raise ControlError("timed out in the middle of a frame") from None
         if not k:
             raise ControlError("connection closed")
         got += k
@@ -86,11 +143,11 @@ def _send_plain(sock: socket.socket, obj: Message) -> None:
     sock.sendall(struct.pack(">I", len(data)) + data)
 
 
-def _recv_plain(sock: socket.socket) -> Message:
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise ControlError(f"handshake frame too large ({n} bytes)")
-    obj = json.loads(_recv_exact(sock, n))
+def _recv_plain(sock: socket.socket, deadline: float) -> Message:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
+    if n > MAX_HANDSHAKE:
+        raise ControlError(f"handshake message too large ({n} bytes, limit {MAX_HANDSHAKE})")
+    obj = json.loads(_recv_exact(sock, n, deadline))
     if not isinstance(obj, dict):
         raise ControlError("handshake frame is not a JSON object")
     return obj
@@ -99,9 +156,12 @@ def _recv_plain(sock: socket.socket) -> Message:
 class Channel:
     """One authenticated connection. ``send`` is thread-safe; ``recv`` is for one reader."""
 
-    def __init__(self, sock: socket.socket, key: bytes, hello: Message, peer: str) -> None:
+    def __init__(
+        self, sock: socket.socket, send_key: bytes, recv_key: bytes, hello: Message, peer: str
+    ) -> None:
         self._sock = sock
-        self._key = key
+        self._send_key = send_key
+        self._recv_key = recv_key
         self._send_lock = threading.Lock()
         self._send_seq = 0
         self._recv_seq = 0
@@ -121,25 +181,26 @@ class Channel:
         head = struct.pack(">I", len(payload))
         total = len(head) + len(payload) + len(body)
         with self._send_lock:
-            mac = _mac(self._key, struct.pack(">Q", self._send_seq), head, payload, body)
+            mac = _mac(self._send_key, struct.pack(">Q", self._send_seq), head, payload, body)
             self._send_seq += 1
             try:
                 self._sock.sendall(struct.pack(">I", total) + mac + head + payload)
                 if len(body):
                     self._sock.sendall(body)
-            except OSError as e:
+            except OSError as e:  # a timeout too: a peer that stopped reading is gone
                 self.closed = True
                 raise ControlError(f"send failed: {e}") from e
 
     def recv(self) -> Message:
-        """Block for the next message. Raises ControlError on close or a bad MAC.
-        A binary part, if the frame has one, is under ``msg[BLOB]`` (bytearray)."""
+        """Block for the next message. Raises ControlError on close, a bad MAC, or (for a
+        channel opened with ``read_timeout``) a peer silent for that long. A binary part, if
+        the frame has one, is under ``msg[BLOB]`` (a memoryview of the received frame)."""
         (n,) = struct.unpack(">I", _recv_exact(self._sock, 4))
         if n > MAX_FRAME + MAX_BLOB + 4 or n < 4:
             raise ControlError(f"bad frame length {n}")
         mac = _recv_exact(self._sock, 32)
         payload = _recv_into(self._sock, n)
-        expect = _mac(self._key, struct.pack(">Q", self._recv_seq), payload)
+        expect = _mac(self._recv_key, struct.pack(">Q", self._recv_seq), payload)
         if not hmac.compare_digest(mac, expect):
             raise AuthError(f"bad message MAC from {self.peer}; dropping the connection")
         self._recv_seq += 1
@@ -162,119 +223,46 @@ class Channel:
         self._sock.close()
 
 
-def connect(addr: tuple[str, int], secret: bytes, hello: Message, *, timeout: float = 10.0) -> Channel:
-    """Open an authenticated channel to a :class:`ControlServer`."""
+def session_keys(key: bytes, ns: bytes, nc: bytes) -> tuple[bytes, bytes]:
+    """(client -> server, server -> client) frame keys of one handshake."""
+    return _mac(key, b"kc", ns, nc), _mac(key, b"ks", ns, nc)
+
+
+def connect(
+    addr: tuple[str, int],
+    secret: bytes,
+    hello: Message,
+    *,
+    timeout: float = 10.0,
+    purpose: str = "control",
+    read_timeout: float | None = None,
+) -> Channel:
+    """Open an authenticated channel to a listener of ``purpose`` (module docstring).
+
+    ``timeout`` bounds the connection and the whole handshake. ``read_timeout``: afterwards,
+    a ``recv`` (or a ``send``) that makes no progress for this long raises ControlError (None:
+    wait as long as it takes -- for peers whose silence a heartbeat detects)."""
+    key = derive_key(secret, purpose)
+    deadline = time.monotonic() + timeout
     sock = socket.create_connection(addr, timeout=timeout)
     try:
-        ns = bytes.fromhex(str(_recv_plain(sock)["nonce"]))
+        ns = bytes.fromhex(str(_recv_plain(sock, deadline)["nonce"]))
         nc = secrets.token_bytes(16)
-        _send_plain(sock, {"nonce": nc.hex(), "mac": _mac(secret, b"c", ns, nc).hex(), "hello": hello})
-        reply = _recv_plain(sock)
+        _send_plain(sock, {"nonce": nc.hex(), "mac": _mac(key, b"c", ns, nc).hex(), "hello": hello})
+        reply = _recv_plain(sock, deadline)
         if not reply.get("ok"):
-            raise AuthError(f"coordinator refused the connection: {reply.get('error', 'unknown')}")
-        if not hmac.compare_digest(bytes.fromhex(str(reply["mac"])), _mac(secret, b"s", nc, ns)):
-            raise AuthError("coordinator failed to prove it knows the job secret")
-    except (OSError, KeyError, ValueError) as e:
+            raise AuthError(f"the {purpose} listener refused the connection: {reply.get('error', 'unknown')}")
+        if not hmac.compare_digest(bytes.fromhex(str(reply["mac"])), _mac(key, b"s", nc, ns)):
+            raise AuthError(
+                f"the {purpose} listener at {addr[0]}:{addr[1]} failed to prove it knows the job secret"
+            )
+    except (OSError, KeyError, ValueError, TypeError) as e:
         sock.close()
         raise ControlError(f"handshake with {addr[0]}:{addr[1]} failed: {e}") from e
     except ControlError:
         sock.close()
         raise
-    sock.settimeout(None)
+    sock.settimeout(read_timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return Channel(sock, _mac(secret, b"k", ns, nc), hello, f"{addr[0]}:{addr[1]}")
-
-
-class ControlServer:
-    """Accepts authenticated channels and feeds their messages into one queue.
-
-    Events put on ``events``: ``("open", channel, None)``, ``("msg", channel,
-    message)`` and ``("close", channel, None)``. A peer that fails the handshake
-    is refused, logged through ``on_refused`` and never reaches the queue.
-    """
-
-    def __init__(
-        self, *, host: str, port: int, secret: bytes, on_refused: Callable[[str, str], None] | None = None
-    ) -> None:
-        self._secret = secret
-        self.events: queue.Queue[tuple[str, Channel, Message | None]] = queue.Queue()
-        self._on_refused = on_refused
-        self._stop = threading.Event()
-        self._channels: set[Channel] = set()
-        self._lock = threading.Lock()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, port))
-        except OSError as e:
-            self._sock.close()
-            if e.errno == errno.EADDRINUSE:
-                raise UsageError(
-                    f"port {port} on {host} is already in use: pick another with --port, or --port 0 "
-                    "for a free one"
-                ) from e
-            raise UsageError(f"cannot listen on {host}:{port} ({e.strerror}): check --host") from e
-        self._sock.listen(128)
-        self.address: tuple[str, int] = self._sock.getsockname()[:2]
-        self._thread = threading.Thread(target=self._accept_loop, name="nonstop-control", daemon=True)
-        self._thread.start()
-
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, addr = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(
-                target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"), name="nonstop-conn", daemon=True
-            ).start()
-
-    def _serve(self, sock: socket.socket, peer: str) -> None:
-        try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            ns = secrets.token_bytes(16)
-            _send_plain(sock, {"nonce": ns.hex()})
-            hello_msg = _recv_plain(sock)
-            nc = bytes.fromhex(str(hello_msg["nonce"]))
-            good = hmac.compare_digest(bytes.fromhex(str(hello_msg["mac"])), _mac(self._secret, b"c", ns, nc))
-            if not good:
-                _send_plain(sock, {"ok": False, "error": "authentication failed"})
-                raise AuthError("wrong job secret")
-            _send_plain(sock, {"ok": True, "mac": _mac(self._secret, b"s", nc, ns).hex()})
-            hello = hello_msg.get("hello")
-            if not isinstance(hello, dict):
-                raise ControlError("hello missing")
-        except (OSError, KeyError, ValueError, ControlError) as e:
-            if self._on_refused is not None:
-                self._on_refused(peer, str(e))
-            log.warning("refused control connection from %s: %s", peer, e)
-            sock.close()
-            return
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        ch = Channel(sock, _mac(self._secret, b"k", ns, nc), hello, peer)
-        with self._lock:
-            self._channels.add(ch)
-        self.events.put(("open", ch, None))
-        try:
-            while True:
-                self.events.put(("msg", ch, ch.recv()))
-        except (ControlError, OSError, ValueError):
-            pass
-        finally:
-            ch.closed = True
-            with self._lock:
-                self._channels.discard(ch)
-            self.events.put(("close", ch, None))
-
-    def close(self) -> None:
-        self._stop.set()
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        with self._lock:
-            chans = list(self._channels)
-        for ch in chans:
-            ch.close()
+    c2s, s2c = session_keys(key, ns, nc)
+    return Channel(sock, c2s, s2c, hello, f"{addr[0]}:{addr[1]}")

@@ -32,7 +32,8 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from nonstop.control.channel import BLOB, Channel, ControlServer, Message, connect
+from nonstop.control.channel import BLOB, Channel, Message, connect
+from nonstop.control.listener import ControlServer
 from nonstop.errors import ControlError, NonstopError, SnapshotError, SnapshotMissingError
 from nonstop.snapshot.codec import ChunkInfo, CodecConfig, Encoder, decode, segments_for
 from nonstop.snapshot.store import RankSnapshotStore, RawSnapshot
@@ -62,6 +63,7 @@ TRACK_TTL_S = 120.0  # a tracked fetch's base is dropped when no catch-up used i
 
 
 REPLICA_SLOTS = 3  # slots a node keeps per rank it holds replicas of
+ACK_TIMEOUT_S = 60.0  # a holder silent this long after a replica's last chunk is taken for gone
 
 
 def local_store_id(job_id: str, node: str) -> str:
@@ -98,17 +100,25 @@ def _recv_snapshot(
 ) -> tuple[bytes, Any]:
     """Read the chunks announced by ``first`` and decode them (CRC-checked) against ``base``,
     into ``out`` (a uint8 array, reused when large enough) or a new bytearray."""
-    meta = bytes(first.get(BLOB, b""))
-    n, data_len = int(first["nchunks"]), int(first["data_len"])
-    chunks = []
-    for _ in range(n):
-        msg = next_msg()
-        if msg.get("t") != "chunk":
-            raise FetchError(f"expected a chunk, got {msg.get('t')!r}")
-        chunks.append((ChunkInfo.from_json(msg["info"]), msg.get(BLOB, b"")))
-    dest: Any = out[:data_len] if out is not None and out.size >= data_len else bytearray(data_len)
-    decode(chunks, dest, base)
-    return meta, dest
+    try:
+        meta = bytes(first.get(BLOB, b""))
+        n, data_len = int(first["nchunks"]), int(first["data_len"])
+        if n < 0 or data_len < 0:
+            raise FetchError(f"bad snapshot header: {n} chunks, {data_len} bytes")
+        chunks = []
+        for _ in range(n):
+            msg = next_msg()
+            if msg.get("t") != "chunk":
+                raise FetchError(f"expected a chunk, got {msg.get('t')!r}")
+            chunks.append((ChunkInfo.from_json(msg["info"]), msg.get(BLOB, b"")))
+        covered = sum(info.length for info, _ in chunks)
+        if covered != data_len:  # checked before the buffer is allocated
+            raise FetchError(f"the chunks cover {covered} bytes, the header says {data_len}")
+        dest: Any = out[:data_len] if out is not None and out.size >= data_len else bytearray(data_len)
+        decode(chunks, dest, base)
+        return meta, dest
+    except (KeyError, ValueError, TypeError, OverflowError, MemoryError) as e:
+        raise FetchError(f"malformed snapshot from the peer: {type(e).__name__}: {e}") from e
 
 
 class _Bucket:
@@ -170,7 +180,14 @@ class Replicator:
         ch = self._chans.get(addr)
         if ch is None or ch.closed:
             host, _, port = addr.rpartition(":")
-            ch = connect((host, int(port)), self._secret, {"role": "peer", "node": self.node}, timeout=5.0)
+            ch = connect(
+                (host, int(port)),
+                self._secret,
+                {"role": "peer", "node": self.node},
+                timeout=5.0,
+                purpose="data",
+                read_timeout=ACK_TIMEOUT_S,
+            )
             self._chans[addr] = ch
         return ch
 
@@ -279,11 +296,19 @@ def fetch(
     ``base``: (step, data) this node holds from its last ``track`` ed fetch of the rank
     from ``addr``; the holder then sends a delta against it if it still has that step too.
     Every chunk is CRC-checked (after decoding: against the data the holder encoded, so a
-    wrong base cannot pass); raises FetchError when the peer lacks the step.
+    wrong base cannot pass). Raises FetchError -- and nothing else -- when the peer lacks the
+    step, sends anything malformed, or goes ``timeout`` seconds without a byte.
     """
     host, _, port = addr.rpartition(":")
     try:
-        ch = connect((host, int(port)), secret, {"role": "peer", "node": node}, timeout=timeout)
+        ch = connect(
+            (host, int(port)),
+            secret,
+            {"role": "peer", "node": node},
+            timeout=timeout,
+            purpose="data",
+            read_timeout=timeout,
+        )
     except (ControlError, OSError) as e:
         raise FetchError(f"cannot reach {addr} to fetch rank {rank} step {step}: {e}") from e
     try:
@@ -315,7 +340,7 @@ def fetch(
             wire_bytes=wire[0],
             capped=bool(first.get("capped")),
         )
-    except (ControlError, OSError, SnapshotError) as e:
+    except (ControlError, OSError, SnapshotError, KeyError, ValueError, TypeError) as e:
         raise FetchError(f"fetching rank {rank} step {step} from {addr} failed: {e}") from e
     finally:
         ch.close()
@@ -397,7 +422,9 @@ class DataPlane:
         self._codec = codec or CodecConfig()
         self._bucket = _Bucket(bandwidth_bytes_s)
         self._sent: TrackedBases[tuple[str, int, str]] = TrackedBases()
-        self._server = ControlServer(host=host, port=port, secret=secret, on_refused=on_refused)
+        self._server = ControlServer(
+            host=host, port=port, secret=secret, on_refused=on_refused, purpose="data"
+        )
         self.address = self._server.address
         self._partial: dict[Channel, tuple[Message, list[Message]]] = {}
         self._stop = threading.Event()
@@ -476,7 +503,21 @@ class DataPlane:
         chan.send({"t": "rep_ack", "ok": True, "rank": rank, "step": step})
 
     def _serve_fetch(self, chan: Channel, msg: Message) -> None:
+        """Answer one fetch; whatever goes wrong -- a missing step, a malformed request, a bug --
+        the requester gets a ``fetch_begin`` with ``error`` (it never waits for nothing)."""
+        try:
+            self._answer_fetch(chan, msg)
+        except Exception as e:
+            log.warning("data plane: fetch from %s failed: %s: %s", chan.peer, type(e).__name__, e)
+            try:
+                chan.send({"t": "fetch_begin", "error": f"{type(e).__name__}: {e}"[:300]})
+            except ControlError:
+                pass
+
+    def _answer_fetch(self, chan: Channel, msg: Message) -> None:
         rank, step, kind = int(msg["rank"]), int(msg["step"]), str(msg.get("kind", "replica"))
+        if kind not in ("replica", "local"):
+            raise FetchError(f"unknown snapshot kind {kind!r}")
         track, want = bool(msg.get("track")), msg.get("base")
         key = (str(msg.get("node", "")), rank, kind)
         prev = self._sent.take(key)

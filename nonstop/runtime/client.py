@@ -36,7 +36,7 @@ def request_persist(job_dir: Path, *, timeout: float) -> Message:
     """Ask the job in ``job_dir`` to persist its committed step; wait for it to be durable."""
     addr, secret = _job_address(job_dir)
     try:
-        chan = connect(addr, secret, {"role": "client"}, timeout=10.0)
+        chan = connect(addr, secret, {"role": "client"}, timeout=10.0, read_timeout=timeout)
     except (ControlError, OSError) as e:
         raise UsageError(f"cannot reach the job in {str(job_dir)!r} ({e}); is it still running?") from None
     try:
@@ -53,10 +53,11 @@ def request_persist(job_dir: Path, *, timeout: float) -> Message:
         chan.close()
 
 
-def _connect(job_dir: Path) -> Channel:
+def _connect(job_dir: Path, *, read_timeout: float = 10.0) -> Channel:
+    """A client channel to the job; an answer awaited longer than ``read_timeout`` raises."""
     addr, secret = _job_address(job_dir)
     try:
-        return connect(addr, secret, {"role": "client"}, timeout=10.0)
+        return connect(addr, secret, {"role": "client"}, timeout=10.0, read_timeout=read_timeout)
     except (ControlError, OSError) as e:
         raise UsageError(f"cannot reach the job in {str(job_dir)!r} ({e}); is it still running?") from None
 
@@ -74,7 +75,7 @@ def request_status(job_dir: Path) -> Message:
 def request_migration(job_dir: Path, request: Message, *, timeout: float) -> list[Message]:
     """Send a ``migrate {rank, to}`` or ``drain {node}`` request; wait until every rank it moves
     has moved (or failed to); one ``migrated {rank, ok, error, ...}`` answer per rank."""
-    chan = _connect(job_dir)
+    chan = _connect(job_dir, read_timeout=timeout)
     try:
         chan.send(request)
         deadline = time.monotonic() + timeout

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nonstop.config import JobConfig
-from nonstop.control.channel import Channel, ControlServer, Message
+from nonstop.control.channel import Channel, Message
+from nonstop.control.listener import ControlServer
 from nonstop.control.rdzv import KeyValueTable
 from nonstop.errors import ControlError
 from nonstop.mesh import MeshSpec

@@ -27,7 +27,8 @@ from pathlib import Path
 from types import FrameType
 
 from nonstop.config import ENV, JobConfig, job_config_to_json
-from nonstop.control.channel import ControlServer, new_secret
+from nonstop.control.channel import new_secret
+from nonstop.control.listener import ControlServer
 from nonstop.control.store import open_store
 from nonstop.errors import ControlError, JobFailedError, SnapshotMissingError, UsageError
 from nonstop.faults import FaultSpec, faults_to_json, parse_fault

@@ -301,8 +301,8 @@ class NodeWork:
                     spare = held.data if held is not None else None
                     self._tracks.put(dest, TrackedBase(step, data, spare, source=(addr, rank, kind)))
             self._send({**info, "ok": True, "seconds": time.monotonic() - t0})
-        except (NonstopError, OSError) as e:
-            self._send({**info, "ok": False, "error": str(e)[:300]})
+        except Exception as e:  # whatever failed, the coordinator hears of it (it waits on this fetch)
+            self._send({**info, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]})
 
     def _install_durable(self, msg: Message) -> None:
         step = int(msg["step"])
@@ -314,5 +314,7 @@ class NodeWork:
                 meta, data = durable.load_rank(step, sources.get(int(rank), int(rank)))
                 self._local(int(rank)).write_raw(step, meta, data)
             self._send({"t": "installed", "id": msg["id"], "ok": True, "seconds": time.monotonic() - t0})
-        except (NonstopError, OSError) as e:
-            self._send({"t": "installed", "id": msg["id"], "ok": False, "error": str(e)[:300]})
+        except Exception as e:  # whatever failed, the coordinator hears of it
+            self._send(
+                {"t": "installed", "id": msg["id"], "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+            )
