@@ -3,8 +3,10 @@
 #   scripts/etcd.sh [install]                             install etcd + etcdctl (apt) unless on PATH
 #   scripts/etcd.sh start DATA_DIR PORT SECRET_FILE [PEER_PORT]
 #       start etcd bound to 127.0.0.1:PORT (or $ETCD_HOST:PORT; peers on PEER_PORT, default a free port),
-#       wait until it answers, make sure auth is on with user root and the password in
-#       SECRET_FILE (first line), then print its pid. Data, log and pid file live in DATA_DIR;
+#       wait until it answers, make sure auth is on with user root and the password derived
+#       from the job secret in SECRET_FILE (first line; the password is
+#       hex(HMAC-SHA256(secret, "nonstop/v1/etcd")), nonstop.control.channel.etcd_password:
+#       the secret itself never reaches etcd), then print its pid. Data, log and pid file live in DATA_DIR;
 #       starting again on the same DATA_DIR keeps the data and checks the password.
 #   scripts/etcd.sh stop DATA_DIR                         stop the etcd started on DATA_DIR
 # Heartbeat 50 ms / election timeout 500 ms: etcd's minimum lease TTL is
@@ -35,6 +37,17 @@ install_etcd() {
   rm -f "$log"
   # The Debian package enables a system-wide etcd service; nonstop starts its own.
   command -v etcd >/dev/null && command -v etcdctl >/dev/null || die "installed etcd but etcd/etcdctl are not on PATH"
+}
+
+# derive_password < SECRET_FILE: etcd's root password for the job (see the header).
+derive_password() {
+  python3 -c '
+import hashlib, hmac, sys
+secret = sys.stdin.readline().strip().encode()
+if len(secret) < 16:
+    sys.exit(1)
+print(hmac.new(secret, b"nonstop/v1/etcd", hashlib.sha256).hexdigest())
+'
 }
 
 free_port() {
@@ -72,8 +85,7 @@ start() {
   [[ $port =~ ^[0-9]+$ ]] && [ "$port" -gt 0 ] && [ "$port" -lt 65536 ] || die "bad client port '$port'"
   [ -r "$secret_file" ] || die "secret file '$secret_file' is missing or unreadable"
   local password
-  password=$(head -n 1 "$secret_file")
-  [ -n "$password" ] || die "secret file '$secret_file' is empty"
+  password=$(derive_password <"$secret_file") || die "secret file '$secret_file' is empty or shorter than 16 bytes"
   [ -n "$peer" ] || peer=$(free_port)
   [[ $peer =~ ^[0-9]+$ ]] && [ "$peer" != "$port" ] || die "bad peer port '$peer'"
   install_etcd

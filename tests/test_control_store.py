@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from nonstop.control.channel import etcd_password
 from nonstop.control.embedded import EmbeddedStore
 from nonstop.control.etcd import EtcdStore
 from nonstop.control.store import ControlStore, LeaseKeeper, Watch, WatchEvent, open_store
@@ -281,15 +282,28 @@ def test_embedded_history_is_bounded() -> None:
 
 def test_etcd_wrong_or_missing_password_is_refused(etcd_server: EtcdServer) -> None:
     with pytest.raises(AuthError, match=r"refused user 'root'.*check the job secret"):
-        open_store(etcd_server.url, secret="not-the-secret")
+        open_store(etcd_server.url, secret="not-the-secret-of-this-job")
     with pytest.raises(AuthError, match="open it with the job secret"):
         open_store(etcd_server.url, secret=None)
+
+
+def _password(server: EtcdServer) -> str:
+    return etcd_password(server.secret.encode())
+
+
+def test_etcd_password_is_derived_and_the_secret_itself_is_refused(etcd_server: EtcdServer) -> None:
+    """Was: the job secret was etcd's root password, sent in clear over HTTP at every login."""
+    with pytest.raises(AuthError, match="refused user 'root'"):
+        EtcdStore(etcd_server.url, password=etcd_server.secret)
+    store = EtcdStore(etcd_server.url, password=_password(etcd_server))
+    store.put("derived", b"ok")
+    store.close()
 
 
 def test_etcd_unreachable_names_the_url() -> None:
     url = f"etcd://127.0.0.1:{free_port()}"
     with pytest.raises(ControlError, match=f"etcd at {url} is unreachable"):
-        open_store(url, secret="x")
+        open_store(url, secret="x" * 32)
 
 
 def test_etcd_several_endpoints_skip_a_dead_one(etcd_server: EtcdServer) -> None:
@@ -301,7 +315,7 @@ def test_etcd_several_endpoints_skip_a_dead_one(etcd_server: EtcdServer) -> None
 
 
 def test_etcd_logs_in_again_when_the_token_is_refused(etcd_server: EtcdServer) -> None:
-    store = EtcdStore(etcd_server.url, secret=etcd_server.secret)
+    store = EtcdStore(etcd_server.url, password=_password(etcd_server))
     store._token = "expired.42"  # as etcd sees a token after its TTL or a restart
     store.put("k", b"v")
     store._token = "expired.43"
@@ -312,7 +326,7 @@ def test_etcd_logs_in_again_when_the_token_is_refused(etcd_server: EtcdServer) -
 
 
 def test_etcd_compacted_history_fails_the_watch(etcd_server: EtcdServer) -> None:
-    store = EtcdStore(etcd_server.url, secret=etcd_server.secret)
+    store = EtcdStore(etcd_server.url, password=_password(etcd_server))
     first = store.put("c", b"1")
     last = store.put("c", b"2")
     store._call("kv/compaction", {"revision": str(last)})
@@ -324,8 +338,8 @@ def test_etcd_compacted_history_fails_the_watch(etcd_server: EtcdServer) -> None
 
 @pytest.mark.slow
 def test_etcd_watch_resumes_after_a_restart_or_fails_after_retrying(etcd_server: EtcdServer) -> None:
-    store = EtcdStore(etcd_server.url, secret=etcd_server.secret)
-    impatient = EtcdStore(etcd_server.url, secret=etcd_server.secret, watch_retry_s=0.5)
+    store = EtcdStore(etcd_server.url, password=_password(etcd_server))
+    impatient = EtcdStore(etcd_server.url, password=_password(etcd_server), watch_retry_s=0.5)
     watch = store.watch_prefix("w/")
     doomed = impatient.watch_prefix("w/")
     store.put("w/1", b"before")

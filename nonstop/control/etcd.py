@@ -4,7 +4,7 @@ etcd serves its gRPC API as JSON over HTTP/1.1 at ``/v3/...`` (3.4 also at ``/v3
 3.5 dropped; ``/v3/`` works on both). Keys and values travel base64-encoded, 64-bit integers as
 decimal strings. Nothing read from the server is unpickled: it is parsed as JSON.
 
-Authentication: with a ``secret``, the client logs in as ``user`` (``root``) through
+Authentication: with a ``password``, the client logs in as ``user`` (``root``) through
 ``/v3/auth/authenticate`` and sends the token it gets in the ``Authorization`` header. A token
 etcd no longer accepts (it expired, or etcd restarted) is replaced by logging in again once,
 then the request is repeated; a refused password raises :class:`~nonstop.errors.AuthError`.
@@ -38,11 +38,12 @@ from typing import Any
 from nonstop.control.store import KeyValue, Lease, Watch, WatchEvent
 from nonstop.errors import AuthError, ControlError, UsageError
 
-__all__ = ["API_PREFIX", "EtcdStore", "parse_etcd_url"]
+__all__ = ["API_PREFIX", "NO_AUTH_ENV", "EtcdStore", "parse_etcd_url"]
 
 log = logging.getLogger(__name__)
 
 API_PREFIX = "/v3"
+NO_AUTH_ENV = "NONSTOP_ETCD_NO_AUTH"  # "1": accept an etcd with authentication disabled
 _NOT_FOUND = 5  # gRPC status codes etcd answers with
 _PERMISSION_DENIED = 7
 _UNAVAILABLE = 14
@@ -126,8 +127,11 @@ def _tcp_keepalive(sock: socket.socket) -> None:
 class EtcdStore:
     """A :class:`~nonstop.control.store.ControlStore` on etcd v3 (tested against 3.4).
 
-    Connects, and logs in when ``secret`` is given, before returning: an unreachable server
-    raises ControlError naming the URL, a refused password AuthError. ``timeout`` bounds each
+    Connects, and logs in as ``user`` with ``password`` (for a job: :func:`~nonstop.control.
+    channel.etcd_password`, derived from the job secret) before returning: an unreachable
+    server raises ControlError naming the URL, a refused password AuthError, and a server
+    with authentication disabled AuthError too (anyone who reaches it could rewrite the
+    job's state) unless ``allow_no_auth``. ``timeout`` bounds each
     request and the wait for a watch to be established. Thread-safe. Lease TTLs are whole
     seconds, at least etcd's minimum (1 s with ``scripts/etcd.sh``'s election timeout); etcd
     deletes an expired lease's keys within about 0.5 s after the TTL runs out.
@@ -137,14 +141,16 @@ class EtcdStore:
         self,
         url: str,
         *,
-        secret: str | None,
+        password: str | None,
         user: str = "root",
+        allow_no_auth: bool = False,
         timeout: float = 5.0,
         watch_retry_s: float = 10.0,
     ) -> None:
         self._endpoints = parse_etcd_url(url)
         self.url = url
-        self._secret = secret
+        self._password = password
+        self._allow_no_auth = allow_no_auth
         self._user = user
         self.timeout = timeout
         self.watch_retry_s = watch_retry_s
@@ -156,7 +162,7 @@ class EtcdStore:
         self._auth_lock = threading.Lock()
         self._token: str | None = None
         try:
-            if secret is not None:
+            if password is not None:
                 self._authenticate(stale=None)
             else:
                 self.revision()
@@ -269,7 +275,7 @@ class EtcdStore:
             code, message = err
             if code == tolerate:
                 return {}
-            if code == _UNAUTHENTICATED and self._secret is not None and not relogged:
+            if code == _UNAUTHENTICATED and self._password is not None and not relogged:
                 self._authenticate(stale=token)
                 relogged = True
                 continue
@@ -280,24 +286,30 @@ class EtcdStore:
 
     def _refusal(self, path: str, code: int, message: str) -> ControlError:
         if code in (_UNAUTHENTICATED, _PERMISSION_DENIED) or "user name is empty" in message:
-            hint = "open it with the job secret" if self._secret is None else "check the job secret"
+            hint = "open it with the job secret" if self._password is None else "check the job secret"
             return AuthError(f"etcd at {self.url} refused {path}: {message}; {hint}")
         return ControlError(f"etcd at {self.url} failed {path}: {message} (gRPC code {code})")
 
     def _authenticate(self, *, stale: str | None) -> None:
         """Log in, unless another thread already replaced the token ``stale``."""
-        assert self._secret is not None
+        assert self._password is not None
         with self._auth_lock:
             if self._token != stale:
                 return
             path = f"{API_PREFIX}/auth/authenticate"
-            status, obj = self._post(path, {"name": self._user, "password": self._secret}, None)
+            status, obj = self._post(path, {"name": self._user, "password": self._password}, None)
             err = _error_of(status, obj)
             if err is None:
                 self._token = str(obj["token"])
                 return
             code, message = err
             if "authentication is not enabled" in message:
+                if not self._allow_no_auth:
+                    raise AuthError(
+                        f"etcd at {self.url} has authentication disabled, so anyone who reaches it "
+                        "could rewrite this job's state: enable it (scripts/etcd.sh start does) or "
+                        f"set {NO_AUTH_ENV}=1 to run without"
+                    )
                 log.warning("etcd at %s does not have authentication enabled; anyone can change it", self.url)
                 return
             if code in (3, _PERMISSION_DENIED, _UNAUTHENTICATED) or "authentication failed" in message:
@@ -541,7 +553,7 @@ class _WatchStream:
 
     def _refused(self, code: int, message: str, token: str | None) -> None:
         store = self._store
-        if code == _UNAUTHENTICATED and store._secret is not None:
+        if code == _UNAUTHENTICATED and store._password is not None:
             store._authenticate(stale=token)
             raise _Reconnect(f"etcd at {store.url} keeps refusing the login token: {message}")
         raise _WatchEnded(store._refusal(f"{API_PREFIX}/watch", code, message))

@@ -33,6 +33,7 @@ when it refuses the credentials. Stores are safe to use from several threads at 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -304,9 +305,11 @@ def open_store(url: str, *, secret: str | None) -> ControlStore:
     ``embedded://``
         A new :class:`~nonstop.control.embedded.EmbeddedStore` in this process (``secret`` is not used).
     ``etcd://HOST:PORT[,HOST:PORT...]``
-        An :class:`~nonstop.control.etcd.EtcdStore`; ``secret`` is the password of etcd's
-        ``root`` user (None: the server must not require authentication). Connects and
-        authenticates before returning.
+        An :class:`~nonstop.control.etcd.EtcdStore`; ``secret`` is the job secret, from which
+        the password of etcd's ``root`` user is derived (:func:`~nonstop.control.channel.
+        etcd_password`: the secret itself never goes to etcd). None: no login, which only a
+        server with authentication disabled accepts, and only with ``NONSTOP_ETCD_NO_AUTH=1``.
+        Connects and authenticates before returning.
 
     Raises UsageError for a malformed URL, AuthError for refused credentials, ControlError
     when etcd cannot be reached.
@@ -317,7 +320,9 @@ def open_store(url: str, *, secret: str | None) -> ControlStore:
 
         return EmbeddedStore()
     if scheme == "etcd" and sep:
-        from nonstop.control.etcd import EtcdStore
+        from nonstop.control.channel import etcd_password
+        from nonstop.control.etcd import NO_AUTH_ENV, EtcdStore
 
-        return EtcdStore(url, secret=secret)
+        password = None if secret is None else etcd_password(secret.encode())
+        return EtcdStore(url, password=password, allow_no_auth=os.environ.get(NO_AUTH_ENV) == "1")
     raise UsageError(f"unknown control store URL {url!r}: use embedded:// or etcd://HOST:PORT[,HOST:PORT...]")
