@@ -358,3 +358,59 @@ def test_etcd_watch_resumes_after_a_restart_or_fails_after_retrying(etcd_server:
     assert watch.get(0.3) is None  # nothing replayed twice
     store.close()
     impatient.close()
+
+
+def test_etcd_watch_survives_a_malformed_line_and_misses_nothing(
+    etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Was: one malformed watch line (valid JSON, not an object) killed the watch thread
+    silently, and with it node-loss detection."""
+    import json as real_json
+    import types
+
+    from nonstop.control import etcd as etcd_mod
+
+    mangled: list[bytes] = []
+
+    def loads(raw: bytes | str) -> object:
+        text = raw if isinstance(raw, bytes) else raw.encode()
+        if b'"events"' in text and not mangled:
+            mangled.append(text)
+            return ["not", "an", "object"]
+        return real_json.loads(raw)
+
+    monkeypatch.setattr(etcd_mod, "json", types.SimpleNamespace(loads=loads, dumps=real_json.dumps))
+    store = EtcdStore(etcd_server.url, password=_password(etcd_server))
+    try:
+        watch = store.watch_prefix("mal/")
+        store.put("mal/1", b"a")
+        store.put("mal/2", b"b")
+        got = [watch.get(5.0), watch.get(5.0)]
+        assert mangled, "the test did not mangle a line"
+        assert [(e.key, e.value) for e in got if e is not None] == [("mal/1", b"a"), ("mal/2", b"b")]
+    finally:
+        store.close()
+
+
+def test_etcd_watch_fails_loudly_when_every_answer_is_malformed(
+    etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json as real_json
+    import types
+
+    from nonstop.control import etcd as etcd_mod
+
+    def loads(raw: bytes | str) -> object:
+        text = raw if isinstance(raw, bytes) else raw.encode()
+        return [] if b'"events"' in text else real_json.loads(raw)
+
+    monkeypatch.setattr(etcd_mod, "json", types.SimpleNamespace(loads=loads, dumps=real_json.dumps))
+    store = EtcdStore(etcd_server.url, password=_password(etcd_server))
+    try:
+        watch = store.watch_prefix("bad/")
+        store.put("bad/1", b"a")
+        with pytest.raises(ControlError, match="malformed"):
+            for _ in range(50):
+                watch.get(0.5)
+    finally:
+        store.close()

@@ -43,6 +43,7 @@ __all__ = ["API_PREFIX", "NO_AUTH_ENV", "EtcdStore", "parse_etcd_url"]
 log = logging.getLogger(__name__)
 
 API_PREFIX = "/v3"
+MALFORMED_LIMIT = 3  # malformed watch answers at one revision before the watch fails
 NO_AUTH_ENV = "NONSTOP_ETCD_NO_AUTH"  # "1": accept an etcd with authentication disabled
 _NOT_FOUND = 5  # gRPC status codes etcd answers with
 _PERMISSION_DENIED = 7
@@ -462,8 +463,19 @@ class _WatchStream:
         self._store._forget(self)
 
     def _run(self) -> None:
+        """Read until stopped; whatever goes wrong ends in a reconnect from the next revision
+        (nothing is missed) or in an error the consumer sees at ``Watch.get`` -- never in a
+        thread that dies silently (a watch that stopped would stop node-loss detection)."""
+        try:
+            self._read_until_stopped()
+        except BaseException as e:  # a bug here must not leave the consumer waiting for ever
+            self._end(ControlError(f"watch on {self._what} failed: {type(e).__name__}: {e}"))
+            raise
+
+    def _read_until_stopped(self) -> None:
         delay = 0.05
         relogins = 0
+        malformed, malformed_at = 0, -1
         while not self._stopped.is_set():
             try:
                 self._stream()
@@ -479,8 +491,22 @@ class _WatchStream:
             except AuthError as e:
                 self._end(e)
                 return
-            except (OSError, http.client.HTTPException, ValueError, ControlError) as e:
+            except (OSError, http.client.HTTPException, ControlError) as e:
                 problem = str(e) or type(e).__name__
+            except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as e:
+                # A malformed answer: reconnect from the last revision delivered. The same one
+                # again and again (not a glitch on the wire) ends the watch, loudly.
+                malformed = malformed + 1 if malformed_at == self._next else 1
+                malformed_at = self._next
+                problem = f"malformed answer ({type(e).__name__}: {e})"
+                if malformed >= MALFORMED_LIMIT:
+                    self._end(
+                        ControlError(
+                            f"watch on {self._what}: etcd at {self._store.url} answered malformed "
+                            f"messages {malformed} times at revision {self._next} ({problem})"
+                        )
+                    )
+                    return
             if self._stopped.is_set():
                 return
             if not self._created.is_set():
