@@ -21,6 +21,8 @@ import enum
 import struct
 from dataclasses import dataclass
 
+from nonstop.errors import SnapshotCorruptError
+
 __all__ = [
     "ALIGN",
     "FORMAT_VERSION",
@@ -64,12 +66,26 @@ class TensorEntry:
         return [self.dtype, list(self.shape), self.offset, self.nbytes]
 
     @classmethod
-    def from_json(cls, raw: list[object]) -> TensorEntry:
+    def from_json(cls, raw: object) -> TensorEntry:
+        """Inverse of :meth:`to_json`; SnapshotCorruptError unless ``raw`` is
+        ``[dtype, shape, offset, nbytes]`` with a string, a list of non-negative ints and two
+        non-negative ints. (Whether the entry fits its data is checked by
+        :func:`nonstop.snapshot.validate.parse_meta`.)"""
+        if not isinstance(raw, list) or len(raw) != 4:
+            raise SnapshotCorruptError(f"tensor entry {str(raw)[:80]} is not [dtype, shape, offset, nbytes]")
         dtype, shape, offset, nbytes = raw
-        assert isinstance(dtype, str) and isinstance(shape, list)
-        return cls(
-            dtype=dtype, shape=tuple(int(s) for s in shape), offset=int(str(offset)), nbytes=int(str(nbytes))
-        )
+        if (
+            not isinstance(dtype, str)
+            or not isinstance(shape, list)
+            or not all(_nonneg_int(v) for v in (*shape, offset, nbytes))
+        ):
+            raise SnapshotCorruptError(f"tensor entry {str(raw)[:80]} has a field of the wrong type")
+        assert isinstance(offset, int) and isinstance(nbytes, int)
+        return cls(dtype=dtype, shape=tuple(shape), offset=offset, nbytes=nbytes)
+
+
+def _nonneg_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 @dataclass(frozen=True, kw_only=True)

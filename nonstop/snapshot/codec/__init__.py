@@ -42,7 +42,7 @@ Modules: :mod:`~nonstop.snapshot.codec.format` (the chunk format: value types, c
 strings, checksums, segment layout), :mod:`~nonstop.snapshot.codec.lossless` (delta
 transforms, C-Blosc2), :mod:`~nonstop.snapshot.codec.lossy` (quantisation) and
 :mod:`~nonstop.snapshot.codec.pipeline` (:class:`Encoder`, :func:`decode_chunk`,
-:func:`decode`). Import from this package; the modules are its internals.
+:func:`decode`, :func:`check_sizes`). Import from this package; the modules are its internals.
 """
 
 from nonstop.snapshot.codec.format import (
@@ -59,7 +59,7 @@ from nonstop.snapshot.codec.format import (
     segments_for,
 )
 from nonstop.snapshot.codec.lossless import preload
-from nonstop.snapshot.codec.pipeline import Encoder, decode, decode_chunk
+from nonstop.snapshot.codec.pipeline import Encoder, check_sizes, decode, decode_chunk
 
 __all__ = [
     "LOSSY_BLOCK",
@@ -71,6 +71,7 @@ __all__ = [
     "CodecConfig",
     "Encoder",
     "Segment",
+    "check_sizes",
     "checksum",
     "decode",
     "decode_chunk",

@@ -243,10 +243,14 @@ class ChunkInfo:
             raise SnapshotCorruptError(f"chunk manifest entry is {type(d).__name__}, expected an object")
         keys = ("offset", "length", "typesize", "codec", "delta", "enc_len", "crc_enc", "crc_raw")
         if set(d) != set(keys):
-            raise SnapshotCorruptError(f"chunk manifest entry has keys {sorted(d)}, expected {sorted(keys)}")
+            raise SnapshotCorruptError(
+                f"chunk manifest entry has keys {_brief(sorted(d))}, expected {sorted(keys)}"
+            )
         for k in ("offset", "length", "typesize", "enc_len", "crc_enc", "crc_raw"):
             if not _is_int(d[k]) or d[k] < 0:
-                raise SnapshotCorruptError(f"chunk manifest entry: {k}={d[k]!r} is not a non-negative int")
+                raise SnapshotCorruptError(
+                    f"chunk manifest entry: {k}={_brief(d[k])} is not a non-negative int"
+                )
         for k in ("crc_enc", "crc_raw"):
             if d[k] > 0xFFFFFFFF:
                 raise SnapshotCorruptError(f"chunk manifest entry: {k}={d[k]} is not a crc32")
@@ -256,9 +260,9 @@ class ChunkInfo:
                 f"does not fit length {d['length']}"
             )
         if not isinstance(d["delta"], bool):
-            raise SnapshotCorruptError(f"chunk manifest entry: delta={d['delta']!r} is not a bool")
+            raise SnapshotCorruptError(f"chunk manifest entry: delta={_brief(d['delta'])} is not a bool")
         if not isinstance(d["codec"], str):
-            raise SnapshotCorruptError(f"chunk manifest entry: codec={d['codec']!r} is not a string")
+            raise SnapshotCorruptError(f"chunk manifest entry: codec={_brief(d['codec'])} is not a string")
         info = cls(**{k: d[k] for k in keys})
         _plan_of(info)  # validates the codec string against delta/typesize
         return info
@@ -371,7 +375,14 @@ def _u8(buf: Buffer, what: str, *, writable: bool = False) -> _U8:
 
 
 def _corrupt(info: ChunkInfo, what: str) -> SnapshotCorruptError:
-    return SnapshotCorruptError(f"chunk at offset {info.offset} (+{info.length} bytes, {info.codec}): {what}")
+    codec = info.codec if len(info.codec) <= 40 else info.codec[:40] + "..."
+    return SnapshotCorruptError(f"chunk at offset {info.offset} (+{info.length} bytes, {codec}): {what}")
+
+
+def _brief(v: object) -> str:
+    """``repr(v)``, cut short: error messages quote stored values, which may be huge."""
+    r = repr(v)
+    return r if len(r) <= 80 else r[:80] + "..."
 
 
 # --------------------------------------------------------------------------- codec strings
@@ -411,7 +422,20 @@ def _parse(codec: str) -> _Plan | None:
     return _Plan(delta, True, 0, False, "")
 
 
+def _lossy_body_len(length: int, typesize: int, bits: int) -> int:
+    """Bytes of a lossy chunk's body before compression: a float32 scale per block of
+    LOSSY_BLOCK elements, then the quantised values (``bits`` each)."""
+    nb = -(-(length // typesize) // LOSSY_BLOCK)
+    qlen = nb * LOSSY_BLOCK if bits == 8 else (nb * LOSSY_BLOCK + 1) // 2
+    return 4 * nb + qlen
+
+
 def _plan_of(info: ChunkInfo) -> _Plan:
+    """The decoding plan of ``info``, once its fields are known to agree with each other and
+    with its codec string: SnapshotCorruptError otherwise. Besides the codec string, the sizes:
+    no chunk decodes to more than an encoder writes (1 GiB), a payload stored as is is exactly
+    as long as what it decodes to, and a compressed one is shorter (the encoder stores a chunk
+    that does not shrink as is)."""
     plan = _parse(info.codec)
     if plan is None:
         raise _corrupt(info, "unknown codec string")
@@ -420,6 +444,16 @@ def _plan_of(info: ChunkInfo) -> _Plan:
             raise _corrupt(info, f"lossy dtype {plan.dtype} does not match typesize {info.typesize}")
     elif (plan.delta is not None) != info.delta:
         raise _corrupt(info, f"delta={info.delta} contradicts the codec string")
+    if info.length > _MAX_CHUNK or info.length % info.typesize:
+        raise _corrupt(info, f"a chunk decodes to at most {_MAX_CHUNK} bytes, whole elements")
+    body = _lossy_body_len(info.length, info.typesize, plan.bits) if plan.bits else info.length
+    if not plan.blosc and info.enc_len != body:
+        raise _corrupt(info, f"a raw payload must be exactly {body} bytes, enc_len says {info.enc_len}")
+    if plan.blosc and info.enc_len >= body:
+        raise _corrupt(
+            info,
+            f"a compressed payload is shorter than the {body} bytes it decodes to, enc_len says {info.enc_len}",
+        )
     return plan
 
 

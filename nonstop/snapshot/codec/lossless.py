@@ -122,16 +122,21 @@ def _blosc_compress(data: _U8, ts: int, cfg: CodecConfig, shuffle: str) -> bytes
     return out if len(out) < len(data) else None
 
 
-def _blosc_decompress(info: ChunkInfo, payload: _U8, out: _U8) -> None:
+def _blosc_check(info: ChunkInfo, payload: _U8, n_out: int) -> None:
+    """SnapshotCorruptError unless ``payload``'s blosc2 frame header says it holds exactly
+    ``n_out`` bytes compressed into exactly ``len(payload)`` (reads the header only)."""
     b2 = _b2()
     try:
         nbytes, cbytes, _ = b2.get_cbuffer_sizes(payload)
     except Exception as e:  # too short or not a blosc2 frame
         raise _corrupt(info, f"bad compressed frame ({type(e).__name__})") from None
-    if nbytes != len(out) or cbytes != len(payload):
-        raise _corrupt(
-            info, f"frame says {nbytes} bytes from {cbytes}, expected {len(out)} from {len(payload)}"
-        )
+    if nbytes != n_out or cbytes != len(payload):
+        raise _corrupt(info, f"frame says {nbytes} bytes from {cbytes}, expected {n_out} from {len(payload)}")
+
+
+def _blosc_decompress(info: ChunkInfo, payload: _U8, out: _U8) -> None:
+    b2 = _b2()
+    _blosc_check(info, payload, len(out))
     try:
         b2.decompress2(payload, dst=out, nthreads=1)
     except Exception as e:

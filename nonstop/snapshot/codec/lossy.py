@@ -30,6 +30,7 @@ from nonstop.snapshot.codec.format import (
     Segment,
     _corrupt,
     _crc,
+    _lossy_body_len,
     _Plan,
 )
 from nonstop.snapshot.codec.lossless import _SCRATCH, _blosc_compress, _blosc_decompress
@@ -150,8 +151,7 @@ def _lossy_encode(
 def _lossy_decode(info: ChunkInfo, plan: _Plan, payload: _U8, out: _U8, base: _U8 | None) -> None:
     n = info.length // info.typesize
     nb = -(-n // LOSSY_BLOCK)
-    qlen = nb * LOSSY_BLOCK if plan.bits == 8 else (nb * LOSSY_BLOCK + 1) // 2
-    body_len = 4 * nb + qlen
+    body_len = _lossy_body_len(info.length, info.typesize, plan.bits)
     if plan.blosc:
         body = _SCRATCH.get(0, body_len)
         _blosc_decompress(info, payload, body)

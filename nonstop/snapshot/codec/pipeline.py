@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from nonstop.errors import SnapshotCorruptError, UsageError
+from nonstop.errors import NonstopError, SnapshotCorruptError, UsageError
 from nonstop.snapshot.codec.format import (
     _U8,
     LOSSY_BLOCK,
@@ -33,12 +33,15 @@ from nonstop.snapshot.codec.format import (
     _corrupt,
     _crc,
     _is_int,
+    _lossy_body_len,
+    _Plan,
     _plan_of,
     _u8,
     element_size,
 )
 from nonstop.snapshot.codec.lossless import (
     _SCRATCH,
+    _blosc_check,
     _blosc_compress,
     _blosc_decompress,
     _sub_decode_inplace,
@@ -46,8 +49,9 @@ from nonstop.snapshot.codec.lossless import (
     _xor_into,
 )
 from nonstop.snapshot.codec.lossy import _lossy_decode, _lossy_encode
+from nonstop.snapshot.validate import RESIDUAL
 
-__all__ = ["Encoder", "decode", "decode_chunk"]
+__all__ = ["Encoder", "check_sizes", "decode", "decode_chunk"]
 
 
 class Encoder:
@@ -203,6 +207,19 @@ def decode_chunk(
     o = _u8(out, "out", writable=True)
     if len(o) != info.length:
         raise UsageError(f"out is {len(o)} bytes, chunk at offset {info.offset} decodes to {info.length}")
+    try:
+        _decode_checked(info, plan, payload, o, base)
+    except NonstopError:
+        raise
+    except MemoryError:
+        raise _corrupt(info, "decoding it needs more memory than is free (MemoryError)") from None
+    except RESIDUAL as e:
+        raise _corrupt(
+            info, f"cannot decode ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        ) from None
+
+
+def _decode_checked(info: ChunkInfo, plan: _Plan, payload: Buffer, o: _U8, base: Buffer | None) -> None:
     p = _u8(payload, "payload")
     if len(p) != info.enc_len:
         raise _corrupt(info, f"payload is {len(p)} bytes, expected {info.enc_len} (truncated?)")
@@ -232,6 +249,22 @@ def decode_chunk(
     got = _crc(o.data)
     if got != info.crc_raw:
         raise _corrupt(info, f"decoded crc32c {got:#010x}, expected {info.crc_raw:#010x} (wrong base?)")
+
+
+def check_sizes(info: ChunkInfo, payload: Buffer) -> None:
+    """Check, without decoding, that ``payload`` can be ``info``'s: the codec string and sizes
+    of ``info`` agree, the payload is ``enc_len`` bytes, and a compressed payload's frame
+    header announces what ``info`` says it decodes to. SnapshotCorruptError otherwise.
+
+    Cheap (no checksum, no decompression): a reader runs it over every chunk before it
+    allocates the buffer the chunks claim to fill, so a length field is never trusted alone."""
+    plan = _plan_of(info)
+    p = _u8(payload, "payload")
+    if len(p) != info.enc_len:
+        raise _corrupt(info, f"payload is {len(p)} bytes, expected {info.enc_len} (truncated?)")
+    if plan.blosc:
+        body = _lossy_body_len(info.length, info.typesize, plan.bits) if plan.bits else info.length
+        _blosc_check(info, p, body)
 
 
 def decode(
