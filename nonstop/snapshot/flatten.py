@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from nonstop.errors import SnapshotError
+from nonstop.errors import SnapshotCorruptError, SnapshotError
 from nonstop.snapshot.sharded import DT_KEY, decode_dtensor, encode_dtensor, is_dtensor
+from nonstop.snapshot.validate import decoding
 
-__all__ = ["flatten_state", "unflatten_state"]
+__all__ = ["flatten_state", "tensor_at", "unflatten_state"]
 
 _T = "__t__"
 _TUPLE = "__tuple__"
@@ -68,17 +69,31 @@ def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
     return walk(state, ""), tensors
 
 
+def tensor_at(tensors: list[torch.Tensor], index: object) -> torch.Tensor:
+    """``tensors[index]`` for an index read from a snapshot's tree: SnapshotCorruptError unless
+    it is an int in range (a negative index would silently pick another tensor)."""
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(tensors):
+        raise SnapshotCorruptError(
+            f"snapshot tree names tensor {index!r} but the snapshot holds {len(tensors)} tensors"
+        )
+    return tensors[index]
+
+
 def unflatten_state(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    """Inverse of :func:`flatten_state` given the (restored) tensor list."""
+    """Inverse of :func:`flatten_state` given the (restored) tensor list.
+
+    The tree may come from untrusted bytes: anything :func:`flatten_state` cannot have produced
+    (a tensor index out of range, a malformed tuple or dict record, nesting too deep) raises
+    SnapshotCorruptError."""
 
     def walk(obj: Any) -> Any:
         if isinstance(obj, dict):
             if _T in obj:
-                return tensors[obj[_T]]
+                return tensor_at(tensors, obj[_T])
             if DT_KEY in obj:
                 return decode_dtensor(obj, tensors)
             if _NDARRAY in obj:
-                return tensors[obj[_NDARRAY]].numpy()
+                return tensor_at(tensors, obj[_NDARRAY]).numpy()
             if _TUPLE in obj:
                 return tuple(walk(v) for v in obj[_TUPLE])
             if _DICT in obj:
@@ -88,4 +103,5 @@ def unflatten_state(tree: Any, tensors: list[torch.Tensor]) -> Any:
             return [walk(v) for v in obj]
         return obj
 
-    return walk(tree)
+    with decoding("snapshot tree", "the snapshot is not restored"):
+        return walk(tree)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from nonstop.errors import SnapshotError
+from nonstop.errors import SnapshotCorruptError, SnapshotError
 
 __all__ = [
     "DT_KEY",
@@ -120,21 +120,61 @@ def _offset(t: Any) -> list[int] | None:
     return [int(o) for o in offset]
 
 
+def _ints(v: object, what: str, *, allow_none: bool = False) -> tuple[int, ...] | None:
+    if v is None and allow_none:
+        return None
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise SnapshotCorruptError(f"a sharded tensor's record in the snapshot is malformed: bad {what}")
+    return tuple(v)
+
+
+def _strs(v: object, what: str, *, allow_none: bool = False) -> tuple[str, ...] | None:
+    if v is None and allow_none:
+        return None
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise SnapshotCorruptError(f"a sharded tensor's record in the snapshot is malformed: bad {what}")
+    return tuple(v)
+
+
 def decode_dtensor(node: dict[str, Any], tensors: list[torch.Tensor]) -> LocalShard:
-    try:
-        offset = node.get("offset")
-        dims = node.get("dims")
-        return LocalShard(
-            tensor=tensors[int(node[DT_KEY])],
-            global_shape=tuple(int(s) for s in node["shape"]),
-            global_stride=tuple(int(s) for s in node["stride"]),
-            offset=tuple(int(o) for o in offset) if offset is not None else None,
-            placements=tuple(str(p) for p in node["placements"]),
-            mesh_shape=tuple(int(s) for s in node["mesh"]),
-            mesh_dims=tuple(str(d) for d in dims) if dims is not None else None,
+    """The :class:`LocalShard` a snapshot tree's DTensor ``node`` describes (see the module
+    docstring), its tensor taken from ``tensors``. The node may come from untrusted bytes:
+    SnapshotCorruptError unless every field has its type (a tensor index in range, lists of
+    ints and strings of matching lengths, sizes non-negative)."""
+    if not isinstance(node, dict):
+        raise SnapshotCorruptError("a sharded tensor's record in the snapshot is not an object")
+    index = node.get(DT_KEY)
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(tensors):
+        raise SnapshotCorruptError(
+            f"a sharded tensor's record names tensor {index!r}; the snapshot holds {len(tensors)}"
         )
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise SnapshotError(f"a sharded tensor's record in the snapshot is malformed ({e!r})") from e
+    shape = _ints(node.get("shape"), "shape")
+    stride = _ints(node.get("stride"), "stride")
+    offset = _ints(node.get("offset"), "offset", allow_none=True)
+    placements = _strs(node.get("placements"), "placements")
+    mesh = _ints(node.get("mesh"), "mesh")
+    dims = _strs(node.get("dims"), "dims", allow_none=True)
+    assert shape is not None and stride is not None and placements is not None and mesh is not None
+    if (
+        len(stride) != len(shape)
+        or (offset is not None and len(offset) != len(shape))
+        or len(placements) != len(mesh)
+        or (dims is not None and len(dims) != len(mesh))
+        or min((*shape, *mesh, *(offset or ())), default=0) < 0
+    ):
+        raise SnapshotCorruptError(
+            "a sharded tensor's record in the snapshot is malformed: its shape, stride, offset, "
+            "placements, mesh and dims do not fit together"
+        )
+    return LocalShard(
+        tensor=tensors[index],
+        global_shape=shape,
+        global_stride=stride,
+        offset=offset,
+        placements=placements,
+        mesh_shape=mesh,
+        mesh_dims=dims,
+    )
 
 
 def same_mesh(live: tuple[int, ...], saved: tuple[int, ...], placements: tuple[str, ...]) -> bool:

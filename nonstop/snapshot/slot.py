@@ -14,10 +14,13 @@ here they are mapped, encoded and decoded:
   deleted or replaced (another inode).
 * **Header.** :meth:`Slot.write_header` encodes every field except the ``pinned``
   word, which it carries over as it finds it; :meth:`Slot.header` decodes it and
-  rejects another format version; :meth:`Slot.read_info` turns it into a
-  :class:`~nonstop.snapshot.api.SnapshotInfo`. There is no checksum: a header is
-  trusted once its magic and version match, and the state word (WRITING first,
-  COMPLETE last) is what tells a torn write from a valid one.
+  validates it (:func:`header_problem`): a header of another format version, or with
+  a state, length, capacity or pin word that no writer writes, is corrupt -- logged,
+  and treated as no header, so readers see no snapshot in that slot and the writer
+  re-initialises it instead of failing on it forever. :meth:`Slot.read_info` turns
+  it into a :class:`~nonstop.snapshot.api.SnapshotInfo`. There is no checksum: a
+  header that passes is trusted, and the state word (WRITING first, COMPLETE last)
+  is what tells a torn write from a valid one.
 * **Pins.** The ``pinned`` word is a bit set owned by readers: :data:`READ_PIN`
   while a reader copies the slot out, :data:`KEEP_PIN` while the agent keeps
   that snapshot.
@@ -35,6 +38,8 @@ only carries it over.
 
 from __future__ import annotations
 
+import logging
+import math
 import mmap
 import os
 import struct
@@ -44,7 +49,7 @@ from typing import Any
 
 import torch
 
-from nonstop.errors import SnapshotError
+from nonstop.errors import SnapshotCorruptError
 from nonstop.snapshot.api import (
     ALIGN,
     FORMAT_VERSION,
@@ -57,12 +62,16 @@ from nonstop.snapshot.api import (
     TensorEntry,
 )
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "KEEP_PIN",
+    "PIN_BITS",
     "READ_PIN",
     "Slot",
     "align",
     "dtype_from_name",
+    "header_problem",
     "rank_slot_paths",
     "segment_prefix",
     "slot_path",
@@ -88,15 +97,39 @@ def align(n: int) -> int:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype a snapshot meta names; SnapshotCorruptError for a name that is none."""
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
-        raise SnapshotError(f"unknown dtype {name!r} in snapshot meta")
+        raise SnapshotCorruptError(f"unknown dtype {str(name)[:80]!r} in snapshot meta")
     return dt
 
 
 READ_PIN = 1  # a reader is copying the slot (transient)
 KEEP_PIN = 2  # the node agent keeps this snapshot (the replicated step, or one being replicated)
+PIN_BITS = READ_PIN | KEEP_PIN
 _PIN_LOCK = threading.Lock()
+
+
+def header_problem(raw: tuple[Any, ...], mapped: int) -> str | None:
+    """What makes the header fields ``raw`` (with the magic) corrupt in a slot whose mapping is
+    ``mapped`` bytes long; None when no writer could have written them otherwise."""
+    _, version, state, _, data_len, meta_len, data_cap, meta_cap, written_at, pinned, _ = raw
+    if version != FORMAT_VERSION:
+        return f"snapshot format v{version}, this nonstop reads v{FORMAT_VERSION}"
+    if state not in _STATES:
+        return f"unknown state {state}"
+    if data_cap % ALIGN or meta_cap % ALIGN or HEADER_SIZE + data_cap + meta_cap > mapped:
+        return f"capacities {data_cap} + {meta_cap} do not fit the {mapped}-byte file"
+    if data_len > data_cap or meta_len > meta_cap:
+        return f"lengths {data_len} + {meta_len} exceed the capacities {data_cap} + {meta_cap}"
+    if pinned & ~PIN_BITS:
+        return f"pin word {pinned:#x} has bits no reader sets"
+    if not math.isfinite(written_at):
+        return f"write time {written_at}"
+    return None
+
+
+_STATES = frozenset(int(s) for s in SlotState)
 
 
 class Slot:
@@ -112,6 +145,7 @@ class Slot:
         self._inode = -1  # of the mapped file: a deleted or replaced file is noticed
         self.data_cap = 0
         self.meta_cap = 0
+        self._reported: str | None = None  # the header problem last logged
 
     # -- mapping -------------------------------------------------------------
     def _map(self, size: int, *, create: bool) -> None:
@@ -140,31 +174,42 @@ class Slot:
             self.close()  # the file was deleted (lost memory) or replaced: forget the old mapping
         if not self.path.exists():
             return False
-        try:
-            self._map(0, create=False)
-        except (ValueError, FileNotFoundError):
-            # created by its writer a moment ago and not sized yet (mmap refuses an empty
-            # file), or deleted meanwhile: nothing to read in it yet
-            self.close()
+        if not self._remap():
             return False
         if len(self._mm or b"") < HEADER_SIZE:
             self.close()
             return False
         self._refresh_caps()
+        return self._mm is not None
+
+    def _remap(self) -> bool:
+        """Map the file at its current size; False (and unmapped) when it cannot be."""
+        try:
+            self._map(0, create=False)
+        except (ValueError, FileNotFoundError):
+            # created by its writer a moment ago and not sized yet (mmap refuses an empty
+            # file), or deleted (or truncated to nothing) meanwhile: nothing to read in it yet
+            self.close()
+            return False
         return True
 
     def _refresh_caps(self) -> None:
+        """Take the capacities from the header, remapping first when the header's exceed the
+        mapping (the writer grew the file). A corrupt header gives capacities 0: the slot holds
+        nothing readable, and its writer re-initialises it (:meth:`ensure_capacity`)."""
+        raw = self._raw_header()
+        if raw is not None and self._mm is not None and len(self._mm) < HEADER_SIZE + raw[6] + raw[7]:
+            if not self._remap():
+                self.data_cap = self.meta_cap = 0
+                return
         hdr = self.header()
-        if hdr is not None:
-            self.data_cap, self.meta_cap = hdr[6], hdr[7]
-            if self._mm is not None and len(self._mm) < HEADER_SIZE + self.data_cap + self.meta_cap:
-                # The writer grew the file: remap to the new size.
-                self._map(0, create=False)
+        self.data_cap, self.meta_cap = (hdr[6], hdr[7]) if hdr is not None else (0, 0)
 
     def ensure_capacity(self, data_len: int, meta_len: int) -> None:
         if self._mm is None:
             self.open_existing()
-        if self._mm is not None and data_len <= self.data_cap and meta_len <= self.meta_cap:
+        valid = self.header() is not None
+        if valid and data_len <= self.data_cap and meta_len <= self.meta_cap:
             return
         data_cap = align(max(data_len, self.data_cap))
         meta_cap = align(max(int(meta_len * 1.5) + 4096, self.meta_cap))
@@ -172,7 +217,8 @@ class Slot:
         # header's capacities exceed their mapping.
         self._map(HEADER_SIZE + data_cap + meta_cap, create=True)
         self.data_cap, self.meta_cap = data_cap, meta_cap
-        self.write_header(SlotState.EMPTY, -1, 0, 0, 0.0)
+        # A slot without a valid header (new, or corrupt) has no reader's pins either.
+        self.write_header(SlotState.EMPTY, -1, 0, 0, 0.0, keep_pins=valid)
 
     def views(self, plan_id: int, entries: list[TensorEntry]) -> list[torch.Tensor | None]:
         """Destination tensors for ``entries`` in this slot (None for empty ones), made once
@@ -209,16 +255,28 @@ class Slot:
             self._mm = None
 
     # -- header --------------------------------------------------------------
-    def header(self) -> tuple[Any, ...] | None:
+    def _raw_header(self) -> tuple[Any, ...] | None:
+        """The header's fields, unchecked; None without a mapping or the magic."""
         if self._mm is None:
             return None
         raw = struct.unpack_from(HEADER_FMT, self._mm, 0)
-        if raw[0] != MAGIC:
+        return raw if raw[0] == MAGIC else None
+
+    def header(self) -> tuple[Any, ...] | None:
+        """The header's fields, or None when the slot has no valid header: never written (no
+        magic), or corrupt (:func:`header_problem`: another format version, a state, length,
+        capacity or pin word that no writer writes). A corrupt header is logged once per
+        problem and treated like no header: readers see no snapshot in the slot, and its
+        writer re-initialises it. Never raises."""
+        raw = self._raw_header()
+        if raw is None:
             return None
-        if raw[1] != FORMAT_VERSION:
-            raise SnapshotError(
-                f"{self.path}: snapshot format v{raw[1]}, this nonstop reads v{FORMAT_VERSION}"
-            )
+        problem = header_problem(raw, len(self._mm or b""))
+        if problem is not None:
+            if problem != self._reported:
+                self._reported = problem
+                log.warning("snapshot slot %s: corrupt header (%s); treating it as empty", self.path, problem)
+            return None
         return raw
 
     def read_info(self, rank: int, index: int) -> SnapshotInfo | None:
@@ -242,11 +300,20 @@ class Slot:
         )
 
     def write_header(
-        self, state: SlotState, step: int, data_len: int, meta_len: int, written_at: float
+        self,
+        state: SlotState,
+        step: int,
+        data_len: int,
+        meta_len: int,
+        written_at: float,
+        *,
+        keep_pins: bool = True,
     ) -> None:
-        """Everything but the ``pinned`` word, which belongs to readers."""
+        """Everything but the ``pinned`` word, which belongs to readers: its known bits are
+        carried over (all cleared with ``keep_pins=False``, for a slot whose header was not
+        valid, so no reader held it)."""
         assert self._mm is not None
-        pinned = struct.unpack_from("<I", self._mm, PIN_OFFSET)[0]
+        pinned = struct.unpack_from("<I", self._mm, PIN_OFFSET)[0] & PIN_BITS if keep_pins else 0
         struct.pack_into(
             HEADER_FMT,
             self._mm,

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nonstop.errors import SnapshotError, SnapshotMissingError
+from nonstop.errors import SnapshotCorruptError, SnapshotError, SnapshotMissingError
 from nonstop.snapshot.api import SlotState, SnapshotInfo, TensorEntry
 from nonstop.snapshot.flatten import flatten_state, unflatten_state
 from nonstop.snapshot.slot import (
@@ -60,6 +60,7 @@ from nonstop.snapshot.slot import (
     segment_prefix,
     slot_path,
 )
+from nonstop.snapshot.validate import decoding, parse_meta
 
 log = logging.getLogger(__name__)
 
@@ -141,19 +142,27 @@ class PendingWrite:
 
 
 class RawSnapshot:
-    """A stable private copy of one slot (``RankSnapshotStore.copy_out``)."""
+    """A stable private copy of one slot (``RankSnapshotStore.copy_out``).
+
+    Its meta is parsed on first use and checked against the data (:func:`.validate.parse_meta`):
+    :attr:`doc` and :meth:`entries` raise SnapshotCorruptError when it is corrupt."""
 
     def __init__(self, *, rank: int, step: int, meta: bytes, data: np.ndarray, written_at: float) -> None:
         self.rank, self.step, self.meta, self.data, self.written_at = rank, step, meta, data, written_at
 
     @functools.cached_property
+    def _parsed(self) -> tuple[Any, list[TensorEntry]]:
+        what = f"rank {self.rank}'s snapshot of step {self.step} (its meta)"
+        return parse_meta(self.meta, len(self.data), what, "it is not used")
+
+    @property
     def doc(self) -> dict[str, Any]:
         """The meta, parsed once: ``{"tree": ..., "tensors": [...]}``."""
-        doc: dict[str, Any] = json.loads(self.meta)
-        return doc
+        tree, entries = self._parsed
+        return {"tree": tree, "tensors": [e.to_json() for e in entries]}
 
     def entries(self) -> list[TensorEntry]:
-        return [TensorEntry.from_json(raw) for raw in self.doc["tensors"]]
+        return self._parsed[1]
 
 
 _Job = tuple[list[tuple[torch.Tensor, torch.Tensor]], Callable[[], None], PendingWrite]
@@ -226,8 +235,16 @@ class RankSnapshotStore:
                 best = (key, i)
         if best is None:
             # Every other slot is pinned: overwrite the newest unpinned one rather than
-            # stall; the pinned snapshot stays the committed one meanwhile.
-            best = next((0.0, i) for i, inf in enumerate(infos) if inf is None or not inf.pinned)
+            # stall; the pinned snapshot stays the committed one meanwhile. When every slot is
+            # pinned (pins a dead reader left, or a scribbled pin word), overwrite the oldest
+            # rather than wedge the rank: a reader still copying it notices (copy_out).
+            free = [i for i, inf in enumerate(infos) if inf is None or not inf.pinned]
+            if free:
+                best = (0.0, free[0])
+            else:
+                oldest = min(range(self.num_slots), key=lambda i: _age_key(infos[i]))
+                log.warning("rank %d: every snapshot slot is pinned; overwriting slot %d", self.rank, oldest)
+                best = (0.0, oldest)
         return self._slots[best[1]]
 
     def _encode(self, state: Any) -> tuple[list[torch.Tensor], list[TensorEntry], int, bytes]:
@@ -425,19 +442,27 @@ class RankSnapshotStore:
         )
 
     def read(self, step: int, *, copy: bool = True) -> Any:
-        inf = self._find(step)
-        if inf is None:
-            raise self._missing(step)
-        slot = self._slots[inf.slot]
-        meta = json.loads(bytes(slot.meta_view()[: inf.meta_len]))
-        data = slot.data_view()
-        tensors = []
-        for raw in meta["tensors"]:
-            e = TensorEntry.from_json(raw)
-            dt = dtype_from_name(e.dtype)
-            view = data[e.offset : e.offset + e.nbytes].view(dt).view(e.shape)
-            tensors.append(view.clone() if copy else view)
-        return unflatten_state(meta["tree"], tensors)
+        """The state of ``step`` (see the class docstring). SnapshotMissingError when no slot
+        holds a complete snapshot of it; SnapshotCorruptError when the slots that do hold one
+        whose meta does not decode (each such slot is tried)."""
+        problem: SnapshotCorruptError | None = None
+        for i in range(self.num_slots):
+            inf = self.info(i)
+            if inf is None or inf.state is not SlotState.COMPLETE or inf.step != step:
+                continue
+            slot = self._slots[i]
+            what = f"rank {self.rank}'s snapshot of step {step} in slot {i}"
+            try:
+                return _decode(
+                    bytes(slot.meta_view()[: inf.meta_len]), slot.data_view(), inf.data_len, what, copy
+                )
+            except SnapshotCorruptError as e:
+                # A fresh error: the one caught holds (through its traceback) views of the slot,
+                # which would keep the mapping from being closed.
+                problem = SnapshotCorruptError(str(e))
+        if problem is not None:
+            raise problem
+        raise self._missing(step)
 
     def keep_only(self, steps: Collection[int]) -> list[int]:
         """Hold the complete snapshots of ``steps`` (KEEP_PIN: the writer leaves them alone) and
@@ -534,13 +559,33 @@ class RankSnapshotStore:
             s.close()
 
 
+def _age_key(inf: SnapshotInfo | None) -> tuple[int, float]:
+    """Sorts slots oldest first: missing or incomplete ones, then complete ones by step."""
+    if inf is None or inf.state is not SlotState.COMPLETE:
+        return (0, 0.0)
+    return (1, float(inf.step))
+
+
 def decode_raw(meta: bytes, data: bytes | bytearray) -> Any:
     """The state a snapshot's raw form holds (its meta JSON and data bytes, e.g. one rank of a
-    durable checkpoint: ``DurableStore.load_rank``); tensors are views of ``data``."""
-    doc = json.loads(bytes(meta))
+    durable checkpoint: ``DurableStore.load_rank``); tensors are views of ``data``.
+    SnapshotCorruptError, whatever the bytes, unless they are a snapshot's."""
     buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    tensors = []
-    for raw in doc["tensors"]:
-        e = TensorEntry.from_json(raw)
-        tensors.append(buf[e.offset : e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape))
-    return unflatten_state(doc["tree"], tensors)
+    return _decode(meta, buf, len(data), "a raw snapshot", copy=False)
+
+
+def _decode(meta: bytes, data: torch.Tensor, data_len: int, what: str, copy: bool) -> Any:
+    """The state that ``meta`` describes over the first ``data_len`` bytes of ``data`` (uint8),
+    tensors copied or views; SnapshotCorruptError naming ``what`` when the meta does not decode
+    against the data."""
+    then = "it is not restored"
+    tree, entries = parse_meta(meta, data_len, f"{what} (its meta)", then)
+    with decoding(what, then):
+        tensors = []
+        for e in entries:
+            view = data[e.offset : e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
+            tensors.append(view.clone() if copy else view)
+        try:
+            return unflatten_state(tree, tensors)
+        except SnapshotCorruptError as err:
+            raise SnapshotCorruptError(f"{what}: {err}") from None

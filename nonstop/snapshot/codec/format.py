@@ -452,7 +452,8 @@ def _plan_of(info: ChunkInfo) -> _Plan:
     if plan.blosc and info.enc_len >= body:
         raise _corrupt(
             info,
-            f"a compressed payload is shorter than the {body} bytes it decodes to, enc_len says {info.enc_len}",
+            f"a compressed payload is shorter than the {body} bytes it decodes to, "
+            f"enc_len says {info.enc_len}",
         )
     return plan
 
