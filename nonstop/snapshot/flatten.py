@@ -9,7 +9,8 @@ tensors / Python numbers. No pickle is involved in either direction.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ _T = "__t__"
 _TUPLE = "__tuple__"
 _DICT = "__dict__"
 _NDARRAY = "__nd__"
+_Item = TypeVar("_Item")
 
 
 def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
@@ -69,12 +71,12 @@ def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
     return walk(state, ""), tensors
 
 
-def tensor_at(tensors: list[torch.Tensor], index: object) -> torch.Tensor:
+def tensor_at(tensors: Sequence[_Item], index: object) -> _Item:
     """``tensors[index]`` for an index read from a snapshot's tree: SnapshotCorruptError unless
     it is an int in range (a negative index would silently pick another tensor)."""
     if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(tensors):
         raise SnapshotCorruptError(
-            f"snapshot tree names tensor {index!r} but the snapshot holds {len(tensors)} tensors"
+            f"snapshot tree names tensor {str(index)[:40]} but the snapshot holds {len(tensors)} tensors"
         )
     return tensors[index]
 

@@ -36,7 +36,9 @@ from nonstop.errors import NonstopError, SnapshotMissingError
 from nonstop.snapshot.api import TensorEntry
 from nonstop.snapshot.codec import CodecConfig, Encoder, segments_for
 from nonstop.snapshot.durable import CheckpointWriter, DurableStore
+from nonstop.snapshot.flatten import tensor_at
 from nonstop.snapshot.store import RankSnapshotStore, RawSnapshot
+from nonstop.snapshot.validate import decoding
 
 __all__ = ["PersistResult", "Persister", "RankEncoder", "lossy_roles"]
 
@@ -65,15 +67,16 @@ def lossy_roles(doc: dict[str, Any]) -> dict[int, str]:
     """Tensor index -> lossy kind for a parsed snapshot meta: model floats and Adam-style
     first moments are ``linear``, second moments (``exp_avg_sq``) ``sqrt``; the rest (step
     counters, RNG, integer buffers, extras) stays exact."""
-    entries = [TensorEntry.from_json(raw) for raw in doc["tensors"]]
+    with decoding("a snapshot's meta", "it is not persisted"):  # bytes from shared memory
+        tensors = [TensorEntry.from_json(raw) for raw in doc["tensors"]]
     floats = {"float32", "bfloat16", "float16"}
     roles: dict[int, str] = {}
 
     def walk(obj: Any, role: str | None) -> None:
         if isinstance(obj, dict):
             if "__t__" in obj:
-                i = int(obj["__t__"])
-                if role is not None and entries[i].dtype in floats:
+                i = obj["__t__"]
+                if role is not None and tensor_at(tensors, i).dtype in floats:
                     roles[i] = role
                 return
             if "__dict__" in obj:
@@ -86,11 +89,13 @@ def lossy_roles(doc: dict[str, Any]) -> dict[int, str]:
             for value in obj:
                 walk(value, role)
 
-    tree = doc["tree"]
-    walk(tree.get("model"), "linear")
-    optimizer = tree.get("optimizer")
-    if isinstance(optimizer, dict):
-        walk(optimizer.get("state"), "moments")
+    with decoding("a snapshot's tree", "it is not persisted"):
+        tree = doc["tree"]
+        if isinstance(tree, dict):
+            walk(tree.get("model"), "linear")
+            optimizer = tree.get("optimizer")
+            if isinstance(optimizer, dict):
+                walk(optimizer.get("state"), "moments")
     return {i: r for i, r in roles.items() if r in ("linear", "sqrt")}
 
 

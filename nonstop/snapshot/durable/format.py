@@ -75,6 +75,7 @@ __all__ = [
     "LATEST",
     "LATEST_RE",
     "MANIFEST",
+    "MAX_MANIFEST_BYTES",
     "TMP_MARK",
     "Manifest",
     "ManifestError",
@@ -97,6 +98,8 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 TMP_MARK = ".tmp-"  # in the name of every object being written (never in a committed file's name)
 LATEST_RE = re.compile(r"^(step-\d{12,})\n?$")
+MAX_MANIFEST_BYTES = 1 << 30
+"""Largest manifest a reader parses (about 150 bytes per chunk: 7M chunks, 28 TB in 4 MiB chunks)."""
 _STEP_RE = re.compile(r"^step-(\d{12,})$")
 
 
@@ -123,10 +126,11 @@ def one_line(text: object) -> str:
 
 
 def layout_of(meta: bytes) -> Any:
-    """The part of a meta that defines the data layout (``tensors``); None when absent."""
+    """The part of a meta that defines the data layout (``tensors``); None when absent or when
+    the meta does not parse (whatever its bytes: never raises)."""
     try:
         obj = json.loads(meta)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError, MemoryError):  # UnicodeDecodeError is a ValueError
         return None
     return obj.get("tensors") if isinstance(obj, dict) else None
 
@@ -217,17 +221,36 @@ def _nonneg(d: dict[str, Any], key: str) -> int:
 
 def decode_manifest(raw: bytes, where: str) -> Manifest:
     """Parse and validate the bytes of a ``manifest.json``; ``where`` names it in errors.
-    SnapshotCorruptError unless ``raw`` is byte-identical to a valid manifest's encoding."""
+    SnapshotCorruptError unless ``raw`` is byte-identical to a valid manifest's encoding: for
+    any bytes (more than :data:`MAX_MANIFEST_BYTES`, nested too deeply, too large to parse).
+    Every size in a manifest that it returns is consistent: the chunks tile the file and the
+    data, and each chunk's sizes agree with its codec (a raw payload is as long as what it
+    decodes to; no chunk decodes to more than 1 GiB). A reader still checks them against the
+    files (:func:`~nonstop.snapshot.codec.check_sizes`) before it allocates ``data_len``."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise SnapshotCorruptError(
+            f"{where}: manifest is {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} a valid one has"
+        )
+    try:
+        return _decode_manifest(raw, where)
+    except SnapshotCorruptError:
+        raise
+    except (RecursionError, MemoryError) as e:
+        raise SnapshotCorruptError(f"{where}: manifest cannot be parsed ({type(e).__name__})") from None
+
+
+def _decode_manifest(raw: bytes, where: str) -> Manifest:
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except ValueError:  # UnicodeDecodeError is a ValueError
         raise SnapshotCorruptError(f"{where}: manifest is not valid JSON (truncated or corrupt)") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise SnapshotCorruptError(f"{where}: not a {FORMAT_NAME} manifest")
     version = doc.get("version")
     if version != FORMAT_VERSION:
         raise SnapshotCorruptError(
-            f"{where}: manifest format version {version!r}, this nonstop reads version {FORMAT_VERSION}"
+            f"{where}: manifest format version {str(version)[:40]}, "
+            f"this nonstop reads version {FORMAT_VERSION}"
         )
     try:
         canonical = _canonical(doc) + b"\n"
@@ -238,7 +261,7 @@ def decode_manifest(raw: bytes, where: str) -> Manifest:
         raise SnapshotCorruptError(f"{where}: manifest fails its checksum (manifest_crc)")
     try:
         return _manifest_from_doc(doc)
-    except (ManifestError, SnapshotCorruptError, ValueError, TypeError, KeyError) as e:
+    except (ManifestError, SnapshotCorruptError, ValueError, TypeError, KeyError, OverflowError) as e:
         raise SnapshotCorruptError(f"{where}: manifest: {one_line(e)}") from None
 
 
@@ -276,7 +299,7 @@ def rank_from_doc(rd: dict[str, Any], i: int, step: int) -> RankRecord:
         raise ManifestError(f"base_step {base_step} is not an older step")
     file = _get(rd, "file", str)
     if not file or "/" in file or file in (".", "..") or TMP_MARK in file:
-        raise ManifestError(f"bad file name {file!r}")
+        raise ManifestError(f"bad file name {file[:80]!r}")
     file_len = _nonneg(rd, "file_len")
     chunks = []
     pos = 0

@@ -2,8 +2,11 @@
 checksum verified and, for ``load(step=None)``, fallback to the next good checkpoint.
 
 Contract: nothing here writes. A rank's bytes are returned only when its file, meta and
-every chunk (and, for a delta, its base's) pass their checksums; anything else raises
-SnapshotCorruptError (one line, naming the checkpoint, rank and file). ``load(None)`` logs
+every chunk (and, for a delta, its base's) pass their checksums and its meta decodes
+against its data; anything else -- any bytes at all, a manifest forged with a valid
+checksum included -- raises SnapshotCorruptError (one line, naming the checkpoint, rank
+and file), and nothing of a size a manifest claims is allocated before the files back the
+claim (see :meth:`Loader._rank_data`). ``load(None)`` logs
 one warning line per unusable checkpoint on the ``nonstop.durable`` logger before trying
 the next older one. Safe to use from several threads (each call reads on its own; decoding
 uses ``threads`` threads).
@@ -18,6 +21,7 @@ from nonstop.errors import SnapshotCorruptError, SnapshotError, SnapshotMissingE
 from nonstop.snapshot import codec as _codec
 from nonstop.snapshot.durable.catalog import Catalog
 from nonstop.snapshot.durable.format import LATEST, Manifest, RankRecord, layout_of, one_line, step_dir
+from nonstop.snapshot.validate import alloc, decoding, parse_meta
 
 __all__ = ["LoadedCheckpoint", "Loader"]
 
@@ -49,10 +53,14 @@ class Loader:
         self.threads = threads
 
     def _rank_data(self, m: Manifest, rec: RankRecord, base: bytearray | None) -> bytearray:
+        """The rank's data, decoded and verified. Nothing the size of what the manifest claims is
+        allocated before the file is read (at most ``file_len + 1`` bytes of it), the meta is
+        checked against ``data_len`` (:func:`~nonstop.snapshot.validate.parse_meta`) and every
+        chunk's sizes against its payload (:func:`~nonstop.snapshot.codec.check_sizes`)."""
         where = f"{self.catalog.where(m.step)} rank {rec.rank}"
         path = f"{step_dir(m.step)}/{rec.file}"
         try:
-            blob = self.catalog.storage.read(path)
+            blob = self.catalog.storage.read(path, 0, rec.file_len + 1)
         except SnapshotMissingError:
             raise SnapshotCorruptError(f"{where}: {rec.file} is missing") from None
         if len(blob) != rec.file_len:
@@ -62,17 +70,21 @@ class Loader:
             )
         if _codec.checksum(rec.meta) != rec.meta_crc:
             raise SnapshotCorruptError(f"{where}: meta fails its checksum")
+        then = "the checkpoint is not used"
+        parse_meta(rec.meta, rec.data_len, f"{where}: its meta", then)
         mv = memoryview(blob)
         chunks = [(info, mv[off : off + info.enc_len]) for info, off in rec.chunks]
-        out = bytearray(rec.data_len)
         try:
-            _codec.decode(chunks, out, base, threads=self.threads)
+            for info, payload in chunks:
+                _codec.check_sizes(info, payload)
         except SnapshotCorruptError as e:
             raise SnapshotCorruptError(f"{where}: {rec.file}: {one_line(e)}") from None
-        except (ValueError, RuntimeError, OverflowError, IndexError, KeyError) as e:
-            raise SnapshotCorruptError(
-                f"{where}: {rec.file}: cannot decode ({type(e).__name__}: {one_line(e)})"
-            ) from None
+        out = alloc(rec.data_len, f"{where}: {rec.file}", then)
+        try:
+            with decoding(f"{where}: {rec.file}", then):
+                _codec.decode(chunks, out, base, threads=self.threads)
+        except SnapshotCorruptError as e:
+            raise SnapshotCorruptError(f"{where}: {rec.file}: {one_line(e)}") from None
         return out
 
     def _load_rank(self, m: Manifest, rank: int, bases: dict[int, Manifest]) -> tuple[bytes, bytearray]:
@@ -109,9 +121,16 @@ class Loader:
 
     def load_rank(self, step: int, rank: int) -> tuple[bytes, bytearray]:
         """(meta, raw data) of ``rank`` in checkpoint ``step``, every checksum verified."""
-        return self._load_rank(self.catalog.read_manifest(step), rank, {})
+        with decoding(self.catalog.where(step), "it is not loaded"):
+            return self._load_rank(self.catalog.read_manifest(step), rank, {})
 
     def _load_step(self, step: int, world_size: int | None) -> LoadedCheckpoint:
+        # The boundary of every decoder of this checkpoint's bytes: whatever escapes them
+        # (RecursionError, MemoryError, ...) makes the checkpoint unusable, not the load fail.
+        with decoding(self.catalog.where(step), "it is not loaded"):
+            return self._load_step_unguarded(step, world_size)
+
+    def _load_step_unguarded(self, step: int, world_size: int | None) -> LoadedCheckpoint:
         m = self.catalog.read_manifest(step)
         if world_size is not None and world_size != m.world_size:
             raise UsageError(
@@ -153,15 +172,18 @@ class Loader:
 
     def verify(self, step: int) -> list[str]:
         """Problems of checkpoint ``step`` (empty when good): reads and checks every byte."""
+        where = self.catalog.where(step)
         try:
-            m = self.catalog.read_manifest(step)
+            with decoding(where, "it is not loaded"):
+                m = self.catalog.read_manifest(step)
         except SnapshotError as e:
             return [one_line(e)]
         problems = []
         bases: dict[int, Manifest] = {}
         for r in range(m.world_size):
             try:
-                self._load_rank(m, r, bases)
+                with decoding(f"{where} rank {r}", "it is not loaded"):
+                    self._load_rank(m, r, bases)
             except SnapshotError as e:
                 problems.append(one_line(e))
         return problems
