@@ -515,8 +515,10 @@ def test_abandoned_dirs_and_superseded_timeline(tmp_path: Path) -> None:
     assert store.steps() == [10, 20, 30]
     assert store.describe(verify=False)["uncommitted"] == [step_dir(40)]
     assert_loaded(store, None, 30, full_ckpt(30, world=2))
-    # training resumed from step 20 and persists step 25: 30 and the abandoned 40 belong to a
-    # superseded timeline and go; 25 becomes latest.
+    # training resumed from step 20 (a new process) and persists step 25: 30 and the abandoned 40
+    # belong to the superseded timeline it declared and go; 25 becomes latest.
+    store = DurableStore(tmp_path, keep=3)
+    store._catalog.resumed_from(20)
     persist(store, 25, full_ckpt(25, world=2))
     assert store.steps() == [10, 20, 25]
     assert sorted(os.listdir(tmp_path)) == [LATEST, step_dir(10), step_dir(20), step_dir(25)]
@@ -598,7 +600,9 @@ def test_kill_at_every_phase_of_a_persist(
     assert_loaded(store, A_STEP, A_STEP, a)
     assert warnings_of(caplog) == []
 
-    # The next persist works and cleans up what the killed one left.
+    # The next persist (a new writer: the killed one's successor) works and cleans up what the
+    # killed one left.
+    store = DurableStore(root, keep=2)
     c = full_ckpt(C_STEP)
     persist(store, C_STEP, c)
     assert_loaded(store, None, C_STEP, c)

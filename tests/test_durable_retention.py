@@ -1,5 +1,6 @@
 """The durable tier's retention policy (nonstop.snapshot.durable.retention), pure: a table of
-step directories, what is committed, the step just committed, keep and the delta bases."""
+step directories, what is committed, the step just committed, keep and the delta bases, and
+what the writer could not tell (uncertain) or declared of a timeline it left (superseded)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ from collections.abc import Mapping
 
 import pytest
 
-from nonstop.snapshot.durable.retention import kept, to_delete
+from nonstop.snapshot.durable.retention import kept, survivors, to_delete
 
-# name: (present, committed, current, keep, bases of each step, expected deletions newest first)
-Case = tuple[list[int], list[int], int, int, Mapping[int, list[int]], list[int]]
+# name: (present, committed, current, keep, bases of each step (None: unreadable), expected
+# deletions newest first[, uncertain, superseded])
+Case = (
+    tuple[list[int], list[int], int, int, Mapping[int, list[int] | None], list[int]]
+    | tuple[list[int], list[int], int, int, Mapping[int, list[int] | None], list[int], list[int], list[int]]
+)
 CASES: dict[str, Case] = {
     "nothing to delete": ([10, 20], [10, 20], 20, 3, {}, []),
     "keep the newest full checkpoints": ([10, 20, 30, 40], [10, 20, 30, 40], 40, 2, {}, [20, 10]),
@@ -33,42 +38,154 @@ CASES: dict[str, Case] = {
     ),
     "a dropped delta's base goes too": ([50, 60, 90, 100], [50, 60, 90, 100], 100, 2, {60: [50]}, [60, 50]),
     "bases of steps not kept do not count": ([10, 20, 30], [10, 20, 30], 30, 1, {20: [10]}, [20, 10]),
-    "abandoned (uncommitted) directories go": ([10, 20, 30, 40], [10, 20, 30], 30, 3, {}, [40]),
+    "abandoned (uncommitted) directories older than current go": ([10, 15, 20], [10, 20], 20, 3, {}, [15]),
+    "an uncommitted directory newer than current stays (maybe being written)": (
+        [10, 20, 30, 40],
+        [10, 20, 30],
+        30,
+        3,
+        {},
+        [],
+    ),
     "an abandoned directory does not count toward keep": ([10, 15, 20], [10, 20], 20, 2, {}, [15]),
-    "a superseded timeline (newer than current) goes": (
+    "a newer committed checkpoint stays: not ours to judge": (
+        [10, 20, 25, 30],
+        [10, 20, 25, 30],
+        25,
+        3,
+        {},
+        [],
+    ),
+    "a newer checkpoint that stays keeps its base": (
+        [5, 10, 20, 30],
+        [5, 10, 20, 30],
+        20,
+        1,
+        {30: [5]},
+        [10],
+    ),
+    "a declared superseded timeline (newer than current) goes": (
         [10, 20, 25, 30, 40],
         [10, 20, 25, 30],
         25,
         3,
         {},
         [40, 30],
+        [],
+        [30, 40],
     ),
-    "a newer step goes, bases and all": (
+    "only what was declared superseded goes, not what came later": (
+        [10, 20, 25, 30, 50],
+        [10, 20, 25, 30, 50],
+        25,
+        3,
+        {},
+        [30],
+        [],
+        [30],
+    ),
+    "a superseded checkpoint older than current goes and does not count toward keep": (
+        [10, 20, 25, 30, 35],
+        [10, 20, 25, 30, 35],
+        35,
+        2,
+        {},
+        [25, 20, 10],
+        [],
+        [25],
+    ),
+    "a superseded base still needed by a kept checkpoint stays": (
+        [10, 20, 25, 30],
+        [10, 20, 25, 30],
+        30,
+        2,
+        {30: [25]},
+        [10],
+        [],
+        [25],
+    ),
+    "an uncertain directory stays, and everything older": (
+        [10, 20, 30, 40, 50],
+        [10, 20, 40, 50],
+        50,
+        2,
+        {},
+        [],
+        [30],
+        [],
+    ),
+    "an uncertain directory blocks only what is older": (
+        [10, 20, 30, 40, 50, 60],
+        [10, 20, 30, 40, 50, 60],
+        60,
+        1,
+        {},
+        [50, 40],
+        [30],
+        [],
+    ),
+    "an uncertain superseded directory stays": (
+        [10, 20, 30],
+        [10, 20],
+        20,
+        3,
+        {},
+        [],
+        [30],
+        [30],
+    ),
+    "an unreadable manifest of a kept checkpoint keeps everything older": (
+        [10, 20, 30, 40],
+        [10, 20, 30, 40],
+        40,
+        1,
+        {40: None},
+        [],
+    ),
+    "an unreadable manifest keeps only what is older": (
+        [10, 20, 30, 40, 50],
+        [10, 20, 30, 40, 50],
+        50,
+        2,
+        {40: None, 50: [30]},
+        [],
+    ),
+    "an unreadable newer checkpoint keeps everything older": (
         [10, 20, 30],
         [10, 20, 30],
         20,
-        3,
-        {30: [10]},
-        [30],
+        1,
+        {30: None},
+        [],
     ),
-    "an unreadable kept checkpoint needs no base": ([10, 20, 30], [10, 20, 30], 30, 2, {}, [10]),
+    "a kept checkpoint missing from bases needs none": ([10, 20, 30], [10, 20, 30], 30, 2, {}, [10]),
     "current without a manifest listed is still kept": ([10, 20], [10], 20, 1, {20: [10]}, []),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_to_delete(name: str) -> None:
-    present, committed, current, keep, bases, expected = CASES[name]
-    doomed = to_delete(present, committed, current, keep, bases)
+    case = CASES[name]
+    present, committed, current, keep, bases, expected = case[:6]
+    uncertain, superseded = (case[6], case[7]) if len(case) == 8 else ([], [])
+    policy = {"uncertain": uncertain, "superseded": superseded}
+    doomed = to_delete(present, committed, current, keep, bases, **policy)
     assert doomed == expected
-    survivors = set(present) - set(doomed)
+    left = set(present) - set(doomed)
     # invariants over every case
     assert current not in doomed
     assert doomed == sorted(doomed, reverse=True)  # dependents (newer) before their bases
-    for s in survivors & kept(committed, current, keep):
-        assert set(bases.get(s, ())) <= survivors, f"a base of kept step {s} was deleted"
-    eligible = sorted((s for s in committed if s <= current), reverse=True)
-    assert set(eligible[:keep]) <= survivors  # the keep newest committed chains survive
+    assert not set(doomed) & set(uncertain)
+    assert all(s < current or s in superseded for s in doomed)  # nothing newer unless declared
+    assert survivors(present, committed, current, keep, **policy) <= left | {current}
+    for s in left:
+        needs = bases.get(s, ())
+        if needs is None or s in uncertain:  # unknown needs: nothing older went
+            assert all(d > s for d in doomed), f"step {s}'s needs are unknown, yet older went"
+        else:
+            assert set(needs) <= left, f"a base of surviving step {s} was deleted"
+    eligible = sorted((s for s in committed if s <= current and s not in superseded), reverse=True)
+    assert set(eligible[:keep]) <= left  # the keep newest committed chains survive
 
 
 def test_kept() -> None:
@@ -84,3 +201,11 @@ def test_inputs_are_not_modified() -> None:
     present, committed, bases = [10, 20, 30], [10, 20, 30], {30: [10]}
     assert to_delete(present, committed, 30, 1, bases) == [20]
     assert present == [10, 20, 30] and committed == [10, 20, 30] and bases == {30: [10]}
+
+
+def test_survivors() -> None:
+    """The committed checkpoints whose manifests the caller reads: kept ones, newer ones."""
+    assert survivors([10, 20, 30, 40], [10, 20, 30, 40], 30, 2) == {20, 30, 40}
+    assert survivors([10, 20, 30, 40], [10, 20, 30, 40], 30, 2, superseded=[40]) == {20, 30}
+    assert survivors([10, 15, 20], [10, 20], 20, 3) == {10, 20}  # not the uncommitted 15
+    assert survivors([10, 20, 30], [10, 30], 30, 1, uncertain=[20]) == {30}

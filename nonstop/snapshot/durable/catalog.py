@@ -4,12 +4,20 @@
 Contract: reads never modify the root; :meth:`Catalog.retain` is the only method that
 removes anything, and it removes only what :func:`~.retention.to_delete` names (plus
 leftover temporary objects), each checkpoint un-committed (its manifest removed) before its
-files, so a crash mid-retention never leaves a manifest naming lost files. Thread safety is
-that of the storage; retention assumes one writer per root at a time (see the format).
+files, so a crash mid-retention never leaves a manifest naming lost files. What retention
+cannot establish it does not delete in that pass: a manifest whose presence a probe cannot
+tell, or that vanished from a step this catalog saw committed (until the next pass finds it
+still gone), makes that step *uncertain*; a directory is deleted as abandoned only when two
+probes, one before and one right before the deletion, find no manifest; a newer checkpoint
+only when :meth:`Catalog.resumed_from` declared it part of the timeline the writer left.
+A catalog instance remembers what it saw (it is used by one writer, one thread at a time);
+retention assumes one writer per root at a time (see the format; the launcher locks a local
+root, :mod:`nonstop.runtime.jobdir`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from nonstop.errors import SnapshotCorruptError, SnapshotError, SnapshotMissingError
@@ -30,6 +38,8 @@ __all__ = ["Catalog", "CrashHook"]
 
 CrashHook = Callable[[str], None]
 
+log = logging.getLogger("nonstop.durable")
+
 
 class Catalog:
     """The checkpoints under one :class:`~.storage.Storage` root."""
@@ -38,6 +48,9 @@ class Catalog:
         self.storage = storage
         self.url = storage.url
         self.keep = keep
+        self._seen: set[int] = set()  # steps seen committed here: a later miss may be a glitch
+        self._vanished: set[int] = set()  # ... found without one by the last pass, not seen since
+        self._superseded: frozenset[int] = frozenset()  # see resumed_from
 
     def where(self, step: int) -> str:
         """How error messages name checkpoint ``step``."""
@@ -60,7 +73,21 @@ class Catalog:
 
     def steps(self) -> list[int]:
         """Committed steps (manifest present), ascending."""
-        return sorted(s for s, d in self.step_dirs().items() if self.has_manifest(d))
+        found = sorted(s for s, d in self.step_dirs().items() if self.has_manifest(d))
+        self._seen.update(found)
+        self._vanished.difference_update(found)  # seen again since: not "still gone"
+        return found
+
+    def _manifest_state(self, name: str) -> bool | None:
+        """Whether step directory ``name`` holds a manifest: True, False (positively absent),
+        or None (the probe failed otherwise: unknown)."""
+        try:
+            self.storage.size(f"{name}/{MANIFEST}")
+        except SnapshotMissingError:
+            return False
+        except Exception:  # any other failure (OSError, a backend's own errors) tells nothing
+            return None
+        return True
 
     def read_latest(self) -> tuple[int | None, str | None]:
         """(step named by ``latest``, problem): (None, None) when there is no ``latest``."""
@@ -112,20 +139,65 @@ class Catalog:
             return set()
         return {step} | self.bases_of(step)
 
+    def _needs(self, step: int) -> set[int] | None:
+        """The base steps checkpoint ``step`` needs; none when its manifest is corrupt (it
+        cannot load); None (unknown) when the manifest could not be read."""
+        try:
+            return {r.base_step for r in self.read_manifest(step).ranks if r.base_step is not None}
+        except SnapshotCorruptError:
+            return set()
+        except (SnapshotError, OSError):
+            return None
+
     # -- retention -----------------------------------------------------------------
+    def resumed_from(self, step: int) -> None:
+        """Declare that the job writing here resumed from checkpoint ``step`` of this root:
+        every step directory newer than ``step`` now is of the timeline it left, and retention
+        deletes it (see :mod:`.retention`) unless this catalog commits that step again.
+        Directories that appear later are never taken for superseded."""
+        self._superseded = frozenset(s for s in self.step_dirs() if s > step)
+
     def retain(self, current: int, hook: CrashHook) -> None:
         """Apply retention after checkpoint ``current`` was committed (see :mod:`.retention`);
         ``hook("retention_partial")`` once the first checkpoint is un-committed."""
+        self._seen.add(current)
+        self._superseded -= {current}
         dirs = self.step_dirs()
-        committed = [s for s, d in dirs.items() if s <= current and self.has_manifest(d)]
-        heads = retention.kept(committed, current, self.keep)
-        doomed = retention.to_delete(
-            dirs, committed, current, self.keep, {s: self.bases_of(s) for s in heads}
-        )
+        committed, uncertain, vanished = {current}, set(), set()
+        for s, d in dirs.items():
+            state = True if s == current else self._manifest_state(d)
+            if state:
+                committed.add(s)
+                self._seen.add(s)
+            elif state is None:
+                uncertain.add(s)
+            elif s in self._seen:  # gone since we saw it: a glitch, or un-committed for good?
+                if s in self._vanished:  # gone at the last pass too: for good
+                    self._seen.discard(s)
+                else:  # look again at the next pass
+                    vanished.add(s)
+                    uncertain.add(s)
+        self._vanished = vanished
+        if uncertain:
+            log.warning(
+                "retention in %s: cannot tell whether steps %s are committed; keeping them and "
+                "every older checkpoint for now",
+                self.url,
+                sorted(uncertain),
+            )
+        policy = {"uncertain": uncertain, "superseded": self._superseded}
+        alive = retention.survivors(dirs, committed, current, self.keep, **policy)
+        bases = {s: self._needs(s) for s in alive}
+        doomed = retention.to_delete(dirs, committed, current, self.keep, bases, **policy)
         first = True
         for s in doomed:
+            if s not in committed and self._manifest_state(dirs[s]) is not False:
+                # A second look found a manifest, or could not tell: keep it and everything
+                # older (what it may need) for this pass.
+                break
             # Un-commit first, so a crash mid-removal never leaves a manifest naming lost files.
             self.storage.remove_tree(f"{dirs[s]}/{MANIFEST}")
+            self._seen.discard(s)
             if first:
                 first = False
                 hook("retention_partial")

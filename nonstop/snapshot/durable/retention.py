@@ -1,22 +1,35 @@
 """Which checkpoints to delete after a commit: a pure policy (no I/O, no clock, any thread).
 
-After checkpoint ``current`` is committed, a step directory survives when it is
-- among the ``keep`` newest committed checkpoints no newer than ``current`` (``current``
-  itself always is), or
-- a base that one of those needs (a rank of it is a delta against that step).
-Everything else goes: older checkpoints, abandoned (uncommitted) directories, and every
-directory newer than ``current`` (a superseded timeline: training resumed from an older
-step and committed ``current`` again after it).
+After checkpoint ``current`` is committed, a step directory is deleted only when it is one of
+- a committed checkpoint older than ``current`` that is not among the ``keep`` newest committed
+  ones no newer than ``current`` (``current`` itself always is one);
+- an abandoned directory: older than ``current``, no manifest (the caller looks twice before
+  it deletes one, and passes one it saw committed as ``uncertain`` until a later pass finds
+  its manifest still gone);
+- a directory of a superseded timeline: the writer resumed from an older step and declared
+  every directory newer than that step at the time (``superseded``), none of which it wrote.
+and no directory is deleted that a surviving checkpoint may need:
+- the bases of every surviving committed checkpoint (a rank of it is a delta against that
+  step), and
+- every step older than a surviving directory whose needs are unknown: an ``uncertain`` one
+  (its manifest could not be probed, or it vanished from one the writer saw committed) or a
+  committed one whose manifest could not be read (``bases[s] is None``). An unreadable
+  manifest never leads to a deletion in the same pass.
 
-The caller reads the manifests of :func:`kept` only, then asks :func:`to_delete`; deletion
-goes in the order returned (newest first: a dependent before its base).
+Never deleted, whatever else holds: ``current``; a directory newer than ``current`` that is not
+declared superseded (another writer's checkpoint, an older run's the job did not resume from,
+one being written); anything ``uncertain``.
+
+The caller reads the manifests of the surviving committed checkpoints (see :func:`survivors`),
+then asks :func:`to_delete`; deletion goes in the order returned (newest first: a dependent
+before its base).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 
-__all__ = ["kept", "to_delete"]
+__all__ = ["kept", "survivors", "to_delete"]
 
 
 def kept(committed: Iterable[int], current: int, keep: int) -> set[int]:
@@ -28,19 +41,70 @@ def kept(committed: Iterable[int], current: int, keep: int) -> set[int]:
     return set(eligible[:keep]) | {current}
 
 
-def to_delete(
-    present: Iterable[int],
+def _candidates(
+    present: Collection[int],
     committed: Collection[int],
     current: int,
     keep: int,
-    bases: Mapping[int, Iterable[int]],
+    uncertain: Collection[int],
+    superseded: Collection[int],
+) -> set[int]:
+    """What goes before the needs of the survivors are counted."""
+    heads = kept((s for s in committed if s not in superseded), current, keep)
+    return {
+        s
+        for s in present
+        if s not in heads and s not in uncertain and (s < current or s in superseded) and s != current
+    }
+
+
+def survivors(
+    present: Iterable[int],
+    committed: Iterable[int],
+    current: int,
+    keep: int,
+    *,
+    uncertain: Iterable[int] = (),
+    superseded: Iterable[int] = (),
+) -> set[int]:
+    """The committed checkpoints that survive for their own sake: the ones whose manifests
+    the caller reads to learn the bases they need (see :func:`to_delete`)."""
+    present_s, committed_s = set(present), set(committed)
+    doomed = _candidates(present_s, committed_s, current, keep, set(uncertain), set(superseded))
+    return {s for s in present_s & committed_s if s not in doomed} | {current}
+
+
+def to_delete(
+    present: Iterable[int],
+    committed: Iterable[int],
+    current: int,
+    keep: int,
+    bases: Mapping[int, Iterable[int] | None],
+    *,
+    uncertain: Iterable[int] = (),
+    superseded: Iterable[int] = (),
 ) -> list[int]:
     """The step directories to delete, newest first.
 
-    ``present``: every step directory; ``committed``: those with a manifest; ``bases``: for
-    each kept step (see :func:`kept`), the base steps its ranks need (a kept step missing
-    from it, e.g. one whose manifest is unreadable, needs none)."""
-    needed = kept(committed, current, keep)
-    for s in list(needed):
-        needed.update(bases.get(s, ()))
-    return [s for s in sorted(set(present), reverse=True) if s not in needed]
+    ``present``: every step directory; ``committed``: those with a manifest; ``uncertain``:
+    those whose manifest's presence is unknown (never deleted; nothing older either);
+    ``superseded``: the directories of a timeline the writer resumed away from; ``bases``: for
+    each of :func:`survivors`, the base steps its ranks need, or None when its manifest could
+    not be read (nothing older is deleted). A survivor missing from ``bases`` needs none."""
+    present_s, committed_s = set(present), set(committed)
+    uncertain_s, superseded_s = set(uncertain), set(superseded)
+    doomed = _candidates(present_s, committed_s, current, keep, uncertain_s, superseded_s)
+    alive = (present_s | {current}) - doomed
+    floor = -1  # every step below it is needed: some survivor's needs are unknown
+    for s in alive:
+        if s in uncertain_s:
+            needs: Iterable[int] | None = None
+        elif s in committed_s or s == current:
+            needs = bases.get(s, ())
+        else:  # newer than current, no manifest: nothing of it is committed to need anything
+            needs = ()
+        if needs is None:
+            floor = max(floor, s)
+        else:
+            doomed.difference_update(needs)
+    return [s for s in sorted(doomed, reverse=True) if s >= floor]
