@@ -34,6 +34,7 @@ from nonstop.snapshot.codec import (
     segments_for,
 )
 from nonstop.snapshot.durable import MANIFEST, DurableStore, step_dir
+from nonstop.snapshot.durable.format import decode_manifest
 from nonstop.snapshot.sharded import decode_dtensor
 from nonstop.snapshot.store import decode_raw, slot_path
 
@@ -184,6 +185,27 @@ def test_deeply_nested_meta_of_a_delta_falls_back(tmp_path: Path, caplog: pytest
 
     _resign(tmp_path, NEW, edit)
     _load_falls_back(store, old, caplog)
+
+
+@pytest.mark.parametrize("edit", ["drop-base_step", "extra-key", "int-created_at"])
+def test_resigned_manifest_with_other_fields_is_corrupt(tmp_path: Path, edit: str) -> None:
+    """decode_manifest accepts exactly what encode_manifest writes: a re-signed manifest without
+    ``base_step`` (a delta would read as a full checkpoint) or with a key it never writes was
+    accepted."""
+
+    def apply(doc: dict[str, Any]) -> None:
+        if edit == "drop-base_step":
+            del doc["ranks"][0]["base_step"]
+        elif edit == "extra-key":
+            doc["ranks"][0]["note"] = 1
+        else:
+            doc["created_at"] = int(doc["created_at"])
+
+    store, _ = _two_checkpoints(tmp_path)
+    _resign(tmp_path, NEW, apply)
+    with pytest.raises(SnapshotCorruptError, match="manifest"):
+        decode_manifest((tmp_path / step_dir(NEW) / MANIFEST).read_bytes(), "here")
+    assert store.load().step == OLD
 
 
 # ---------------------------------------------------------------------------- codec

@@ -260,9 +260,13 @@ def _decode_manifest(raw: bytes, where: str) -> Manifest:
     if raw != canonical or not isinstance(crc, int) or crc != zlib.crc32(_canonical(doc)):
         raise SnapshotCorruptError(f"{where}: manifest fails its checksum (manifest_crc)")
     try:
-        return _manifest_from_doc(doc)
+        m = _manifest_from_doc(doc)
+        again = encode_manifest(m.step, m.world_size, m.created_at, m.codec, m.ranks)
     except (ManifestError, SnapshotCorruptError, ValueError, TypeError, KeyError, OverflowError) as e:
         raise SnapshotCorruptError(f"{where}: manifest: {one_line(e)}") from None
+    if again != raw:  # a key missing, one too many, or a value of another spelling (5 for 5.0)
+        raise SnapshotCorruptError(f"{where}: manifest: its fields are not those of a valid manifest")
+    return m
 
 
 def _manifest_from_doc(doc: dict[str, Any]) -> Manifest:
