@@ -110,3 +110,25 @@ def test_a_rank_joining_the_new_group_may_be_silent_longer() -> None:
     assert scan(102.0, {0}) == {}
     assert list(scan(102.0, set())) == [8]
     assert list(scan(111.0, {0})) == [8]
+
+
+def test_a_peer_waiting_on_a_stalled_rank_is_not_blamed_when_its_heartbeat_is_late() -> None:
+    """Issue 17 item 8. Was: under load a healthy peer's step report arrived, then its heartbeat
+    saying "in the allreduce" came 2.5 s later; the progress rule judged it by the coordinator's
+    clock alone and replaced a healthy rank beside the stalled one."""
+    det = FailureDetector(CFG)
+    det.record_step(0.1)
+    now = 100.0
+    stalled = _rec(1, 1, now, last_progress=97.0, last_hb=99.9, coll=False, idle_s=2.9)
+    # its last word, 0.3 s after its step, was "computing"; it has been in the allreduce since,
+    # but the heartbeat saying so is still queued behind the busy CPU
+    peer = _rec(2, 2, now, last_progress=97.0, last_hb=99.8, coll=False, idle_s=0.3)
+    kill, _ = _scan(det, now, [stalled, peer])
+    assert list(kill) == [1] and "no step progress" in kill[1]
+
+
+def test_a_rank_that_does_not_report_idle_time_is_judged_as_before() -> None:
+    det = FailureDetector(CFG)
+    det.record_step(0.1)
+    kill, _ = _scan(det, 100.0, [_rec(3, 0, 100.0, last_progress=97.0, last_hb=99.9, idle_s=None)])
+    assert list(kill) == [3]

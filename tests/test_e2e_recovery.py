@@ -81,6 +81,30 @@ def test_stalled_worker_is_caught_by_the_progress_rule(tmp_path: Path, reference
     assert 2.5 <= f["detect_s"] < 8.0
 
 
+def test_a_stall_under_a_saturated_cpu_blames_only_the_stalled_rank(
+    tmp_path: Path, reference_hash: str
+) -> None:
+    """Issue 17 item 8: with the CPU saturated by competing processes and a 1 s progress
+    limit, the healthy peers waiting in the allreduce for the stalled rank are never blamed
+    (they were: their heartbeat saying so arrived after the limit)."""
+    import subprocess
+    import sys
+
+    from nonstop.config import DetectorConfig
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        det = DetectorConfig(hang_factor=5.0, hang_min_s=1.0, heartbeat_timeout_s=3.0)
+        run = run_demo_job(tmp_path, faults=("stall:rank=1,step=6",), detector=det)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    _check_recovered(run, reference_hash, 1)
+    (f,) = run.result.failures
+    assert f["rank"] == 1 and f["kind"] == "hang" and "no step progress" in f["detail"]
+
+
 def test_rank0_exit_code_recovers(tmp_path: Path, reference_hash: str) -> None:
     run = run_demo_job(tmp_path, faults=("exit:rank=0,step=7,code=3",))
     _check_recovered(run, reference_hash, 1)

@@ -410,7 +410,7 @@ class Coordinator:
         m = decode_worker(msg)
         now = time.monotonic()
         if isinstance(m, wire.Heartbeat):
-            w.last_hb, w.coll = now, m.coll
+            w.last_hb, w.coll, w.idle_s = now, m.coll, m.idle_s
             return
         if isinstance(m, wire.Injected):
             w.fault_at = m.ts

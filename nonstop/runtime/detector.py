@@ -77,6 +77,7 @@ class FailureDetector:
                 last_heartbeat=max(w.last_hb, self._resumed_at),
                 last_progress=max(w.last_progress, self._resumed_at) if in_training else now,
                 collective_pending=w.coll,
+                idle_s=w.idle_s,
                 stepped=w.stepped,
                 rebuilding=rank in rebuilding,
             )

@@ -399,7 +399,7 @@ class Generations:
         w = self.c.view.workers.get(sid) if sid is not None else None
         if w is None or w.chan is None:
             return
-        w.stepped, w.coll, w.fault_report = False, False, None
+        w.stepped, w.coll, w.idle_s, w.fault_report = False, False, None, None
         self.c.io.send(
             w,
             {

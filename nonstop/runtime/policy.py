@@ -85,6 +85,10 @@ class RankObservation:
     # its heartbeats may pause; silence is judged with REBUILD_SILENCE_FACTOR x the timeout (the
     # stage's own rebuild_timeout_s bounds it too)
     rebuilding: bool = False
+    # the rank's own word (its latest heartbeat): seconds since it last completed a step, out of
+    # any collective (None: not reported). A healthy peer waiting on a stalled rank reports a
+    # collective before this grows past the limit, however late its heartbeats arrive under load.
+    idle_s: float | None = None
 
 
 def classify_exit(returncode: int, *, killed_for_hang: bool) -> FailureKind:
@@ -132,9 +136,13 @@ def find_hung_ranks(
 
     * heartbeat silent for ``heartbeat_timeout_s``: the process is stopped or
       wedged with the GIL held (a rank blocked in a collective still beats).
-    * no step progress for ``max(hang_factor * median, hang_min_s)`` while no
-      collective is pending on that rank: it is stuck in its own code; its
-      peers waiting in the allreduce for it are not blamed.
+    * no step progress for ``limit = max(hang_factor * median, hang_min_s)`` while no
+      collective is pending on that rank, and the rank itself said (``idle_s``) that it has
+      been out of any collective without completing a step for longer than ``limit``: it is
+      stuck in its own code. Its peers waiting in the allreduce for it are not blamed, even
+      when their heartbeat saying so arrives late (a busy machine): the coordinator's clock
+      of their progress runs from when their step reports *arrived*, their own from when the
+      step ended, and the last word before they entered the collective was a small ``idle_s``.
     """
     hung: dict[int, str] = {}
     for rank, obs in observations.items():
@@ -148,7 +156,8 @@ def find_hung_ranks(
         else:
             limit = max(config.hang_factor * median_step_s, config.hang_min_s)
         stalled = now - obs.last_progress
-        if stalled > limit and not obs.collective_pending:
+        own_word = obs.idle_s is None or obs.idle_s > limit
+        if stalled > limit and not obs.collective_pending and own_word:
             hung[rank] = f"no step progress for {stalled:.2f}s (limit {limit:.2f}s)"
     return hung
 

@@ -105,6 +105,10 @@ def _steps_by_rank(m: Mapping[str, Any], key: str) -> dict[int, tuple[int, ...]]
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat:
     coll: bool  # a gradient allreduce is pending on this rank
+    # seconds since the rank last completed a step (or entered training), by its own clock: a
+    # rank is judged stuck in its own code only on its own word that it has been out of any
+    # collective for that long (None: an older worker that does not say)
+    idle_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,7 +184,7 @@ def decode_worker(m: Mapping[str, Any]) -> WorkerMessage | None:
     t = m.get("t")
     gen = _int(m, "gen", -1)
     if t == "hb":
-        return Heartbeat(coll=bool(m.get("coll")))
+        return Heartbeat(coll=bool(m.get("coll")), idle_s=_opt_num(m, "idle"))
     if t == "injected":
         return Injected(
             ts=_num(m, "ts"), rank=_opt_int(m, "rank"), step=_opt_int(m, "step"), kind=_opt_str(m, "kind")

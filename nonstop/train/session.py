@@ -108,6 +108,7 @@ class Session:
         self._sync: CanonicalGradSync | None = None
         self._group = GenerationGroup(keep_groups=env.keep_groups)
         self._step = 0
+        self._progress_at = time.monotonic()  # when this rank last completed a step (heartbeat "idle")
         self._done = False  # this rank reported its last step (a restarted coordinator asks)
         self._live_at: int | None = None  # paused after this step: the live state is that step's
         self.warming_up = False  # a joiner's sandboxed step (see _warm_up): skip side effects
@@ -201,7 +202,8 @@ class Session:
     def _heartbeat_msg(self) -> Message:
         since = self._sync.pending_since if self._sync is not None else None
         coll = since is not None or in_collective(self._train_thread)
-        return {"t": "hb", "coll": coll, "step": self._step}
+        idle = round(time.monotonic() - self._progress_at, 3)
+        return {"t": "hb", "coll": coll, "step": self._step, "idle": idle}
 
     def _resume_point(self) -> Message:
         return {"gen": self.generation, "step": self._step, "done": self._done}
@@ -253,6 +255,7 @@ class Session:
             self._sync.exact = self.env.elastic
             self._sync.set_shards(self.shards, self.num_shards)
         self._snaps.open(self.rank)
+        self._progress_at = time.monotonic()
         loss: float | None = None
         msg = self._pending_reconfigure
         self._pending_reconfigure = None
@@ -261,6 +264,7 @@ class Session:
                 if msg is not None:
                     ddp = self._reconfigure(msg, train_step)
                     msg = None
+                    self._progress_at = time.monotonic()
                 try:
                     while self._step < num_steps:
                         pending = self._link.poll_reconfigure()
@@ -276,7 +280,7 @@ class Session:
                         self._link.in_step = False
                         step_s = time.monotonic() - t0
                         self._step += 1
-                        t1 = time.monotonic()
+                        t1 = self._progress_at = time.monotonic()
                         snap = self._snaps.take(self._step, self._capture())
                         # Stall: time the loop spent on this snapshot now, plus what the
                         # step just run waited for the previous snapshot's background copy.
