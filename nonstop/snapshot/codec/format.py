@@ -381,7 +381,7 @@ def _corrupt(info: ChunkInfo, what: str) -> SnapshotCorruptError:
 
 def _brief(v: object) -> str:
     """``repr(v)``, cut short: error messages quote stored values, which may be huge."""
-    r = repr(v)
+    r = repr(v[:81] if isinstance(v, str) else v)
     return r if len(r) <= 80 else r[:80] + "..."
 
 
