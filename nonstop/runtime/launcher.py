@@ -1,7 +1,9 @@
 """``nonstop run``: start one single-node job and see it through.
 
-Order of events: validate input (fail before anything starts), create the job
-dir, the per-job secret (0600 file) and a lock file in shared memory that the
+Order of events: validate input (fail before anything starts), take the job
+dir's and the checkpoint root's locks (one job per dir: :mod:`.jobdir`; a
+second job is refused before anything is touched), create the job dir, the
+per-job secret (0600 file) and a lock file in shared memory that the
 launcher holds for its lifetime (``nonstop gc`` uses it to tell live jobs
 from orphans), start the control server on the given address, spawn the
 workers and spares, and run the coordinator until the job is done or fails.
@@ -27,7 +29,6 @@ from pathlib import Path
 from types import FrameType
 
 from nonstop.config import ENV, JobConfig, job_config_to_json
-from nonstop.control.channel import new_secret
 from nonstop.control.listener import ControlServer
 from nonstop.control.store import open_store
 from nonstop.errors import ControlError, JobFailedError, SnapshotMissingError, UsageError
@@ -36,7 +37,15 @@ from nonstop.replica.peer import local_store_id
 from nonstop.runtime import events as ev
 from nonstop.runtime.coordinator import Coordinator, JobResult, JobState
 from nonstop.runtime.eventlog import EventLog
-from nonstop.runtime.gc import hold_lock
+from nonstop.runtime.gc import hold_lock, release_lock
+from nonstop.runtime.jobdir import (
+    SECRET_FILE,
+    coordinator_secret,
+    hold_job,
+    local_root,
+    node_secret,
+    write_secret,
+)
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.node import NodeAgent, NodeSpec
 from nonstop.runtime.notice import NoticePoller, parse_headers
@@ -67,9 +76,10 @@ def worker_command(script: str, args: tuple[str, ...]) -> list[str]:
 
 
 def _prepare_job_dir(job_dir: Path, *, owner: bool) -> None:
-    """Create and check the job dir; the owner (node 0) also clears the fault markers."""
+    """Create (0700) and check the job dir; the owner (node 0), holding the job dir's lock, also
+    clears the fault markers."""
     try:
-        job_dir.mkdir(parents=True, exist_ok=True)
+        job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         probe = job_dir / f".write-test-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
@@ -148,8 +158,9 @@ def run_job(
     """Run this process's part of the job described by ``config`` to the end; always cleans up.
 
     Node 0 (every single-node job) hosts the coordinator and runs its own node
-    agent on a thread; any other node runs only its agent. Raises UsageError for
-    bad input before starting anything.
+    agent on a thread, holding the job dir's and checkpoint root's locks throughout; any
+    other node runs only its agent. Raises UsageError for bad input, or a job dir or
+    checkpoint root another job holds, before starting anything.
     """
     command = worker_command(config.script, config.script_args)
     faults = check_faults(config)
@@ -157,19 +168,20 @@ def run_job(
     stop = stop or threading.Event()
     if config.node_rank != 0:
         return _run_node(config, command=command, job_dir=job_dir, stop=stop, redirect_output=redirect_output)
-    _prepare_job_dir(job_dir, owner=True)
-    if config.uses_store:
-        return run_store_node0(
-            config, command=command, job_dir=job_dir, stop=stop, redirect_output=redirect_output
+    with hold_job(job_dir, config.checkpoint_url):
+        _prepare_job_dir(job_dir, owner=True)
+        if config.uses_store:
+            return run_store_node0(
+                config, command=command, job_dir=job_dir, stop=stop, redirect_output=redirect_output
+            )
+        return serve_coordinator(
+            config,
+            job_id=uuid.uuid4().hex[:12],
+            command=command,
+            faults=faults,
+            stop=stop,
+            redirect_output=redirect_output,
         )
-    return serve_coordinator(
-        config,
-        job_id=uuid.uuid4().hex[:12],
-        command=command,
-        faults=faults,
-        stop=stop,
-        redirect_output=redirect_output,
-    )
 
 
 def serve_coordinator(
@@ -188,8 +200,10 @@ def serve_coordinator(
     job_dir = config.job_dir.resolve()
     durable = DurableStore(config.checkpoint_url, keep=config.keep)  # a bad URL fails here
     resume = _load_resume(config) if config.resume else None
+    if resume is not None and config.resume is not None:
+        _declare_resume(durable, config.resume, resume.step)
     shm_dir = default_shm_dir()
-    secret = _read_secret(config, job_dir, create=True)
+    secret = coordinator_secret(config)
     events = EventLog(job_dir / "events.jsonl")
     host, port = config.coordinator_addr
     try:  # bind first: a busy port must leave no secret file behind
@@ -202,11 +216,14 @@ def serve_coordinator(
     except BaseException:
         events.close()
         raise
-    secret_file = config.secret_file or job_dir / "secret"
+    secret_file = config.secret_file or job_dir / SECRET_FILE
     if config.secret_file is None:
-        fd = os.open(secret_file, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
-        os.write(fd, secret)
-        os.close(fd)
+        try:
+            write_secret(secret_file, secret)
+        except BaseException:
+            server.close()
+            events.close()
+            raise
     lock_fd, lock = hold_lock(shm_dir, job_id, job_dir)
     control = f"{server.address[0]}:{server.address[1]}"
     worker_env = {
@@ -317,8 +334,7 @@ def serve_coordinator(
             )
             events.close()
             restore_handlers()
-            os.close(lock_fd)
-            lock.unlink(missing_ok=True)
+            release_lock(lock_fd, lock)
             if config.secret_file is None:
                 secret_file.unlink(missing_ok=True)
             (job_dir / JOB_INFO).unlink(missing_ok=True)
@@ -339,7 +355,7 @@ def run_store_node0(
     DurableStore(config.checkpoint_url, keep=config.keep)  # a bad URL fails here
     if config.resume:
         _load_resume(config)
-    secret = _read_secret(config, job_dir, create=False)
+    secret = coordinator_secret(config)
     try:
         open_store(config.store, secret=secret.decode()).close()  # reachable, credentials good
     except ControlError as e:
@@ -438,46 +454,12 @@ def _cluster_persister(
     )
 
 
-def _read_secret(config: JobConfig, job_dir: Path, *, create: bool) -> bytes:
-    """The job secret: ``--secret-file``, else $NONSTOP_SECRET, else (node 0) a fresh one;
-    other nodes default to ``JOB_DIR/secret`` (a shared job dir)."""
-    if config.secret_file is not None:
-        try:
-            secret = config.secret_file.read_bytes().strip()
-        except OSError as e:
-            raise UsageError(f"cannot read --secret-file {config.secret_file}: {e.strerror or e}") from None
-        if len(secret) < 16:
-            raise UsageError(
-                f"--secret-file {config.secret_file} holds fewer than 16 bytes: use a real secret"
-            )
-        return secret
-    if os.environ.get(ENV.SECRET):
-        return os.environ[ENV.SECRET].encode()
-    if create:
-        return new_secret()
-    path = job_dir / "secret"
-    try:
-        return path.read_bytes().strip()
-    except OSError:
-        raise UsageError(
-            f"node {config.node_rank}: no job secret: pass --secret-file (node 0 writes {path}) "
-            f"or set {ENV.SECRET}"
-        ) from None
-
-
 def _run_node(
     config: JobConfig, *, command: list[str], job_dir: Path, stop: threading.Event, redirect_output: bool
 ) -> JobResult:
     """A node other than 0: run its agent until the job ends or the node is fenced."""
     _prepare_job_dir(job_dir, owner=False)
-    secret_file = config.secret_file or job_dir / "secret"
-    secret = _read_secret(config, job_dir, create=False)
-    if config.secret_file is None and not secret_file.exists():
-        # the secret came from the environment: workers read it from a private file
-        secret_file = job_dir / f".secret-node-{config.node_rank}"
-        fd = os.open(secret_file, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
-        os.write(fd, secret)
-        os.close(fd)
+    secret, secret_file = node_secret(config, job_dir)  # from $NONSTOP_SECRET: a private file
     shm_dir = default_shm_dir()
     spec = _node_spec(config)
     node = NodeAgent(
@@ -532,6 +514,19 @@ def _write_job_info(
     tmp = job_dir / f".{JOB_INFO}.tmp"
     tmp.write_text(json.dumps(info))
     tmp.replace(job_dir / JOB_INFO)
+
+
+def _declare_resume(durable: DurableStore, resume_url: str, step: int) -> None:
+    """Tell the checkpoint root's retention that this job resumed from ``step`` of it (when
+    ``--resume`` names the root it persists to): what was newer there then is the timeline it
+    abandoned (:meth:`Catalog.resumed_from`)."""
+    a, b = local_root(resume_url), local_root(durable.url)
+    if a is not None and b is not None:
+        same = a.resolve() == b.resolve()
+    else:
+        same = resume_url.rstrip("/") == durable.url.rstrip("/")
+    if same:
+        durable._catalog.resumed_from(step)  # DurableStore has no public door to its catalog yet
 
 
 def _load_resume(config: JobConfig) -> LoadedCheckpoint:
