@@ -5,6 +5,12 @@ directory it created are fsynced; until then the object exists only under a temp
 (:data:`~.format.TMP_MARK`), so a crash leaves the old object (or none), never a torn one.
 An instance may be used from several threads: the O_DIRECT staging buffers are taken by one
 write at a time, and the throttle is shared by every write of the instance.
+
+Permissions: what it creates is its owner's alone -- files 0600, directories (the root too,
+when it creates it) 0700 -- plus the group bits of the root directory: a user who shares
+checkpoints with their group makes the root group-readable (``chmod 750 ROOT``) and its
+checkpoints are then group-readable too (0640/0750). Never world-readable: a checkpoint holds
+the model, and the umask may only take more away.
 """
 
 from __future__ import annotations
@@ -82,12 +88,25 @@ class LocalStorage:
         self._stage_lock = threading.Lock()
         self._stages: tuple[mmap.mmap, mmap.mmap] | None = None
         self._writer: ThreadPoolExecutor | None = None
+        self._modes: tuple[int, int] | None = None  # see modes()
 
     def __repr__(self) -> str:
         return f"LocalStorage({self.url!r})"
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, *check_rel(path))
+
+    def modes(self) -> tuple[int, int]:
+        """(file mode, directory mode) of what this storage creates: 0600 and 0700 plus the
+        root directory's group bits (its group reads what the root shares with it; never
+        others). Fixed at the first call."""
+        if self._modes is None:
+            try:
+                group = os.stat(self.root).st_mode & 0o070
+            except FileNotFoundError:
+                group = 0
+            self._modes = (0o600 | (group & 0o060), 0o700 | group)
+        return self._modes
 
     def _makedirs(self, d: str) -> None:
         missing: list[str] = []
@@ -97,9 +116,10 @@ class LocalStorage:
             if parent == d:
                 break
             d = parent
+        dir_mode = self.modes()[1]
         for m in reversed(missing):
             try:
-                os.mkdir(m)
+                os.mkdir(m, dir_mode)
             except FileExistsError:
                 pass
             fsync_dir(os.path.dirname(m))  # make the new directory entry durable
@@ -196,7 +216,8 @@ class LocalStorage:
         parent = os.path.dirname(final)
         self._makedirs(parent)
         tmp = f"{final}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(tmp, flags, self.modes()[0])
         total = 0
         try:
             if self.direct:

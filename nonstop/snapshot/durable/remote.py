@@ -71,6 +71,8 @@ class FsspecStorage:
         f = self.fs.open(target, "wb")
         total = 0
         try:
+            if self._local:  # the owner's alone, as LocalStorage's (object stores: their ACLs)
+                os.fchmod(f.fileno(), 0o600)
             for chunk in chunks:
                 mv = byte_view(chunk)
                 f.write(mv)
