@@ -554,12 +554,17 @@ class SlotTarget(Target):
                     read += 1
                 except (SnapshotCorruptError, SnapshotMissingError):
                     pass
-            store.write(9, {"w": torch.full((64,), 9.0)})  # the rank writes on: never wedged
-            if not torch.equal(store.read(9)["w"], torch.full((64,), 9.0)):
+            # The rank writes on (never wedged) -- a step no bit flip of 1 or 2 makes, since a
+            # forged header claiming the same step with a later write time would be trusted.
+            store.write(NEW_STEP, {"w": torch.full((64,), 9.0)})
+            if not torch.equal(store.read(NEW_STEP)["w"], torch.full((64,), 9.0)):
                 return "wrong"
         finally:
             store.close()
         return f"{len(steps)} steps listed, {read} read; wrote on"
+
+
+NEW_STEP = 0x5A5A_0F0F
 
 
 _FIELD_CODES = [c for c in HEADER_FMT.lstrip("<") if not c.isdigit()]

@@ -208,6 +208,20 @@ def test_resigned_manifest_with_other_fields_is_corrupt(tmp_path: Path, edit: st
     assert store.load().step == OLD
 
 
+def test_resigned_manifest_with_a_long_file_name_falls_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by benchmarks/bench_fuzz.py: a file name longer than the file system takes made
+    the read raise OSError (ENAMETOOLONG) out of load()."""
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["ranks"][0]["file"] = "y" * 1000
+
+    store, old = _two_checkpoints(tmp_path)
+    _resign(tmp_path, NEW, edit)
+    assert "is not 'rank-00000.bin'" in _load_falls_back(store, old, caplog)
+
+
 # ---------------------------------------------------------------------------- codec
 def test_raw_chunk_of_the_wrong_length_is_corrupt() -> None:
     payload = b"\x07" * 8
@@ -272,7 +286,7 @@ def test_decode_dtensor_raises_only_the_corrupt_error(node: dict[str, Any]) -> N
 
 
 # ---------------------------------------------------------------------------- shared-memory slots
-def _poke_header(path: Path, **fields: int) -> None:
+def _poke_header(path: Path, **fields: float) -> None:
     names = ["magic", "version", "state", "step", "data_len", "meta_len", "data_cap", "meta_cap"]
     names += ["written_at", "pinned", "writer_pid"]
     size = struct.calcsize(HEADER_FMT)
@@ -380,5 +394,21 @@ def test_corrupt_meta_in_a_complete_slot_is_a_corrupt_error(tmp_path: Path) -> N
         snap = store.copy_out(raw[3])
         with pytest.raises(SnapshotCorruptError):
             snap.entries()
+    finally:
+        store.close()
+
+
+def test_a_step_in_two_slots_reads_from_the_newest_write(tmp_path: Path) -> None:
+    """A step redone after a rollback can be in two slots: read and copy_out used the first slot
+    by index, which may hold the stale write (found by benchmarks/bench_fuzz.py)."""
+    store = _written_store(tmp_path)
+    try:
+        stale, fresh = _slot_of(tmp_path, 1), _slot_of(tmp_path, 2)
+        assert stale < fresh
+        when = _header(slot_path(tmp_path, "t", 0, fresh))[8]
+        _poke_header(slot_path(tmp_path, "t", 0, stale), step=2, written_at=when - 1.0)
+        assert store.complete_steps() == [2, 2]
+        assert torch.equal(store.read(2)["w"], torch.arange(4.0) + 1)
+        assert np.array_equal(store.copy_out(2).data.view(np.float32)[:4], np.arange(4.0) + 1)
     finally:
         store.close()

@@ -407,12 +407,18 @@ class RankSnapshotStore:
     def info(self, slot_index: int) -> SnapshotInfo | None:
         return self._slots[slot_index].read_info(self.rank, slot_index)
 
+    def _holding(self, step: int) -> list[SnapshotInfo]:
+        """The complete snapshots of ``step``, the newest write first (a step redone after a
+        rollback may be in two slots: the one written last is the current timeline's)."""
+        infos = [self.info(i) for i in range(self.num_slots)]
+        found = [
+            inf for inf in infos if inf is not None and inf.state is SlotState.COMPLETE and inf.step == step
+        ]
+        return sorted(found, key=lambda inf: -inf.written_at)
+
     def _find(self, step: int) -> SnapshotInfo | None:
-        for i in range(self.num_slots):
-            inf = self.info(i)
-            if inf is not None and inf.state is SlotState.COMPLETE and inf.step == step:
-                return inf
-        return None
+        found = self._holding(step)
+        return found[0] if found else None
 
     def complete_steps(self) -> list[int]:
         """Steps with a COMPLETE snapshot in this rank's slots, ascending."""
@@ -442,16 +448,14 @@ class RankSnapshotStore:
         )
 
     def read(self, step: int, *, copy: bool = True) -> Any:
-        """The state of ``step`` (see the class docstring). SnapshotMissingError when no slot
-        holds a complete snapshot of it; SnapshotCorruptError when the slots that do hold one
-        whose meta does not decode (each such slot is tried)."""
+        """The state of ``step`` (see the class docstring), from the slot that holds its newest
+        complete write. SnapshotMissingError when no slot holds a complete snapshot of it;
+        SnapshotCorruptError when the slots that do hold one whose meta does not decode (each
+        such slot is tried, newest first)."""
         problem: SnapshotCorruptError | None = None
-        for i in range(self.num_slots):
-            inf = self.info(i)
-            if inf is None or inf.state is not SlotState.COMPLETE or inf.step != step:
-                continue
-            slot = self._slots[i]
-            what = f"rank {self.rank}'s snapshot of step {step} in slot {i}"
+        for inf in self._holding(step):
+            slot = self._slots[inf.slot]
+            what = f"rank {self.rank}'s snapshot of step {step} in slot {inf.slot}"
             try:
                 return _decode(
                     bytes(slot.meta_view()[: inf.meta_len]), slot.data_view(), inf.data_len, what, copy

@@ -76,8 +76,9 @@ def _one_line(text: object) -> str:
 
 
 def corrupt(what: str, problem: str, then: str) -> SnapshotCorruptError:
-    """The error of a decoder: ``"<what> is corrupt: <problem>; <then>"`` on one line."""
-    return SnapshotCorruptError(_one_line(f"{what} is corrupt: {problem}; {then}"))
+    """The error of a decoder: ``"<what> is corrupt: <problem>; <then>"`` on one line (the
+    problem, which may quote stored bytes, cut short)."""
+    return SnapshotCorruptError(" ".join(f"{what} is corrupt: {_one_line(problem)}; {then}".split()))
 
 
 @contextlib.contextmanager
