@@ -113,7 +113,7 @@ def _probe(lock: Path, report: GcReport) -> int | Literal["live", "unknown"] | N
     except FileNotFoundError:
         return None
     except OSError as e:
-        log.warning("nonstop gc: cannot open %s (%s): leaving its job alone", lock, e.strerror or e)
+        log.warning("gc: cannot open %s (%s): leaving its job alone", lock, e.strerror or e)
         report.skipped.append(lock)
         return "unknown"
     try:
@@ -123,7 +123,7 @@ def _probe(lock: Path, report: GcReport) -> int | Literal["live", "unknown"] | N
         return "live"
     except OSError as e:
         os.close(fd)
-        log.warning("nonstop gc: cannot lock %s (%s): leaving its job alone", lock, e.strerror or e)
+        log.warning("gc: cannot lock %s (%s): leaving its job alone", lock, e.strerror or e)
         report.skipped.append(lock)
         return "unknown"
     return fd
@@ -190,7 +190,7 @@ def _unlink(path: Path, report: GcReport) -> None:
     try:
         path.unlink(missing_ok=True)
     except OSError as e:
-        log.warning("nonstop gc: cannot remove %s (%s): left in place", path, e.strerror or e)
+        log.warning("gc: cannot remove %s (%s): left in place", path, e.strerror or e)
         report.skipped.append(path)
 
 
@@ -205,7 +205,7 @@ def _remove_orphan(shm_dir: Path, job_id: str, report: GcReport, *, dry_run: boo
         except ProcessLookupError:
             continue
         except PermissionError:
-            log.warning("nonstop gc: may not kill pid %d of job %s: left running", pid, job_id)
+            log.warning("gc: may not kill pid %d of job %s: left running", pid, job_id)
             continue
         report.killed.append(pid)
     segments = [

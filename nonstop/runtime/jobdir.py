@@ -49,6 +49,8 @@ __all__ = [
     "SECRET_FILE",
     "check_secret",
     "coordinator_secret",
+    "local_root",
+    "hold_dir",
     "hold_job",
     "node_secret",
     "read_secret_file",
@@ -117,20 +119,30 @@ def local_root(url: str) -> Path | None:
 
 
 @contextlib.contextmanager
+def hold_dir(directory: Path, *, what: str, option: str) -> Iterator[None]:
+    """Hold ``directory``'s lock for the ``with`` body (created 0700 if missing). UsageError
+    naming ``what`` and the ``option`` to choose another, nothing touched, when another
+    process holds it. For a command that clears a directory before it runs jobs in it (the
+    demo): lock the directory above the job dirs, which the jobs lock themselves."""
+    fd = _lock_dir(directory, what=what, option=option)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+@contextlib.contextmanager
 def hold_job(job_dir: Path, checkpoint_url: str) -> Iterator[None]:
     """Hold the job dir's lock and (local roots) the checkpoint root's for the ``with`` body;
     both are taken before anything in them is created, cleared or overwritten, the job dir's
     first. UsageError (nothing touched) when another job holds either."""
-    fds = [_lock_dir(job_dir, what="job dir", option="--job-dir")]
-    try:
+    with contextlib.ExitStack() as held:
+        held.enter_context(hold_dir(job_dir, what="job dir", option="--job-dir"))
         root = local_root(checkpoint_url)
         if root is not None and root.resolve() != job_dir.resolve():
-            fds.append(_lock_dir(root, what="checkpoint root", option="--persist"))
+            held.enter_context(hold_dir(root, what="checkpoint root", option="--persist"))
         yield
-    finally:
-        for fd in reversed(fds):
-            if fd is not None:
-                os.close(fd)
 
 
 # ---------------------------------------------------------------------------- the secret
