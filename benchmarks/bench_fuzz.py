@@ -36,7 +36,7 @@ How to run
 ----------
 ::
 
-    .venv/bin/python benchmarks/bench_fuzz.py --inputs 1000000 --seed 1   # ~10 min on 2 cores
+    .venv/bin/python benchmarks/bench_fuzz.py --inputs 1000000 --seed 1   # ~3.5 min on 2 cores
     .venv/bin/python benchmarks/bench_fuzz.py --inputs 2000              # smoke
 
 Results go to ``benchmarks/results/fuzz.json`` (``--json`` overrides); a table is printed. The
