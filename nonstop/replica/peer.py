@@ -35,8 +35,9 @@ import numpy as np
 from nonstop.control.channel import BLOB, Channel, Message, connect
 from nonstop.control.listener import ControlServer
 from nonstop.errors import ControlError, NonstopError, SnapshotError, SnapshotMissingError
-from nonstop.snapshot.codec import ChunkInfo, CodecConfig, Encoder, decode, segments_for
+from nonstop.snapshot.codec import ChunkInfo, CodecConfig, Encoder, check_sizes, decode, segments_for
 from nonstop.snapshot.store import RankSnapshotStore, RawSnapshot
+from nonstop.snapshot.validate import alloc
 
 __all__ = [
     "TRACK_TTL_S",
@@ -114,7 +115,12 @@ def _recv_snapshot(
         covered = sum(info.length for info, _ in chunks)
         if covered != data_len:  # checked before the buffer is allocated
             raise FetchError(f"the chunks cover {covered} bytes, the header says {data_len}")
-        dest: Any = out[:data_len] if out is not None and out.size >= data_len else bytearray(data_len)
+        for info, payload in chunks:  # sizes and frame headers agree: no length is trusted alone
+            check_sizes(info, payload)
+        then = "nothing is installed"
+        dest: Any = (
+            out[:data_len] if out is not None and out.size >= data_len else alloc(data_len, "snapshot", then)
+        )
         decode(chunks, dest, base)
         return meta, dest
     except (KeyError, ValueError, TypeError, OverflowError, MemoryError) as e:
