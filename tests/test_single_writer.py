@@ -267,3 +267,23 @@ def test_an_abandoned_directory_older_than_current_still_goes(tmp_path: Path) ->
         step_dir(20),
         step_dir(90),
     ]
+
+
+def test_a_second_demo_on_a_held_demo_dir_is_refused_before_it_clears_anything(tmp_path: Path) -> None:
+    """Was: ``nonstop demo`` deleted JOB_DIR/run before the job inside could take its lock, so
+    a second demo on the same --job-dir destroyed a running one."""
+    from nonstop.runtime.jobdir import hold_dir
+
+    demo_dir = tmp_path / "demo"
+    (demo_dir / "run").mkdir(parents=True)
+    (demo_dir / "run" / "events.jsonl").write_text("{}\n")
+    with hold_dir(demo_dir, what="demo dir", option="--job-dir"):
+        before = _tree(demo_dir)
+        proc = subprocess.run(
+            [*NONSTOP, "demo", "--job-dir", str(demo_dir), "--nproc", "2", "--steps", "4"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        _one_line_error(proc, "in use by another job")
+        assert _tree(demo_dir) == before

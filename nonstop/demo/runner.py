@@ -20,6 +20,7 @@ from nonstop.errors import JobFailedError, UsageError
 from nonstop.faults import parse_fault
 from nonstop.runtime.coordinator import JobResult, JobState
 from nonstop.runtime.eventlog import read_events
+from nonstop.runtime.jobdir import hold_dir
 from nonstop.runtime.localnodes import run_local_nodes
 
 __all__ = ["DemoOptions", "run_demo"]
@@ -123,7 +124,13 @@ def _resizes(job_dir: Path) -> list[dict[str, Any]]:
 
 
 def run_demo(opts: DemoOptions, *, echo: bool = True) -> dict[str, Any]:
-    """Run the demo; return the report (also what ``--json`` writes)."""
+    """Run the demo; return the report (also what ``--json`` writes). The demo dir is locked
+    for the whole demo: a second demo on it is refused before it clears the first's job dirs."""
+    with hold_dir(opts.job_dir, what="demo dir", option="--job-dir"):
+        return _run_demo(opts, echo=echo)
+
+
+def _run_demo(opts: DemoOptions, *, echo: bool) -> dict[str, Any]:
     say = print if echo else (lambda *a, **k: None)
     where = f"{opts.nnodes} nodes x {opts.nproc}" if opts.nnodes > 1 else f"{opts.nproc}"
     say(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nonstop.control.channel import Channel, Message, connect
 from nonstop.errors import ControlError, NonstopError, UsageError
+from nonstop.runtime.jobdir import read_secret_file
 
 __all__ = ["request_migration", "request_persist", "request_status"]
 
@@ -23,7 +24,7 @@ def _job_address(job_dir: Path) -> tuple[tuple[str, int], bytes]:
     try:
         info = json.loads(info_file.read_text())
         secret_file = Path(info.get("secret_file") or secret_file)
-        secret = secret_file.read_bytes().strip()
+        secret = read_secret_file(secret_file, what="the job secret")
     except FileNotFoundError:
         raise UsageError(f"no running job in {str(job_dir)!r}: give the job's --job-dir") from None
     except PermissionError:

@@ -526,7 +526,7 @@ def _declare_resume(durable: DurableStore, resume_url: str, step: int) -> None:
     else:
         same = resume_url.rstrip("/") == durable.url.rstrip("/")
     if same:
-        durable._catalog.resumed_from(step)  # DurableStore has no public door to its catalog yet
+        durable.resumed_from(step)
 
 
 def _load_resume(config: JobConfig) -> LoadedCheckpoint:

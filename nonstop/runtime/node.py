@@ -72,7 +72,7 @@ from nonstop.replica.peer import (
     shm_stores,
 )
 from nonstop.runtime.agent import Agent, remove_segments
-from nonstop.runtime.gc import hold_lock
+from nonstop.runtime.gc import hold_lock, release_lock
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.nodework import NodeWork
 from nonstop.runtime.notice import NoticePoller
@@ -463,5 +463,4 @@ class NodeAgent:
             remove_segments(self.shm_dir, local_store_id(self.job_id, self.spec.node))
             remove_segments(self.shm_dir, replica_store_id(self.job_id, self.spec.node))
         if self._lock is not None:
-            os.close(self._lock[0])
-            self._lock[1].unlink(missing_ok=True)
+            release_lock(*self._lock)  # the file goes while still held: gc never sees it orphaned

@@ -26,6 +26,7 @@ from nonstop.snapshot.durable.format import (
     LATEST,
     LATEST_RE,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     TMP_MARK,
     Manifest,
     decode_manifest,
@@ -116,7 +117,8 @@ class Catalog:
         committed, SnapshotCorruptError when the manifest is bad."""
         where = self.where(step)
         try:
-            raw = self.storage.read(f"{step_dir(step)}/{MANIFEST}")
+            # at most one byte past the cap: decode_manifest refuses an oversized one unread
+            raw = self.storage.read(f"{step_dir(step)}/{MANIFEST}", 0, MAX_MANIFEST_BYTES + 1)
         except SnapshotMissingError:
             raise SnapshotMissingError(f"{where}: no manifest (not committed)") from None
         m = decode_manifest(raw, where)

@@ -41,9 +41,11 @@ written may be visible early, which the checksums and the write order make harml
 then ``manifest.json``, whose presence marks the step committed; then ``latest``; then
 retention removes checkpoints that
 are neither among the ``keep`` newest (up to the one just committed) nor a base of one of
-them, abandoned (manifest-less) step directories, checkpoints newer than the one just
-committed (a superseded timeline: training resumed from an older step), and leftover
-temporary files. A crash at any point leaves the previously committed checkpoint loadable:
+them, abandoned step directories (no manifest at two looks), checkpoints newer than the
+one just committed only when the writer resumed away from them (a superseded timeline:
+``Catalog.resumed_from``), and leftover temporary files; a step whose manifest cannot be
+read keeps itself and everything older for that pass. A crash at any point leaves the
+previously committed checkpoint loadable:
 ``latest`` changes only by an atomic replace once the new checkpoint is complete, and
 nothing ``latest`` depends on is removed before ``latest`` moves.
 

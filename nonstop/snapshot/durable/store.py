@@ -85,6 +85,11 @@ class DurableStore:
         return self._catalog.read_manifest(step).world_size
 
     # -- writing -------------------------------------------------------------------
+    def resumed_from(self, step: int) -> None:
+        """This job resumed from ``step`` of this root: the checkpoints newer than it now are
+        the timeline it abandoned, which retention may delete (:meth:`Catalog.resumed_from`)."""
+        self._catalog.resumed_from(step)
+
     def begin(self, step: int, world_size: int, codec: str) -> CheckpointWriter:
         """Start writing checkpoint ``step``. An existing directory of that step is removed
         first when it is abandoned, corrupt or not the current checkpoint (nor its base);
