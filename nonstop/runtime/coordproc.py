@@ -17,6 +17,7 @@ from pathlib import Path
 
 from nonstop.config import job_config_from_json
 from nonstop.control.store import open_store
+from nonstop.runtime.jobdir import read_secret_file
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.launcher import (
     COORDINATOR_RESULT,
@@ -33,7 +34,7 @@ def main(argv: list[str]) -> int:
     config = job_config_from_json(spec["config"])
     job_id = str(spec["job_id"])
     assert config.secret_file is not None  # required with a store (JobConfig checks it)
-    secret = config.secret_file.read_bytes().strip()
+    secret = read_secret_file(config.secret_file, what="--secret-file")
     store = open_store(config.store, secret=secret.decode())
     try:
         result = serve_coordinator(
