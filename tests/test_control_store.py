@@ -368,7 +368,7 @@ def test_etcd_watch_survives_a_malformed_line_and_misses_nothing(
     import json as real_json
     import types
 
-    from nonstop.control import etcd as etcd_mod
+    from nonstop.control import etcdwatch as etcd_mod
 
     mangled: list[bytes] = []
 
@@ -398,7 +398,7 @@ def test_etcd_watch_fails_loudly_when_every_answer_is_malformed(
     import json as real_json
     import types
 
-    from nonstop.control import etcd as etcd_mod
+    from nonstop.control import etcdwatch as etcd_mod
 
     def loads(raw: bytes | str) -> object:
         text = raw if isinstance(raw, bytes) else raw.encode()
