@@ -35,9 +35,9 @@ import numpy as np
 from nonstop.control.channel import BLOB, Channel, Message, connect
 from nonstop.control.listener import ControlServer
 from nonstop.errors import ControlError, NonstopError, SnapshotError, SnapshotMissingError
-from nonstop.snapshot.codec import ChunkInfo, CodecConfig, Encoder, check_sizes, decode, segments_for
+from nonstop.snapshot.codec import ChunkInfo, CodecConfig, Encoder, check_chunks, decode, segments_for
 from nonstop.snapshot.store import RankSnapshotStore, RawSnapshot
-from nonstop.snapshot.validate import alloc
+from nonstop.snapshot.validate import RESIDUAL, alloc
 
 __all__ = [
     "TRACK_TTL_S",
@@ -64,6 +64,8 @@ TRACK_TTL_S = 120.0  # a tracked fetch's base is dropped when no catch-up used i
 
 
 REPLICA_SLOTS = 3  # slots a node keeps per rank it holds replicas of
+# what a fetch may raise that ends in a FetchError: the channel, the snapshot, malformed answers
+_FETCH_FAILURES: tuple[type[BaseException], ...] = (ControlError, OSError, SnapshotError, *RESIDUAL)
 ACK_TIMEOUT_S = 60.0  # a holder silent this long after a replica's last chunk is taken for gone
 
 
@@ -112,18 +114,14 @@ def _recv_snapshot(
             if msg.get("t") != "chunk":
                 raise FetchError(f"expected a chunk, got {msg.get('t')!r}")
             chunks.append((ChunkInfo.from_json(msg["info"]), msg.get(BLOB, b"")))
-        covered = sum(info.length for info, _ in chunks)
-        if covered != data_len:  # checked before the buffer is allocated
-            raise FetchError(f"the chunks cover {covered} bytes, the header says {data_len}")
-        for info, payload in chunks:  # sizes and frame headers agree: no length is trusted alone
-            check_sizes(info, payload)
+        check_chunks(chunks, data_len)  # before the buffer is allocated: no length trusted alone
         then = "nothing is installed"
         dest: Any = (
             out[:data_len] if out is not None and out.size >= data_len else alloc(data_len, "snapshot", then)
         )
         decode(chunks, dest, base)
         return meta, dest
-    except (KeyError, ValueError, TypeError, OverflowError, MemoryError) as e:
+    except RESIDUAL as e:
         raise FetchError(f"malformed snapshot from the peer: {type(e).__name__}: {e}") from e
 
 
@@ -346,7 +344,7 @@ def fetch(
             wire_bytes=wire[0],
             capped=bool(first.get("capped")),
         )
-    except (ControlError, OSError, SnapshotError, KeyError, ValueError, TypeError) as e:
+    except _FETCH_FAILURES as e:
         raise FetchError(f"fetching rank {rank} step {step} from {addr} failed: {e}") from e
     finally:
         ch.close()

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from nonstop.config import ENV, JobConfig
-from nonstop.control.channel import new_secret
+from nonstop.control.channel import MIN_SECRET_BYTES, new_secret
 from nonstop.errors import UsageError
 
 __all__ = [
@@ -61,7 +61,6 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = ".nonstop.lock"
 SECRET_FILE = "secret"  # JOB_DIR/secret: node 0's secret, when none was given
-MIN_SECRET_BYTES = 16
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 

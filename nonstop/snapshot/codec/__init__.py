@@ -59,7 +59,7 @@ from nonstop.snapshot.codec.format import (
     segments_for,
 )
 from nonstop.snapshot.codec.lossless import preload
-from nonstop.snapshot.codec.pipeline import Encoder, check_sizes, decode, decode_chunk
+from nonstop.snapshot.codec.pipeline import Encoder, check_chunks, check_sizes, decode, decode_chunk
 
 __all__ = [
     "LOSSY_BLOCK",
@@ -71,6 +71,7 @@ __all__ = [
     "CodecConfig",
     "Encoder",
     "Segment",
+    "check_chunks",
     "check_sizes",
     "checksum",
     "decode",

@@ -51,7 +51,7 @@ from nonstop.snapshot.codec.lossless import (
 from nonstop.snapshot.codec.lossy import _lossy_decode, _lossy_encode
 from nonstop.snapshot.validate import RESIDUAL
 
-__all__ = ["Encoder", "check_sizes", "decode", "decode_chunk"]
+__all__ = ["Encoder", "check_chunks", "check_sizes", "decode", "decode_chunk"]
 
 
 class Encoder:
@@ -267,6 +267,28 @@ def check_sizes(info: ChunkInfo, payload: Buffer) -> None:
         _blosc_check(info, p, body)
 
 
+def _check_tiling(chunks: Sequence[tuple[ChunkInfo, Buffer]], data_len: int) -> None:
+    pos = 0
+    for info, _ in sorted(chunks, key=lambda c: c[0].offset):
+        if info.offset != pos:
+            what = "overlap" if info.offset < pos else "gap"
+            raise SnapshotCorruptError(
+                f"chunks do not tile the data: {what} at offset {min(pos, info.offset)}"
+            )
+        pos += info.length
+    if pos != data_len:
+        raise SnapshotCorruptError(f"chunks cover {pos} bytes but the data is {data_len} bytes")
+
+
+def check_chunks(chunks: Sequence[tuple[ChunkInfo, Buffer]], data_len: int) -> None:
+    """Check, without decoding, that ``chunks`` can decode to ``data_len`` bytes: they tile
+    ``[0, data_len)`` exactly and each passes :func:`check_sizes`. SnapshotCorruptError
+    otherwise. What a reader runs before it allocates the ``data_len`` bytes a header claims."""
+    _check_tiling(chunks, data_len)
+    for info, payload in chunks:
+        check_sizes(info, payload)
+
+
 def decode(
     chunks: Sequence[tuple[ChunkInfo, Buffer]],
     out: memoryview | bytearray | np.ndarray[Any, Any],
@@ -283,17 +305,8 @@ def decode(
     o = _u8(out, "out", writable=True)
     if not _is_int(threads) or threads < 1:
         raise UsageError(f"threads must be an int >= 1, got {threads!r}")
+    _check_tiling(chunks, len(o))
     ordered = sorted(chunks, key=lambda c: c[0].offset)
-    pos = 0
-    for info, _ in ordered:
-        if info.offset != pos:
-            what = "overlap" if info.offset < pos else "gap"
-            raise SnapshotCorruptError(
-                f"chunks do not tile the data: {what} at offset {min(pos, info.offset)}"
-            )
-        pos += info.length
-    if pos != len(o):
-        raise SnapshotCorruptError(f"chunks cover {pos} bytes but the data is {len(o)} bytes")
 
     def one(c: tuple[ChunkInfo, Buffer]) -> None:
         info, payload = c

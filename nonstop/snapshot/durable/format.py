@@ -228,7 +228,7 @@ def decode_manifest(raw: bytes, where: str) -> Manifest:
     Every size in a manifest that it returns is consistent: the chunks tile the file and the
     data, and each chunk's sizes agree with its codec (a raw payload is as long as what it
     decodes to; no chunk decodes to more than 1 GiB). A reader still checks them against the
-    files (:func:`~nonstop.snapshot.codec.check_sizes`) before it allocates ``data_len``."""
+    files (:func:`~nonstop.snapshot.codec.check_chunks`) before it allocates ``data_len``."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise SnapshotCorruptError(
             f"{where}: manifest is {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} a valid one has"

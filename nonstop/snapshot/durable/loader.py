@@ -56,7 +56,7 @@ class Loader:
         """The rank's data, decoded and verified. Nothing the size of what the manifest claims is
         allocated before the file is read (at most ``file_len + 1`` bytes of it), the meta is
         checked against ``data_len`` (:func:`~nonstop.snapshot.validate.parse_meta`) and every
-        chunk's sizes against its payload (:func:`~nonstop.snapshot.codec.check_sizes`)."""
+        chunk's sizes against its payload (:func:`~nonstop.snapshot.codec.check_chunks`)."""
         where = f"{self.catalog.where(m.step)} rank {rec.rank}"
         path = f"{step_dir(m.step)}/{rec.file}"
         try:
@@ -75,8 +75,7 @@ class Loader:
         mv = memoryview(blob)
         chunks = [(info, mv[off : off + info.enc_len]) for info, off in rec.chunks]
         try:
-            for info, payload in chunks:
-                _codec.check_sizes(info, payload)
+            _codec.check_chunks(chunks, rec.data_len)
         except SnapshotCorruptError as e:
             raise SnapshotCorruptError(f"{where}: {rec.file}: {one_line(e)}") from None
         out = alloc(rec.data_len, f"{where}: {rec.file}", then)
