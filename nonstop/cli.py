@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from nonstop.clisecurity import add_security_args, security_config
 from nonstop.config import SNAPSHOT_MODES, SURVIVOR_MODES, SWAP_TRANSFERS, DetectorConfig, JobConfig
 from nonstop.errors import JobFailedError, NonstopError, UsageError
 
@@ -102,7 +103,8 @@ def _node_args(p: argparse.ArgumentParser) -> None:
         default=c.store,
         help="control store: embedded:// (default; the coordinator lives in node 0's process) or "
         "etcd://HOST:PORT (job state and node leases in etcd: the coordinator runs as its own process "
-        "and may restart without stopping the job; needs --secret-file, the etcd password)",
+        "and may restart without stopping the job; needs --secret-file, the etcd password); "
+        "etcds://HOST:PORT: the same over TLS (--etcd-ca, --etcd-cert, --etcd-key)",
     )
     g.add_argument(
         "--reconnect",
@@ -266,6 +268,9 @@ def _parser() -> argparse.ArgumentParser:
     from nonstop.sim import cli as sim_cli  # `nonstop simulate`, `nonstop advise`
 
     sim_cli.add_parsers(sub)
+    from nonstop.chaos import cli as chaos_cli  # `nonstop chaos`
+
+    chaos_cli.add_parsers(sub)
 
     run = sub.add_parser("run", help="launch a training script (torchrun-like)")
     run.add_argument("--nproc-per-node", type=int, default=1)
@@ -279,6 +284,7 @@ def _parser() -> argparse.ArgumentParser:
     _detector_args(run)
     _snapshot_args(run)
     _node_args(run)
+    add_security_args(run)
     run.add_argument(
         "--resume",
         default=None,
@@ -332,6 +338,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     demo.add_argument("--job-dir", type=Path, default=Path(".nonstop/demo"))
     _detector_args(demo)
+    add_security_args(demo, etcd=False)
 
     persist = sub.add_parser("persist", help="make a running job's committed step durable now")
     persist.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
@@ -401,6 +408,10 @@ def _dispatch(ns: argparse.Namespace) -> int:
         from nonstop.sim.cli import dispatch as sim_dispatch
 
         return sim_dispatch(ns)
+    if ns.cmd == "chaos":
+        from nonstop.chaos.cli import dispatch as chaos_dispatch
+
+        return chaos_dispatch(ns)
     if ns.cmd == "run":
         from nonstop.runtime.coordinator import JobState
         from nonstop.runtime.launcher import run_job
@@ -419,6 +430,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
             resume=ns.resume,
             **_snapshot_config(ns),  # type: ignore[arg-type]
             **_node_config(ns),  # type: ignore[arg-type]
+            **security_config(ns),  # type: ignore[arg-type]
         )
         result = run_job(cfg)
         if cfg.node_rank != 0:
@@ -449,6 +461,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
             mesh=ns.mesh,
             min_world_size=ns.min_world_size,
             survivors=ns.survivors,
+            tls=ns.tls,
         )
         report = run_demo(opts)
         if ns.json is not None:

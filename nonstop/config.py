@@ -7,8 +7,10 @@ step 10,000.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -22,8 +24,12 @@ __all__ = [
     "ENV",
     "SNAPSHOT_MODES",
     "SWAP_TRANSFERS",
+    "channel_tls_from_env",
+    "etcd_tls_paths_from_env",
     "job_config_from_json",
     "job_config_to_json",
+    "security_env",
+    "security_environ",
 ]
 
 
@@ -49,6 +55,13 @@ class ENV:
     MESH = "NONSTOP_MESH"  # the job's device mesh (--mesh), for Session.run(build=...)
     ELASTIC = "NONSTOP_ELASTIC"  # "1": the world size may change (exact gradient mean)
     KEEP_GROUPS = "NONSTOP_KEEP_GROUPS"  # "0": build every mesh group again each generation
+    # Security settings every process of a job inherits from its launcher (security_env): a
+    # channel's listener and clients (control/channel.py, listener.py) and the etcd client
+    # (control/store.py open_store) read them where no caller passes them explicitly.
+    TLS = "NONSTOP_TLS"  # "1": channels use TLS (--tls); "0": never; unset: a client follows its listener
+    ETCD_CA = "NONSTOP_ETCD_CA"  # --etcd-ca, --etcd-cert, --etcd-key (etcds://)
+    ETCD_CERT = "NONSTOP_ETCD_CERT"
+    ETCD_KEY = "NONSTOP_ETCD_KEY"
 
 
 SNAPSHOT_MODES = ("overlapped", "sync", "off")
@@ -138,8 +151,13 @@ class JobConfig:
     # grow with the spares): runtime/survivors.py
     survivors: str = "auto"
     # -- control store -----------------------------------------------------------------
-    store: str = "embedded://"  # or etcd://HOST:PORT[,...]: the coordinator may restart
+    store: str = "embedded://"  # or etcd://HOST:PORT[,...] (etcds://: TLS): the coordinator may restart
     reconnect_s: float = 30.0  # store mode: how long agents and workers wait for a new coordinator
+    etcd_ca: Path | None = None  # etcds://: the CA that signed etcd's certificate
+    etcd_cert: Path | None = None  # etcds://: this job's client certificate and key (--client-cert-auth)
+    etcd_key: Path | None = None
+    # -- security ----------------------------------------------------------------------------
+    tls: bool = False  # TLS on the control channel and the data plane (control/tls.py)
 
     @property
     def world_size(self) -> int:
@@ -200,9 +218,11 @@ class JobConfig:
         if self.quarantine_failures < 1 or self.quarantine_window_s <= 0:
             raise UsageError("--quarantine-failures must be >= 1 and --quarantine-window > 0")
         if self.store != "embedded://":
-            if not self.store.startswith("etcd://") or len(self.store) <= len("etcd://"):
+            scheme, sep, rest = self.store.partition("://")
+            if scheme not in ("etcd", "etcds") or not sep or not rest:
                 raise UsageError(
-                    f"--store must be embedded:// or etcd://HOST:PORT[,HOST:PORT...] (got {self.store!r})"
+                    "--store must be embedded://, etcd://HOST:PORT[,HOST:PORT...] or etcds://... (TLS) "
+                    f"(got {self.store!r})"
                 )
             if self.coordinator is None or self.coordinator_addr[1] == 0:
                 raise UsageError(
@@ -216,6 +236,7 @@ class JobConfig:
                 )
         if self.reconnect_s <= 0:
             raise UsageError(f"--reconnect must be > 0 seconds (got {self.reconnect_s})")
+        self._check_security()
         if self.preempt_url is not None and not self.preempt_url.startswith(("http://", "https://")):
             raise UsageError(f"--preempt-url must be an http:// or https:// URL (got {self.preempt_url!r})")
         for h in self.preempt_headers:
@@ -261,6 +282,23 @@ class JobConfig:
             raise UsageError(
                 f"--swap-transfer must be one of {', '.join(SWAP_TRANSFERS)} (got {self.swap_transfer!r})"
             )
+
+    def _check_security(self) -> None:
+        from nonstop.control.tls import EtcdTLS, check_openssl
+
+        tls_files = (self.etcd_ca, self.etcd_cert, self.etcd_key)
+        if self.store.startswith("etcds://"):
+            if self.etcd_ca is None:
+                raise UsageError(
+                    "--store etcds://... needs --etcd-ca FILE, the CA that signed etcd's certificate"
+                )
+            EtcdTLS(self.etcd_ca, self.etcd_cert, self.etcd_key).check()
+        elif any(f is not None for f in tls_files):
+            raise UsageError(
+                "--etcd-ca/--etcd-cert/--etcd-key are for TLS to etcd: use --store etcds://HOST:PORT"
+            )
+        if self.tls:
+            check_openssl()
 
     @property
     def min_world(self) -> int:
@@ -329,6 +367,49 @@ class WorkerEnv:
         )
 
 
+def security_env(config: JobConfig) -> dict[str, str]:
+    """The environment a job's processes inherit for its TLS settings (``ENV.TLS``, ``ENV.ETCD_*``)."""
+    env = {ENV.TLS: "1"} if config.tls else {}
+    c = config
+    files = ((ENV.ETCD_CA, c.etcd_ca), (ENV.ETCD_CERT, c.etcd_cert), (ENV.ETCD_KEY, c.etcd_key))
+    for name, path in files:
+        if path is not None:
+            env[name] = str(path.resolve())
+    return env
+
+
+@contextlib.contextmanager
+def security_environ(config: JobConfig) -> Iterator[None]:
+    """:func:`security_env` in ``os.environ`` while the block runs (the job's processes and
+    threads inherit it), then the environment as it was."""
+    env = security_env(config)
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def channel_tls_from_env() -> bool | None:
+    """This process's channel TLS setting (``ENV.TLS``): True, False, or None (unset: follow)."""
+    value = os.environ.get(ENV.TLS, "")
+    return None if value == "" else value == "1"
+
+
+def etcd_tls_paths_from_env() -> tuple[Path, Path | None, Path | None] | None:
+    """``ENV.ETCD_CA``/``CERT``/``KEY`` (None without a CA)."""
+    ca = os.environ.get(ENV.ETCD_CA)
+    if not ca:
+        return None
+    cert, key = os.environ.get(ENV.ETCD_CERT), os.environ.get(ENV.ETCD_KEY)
+    return Path(ca), Path(cert) if cert else None, Path(key) if key else None
+
+
 def job_config_to_json(config: JobConfig) -> str:
     """``config`` as JSON (for a process that must rebuild it: the restartable coordinator)."""
     doc: dict[str, object] = {}
@@ -347,8 +428,9 @@ def job_config_from_json(text: str) -> JobConfig:
     doc = json.loads(text)
     doc["detector"] = DetectorConfig(**doc["detector"])
     doc["job_dir"] = Path(doc["job_dir"])
-    if doc.get("secret_file") is not None:
-        doc["secret_file"] = Path(doc["secret_file"])
+    for name in ("secret_file", "etcd_ca", "etcd_cert", "etcd_key"):
+        if doc.get(name) is not None:
+            doc[name] = Path(doc[name])
     for name in ("script_args", "faults"):
         doc[name] = tuple(doc[name])
     doc["extra_env"] = tuple((str(k), str(v)) for k, v in doc["extra_env"])

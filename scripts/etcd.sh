@@ -8,6 +8,14 @@
 #       hex(HMAC-SHA256(secret, "nonstop/v1/etcd")), nonstop.control.channel.etcd_password:
 #       the secret itself never reaches etcd), then print its pid. Data, log and pid file live in DATA_DIR;
 #       starting again on the same DATA_DIR keeps the data and checks the password.
+#       TLS mode: with ETCD_TLS_DIR set, etcd serves clients over TLS only (etcds://HOST:PORT for
+#       nonstop) with --client-cert-auth: that directory holds ca.pem (the CA clients must be signed
+#       by, etcd's --trusted-ca-file), server.pem + server-key.pem (etcd's certificate: SANs for the
+#       host clients use, e.g. IP:127.0.0.1; its CN must not name an etcd user, since etcd's JSON
+#       gateway may act as that user for requests without a token) and client.pem + client-key.pem
+#       (a client certificate this script uses to set up and check auth; any CN). The root user
+#       and password are set up over TLS as above. Peers stay on plain HTTP, bound to the same host.
+#       nonstop then needs --store etcds://HOST:PORT --etcd-ca ca.pem --etcd-cert C --etcd-key K.
 #   scripts/etcd.sh stop DATA_DIR                         stop the etcd started on DATA_DIR
 # Heartbeat 50 ms / election timeout 500 ms: etcd's minimum lease TTL is
 # ceil(1.5 * election timeout) = 1 s (with etcd's defaults it is 2 s), so 1 s leases are honoured.
@@ -96,8 +104,18 @@ start() {
   [ -d "$dir/data/member" ] && fresh=0
   local host=${ETCD_HOST:-127.0.0.1}  # where it binds: explicit, loopback unless told otherwise
   local client="http://$host:$port" peer_url="http://$host:$peer"
+  local tls_args=() ctl_tls=()
+  if [ -n "${ETCD_TLS_DIR:-}" ]; then
+    local t=$ETCD_TLS_DIR f
+    for f in ca.pem server.pem server-key.pem client.pem client-key.pem; do
+      [ -r "$t/$f" ] || die "ETCD_TLS_DIR=$t has no readable $f (needs ca.pem, server.pem, server-key.pem, client.pem, client-key.pem)"
+    done
+    client="https://$host:$port"
+    tls_args=(--cert-file "$t/server.pem" --key-file "$t/server-key.pem" --trusted-ca-file "$t/ca.pem" --client-cert-auth)
+    ctl_tls=(--cacert "$t/ca.pem" --cert "$t/client.pem" --key "$t/client-key.pem")
+  fi
   nohup etcd --name nonstop --data-dir "$dir/data" \
-    --listen-client-urls "$client" --advertise-client-urls "$client" \
+    --listen-client-urls "$client" --advertise-client-urls "$client" "${tls_args[@]}" \
     --listen-peer-urls "$peer_url" --initial-advertise-peer-urls "$peer_url" \
     --initial-cluster "nonstop=$peer_url" --initial-cluster-state new \
     --heartbeat-interval 50 --election-timeout 500 \
@@ -106,7 +124,7 @@ start() {
   local pid=$!
   echo "$pid" >"$dir/etcd.pid"
   export ETCDCTL_API=3
-  local ctl=(etcdctl --endpoints "$client" --dial-timeout 1s --command-timeout 2s)
+  local ctl=(etcdctl --endpoints "$client" --dial-timeout 1s --command-timeout 2s "${ctl_tls[@]}")
   # Listening first (answers without credentials), then committing writes (has a leader).
   wait_for "$pid" "$dir" "etcd on $client did not start listening" "${ctl[@]}" endpoint status
   if [ "$fresh" = 1 ]; then

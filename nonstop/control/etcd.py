@@ -9,6 +9,11 @@ Authentication: with a ``password``, the client logs in as ``user`` (``root``) t
 etcd no longer accepts (it expired, or etcd restarted) is replaced by logging in again once,
 then the request is repeated; a refused password raises :class:`~nonstop.errors.AuthError`.
 
+TLS: ``etcds://`` with an :class:`~nonstop.control.tls.EtcdTLS` (``tls``): etcd's certificate is
+verified against the CA and the URL's host, and the client certificate, if any, is shown. A
+failed TLS handshake (wrong CA, no client certificate, a plain server) raises ControlError
+saying which, and so does a plain ``etcd://`` client talking to a TLS server.
+
 Connections: unary calls share a small pool of keep-alive connections. An endpoint that
 refuses the connection is skipped for the next one (several endpoints: ``etcd://a:1,b:2``);
 a pooled connection the server had closed is replaced and the request sent once more. A
@@ -29,6 +34,7 @@ import http.client
 import json
 import logging
 import math
+import ssl
 import threading
 import time
 
@@ -48,6 +54,7 @@ from nonstop.control.etcdwire import (
     prefix_range,
 )
 from nonstop.control.store import KeyValue, Lease, Watch
+from nonstop.control.tls import EtcdTLS, describe_ssl_error, speaks_tls
 from nonstop.errors import AuthError, ControlError, UsageError
 
 __all__ = ["API_PREFIX", "NO_AUTH_ENV", "EtcdStore", "parse_etcd_url"]
@@ -59,18 +66,22 @@ _MAX_IDLE = 4  # pooled keep-alive connections
 
 
 def parse_etcd_url(url: str) -> list[tuple[str, int]]:
-    """``etcd://HOST:PORT[,HOST:PORT...]`` -> endpoints. Raises UsageError if malformed."""
+    """``etcd[s]://HOST:PORT[,HOST:PORT...]`` -> endpoints. Raises UsageError if malformed."""
     scheme, sep, rest = url.partition("://")
     endpoints: list[tuple[str, int]] = []
-    for part in rest.rstrip("/").split(",") if scheme == "etcd" and sep else []:
+    for part in rest.rstrip("/").split(",") if scheme in ("etcd", "etcds") and sep else []:
         host, colon, port = part.strip().rpartition(":")
         if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
             endpoints = []
             break
         endpoints.append((host.strip("[]"), int(port)))
     if not endpoints:
-        raise UsageError(f"bad etcd URL {url!r}: expected etcd://HOST:PORT[,HOST:PORT...]")
+        raise UsageError(f"bad etcd URL {url!r}: expected etcd://HOST:PORT[,HOST:PORT...] or etcds://...")
     return endpoints
+
+
+_PLAIN_TO_TLS = b"HTTP request to an HTTPS server"  # what etcd (Go) answers a plain request on TLS
+_CN_REFUSED = b"CommonName of client"  # etcd's gateway refuses a client certificate with a CN
 
 
 class EtcdStore:
@@ -95,9 +106,15 @@ class EtcdStore:
         allow_no_auth: bool = False,
         timeout: float = 5.0,
         watch_retry_s: float = 10.0,
+        tls: EtcdTLS | None = None,
     ) -> None:
         self._endpoints = parse_etcd_url(url)
         self.url = url
+        if url.startswith("etcds://") and tls is None:
+            raise UsageError(f"{url}: etcds:// needs --etcd-ca FILE, the CA that signed etcd's certificate")
+        if tls is not None and not url.startswith("etcds://"):
+            raise UsageError(f"{url}: --etcd-ca/--etcd-cert/--etcd-key are for TLS: use etcds://")
+        self._ssl = tls.context() if tls is not None else None
         self._password = password
         self._allow_no_auth = allow_no_auth
         self._user = user
@@ -279,6 +296,9 @@ class EtcdStore:
             if not reused:
                 try:
                     conn.connect()
+                except ssl.SSLError as e:
+                    conn.close()
+                    raise ControlError(f"etcd at {self.url} ({host}:{port}): {describe_ssl_error(e)}") from e
                 except OSError as e:
                     conn.close()
                     refused.append(f"{host}:{port}: {e}")
@@ -295,6 +315,9 @@ class EtcdStore:
                 raw = resp.read()
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
+                hint = None if reused else self._first_request_failed(host, port, e)
+                if hint is not None:
+                    raise ControlError(f"etcd at {self.url} ({host}:{port}): {hint}") from e
                 if reused and not isinstance(e, TimeoutError):
                     self._drop_idle()  # the server closed an idle connection: once more on a new one
                     continue
@@ -302,6 +325,16 @@ class EtcdStore:
                 what = f"did not answer within {self.timeout:g} s" if isinstance(e, TimeoutError) else e
                 raise ControlError(f"etcd at {self.url} ({host}:{port}): {path} lost: {what}") from e
             self._checkin(index, conn, resp)
+            if self._ssl is None and _PLAIN_TO_TLS in raw:
+                raise ControlError(
+                    f"etcd at {self.url} ({host}:{port}) speaks TLS: use etcds://HOST:PORT with --etcd-ca "
+                    "(and --etcd-cert/--etcd-key)"
+                )
+            if self._ssl is not None and _CN_REFUSED in raw:
+                raise ControlError(
+                    f"etcd at {self.url} refuses --etcd-cert: its JSON gateway takes no client certificate "
+                    "with a CommonName; make one without (a subject like /O=nonstop, the name in its SANs)"
+                )
             try:
                 obj = json.loads(raw)
             except ValueError as e:
@@ -309,6 +342,21 @@ class EtcdStore:
             if not isinstance(obj, dict):
                 raise ControlError(f"etcd at {self.url} answered {path} with {type(obj).__name__}")
             return resp.status, obj
+
+    def _first_request_failed(self, host: str, port: int, e: Exception) -> str | None:
+        """Why the first request on a new connection failed, when it is a TLS mismatch (None: a
+        connection lost like any other)."""
+        if isinstance(e, ssl.SSLError) and not isinstance(e, ssl.SSLEOFError):
+            return describe_ssl_error(e)
+        closed = (ssl.SSLEOFError, ConnectionResetError, http.client.RemoteDisconnected)
+        if self._ssl is not None and isinstance(e, closed):
+            return (
+                "etcd closed the TLS connection at the first request: it wants a client certificate "
+                "signed by a CA it trusts (its --trusted-ca-file): give --etcd-cert and --etcd-key"
+            )
+        if self._ssl is None and isinstance(e, closed) and speaks_tls(host, port, self.timeout):
+            return "it speaks TLS: use etcds://HOST:PORT with --etcd-ca (and --etcd-cert/--etcd-key)"
+        return None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -323,8 +371,14 @@ class EtcdStore:
                 if at == index:
                     return index, conn, True
                 conn.close()
+        return index, self._connection(index), False
+
+    def _connection(self, index: int) -> http.client.HTTPConnection:
+        """A new (unconnected) connection to endpoint ``index``: HTTPS for etcds://."""
         host, port = self._endpoints[index]
-        return index, http.client.HTTPConnection(host, port, timeout=self.timeout), False
+        if self._ssl is not None:
+            return http.client.HTTPSConnection(host, port, timeout=self.timeout, context=self._ssl)
+        return http.client.HTTPConnection(host, port, timeout=self.timeout)
 
     def _checkin(self, index: int, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
         with self._lock:

@@ -7,6 +7,7 @@ import http.client
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from nonstop.control.etcdwire import (
     unb64,
 )
 from nonstop.control.store import Watch, WatchEvent
+from nonstop.control.tls import describe_ssl_error
 from nonstop.errors import AuthError, ControlError
 
 if TYPE_CHECKING:
@@ -167,11 +169,13 @@ class WatchStream:
 
     def _stream(self) -> None:
         store = self._store
-        index, host, port = store._endpoint()
-        conn = http.client.HTTPConnection(host, port, timeout=store.timeout)
+        index, _, _ = store._endpoint()
+        conn = store._connection(index)
         try:
             try:
                 conn.connect()
+            except ssl.SSLError as e:  # not a reachability problem: the same on every attempt
+                raise _WatchEnded(ControlError(f"etcd at {store.url}: {describe_ssl_error(e)}")) from e
             except OSError:
                 store._next_endpoint(index)
                 raise

@@ -39,9 +39,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from nonstop.errors import ControlError, UsageError
+
+if TYPE_CHECKING:
+    from nonstop.control.tls import EtcdTLS
 
 __all__ = [
     "ControlStore",
@@ -299,30 +302,40 @@ class LeaseKeeper:
             self._on_lost(self.reason)
 
 
-def open_store(url: str, *, secret: str | None) -> ControlStore:
+def open_store(url: str, *, secret: str | None, etcd_tls: EtcdTLS | None = None) -> ControlStore:
     """Open the control store at ``url``.
 
     ``embedded://``
         A new :class:`~nonstop.control.embedded.EmbeddedStore` in this process (``secret`` is not used).
-    ``etcd://HOST:PORT[,HOST:PORT...]``
+    ``etcd://HOST:PORT[,HOST:PORT...]``, ``etcds://...`` (TLS)
         An :class:`~nonstop.control.etcd.EtcdStore`; ``secret`` is the job secret, from which
         the password of etcd's ``root`` user is derived (:func:`~nonstop.control.channel.
         etcd_password`: the secret itself never goes to etcd). None: no login, which only a
         server with authentication disabled accepts, and only with ``NONSTOP_ETCD_NO_AUTH=1``.
-        Connects and authenticates before returning.
+        ``etcds://`` verifies etcd against ``etcd_tls`` (default: the job's ``--etcd-ca``/
+        ``--etcd-cert``/``--etcd-key``, which its launcher hands every process in
+        ``NONSTOP_ETCD_*``). Connects and authenticates before returning.
 
-    Raises UsageError for a malformed URL, AuthError for refused credentials, ControlError
-    when etcd cannot be reached.
+    Raises UsageError for a malformed URL or missing TLS files, AuthError for refused
+    credentials, ControlError when etcd cannot be reached or its TLS handshake fails.
     """
     scheme, sep, rest = url.partition("://")
     if scheme == "embedded" and sep and not rest:
         from nonstop.control.embedded import EmbeddedStore
 
         return EmbeddedStore()
-    if scheme == "etcd" and sep:
+    if scheme in ("etcd", "etcds") and sep:
+        from nonstop.config import etcd_tls_paths_from_env
         from nonstop.control.channel import etcd_password
         from nonstop.control.etcd import NO_AUTH_ENV, EtcdStore
+        from nonstop.control.tls import EtcdTLS
 
+        if etcd_tls is None and scheme == "etcds" and (paths := etcd_tls_paths_from_env()) is not None:
+            etcd_tls = EtcdTLS(*paths)
         password = None if secret is None else etcd_password(secret.encode())
-        return EtcdStore(url, password=password, allow_no_auth=os.environ.get(NO_AUTH_ENV) == "1")
-    raise UsageError(f"unknown control store URL {url!r}: use embedded:// or etcd://HOST:PORT[,HOST:PORT...]")
+        return EtcdStore(
+            url, password=password, allow_no_auth=os.environ.get(NO_AUTH_ENV) == "1", tls=etcd_tls
+        )
+    raise UsageError(
+        f"unknown control store URL {url!r}: use embedded://, etcd://HOST:PORT[,HOST:PORT...] or etcds://..."
+    )

@@ -40,6 +40,7 @@ class DemoOptions:
     mesh: str | None = None  # the sharded demo (nonstop.demo.train_sharded) on this mesh
     min_world_size: int = 0  # elastic: the job may shrink to this many ranks
     survivors: str = "auto"  # elastic: shrink first or replace first (runtime/survivors.py)
+    tls: bool = False  # TLS on the control channel and the data plane (--tls)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -96,6 +97,7 @@ def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple
         mesh=opts.mesh,
         min_world_size=opts.min_world_size,
         survivors=opts.survivors,
+        tls=opts.tls,
     )
     result = run_local_nodes(cfg, redirect_output=True)
     if result.state is not JobState.DONE or not result_file.exists():

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from nonstop.config import ENV, JobConfig, job_config_to_json
+from nonstop.config import ENV, JobConfig, job_config_to_json, security_environ
 from nonstop.control.listener import ControlServer
 from nonstop.control.store import open_store
 from nonstop.errors import ControlError, JobFailedError, SnapshotMissingError, UsageError
@@ -162,6 +162,11 @@ def run_job(
     other node runs only its agent. Raises UsageError for bad input, or a job dir or
     checkpoint root another job holds, before starting anything.
     """
+    with security_environ(config):  # --tls, --etcd-*: every process and thread of the job inherits them
+        return _run_job(config, redirect_output=redirect_output, stop=stop)
+
+
+def _run_job(config: JobConfig, *, redirect_output: bool, stop: threading.Event | None) -> JobResult:
     command = worker_command(config.script, config.script_args)
     faults = check_faults(config)
     job_dir = config.job_dir.resolve()

@@ -42,6 +42,11 @@ def node_command(config: JobConfig, node_rank: int, coordinator: str) -> list[st
         cmd += ["--secret-file", str(c.secret_file)]
     if c.uses_store:
         cmd += ["--store", c.store, "--reconnect", str(c.reconnect_s)]
+    for flag, path in (("--etcd-ca", c.etcd_ca), ("--etcd-cert", c.etcd_cert), ("--etcd-key", c.etcd_key)):
+        if path is not None:
+            cmd += [flag, str(path)]
+    if c.tls:
+        cmd += ["--tls"]
     cmd += ["--preempt-grace", str(c.preempt_grace_s)]
     if c.preempt_url is not None:
         cmd += ["--preempt-url", c.preempt_url, "--preempt-poll", str(c.preempt_poll_s)]
