@@ -25,6 +25,16 @@ Handshake (before any frame; at most :data:`MAX_HANDSHAKE` bytes a message)::
 Frames client -> server are keyed ``H(K, "kc" | Ns | Nc)``, server -> client
 ``H(K, "ks" | Ns | Nc)``. Handshake messages are length-prefixed JSON without a MAC.
 The listening side is :mod:`nonstop.control.listener`.
+
+TLS (``--tls``, :mod:`nonstop.control.tls`): the listener first sends ``{"tls": "nonstop/v1"}``
+in clear, then both sides do a TLS handshake (the listener's ephemeral certificate, no chain
+verified) and everything above runs inside it, with ``F`` = SHA-256 of the listener's
+certificate (as the listener holds it, as the client saw it) appended to every MAC input and
+key derivation: ``H(K, "c" | Ns | Nc | F)``, ``H(K, "s" | Nc | Ns | F)``, ``H(K, "kc" | Ns | Nc |
+F)``, ``H(K, "ks" | Ns | Nc | F)``. A man in the middle that terminates TLS shows its own
+certificate, so the MACs disagree and the handshake fails. Without TLS, ``F`` is empty: the
+same bytes as before. Frame MACs stay under TLS (defence in depth; their cost is in
+BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import threading
 import time
 from typing import Any
 
+from nonstop.config import ENV, channel_tls_from_env
 from nonstop.errors import AuthError, ControlError, UsageError
 
 __all__ = [
@@ -223,9 +234,33 @@ class Channel:
         self._sock.close()
 
 
-def session_keys(key: bytes, ns: bytes, nc: bytes) -> tuple[bytes, bytes]:
-    """(client -> server, server -> client) frame keys of one handshake."""
-    return _mac(key, b"kc", ns, nc), _mac(key, b"ks", ns, nc)
+def session_keys(key: bytes, ns: bytes, nc: bytes, binding: bytes = b"") -> tuple[bytes, bytes]:
+    """(client -> server, server -> client) frame keys of one handshake (``binding``: the TLS
+    certificate's fingerprint, empty without TLS)."""
+    return _mac(key, b"kc", ns, nc, binding), _mac(key, b"ks", ns, nc, binding)
+
+
+def _open_tls(
+    sock: socket.socket, first: Message, tls: bool | None, where: str, deadline: float
+) -> tuple[socket.socket, Message, bytes]:
+    """After the listener's first message: TLS if it asked for it (and ``tls`` allows), the
+    first message of the handshake proper, and the channel binding (b"" without TLS)."""
+    if "tls" not in first:
+        if tls:
+            raise ControlError(
+                f"the listener at {where} does not use TLS, but this process requires it (--tls, "
+                f"{ENV.TLS}=1): is that job running without --tls?"
+            )
+        return sock, first, b""
+    if tls is False:
+        raise ControlError(
+            f"the listener at {where} uses TLS (its job runs with --tls), but this process has it "
+            f"off ({ENV.TLS}=0): unset it or start this with --tls"
+        )
+    from nonstop.control.tls import client_handshake
+
+    ssock, binding = client_handshake(sock, deadline)
+    return ssock, _recv_plain(ssock, deadline), binding
 
 
 def connect(
@@ -236,26 +271,32 @@ def connect(
     timeout: float = 10.0,
     purpose: str = "control",
     read_timeout: float | None = None,
+    tls: bool | None = None,
 ) -> Channel:
     """Open an authenticated channel to a listener of ``purpose`` (module docstring).
 
     ``timeout`` bounds the connection and the whole handshake. ``read_timeout``: afterwards,
     a ``recv`` (or a ``send``) that makes no progress for this long raises ControlError (None:
-    wait as long as it takes -- for peers whose silence a heartbeat detects)."""
+    wait as long as it takes -- for peers whose silence a heartbeat detects). ``tls``: True
+    requires TLS, False refuses it, None (default: ``NONSTOP_TLS`` of this process, else
+    unset) follows the listener -- safe, since a listener with TLS refuses a client whose MAC
+    does not bind its certificate, so a downgrade fails the handshake."""
     key = derive_key(secret, purpose)
+    tls = channel_tls_from_env() if tls is None else tls
     deadline = time.monotonic() + timeout
     sock = socket.create_connection(addr, timeout=timeout)
+    where = f"{addr[0]}:{addr[1]}"
     try:
-        ns = bytes.fromhex(str(_recv_plain(sock, deadline)["nonce"]))
+        sock, first, binding = _open_tls(sock, _recv_plain(sock, deadline), tls, where, deadline)
+        ns = bytes.fromhex(str(first["nonce"]))
         nc = secrets.token_bytes(16)
-        _send_plain(sock, {"nonce": nc.hex(), "mac": _mac(key, b"c", ns, nc).hex(), "hello": hello})
+        mac = _mac(key, b"c", ns, nc, binding)
+        _send_plain(sock, {"nonce": nc.hex(), "mac": mac.hex(), "hello": hello})
         reply = _recv_plain(sock, deadline)
         if not reply.get("ok"):
             raise AuthError(f"the {purpose} listener refused the connection: {reply.get('error', 'unknown')}")
-        if not hmac.compare_digest(bytes.fromhex(str(reply["mac"])), _mac(key, b"s", nc, ns)):
-            raise AuthError(
-                f"the {purpose} listener at {addr[0]}:{addr[1]} failed to prove it knows the job secret"
-            )
+        if not hmac.compare_digest(bytes.fromhex(str(reply["mac"])), _mac(key, b"s", nc, ns, binding)):
+            raise AuthError(f"the {purpose} listener at {where} failed to prove it knows the job secret")
     except (OSError, KeyError, ValueError, TypeError) as e:
         sock.close()
         raise ControlError(f"handshake with {addr[0]}:{addr[1]} failed: {e}") from e
@@ -264,5 +305,5 @@ def connect(
         raise
     sock.settimeout(read_timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    c2s, s2c = session_keys(key, ns, nc)
-    return Channel(sock, c2s, s2c, hello, f"{addr[0]}:{addr[1]}")
+    c2s, s2c = session_keys(key, ns, nc, binding)
+    return Channel(sock, c2s, s2c, hello, where)

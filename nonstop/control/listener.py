@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nonstop.config import channel_tls_from_env
 from nonstop.control.channel import (
     HANDSHAKE_TIMEOUT_S,
     Channel,
@@ -42,6 +43,7 @@ from nonstop.control.channel import (
     derive_key,
     session_keys,
 )
+from nonstop.control.tls import PREAMBLE, ListenerCert, listener_cert, server_handshake
 from nonstop.errors import AuthError, ControlError, UsageError
 
 __all__ = ["ControlServer", "ListenerLimits", "RefusalLimiter"]
@@ -111,7 +113,9 @@ class ControlServer:
     Events put on ``events``: ``("open", channel, None)``, ``("msg", channel, message)`` and
     ``("close", channel, None)``. A peer that fails the handshake is refused, reported
     through ``on_refused(peer, reason)`` (rate-limited) and never reaches the queue. Binds
-    exactly ``host:port`` (a busy port or a bad host is a UsageError)."""
+    exactly ``host:port`` (a busy port or a bad host is a UsageError). ``tls`` (default: this
+    process's ``NONSTOP_TLS``): every connection is TLS with this process's ephemeral
+    certificate, bound to the handshake (:mod:`nonstop.control.tls`)."""
 
     def __init__(
         self,
@@ -122,8 +126,10 @@ class ControlServer:
         on_refused: Callable[[str, str], None] | None = None,
         purpose: str = "control",
         limits: ListenerLimits | None = None,
+        tls: bool | None = None,
     ) -> None:
         self._key = derive_key(secret, purpose)
+        self._tls: ListenerCert | None = listener_cert() if (tls or channel_tls_from_env()) else None
         self.purpose = purpose
         self.limits = limits or ListenerLimits()
         self.events: queue.Queue[tuple[str, Channel, Message | None]] = queue.Queue()
@@ -216,27 +222,41 @@ class ControlServer:
                 log.warning("reporting a refused connection failed: %s", e)
 
     # -- one connection --------------------------------------------------------------------
-    def _handshake(self, sock: socket.socket) -> tuple[bytes, bytes, Message]:
+    def _handshake(self, sock: socket.socket) -> tuple[socket.socket, bytes, bytes, Message, bytes]:
         deadline = time.monotonic() + self.limits.handshake_timeout_s
         sock.settimeout(self.limits.handshake_timeout_s)
+        if self._tls is None:
+            return (sock, *self._authenticate(sock, deadline, b""))
+        _send_plain(sock, PREAMBLE)
+        ssock = server_handshake(sock, self._tls, deadline)
+        try:
+            return (ssock, *self._authenticate(ssock, deadline, self._tls.fingerprint))
+        except BaseException:
+            ssock.close()
+            raise
+
+    def _authenticate(
+        self, sock: socket.socket, deadline: float, binding: bytes
+    ) -> tuple[bytes, bytes, Message, bytes]:
         ns = secrets.token_bytes(16)
         _send_plain(sock, {"nonce": ns.hex()})
         hello_msg = _recv_plain(sock, deadline)
         nc = bytes.fromhex(str(hello_msg["nonce"]))
         if len(nc) != 16:
             raise ControlError("bad client nonce")
-        if not hmac.compare_digest(bytes.fromhex(str(hello_msg["mac"])), _mac(self._key, b"c", ns, nc)):
+        expect = _mac(self._key, b"c", ns, nc, binding)
+        if not hmac.compare_digest(bytes.fromhex(str(hello_msg["mac"])), expect):
             _send_plain(sock, {"ok": False, "error": "authentication failed"})
-            raise AuthError("wrong job secret")
+            raise AuthError("wrong job secret" + (", or a man in the middle of TLS" if binding else ""))
         hello = hello_msg.get("hello")
         if not isinstance(hello, dict):
             raise ControlError("hello missing")
-        _send_plain(sock, {"ok": True, "mac": _mac(self._key, b"s", nc, ns).hex()})
-        return ns, nc, hello
+        _send_plain(sock, {"ok": True, "mac": _mac(self._key, b"s", nc, ns, binding).hex()})
+        return ns, nc, hello, binding
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
-            ns, nc, hello = self._handshake(sock)
+            sock, ns, nc, hello, binding = self._handshake(sock)
         except (OSError, KeyError, ValueError, TypeError, ControlError) as e:
             self._refuse(peer, str(e) or type(e).__name__)
             sock.close()
@@ -245,7 +265,7 @@ class ControlServer:
             self._pending.release()
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        c2s, s2c = session_keys(self._key, ns, nc)
+        c2s, s2c = session_keys(self._key, ns, nc, binding)
         ch = Channel(sock, s2c, c2s, hello, peer)
         with self._lock:
             if self._stop.is_set():

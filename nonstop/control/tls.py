@@ -181,6 +181,17 @@ def server_handshake(sock: socket.socket, cert: ListenerCert, deadline: float) -
     timer.daemon = True
     timer.start()
     try:
+        _server_handshake(ssock, left, deadline)
+    except BaseException:
+        ssock.close()
+        raise
+    finally:
+        timer.cancel()
+    return ssock
+
+
+def _server_handshake(ssock: ssl.SSLSocket, left: float, deadline: float) -> None:
+    try:
         ssock.settimeout(left)
         ssock.do_handshake()
     except TimeoutError:
@@ -191,23 +202,23 @@ def server_handshake(sock: socket.socket, cert: ListenerCert, deadline: float) -
         if time.monotonic() >= deadline:
             raise ControlError("handshake not completed in time") from None
         raise ControlError(f"TLS handshake failed ({e})") from e
-    finally:
-        timer.cancel()
-    return ssock
 
 
 def client_handshake(sock: socket.socket, deadline: float) -> tuple[ssl.SSLSocket, bytes]:
     """TLS over ``sock`` (no chain verified); the socket and the SHA-256 of the certificate the
     server showed, which the caller's HMAC handshake binds."""
     ssock = _client_context().wrap_socket(sock, do_handshake_on_connect=False)
-    ssock.settimeout(max(0.001, deadline - time.monotonic()))
     try:
+        ssock.settimeout(max(0.001, deadline - time.monotonic()))
         ssock.do_handshake()
-    except TimeoutError:
-        raise ControlError("TLS handshake not completed in time") from None
-    der = ssock.getpeercert(binary_form=True)
-    if not der:
-        raise ControlError("the listener showed no certificate")
+        der = ssock.getpeercert(binary_form=True)
+        if not der:
+            raise ControlError("the listener showed no certificate")
+    except BaseException as e:
+        ssock.close()
+        if isinstance(e, TimeoutError):
+            raise ControlError("TLS handshake not completed in time") from None
+        raise
     return ssock, hashlib.sha256(der).digest()
 
 
