@@ -28,6 +28,11 @@ A fault spec is ``KIND:key=value,...``:
 Each fault fires once per job: the first worker to reach it creates a marker
 file with ``O_EXCL`` in ``<job_dir>/faults/``; a replacement that redoes step S
 finds the marker and carries on.
+
+Faults can also be posted to a running job (``nonstop chaos`` does): :func:`post_fault` appends
+one to ``<job_dir>/faults/inbox.jsonl``, which every worker's injector reads again when it grows
+(one ``stat`` per check); a posted fault has the index ``INBOX_BASE + n`` (its marker
+``fault-<index>``) and fires once like the others.
 """
 
 from __future__ import annotations
@@ -42,10 +47,12 @@ from pathlib import Path
 
 from nonstop.errors import UsageError
 
-__all__ = ["FaultInjector", "FaultSpec", "fired_at", "parse_fault", "preempt_notice_path"]
+__all__ = ["FaultInjector", "FaultSpec", "fired_at", "parse_fault", "post_fault", "preempt_notice_path"]
 
 KINDS = ("kill", "hang", "stall", "exit", "slow", "wipe", "node", "migrate", "preempt")
 PHASES = ("step", "recovery", "prepare")
+INBOX = "inbox.jsonl"  # faults posted to a running job, one JSON object a line
+INBOX_BASE = 1_000_000  # the index of the first posted fault (markers: fault-<index>)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +150,24 @@ def fired_at(marker_dir: Path, pid: int) -> float | None:
     return None
 
 
+def post_fault(marker_dir: Path, fault: FaultSpec) -> int:
+    """Post ``fault`` to the running job whose markers live in ``marker_dir``; return its index.
+    One process posts (the lines are numbered by their order); each line is one ``write`` of an
+    ``O_APPEND`` file, so a reader sees whole lines or a partial last one it leaves for later."""
+    marker_dir.mkdir(parents=True, exist_ok=True)
+    path = marker_dir / INBOX
+    try:
+        n = path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        n = 0
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (json.dumps(asdict(fault)) + "\n").encode())
+    finally:
+        os.close(fd)
+    return INBOX_BASE + n
+
+
 def faults_to_json(faults: list[FaultSpec]) -> str:
     return json.dumps([asdict(f) for f in faults])
 
@@ -153,18 +178,48 @@ class FaultInjector:
     def __init__(self, faults: list[FaultSpec], marker_dir: Path) -> None:
         self.faults = list(enumerate(faults))
         self.marker_dir = marker_dir
+        self._inbox_read = 0  # bytes of the inbox taken in so far
+        self._inbox_count = 0  # whole lines taken in so far
+        self._gone: set[int] = set()  # posted faults another process fired: not tried again
 
     @classmethod
     def from_json(cls, raw: str, marker_dir: Path) -> FaultInjector:
         return cls([FaultSpec(**d) for d in json.loads(raw)], marker_dir)
 
+    def _read_inbox(self) -> None:
+        """Take in the faults posted since the last look (whole lines only)."""
+        path = self.marker_dir / INBOX
+        try:
+            if path.stat().st_size <= self._inbox_read:
+                return
+            with path.open("rb") as f:
+                f.seek(self._inbox_read)
+                new = f.read()
+        except OSError:
+            return
+        whole = new[: new.rfind(b"\n") + 1]
+        self._inbox_read += len(whole)
+        for line in whole.splitlines():
+            index = INBOX_BASE + self._inbox_count
+            self._inbox_count += 1
+            try:
+                self.faults.append((index, FaultSpec(**json.loads(line))))
+            except (ValueError, TypeError):
+                continue  # not a fault: skipped, its index stays taken
+
     def due(self, *, rank: int, step: int, phase: str, node: int = -1) -> tuple[int, FaultSpec] | None:
+        self._read_inbox()
         for index, f in self.faults:
-            if f.at != phase or (f.node != node if f.kind in ("node", "preempt") else f.rank != rank):
+            whose = f.node != node if f.kind in ("node", "preempt") else f.rank != rank
+            if index in self._gone or f.at != phase or whose:
                 continue
-            if (phase == "step" and step == f.step) or (phase != "step" and step >= f.step):
+            # a posted fault fires at the first step >= its step (the job may be past it already)
+            at_step = step == f.step or (index >= INBOX_BASE and step >= f.step)
+            if (phase == "step" and at_step) or (phase != "step" and step >= f.step):
                 if self._claim(index):
                     return index, f
+                if index >= INBOX_BASE:
+                    self._gone.add(index)
         return None
 
     def _claim(self, index: int) -> bool:
