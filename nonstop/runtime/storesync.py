@@ -10,7 +10,13 @@ saves its record there every loop, and a restarted coordinator resumes from it.
   (their agents reconnect), the others are lost; once every node is back, an interrupted
   recovery is redone from the nodes' inventories, an unswapped migration or grow is aborted
   cleanly, and paused ranks are told to go on when they reconnect;
-* **leases**: a node's lease in the store ending (a watch) loses the node.
+* **leases**: a node's lease in the store ending (a watch) loses the node -- unless the node is
+  still heard over its channel (a store stall, or the node cut off from the store): then it is
+  kept while it is heard, and lost once it has not been for a whole lease TTL; its agent
+  registers a new lease meanwhile (runtime/node.py);
+* **stalls**: records are written and leases revoked by a :class:`~nonstop.runtime.jobstore.
+  RecordWriter` thread, so the loop that acknowledges the nodes never waits on the store; the
+  leader lease is ``leader_ttl`` long, the stall the coordinator rides through.
 
 Threading: the coordinator's thread only (the lease keeper and the watch have their own).
 """
@@ -27,7 +33,7 @@ from nonstop.control.channel import Channel
 from nonstop.control.store import LeaseKeeper, Watch
 from nonstop.errors import ControlError
 from nonstop.runtime import events as ev
-from nonstop.runtime.jobstore import JobStore
+from nonstop.runtime.jobstore import JobStore, RecordWriter
 from nonstop.runtime.phase import JobPhase
 from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
 
@@ -39,6 +45,14 @@ __all__ = ["EXIT_NOT_LEADER", "StoreSync"]
 log = logging.getLogger(__name__)
 
 EXIT_NOT_LEADER = 76  # store mode: this coordinator lost its leadership lease and stopped
+LEADER_TTL_MIN_S = 10.0  # the leader lease: the longest control-store stall a coordinator rides
+
+
+def leader_ttl(lease_ttl_s: float) -> float:
+    """The coordinator's leader lease for nodes' leases of ``lease_ttl_s``: long enough to ride
+    through a store stall of ``LEADER_TTL_MIN_S`` (a dead coordinator's successor on the same
+    host does not wait it out: it revokes it)."""
+    return max(LEADER_TTL_MIN_S, 3 * lease_ttl_s)
 
 
 class StoreSync:
@@ -51,6 +65,8 @@ class StoreSync:
         self.leader: LeaseKeeper | None = None
         self.node_watch: Watch | None = None
         self.awaiting: dict[str, float] = {}  # restored nodes not reconnected yet -> since
+        self.lapsed: dict[str, float] = {}  # nodes whose store lease ended while heard -> since
+        self.writer: RecordWriter | None = None
         self.resync = False  # restored mid-recovery: start a new generation once nodes are back
         # restored: operations the previous coordinator had in flight, and the members to tell
         # to go on once they reconnect (they may be paused at a boundary)
@@ -63,15 +79,21 @@ class StoreSync:
         assert self.jobs is not None
         addr = f"{self.c.server.address[0]}:{self.c.server.address[1]}"
         t0 = time.monotonic()
+        ttl = leader_ttl(self.c.config.lease_ttl_s)
         self.leader = self.jobs.lead(
             addr,
-            self.c.config.lease_ttl_s,
-            timeout=max(30.0, 3 * self.c.config.lease_ttl_s),
+            ttl,
+            timeout=max(30.0, 3 * ttl),
             on_lost=lambda why: os._exit(EXIT_NOT_LEADER),  # another coordinator may be acting now
         )
+        if self.jobs.took_over_dead:
+            # The predecessor died just now: its nodes may still be playing their ranks until
+            # they notice it is gone (FENCE_AT of a lease TTL). Which leases live is read after.
+            time.sleep(self.c.config.lease_ttl_s)
         live, rev = self.jobs.live_nodes()
         self.node_watch = self.jobs.watch_nodes(rev + 1)
         record = self.jobs.load()
+        self.writer = RecordWriter(self.jobs)
         if record is None:
             self.c.events.emit(ev.CoordinatorLeads(address=addr, waited_s=time.monotonic() - t0))
             return
@@ -90,10 +112,10 @@ class StoreSync:
     def close(self) -> None:
         if self.jobs is None:
             return
-        try:
-            self.jobs.save(self.record())
-        except ControlError as e:
-            log.warning("saving the final job record: %s", e)
+        if self.writer is not None:
+            self.writer.save(self.record())
+            if not self.writer.close(timeout=max(5.0, self.c.config.lease_ttl_s)):
+                log.warning("the final job record did not reach the control store")
         if self.node_watch is not None:
             self.node_watch.cancel()
         if self.leader is not None:
@@ -111,17 +133,31 @@ class StoreSync:
         assert self.node_watch is not None
         while True:
             try:
-                ev = self.node_watch.get(timeout=0)
+                change = self.node_watch.get(timeout=0)
             except ControlError as e:
                 self.c.fail(f"lost the watch on the nodes' leases in {self.c.config.store}: {e}")
                 return
-            if ev is None:
+            if change is None:
                 break
-            node = self.c.view.nodes.get(self.jobs.node_name(ev.key))
-            if ev.kind == "delete" and node is not None and node.alive:
-                self.awaiting.pop(node.name, None)
-                self.c.agents.lose_node(node, "its lease in the control store ended")
+            node = self.c.view.nodes.get(self.jobs.node_name(change.key))
+            if node is None or not node.alive:
+                continue
+            if change.kind == "delete":
+                self.on_lease_ended(node)
+            elif node.name in self.lapsed:
+                since = self.lapsed.pop(node.name)
+                self.c.events.emit(ev.NodeLeaseRenewed(node=node.name, lapsed_s=time.monotonic() - since))
         now = time.monotonic()
+        for name, since in list(self.lapsed.items()):
+            node = self.c.view.nodes[name]
+            if not node.alive:
+                del self.lapsed[name]
+            elif not self.hears(node, now):
+                del self.lapsed[name]
+                self.awaiting.pop(name, None)
+                self.c.agents.lose_node(
+                    node, f"its lease in the control store ended {now - since:.1f}s ago and it is not heard"
+                )
         for node in self.c.view.nodes.values():
             gone_since = self.awaiting.get(node.name, node.disconnected_at)
             if node.alive and gone_since is not None and now - gone_since > self.c.config.reconnect_s:
@@ -136,10 +172,27 @@ class StoreSync:
             self.resync = False
             if self.c.view.members:
                 self.c.gens.begin([], inventory_needed=True)
-        try:
-            self.jobs.save(self.record())
-        except ControlError as e:
-            log.warning("saving the job record: %s", e)
+        assert self.writer is not None
+        self.writer.save(self.record())
+
+    def hears(self, node: NodeRecord, now: float) -> bool:
+        """The node's channel is up and its last lease renewal arrived within a lease TTL."""
+        return (
+            node.chan is not None
+            and node.disconnected_at is None
+            and now - node.last_lease <= self.c.config.lease_ttl_s
+        )
+
+    def on_lease_ended(self, node: NodeRecord) -> None:
+        """``node``'s key in the store was deleted (its lease expired or was revoked)."""
+        now = time.monotonic()
+        if self.hears(node, now) and not node.quarantined:
+            if node.name not in self.lapsed:
+                self.lapsed[node.name] = now
+                self.c.events.emit(ev.NodeLeaseLapsed(node=node.name, heard_s_ago=now - node.last_lease))
+            return
+        self.awaiting.pop(node.name, None)
+        self.c.agents.lose_node(node, "its lease in the control store ended")
 
     def end_interrupted(self) -> None:
         """A migration or grow the previous coordinator had in flight (every node is back now):
@@ -178,11 +231,10 @@ class StoreSync:
         self.interrupted = {}
 
     def revoke(self, node: NodeRecord) -> None:
-        assert self.jobs is not None
-        try:
-            self.jobs.store.revoke(node.lease_id)
-        except ControlError as e:
-            log.warning("revoking node %s's lease: %s", node.name, e)
+        """End ``node``'s lease (on the writer's thread): its agent fences unless it still hears
+        this coordinator; the delete event then loses the node."""
+        assert self.writer is not None
+        self.writer.revoke(node.lease_id)
         node.lease_id = 0
 
     def reattach(self, node: NodeRecord, chan: Channel) -> None:

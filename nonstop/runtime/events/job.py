@@ -125,6 +125,26 @@ class NodeReconnected(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class NodeLeaseLapsed(Event):
+    """Store mode: a node's lease in the control store ended (a store stall, or the node cut off
+    from the store) while the coordinator still heard the node: it is kept, and lost only if it
+    also stops being heard (its agent registers a new lease meanwhile)."""
+
+    kind: ClassVar[str] = "node_lease_lapsed"
+    node: str | None
+    heard_s_ago: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeLeaseRenewed(Event):
+    """Store mode: a node whose lease had lapsed registered a new one."""
+
+    kind: ClassVar[str] = "node_lease_renewed"
+    node: str | None
+    lapsed_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class NodeReleased(Event):
     """A node whose ranks all moved away after a preemption notice."""
 

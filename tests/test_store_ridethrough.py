@@ -1,0 +1,238 @@
+"""Riding through a control-store stall (issue 17, item 4), unit tier: the coordinator keeps a
+node whose store lease ended while it still hears it, the agent fences only when neither the
+store nor the coordinator hears it, the coordinator's record is written off its loop, and a
+restarted coordinator does not wait out the lease of a predecessor that is known dead.
+The real thing (etcd frozen with SIGSTOP under a running job) is tests/test_store_stall.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nonstop.control.embedded import EmbeddedStore
+from nonstop.control.store import Lease, LeaseKeeper
+from nonstop.errors import ControlError
+from nonstop.runtime.jobstore import JobStore, RecordWriter
+from nonstop.runtime.node import EXIT_FENCED, NodeAgent, NodeSpec
+from nonstop.runtime.storesync import leader_ttl
+from tests.coord_fakes import Harness
+
+TTL = 0.4
+
+
+# -- the coordinator: a lapsed lease while the node is heard --------------------------------------
+def _store_job(tmp_path: Path) -> tuple[Harness, JobStore, dict[str, LeaseKeeper]]:
+    jobs = JobStore(EmbeddedStore(), "fakejob")
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 32)
+    keepers = {n: jobs.register_node(n, "127.0.0.1:1", ttl=60.0) for n in ("0", "1")}
+    h = Harness(
+        tmp_path / "job", jobs=jobs, nnodes=2, nproc_per_node=1, spares=1, coordinator="127.0.0.1:1",
+        lease_ttl_s=TTL, store="etcd://127.0.0.1:1", secret_file=secret,
+    )  # fmt: skip
+    h.coord.store.open()
+    for n in ("0", "1"):
+        h.add_node(n, nproc=1, spares=1)
+        h.put("msg", h.agents[n], {"t": "registered", "lease_id": keepers[n].lease.id})
+    h.tick()
+    h.bring_up()
+    return h, jobs, keepers
+
+
+def _heard(h: Harness, node: str, seq: int) -> None:
+    h.put("msg", h.agents[node], {"t": "lease", "seq": seq})
+    h.tick()
+
+
+def test_a_lease_that_ends_while_the_node_is_heard_keeps_the_node_until_it_is_not(tmp_path: Path) -> None:
+    h, jobs, keepers = _store_job(tmp_path)
+    try:
+        _heard(h, "1", 1)
+        keepers["1"].stop(revoke=True)  # the store ends node 1's lease (as after a stall)
+        h.tick()
+        [lapsed] = h.events("node_lease_lapsed")
+        assert lapsed["node"] == "1" and lapsed["heard_s_ago"] < TTL
+        assert h.coord.view.nodes["1"].alive and not h.events("node_lost")
+        # the agent registers a new lease: the node is whole again
+        keepers["1"] = jobs.register_node("1", "127.0.0.1:1", ttl=60.0)
+        h.tick()
+        assert [e["node"] for e in h.events("node_lease_renewed")] == ["1"]
+        # it lapses again, and this time the node stops being heard: lost after a whole TTL
+        _heard(h, "1", 2)
+        keepers["1"].stop(revoke=True)
+        h.tick()
+        assert len(h.events("node_lease_lapsed")) == 2 and h.coord.view.nodes["1"].alive
+        time.sleep(TTL * 1.2)
+        h.tick()
+        assert not h.coord.view.nodes["1"].alive
+        [lost] = h.events("node_lost")
+        assert lost["node"] == "1" and "not heard" in lost["reason"]
+    finally:
+        for k in keepers.values():
+            k.stop(revoke=True)
+        h.coord.store.close()
+
+
+def test_a_lease_that_ends_while_the_node_is_not_heard_loses_it_at_once(tmp_path: Path) -> None:
+    h, _, keepers = _store_job(tmp_path)
+    try:
+        time.sleep(TTL * 1.2)  # node 1 said nothing for longer than a TTL
+        _heard(h, "0", 1)
+        keepers["1"].stop(revoke=True)
+        h.tick()
+        assert not h.events("node_lease_lapsed")
+        [lost] = h.events("node_lost")
+        assert lost["node"] == "1" and lost["reason"] == "its lease in the control store ended"
+    finally:
+        for k in keepers.values():
+            k.stop(revoke=True)
+        h.coord.store.close()
+
+
+# -- the record is written off the coordinator's loop ------------------------------------------
+class _StalledStore(EmbeddedStore):
+    """A store whose writes wait for ``go`` (a frozen etcd), or fail while ``down``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.go.set()
+        self.down = False
+        self.puts: list[bytes] = []
+
+    def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        self.go.wait()
+        if self.down:
+            raise ControlError("etcd did not answer within 5 s")
+        self.puts.append(value)
+        return super().put(key, value, lease=lease)
+
+
+def test_the_record_writer_never_blocks_its_caller_and_the_newest_record_wins() -> None:
+    store = _StalledStore()
+    jobs = JobStore(store, "j")
+    writer = RecordWriter(jobs, retry_s=0.01)
+    store.go.clear()
+    t0 = time.monotonic()
+    for i in range(50):
+        writer.save({"n": i})
+    assert time.monotonic() - t0 < 0.5  # a frozen store never held the caller
+    store.go.set()
+    assert writer.close(timeout=5.0)
+    assert jobs.load() == {"n": 49}
+    assert len(store.puts) <= 2  # the first (taken before the stall) and the newest
+
+
+def test_the_record_writer_retries_until_the_store_answers() -> None:
+    store = _StalledStore()
+    jobs = JobStore(store, "j")
+    store.down = True
+    writer = RecordWriter(jobs, retry_s=0.01)
+    writer.save({"n": 1})
+    time.sleep(0.1)
+    assert jobs.load() is None
+    store.down = False
+    assert writer.close(timeout=5.0)
+    assert jobs.load() == {"n": 1}
+
+
+def test_the_record_writer_gives_up_on_close_when_the_store_stays_down() -> None:
+    store = _StalledStore()
+    store.down = True
+    writer = RecordWriter(JobStore(store, "j"), retry_s=0.01)
+    writer.save({"n": 1})
+    assert writer.close(timeout=0.2) is False
+
+
+# -- leadership ----------------------------------------------------------------------------------
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _hold_leader(jobs: JobStore, pid: int) -> None:
+    import json
+    import socket
+
+    lease = jobs.store.grant_lease(60.0)
+    value = json.dumps({"address": "127.0.0.1:1", "pid": pid, "host": socket.gethostname()}).encode()
+    assert jobs.store.put_if(jobs.prefix + "leader", value, expect_revision=0, lease=lease.id) is not None
+
+
+def test_a_dead_predecessor_on_this_host_is_not_waited_for() -> None:
+    jobs = JobStore(EmbeddedStore(), "j")
+    _hold_leader(jobs, _dead_pid())
+    t0 = time.monotonic()
+    keeper = jobs.lead("127.0.0.1:2", 60.0, timeout=5.0, on_lost=lambda why: None)
+    try:
+        assert time.monotonic() - t0 < 2.0 and jobs.took_over_dead
+    finally:
+        keeper.stop(revoke=True)
+
+
+def test_a_live_predecessor_is_waited_for() -> None:
+    jobs = JobStore(EmbeddedStore(), "j")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _hold_leader(jobs, sleeper.pid)
+        with pytest.raises(ControlError, match="another coordinator"):
+            jobs.lead("127.0.0.1:2", 60.0, timeout=0.5, on_lost=lambda why: None)
+        assert not jobs.took_over_dead
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_the_leader_lease_outlasts_a_3s_stall_on_the_default_node_lease() -> None:
+    assert leader_ttl(1.0) > 3.0 and leader_ttl(30.0) >= 30.0
+
+
+# -- the agent: fence only when neither the store nor the coordinator hears it -----------------
+class _Keeper:
+    def __init__(self, *, silent_s: float, lost: bool) -> None:
+        self.lease = Lease(id=7, ttl=1.0)
+        self.last_ok_sent = time.monotonic() - silent_s
+        self.lost = threading.Event()
+        if lost:
+            self.lost.set()
+        self.reason = "lease 7 lost: the lease expired" if lost else ""
+
+
+def _agent(tmp_path: Path) -> NodeAgent:
+    agent = NodeAgent(
+        spec=NodeSpec(node="1", nproc=1, spares=0, domain="1"), coordinator=("127.0.0.1", 1),
+        secret=b"x" * 32, secret_file=tmp_path / "secret", command=["true"], env={}, job_dir=tmp_path,
+        shm_dir=tmp_path, redirect_output=False,
+    )  # fmt: skip
+    agent._renew_lease = lambda: None  # type: ignore[method-assign]  # no store here
+    return agent
+
+
+@pytest.mark.parametrize(
+    ("store_silent_s", "lost", "unacked_s", "fenced", "renews"),
+    [
+        (0.1, False, 5.0, False, False),  # the store hears it: the coordinator may be restarting
+        (0.9, False, 0.1, False, False),  # a store stall while the coordinator hears it
+        (0.1, True, 0.1, False, True),  # its lease lapsed, the coordinator hears it: a new one
+        (0.1, True, 0.6, False, False),  # ... heard, but not recently enough to register again
+        (0.9, False, 0.9, True, False),  # neither hears it
+        (0.1, True, 0.9, True, False),
+    ],
+)
+def test_an_agent_fences_only_when_neither_the_store_nor_the_coordinator_hears_it(
+    tmp_path: Path, store_silent_s: float, lost: bool, unacked_s: float, fenced: bool, renews: bool
+) -> None:
+    agent = _agent(tmp_path)
+    keeper: Any = _Keeper(silent_s=store_silent_s, lost=lost)
+    code = agent._judge_store_lease(keeper, time.monotonic(), unacked_s, 1.0)
+    assert code == (EXIT_FENCED if fenced else None)
+    assert (agent._renewing is not None) == renews
+    if fenced:
+        assert agent.fenced is not None and "acknowledged nothing" in agent.fenced
