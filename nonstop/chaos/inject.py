@@ -65,6 +65,13 @@ def segments_of_rank(job_id: str, rank: int, shm_dir: Path | None = None) -> lis
     return [p for p in shm.glob(f"nonstop-{job_id}.*") if pat.fullmatch(p.name)]
 
 
+def segments_of_node(job_id: str, node: int, shm_dir: Path | None = None) -> list[Path]:
+    """Every shared-memory file of node ``node`` of the job: its ranks' slots, the replicas it
+    holds, its lock."""
+    shm = shm_dir or default_shm_dir()
+    return [*shm.glob(f"nonstop-{job_id}.{node}-*"), *shm.glob(f"nonstop-{job_id}.{node}.*")]
+
+
 class Injector:
     """Does each kind of fault to one episode's job."""
 
@@ -155,24 +162,41 @@ class Injector:
         return got
 
     # -- nodes -------------------------------------------------------------------------------------
+    def aim_node(self, p: Planned, status: dict[str, Any]) -> int:
+        """The node a node fault hits: the planned one if it plays a rank, else the first other
+        node (not node 0) that does (migrations move ranks; a node of spares only loses no rank)."""
+        if _ranks_on(status, p.node):
+            return p.node
+        playing = [k for k in range(1, self.ep.config.nnodes) if _ranks_on(status, k)]
+        return playing[0] if playing else p.node
+
     def _node(self, p: Planned, status: dict[str, Any], timeout: float) -> Injected:
+        """The node is lost: its agent and every process of it SIGKILLed, and its memory with them
+        (its segments unlinked: on one machine they would outlive it, a lost host's do not)."""
+        node = self.aim_node(p, status)
         t = time.time()
-        pid = self.ep.kill_node(p.node)
-        return Injected(t, {"node": p.node, "agent_pid": pid, "ranks": _ranks_on(status, p.node)})
+        pid = self.ep.kill_node(node)
+        gone = segments_of_node(str(status["job_id"]), node)
+        for seg in gone:
+            seg.unlink(missing_ok=True)
+        detail = {"node": node, "agent_pid": pid, "ranks": _ranks_on(status, node), "segments": len(gone)}
+        return Injected(t, detail)
 
     def _partition(self, p: Planned, status: dict[str, Any], timeout: float) -> Injected:
         assert self.netns is not None
+        node = self.aim_node(p, status)
         t = time.time()
-        self.netns.cut(p.node)
-        return Injected(t, {"node": p.node, "ranks": _ranks_on(status, p.node)})
+        self.netns.cut(node)
+        return Injected(t, {"node": node, "ranks": _ranks_on(status, node)})
 
     def _preempt(self, p: Planned, status: dict[str, Any], timeout: float) -> Injected:
-        notice = preempt_notice_path(self.ep.job_dir, str(p.node))
+        node = self.aim_node(p, status)
+        notice = preempt_notice_path(self.ep.job_dir, str(node))
         tmp = notice.with_suffix(".tmp")
         tmp.write_text(f"{PREEMPT_GRACE_S}\n")
         t = time.time()
         tmp.replace(notice)
-        return Injected(t, {"node": p.node, "grace_s": PREEMPT_GRACE_S, "ranks": _ranks_on(status, p.node)})
+        return Injected(t, {"node": node, "grace_s": PREEMPT_GRACE_S, "ranks": _ranks_on(status, node)})
 
     def _migrate(self, p: Planned, status: dict[str, Any], timeout: float) -> Injected:
         here = str(status["ranks"][str(p.rank)]["node"])

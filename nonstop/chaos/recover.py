@@ -10,6 +10,7 @@ no migration is in flight, and the committed step advances.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,7 @@ class Recoveries:
             return st if c is not None and c > (base if base is not None else 0) else None
 
         st: dict[str, Any] = self.watch.wait(
-            "the job whole again", ready, timeout, alive=self._alive, every=0.1
+            "the job whole again", ready, timeout, alive=self._alive, every=0.25
         )
         st["restarted_nodes"] = restarted
         return st
@@ -117,7 +118,7 @@ class Recoveries:
                 return {"no_room": True}
             return st if len(durable_steps(root)) >= need else None
 
-        got = self.watch.wait(f"room for a {p.kind}", ok, self.opts.timeout_s, alive=self._alive, every=0.1)
+        got = self.watch.wait(f"room for a {p.kind}", ok, self.opts.timeout_s, alive=self._alive, every=0.25)
         return None if got.get("no_room") else dict(got)
 
     # -- one fault ---------------------------------------------------------------------------------
@@ -134,7 +135,18 @@ class Recoveries:
         rec.time, rec.detail = got.t, dict(got.detail)
         rec.detail.update(committed_before=c0, generation_before=g0)
         base = c0
-        if p.kind in FAILURE_KINDS:
+        node = int(rec.detail.get("node", p.node))
+        if p.kind in ("node", "partition") and not rec.detail.get("ranks"):  # spares only: no rank lost
+            self.watch.wait(
+                f"node {node} lost",
+                lambda: (
+                    self.look(tag),
+                    [e for e in self.watch.named("node_lost", got.t) if e.get("node") == str(node)],
+                )[1],
+                timeout,
+                alive=self._alive,
+            )
+        elif p.kind in FAILURE_KINDS:
             gen = self.watch.wait(
                 "a new generation",
                 lambda: (
@@ -164,8 +176,8 @@ class Recoveries:
                 self.checks.fail(f"{tag}nonstop migrate failed: {rec.detail['output']}")
         elif p.kind == "preempt":
             self.watch.wait(
-                f"node {p.node} drained and released",
-                lambda: (self.look(tag), not self.ep.node_running(p.node))[1],
+                f"node {node} drained and released",
+                lambda: (self.look(tag), not self.ep.node_running(node))[1],
                 timeout,
                 alive=self._alive,
             )
@@ -175,19 +187,30 @@ class Recoveries:
             if not self._full(st):
                 return None
             assert st is not None
-            if p.kind in FAILURE_KINDS and int(st.get("generation") or 0) <= g0:
+            if (
+                p.kind in FAILURE_KINDS
+                and "restore_step" in rec.detail
+                and int(st.get("generation") or 0) <= g0
+            ):
                 return None
             c = st.get("committed_step")
             return st if c is not None and c > (base if base is not None else 0) else None
 
-        self.watch.wait("training again", trained, timeout, alive=self._alive, every=0.05)
+        self.watch.wait("training again", trained, timeout, alive=self._alive, every=0.1)
         rec.recovery_s = round(time.time() - got.t, 3)
         if p.kind == "partition":
             assert self.netns is not None
-            fence = self.ep.job_dir / f"fenced-node-{p.node}.json"
-            self.watch.wait(f"node {p.node} fenced", fence.exists, timeout, alive=self._alive)
-            rec.detail["fenced"] = fence.read_text().strip()
-            self.netns.heal(p.node)
+            fence = self.ep.job_dir / f"fenced-node-{node}.json"
+
+            def fenced() -> Any:
+                try:
+                    got_fence = json.loads(fence.read_text())
+                except (OSError, ValueError):
+                    return None
+                return got_fence if float(got_fence.get("at", 0)) >= got.t else None
+
+            rec.detail["fenced"] = self.watch.wait(f"node {node} fenced", fenced, timeout, alive=self._alive)
+            self.netns.heal(node)
         try:
             st = self.wait_ready(base, timeout, fault=tag)
             rec.ready_s = round(time.time() - got.t, 3)

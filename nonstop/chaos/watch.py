@@ -17,7 +17,7 @@ from nonstop.runtime.client import request_status
 
 __all__ = ["JobWatch", "Timeout"]
 
-POLL_S = 0.05
+POLL_S = 0.1  # each status request is a connection the job logs: not faster
 
 
 class Timeout(NonstopError):
