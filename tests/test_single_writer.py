@@ -229,6 +229,19 @@ def test_a_manifest_that_is_briefly_missing_is_not_deleted(tmp_path: Path) -> No
     assert store.steps() == [40, 50, 60]
 
 
+def test_rewriting_the_current_checkpoint_is_refused_even_when_one_look_misses_its_manifest(
+    tmp_path: Path,
+) -> None:
+    storage = FlakyStorage(tmp_path)
+    store = DurableStore(storage, keep=3)
+    for s in (10, 20, 30):
+        persist(store, s, full_ckpt(s, world=1))
+    storage.flaky[f"{step_dir(30)}/{MANIFEST}"] = 1  # one failed look as the step is begun again
+    with pytest.raises(ValueError, match="already committed"):
+        store.begin(30, 1, "raw")
+    assert_loaded(store, 30, 30, full_ckpt(30, world=1))  # the current checkpoint is whole
+
+
 def test_a_manifest_gone_for_good_goes_at_the_next_pass(tmp_path: Path) -> None:
     store = DurableStore(tmp_path, keep=3)
     for s in (10, 20, 30):

@@ -97,8 +97,10 @@ class DurableStore:
         _check_step_args(step, world_size)
         name = step_dir(step)
         if self.storage.exists(name):
+            # a second look before deleting: one failed look (a stale handle, an eventually
+            # consistent listing) must not turn the current checkpoint into an abandoned one
             if (
-                self._catalog.has_manifest(name)
+                (self._catalog.has_manifest(name) or self._catalog.has_manifest(name))
                 and step in self._catalog.protected()
                 and not self.verify(step)
             ):
