@@ -530,7 +530,10 @@ def _dispatch(ns: argparse.Namespace) -> int:
         print(
             f"nonstop gc: {verb} {len(rep.segments)} segment(s) of {len(rep.jobs)} orphaned job(s), "
             f"killed {len(rep.killed)} process(es); {len(rep.live_jobs)} live job(s) left alone"
+            + (f"; {len(rep.skipped)} path(s) it may not touch skipped" if rep.skipped else "")
         )
+        for path in rep.skipped:
+            print(f"  skipped {path}")
         return 0
     raise AssertionError(ns.cmd)
 

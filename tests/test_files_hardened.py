@@ -204,6 +204,18 @@ def test_gc_skips_a_lock_file_it_cannot_open(shared_shm: Path) -> None:
     assert any("cannot open" in m and str(lock) in m for m in rep["logged"])  # reported, not hidden
 
 
+def test_nonstop_gc_says_what_it_skipped(
+    shared_shm: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nonstop import cli
+
+    lock = lock_path(shared_shm, "abc123")
+    monkeypatch.setattr(gc, "collect_garbage", lambda shm, dry_run: gc.GcReport(skipped=[lock]))
+    assert cli.main(["gc"]) == 0
+    out = capsys.readouterr().out
+    assert "1 path(s) it may not touch skipped" in out and f"skipped {lock}" in out
+
+
 GC_CODE = """
 import json, sys
 from pathlib import Path
