@@ -49,8 +49,11 @@ class Netns:
 
     nnodes: int
     tag: str = field(default_factory=lambda: str(os.getpid() % 100000))
-    subnet: str = "10.233.9"
     up: bool = False
+
+    @property
+    def subnet(self) -> str:  # one per soak (by its pid), so that two soaks at once do not clash
+        return f"10.233.{int(self.tag) % 250 + 1}"
 
     @property
     def bridge(self) -> str:

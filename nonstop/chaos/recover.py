@@ -111,6 +111,8 @@ class Recoveries:
 
         def ok() -> Any:
             st = self.look()
+            if self.watch.ended():
+                return {"no_room": True}  # it reached its last step
             if st is None:
                 return None
             c = st.get("committed_step") or 0
