@@ -91,7 +91,9 @@ class JobStore:
         while True:
             lease = self.store.grant_lease(ttl)
             if self.store.put_if(key, leader_value(address), expect_revision=0, lease=lease.id) is not None:
-                return LeaseKeeper(self.store, lease, on_lost=on_lost).start()
+                # refreshed every tenth of its TTL: the lease is safe until a TTL after the last
+                # refresh that got through, so a stall of up to 0.9 TTL is ridden through
+                return LeaseKeeper(self.store, lease, interval=lease.ttl / 10, on_lost=on_lost).start()
             self.store.revoke(lease.id)
             held = self.store.get(key)
             if held is not None and held.lease and _holder_is_dead_here(held.value):

@@ -50,8 +50,8 @@ LEADER_TTL_MIN_S = 10.0  # the leader lease: the longest control-store stall a c
 
 def leader_ttl(lease_ttl_s: float) -> float:
     """The coordinator's leader lease for nodes' leases of ``lease_ttl_s``: long enough to ride
-    through a store stall of ``LEADER_TTL_MIN_S`` (a dead coordinator's successor on the same
-    host does not wait it out: it revokes it)."""
+    through a store stall of 0.9 x ``LEADER_TTL_MIN_S`` (it is refreshed every tenth of it; a dead
+    coordinator's successor on the same host does not wait it out: it revokes it)."""
     return max(LEADER_TTL_MIN_S, 3 * lease_ttl_s)
 
 
