@@ -158,6 +158,8 @@ class JobConfig:
     etcd_key: Path | None = None
     # -- security ----------------------------------------------------------------------------
     tls: bool = False  # TLS on the control channel and the data plane (control/tls.py)
+    # -- operating -----------------------------------------------------------------------------
+    metrics_port: int | None = None  # Prometheus /metrics and /status on the control host (0: any free port)
 
     @property
     def world_size(self) -> int:
@@ -193,6 +195,10 @@ class JobConfig:
             raise UsageError(f"--spares must be >= 0 (got {self.spares})")
         if not 0 <= self.port <= 65535:
             raise UsageError(f"--port must be in 0..65535 (got {self.port}); 0 picks a free port")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise UsageError(
+                f"--metrics-port must be in 0..65535 (got {self.metrics_port}); 0 picks a free port"
+            )
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

@@ -52,6 +52,7 @@ from nonstop.runtime.executor import Executor
 from nonstop.runtime.failures import Failures
 from nonstop.runtime.generations import Generations
 from nonstop.runtime.jobstore import JobStore
+from nonstop.runtime.metrics import JobMonitor
 from nonstop.runtime.nodes import NodeAgents
 from nonstop.runtime.persistence import ClusterPersister
 from nonstop.runtime.persistops import PersistOps
@@ -162,6 +163,8 @@ class Coordinator:
         self.swaps = Swaps(self)
         # the job's size: data shards, shrinks, where a resharded generation reads
         self.resize = Resizing(self)
+        # --metrics-port: step reports and status snapshots for the metrics server (metrics.py)
+        self.monitor: JobMonitor | None = None
 
     def status(self) -> dict[str, Any]:
         """What ``nonstop status`` shows (JSON types)."""
@@ -215,6 +218,8 @@ class Coordinator:
         self.sources.install_tick()
         self.gens.replan_tick()
         self.clients.answer_persists()
+        if self.monitor is not None:
+            self.monitor.tick()
 
     def _close(self) -> JobResult:
         """The job ended (and its last step is persisted): release the nodes, the result."""
@@ -445,6 +450,8 @@ class Coordinator:
             self.view.latest_step[rank] = m.step
             self.swaps.on_step(rank, m.step)
             self.gens.report(recovery.Stepped(rank, time.time()))
+            if self.monitor is not None:
+                self.monitor.on_step(rank, m.step_s, m.snap_s, m.nbytes)
         elif isinstance(m, wire.Restored):
             self.gens.report(recovery.Restored(rank, time.time()))
         elif isinstance(m, wire.Ready) and r is not None:

@@ -5,6 +5,9 @@ Each line is one JSON object with at least ``ts`` (unix time) and ``event``: a t
 line of a new log is a header (``"event": "eventlog"``, ``"version"``); readers take logs with
 and without one. Lines are flushed as they are written, so the log is readable while the job
 runs and survives a crash of the launcher.
+
+Subscribers (:meth:`EventLog.subscribe`: the job's Prometheus metrics) see each event after its
+line is written, on the emitting thread.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,7 @@ class EventLog:
         self.path = path
         self._fh = path.open("a", encoding="utf-8")
         self._lock = threading.Lock()
+        self._subscribers: tuple[Callable[[Event], None], ...] = ()
         if os.fstat(self._fh.fileno()).st_size == 0:  # a new log: its format first
             self.emit(LogHeader())
 
@@ -45,6 +50,15 @@ class EventLog:
         with self._lock:
             self._fh.write(line + "\n")
             self._fh.flush()
+        for subscriber in self._subscribers:
+            subscriber(event)
+
+    def subscribe(self, subscriber: Callable[[Event], None]) -> None:
+        """Call ``subscriber`` with every event logged from now on, on the thread that logs it,
+        after its line is written. It must return quickly and never raise (it runs inside the
+        coordinator's loop and the persisters' threads)."""
+        with self._lock:
+            self._subscribers = (*self._subscribers, subscriber)
 
     def close(self) -> None:
         with self._lock:

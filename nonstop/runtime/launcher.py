@@ -51,6 +51,7 @@ from nonstop.runtime.node import NodeAgent, NodeSpec
 from nonstop.runtime.notice import NoticePoller, parse_headers
 from nonstop.runtime.persistence import ClusterPersister
 from nonstop.runtime.policy import describe_exit
+from nonstop.runtime.statusserver import StatusServer, start_status_server
 from nonstop.snapshot.codec import CodecConfig
 from nonstop.snapshot.durable import DurableStore, LoadedCheckpoint
 from nonstop.snapshot.persist import Persister
@@ -291,8 +292,22 @@ def serve_coordinator(
         )
         node.release = keep_memory
         node_thread = threading.Thread(target=node.run, args=(node_stop,), name="nonstop-node", daemon=True)
+    try:
+        metrics = start_status_server(coordinator, events=events, secret=secret, job_dir=job_dir)
+    except BaseException:  # a busy --metrics-port: nothing of the job stays behind
+        server.close()
+        events.close()
+        release_lock(lock_fd, lock)
+        if config.secret_file is None:
+            secret_file.unlink(missing_ok=True)
+        raise
     _write_job_info(
-        job_dir, job_id=job_id, control=server.address, checkpoints=durable.url, secret_file=secret_file
+        job_dir,
+        job_id=job_id,
+        control=server.address,
+        checkpoints=durable.url,
+        secret_file=secret_file,
+        metrics=metrics,
     )
     restore_handlers = _install_signal_handlers(stop)
     events.emit(
@@ -328,6 +343,8 @@ def serve_coordinator(
             if node_thread is not None:
                 node_thread.join(timeout=30.0)
             server.close()
+            if metrics is not None:
+                metrics.close(job_dir)
             events.emit(
                 ev.JobEnd(
                     state=str(coordinator.state),
@@ -505,10 +522,16 @@ JOB_INFO = "job.json"
 
 
 def _write_job_info(
-    job_dir: Path, *, job_id: str, control: tuple[str, int], checkpoints: str, secret_file: Path
+    job_dir: Path,
+    *,
+    job_id: str,
+    control: tuple[str, int],
+    checkpoints: str,
+    secret_file: Path,
+    metrics: StatusServer | None = None,
 ) -> None:
     """What ``nonstop persist``/``status``/``migrate`` need to reach this job (the secret is a
-    separate 0600 file; this names where)."""
+    separate 0600 file; this names where), and where its metrics are served (``--metrics-port``)."""
     info = {
         "job_id": job_id,
         "pid": os.getpid(),
@@ -516,6 +539,8 @@ def _write_job_info(
         "checkpoints": checkpoints,
         "secret_file": str(secret_file.resolve()),
     }
+    if metrics is not None:
+        info.update(metrics.job_info(job_dir))
     tmp = job_dir / f".{JOB_INFO}.tmp"
     tmp.write_text(json.dumps(info))
     tmp.replace(job_dir / JOB_INFO)

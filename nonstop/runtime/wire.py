@@ -138,6 +138,8 @@ class Step:
     gen: int
     step: int
     step_s: float
+    snap_s: float = 0.0  # the loop's stall on this step's snapshot (train/session.py)
+    nbytes: int = 0  # the snapshot's bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,7 +203,13 @@ def decode_worker(m: Mapping[str, Any]) -> WorkerMessage | None:
             else None,
         )
     if t == "step":
-        return Step(gen=gen, step=_int(m, "step"), step_s=_num(m, "step_s"))
+        return Step(
+            gen=gen,
+            step=_int(m, "step"),
+            step_s=_num(m, "step_s"),
+            snap_s=_num(m, "snap_s", 0.0),
+            nbytes=_int(m, "bytes", 0),
+        )
     if t == "done":
         return Done(gen=gen, step=_int(m, "step"))
     if t == "paused":
