@@ -174,3 +174,19 @@ def test_chaos_soak_of_12_faults_loses_nothing_and_leaves_nothing(tmp_path: Path
     assert set(scheduled) | set(report["skipped_kinds"]) == set(ALL_KINDS)
     assert all(f["recovery_s"] is not None and f["ok"] for f in report["faults"])
     assert len(report["faults"]) == 12
+
+
+def test_a_wipe_finds_every_copy_of_one_rank_and_a_node_loss_every_file_of_one_node(tmp_path: Path) -> None:
+    from nonstop.chaos.inject import segments_of_node, segments_of_rank
+
+    names = [
+        "nonstop-j1.0-r1-s0", "nonstop-j1.0-r1-s3", "nonstop-j1.2.rep-r1-s2",  # rank 1: own + replica
+        "nonstop-j1.0-r11-s0", "nonstop-j1.1-r0-s0", "nonstop-j1.1.rep-r2-s0", "nonstop-j1.1.lock",
+        "nonstop-j10.0-r1-s0", "nonstop-j1.0.lock",  # another job; a lock
+    ]  # fmt: skip
+    for n in names:
+        (tmp_path / n).touch()
+    got = sorted(p.name for p in segments_of_rank("j1", 1, tmp_path))
+    assert got == ["nonstop-j1.0-r1-s0", "nonstop-j1.0-r1-s3", "nonstop-j1.2.rep-r1-s2"]
+    node1 = sorted(p.name for p in segments_of_node("j1", 1, tmp_path))
+    assert node1 == ["nonstop-j1.1-r0-s0", "nonstop-j1.1.lock", "nonstop-j1.1.rep-r2-s0"]
