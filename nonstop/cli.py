@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from nonstop.climetrics import add_metrics_args, add_watch_args, watch_status
 from nonstop.clisecurity import add_security_args, security_config
 from nonstop.config import SNAPSHOT_MODES, SURVIVOR_MODES, SWAP_TRANSFERS, DetectorConfig, JobConfig
 from nonstop.errors import JobFailedError, NonstopError, UsageError
@@ -285,6 +286,7 @@ def _parser() -> argparse.ArgumentParser:
     _snapshot_args(run)
     _node_args(run)
     add_security_args(run)
+    add_metrics_args(run)
     run.add_argument(
         "--resume",
         default=None,
@@ -339,6 +341,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--job-dir", type=Path, default=Path(".nonstop/demo"))
     _detector_args(demo)
     add_security_args(demo, etcd=False)
+    add_metrics_args(demo)
 
     persist = sub.add_parser("persist", help="make a running job's committed step durable now")
     persist.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
@@ -347,6 +350,7 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="a running job: ranks, nodes, spares, steps, tiers, migration")
     status.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
     status.add_argument("--json", action="store_true", help="print the status as JSON")
+    add_watch_args(status)
 
     migrate = sub.add_parser("migrate", help="move a rank of a running job live to another node")
     migrate.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
@@ -428,6 +432,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
             faults=tuple(ns.fail),
             detector=_detector(ns),
             resume=ns.resume,
+            metrics_port=ns.metrics_port,
             **_snapshot_config(ns),  # type: ignore[arg-type]
             **_node_config(ns),  # type: ignore[arg-type]
             **security_config(ns),  # type: ignore[arg-type]
@@ -462,6 +467,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
             min_world_size=ns.min_world_size,
             survivors=ns.survivors,
             tls=ns.tls,
+            metrics_port=ns.metrics_port,
         )
         report = run_demo(opts)
         if ns.json is not None:
@@ -480,6 +486,8 @@ def _dispatch(ns: argparse.Namespace) -> int:
     if ns.cmd == "status":
         from nonstop.runtime.client import request_status
 
+        if ns.watch:
+            return watch_status(ns.job_dir, _format_status, interval_s=ns.interval)
         st = request_status(ns.job_dir)
         print(json.dumps(st, indent=2) if ns.json else _format_status(st))
         return 0

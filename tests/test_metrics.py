@@ -301,3 +301,31 @@ def test_start_writes_a_private_token_file_and_hooks_the_coordinator(tmp_path: P
         server.close(tmp_path)
         events.close()
     assert not (tmp_path / TOKEN_FILE).exists()
+
+
+# -- nonstop status --watch ------------------------------------------------------------------------
+def test_watch_redraws_until_the_job_is_gone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import io
+
+    from nonstop.climetrics import CLEAR, watch_status
+    from nonstop.errors import UsageError
+    from nonstop.runtime import client
+
+    answers: list[dict[str, Any] | None] = [{"committed_step": 3}, {"committed_step": 4}, None]
+
+    def status(job_dir: Path) -> dict[str, Any]:
+        got = answers.pop(0)
+        if got is None:
+            raise UsageError("cannot reach the job")
+        return got
+
+    monkeypatch.setattr(client, "request_status", status)
+    out = io.StringIO()
+    assert watch_status(tmp_path, lambda st: f"step {st['committed_step']}", interval_s=0.01, out=out) == 0
+    text = out.getvalue()
+    assert text.count(CLEAR) == 2 and "step 3" in text and "step 4" in text
+    assert text.rstrip().endswith("no longer reachable (cannot reach the job)")
+    monkeypatch.setattr(client, "request_status", lambda job_dir: status(job_dir))
+    answers[:] = [None]
+    with pytest.raises(UsageError):  # unreachable at the first look: the usual error
+        watch_status(tmp_path, str, out=io.StringIO())

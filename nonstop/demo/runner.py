@@ -41,6 +41,7 @@ class DemoOptions:
     min_world_size: int = 0  # elastic: the job may shrink to this many ranks
     survivors: str = "auto"  # elastic: shrink first or replace first (runtime/survivors.py)
     tls: bool = False  # TLS on the control channel and the data plane (--tls)
+    metrics_port: int | None = None  # Prometheus /metrics and /status (--metrics-port)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -98,6 +99,7 @@ def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple
         min_world_size=opts.min_world_size,
         survivors=opts.survivors,
         tls=opts.tls,
+        metrics_port=opts.metrics_port,
     )
     result = run_local_nodes(cfg, redirect_output=True)
     if result.state is not JobState.DONE or not result_file.exists():

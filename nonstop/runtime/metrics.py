@@ -26,6 +26,7 @@ coordinator for a fresh snapshot and waits for it a bounded time, and never touc
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -36,6 +37,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from nonstop.runtime import events as ev
+
+log = logging.getLogger(__name__)
 
 __all__ = ["JobMetrics", "JobMonitor", "StatusBoard"]
 
@@ -275,16 +278,20 @@ class StatusBoard:
         self._cond = threading.Condition()
         self._wanted = threading.Event()
         self._status: dict[str, Any] | None = None
-        self._at = 0.0  # monotonic time of the last publish
+        self._at = 0.0  # monotonic time of the last published status
+        self._answered = 0.0  # ... and of the coordinator's last answer (with a status or none)
 
     @property
     def wanted(self) -> bool:
         return self._wanted.is_set()
 
-    def publish(self, status: dict[str, Any]) -> None:
-        """Coordinator's thread: the newest status (the board keeps it; do not mutate it after)."""
+    def publish(self, status: dict[str, Any] | None) -> None:
+        """Coordinator's thread: the newest status (the board keeps it; do not mutate it after),
+        or None: none now, the waiting readers get the previous one."""
         with self._cond:
-            self._status, self._at = status, time.monotonic()
+            if status is not None:
+                self._status, self._at = status, time.monotonic()
+            self._answered = time.monotonic()
             self._wanted.clear()
             self._cond.notify_all()
 
@@ -295,7 +302,7 @@ class StatusBoard:
                 return self._status
             asked = time.monotonic()
             self._wanted.set()
-            self._cond.wait_for(lambda: self._at >= asked, timeout=wait_s)
+            self._cond.wait_for(lambda: self._answered >= asked, timeout=wait_s)
             return self._status
 
 
@@ -319,9 +326,18 @@ class JobMonitor:
         self.metrics.on_step(rank, step_s, snap_s)
 
     def tick(self) -> None:
-        """Coordinator's thread, every loop: publish a snapshot if a reader waits for one."""
-        if self.board.wanted:
-            self.board.publish(self.build())
+        """Coordinator's thread, every loop: publish a snapshot if a reader waits for one. A
+        status that cannot be built now (a view between two consistent states) is skipped: the
+        readers get the previous one; the coordinator never fails for a scrape."""
+        if not self.board.wanted:
+            return
+        try:
+            st = self.build()
+        except Exception:  # a scrape must never end the job
+            log.debug("no status snapshot this tick", exc_info=True)
+            self.board.publish(None)
+            return
+        self.board.publish(st)
 
     def build(self) -> dict[str, Any]:
         st = copy.deepcopy(self._status())  # the board's copy: nothing the coordinator holds
