@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,21 @@ def dispatch(ns: argparse.Namespace) -> int:
         persist_every=ns.persist_every, kinds=tuple(k.strip() for k in ns.kinds.split(",") if k.strip()),
         job_dir=ns.job_dir, timeout_s=ns.timeout,
     )  # fmt: skip
-    report = run_chaos(opts)
-    if ns.json is not None:
-        ns.json.parent.mkdir(parents=True, exist_ok=True)
-        ns.json.write_text(json.dumps(report, indent=1) + "\n")
+
+    def write(report: dict[str, Any]) -> None:
+        if ns.json is not None:
+            ns.json.parent.mkdir(parents=True, exist_ok=True)
+            tmp = ns.json.with_name(f".{ns.json.name}.tmp")
+            tmp.write_text(json.dumps(report, indent=1) + "\n")
+            tmp.replace(ns.json)
+
+    def stop(signum: int, frame: object) -> None:  # stop the soak cleanly: nodes, etcd, namespaces
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)  # also when started in the background (SIGINT ignored)
+    report = run_chaos(opts, progress=write)
+    write(report)
     for line in summary_lines(report):
         print(line)
     for line in report["failures"]:

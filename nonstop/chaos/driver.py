@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,41 @@ class Soak:
         self.reference: str | None = None
         self.hashes: list[dict[str, Any]] = []
         self.episodes = 0
+        self.t0, self.started = time.time(), time.monotonic()
+
+    def report(self, *, complete: bool) -> dict[str, Any]:
+        """The report of what has run so far."""
+        o = self.opts
+        return rep.build(
+            faults=self.records,
+            failures=self.checks.violations,
+            lost=self.checks.lost,
+            equal=all(h["equal"] for h in self.hashes) if self.hashes else None,
+            leaked_segments=self.checks.leaked_segments,
+            leaked_processes=self.checks.leaked_processes,
+            complete=complete,
+            seed=o.seed,
+            requested_faults=o.faults,
+            schedule=[p.to_json() for p in self.schedule],
+            skipped_kinds=self.skipped,
+            started_at=self.t0,
+            duration_s=round(time.monotonic() - self.started, 1),
+            episodes=self.episodes,
+            jobs=self.hashes,
+            reference_hash=self.reference,
+            config={
+                "nnodes": o.nnodes,
+                "nproc": o.nproc,
+                "spares": o.spares,
+                "steps": o.steps,
+                "step_delay_s": o.step_delay_s,
+                "lease_ttl_s": o.lease_ttl_s,
+                "persist_every": o.persist_every,
+                "model": "tiny",
+                "store": "etcd" if self.etcd else "embedded",
+                "netns": self.netns is not None,
+            },
+        )
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -225,14 +261,18 @@ class Soak:
         return True
 
 
-def run_chaos(opts: ChaosOptions, *, echo: bool = True) -> dict[str, Any]:
-    """Run the soak; return the report (``ok`` False with ``failures`` when a check failed)."""
+def run_chaos(
+    opts: ChaosOptions, *, echo: bool = True, progress: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Run the soak; return the report (``ok`` False with ``failures`` when a check failed).
+    ``progress`` gets the report so far (``complete`` False) after each job: a soak stopped
+    early leaves what it measured."""
     say = print if echo else (lambda *a, **k: None)
     opts.job_dir.mkdir(parents=True, exist_ok=True)
     with hold_dir(opts.job_dir, what="chaos dir", option="--job-dir"):
         soak = Soak(opts, say=say)
-        t0 = time.time()
-        started = time.monotonic()
+        soak.t0, soak.started = time.time(), time.monotonic()
+        deadline = soak.started + opts.duration_s if opts.duration_s else None
         try:
             soak.setup()
             say(
@@ -242,47 +282,22 @@ def run_chaos(opts: ChaosOptions, *, echo: bool = True) -> dict[str, Any]:
             )
             soak.run_reference()
             todo = list(soak.schedule)
-            deadline = started + opts.duration_s if opts.duration_s else None
             stuck = 0
             while todo and (deadline is None or time.monotonic() < deadline) and stuck < 3:
                 before = len(todo)
                 soak.run_episode(todo, deadline)
                 stuck = stuck + 1 if len(todo) == before else 0
+                if progress is not None and todo:
+                    progress(soak.report(complete=False))
             if todo and stuck:
                 soak.checks.fail(f"{len(todo)} faults were never injected: 3 jobs in a row took none")
+        except KeyboardInterrupt:  # SIGINT or SIGTERM (the CLI's handlers): stop, clean up, report
+            soak.checks.fail(f"stopped by a signal after {len(soak.records)} of {opts.faults} faults")
+            return soak.report(complete=False)
         finally:
             soak.teardown()
         injected = {r.kind for r in soak.records}
         for kind in sorted(set(soak.kinds) & {p.kind for p in soak.schedule} - injected):
             if deadline is None:
                 soak.checks.fail(f"kind {kind} was scheduled but never injected")
-        equal = all(h["equal"] for h in soak.hashes) if soak.hashes else None
-        return rep.build(
-            faults=soak.records,
-            failures=soak.checks.violations,
-            lost=soak.checks.lost,
-            equal=equal,
-            leaked_segments=soak.checks.leaked_segments,
-            leaked_processes=soak.checks.leaked_processes,
-            seed=opts.seed,
-            requested_faults=opts.faults,
-            schedule=[p.to_json() for p in soak.schedule],
-            skipped_kinds=soak.skipped,
-            started_at=t0,
-            duration_s=round(time.monotonic() - started, 1),
-            episodes=soak.episodes,
-            jobs=soak.hashes,
-            reference_hash=soak.reference,
-            config={
-                "nnodes": opts.nnodes,
-                "nproc": opts.nproc,
-                "spares": opts.spares,
-                "steps": opts.steps,
-                "step_delay_s": opts.step_delay_s,
-                "lease_ttl_s": opts.lease_ttl_s,
-                "persist_every": opts.persist_every,
-                "model": "tiny",
-                "store": "etcd" if soak.etcd else "embedded",
-                "netns": soak.netns is not None,
-            },
-        )
+        return soak.report(complete=True)

@@ -43,7 +43,7 @@ class Recoveries:
             say,
         )
         self._seen = 0
-        self.margin = max(40, opts.steps // 4)  # steps a job must have left to take a fault
+        self.margin = max(40, opts.steps // 10)  # steps a job must have left to take a fault
 
     # -- looking -----------------------------------------------------------------------------------
     def look(self, fault: str = "") -> dict[str, Any] | None:
