@@ -329,3 +329,25 @@ def test_watch_redraws_until_the_job_is_gone(monkeypatch: pytest.MonkeyPatch, tm
     answers[:] = [None]
     with pytest.raises(UsageError):  # unreachable at the first look: the usual error
         watch_status(tmp_path, str, out=io.StringIO())
+
+
+def test_a_status_the_coordinator_cannot_build_never_fails_it() -> None:
+    calls = [json.loads(json.dumps(STATUS))]
+
+    def status() -> dict[str, Any]:
+        if not calls:
+            raise KeyError(0)  # the view between two consistent states (seen at a job's start)
+        return calls.pop()
+
+    mon = JobMonitor(status)
+    assert mon.board.get(wait_s=0.0) is None  # a reader asks; nothing yet
+    mon.tick()  # published
+    mon.board.max_age_s = 0.0
+    got: list[dict[str, Any] | None] = []
+    reader = threading.Thread(target=lambda: got.append(mon.board.get(wait_s=5.0)))
+    reader.start()
+    while not mon.board.wanted:
+        time.sleep(0.001)
+    mon.tick()  # raises inside: nothing new, the reader is answered with the last one at once
+    reader.join(timeout=5.0)
+    assert got and got[0] is not None and got[0]["committed_step"] == 9
