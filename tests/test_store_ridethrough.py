@@ -236,3 +236,46 @@ def test_an_agent_fences_only_when_neither_the_store_nor_the_coordinator_hears_i
     assert (agent._renewing is not None) == renews
     if fenced:
         assert agent.fenced is not None and "acknowledged nothing" in agent.fenced
+
+
+# -- a worker reconnecting to a restarted coordinator says where it is *now* ----------------------
+def test_a_reconnecting_worker_reports_its_newest_step_not_the_one_when_the_link_broke(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from nonstop.train import link as link_mod
+
+    step = {"now": 6}
+
+    def resume() -> dict[str, Any]:
+        return {"gen": 1, "step": step["now"], "done": step["now"] >= 16}
+
+    hellos: list[dict[str, Any]] = []
+
+    def connect(addr: Any, secret: Any, hello: dict[str, Any], timeout: float) -> object:
+        hellos.append(hello)
+        if len(hellos) < 3:
+            step["now"] = 16  # it trained to the end while the coordinator was away
+            raise ControlError("connection refused")
+        return object()
+
+    monkeypatch.setattr(link_mod, "connect", connect)
+    monkeypatch.setattr(link_mod.time, "sleep", lambda s: None)
+    link = link_mod.CoordinatorLink.__new__(link_mod.CoordinatorLink)
+    link.env = SimpleNamespace(
+        reconnect_s=30.0, control_addr=("127.0.0.1", 1), secret=b"x", role="worker", spawn_id=3
+    )  # type: ignore[assignment]
+    link._resume = resume
+    link.closing = False
+    assert link._reconnect()
+    assert hellos[0]["resume"]["step"] == 6
+    assert hellos[-1]["resume"] == {"gen": 1, "step": 16, "done": True}
+
+
+def test_process_age_counts_from_the_process_start() -> None:
+    code = (
+        "import time; time.sleep(1.0); from nonstop.runtime import storesync as s; print(s.process_age_s())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert 1.0 <= float(out) < 60.0

@@ -48,6 +48,18 @@ EXIT_NOT_LEADER = 76  # store mode: this coordinator lost its leadership lease a
 LEADER_TTL_MIN_S = 10.0  # the leader lease: the longest control-store stall a coordinator rides
 
 
+def process_age_s() -> float:
+    """Seconds since this process started (0 where ``/proc`` cannot tell)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def leader_ttl(lease_ttl_s: float) -> float:
     """The coordinator's leader lease for nodes' leases of ``lease_ttl_s``: long enough to ride
     through a store stall of 0.9 x ``LEADER_TTL_MIN_S`` (it is refreshed every tenth of it; a dead
@@ -87,9 +99,10 @@ class StoreSync:
             on_lost=lambda why: os._exit(EXIT_NOT_LEADER),  # another coordinator may be acting now
         )
         if self.jobs.took_over_dead:
-            # The predecessor died just now: its nodes may still be playing their ranks until
-            # they notice it is gone (FENCE_AT of a lease TTL). Which leases live is read after.
-            time.sleep(self.c.config.lease_ttl_s)
+            # The predecessor is gone, maybe only just: its nodes may still be playing their
+            # ranks until they notice (FENCE_AT of a lease TTL). Which leases live is read a TTL
+            # after it died -- at least this process's age ago (it was started after).
+            time.sleep(max(0.0, self.c.config.lease_ttl_s - process_age_s()))
         live, rev = self.jobs.live_nodes()
         self.node_watch = self.jobs.watch_nodes(rev + 1)
         record = self.jobs.load()

@@ -103,9 +103,12 @@ class CoordinatorLink:
         """Store mode: the coordinator restarts; reach the new one (same address) within
         ``reconnect_s``, telling it where this rank is. Training goes on meanwhile."""
         deadline = time.monotonic() + self.env.reconnect_s
-        hello = self._hello()
-        hello["resume"] = self._resume()
         while time.monotonic() < deadline and not self.closing:
+            # where this rank is *now*: it trains on while the coordinator is away, and what it
+            # sends meanwhile (steps, done) is lost -- a resume point taken when the connection
+            # broke would leave the new coordinator waiting for steps already taken
+            hello = self._hello()
+            hello["resume"] = self._resume()
             try:
                 self.chan = connect(self.env.control_addr, self.env.secret, hello, timeout=1.0)
                 log.info("reconnected to the coordinator")
