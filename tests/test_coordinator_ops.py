@@ -385,3 +385,18 @@ def test_nothing_durable_fails_the_job_with_what_to_do(tmp_path: Path) -> None:
     h.lose_node("1")
     h.tick()
     assert h.coord.state is JobState.FAILED and "--persist-every" in str(h.coord.error)
+
+
+def test_status_of_a_member_planned_but_not_spawned_yet(tmp_path: Path) -> None:
+    """Early in a job a rank's spawn id is a member before its process record exists: status
+    (``nonstop status``, the metrics endpoint) shows it without a pid instead of failing."""
+    h = Harness(tmp_path, nnodes=1, nproc_per_node=2)
+    h.add_node("0", nproc=2)
+    h.coord.view.members[1] = 999  # planned, no WorkerRecord yet
+    st = h.coord.clients.status()
+    assert st["ranks"]["1"] == {
+        "node": h.coord.view.rank_node.get(1),
+        "spawn_id": 999,
+        "pid": None,
+        "step": h.coord.view.latest_step.get(1),
+    }

@@ -72,7 +72,7 @@ BLOB = "_blob"  # key under which recv() returns a frame's binary part
 MAX_HANDSHAKE = 256 << 10  # one handshake message (the hello), before the peer is authenticated
 HANDSHAKE_TIMEOUT_S = 5.0  # the whole handshake, not each read
 MIN_SECRET_BYTES = 16
-PURPOSES = ("control", "data", "etcd")
+PURPOSES = ("control", "data", "etcd", "metrics")
 Message = dict[str, Any]
 
 

@@ -74,7 +74,8 @@ class ClientRequests:
                 str(r): {
                     "node": self.c.view.rank_node.get(r),
                     "spawn_id": sid,
-                    "pid": self.c.view.workers[sid].pid,
+                    # a member planned but not spawned yet has no process record
+                    "pid": w.pid if (w := self.c.view.workers.get(sid)) is not None else None,
                     "step": self.c.view.latest_step.get(r),
                 }
                 for r, sid in sorted(self.c.view.members.items())

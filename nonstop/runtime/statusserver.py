@@ -23,7 +23,6 @@ Nothing received is ever unpickled or evaluated: a request is its method, path a
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import io
 import json
@@ -38,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from nonstop.control.channel import MIN_SECRET_BYTES
+from nonstop.control.channel import derive_key
 from nonstop.errors import UsageError
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.jobdir import write_secret
@@ -55,12 +54,9 @@ TOKEN_FILE = "metrics.token"  # <job_dir>/metrics.token: the bearer token, 0600
 
 
 def metrics_token(secret: bytes) -> str:
-    """The bearer token of a job's metrics endpoint: hex HMAC-SHA256 of the job secret under the
-    purpose ``metrics``, built like :func:`nonstop.control.channel.derive_key`'s keys (the same
-    ``nonstop/v1/<purpose>`` label; ``metrics`` is not among its PURPOSES yet)."""
-    if len(secret) < MIN_SECRET_BYTES:
-        raise UsageError(f"the job secret has {len(secret)} bytes, fewer than {MIN_SECRET_BYTES}")
-    return hmac.new(secret, b"nonstop/v1/metrics", hashlib.sha256).hexdigest()
+    """The bearer token of a job's metrics endpoint: the job secret's key for the purpose
+    ``metrics`` (:func:`nonstop.control.channel.derive_key`), in hex."""
+    return derive_key(secret, "metrics").hex()
 
 
 @dataclass(frozen=True, kw_only=True)
