@@ -17,8 +17,8 @@ from nonstop.config import JobConfig
 from nonstop.control.store import open_store
 from nonstop.demo.runner import demo_job_config
 from nonstop.runtime.coordinator import JobState
+from nonstop.runtime.jobfiles import JOB_INFO
 from nonstop.runtime.jobstore import JobStore
-from nonstop.runtime.launcher import JOB_INFO
 from tests.conftest import STEPS, EtcdServer, NodesInBackground, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -19,7 +19,7 @@ import pytest
 
 from nonstop.demo.samples import check_sequence, effective_samples, read_log
 from nonstop.errors import UsageError
-from nonstop.runtime.launcher import _load_resume
+from nonstop.runtime.jobfiles import load_resume
 from nonstop.snapshot.durable import DurableStore
 from tests.conftest import NodesInBackground, events_named, run_nodes_job, sampled_nodes_config
 
@@ -125,7 +125,7 @@ def test_shrink_renumbers_the_ranks_after_the_lost_one(tmp_path: Path) -> None:
     # Resumed at full size: a job that is not elastic is refused at start, with what to do ...
     more = steps + 8
     with pytest.raises(UsageError, match=r"has 2 ranks but this job has 3.*--min-world-size"):
-        _load_resume(_config(tmp_path / "refused", more, (), resume=ckpt, shards_per_rank=2))
+        load_resume(_config(tmp_path / "refused", more, (), resume=ckpt, shards_per_rank=2))
     # ... an elastic one plays all 3 ranks (rank 2 from the checkpoint's rank 0) and reads on in order
     again = _config(tmp_path / "again", more, (), resume=ckpt, min_world_size=2, shards_per_rank=2)
     result = NodesInBackground(again).result(timeout=300)

@@ -64,7 +64,8 @@ def test_nodes_must_agree_on_ranks_per_node(tmp_path: Path) -> None:
     from dataclasses import replace
 
     from nonstop.demo.runner import demo_job_config
-    from nonstop.runtime.launcher import JOB_INFO, run_job
+    from nonstop.runtime.jobfiles import JOB_INFO
+    from nonstop.runtime.launcher import run_job
     from nonstop.runtime.localnodes import node_command
 
     job_dir = tmp_path / "job"

@@ -18,14 +18,9 @@ from pathlib import Path
 from nonstop.config import job_config_from_json
 from nonstop.control.store import open_store
 from nonstop.runtime.jobdir import read_secret_file
+from nonstop.runtime.jobfiles import COORDINATOR_RESULT, result_to_json
 from nonstop.runtime.jobstore import JobStore
-from nonstop.runtime.launcher import (
-    COORDINATOR_RESULT,
-    check_faults,
-    result_to_json,
-    serve_coordinator,
-    worker_command,
-)
+from nonstop.runtime.launcher import check_faults, serve_coordinator, worker_command
 
 
 def main(argv: list[str]) -> int:

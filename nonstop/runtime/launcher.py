@@ -31,7 +31,7 @@ from types import FrameType
 from nonstop.config import ENV, JobConfig, job_config_to_json, security_environ
 from nonstop.control.listener import ControlServer
 from nonstop.control.store import open_store
-from nonstop.errors import ControlError, JobFailedError, SnapshotMissingError, UsageError
+from nonstop.errors import ControlError, JobFailedError, UsageError
 from nonstop.faults import FaultSpec, faults_to_json, parse_fault
 from nonstop.replica.peer import local_store_id
 from nonstop.runtime import events as ev
@@ -42,18 +42,26 @@ from nonstop.runtime.jobdir import (
     SECRET_FILE,
     coordinator_secret,
     hold_job,
-    local_root,
     node_secret,
     write_secret,
+)
+from nonstop.runtime.jobfiles import (
+    COORDINATOR_RESULT,
+    COORDINATOR_SPEC,
+    JOB_INFO,
+    declare_resume,
+    load_resume,
+    result_from_json,
+    write_job_info,
 )
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.node import NodeAgent, NodeSpec
 from nonstop.runtime.notice import NoticePoller, parse_headers
 from nonstop.runtime.persistence import ClusterPersister
 from nonstop.runtime.policy import describe_exit
-from nonstop.runtime.statusserver import StatusServer, start_status_server
+from nonstop.runtime.statusserver import start_status_server
 from nonstop.snapshot.codec import CodecConfig
-from nonstop.snapshot.durable import DurableStore, LoadedCheckpoint
+from nonstop.snapshot.durable import DurableStore
 from nonstop.snapshot.persist import Persister
 
 log = logging.getLogger(__name__)
@@ -205,9 +213,9 @@ def serve_coordinator(
     runs in the launcher and this process may be restarted)."""
     job_dir = config.job_dir.resolve()
     durable = DurableStore(config.checkpoint_url, keep=config.keep)  # a bad URL fails here
-    resume = _load_resume(config) if config.resume else None
+    resume = load_resume(config) if config.resume else None
     if resume is not None and config.resume is not None:
-        _declare_resume(durable, config.resume, resume.step)
+        declare_resume(durable, config.resume, resume.step)
     shm_dir = default_shm_dir()
     secret = coordinator_secret(config)
     events = EventLog(job_dir / "events.jsonl")
@@ -301,7 +309,7 @@ def serve_coordinator(
         if config.secret_file is None:
             secret_file.unlink(missing_ok=True)
         raise
-    _write_job_info(
+    write_job_info(
         job_dir,
         job_id=job_id,
         control=server.address,
@@ -363,8 +371,6 @@ def serve_coordinator(
     return result
 
 
-COORDINATOR_SPEC = "coordinator.json"  # store mode: what the coordinator process is started from
-COORDINATOR_RESULT = "coordinator-result.json"  # ... and what it leaves when the job has ended
 MAX_COORDINATOR_RESTARTS = 20
 
 
@@ -376,7 +382,7 @@ def run_store_node0(
     other node's. Returns the coordinator's result."""
     DurableStore(config.checkpoint_url, keep=config.keep)  # a bad URL fails here
     if config.resume:
-        _load_resume(config)
+        load_resume(config)
     secret = coordinator_secret(config)
     try:
         open_store(config.store, secret=secret.decode()).close()  # reachable, credentials good
@@ -410,7 +416,7 @@ def run_store_node0(
     )
     supervisor.join(timeout=config.persist_timeout_s + 60.0)
     try:
-        return _result_from_json(result_file.read_text())
+        return result_from_json(result_file.read_text())
     except (OSError, ValueError, KeyError) as e:
         return JobResult(
             state=JobState.FAILED, generation=0, final_step=0, error=node.error or f"no result: {e}"
@@ -434,33 +440,6 @@ def _supervise_coordinator(spec: Path, log_path: Path, result_file: Path, stop: 
         log.warning("the coordinator exited (%s); starting it again", describe_exit(proc.returncode))
         time.sleep(0.1)
     log.error("the coordinator died %d times; giving up", MAX_COORDINATOR_RESTARTS + 1)
-
-
-def result_to_json(result: JobResult) -> str:
-    return json.dumps(
-        {
-            "state": str(result.state),
-            "generation": result.generation,
-            "final_step": result.final_step,
-            "failures": result.failures,
-            "error": result.error,
-            "median_step_s": result.median_step_s,
-            "replication": result.replication,
-        }
-    )
-
-
-def _result_from_json(text: str) -> JobResult:
-    d = json.loads(text)
-    return JobResult(
-        state=JobState(d["state"]),
-        generation=int(d["generation"]),
-        final_step=int(d["final_step"]),
-        failures=list(d["failures"]),
-        error=d["error"],
-        median_step_s=d["median_step_s"],
-        replication=dict(d["replication"]),
-    )
 
 
 def _cluster_persister(
@@ -516,67 +495,6 @@ def _run_node(
     state = JobState.DONE if rc == 0 else JobState.FAILED
     error = None if rc == 0 else (node.fenced or "the job failed (see node 0's events)")
     return JobResult(state=state, generation=0, final_step=0, error=error)
-
-
-JOB_INFO = "job.json"
-
-
-def _write_job_info(
-    job_dir: Path,
-    *,
-    job_id: str,
-    control: tuple[str, int],
-    checkpoints: str,
-    secret_file: Path,
-    metrics: StatusServer | None = None,
-) -> None:
-    """What ``nonstop persist``/``status``/``migrate`` need to reach this job (the secret is a
-    separate 0600 file; this names where), and where its metrics are served (``--metrics-port``)."""
-    info = {
-        "job_id": job_id,
-        "pid": os.getpid(),
-        "control": f"{control[0]}:{control[1]}",
-        "checkpoints": checkpoints,
-        "secret_file": str(secret_file.resolve()),
-    }
-    if metrics is not None:
-        info.update(metrics.job_info(job_dir))
-    tmp = job_dir / f".{JOB_INFO}.tmp"
-    tmp.write_text(json.dumps(info))
-    tmp.replace(job_dir / JOB_INFO)
-
-
-def _declare_resume(durable: DurableStore, resume_url: str, step: int) -> None:
-    """Tell the checkpoint root's retention that this job resumed from ``step`` of it (when
-    ``--resume`` names the root it persists to): what was newer there then is the timeline it
-    abandoned (:meth:`Catalog.resumed_from`)."""
-    a, b = local_root(resume_url), local_root(durable.url)
-    if a is not None and b is not None:
-        same = a.resolve() == b.resolve()
-    else:
-        same = resume_url.rstrip("/") == durable.url.rstrip("/")
-    if same:
-        durable.resumed_from(step)
-
-
-def _load_resume(config: JobConfig) -> LoadedCheckpoint:
-    """The newest good checkpoint at ``--resume``, checked against the job's world size: an
-    elastic job (``--min-world-size``, its ranks data-parallel replicas) resumes a checkpoint of
-    any size (``elastic.resume_sources``), a sharded job (``--mesh``) too (its workers reshard
-    it: ``Generations.reshard``); any other job needs the size it was written at."""
-    assert config.resume is not None
-    try:
-        ckpt = DurableStore(config.resume, keep=config.keep).load()
-    except SnapshotMissingError as e:
-        raise UsageError(f"--resume {config.resume}: no loadable checkpoint ({e})") from None
-    if ckpt.world_size != config.world_size and not config.min_world_size and config.mesh is None:
-        raise UsageError(
-            f"--resume {config.resume}: checkpoint step {ckpt.step} has {ckpt.world_size} ranks but this "
-            f"job has {config.world_size}; run {ckpt.world_size} ranks (--nnodes x --nproc-per-node, e.g. "
-            f"--nproc-per-node {ckpt.world_size} on one node) or, when the ranks are data-parallel "
-            "replicas, pass --min-world-size N (elastic: ranks beyond the checkpoint's start from its rank 0)"
-        )
-    return ckpt
 
 
 def _install_signal_handlers(

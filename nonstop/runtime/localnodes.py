@@ -23,7 +23,8 @@ from nonstop.config import JobConfig
 from nonstop.errors import JobFailedError
 from nonstop.runtime.coordinator import JobResult
 from nonstop.runtime.eventlog import read_events
-from nonstop.runtime.launcher import JOB_INFO, run_job
+from nonstop.runtime.jobfiles import JOB_INFO
+from nonstop.runtime.launcher import run_job
 
 __all__ = ["LocalNodesJob", "node_command", "run_local_nodes"]
 
