@@ -55,13 +55,14 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from nonstop.config import ENV
 from nonstop.control.channel import Channel, Message, connect
 from nonstop.control.store import ControlStore, LeaseKeeper, open_store
-from nonstop.errors import ControlError, NonstopError
+from nonstop.errors import ControlError, NonstopError, SnapshotMissingError
 from nonstop.faults import fired_at, preempt_notice_path
 from nonstop.replica.peer import (
     REPLICA_SLOTS,
@@ -76,6 +77,7 @@ from nonstop.runtime.gc import hold_lock, release_lock
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.nodework import NodeWork
 from nonstop.runtime.notice import NoticePoller
+from nonstop.snapshot.store import RankSnapshotStore
 
 __all__ = ["EXIT_FENCED", "NodeAgent", "NodeSpec"]
 
@@ -102,6 +104,10 @@ class NodeSpec:
     domain: str
     data_host: str = "127.0.0.1"
     replica_bandwidth_mb_s: float | None = None
+
+
+def _not_set_up(rank: int) -> RankSnapshotStore:
+    raise SnapshotMissingError(f"rank {rank}: this node has not joined the job yet (no snapshot memory)")
 
 
 class NodeAgent:
@@ -136,6 +142,9 @@ class NodeAgent:
         self.fenced: str | None = None
         self._inbox: queue.Queue[Message | None] = queue.Queue()
         self._data_work: NodeWork | None = None  # the data path (runtime/nodework.py), once welcomed
+        # its snapshot memory, once welcomed: until then its data plane (already listening) refuses
+        self._local: Callable[[int], RankSnapshotStore] = _not_set_up
+        self._replica: Callable[[int], RankSnapshotStore] = _not_set_up
         self.agent: Agent | None = None
         self.data: DataPlane | None = None
         self._chan: Channel | None = None

@@ -6,18 +6,22 @@ bytes (the protocol is in :mod:`nonstop.runtime.node`): ``inventory``,
 ``persist``. The :class:`~nonstop.runtime.node.NodeAgent` owns one, made once the
 coordinator has welcomed the node, and hands it these commands with :meth:`NodeWork.submit`.
 
-Threading: :meth:`NodeWork.start` starts three daemon threads, each serving its own
+Threading: :meth:`NodeWork.start` starts four daemon threads, each serving its own
 queue in order, so that slow work never delays urgent work:
 
-* ``nonstop-agent-work``: inventories, replication rounds, durable installs,
-  ``forget`` and ``committed`` (one at a time, in arrival order);
+* ``nonstop-agent-work``: inventories, durable installs and ``committed`` (one at a
+  time, in arrival order);
+* ``nonstop-agent-replicate``: replication rounds and ``forget`` (the replicator's
+  state), on their own because a round to a holder that went silent (a partition: no
+  reset, packets dropped) waits out its ack timeout, and a recovery's inventory or
+  install must not wait behind it;
 * ``nonstop-agent-fetch``: fetches, on their own because a recovery or a swap waits
   on them; while idle it drops tracked bases unused for ``TRACK_TTL_S``;
 * ``nonstop-agent-persist``: persist rounds (slow I/O), at the lowest CPU priority.
 
 :meth:`NodeWork.stop` asks each thread to finish after what it has queued and returns
 at once. A failing command is reported (or logged), never fatal to its thread. Replies
-go out through ``send``, called from all three threads (the agent's ``_send``; the
+go out through ``send``, called from all four threads (the agent's ``_send``; the
 control channel serialises frames).
 
 Ownership: the snapshot memory belongs to the node's stores (``local`` and
@@ -67,7 +71,7 @@ SETTLE_S = 2.0  # longest an inventory waits for a live writer to finish its sna
 
 
 class NodeWork:
-    """The data-path commands of one node, on three threads of their own (module docstring)."""
+    """The data-path commands of one node, on four threads of their own (module docstring)."""
 
     COMMANDS = frozenset(
         ("inventory", "replicate", "install_durable", "forget", "committed", "fetch", "persist")
@@ -101,6 +105,7 @@ class NodeWork:
         self._work: queue.Queue[Message | None] = queue.Queue()
         self._persist_work: queue.Queue[Message | None] = queue.Queue()  # its own thread: slow I/O
         self._fetch_work: queue.Queue[Message | None] = queue.Queue()  # its own thread: on the critical path
+        self._replicate_work: queue.Queue[Message | None] = queue.Queue()  # may wait on a silent peer
         self._encoders: dict[tuple[str, bool, int], RankEncoder] = {}
         self._tracks: TrackedBases[int] = TrackedBases()  # local rank slot -> base of its catch-up
 
@@ -108,6 +113,7 @@ class NodeWork:
         threading.Thread(target=self._worker, name="nonstop-agent-work", daemon=True).start()
         threading.Thread(target=self._persister, name="nonstop-agent-persist", daemon=True).start()
         threading.Thread(target=self._fetcher, name="nonstop-agent-fetch", daemon=True).start()
+        threading.Thread(target=self._replicate_worker, name="nonstop-agent-replicate", daemon=True).start()
 
     def submit(self, msg: Message) -> None:
         """Queue one command of :data:`COMMANDS` for its thread."""
@@ -116,6 +122,8 @@ class NodeWork:
             self._fetch_work.put(msg)
         elif t == "persist":
             self._persist_work.put(msg)
+        elif t in ("replicate", "forget"):  # never ahead of a recovery's inventory or install
+            self._replicate_work.put(msg)
         else:
             self._work.put(msg)
 
@@ -123,6 +131,7 @@ class NodeWork:
         """Tell the threads to end once their queues are drained; does not wait for them."""
         self._work.put(None)
         self._fetch_work.put(None)
+        self._replicate_work.put(None)
         self._persist_work.put(None)
 
     # -- the threads (one for inventories, replication and installs; fetches and persists on their own)
@@ -141,7 +150,6 @@ class NodeWork:
                 log.warning("node %s: fetch failed: %s", self.node, e)
 
     def _worker(self) -> None:
-        preload()  # the codec library: now, not in the first replication round
         while True:
             msg = self._work.get()
             if msg is None:
@@ -150,16 +158,26 @@ class NodeWork:
             try:
                 if t == "inventory":
                     self._send(self._inventory(int(msg["id"])))
-                elif t == "replicate":
-                    self._replicate(msg)
                 elif t == "install_durable":
                     self._install_durable(msg)
-                elif t == "forget":
-                    self.replicator.forget(int(msg["rank"]))
                 elif t == "committed":
                     self._keep(msg.get("step"))
             except Exception as e:  # report, never die: the coordinator decides
                 log.warning("node %s: %s failed: %s", self.node, t, e)
+
+    def _replicate_worker(self) -> None:
+        preload()
+        while True:
+            msg = self._replicate_work.get()
+            if msg is None:
+                return
+            try:
+                if msg.get("t") == "replicate":
+                    self._replicate(msg)
+                else:
+                    self.replicator.forget(int(msg["rank"]))
+            except Exception as e:  # report, never die: the coordinator decides
+                log.warning("node %s: %s failed: %s", self.node, msg.get("t"), e)
 
     def _persister(self) -> None:
         """Writes this node's ranks of a persist round (module docstring of
