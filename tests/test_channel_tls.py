@@ -19,7 +19,7 @@ import pytest
 from nonstop.control.channel import BLOB, _recv_plain, _send_plain, connect, new_secret
 from nonstop.control.listener import ControlServer
 from nonstop.errors import AuthError, ControlError
-from tests.tlscerts import Relay, make_ca, make_leaf
+from tests.tlscerts import Relay, make_ca, make_leaf, pump
 
 SECRET = new_secret()
 PAYLOAD = b"THE-WEIGHTS-0123456789" * 64
@@ -93,20 +93,6 @@ def _mitm(target: tuple[str, int], face_tls: bool, cert_dir: Path) -> tuple[sock
     srv = socket.create_server(("127.0.0.1", 0))
     seen: list[bytes] = []
 
-    def pump(a: socket.socket, b: socket.socket) -> None:
-        try:
-            while data := a.recv(65536):
-                seen.append(data)
-                b.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (a, b):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
     def run() -> None:
         c, _ = srv.accept()
         up = socket.create_connection(target)
@@ -115,8 +101,8 @@ def _mitm(target: tuple[str, int], face_tls: bool, cert_dir: Path) -> tuple[sock
         if face_tls:
             _send_plain(c, pre)
             c = face.wrap_socket(c, server_side=True)
-        threading.Thread(target=pump, args=(c, up_s), daemon=True).start()
-        pump(up_s, c)
+        threading.Thread(target=pump, args=(c, up_s, seen.append), daemon=True).start()
+        pump(up_s, c, seen.append)
 
     threading.Thread(target=run, daemon=True).start()
     return srv, seen

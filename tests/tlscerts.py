@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["Relay", "make_ca", "make_etcd_tls_dir", "make_leaf"]
@@ -57,6 +58,23 @@ def make_etcd_tls_dir(d: Path) -> Path:
     return d
 
 
+def pump(src: socket.socket, dst: socket.socket, seen: Callable[[bytes], None]) -> None:
+    """Pass what ``src`` sends on to ``dst`` (``seen`` gets each piece) until either end closes;
+    then shut both down."""
+    try:
+        while data := src.recv(1 << 16):
+            seen(data)
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 class Relay:
     """A TCP relay on ``host`` to ``target`` that records every byte it passes on, each way."""
 
@@ -79,19 +97,11 @@ class Relay:
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                with self._lock:
-                    self.seen += data
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        pump(src, dst, self._record)
+
+    def _record(self, data: bytes) -> None:
+        with self._lock:
+            self.seen += data
 
     def close(self) -> None:
         self._srv.close()
