@@ -19,7 +19,7 @@ from nonstop.control.embedded import EmbeddedStore
 from nonstop.control.store import Lease, LeaseKeeper
 from nonstop.errors import ControlError
 from nonstop.runtime.jobstore import JobStore, RecordWriter
-from nonstop.runtime.node import EXIT_FENCED, NodeAgent, NodeSpec
+from nonstop.runtime.nodelease import NodeLease
 from nonstop.runtime.storesync import leader_ttl
 from tests.coord_fakes import Harness
 
@@ -205,14 +205,11 @@ class _Keeper:
         self.reason = "lease 7 lost: the lease expired" if lost else ""
 
 
-def _agent(tmp_path: Path) -> NodeAgent:
-    agent = NodeAgent(
-        spec=NodeSpec(node="1", nproc=1, spares=0, domain="1"), coordinator=("127.0.0.1", 1),
-        secret=b"x" * 32, secret_file=tmp_path / "secret", command=["true"], env={}, job_dir=tmp_path,
-        shm_dir=tmp_path, redirect_output=False,
-    )  # fmt: skip
-    agent._renew_lease = lambda: None  # type: ignore[method-assign]  # no store here
-    return agent
+def _lease() -> NodeLease:
+    jobs: Any = None  # no store here: the lease's keeper is a fake and renewing does nothing
+    lease = NodeLease(jobs, node="1", data_addr="127.0.0.1:1", ttl=1.0, send=lambda msg: None)
+    lease._renew = lambda: None  # type: ignore[method-assign]
+    return lease
 
 
 @pytest.mark.parametrize(
@@ -227,15 +224,16 @@ def _agent(tmp_path: Path) -> NodeAgent:
     ],
 )
 def test_an_agent_fences_only_when_neither_the_store_nor_the_coordinator_hears_it(
-    tmp_path: Path, store_silent_s: float, lost: bool, unacked_s: float, fenced: bool, renews: bool
+    store_silent_s: float, lost: bool, unacked_s: float, fenced: bool, renews: bool
 ) -> None:
-    agent = _agent(tmp_path)
+    lease = _lease()
     keeper: Any = _Keeper(silent_s=store_silent_s, lost=lost)
-    code = agent._judge_store_lease(keeper, time.monotonic(), unacked_s, 1.0)
-    assert code == (EXIT_FENCED if fenced else None)
-    assert (agent._renewing is not None) == renews
+    lease.keeper = keeper
+    why = lease.judge(time.monotonic(), unacked_s, 1.0)
+    assert (why is not None) == fenced
+    assert (lease._renewing is not None) == renews
     if fenced:
-        assert agent.fenced is not None and "acknowledged nothing" in agent.fenced
+        assert why is not None and "acknowledged nothing" in why
 
 
 # -- a worker reconnecting to a restarted coordinator says where it is *now* ----------------------

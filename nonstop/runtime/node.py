@@ -61,7 +61,6 @@ from pathlib import Path
 
 from nonstop.config import ENV
 from nonstop.control.channel import Channel, Message, connect
-from nonstop.control.store import ControlStore, LeaseKeeper, open_store
 from nonstop.errors import ControlError, NonstopError, SnapshotMissingError
 from nonstop.faults import fired_at, preempt_notice_path
 from nonstop.replica.peer import (
@@ -74,7 +73,7 @@ from nonstop.replica.peer import (
 )
 from nonstop.runtime.agent import Agent, remove_segments
 from nonstop.runtime.gc import hold_lock, release_lock
-from nonstop.runtime.jobstore import JobStore
+from nonstop.runtime.nodelease import FENCE_AT, NodeLease
 from nonstop.runtime.nodework import NodeWork
 from nonstop.runtime.notice import NoticePoller
 from nonstop.snapshot.store import RankSnapshotStore
@@ -87,11 +86,6 @@ EXIT_FENCED = 3
 TICK_S = 0.005
 NOTICE_POLL_S = 0.1  # how often the preemption notice file is looked for
 RECONNECT_EVERY_S = 0.2  # store mode: how often a node retries a lost coordinator
-FENCE_AT = 0.75  # of the lease TTL: the rest is the margin to kill and reap the node's processes
-# store mode: a lapsed lease is replaced only while the coordinator acknowledged this node within
-# this part of the TTL (it loses a lapsed node it has not heard for a whole TTL)
-RENEW_WHILE_HEARD = 0.5
-RENEW_RETRY_S = 0.2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,12 +149,7 @@ class NodeAgent:
         self.release.set()
         # store mode (--store etcd://): this node's lease lives in the store, and a lost
         # coordinator is waited for (it restarts) rather than a reason to fence
-        self._keeper: LeaseKeeper | None = None
-        self._store: ControlStore | None = None
-        self._lease_ttl = 0.0
-        self._keeper_lock = threading.Lock()  # swapping the keeper (a new lease) vs shutting down
-        self._renewing: threading.Thread | None = None  # registering a new lease (it had lapsed)
-        self._closing = threading.Event()
+        self._lease: NodeLease | None = None
         self.reconnect_s = 0.0
         self._outbox: list[Message] = []  # exit reports while the coordinator is away
         # preemption: SIGTERM (set by the owner, grace ``preempt_grace_s``) or the notice file
@@ -215,7 +204,7 @@ class NodeAgent:
         }
         if resume:
             hello["resume"] = True
-            hello["lease_id"] = self._keeper.lease.id if self._keeper is not None else 0
+            hello["lease_id"] = self._lease.lease_id if self._lease is not None else 0
         return hello
 
     def _setup(self, welcome: Message) -> None:
@@ -281,35 +270,12 @@ class NodeAgent:
             self._inbox.put(None)
 
     def _register(self, url: str, ttl: float) -> None:
-        """Store mode: hold this node's liveness key with its own lease (runtime/jobstore.py)."""
-        self._store = open_store(url, secret=self.secret.decode())
+        """Store mode: hold this node's liveness key with its own lease (runtime/nodelease.py)."""
         assert self.data is not None
-        self._lease_ttl = ttl
-        self._keeper = JobStore(self._store, self.job_id).register_node(self.spec.node, self.data.addr, ttl)
-        self._send({"t": "registered", "lease_id": self._keeper.lease.id})
-
-    def _renew_lease(self) -> None:
-        """Store mode, on a thread of its own: this node's lease lapsed (a store stall, or this
-        node cut off from the store) while the coordinator still hears it; register a new one,
-        retrying until the store answers or the agent stops. The coordinator keeps a lapsed node
-        as long as it hears it (runtime/storesync.py), so the node goes on training meanwhile."""
-        assert self._store is not None and self.data is not None
-        jobs = JobStore(self._store, self.job_id)
-        while not self._closing.is_set():
-            try:
-                keeper = jobs.register_node(self.spec.node, self.data.addr, self._lease_ttl)
-            except ControlError as e:
-                log.warning("node %s: registering a new lease: %s; retrying", self.spec.node, e)
-                self._closing.wait(RENEW_RETRY_S)
-                continue
-            with self._keeper_lock:
-                if self._closing.is_set():
-                    keeper.stop(revoke=True)
-                    return
-                self._keeper = keeper
-            log.warning("node %s: its lease had lapsed; registered a new one", self.spec.node)
-            self._send({"t": "registered", "lease_id": keeper.lease.id})
-            return
+        self._lease = NodeLease.open(
+            url, secret=self.secret, job_id=self.job_id, node=self.spec.node, data_addr=self.data.addr,
+            ttl=ttl, send=self._send,
+        )  # fmt: skip
 
     def _send(self, msg: Message) -> None:
         chan = self._chan
@@ -319,7 +285,7 @@ class NodeAgent:
                 return
             except ControlError:
                 pass
-        if self._keeper is not None and msg.get("t") == "exit":
+        if self._lease is not None and msg.get("t") == "exit":
             self._outbox.append(msg)  # the restarted coordinator must learn of it
 
     def _reconnect(self) -> bool:
@@ -376,7 +342,7 @@ class NodeAgent:
             else:
                 empty = False
             while not empty:
-                if msg is None and self._keeper is not None:
+                if msg is None and self._lease is not None:
                     # Store mode: the coordinator may be restarting. This node's right to play
                     # its ranks is its lease in the store, checked below, not this connection.
                     log.warning("node %s: lost the coordinator; reconnecting", self.spec.node)
@@ -401,38 +367,13 @@ class NodeAgent:
                     self._check_preemption(now)
                 elif now > self._preempt_deadline:
                     return self._fence("preempted: the grace period ran out before the node was drained")
-            keeper = self._keeper
-            if keeper is not None:
-                code = self._judge_store_lease(keeper, now, now - acked_sent_at, ttl)
-                if code is not None:
-                    return code
+            if self._lease is not None:
+                why = self._lease.judge(now, now - acked_sent_at, ttl)
+                if why is not None:
+                    return self._fence(why)
             elif now - acked_sent_at > FENCE_AT * ttl and not self.in_process:
                 return self._fence(f"no lease renewal acknowledged for {now - acked_sent_at:.2f}s")
         return 0
-
-    def _judge_store_lease(self, keeper: LeaseKeeper, now: float, unacked: float, ttl: float) -> int | None:
-        """Store mode: this node may go on playing its ranks while the store **or** the coordinator
-        hears it; it fences (returns the exit code) only when neither has for ``FENCE_AT`` of the
-        TTL. Either one then still waits a quarter TTL before it acts on the loss: the store
-        deletes the key a whole TTL after the last refresh it got, and the coordinator loses a
-        node whose key is gone only once it has not heard the node for a whole TTL either.
-        A lapsed lease is replaced (on a thread) while the coordinator hears the node."""
-        store_silent = now - keeper.last_ok_sent
-        store_gone = keeper.lost.is_set() or store_silent > FENCE_AT * keeper.lease.ttl
-        if not store_gone:
-            return None
-        if unacked > FENCE_AT * ttl:
-            why = (
-                keeper.reason or f"no lease refresh got through to the control store for {store_silent:.2f}s"
-            )
-            return self._fence(f"{why}, and the coordinator acknowledged nothing for {unacked:.2f}s")
-        renewing = self._renewing is not None and self._renewing.is_alive()
-        if keeper.lost.is_set() and unacked <= RENEW_WHILE_HEARD * ttl and not renewing:
-            self._renewing = threading.Thread(
-                target=self._renew_lease, name="nonstop-lease-renew", daemon=True
-            )
-            self._renewing.start()
-        return None
 
     def _check_preemption(self, now: float) -> None:
         """A preemption notice (SIGTERM, or the notice file with the grace in seconds): tell the
@@ -507,16 +448,8 @@ class NodeAgent:
             self.notice.stop()
         if self._data_work is not None:
             self._data_work.stop()
-        with self._keeper_lock:
-            self._closing.set()
-            keeper = self._keeper
-        if keeper is not None:
-            try:  # a finished node ends its lease at once; a fenced one has lost it already
-                keeper.stop(revoke=self.fenced is None)
-            except ControlError:
-                pass
-        if self._store is not None:
-            self._store.close()
+        if self._lease is not None:  # a finished node ends its lease at once; a fenced one lost it
+            self._lease.close(revoke=self.fenced is None)
         if self.agent is not None:
             self.agent.shutdown()
         if self.data is not None:
