@@ -11,253 +11,13 @@ import logging
 import sys
 from pathlib import Path
 
+from nonstop.cliargs import detector, detector_args, node_args, node_config, snapshot_args, snapshot_config
 from nonstop.climetrics import add_metrics_args, add_watch_args, watch_status
 from nonstop.clisecurity import add_security_args, security_config
-from nonstop.config import SNAPSHOT_MODES, SURVIVOR_MODES, SWAP_TRANSFERS, DetectorConfig, JobConfig
+from nonstop.config import SURVIVOR_MODES, JobConfig
 from nonstop.errors import JobFailedError, NonstopError, UsageError
 
 __all__ = ["main"]
-
-
-def _detector_args(p: argparse.ArgumentParser) -> None:
-    d = DetectorConfig()
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=d.heartbeat_timeout_s,
-        help="seconds of heartbeat silence before a worker counts as hung (default %(default)s)",
-    )
-    p.add_argument(
-        "--hang-factor",
-        type=float,
-        default=d.hang_factor,
-        help="no progress for this many median step times counts as a hang (default %(default)s)",
-    )
-    p.add_argument(
-        "--hang-min-s",
-        type=float,
-        default=d.hang_min_s,
-        help="floor of the progress-based hang timeout, seconds (default %(default)s)",
-    )
-
-
-def _detector(ns: argparse.Namespace) -> DetectorConfig:
-    return DetectorConfig(
-        heartbeat_timeout_s=ns.heartbeat_timeout, hang_factor=ns.hang_factor, hang_min_s=ns.hang_min_s
-    )
-
-
-def _snapshot_args(p: argparse.ArgumentParser) -> None:
-    c = JobConfig(script="")
-    p.add_argument(
-        "--snapshot",
-        choices=SNAPSHOT_MODES,
-        default=c.snapshot,
-        help="per-step capture: overlapped with the next step, sync, or off (default %(default)s)",
-    )
-    p.add_argument(
-        "--persist",
-        default=None,
-        metavar="URL",
-        help="durable tier: directory or fsspec URL (default JOB_DIR/checkpoints)",
-    )
-    p.add_argument(
-        "--persist-every",
-        type=int,
-        default=c.persist_every,
-        help="persist the committed step every N steps, lazily; 0: only on demand, SIGTERM and exit "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--keep", type=int, default=c.keep, help="durable checkpoints to retain (default %(default)s)"
-    )
-    p.add_argument(
-        "--lossy", action="store_true", help="quantise delta checkpoints (optimizer moments, weight deltas)"
-    )
-    p.add_argument("--lossy-bits", type=int, default=c.lossy_bits, help="4 or 8 (default %(default)s)")
-
-
-def _snapshot_config(ns: argparse.Namespace) -> dict[str, object]:
-    return {
-        "snapshot": ns.snapshot,
-        "persist_url": ns.persist,
-        "persist_every": ns.persist_every,
-        "keep": ns.keep,
-        "lossy": ns.lossy,
-        "lossy_bits": ns.lossy_bits,
-    }
-
-
-def _node_args(p: argparse.ArgumentParser) -> None:
-    c = JobConfig(script="")
-    g = p.add_argument_group("many nodes")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default %(default)s)")
-    g.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 hosts the coordinator")
-    g.add_argument(
-        "--coordinator", default=None, metavar="HOST:PORT", help="where node 0 listens and the others connect"
-    )
-    g.add_argument(
-        "--domain", default=None, help="this node's failure domain (rack, zone); replicas avoid it"
-    )
-    g.add_argument(
-        "--store",
-        default=c.store,
-        help="control store: embedded:// (default; the coordinator lives in node 0's process) or "
-        "etcd://HOST:PORT (job state and node leases in etcd: the coordinator runs as its own process "
-        "and may restart without stopping the job; needs --secret-file, the etcd password); "
-        "etcds://HOST:PORT: the same over TLS (--etcd-ca, --etcd-cert, --etcd-key)",
-    )
-    g.add_argument(
-        "--reconnect",
-        type=float,
-        default=c.reconnect_s,
-        help="with --store etcd: seconds agents and workers wait for a restarted coordinator "
-        "(default %(default)s)",
-    )
-    g.add_argument(
-        "--data-host",
-        default=None,
-        help="address this node's data plane (peer replicas) binds and advertises "
-        "(default: node 0 the coordinator's host; others the local address that reaches it)",
-    )
-    g.add_argument(
-        "--lease-ttl",
-        type=float,
-        default=c.lease_ttl_s,
-        help="seconds without a lease renewal after which a node is lost (default %(default)s)",
-    )
-    g.add_argument(
-        "--replicas",
-        type=int,
-        default=c.replicas,
-        help="peer copies of each rank's snapshot (default %(default)s)",
-    )
-    g.add_argument("--replica-bandwidth", type=float, default=None, metavar="MB/S", help="cap on replication")
-    g.add_argument(
-        "--secret-file",
-        type=Path,
-        default=None,
-        help="job secret (default: JOB_DIR/secret, written by node 0)",
-    )
-    g.add_argument("--quarantine-failures", type=int, default=c.quarantine_failures)
-    g.add_argument("--quarantine-window", type=float, default=c.quarantine_window_s, metavar="SECONDS")
-    g.add_argument("--join-timeout", type=float, default=c.join_timeout_s, metavar="SECONDS")
-    g.add_argument(
-        "--preempt-grace",
-        type=float,
-        default=c.preempt_grace_s,
-        metavar="SECONDS",
-        help="SIGTERM to a node (not node 0) is a preemption notice: its ranks move live to other nodes "
-        "within this grace; also JOB_DIR/preempt-node-N appearing (content: grace seconds)",
-    )
-    g.add_argument(
-        "--preempt-url",
-        default=None,
-        metavar="URL",
-        help="poll this HTTP endpoint for a preemption notice (a cloud metadata service, e.g. AWS "
-        ".../spot/instance-action, GCP .../instance/preempted, Azure scheduled events); '{node}' is "
-        "replaced by the node rank",
-    )
-    g.add_argument(
-        "--preempt-header",
-        action="append",
-        default=[],
-        metavar="'NAME: VALUE'",
-        help="header of the notice request (e.g. 'Metadata-Flavor: Google'); repeatable",
-    )
-    g.add_argument(
-        "--preempt-poll",
-        type=float,
-        default=c.preempt_poll_s,
-        metavar="SECONDS",
-        help="how often the notice endpoint is polled (default %(default)s)",
-    )
-    g.add_argument(
-        "--min-world-size",
-        type=int,
-        default=c.min_world_size,
-        metavar="N",
-        help="elastic: when a rank cannot be replaced (no hot spare left), go on with fewer ranks, "
-        "down to N, keeping the global batch by gradient accumulation; grow back when a node joins "
-        "(default 0: never shrink)",
-    )
-    g.add_argument(
-        "--elastic-wait",
-        type=float,
-        default=c.elastic_wait_s,
-        metavar="SECONDS",
-        help="elastic: wait this long for a spare before shrinking (default %(default)s)",
-    )
-    g.add_argument(
-        "--survivors",
-        choices=SURVIVOR_MODES,
-        default=c.survivors,
-        help="elastic: a failed rank a hot spare could take: 'continue' goes on without it at once "
-        "(its data shards played by the others) and the spare joins at a step boundary; 'wait' "
-        "has every rank wait for the spare's restore; 'auto' chooses per failure by the restore "
-        "and step times measured (default %(default)s)",
-    )
-    g.add_argument(
-        "--shards-per-rank",
-        type=int,
-        default=c.shards_per_rank,
-        metavar="M",
-        help="data shards (micro-batches, by gradient accumulation) each rank plays per step at full "
-        "size: the script's Session.shard_steps yields them; with M > 1 a shrunk job spreads a lost "
-        "rank's shards over more ranks (default %(default)s)",
-    )
-    g.add_argument(
-        "--swap-transfer",
-        choices=SWAP_TRANSFERS,
-        default=c.swap_transfer,
-        help="how a live migration's swap brings the boundary step to the joiner's node: as a delta "
-        "against the step its catch-up fetched, the whole step, or auto: a delta when the catch-up "
-        "measured deltas faster (a slow link) (default %(default)s)",
-    )
-    g.add_argument(
-        "--mesh",
-        default=c.mesh,
-        metavar="replicate=R,shard=S,tp=T",
-        help="a sharded job's device mesh (any subset of the dims; their product is the world size, "
-        "tp divides --nproc-per-node): the script trains through Session.run(build=...), which "
-        "builds its FSDP2 / HSDP / TP model on that mesh (default: data-parallel DDP)",
-    )
-    g.add_argument(
-        "--rebuild-all-groups",
-        action="store_true",
-        help="a sharded job builds every mesh group again in each new generation; by default a "
-        "group whose members all left the last one at a step boundary, unchanged, is kept",
-    )
-
-
-def _node_config(ns: argparse.Namespace) -> dict[str, object]:
-    return {
-        "nnodes": ns.nnodes,
-        "node_rank": ns.node_rank,
-        "coordinator": ns.coordinator,
-        "domain": ns.domain,
-        "data_host": ns.data_host,
-        "store": ns.store,
-        "reconnect_s": ns.reconnect,
-        "lease_ttl_s": ns.lease_ttl,
-        "replicas": ns.replicas,
-        "replica_bandwidth_mb_s": ns.replica_bandwidth,
-        "secret_file": ns.secret_file,
-        "quarantine_failures": ns.quarantine_failures,
-        "quarantine_window_s": ns.quarantine_window,
-        "join_timeout_s": ns.join_timeout,
-        "preempt_grace_s": ns.preempt_grace,
-        "preempt_url": ns.preempt_url,
-        "preempt_headers": tuple(ns.preempt_header),
-        "preempt_poll_s": ns.preempt_poll,
-        "min_world_size": ns.min_world_size,
-        "elastic_wait_s": ns.elastic_wait,
-        "survivors": ns.survivors,
-        "swap_transfer": ns.swap_transfer,
-        "shards_per_rank": ns.shards_per_rank,
-        "mesh": ns.mesh,
-        "keep_groups": not ns.rebuild_all_groups,
-    }
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -282,9 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-restarts", type=int, default=10)
     run.add_argument("--fail", action="append", default=[], metavar="SPEC", help="inject a fault (see demo)")
     run.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name")
-    _detector_args(run)
-    _snapshot_args(run)
-    _node_args(run)
+    detector_args(run)
+    snapshot_args(run)
+    node_args(run)
     add_security_args(run)
     add_metrics_args(run)
     run.add_argument(
@@ -339,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     demo.add_argument("--job-dir", type=Path, default=Path(".nonstop/demo"))
-    _detector_args(demo)
+    detector_args(demo)
     add_security_args(demo, etcd=False)
     add_metrics_args(demo)
 
@@ -380,7 +140,13 @@ def _parser() -> argparse.ArgumentParser:
         "--out",
         type=Path,
         default=None,
-        help="picture to write: .png, .svg or .pdf (default JOB_DIR/timeline.png)",
+        help="file to write: .png, .svg, .pdf, or .json for a trace (default JOB_DIR/timeline.png)",
+    )
+    timeline.add_argument(
+        "--format",
+        choices=("png", "svg", "pdf", "trace"),
+        default=None,
+        help="trace: Chrome-trace/Perfetto JSON (default JOB_DIR/timeline.trace.json); default: by --out",
     )
     timeline.add_argument("--text-only", action="store_true", help="print the summary, draw nothing")
 
@@ -430,11 +196,11 @@ def _dispatch(ns: argparse.Namespace) -> int:
             port=ns.port,
             max_restarts=ns.max_restarts,
             faults=tuple(ns.fail),
-            detector=_detector(ns),
+            detector=detector(ns),
             resume=ns.resume,
             metrics_port=ns.metrics_port,
-            **_snapshot_config(ns),  # type: ignore[arg-type]
-            **_node_config(ns),  # type: ignore[arg-type]
+            **snapshot_config(ns),  # type: ignore[arg-type]
+            **node_config(ns),  # type: ignore[arg-type]
             **security_config(ns),  # type: ignore[arg-type]
         )
         result = run_job(cfg)
@@ -462,7 +228,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
             faults=tuple(ns.fail),
             verify=ns.verify,
             job_dir=ns.job_dir,
-            detector=_detector(ns),
+            detector=detector(ns),
             mesh=ns.mesh,
             min_world_size=ns.min_world_size,
             survivors=ns.survivors,
@@ -520,14 +286,14 @@ def _dispatch(ns: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2) if ns.json else format_inspect(report))
         return 0
     if ns.cmd == "timeline":
-        from nonstop.timeline import load_timeline, render_timeline, timeline_text
+        from nonstop.timeline import load_timeline, timeline_text
+        from nonstop.timeline.output import write_timeline
 
         tl = load_timeline(ns.path)
         print(timeline_text(tl))
         if not ns.text_only:
-            where = ns.path if ns.path.is_dir() else ns.path.parent
-            out = render_timeline(tl, ns.out or where / "timeline.png")
-            print(f"nonstop: timeline drawn to {out}")
+            out, what = write_timeline(tl, job=ns.path, out=ns.out, fmt=ns.format)
+            print(f"nonstop: timeline {'drawn' if what == 'picture' else 'trace written'} to {out}")
         return 0
     if ns.cmd == "gc":
         from nonstop.runtime.gc import collect_garbage
@@ -544,10 +310,6 @@ def _dispatch(ns: argparse.Namespace) -> int:
             print(f"  skipped {path}")
         return 0
     raise AssertionError(ns.cmd)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 def _format_status(st: dict[str, object]) -> str:
@@ -593,3 +355,7 @@ def _format_status(st: dict[str, object]) -> str:
     if st.get("queued_migrations"):
         lines.append(f"queued migrations: ranks {st['queued_migrations']}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
