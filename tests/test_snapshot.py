@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from nonstop.errors import SnapshotError, SnapshotMissingError
 from nonstop.snapshot import RankSnapshotStore, StateCapture, flatten_state, unflatten_state
 from nonstop.snapshot.api import HEADER_FMT, SlotState
+from nonstop.snapshot.pending import Copier
 from nonstop.snapshot.store import slot_path
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool, torch.float64]
@@ -258,13 +259,13 @@ def test_overlapped_snapshot_is_step_k_while_step_k_plus_1_runs(
     opt.zero_grad()
     want = _flat_clone(cap.state(1))
     gate = threading.Event()
-    real_copy = RankSnapshotStore._copy_pairs
+    real_copy = Copier._copy_pairs
 
     def held_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         assert gate.wait(10)
         real_copy(pairs)
 
-    monkeypatch.setattr(RankSnapshotStore, "_copy_pairs", staticmethod(held_copy))
+    monkeypatch.setattr(Copier, "_copy_pairs", staticmethod(held_copy))
     pending = store.begin(1, cap.state(1), deferred=cap.deferrable())
     assert not pending.done() and store.complete_steps() == []  # bulk copy still held
     opt.register_step_pre_hook(lambda *_: pending.fence())
@@ -283,7 +284,7 @@ def test_copy_failure_surfaces_on_wait(store: RankSnapshotStore, monkeypatch: py
     def broken(pairs: object) -> None:
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(RankSnapshotStore, "_copy_pairs", staticmethod(broken))
+    monkeypatch.setattr(Copier, "_copy_pairs", staticmethod(broken))
     w = torch.zeros(8)
     pending = store.begin(1, {"w": w}, deferred=lambda t: True)
     with pytest.raises(SnapshotError, match="snapshot of step 1 failed: device lost"):

@@ -29,17 +29,15 @@ copies are asynchronous on a side stream into page-locked slot memory and the
 fence is a stream dependency, not a host wait.
 
 One slot file (its naming, mapping, header encoding and pin word) is
-:class:`nonstop.snapshot.slot.Slot`; this module decides which slot to write and
-when a read is valid.
+:class:`nonstop.snapshot.slot.Slot`; the write in flight and the background copier are
+:mod:`nonstop.snapshot.pending`; a slot copied out, and decoding, :mod:`nonstop.snapshot.raw`.
+This module decides which slot to write and when a read is valid.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -50,7 +48,9 @@ import torch
 
 from nonstop.errors import SnapshotCorruptError, SnapshotError, SnapshotMissingError
 from nonstop.snapshot.api import SlotState, SnapshotInfo, TensorEntry
-from nonstop.snapshot.flatten import flatten_state, unflatten_state
+from nonstop.snapshot.flatten import flatten_state
+from nonstop.snapshot.pending import Copier, PendingWrite
+from nonstop.snapshot.raw import RawSnapshot, decode_raw, decode_state
 from nonstop.snapshot.slot import (
     KEEP_PIN,
     READ_PIN,
@@ -60,112 +60,23 @@ from nonstop.snapshot.slot import (
     segment_prefix,
     slot_path,
 )
-from nonstop.snapshot.validate import decoding, parse_meta
 
 log = logging.getLogger(__name__)
 
-# The slot format (naming, pins, dtype names) lives in nonstop.snapshot.slot; the names this
-# module always exported are re-exported here.
+# The slot format (naming, pins, dtype names) lives in nonstop.snapshot.slot, the write in flight
+# in nonstop.snapshot.pending, raw snapshots in nonstop.snapshot.raw; the names this module always
+# exported are re-exported here.
 __all__ = [
     "KEEP_PIN",
     "READ_PIN",
     "PendingWrite",
     "RankSnapshotStore",
     "RawSnapshot",
+    "decode_raw",
     "dtype_from_name",
     "segment_prefix",
     "slot_path",
 ]
-
-
-class PendingWrite:
-    """A snapshot whose bulk copy may still be running (see :meth:`RankSnapshotStore.begin`).
-
-    ``fence()`` must be called before anything changes the deferred tensors (the
-    optimizer step); ``wait()`` before the state is restored or the store closed.
-    Both are idempotent and cheap once the write is complete.
-    """
-
-    def __init__(self, step: int, nbytes: int) -> None:
-        self.step = step
-        self.nbytes = nbytes
-        self._done = threading.Event()
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
-        self._error: BaseException | None = None
-        self._cuda_event: Any = None  # torch.cuda.Event recorded after the device copies
-        self.waited_s = 0.0  # host time callers spent blocked on this write
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def on_complete(self, fn: Callable[[], None]) -> None:
-        """Call ``fn`` once the snapshot is COMPLETE (now, if it already is); not on failure.
-        It runs on the copier thread, before ``wait()`` returns to anyone."""
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
-                return
-        if self._error is None:
-            fn()
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        with self._lock:
-            self._error = error
-            callbacks, self._callbacks = self._callbacks, []
-        if error is None:
-            for fn in callbacks:
-                try:
-                    fn()
-                except Exception:  # a callback must not lose the snapshot
-                    log.exception("snapshot completion callback failed")
-        self._done.set()
-
-    def wait(self) -> None:
-        """Block until the snapshot is COMPLETE in its slot; re-raise a copy failure."""
-        if not self._done.is_set():
-            t0 = time.monotonic()
-            self._done.wait()
-            self.waited_s += time.monotonic() - t0
-        if self._error is not None:
-            raise SnapshotError(f"snapshot of step {self.step} failed: {self._error}") from self._error
-
-    def fence(self) -> None:
-        """Make later changes to the deferred tensors wait for their copy.
-
-        CPU: blocks until the copy is done. CUDA: makes the current stream wait
-        for the side stream's copies (no host wait)."""
-        if self._cuda_event is not None and not self._done.is_set():
-            torch.cuda.current_stream().wait_event(self._cuda_event)
-            return
-        self.wait()
-
-
-class RawSnapshot:
-    """A stable private copy of one slot (``RankSnapshotStore.copy_out``).
-
-    Its meta is parsed on first use and checked against the data (:func:`.validate.parse_meta`):
-    :attr:`doc` and :meth:`entries` raise SnapshotCorruptError when it is corrupt."""
-
-    def __init__(self, *, rank: int, step: int, meta: bytes, data: np.ndarray, written_at: float) -> None:
-        self.rank, self.step, self.meta, self.data, self.written_at = rank, step, meta, data, written_at
-
-    @functools.cached_property
-    def _parsed(self) -> tuple[Any, list[TensorEntry]]:
-        what = f"rank {self.rank}'s snapshot of step {self.step} (its meta)"
-        return parse_meta(self.meta, len(self.data), what, "it is not used")
-
-    @property
-    def doc(self) -> dict[str, Any]:
-        """The meta, parsed once: ``{"tree": ..., "tensors": [...]}``."""
-        tree, entries = self._parsed
-        return {"tree": tree, "tensors": [e.to_json() for e in entries]}
-
-    def entries(self) -> list[TensorEntry]:
-        return self._parsed[1]
-
-
-_Job = tuple[list[tuple[torch.Tensor, torch.Tensor]], Callable[[], None], PendingWrite]
 
 
 class RankSnapshotStore:
@@ -194,9 +105,7 @@ class RankSnapshotStore:
         self._plan_json = "[]"
         self._plan_id = 0
         self._pending: PendingWrite | None = None
-        self._jobs: queue.Queue[_Job | None] | None = None
-        self._copier: threading.Thread | None = None
-        self._side_stream: Any = None
+        self._copier = Copier(rank)
 
     # -- writing ---------------------------------------------------------------
     def _layout(self, tensors: list[torch.Tensor]) -> list[TensorEntry]:
@@ -318,73 +227,17 @@ class RankSnapshotStore:
 
         if dev_now or dev_later:
             slot.pin_for_cuda()
-            pending._cuda_event = self._start_device_copies(dev_now, dev_later)
+            pending._cuda_event = self._copier.start_device_copies(dev_now, dev_later)
         elif not cpu_later:
             complete()
             pending._finish()
             return pending
-        self._submit((cpu_later, complete, pending))
+        self._copier.submit((cpu_later, complete, pending))
         if deferred is None:
             pending.wait()
         else:
             self._pending = pending
         return pending
-
-    def _start_device_copies(
-        self, now: list[tuple[torch.Tensor, torch.Tensor]], later: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> Any:
-        """Issue device-to-host copies on a side stream, ordered after the current stream's
-        work. The current stream waits for the ``now`` copies at once (a device-side
-        dependency: the next forward may change those tensors); the returned event marks
-        the end of all copies, for :meth:`PendingWrite.fence`."""
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side = self._side_stream
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            for dst, t in now:
-                dst.copy_(t, non_blocking=True)
-            volatile_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            volatile_done.record(side)
-            for dst, t in later:
-                dst.copy_(t, non_blocking=True)
-            all_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            all_done.record(side)
-        main.wait_event(volatile_done)
-        return all_done
-
-    def _submit(self, job: _Job) -> None:
-        if self._copier is None:
-            self._jobs = queue.Queue()
-            self._copier = threading.Thread(
-                target=self._copy_loop, name=f"nonstop-snap-r{self.rank}", daemon=True
-            )
-            self._copier.start()
-        assert self._jobs is not None
-        self._jobs.put(job)
-
-    def _copy_loop(self) -> None:
-        assert self._jobs is not None
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            pairs, complete, pending = job
-            try:
-                self._copy_pairs(pairs)
-                if pending._cuda_event is not None:
-                    pending._cuda_event.synchronize()
-                complete()
-            except BaseException as e:  # reported to whoever waits on the write
-                pending._finish(e)
-            else:
-                pending._finish()
-
-    @staticmethod
-    def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for dst, t in pairs:
-            dst.copy_(t)
 
     @property
     def pending(self) -> PendingWrite | None:
@@ -457,7 +310,7 @@ class RankSnapshotStore:
             slot = self._slots[inf.slot]
             what = f"rank {self.rank}'s snapshot of step {step} in slot {inf.slot}"
             try:
-                return _decode(
+                return decode_state(
                     bytes(slot.meta_view()[: inf.meta_len]), slot.data_view(), inf.data_len, what, copy
                 )
             except SnapshotCorruptError as e:
@@ -554,11 +407,7 @@ class RankSnapshotStore:
             except SnapshotError:
                 pass
             self._pending = None
-        if self._jobs is not None:
-            self._jobs.put(None)
-            assert self._copier is not None
-            self._copier.join()
-            self._jobs, self._copier = None, None
+        self._copier.close()
         for s in self._slots:
             s.close()
 
@@ -568,28 +417,3 @@ def _age_key(inf: SnapshotInfo | None) -> tuple[int, float]:
     if inf is None or inf.state is not SlotState.COMPLETE:
         return (0, 0.0)
     return (1, float(inf.step))
-
-
-def decode_raw(meta: bytes, data: bytes | bytearray) -> Any:
-    """The state a snapshot's raw form holds (its meta JSON and data bytes, e.g. one rank of a
-    durable checkpoint: ``DurableStore.load_rank``); tensors are views of ``data``.
-    SnapshotCorruptError, whatever the bytes, unless they are a snapshot's."""
-    buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    return _decode(meta, buf, len(data), "a raw snapshot", copy=False)
-
-
-def _decode(meta: bytes, data: torch.Tensor, data_len: int, what: str, copy: bool) -> Any:
-    """The state that ``meta`` describes over the first ``data_len`` bytes of ``data`` (uint8),
-    tensors copied or views; SnapshotCorruptError naming ``what`` when the meta does not decode
-    against the data."""
-    then = "it is not restored"
-    tree, entries = parse_meta(meta, data_len, f"{what} (its meta)", then)
-    with decoding(what, then):
-        tensors = []
-        for e in entries:
-            view = data[e.offset : e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
-            tensors.append(view.clone() if copy else view)
-        try:
-            return unflatten_state(tree, tensors)
-        except SnapshotCorruptError as err:
-            raise SnapshotCorruptError(f"{what}: {err}") from None
