@@ -3,8 +3,9 @@ joined to node 0 by veth pairs on a bridge; the test cuts node 2's link mid-trai
 
 Node 2 (the minority) cannot renew its lease: its agent fences itself (SIGKILLs its processes)
 before the coordinator's lease expires, and only then is rank 2 given to a spare on a surviving
-node, from the replica in node 0's memory. No rank runs twice, and the result is bitwise equal to
-an uninterrupted run.
+node, from the replica in node 0's memory. No rank runs twice, the result is bitwise equal to
+an uninterrupted run, and the survivors, blocked in a collective with the silent rank, are freed
+by the recovery (their groups severed), not by the collective timeout.
 
 Needs root (``ip netns add``); skipped with the reason when namespaces cannot be made.
 """
@@ -29,6 +30,7 @@ from tests.conftest import STEPS, NodesInBackground
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SUBNET = "10.231.7"
+REBUILD_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -97,6 +99,8 @@ def test_partitioned_minority_is_fenced_and_no_rank_runs_twice(
         job_dir=job_dir,
         coordinator=f"{netns.addr(0)}:0",
         lease_ttl_s=3.0,
+        # A long collective timeout: survivors blocked on the cut-off rank must not be freed by it
+        rebuild_timeout_s=REBUILD_TIMEOUT_S,
         extra_env=(("GLOO_SOCKET_IFNAME", netns.bridge),),
     )
 
@@ -126,3 +130,9 @@ def test_partitioned_minority_is_fenced_and_no_rank_runs_twice(
     assert gen["ts"] >= lost["ts"]
     assert gen["nodes"]["2"] in ("0", "1") and gen["tier"] == "memory"
     assert all(f["lost_steps"] == 0 for f in result.failures)
+    # The survivors were blocked in a collective with rank 2, which never answers nor closes: the
+    # recovery's reconfigure severed their groups at once, so they did not wait out the
+    # collective timeout (before: the whole REBUILD_TIMEOUT_S).
+    (rec,) = [r for r in job.events("recovery") if r.get("rank") == 2]
+    assert rec["training_again_s"] is not None
+    assert rec["training_again_s"] < REBUILD_TIMEOUT_S / 2, rec

@@ -14,6 +14,13 @@ each (``shutdown(SHUT_WR)``): peers read EOF and their pending collectives
 fail immediately, while our own side can still read, so gloo's event loop is
 not handed an error it does not expect (a full ``SHUT_RDWR`` under a pending
 operation can make gloo call ``std::terminate``). Linux only (``/proc/self/fd``).
+
+A peer that is cut off (a network partition: no FIN, no reset ever arrives) would still hold
+*us* in a collective until the group's timeout. :meth:`SocketWatch.shut_reads` ends that from
+another thread: ``shutdown(SHUT_RD)`` on each connected socket of the group makes gloo's pending
+reads see end-of-file, exactly as if every peer had half-closed, so the collective fails at once
+with gloo's ordinary "connection closed by peer" error. Listening sockets are skipped: gloo's
+listener treats a failed ``accept`` as fatal (``std::terminate``).
 Sockets another thread happens to create during the group's creation would be
 included; nonstop's own threads create none.
 """
@@ -62,3 +69,20 @@ class SocketWatch:
             except OSError:
                 pass  # already closed by gloo or not connected (a listener)
         return closed
+
+    def shut_reads(self) -> int:
+        """End every pending and future read on the recorded connected sockets (see the module
+        docstring); return how many. Safe from any thread: only kernel state changes here."""
+        shut = 0
+        for fd, inode in _socket_inodes().items():
+            if inode not in self.created:
+                continue
+            try:
+                with socket.socket(fileno=os.dup(fd)) as s:
+                    if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        continue  # gloo's listener: a failed accept is fatal to it
+                    s.shutdown(socket.SHUT_RD)
+                shut += 1
+            except OSError:
+                pass  # closed meanwhile, or never connected
+        return shut

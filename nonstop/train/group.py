@@ -5,9 +5,12 @@ store (the coordinator's :class:`~nonstop.control.rdzv.ChannelStore`), wraps the
 DDP with the deterministic gradient sync, and tears both down so that peers blocked on this
 rank fail at once instead of at the collective timeout.
 
-Threading contract: main thread only. :meth:`GenerationGroup.join` and
-:meth:`GenerationGroup.destroy` are called by the training loop between steps or while it
-handles a step's failure; nothing here is shared with the control channel's threads. The
+Threading contract: main thread only, except :meth:`GenerationGroup.sever`.
+:meth:`GenerationGroup.join` and :meth:`GenerationGroup.destroy` are called by the training
+loop between steps or while it handles a step's failure. :meth:`GenerationGroup.sever` is called
+by the control channel's reader thread while the loop is inside a step (the link serialises it
+against the step's end): it fails the collectives in flight, and marks the groups so the next
+:meth:`destroy` drops them even at a step boundary (severed groups are never kept). The
 rendezvous store is (its replies arrive on the channel's reader thread): it is passed in,
 never kept here, and whoever created it aborts it.
 """
@@ -41,6 +44,7 @@ class GenerationGroup:
     def __init__(self, *, keep_groups: bool = True) -> None:
         self._ddp: DistributedDataParallel | None = None
         self._sockets: SocketWatch | None = None
+        self._severed = False  # sever() ran in this generation: nothing of it may be kept
         self.mesh_groups = MeshGroups(keep=keep_groups)  # a sharded job's, kept across generations
 
     def join(
@@ -80,6 +84,7 @@ class GenerationGroup:
         (a sharded model builds its mesh there, through :attr:`mesh_groups`); every socket the
         default group connects is half-closed at :meth:`destroy`. Returns what ``then`` returned."""
         timeout = datetime.timedelta(seconds=timeout_s)
+        self._severed = False
         watch = SocketWatch()
         try:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -87,6 +92,18 @@ class GenerationGroup:
             watch.stop()
             self._sockets = watch
         return then() if then is not None else None
+
+    def sever(self) -> None:
+        """Fail this generation's collectives in flight now, whatever peer they wait on.
+
+        For a recovery that interrupts a step blocked in a collective with a peer that will never
+        answer nor close (a network partition): without this the step waits out the group's
+        timeout. Any thread (reads only immutable socket sets)."""
+        self._severed = True
+        sockets = self._sockets
+        if sockets is not None:
+            sockets.shut_reads()
+        self.mesh_groups.sever()
 
     def destroy(self, *, at_boundary: bool = False) -> None:
         """Drop the DDP wrapper and the process group.
@@ -98,7 +115,7 @@ class GenerationGroup:
         stays attached to the parameters, fires on later backward passes and keeps the dead
         group (and its threads) alive until interpreter exit.
         """
-        if at_boundary:
+        if at_boundary and not self._severed:
             self.mesh_groups.park()
         else:
             self.mesh_groups.drop()

@@ -13,7 +13,12 @@ Threading contract:
   replies to ``rdzv``, aborts ``rdzv`` when a reconfigure or an abort arrives (so a rendezvous
   in progress gives up), and queues every other message in the inbox. A reconfigure that
   arrives while the main thread is inside ``train_step`` (``in_step``) interrupts it: SIGUSR1
-  makes the handler raise :class:`PeerFailed` in the main thread. When the connection ends
+  makes the handler raise :class:`PeerFailed` in the main thread -- but a signal handler runs
+  only between bytecodes, and a main thread blocked in a collective with a peer that will never
+  answer (a partition: no reset ever arrives) would wait out the group's timeout, so the reader
+  also calls the owner's ``sever`` callback for a recovery's reconfigure (never for a live
+  swap's, which a step may finish first), which fails the collectives in flight at once
+  (:meth:`~nonstop.train.group.GenerationGroup.sever`). When the connection ends
   the reader reconnects within ``reconnect_s`` (store mode, replacing ``chan``) or ends the
   process with :data:`EXIT_COORDINATOR_LOST`; after ``closing`` it just returns.
 * The **heartbeat thread** (``nonstop-heartbeat``) sends the owner's heartbeat message every
@@ -70,8 +75,10 @@ class CoordinatorLink:
         timeout: float,
         heartbeat: Callable[[], Message],
         resume: Callable[[], Message],
+        sever: Callable[[], None] | None = None,
     ) -> None:
         self.env = env
+        self._sever = sever
         self._heartbeat_msg = heartbeat
         self._resume = resume
         self._inbox: queue.Queue[Message] = queue.Queue()
@@ -131,8 +138,11 @@ class CoordinatorLink:
                 if msg.get("t") in ("reconfigure", "abort") and rdzv is not None:
                     rdzv.abort("a newer generation started")  # unblock a rendezvous in progress
                 self._inbox.put(msg)
-                if msg.get("t") == "reconfigure" and self.in_step and self._can_interrupt:
-                    _thread.interrupt_main(signal.SIGUSR1)
+                if msg.get("t") == "reconfigure" and self.in_step:
+                    if self._can_interrupt:
+                        _thread.interrupt_main(signal.SIGUSR1)
+                    if self._sever is not None and msg.get("recovery"):
+                        self._sever()  # a collective blocked on a silent peer fails now
         except (ControlError, OSError, ValueError):
             return
 

@@ -202,6 +202,13 @@ class MeshGroups:
             group.entry = _unregister(group.pg)
         self._parked = True
 
+    def sever(self) -> None:
+        """Fail every collective in flight on the live (unparked) groups now (any thread;
+        :meth:`SocketWatch.shut_reads`); the caller then drops them."""
+        if not self._parked:
+            for group in list(self._groups.values()):
+                group.sockets.shut_reads()
+
     def drop(self) -> None:
         """Leave the generation mid-step (or for good): half-close every group's sockets so
         peers blocked on this rank fail at once, and forget them."""

@@ -114,7 +114,11 @@ class Session:
         self.warming_up = False  # a joiner's sandboxed step (see _warm_up): skip side effects
         self._train_thread: int | None = None  # the thread in run(): its collectives are watched
         self._link = CoordinatorLink(
-            env, timeout=connect_timeout, heartbeat=self._heartbeat_msg, resume=self._resume_point
+            env,
+            timeout=connect_timeout,
+            heartbeat=self._heartbeat_msg,
+            resume=self._resume_point,
+            sever=self._group.sever,
         )
         self._faults = WorkerFaults(env, self._link)
         # A spare waits here, imported and connected, until it is given a rank. Pay
