@@ -47,6 +47,7 @@ from nonstop.runtime import recovery, wire
 from nonstop.runtime.clients import ClientRequests
 from nonstop.runtime.detector import FailureDetector
 from nonstop.runtime.elastic import ElasticPolicy
+from nonstop.runtime.eventfeed import EventFeed
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.executor import Executor
 from nonstop.runtime.failures import Failures
@@ -165,6 +166,9 @@ class Coordinator:
         self.resize = Resizing(self)
         # --metrics-port: step reports and status snapshots for the metrics server (metrics.py)
         self.monitor: JobMonitor | None = None
+        # Session.on_event: the job's events to the workers that subscribed (eventfeed.py)
+        self.feed = EventFeed()
+        events.subscribe(self.feed.on_event)
 
     def status(self) -> dict[str, Any]:
         """What ``nonstop status`` shows (JSON types)."""
@@ -220,12 +224,16 @@ class Coordinator:
         self.clients.answer_persists()
         if self.monitor is not None:
             self.monitor.tick()
+        self.feed.tick(
+            committed=self.committed(), generation=self.generation, world_size=self.view.world_size
+        )
 
     def _close(self) -> JobResult:
         """The job ended (and its last step is persisted): release the nodes, the result."""
         for node in self.view.nodes.values():
             self.io.send_node(node, {"t": "finish", "failed": self.view.phase is JobState.FAILED})
         self.store.close()
+        self.feed.close()
         final = min(self.view.latest_step.values()) if self.view.latest_step else 0
         return JobResult(
             state=self.view.phase,
@@ -424,6 +432,10 @@ class Coordinator:
                     rank=m.rank, step=m.step, fault_kind=m.kind, spawn_id=w.spawn_id, node=w.node
                 )
             )
+            return
+        if isinstance(m, wire.Subscribe):  # any process, any generation: Session.on_event
+            if w.chan is not None:
+                self.feed.subscribe(w.spawn_id, w.chan, m.kinds)
             return
         if isinstance(m, wire.Restored) and self.swaps.on_restored(w):
             return  # a joiner prepared its rank

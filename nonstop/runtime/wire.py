@@ -43,6 +43,7 @@ __all__ = [
     "Spawned",
     "StatusRequest",
     "Step",
+    "Subscribe",
     "WireError",
     "WorkerMessage",
     "decode_agent",
@@ -178,7 +179,16 @@ class Raw:
     msg: Mapping[str, Any] = field(default_factory=dict)
 
 
-WorkerMessage = Heartbeat | Injected | Restored | Ready | Step | Done | Paused | Fault | Migrate | Raw
+@dataclass(frozen=True, kw_only=True)
+class Subscribe:
+    """Send this process the job's events of ``kinds`` (None: all): ``Session.on_event``."""
+
+    kinds: tuple[str, ...] | None
+
+
+WorkerMessage = (
+    Heartbeat | Injected | Restored | Ready | Step | Done | Paused | Fault | Migrate | Raw | Subscribe
+)
 
 
 def decode_worker(m: Mapping[str, Any]) -> WorkerMessage | None:
@@ -220,6 +230,13 @@ def decode_worker(m: Mapping[str, Any]) -> WorkerMessage | None:
         return Migrate(gen=gen, rank=_opt_int(m, "rank"), to=_opt_str(m, "to"))
     if t == "kv":
         return Raw(gen=gen, msg=m)
+    if t == "subscribe":
+        kinds = m.get("kinds")
+        if kinds is not None and not (isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)):
+            raise WireError(
+                f"'subscribe' message: kinds must be a list of event kinds or null, not {kinds!r}"
+            )
+        return Subscribe(kinds=None if kinds is None else tuple(kinds))
     return None
 
 

@@ -10,8 +10,10 @@ connection.
 Threading contract:
 
 * The **reader thread** (``nonstop-reader``) is the only one that receives. It delivers ``kv``
-  replies to ``rdzv``, aborts ``rdzv`` when a reconfigure or an abort arrives (so a rendezvous
-  in progress gives up), and queues every other message in the inbox. A reconfigure that
+  replies to ``rdzv``, ``event`` messages (``Session.on_event``) to ``on_feed`` (which queues
+  them without blocking: :mod:`nonstop.train.eventhooks`), aborts ``rdzv`` when a reconfigure
+  or an abort arrives (so a rendezvous in progress gives up), and queues every other message
+  in the inbox. A reconfigure that
   arrives while the main thread is inside ``train_step`` (``in_step``) interrupts it: SIGUSR1
   makes the handler raise :class:`PeerFailed` in the main thread -- but a signal handler runs
   only between bytecodes, and a main thread blocked in a collective with a peer that will never
@@ -86,6 +88,10 @@ class CoordinatorLink:
         self.rdzv: ChannelStore | None = None  # this generation's rendezvous store, if any
         self.pause_at: int | None = None  # live migration: stop after this step, wait for the swap
         self.in_step = False
+        # Session.on_event: the reader hands each ``event`` message here (it must not block),
+        # and a reconnect to a restarted coordinator repeats the subscription
+        self.on_feed: Callable[[Message], None] | None = None
+        self._subscription: Message | None = None
         self._can_interrupt = threading.current_thread() is threading.main_thread()
         if self._can_interrupt:
             signal.signal(signal.SIGUSR1, self._on_interrupt)
@@ -119,6 +125,8 @@ class CoordinatorLink:
             try:
                 self.chan = connect(self.env.control_addr, self.env.secret, hello, timeout=1.0)
                 log.info("reconnected to the coordinator")
+                if self._subscription is not None:
+                    self.send_quietly(self._subscription)
                 return True
             except (ControlError, OSError):
                 time.sleep(0.2)
@@ -129,6 +137,11 @@ class CoordinatorLink:
         try:
             while True:
                 msg = self.chan.recv()
+                if msg.get("t") == "event":
+                    feed = self.on_feed
+                    if feed is not None:
+                        feed(msg)
+                    continue
                 if msg.get("t") == "kv":
                     rdzv = self.rdzv
                     if rdzv is not None:
@@ -171,6 +184,12 @@ class CoordinatorLink:
             if self.env.reconnect_s <= 0:
                 raise
             # store mode: the coordinator is restarting; the reconnect tells it where we are
+
+    def subscribe(self, kinds: list[str] | None) -> None:
+        """Ask the coordinator for the job's events of ``kinds`` (None: all), now and after
+        every reconnect; they arrive through :attr:`on_feed`."""
+        self._subscription = {"t": "subscribe", "kinds": kinds}
+        self.send(self._subscription)
 
     def send_quietly(self, msg: Message) -> None:
         """Send from a helper thread: a lost coordinator is the reader thread's business."""

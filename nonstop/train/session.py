@@ -42,7 +42,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,7 @@ from nonstop.mesh import MeshSpec
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.train.collectives import in_collective
 from nonstop.train.ddp import CanonicalGradSync
+from nonstop.train.eventhooks import FLUSH_S, EventCallback, EventHooks
 from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
@@ -121,6 +122,7 @@ class Session:
             sever=self._group.sever,
         )
         self._faults = WorkerFaults(env, self._link)
+        self._hooks = EventHooks()  # on_event's callbacks (train/eventhooks.py)
         # A spare waits here, imported and connected, until it is given a rank. Pay
         # the lazy imports a first optimizer / DDP construction would pay now.
         if env.role == "spare":
@@ -202,6 +204,37 @@ class Session:
             raise ValueError("the process group's store exists once Session.run() has joined a generation")
         return rdzv
 
+    # -- the event hook ----------------------------------------------------------------------
+    def on_event(
+        self,
+        callback: EventCallback,
+        *,
+        kinds: Iterable[str] | None = None,
+        deliver: str = "thread",
+        max_pending: int = 1024,
+    ) -> None:
+        """Call ``callback(event)`` with each of the job's events from now on (a typed
+        :class:`~nonstop.runtime.events.Event`: ``event.kind``, its fields, ``event.to_json()``):
+        what the coordinator logs to ``events.jsonl`` -- ``failure``, ``recovery`` (MTTR, stages,
+        lost steps), ``generation``, ``shrink``, ``grow``, ``migration_done``, ``persist``, ... --
+        and ``committed`` (the committed step, at most once a second). ``kinds``: only these.
+
+        Only processes that call this receive events (usually: ``if session.rank == 0``); a
+        spare that takes over the rank runs the same script and subscribes anew. Never blocks
+        training: events wait in a bounded queue (``max_pending``; when full the oldest is
+        dropped, :attr:`events_dropped`) and are delivered on a thread of their own
+        (``deliver="thread"``) or by the loop between two steps (``deliver="step"``).
+        :mod:`nonstop.loggers` has callbacks for TensorBoard and Weights & Biases. See
+        :mod:`nonstop.train.eventhooks` for the whole contract."""
+        kinds_wanted = self._hooks.add(callback, kinds=kinds, deliver=deliver, max_pending=max_pending)
+        self._link.on_feed = self._hooks.put
+        self._link.subscribe(kinds_wanted)
+
+    @property
+    def events_dropped(self) -> int:
+        """Events this process's :meth:`on_event` queue dropped because it was full."""
+        return self._hooks.dropped
+
     # -- what the link's threads report (read-only on the session) -----------------------
     def _heartbeat_msg(self) -> Message:
         since = self._sync.pending_since if self._sync is not None else None
@@ -271,6 +304,7 @@ class Session:
                     self._progress_at = time.monotonic()
                 try:
                     while self._step < num_steps:
+                        self._hooks.deliver_pending()  # on_event(deliver="step")
                         pending = self._link.poll_reconfigure()
                         pause_at = self._link.pause_at
                         if pending is None and pause_at is not None and self._step >= pause_at:
@@ -310,6 +344,8 @@ class Session:
                     reply = self._link.wait_for("finish", "reconfigure")
                     if reply["t"] == "finish":
                         self._link.closing = True
+                        if self._hooks.active:
+                            self._hooks.flush(FLUSH_S)
                         return RunResult(step=self._step, last_loss=loss, generation=self.generation)
                     msg = reply
                 except _Reconfigure as r:
