@@ -9,7 +9,10 @@ and a picture.
   for a spare, shrinks);
 * :mod:`.text`: :func:`timeline_text`, the summary for a terminal;
 * :mod:`.render`: :func:`render_timeline`, one painter per row or layer on the :mod:`.style`
-  canvas (PNG, SVG or PDF by the file's extension).
+  canvas (PNG, SVG or PDF by the file's extension);
+* :mod:`.trace`: :func:`timeline_trace` / :func:`write_trace`, the same as Chrome-trace /
+  Perfetto JSON, and :func:`check_trace`, the format's rules; :mod:`.output` picks picture or
+  trace for ``nonstop timeline --format``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from nonstop.timeline.model import (
 )
 from nonstop.timeline.render import FORMATS, render_timeline
 from nonstop.timeline.text import timeline_text
+from nonstop.timeline.trace import check_trace, timeline_trace, write_trace
 
 __all__ = [
     "EVENTS_FILE",
@@ -52,8 +56,11 @@ __all__ = [
     "StageSpan",
     "Timeline",
     "build_timeline",
+    "check_trace",
     "load_events",
     "load_timeline",
     "render_timeline",
     "timeline_text",
+    "timeline_trace",
+    "write_trace",
 ]
