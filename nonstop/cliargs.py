@@ -69,6 +69,14 @@ def snapshot_args(p: argparse.ArgumentParser) -> None:
         "--lossy", action="store_true", help="quantise delta checkpoints (optimizer moments, weight deltas)"
     )
     p.add_argument("--lossy-bits", type=int, default=c.lossy_bits, help="4 or 8 (default %(default)s)")
+    p.add_argument(
+        "--shm-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where this node keeps its snapshot memory: a memory filesystem with room for every "
+        "slot (default /dev/shm)",
+    )
 
 
 def snapshot_config(ns: argparse.Namespace) -> dict[str, object]:
@@ -79,6 +87,7 @@ def snapshot_config(ns: argparse.Namespace) -> dict[str, object]:
         "keep": ns.keep,
         "lossy": ns.lossy,
         "lossy_bits": ns.lossy_bits,
+        "shm_dir": ns.shm_dir,
     }
 
 

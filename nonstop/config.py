@@ -160,6 +160,7 @@ class JobConfig:
     tls: bool = False  # TLS on the control channel and the data plane (control/tls.py)
     # -- operating -----------------------------------------------------------------------------
     metrics_port: int | None = None  # Prometheus /metrics and /status on the control host (0: any free port)
+    shm_dir: Path | None = None  # this node's snapshot memory (--shm-dir); None: /dev/shm
 
     @property
     def world_size(self) -> int:
@@ -195,6 +196,8 @@ class JobConfig:
             raise UsageError(f"--spares must be >= 0 (got {self.spares})")
         if not 0 <= self.port <= 65535:
             raise UsageError(f"--port must be in 0..65535 (got {self.port}); 0 picks a free port")
+        if self.shm_dir is not None and not (self.shm_dir.is_dir() and os.access(self.shm_dir, os.W_OK)):
+            raise UsageError(f"--shm-dir {str(self.shm_dir)!r} is not a writable directory")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise UsageError(
                 f"--metrics-port must be in 0..65535 (got {self.metrics_port}); 0 picks a free port"
@@ -434,7 +437,7 @@ def job_config_from_json(text: str) -> JobConfig:
     doc = json.loads(text)
     doc["detector"] = DetectorConfig(**doc["detector"])
     doc["job_dir"] = Path(doc["job_dir"])
-    for name in ("secret_file", "etcd_ca", "etcd_cert", "etcd_key"):
+    for name in ("secret_file", "etcd_ca", "etcd_cert", "etcd_key", "shm_dir"):
         if doc.get(name) is not None:
             doc[name] = Path(doc[name])
     for name in ("script_args", "faults"):

@@ -216,7 +216,7 @@ def serve_coordinator(
     resume = load_resume(config) if config.resume else None
     if resume is not None and config.resume is not None:
         declare_resume(durable, config.resume, resume.step)
-    shm_dir = default_shm_dir()
+    shm_dir = config.shm_dir or default_shm_dir()
     secret = coordinator_secret(config)
     events = EventLog(job_dir / "events.jsonl")
     host, port = config.coordinator_addr
@@ -368,6 +368,8 @@ def serve_coordinator(
             if config.secret_file is None:
                 secret_file.unlink(missing_ok=True)
             (job_dir / JOB_INFO).unlink(missing_ok=True)
+    if node_thread is not None and node.memory is not None and node.memory.error is not None:
+        raise UsageError(node.memory.error)  # its memory tier is too small: exit 2 with the line
     return result
 
 
@@ -461,7 +463,7 @@ def _run_node(
     """A node other than 0: run its agent until the job ends or the node is fenced."""
     _prepare_job_dir(job_dir, owner=False)
     secret, secret_file = node_secret(config, job_dir)  # from $NONSTOP_SECRET: a private file
-    shm_dir = default_shm_dir()
+    shm_dir = config.shm_dir or default_shm_dir()
     spec = _node_spec(config)
     node = NodeAgent(
         spec=spec,
@@ -492,6 +494,8 @@ def _run_node(
         ) from None
     finally:
         restore_handlers()
+    if node.memory is not None and node.memory.error is not None:
+        raise UsageError(node.memory.error)  # its memory tier is too small: exit 2 with the line
     state = JobState.DONE if rc == 0 else JobState.FAILED
     error = None if rc == 0 else (node.fenced or "the job failed (see node 0's events)")
     return JobResult(state=state, generation=0, final_step=0, error=error)

@@ -76,6 +76,7 @@ from nonstop.runtime.gc import hold_lock, release_lock
 from nonstop.runtime.nodelease import FENCE_AT, NodeLease
 from nonstop.runtime.nodework import NodeWork
 from nonstop.runtime.notice import NoticePoller
+from nonstop.runtime.shmspace import NodeMemory
 from nonstop.snapshot.store import RankSnapshotStore
 
 __all__ = ["EXIT_FENCED", "NodeAgent", "NodeSpec"]
@@ -158,6 +159,7 @@ class NodeAgent:
         self._preempt_deadline: float | None = None
         self._next_notice_check = 0.0
         self.notice: NoticePoller | None = None  # --preempt-url: set by the owner before run()
+        self.memory: NodeMemory | None = None  # its memory tier's plan and watch, once welcomed
 
     # -- lifecycle --------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> int:
@@ -214,6 +216,10 @@ class NodeAgent:
             self.reconnect_s = float(welcome.get("reconnect_s", 30.0))
         self._lock = hold_lock(self.shm_dir, local_store_id(self.job_id, self.spec.node), self.job_dir)
         self.num_slots = int(welcome.get("num_slots", 2))
+        self.memory = NodeMemory.open(
+            node=self.spec.node, job_id=self.job_id, job_dir=self.job_dir, shm_dir=self.shm_dir,
+            nproc=self.spec.nproc, num_slots=self.num_slots, replicas=int(welcome.get("replicas", 0)),
+        )  # fmt: skip
         env = dict(self.base_env)
         env.update({str(k): str(v) for k, v in dict(welcome.get("env", {})).items()})
         env.update(
@@ -260,6 +266,15 @@ class NodeAgent:
             replicator=self.replicator,
             send=self._send,
         )
+
+    def _check_space(self) -> None:
+        """A store of this node found its memory tier too small (runtime/shmspace.py): tell the
+        coordinator, which fails the job with that line (the launcher exits 2 with it)."""
+        assert self.memory is not None
+        error = self.memory.poll()
+        if error is not None:
+            log.error("%s", error)
+            self._send({"t": "fatal", "error": error})
 
     def _reader(self) -> None:
         assert self._chan is not None
@@ -362,6 +377,7 @@ class NodeAgent:
                 except queue.Empty:
                     break
             now = time.monotonic()
+            self._check_space()
             if not self.in_process:
                 if self._preempt_deadline is None:
                     self._check_preemption(now)
@@ -407,7 +423,10 @@ class NodeAgent:
             self.agent.wait_all(5.0)
             return 0
         if t == "spawn":
-            sid = self.agent.spawn(str(msg["role"]), int(msg["spawn_id"]))
+            rank = msg.get("rank")
+            sid = self.agent.spawn(
+                str(msg["role"]), int(msg["spawn_id"]), rank=None if rank is None else int(rank)
+            )
             self._send({"t": "spawned", "spawn_id": sid, "pid": self.agent.pid(sid)})
         elif t == "kill":
             self.agent.kill(int(msg["spawn_id"]), int(msg.get("sig", signal.SIGKILL)))

@@ -155,6 +155,7 @@ class NodeAgents:
                 "job_id": self.c.job_id,
                 "lease_ttl_s": self.c.config.lease_ttl_s,
                 "num_slots": self.c.num_slots,
+                "replicas": self.c.config.replicas if self.c.replication_on else 0,
                 "env": self.c.worker_env,
                 "store": self.c.config.store if self.c.store.jobs is not None else None,
                 "reconnect_s": self.c.config.reconnect_s,
@@ -200,6 +201,8 @@ class NodeAgents:
             self.c.swaps.on_preempt(node, m.grace_s)
         elif isinstance(m, wire.Registered):
             node.lease_id = m.lease_id
+        elif isinstance(m, wire.Fatal):
+            self.c.fail(f"node {node.name}: {m.error}")
         elif isinstance(m, wire.Raw) and self.c.rounds is not None:  # a persist round's answer
             self.c.rounds.on_reply(node.name, dict(m.msg))
 

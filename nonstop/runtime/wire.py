@@ -24,6 +24,7 @@ __all__ = [
     "Drain",
     "Exit",
     "Fault",
+    "Fatal",
     "Fetched",
     "Heartbeat",
     "Injected",
@@ -318,8 +319,16 @@ class Registered:
     lease_id: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class Fatal:
+    """The node cannot play its part (its memory tier is too small: snapshot/space.py): the job
+    fails with ``error``, one line saying what to do."""
+
+    error: str
+
+
 AgentMessage = (
-    Lease | Exit | Spawned | Inventory | Installed | Fetched | Replicated | Preempt | Registered | Raw
+    Lease | Exit | Spawned | Inventory | Installed | Fetched | Replicated | Preempt | Registered | Fatal | Raw
 )
 
 
@@ -367,6 +376,8 @@ def decode_agent(m: Mapping[str, Any]) -> AgentMessage | None:
         return Preempt(grace_s=_num(m, "grace_s", 0.0))
     if t == "registered":
         return Registered(lease_id=_int(m, "lease_id"))
+    if t == "fatal":
+        return Fatal(error=str(m.get("error") or "a node cannot play its part"))
     if t == "persisted":
         return Raw(gen=-1, msg=m)
     return None

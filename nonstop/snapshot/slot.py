@@ -38,6 +38,7 @@ only carries it over.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import mmap
@@ -49,7 +50,7 @@ from typing import Any
 
 import torch
 
-from nonstop.errors import SnapshotCorruptError
+from nonstop.errors import SnapshotCorruptError, SnapshotError
 from nonstop.snapshot.api import (
     ALIGN,
     FORMAT_VERSION,
@@ -68,11 +69,13 @@ __all__ = [
     "KEEP_PIN",
     "PIN_BITS",
     "READ_PIN",
+    "ShmFullError",
     "Slot",
     "align",
     "dtype_from_name",
     "header_problem",
     "rank_slot_paths",
+    "reserve",
     "segment_prefix",
     "slot_path",
 ]
@@ -102,6 +105,23 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise SnapshotCorruptError(f"unknown dtype {str(name)[:80]!r} in snapshot meta")
     return dt
+
+
+class ShmFullError(SnapshotError):
+    """A slot's pages could not be allocated: the memory filesystem is full (ENOSPC)."""
+
+
+def reserve(fd: int, size: int) -> None:
+    """Allocate every page of the first ``size`` bytes of ``fd`` now. ShmFullError when the
+    filesystem cannot (ENOSPC: on tmpfs nothing stays allocated); a filesystem without
+    ``posix_fallocate`` is left to allocate pages as they are written."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ShmFullError(f"no room for {size} bytes: {os.strerror(e.errno)}") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
 
 
 READ_PIN = 1  # a reader is copying the slot (transient)
@@ -214,11 +234,31 @@ class Slot:
         data_cap = align(max(data_len, self.data_cap))
         meta_cap = align(max(int(meta_len * 1.5) + 4096, self.meta_cap))
         # Grow in place: other processes keep the same inode mapped and remap when the
-        # header's capacities exceed their mapping.
+        # header's capacities exceed their mapping. The pages are allocated first, so that a full
+        # memory filesystem fails here (ShmFullError, the slot as it was) rather than SIGBUS later.
+        self._grow_file(HEADER_SIZE + data_cap + meta_cap)
         self._map(HEADER_SIZE + data_cap + meta_cap, create=True)
         self.data_cap, self.meta_cap = data_cap, meta_cap
         # A slot without a valid header (new, or corrupt) has no reader's pins either.
         self.write_header(SlotState.EMPTY, -1, 0, 0, 0.0, keep_pins=valid)
+
+    def _grow_file(self, size: int) -> None:
+        """Make the file at least ``size`` bytes with every page allocated (:func:`.space.reserve`).
+        ShmFullError when the filesystem has no room: the file keeps its old size and pages (no
+        reader has the larger size mapped yet: the header does not announce it)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            old = os.fstat(fd).st_size
+            if old >= size:
+                return
+            os.ftruncate(fd, size)
+            try:
+                reserve(fd, size)
+            except BaseException:
+                os.ftruncate(fd, old)
+                raise
+        finally:
+            os.close(fd)
 
     def views(self, plan_id: int, entries: list[TensorEntry]) -> list[torch.Tensor | None]:
         """Destination tensors for ``entries`` in this slot (None for empty ones), made once

@@ -54,12 +54,14 @@ from nonstop.snapshot.raw import RawSnapshot, decode_raw, decode_state
 from nonstop.snapshot.slot import (
     KEEP_PIN,
     READ_PIN,
+    ShmFullError,
     Slot,
     align,
     dtype_from_name,
     segment_prefix,
     slot_path,
 )
+from nonstop.snapshot.space import StoreRoom
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,7 @@ class RankSnapshotStore:
         self.rank = rank
         self.num_slots = num_slots
         self._slots = [Slot(slot_path(shm_dir, job_id, rank, i)) for i in range(num_slots)]
+        self._room = StoreRoom(shm_dir=shm_dir, store_id=job_id, rank=rank, num_slots=num_slots)
         self._plan_key: tuple[tuple[torch.dtype, torch.Size], ...] | None = None
         self._plan: list[TensorEntry] = []
         self._plan_json = "[]"
@@ -135,7 +138,9 @@ class RankSnapshotStore:
             ):
                 newest = (inf.step, inf.slot)
         best: tuple[float, int] | None = None
-        for i, inf in enumerate(infos):
+        usable = [i for i in range(self.num_slots) if i not in self._room.dropped]
+        for i in usable:
+            inf = infos[i]
             if inf is not None and (inf.pinned or (newest is not None and i == newest[1])):
                 continue
             # Missing/EMPTY/WRITING (a dead writer's leftovers) first, then the oldest write.
@@ -147,14 +152,39 @@ class RankSnapshotStore:
             # stall; the pinned snapshot stays the committed one meanwhile. When every slot is
             # pinned (pins a dead reader left, or a scribbled pin word), overwrite the oldest
             # rather than wedge the rank: a reader still copying it notices (copy_out).
-            free = [i for i, inf in enumerate(infos) if inf is None or not inf.pinned]
+            free = [i for i in usable if infos[i] is None or not infos[i].pinned]  # type: ignore[union-attr]
             if free:
                 best = (0.0, free[0])
             else:
-                oldest = min(range(self.num_slots), key=lambda i: _age_key(infos[i]))
-                log.warning("rank %d: every snapshot slot is pinned; overwriting slot %d", self.rank, oldest)
+                oldest = min(usable, key=lambda i: _age_key(infos[i]))
+                if len(usable) > 1:  # with one slot left (memory full) this is every write
+                    log.warning(
+                        "rank %d: every snapshot slot is pinned; overwriting slot %d", self.rank, oldest
+                    )
                 best = (0.0, oldest)
         return self._slots[best[1]]
+
+    # -- room in the memory tier (snapshot/space.py) ------------------------------------------
+    def _sized_slot(self, data_len: int, meta_len: int) -> Slot:
+        """The slot to write next (:meth:`_choose_slot`), with room for ``data_len`` + ``meta_len``.
+
+        A slot that cannot be allocated (the memory filesystem is full: ShmFullError) is dropped
+        for good and the next candidate tried: the rank goes on with fewer slots, down to one
+        (then every write overwrites the newest snapshot: until it completes, this rank's step
+        is only in a replica or the durable tier). With none left, ShmFullError."""
+        self._room.check(data_len, meta_len)
+        while True:
+            slot = self._choose_slot()
+            try:
+                slot.ensure_capacity(data_len, meta_len)
+                return slot
+            except ShmFullError as e:
+                self._room.drop(self._slots.index(slot), e)
+
+    @property
+    def usable_slots(self) -> int:
+        """Slots this store may still write (fewer than ``num_slots`` once memory ran out)."""
+        return self.num_slots - len(self._room.dropped)
 
     def _encode(self, state: Any) -> tuple[list[torch.Tensor], list[TensorEntry], int, bytes]:
         """The tensors of ``state``, their layout in a slot, the data length and the metadata."""
@@ -176,8 +206,15 @@ class RankSnapshotStore:
             inf = self.info(i)
             if inf is not None and (inf.state is SlotState.COMPLETE or inf.pinned):
                 continue
+            if i in self._room.dropped:
+                continue
             slot = self._slots[i]
-            slot.ensure_capacity(data_len, len(meta))
+            self._room.check(data_len, len(meta))
+            try:
+                slot.ensure_capacity(data_len, len(meta))
+            except ShmFullError as e:
+                self._room.drop(i, e)
+                continue
             slot.write_header(SlotState.EMPTY, -1, 0, 0, 0.0)
             slot.data_view()[:data_len].zero_()
             slot.views(self._plan_id, entries)
@@ -203,8 +240,7 @@ class RankSnapshotStore:
             self._pending.wait()
             self._pending = None
         tensors, entries, data_len, meta = self._encode(state)
-        slot = self._choose_slot()
-        slot.ensure_capacity(data_len, len(meta))
+        slot = self._sized_slot(data_len, len(meta))
         slot.write_header(SlotState.WRITING, step, 0, 0, 0.0)
         pending = PendingWrite(step, data_len)
         cpu_later: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -249,8 +285,7 @@ class RankSnapshotStore:
 
     def write_raw(self, step: int, meta: bytes, data: bytes | bytearray | memoryview) -> None:
         """Install a snapshot given as its serialized form (e.g. loaded from the durable tier)."""
-        slot = self._choose_slot()
-        slot.ensure_capacity(len(data), len(meta))
+        slot = self._sized_slot(len(data), len(meta))
         slot.write_header(SlotState.WRITING, step, 0, 0, 0.0)
         slot.data_memoryview()[: len(data)] = data
         slot.meta_view()[: len(meta)] = meta

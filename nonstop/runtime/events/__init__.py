@@ -60,6 +60,7 @@ from nonstop.runtime.events.job import (
     Spawn,
     Spawned,
 )
+from nonstop.runtime.events.memory import MemoryDegraded
 from nonstop.runtime.events.moves import (
     Catchup,
     ElasticWait,
@@ -128,6 +129,7 @@ __all__ = [
     "JobFailed",
     "JobStart",
     "LogHeader",
+    "MemoryDegraded",
     "MigrationAborted",
     "MigrationDone",
     "MigrationPause",

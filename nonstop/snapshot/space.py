@@ -1,0 +1,255 @@
+"""Room for snapshots in the memory tier: the node's plan, the free-space check, reserving pages.
+
+Slot files live in a memory filesystem (``/dev/shm``, or ``--shm-dir``). Such a filesystem can
+be small (a container's default ``/dev/shm`` is 64 MiB) and it can fill while the job runs
+(another process writes there). Writing to a page of a file that tmpfs cannot back is a SIGBUS,
+which kills the writer mid-step. Three things keep that from happening:
+
+* **The plan.** When a node agent joins a job it writes its :class:`NodePlan` (how many slots its
+  ranks and the replicas it holds take) beside its slot files (:func:`plan_path`: it carries the
+  job's segment prefix, so it goes with the segments).
+* **The check** (:func:`shortfall`). The size of a rank's state becomes known only at its first
+  snapshot; before a store first sizes a slot, it checks the node's whole need (the plan's slots
+  x that size) against the directory's free space plus what the node's segments already hold.
+  A shortfall is one line (:class:`ShmSpaceError`, a :class:`~nonstop.errors.UsageError`) saying
+  how much is needed, how much is free and how to give it; it is also written to
+  ``<job_dir>/shm-short-<node>.txt`` (:func:`short_record_path`), where the node agent finds it
+  and fails the job (exit code 2).
+* **Reserving** (:func:`reserve`). A slot's pages are allocated when the slot is sized
+  (``posix_fallocate``): on tmpfs that either backs every page or fails at once with ENOSPC
+  (:class:`ShmFullError`), never a SIGBUS later. The store then degrades: fewer slots for that
+  rank (down to one), and with none a write that fails like any failed snapshot (the replica or
+  durable tier covers it). Each degradation is logged and, when the plan names the job dir, an
+  event (:class:`~nonstop.runtime.events.memory.MemoryDegraded`) in ``events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from nonstop.errors import UsageError
+from nonstop.snapshot.api import HEADER_SIZE
+from nonstop.snapshot.slot import ShmFullError, align, reserve, segment_prefix
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "NodePlan",
+    "ShmFullError",
+    "ShmSpaceError",
+    "StoreRoom",
+    "free_bytes",
+    "held_bytes",
+    "human",
+    "plan_path",
+    "read_plan",
+    "report_degraded",
+    "reserve",
+    "short_record_path",
+    "shortfall",
+    "slot_bytes",
+    "write_plan",
+]
+
+
+class ShmSpaceError(UsageError):
+    """The memory tier cannot hold what the job's slots need (one line: needed, free, what to do)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodePlan:
+    """What one node's memory tier must hold.
+
+    ``num_slots`` slots for each of its ``local_ranks`` ranks and ``replica_slots`` for each of
+    the ``replica_ranks`` ranks of other nodes it holds replicas of, every slot the size of one
+    rank's snapshot. ``store_ids``: the store ids of its segments (its own ranks', its replicas'),
+    whose files count as already held. Hot spares are not counted: a spare that takes a rank of
+    this node maps that rank's files; one that takes a rank of another node allocates new slots,
+    and degrades (fewer slots) when they do not fit."""
+
+    node: str
+    job_dir: str
+    shm_dir: str
+    num_slots: int
+    local_ranks: int
+    replica_ranks: int = 0
+    replica_slots: int = 0
+    store_ids: tuple[str, ...] = ()
+
+    @property
+    def slots(self) -> int:
+        return self.num_slots * self.local_ranks + self.replica_slots * self.replica_ranks
+
+    def need_bytes(self, slot_bytes: int) -> int:
+        return self.slots * slot_bytes
+
+
+def plan_path(shm_dir: Path, store_id: str) -> Path:
+    """Where the plan of the node whose own ranks' store id is ``store_id`` lives."""
+    return shm_dir / f"{segment_prefix(store_id)}space.json"
+
+
+def write_plan(plan: NodePlan, store_id: str) -> Path:
+    path = plan_path(Path(plan.shm_dir), store_id)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(plan)))
+    tmp.replace(path)
+    return path
+
+
+def read_plan(shm_dir: Path, store_id: str) -> NodePlan | None:
+    """The plan beside ``store_id``'s slots; None when there is none (a store outside a job, a
+    replica store) or it does not parse."""
+    try:
+        raw = json.loads(plan_path(shm_dir, store_id).read_text())
+        raw["store_ids"] = tuple(raw.get("store_ids", ()))
+        return NodePlan(**raw)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged process may still allocate in ``directory``'s filesystem."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def held_bytes(shm_dir: Path, store_ids: tuple[str, ...]) -> int:
+    """Bytes the segments of ``store_ids`` hold now (allocated pages, not their sizes)."""
+    total = 0
+    for sid in store_ids:
+        for path in shm_dir.glob(f"{segment_prefix(sid)}*"):
+            try:
+                total += os.stat(path).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def shortfall(plan: NodePlan, slot_bytes: int) -> str | None:
+    """The one-line error when the node's memory tier cannot hold ``plan``'s slots of
+    ``slot_bytes`` each (header, data and meta); None when it can."""
+    shm = Path(plan.shm_dir)
+    need = plan.need_bytes(slot_bytes)
+    free = free_bytes(shm)
+    room = free + held_bytes(shm, plan.store_ids)
+    if need <= room:
+        return None
+    parts = f"{plan.local_ranks} rank(s) x {plan.num_slots} slots"
+    if plan.replica_ranks:
+        parts += f" + {plan.replica_ranks} replica(s) x {plan.replica_slots} slots"
+    size_g = max(1, -(-int(need * 1.25 + (room - free)) // (1 << 30)))
+    return (
+        f"snapshot memory: node {plan.node} needs {human(need)} in {shm} ({parts} of {human(slot_bytes)}) "
+        f"but {human(room)} is free; give it room: --shm-dir DIR on a larger memory filesystem, or a "
+        f"larger /dev/shm (docker run --shm-size={size_g}g; Kubernetes: an emptyDir with medium: Memory)"
+    )
+
+
+def short_record_path(job_dir: Path, node: str) -> Path:
+    """Where a store that found the node's memory tier too small leaves the one-line error."""
+    return job_dir / f"shm-short-{node}.txt"
+
+
+def slot_bytes(data_len: int, meta_len: int) -> int:
+    """The size of a slot holding ``data_len`` bytes of data and ``meta_len`` of meta (as
+    :meth:`~nonstop.snapshot.slot.Slot.ensure_capacity` sizes it)."""
+    return HEADER_SIZE + align(data_len) + align(int(meta_len * 1.5) + 4096)
+
+
+def report_degraded(plan: NodePlan | None, *, rank: int, store: str, slots_left: int, error: str) -> None:
+    """Log that ``rank``'s ``store`` ("local" or "replica") has ``slots_left`` usable slots now,
+    and, when the node has a plan, append a ``memory_degraded`` event to the job's log."""
+    log.warning(
+        "rank %d: snapshot memory is full (%s); %s slots of this rank now: %d",
+        rank, error, store, slots_left,
+    )  # fmt: skip
+    if plan is None:
+        return
+    from nonstop.runtime.eventlog import EventLog
+    from nonstop.runtime.events.memory import MemoryDegraded
+
+    try:
+        events = EventLog(Path(plan.job_dir) / "events.jsonl")
+    except OSError as e:
+        log.warning("could not log the degradation: %s", e)
+        return
+    try:
+        events.emit(
+            MemoryDegraded(
+                node=plan.node,
+                rank=rank,
+                store=store,
+                slots_left=slots_left,
+                free=free_bytes(Path(plan.shm_dir)),
+                error=error,
+            )
+        )
+    finally:
+        events.close()
+
+
+class StoreRoom:
+    """One rank store's side of the memory tier: the node's check (once, before the store first
+    sizes a slot) and the slots it dropped because they could not be allocated.
+
+    Not thread-safe: its store calls it from the one thread that writes the store."""
+
+    def __init__(self, *, shm_dir: Path, store_id: str, rank: int, num_slots: int) -> None:
+        self.shm_dir, self.store_id, self.rank, self.num_slots = shm_dir, store_id, rank, num_slots
+        self.dropped: set[int] = set()  # slots that could not be allocated: never written again
+        self._writes = 0  # writes so far (the start check ends after num_slots)
+        self._checked_size = 0
+
+    def plan(self) -> tuple[NodePlan | None, str]:
+        """The node's plan and what the store is to it: "local" (a node's own ranks) or
+        "replica" (the ranks of other nodes it holds)."""
+        if self.store_id.endswith(".rep"):
+            return read_plan(self.shm_dir, self.store_id.removesuffix(".rep")), "replica"
+        return read_plan(self.shm_dir, self.store_id), "local"
+
+    def check(self, data_len: int, meta_len: int) -> None:
+        """At start, for a node's own ranks: can the node's memory tier hold every slot of its
+        plan, each of this size? ShmSpaceError when not (its line also left in the job dir, where
+        the node agent finds it and fails the job). "At start" is the store's first ``num_slots``
+        writes (one per slot): a state's size may change over its first snapshots (one taken before
+        the first optimizer step has no optimizer state yet), and each larger size is checked
+        again; later growth degrades instead (:meth:`drop`)."""
+        self._writes += 1
+        size = slot_bytes(data_len, meta_len)
+        if self._writes > self.num_slots or size <= self._checked_size:
+            return
+        self._checked_size = size
+        plan, kind = self.plan()
+        if plan is None or kind != "local":
+            return
+        problem = shortfall(plan, size)
+        if problem is None:
+            return
+        try:
+            short_record_path(Path(plan.job_dir), plan.node).write_text(problem + "\n")
+        except OSError as e:
+            log.warning("could not record the shortfall: %s", e)
+        raise ShmSpaceError(problem)
+
+    def drop(self, index: int, error: ShmFullError) -> None:
+        """Slot ``index`` could not be allocated: never write it again, say so (log, event);
+        ShmFullError when no slot is left."""
+        self.dropped.add(index)
+        left = self.num_slots - len(self.dropped)
+        plan, kind = self.plan()
+        report_degraded(plan, rank=self.rank, store=kind, slots_left=left, error=str(error))
+        if left == 0:
+            raise ShmFullError(f"rank {self.rank}: no snapshot slot fits in {self.shm_dir} ({error})")

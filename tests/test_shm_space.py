@@ -1,0 +1,139 @@
+"""The memory tier on a small memory filesystem (snapshot/space.py, runtime/shmspace.py).
+
+Each test mounts its own small tmpfs (root only; skipped otherwise), as a container's 64 MiB
+``/dev/shm`` would be: a job whose slots cannot fit fails at start with one line and exit code 2;
+slot pages are reserved when a slot is sized (ENOSPC then, never SIGBUS later); a store whose
+slot cannot grow goes on with fewer slots and says so in the job's event log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from nonstop.runtime.eventlog import read_events
+from nonstop.snapshot.slot import ShmFullError
+from nonstop.snapshot.space import NodePlan, free_bytes, plan_path, shortfall, write_plan
+from nonstop.snapshot.store import RankSnapshotStore
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _mount(size: str) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (mount -t tmpfs)")
+    where = Path(f"/tmp/smallshm-{uuid.uuid4().hex[:8]}")
+    where.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
+    )
+    if done.returncode != 0:
+        where.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+        where.rmdir()
+
+
+@pytest.fixture
+def shm4(tmp_path: Path) -> Iterator[Path]:
+    yield from _mount("4m")
+
+
+@pytest.fixture
+def shm16(tmp_path: Path) -> Iterator[Path]:
+    yield from _mount("16m")
+
+
+def _fill(shm: Path, leave: int) -> Path:
+    """A file that leaves ``leave`` bytes free in ``shm`` (another process filling /dev/shm)."""
+    filler = shm / "other-process-data"
+    fd = os.open(filler, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, free_bytes(shm) - leave)
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_full_tmpfs_fails_at_allocation_not_with_sigbus(shm4: Path) -> None:
+    """Sizing a slot reserves its pages: with no room it raises ShmFullError (a slot of the
+    wanted size would otherwise be a sparse file whose first write past the room is a SIGBUS)."""
+    store = RankSnapshotStore(shm_dir=shm4, job_id="t1", rank=0, num_slots=2)
+    try:
+        with pytest.raises(ShmFullError):
+            store.write(1, {"w": torch.ones(8 << 20, dtype=torch.uint8)})  # 8 MiB > 4 MiB
+        assert store.usable_slots == 0
+        assert sum(os.stat(p).st_blocks for p in shm4.iterdir()) == 0  # nothing stays allocated
+    finally:
+        store.close()
+
+
+def test_a_store_that_cannot_grow_goes_on_with_fewer_slots(shm16: Path, tmp_path: Path) -> None:
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    plan = NodePlan(
+        node="0", job_dir=str(job_dir), shm_dir=str(shm16), num_slots=3, local_ranks=1, store_ids=("t2",)
+    )
+    write_plan(plan, "t2")
+    store = RankSnapshotStore(shm_dir=shm16, job_id="t2", rank=0, num_slots=3)
+    try:
+        small = {"w": torch.full((1 << 20,), 1, dtype=torch.uint8)}
+        for step in (1, 2, 3):
+            store.write(step, small)
+        assert store.usable_slots == 3
+        _fill(shm16, leave=int(2.5 * (1 << 20)))  # room for one slot's growth of 2 MiB, not two
+        for step in (4, 5, 6, 7):  # the state grew: 3 MiB a slot
+            store.write(step, {"w": torch.full((3 << 20,), step, dtype=torch.uint8)})
+            assert int(store.read(step)["w"][0]) == step  # every write still lands
+        assert store.usable_slots == 1
+        assert store.complete_steps()[-1] == 7
+        degraded = [e for e in read_events(job_dir / "events.jsonl") if e["event"] == "memory_degraded"]
+        assert [e["slots_left"] for e in degraded] == [2, 1]
+        assert degraded[0]["store"] == "local" and degraded[0]["rank"] == 0
+    finally:
+        store.close()
+        plan_path(shm16, "t2").unlink()
+
+
+def test_the_start_check_counts_every_slot_of_the_node(shm4: Path, tmp_path: Path) -> None:
+    plan = NodePlan(
+        node="1", job_dir=str(tmp_path), shm_dir=str(shm4), num_slots=2, local_ranks=2,
+        replica_ranks=2, replica_slots=3, store_ids=("t3",),
+    )  # fmt: skip
+    assert shortfall(plan, 256 << 10) is None  # 10 slots of 256 KiB fit in 4 MiB
+    line = shortfall(plan, 1 << 20)
+    assert line is not None and "\n" not in line
+    assert "needs 10.0 MiB" in line and "2 rank(s) x 2 slots + 2 replica(s) x 3 slots" in line
+    assert "--shm-dir DIR" in line and "--shm-size=1g" in line and "medium: Memory" in line
+
+
+@pytest.mark.slow
+def test_a_job_whose_slots_do_not_fit_fails_at_start_with_exit_2(shm4: Path, tmp_path: Path) -> None:
+    """2 ranks of the tiny demo (1.4 MiB a snapshot) need 4 slots: more than a 4 MiB /dev/shm."""
+    job_dir = tmp_path / "job"
+    cmd = [
+        str(Path(sys.executable).with_name("nonstop")), "run", "--nproc-per-node", "2",
+        "--job-dir", str(job_dir),
+        "--shm-dir", str(shm4), "-m", "nonstop.demo.train", "--steps", "6", "--model", "tiny",
+        "--batch", "4", "--result", str(tmp_path / "result.json"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("nonstop: error:")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert "snapshot memory: node 0 needs" in errors[0] and "--shm-dir DIR" in errors[0]
+    assert not (tmp_path / "result.json").exists()
+    assert not [p for p in shm4.iterdir() if p.name.startswith("nonstop-")]  # nothing left behind
+    failed = [e for e in read_events(job_dir / "events.jsonl") if e["event"] == "job_failed"]
+    assert failed and "snapshot memory" in json.dumps(failed[0])
