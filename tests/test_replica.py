@@ -263,3 +263,28 @@ def test_kept_step_survives_later_writes_until_released(tmp_path: Path) -> None:
     assert store.complete_steps() == [6, 8, 9]
     store.close()
     reader.close()
+
+
+def test_abandon_fails_a_round_waiting_on_a_silent_holder_at_once(tmp_path: Path) -> None:
+    """A holder that authenticates, takes the snapshot and then says nothing (a partition cut the
+    link after the data left): the round would wait ACK_TIMEOUT_S for its ack; ``abandon`` from
+    another thread ends it now."""
+    from nonstop.control.listener import ControlServer
+
+    secret = new_secret()
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    silent = ControlServer(host="127.0.0.1", port=0, secret=secret, purpose="data")  # nobody reads its events
+    rep = Replicator(node="a", secret=secret, local=shm_stores(shm, "j.a", 2))
+    _write(shm, "j.a", 0, 4, _state(2))
+    import threading
+
+    threading.Timer(1.0, rep.abandon).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(FetchError, match="replicating rank 0 step 4"):
+            rep.replicate(0, 4, [f"{silent.address[0]}:{silent.address[1]}"])
+        assert time.monotonic() - t0 < 30  # ACK_TIMEOUT_S is 60
+    finally:
+        rep.close()
+        silent.close()

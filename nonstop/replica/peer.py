@@ -158,7 +158,8 @@ class Replicator:
     """Sender side: replicate a local rank's step to its holders, as a delta when possible.
 
     Keeps, per (rank, holder), the data last acknowledged by that holder (the
-    base of the next delta). One call at a time (the agent's replication thread).
+    base of the next delta). One call at a time (the agent's replication thread);
+    :meth:`abandon` alone may be called from another thread.
     """
 
     def __init__(
@@ -179,6 +180,16 @@ class Replicator:
         self._chans: dict[str, Channel] = {}
         self._bases: dict[tuple[int, str], tuple[int, np.ndarray]] = {}
         self._scratch: dict[int, np.ndarray] = {}
+        self._active: Channel | None = None  # the holder connection a round is using now
+
+    def abandon(self) -> None:
+        """Fail the send in progress now (any thread): its holder connection is closed, so a
+        round waiting for a holder that went silent (a partition: no reset, only silence)
+        raises at once instead of after ``ACK_TIMEOUT_S``. For a round the coordinator has
+        given up on; the next round connects again."""
+        ch = self._active
+        if ch is not None:
+            ch.close()
 
     def _chan(self, addr: str) -> Channel:
         ch = self._chans.get(addr)
@@ -219,7 +230,22 @@ class Replicator:
     def _send(
         self, addr: str, rank: int, step: int, snap: RawSnapshot, segments: Any, stats: ReplicaStats
     ) -> int:
-        ch = self._chan(addr)
+        ch = self._active = self._chan(addr)
+        try:
+            return self._send_on(ch, addr, rank, step, snap, segments, stats)
+        finally:
+            self._active = None
+
+    def _send_on(
+        self,
+        ch: Channel,
+        addr: str,
+        rank: int,
+        step: int,
+        snap: RawSnapshot,
+        segments: Any,
+        stats: ReplicaStats,
+    ) -> int:
         base = self._bases.get((rank, addr))
         if base is not None and base[1].size != snap.data.size:
             base = None  # the layout changed: a delta needs the same size

@@ -14,7 +14,12 @@ queue in order, so that slow work never delays urgent work:
 * ``nonstop-agent-replicate``: replication rounds and ``forget`` (the replicator's
   state), on their own because a round to a holder that went silent (a partition: no
   reset, packets dropped) waits out its ack timeout, and a recovery's inventory or
-  install must not wait behind it;
+  install must not wait behind it. A ``replicate`` that arrives while a round is in
+  progress supersedes it: the coordinator runs one round at a time and starts another
+  only once it has given up on the previous one (a node lost, a round failed), so the
+  round in progress is abandoned at once (:meth:`Replicator.abandon`) and its remaining
+  ranks are skipped, unanswered -- the committed step would otherwise wait out a silent
+  holder's ack timeout;
 * ``nonstop-agent-fetch``: fetches, on their own because a recovery or a swap waits
   on them; while idle it drops tracked bases unused for ``TRACK_TTL_S``;
 * ``nonstop-agent-persist``: persist rounds (slow I/O), at the lowest CPU priority.
@@ -42,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -106,6 +112,9 @@ class NodeWork:
         self._persist_work: queue.Queue[Message | None] = queue.Queue()  # its own thread: slow I/O
         self._fetch_work: queue.Queue[Message | None] = queue.Queue()  # its own thread: on the critical path
         self._replicate_work: queue.Queue[Message | None] = queue.Queue()  # may wait on a silent peer
+        self._rounds_queued = 0  # replicate commands submitted (dispatch thread)
+        self._rounds_taken = 0  # ... and taken up by the replicate thread
+        self._round_running = False
         self._encoders: dict[tuple[str, bool, int], RankEncoder] = {}
         self._tracks: TrackedBases[int] = TrackedBases()  # local rank slot -> base of its catch-up
 
@@ -123,6 +132,10 @@ class NodeWork:
         elif t == "persist":
             self._persist_work.put(msg)
         elif t in ("replicate", "forget"):  # never ahead of a recovery's inventory or install
+            if t == "replicate":
+                self._rounds_queued += 1
+                if self._round_running:  # superseded (module docstring): stop waiting on it
+                    self.replicator.abandon()
             self._replicate_work.put(msg)
         else:
             self._work.put(msg)
@@ -254,8 +267,20 @@ class NodeWork:
 
     def _replicate(self, msg: Message) -> None:
         step = int(msg["step"])
-        for rank_s, holders in dict(msg["ranks"]).items():
+        self._rounds_taken += 1
+        mine = self._rounds_taken
+        self._round_running = True
+        try:
+            self._replicate_ranks(step, dict(msg["ranks"]), superseded=lambda: self._rounds_queued > mine)
+        finally:
+            self._round_running = False
+
+    def _replicate_ranks(self, step: int, ranks: dict[str, Any], *, superseded: Callable[[], bool]) -> None:
+        for rank_s, holders in ranks.items():
             rank = int(rank_s)
+            if superseded():
+                log.info("node %s: replication of step %d superseded by a newer round", self.node, step)
+                return
             try:
                 st = self.replicator.replicate(rank, step, [str(a) for a in holders])
                 self._send(
@@ -271,6 +296,8 @@ class NodeWork:
                     }
                 )
             except (NonstopError, OSError) as e:
+                if superseded():  # abandoned: the coordinator expects nothing of this round
+                    return
                 self._send(
                     {"t": "replicated", "step": step, "rank": rank, "ok": False, "error": str(e)[:300]}
                 )
