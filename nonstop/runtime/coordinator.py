@@ -15,10 +15,12 @@ may start. I/O goes through one :class:`~nonstop.runtime.executor.Executor`. The
 ``replication`` (replication.py)   replication rounds to the peers' memory
 ``store`` (runtime/storesync.py)   store mode: lead, save the record, resume from it
 ``clients`` (runtime/clients.py)   ``nonstop status / persist / migrate / drain``
+``workers`` (runtime/workers.py)   the workers' protocol: connections, heartbeats, step reports,
+                                   rendezvous ``kv``, stage reports (fenced by generation)
 =================================  ==========================================================
 
-This module keeps the loop, the routing, the workers' protocol (heartbeats, step reports,
-rendezvous ``kv``, stage reports), the persist rounds and the job's end.
+This module keeps the loop, the routing of the control server's events, the committed step and
+the job's end.
 
 Fencing: every message from a worker carries the generation it was sent in;
 ``restored``/``ready``/``step``/``done``/``fault``/``kv`` from an older generation, from a
@@ -43,7 +45,6 @@ from nonstop.control.rdzv import KeyValueTable
 from nonstop.errors import ControlError
 from nonstop.mesh import MeshSpec
 from nonstop.runtime import events as ev
-from nonstop.runtime import recovery, wire
 from nonstop.runtime.clients import ClientRequests
 from nonstop.runtime.detector import FailureDetector
 from nonstop.runtime.elastic import ElasticPolicy
@@ -65,8 +66,8 @@ from nonstop.runtime.restoring import RestoreSources
 from nonstop.runtime.storesync import StoreSync
 from nonstop.runtime.survivors import SurvivorMode
 from nonstop.runtime.swapops import Swaps
-from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
-from nonstop.runtime.wire import decode_worker
+from nonstop.runtime.view import JobView, NodeRecord
+from nonstop.runtime.workers import WorkerProtocol
 from nonstop.snapshot.persist import Persister
 
 __all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
@@ -169,6 +170,8 @@ class Coordinator:
         # Session.on_event: the job's events to the workers that subscribed (eventfeed.py)
         self.feed = EventFeed()
         events.subscribe(self.feed.on_event)
+        # the workers' protocol: connections, heartbeats, step reports, rendezvous, stage reports
+        self.workers = WorkerProtocol(self)
 
     def status(self) -> dict[str, Any]:
         """What ``nonstop status`` shows (JSON types)."""
@@ -361,133 +364,7 @@ class Coordinator:
                     node.disconnected_at = time.monotonic()
                     self.events.emit(ev.NodeDisconnected(node=node.name))
             return
-        if kind == "open":
-            sid = int(chan.hello.get("spawn_id", -1))
-            w = self.view.workers.get(sid)
-            node = self.view.nodes.get(self.view.node_of(sid))
-            resume = chan.hello.get("resume")
-            reconnect = resume is not None and w is not None and (w.chan is None or w.chan.closed)
-            if w is None or (w.chan is not None and not reconnect) or node is None or not node.alive:
-                self.events.emit(
-                    ev.Refused(peer=chan.peer, reason=f"unknown, duplicate or fenced spawn id {sid}")
-                )
-                chan.close()
-                return
-            chan.tag = sid
-            w.chan = chan
-            w.last_hb = time.monotonic()
-            self.events.emit(ev.Connect(spawn_id=sid, role=w.role, rank=w.rank, resumed=resume is not None))
-            if isinstance(resume, dict):
-                self.store.on_worker_resumed(w, resume)
-            else:
-                self._on_connect(w)
-        elif kind == "msg" and msg is not None:
-            w = self.view.workers.get(chan.tag)
-            if w is not None and w.chan is chan:
-                self._on_message(w, msg)
-        elif kind == "close":
-            w = self.view.workers.get(chan.tag)
-            if w is not None and w.chan is chan:
-                w.chan_closed_at = time.monotonic()
-
-    # -- workers -----------------------------------------------------------------------------------
-    def _on_connect(self, w: WorkerRecord) -> None:
-        if self.view.phase is JobState.STARTING:
-            if self.view.members and all(
-                self.view.workers[sid].chan is not None for sid in self.view.members.values()
-            ):
-                self.gens.begin([])
-            return
-        r = self.gens.reconf
-        if r is not None and w.role is Role.SPARE and r.waiting_launch:
-            # A spare came up before a cold process launched for a rank on the same node: it
-            # takes the rank, and the cold process will wait as a spare when it connects.
-            node = w.node
-            rank = min((k for k in r.waiting_launch if self.view.rank_node.get(k) == node), default=None)
-            if rank is not None:
-                cold = self.view.workers[self.view.members[rank]]
-                cold.role, cold.rank = Role.SPARE, None
-                w.role, w.rank = Role.WORKER, rank
-                self.view.members[rank] = w.spawn_id
-                r.replacements[rank] = "spare"
-                self.events.emit(
-                    ev.SpareTakesOver(rank=rank, spawn_id=w.spawn_id, cold_spawn_id=cold.spawn_id)
-                )
-        if r is not None and w.rank is not None and w.rank in r.waiting_launch:
-            self.gens.report(recovery.Launched(w.rank, time.time()))
-
-    def _on_message(self, w: WorkerRecord, msg: Message) -> None:
-        """One message from a worker, decoded (:func:`~nonstop.runtime.wire.decode_worker`);
-        everything but heartbeats, fault timestamps and a joiner's preparation is fenced: it
-        counts only from a member of the current generation."""
-        m = decode_worker(msg)
-        now = time.monotonic()
-        if isinstance(m, wire.Heartbeat):
-            w.last_hb, w.coll, w.idle_s = now, m.coll, m.idle_s
-            return
-        if isinstance(m, wire.Injected):
-            w.fault_at = m.ts
-            self.events.emit(
-                ev.FaultInjected(
-                    rank=m.rank, step=m.step, fault_kind=m.kind, spawn_id=w.spawn_id, node=w.node
-                )
-            )
-            return
-        if isinstance(m, wire.Subscribe):  # any process, any generation: Session.on_event
-            if w.chan is not None:
-                self.feed.subscribe(w.spawn_id, w.chan, m.kinds)
-            return
-        if isinstance(m, wire.Restored) and self.swaps.on_restored(w):
-            return  # a joiner prepared its rank
-        if m is None:
-            return  # a kind this coordinator does not know
-        if m.gen != self.view.generation or w.rank is None or not self.view.is_member(w):
-            if isinstance(m, wire.Raw):  # a rendezvous request: the caller must hear why
-                self.io.send(
-                    w, {"t": "kv", "id": msg.get("id"), "error": "fenced: not a member of this generation"}
-                )
-            return  # fenced: an older generation, or not (any more) a member
-        rank, r = w.rank, self.gens.reconf
-        if isinstance(m, wire.Raw):
-            chan = w.chan
-            assert chan is not None
-            for reply, out in self.kv.handle(dict(m.msg), chan.send):
-                try:
-                    reply(out)
-                except ControlError:
-                    pass
-        elif isinstance(m, wire.Step):
-            w.last_progress, w.stepped, w.last_step_wall = now, True, time.time()
-            self.detector.record_step(m.step_s)
-            self.view.latest_step[rank] = m.step
-            self.swaps.on_step(rank, m.step)
-            self.gens.report(recovery.Stepped(rank, time.time()))
-            if self.monitor is not None:
-                self.monitor.on_step(rank, m.step_s, m.snap_s, m.nbytes)
-        elif isinstance(m, wire.Restored):
-            self.gens.report(recovery.Restored(rank, time.time()))
-        elif isinstance(m, wire.Ready) and r is not None:
-            w.last_progress = now
-            if r.restore_step is None:  # a fresh start: step 0 is snapshotted (replicable)
-                self.view.latest_step.setdefault(rank, 0)
-            self.gens.report(recovery.Joined(rank, time.time()))
-            if m.groups is not None:
-                self.events.emit(groups_joined(m, rank, m.groups))
-        elif isinstance(m, wire.Done):
-            self.view.latest_step[rank] = m.step
-            self.view.done_ranks.add(rank)
-            self.gens.report(recovery.Stepped(rank, time.time()))
-            if self.view.phase is JobState.RUNNING and self.view.all_done():
-                self.finish()
-        elif isinstance(m, wire.Migrate):
-            error = self.swaps.request_migration(rank, m.to, "migrate")
-            if error is not None:
-                self.events.emit(ev.MigrationRefused(rank=rank, target=m.to, reason=error))
-        elif isinstance(m, wire.Paused):
-            self.swaps.on_paused(rank, m.step)
-        elif isinstance(m, wire.Fault):
-            w.fault_report = (now, m.error)
-            self.events.emit(ev.FaultReport(rank=rank, spawn_id=w.spawn_id, error=m.error))
+        self.workers.on_event(kind, chan, msg)
 
     # -- requests to nodes, the committed step ---------------------------------------------------
     def committed(self) -> int:
@@ -506,8 +383,3 @@ class Coordinator:
         )
         for w in self.view.workers.values():
             self.io.send(w, {"t": "finish"})
-
-
-def groups_joined(m: wire.Ready, rank: int, groups: tuple[int, int, float]) -> ev.GroupsJoined:
-    kept, built, mesh_s = groups
-    return ev.GroupsJoined(gen=m.gen, rank=rank, kept=kept, built=built, mesh_s=mesh_s, rebuild_s=m.rebuild_s)

@@ -1,0 +1,172 @@
+"""The workers' protocol on the coordinator: connections, heartbeats, step reports, rendezvous
+``kv``, restore/ready/done reports, faults, migrations asked by a rank, event subscriptions.
+
+A worker's connection is accepted only for a spawn id the coordinator launched, on a live node,
+and not already connected (a reconnect to a restarted coordinator carries ``resume``). Every
+message but heartbeats, fault timestamps, subscriptions and a joiner's preparation is **fenced**:
+it counts only from a member of the current generation (:meth:`WorkerProtocol.on_message`); a
+rendezvous request that is fenced is answered with the reason, so its caller does not wait.
+
+Threading: the coordinator's thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from nonstop.control.channel import Channel, Message
+from nonstop.errors import ControlError
+from nonstop.runtime import events as ev
+from nonstop.runtime import recovery, wire
+from nonstop.runtime.phase import JobPhase
+from nonstop.runtime.view import Role, WorkerRecord
+from nonstop.runtime.wire import decode_worker
+
+if TYPE_CHECKING:
+    from nonstop.runtime.coordinator import Coordinator
+
+__all__ = ["WorkerProtocol", "groups_joined"]
+
+
+class WorkerProtocol:
+    """The coordinator's side of the worker protocol (see the module docstring)."""
+
+    def __init__(self, c: Coordinator) -> None:
+        self.c = c
+
+    def on_event(self, kind: str, chan: Channel, msg: Message | None) -> None:
+        """A worker's connection opened, sent ``msg`` or closed."""
+        c = self.c
+        if kind == "open":
+            sid = int(chan.hello.get("spawn_id", -1))
+            w = c.view.workers.get(sid)
+            node = c.view.nodes.get(c.view.node_of(sid))
+            resume = chan.hello.get("resume")
+            reconnect = resume is not None and w is not None and (w.chan is None or w.chan.closed)
+            if w is None or (w.chan is not None and not reconnect) or node is None or not node.alive:
+                c.events.emit(
+                    ev.Refused(peer=chan.peer, reason=f"unknown, duplicate or fenced spawn id {sid}")
+                )
+                chan.close()
+                return
+            chan.tag = sid
+            w.chan = chan
+            w.last_hb = time.monotonic()
+            c.events.emit(ev.Connect(spawn_id=sid, role=w.role, rank=w.rank, resumed=resume is not None))
+            if isinstance(resume, dict):
+                c.store.on_worker_resumed(w, resume)
+            else:
+                self.on_connect(w)
+        elif kind == "msg" and msg is not None:
+            w = c.view.workers.get(chan.tag)
+            if w is not None and w.chan is chan:
+                self.on_message(w, msg)
+        elif kind == "close":
+            w = c.view.workers.get(chan.tag)
+            if w is not None and w.chan is chan:
+                w.chan_closed_at = time.monotonic()
+
+    def on_connect(self, w: WorkerRecord) -> None:
+        """A worker connected (not a reconnect): the job may start, a spare may take a rank."""
+        c = self.c
+        if c.view.phase is JobPhase.STARTING:
+            if c.view.members and all(
+                c.view.workers[sid].chan is not None for sid in c.view.members.values()
+            ):
+                c.gens.begin([])
+            return
+        r = c.gens.reconf
+        if r is not None and w.role is Role.SPARE and r.waiting_launch:
+            # A spare came up before a cold process launched for a rank on the same node: it
+            # takes the rank, and the cold process will wait as a spare when it connects.
+            node = w.node
+            rank = min((k for k in r.waiting_launch if c.view.rank_node.get(k) == node), default=None)
+            if rank is not None:
+                cold = c.view.workers[c.view.members[rank]]
+                cold.role, cold.rank = Role.SPARE, None
+                w.role, w.rank = Role.WORKER, rank
+                c.view.members[rank] = w.spawn_id
+                r.replacements[rank] = "spare"
+                c.events.emit(ev.SpareTakesOver(rank=rank, spawn_id=w.spawn_id, cold_spawn_id=cold.spawn_id))
+        if r is not None and w.rank is not None and w.rank in r.waiting_launch:
+            c.gens.report(recovery.Launched(w.rank, time.time()))
+
+    def on_message(self, w: WorkerRecord, msg: Message) -> None:
+        """One message from a worker, decoded (:func:`~nonstop.runtime.wire.decode_worker`);
+        everything but heartbeats, fault timestamps and a joiner's preparation is fenced: it
+        counts only from a member of the current generation."""
+        c = self.c
+        m = decode_worker(msg)
+        now = time.monotonic()
+        if isinstance(m, wire.Heartbeat):
+            w.last_hb, w.coll, w.idle_s = now, m.coll, m.idle_s
+            return
+        if isinstance(m, wire.Injected):
+            w.fault_at = m.ts
+            c.events.emit(
+                ev.FaultInjected(
+                    rank=m.rank, step=m.step, fault_kind=m.kind, spawn_id=w.spawn_id, node=w.node
+                )
+            )
+            return
+        if isinstance(m, wire.Subscribe):  # any process, any generation: Session.on_event
+            if w.chan is not None:
+                c.feed.subscribe(w.spawn_id, w.chan, m.kinds)
+            return
+        if isinstance(m, wire.Restored) and c.swaps.on_restored(w):
+            return  # a joiner prepared its rank
+        if m is None:
+            return  # a kind this coordinator does not know
+        if m.gen != c.view.generation or w.rank is None or not c.view.is_member(w):
+            if isinstance(m, wire.Raw):  # a rendezvous request: the caller must hear why
+                c.io.send(
+                    w, {"t": "kv", "id": msg.get("id"), "error": "fenced: not a member of this generation"}
+                )
+            return  # fenced: an older generation, or not (any more) a member
+        rank, r = w.rank, c.gens.reconf
+        if isinstance(m, wire.Raw):
+            chan = w.chan
+            assert chan is not None
+            for reply, out in c.kv.handle(dict(m.msg), chan.send):
+                try:
+                    reply(out)
+                except ControlError:
+                    pass
+        elif isinstance(m, wire.Step):
+            w.last_progress, w.stepped, w.last_step_wall = now, True, time.time()
+            c.detector.record_step(m.step_s)
+            c.view.latest_step[rank] = m.step
+            c.swaps.on_step(rank, m.step)
+            c.gens.report(recovery.Stepped(rank, time.time()))
+            if c.monitor is not None:
+                c.monitor.on_step(rank, m.step_s, m.snap_s, m.nbytes)
+        elif isinstance(m, wire.Restored):
+            c.gens.report(recovery.Restored(rank, time.time()))
+        elif isinstance(m, wire.Ready) and r is not None:
+            w.last_progress = now
+            if r.restore_step is None:  # a fresh start: step 0 is snapshotted (replicable)
+                c.view.latest_step.setdefault(rank, 0)
+            c.gens.report(recovery.Joined(rank, time.time()))
+            if m.groups is not None:
+                c.events.emit(groups_joined(m, rank, m.groups))
+        elif isinstance(m, wire.Done):
+            c.view.latest_step[rank] = m.step
+            c.view.done_ranks.add(rank)
+            c.gens.report(recovery.Stepped(rank, time.time()))
+            if c.view.phase is JobPhase.RUNNING and c.view.all_done():
+                c.finish()
+        elif isinstance(m, wire.Migrate):
+            error = c.swaps.request_migration(rank, m.to, "migrate")
+            if error is not None:
+                c.events.emit(ev.MigrationRefused(rank=rank, target=m.to, reason=error))
+        elif isinstance(m, wire.Paused):
+            c.swaps.on_paused(rank, m.step)
+        elif isinstance(m, wire.Fault):
+            w.fault_report = (now, m.error)
+            c.events.emit(ev.FaultReport(rank=rank, spawn_id=w.spawn_id, error=m.error))
+
+
+def groups_joined(m: wire.Ready, rank: int, groups: tuple[int, int, float]) -> ev.GroupsJoined:
+    kept, built, mesh_s = groups
+    return ev.GroupsJoined(gen=m.gen, rank=rank, kept=kept, built=built, mesh_s=mesh_s, rebuild_s=m.rebuild_s)
