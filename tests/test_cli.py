@@ -140,7 +140,7 @@ def test_run_a_user_script_through_a_kill(tmp_path: Path) -> None:
         proc = _run_two_ranks(script, tmp_path / "job", *faults, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert "job done at step 12" in proc.stdout
-        outs.append([line for line in proc.stdout.splitlines() if line.startswith("USER-RESULT")])
+        outs.append([line for line in proc.stdout.splitlines() if line.startswith("[rank 0] USER-RESULT")])
     assert outs[0] == outs[1] and len(outs[0]) == 1  # same step, samples seen and weights
     assert "USER-RESULT 12 96 " in outs[0][0]  # extras (data position) restored: 12 steps x 8 samples
 

@@ -25,6 +25,7 @@ from nonstop.runtime.coordinator import JobResult
 from nonstop.runtime.eventlog import read_events
 from nonstop.runtime.jobfiles import JOB_INFO
 from nonstop.runtime.launcher import run_job
+from nonstop.runtime.workerlog import LogConfig
 
 __all__ = ["LocalNodesJob", "node_command", "run_local_nodes"]
 
@@ -53,6 +54,12 @@ def node_command(config: JobConfig, node_rank: int, coordinator: str) -> list[st
         cmd += ["--preempt-url", c.preempt_url, "--preempt-poll", str(c.preempt_poll_s)]
         for h in c.preempt_headers:
             cmd += ["--preempt-header", h]
+    logs = LogConfig.from_env(dict(c.extra_env))  # the CLI's log flags travel in extra_env
+    cmd += ["--log-prefix", logs.prefix]
+    if logs.log_dir is not None:
+        cmd += ["--log-dir", str(logs.log_dir)]
+    if logs.ranks is not None:
+        cmd += ["--local-ranks-filter", ",".join(str(r) for r in sorted(logs.ranks))]
     script = c.script
     if script.startswith("-m "):
         cmd += ["-m", script[3:].strip()]
