@@ -7,24 +7,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
+import os
 import sys
 from pathlib import Path
 
 from nonstop.cliargs import detector, detector_args, node_args, node_config, snapshot_args, snapshot_config
+from nonstop.cliconfig import load_config
+from nonstop.clilogs import add_level_arg, add_log_args, log_config, log_level
 from nonstop.climetrics import add_metrics_args, add_watch_args, watch_status
 from nonstop.clisecurity import add_security_args, security_config
 from nonstop.config import SURVIVOR_MODES, JobConfig
 from nonstop.errors import JobFailedError, NonstopError, UsageError
+from nonstop.progress import add_progress_args
+from nonstop.runtime.workerlog import setup_logging
+from nonstop.slurm import slurm_defaults
 
 __all__ = ["main"]
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The CLI's parser and its ``run`` subparser (which ``--config`` and Slurm give defaults)."""
     ap = argparse.ArgumentParser(
         prog="nonstop", description="Keep PyTorch training running through failures."
     )
     ap.add_argument("-v", "--verbose", action="store_true")
+    add_level_arg(ap, top=True)
     sub = ap.add_subparsers(dest="cmd", required=True)
     from nonstop.sim import cli as sim_cli  # `nonstop simulate`, `nonstop advise`
 
@@ -34,6 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     chaos_cli.add_parsers(sub)
 
     run = sub.add_parser("run", help="launch a training script (torchrun-like)")
+    run.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE.toml",
+        help="read flags from a TOML file (keys: the long flag names, e.g. nproc-per-node = 4; "
+        "script, script-args); flags on the command line override it",
+    )
     run.add_argument("--nproc-per-node", type=int, default=1)
     run.add_argument("--spares", type=int, default=0, help="hot spare processes to keep ready")
     run.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
@@ -47,13 +62,15 @@ def _parser() -> argparse.ArgumentParser:
     node_args(run)
     add_security_args(run)
     add_metrics_args(run)
+    add_log_args(run)
+    add_level_arg(run)
     run.add_argument(
         "--resume",
         default=None,
         metavar="URL",
         help="restart the whole job from the newest good checkpoint here",
     )
-    run.add_argument("script")
+    run.add_argument("script", nargs="?", default=None)
     run.add_argument("script_args", nargs=argparse.REMAINDER)
 
     demo = sub.add_parser("demo", help="train the demo model with injected failures")
@@ -102,10 +119,12 @@ def _parser() -> argparse.ArgumentParser:
     detector_args(demo)
     add_security_args(demo, etcd=False)
     add_metrics_args(demo)
+    add_level_arg(demo)
 
     persist = sub.add_parser("persist", help="make a running job's committed step durable now")
     persist.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
     persist.add_argument("--timeout", type=float, default=300.0)
+    add_progress_args(persist)
 
     status = sub.add_parser("status", help="a running job: ranks, nodes, spares, steps, tiers, migration")
     status.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
@@ -129,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("url", help="a directory or fsspec URL (e.g. .nonstop/job/checkpoints)")
     inspect.add_argument("--no-verify", action="store_true", help="skip reading every chunk")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_progress_args(inspect)
 
     timeline = sub.add_parser(
         "timeline", help="draw a job's event log: ranks, failures, recovery stages, nodes, tiers"
@@ -152,15 +172,16 @@ def _parser() -> argparse.ArgumentParser:
 
     gc = sub.add_parser("gc", help="remove shared memory and processes left by crashed jobs")
     gc.add_argument("--dry-run", action="store_true")
-    return ap
+    return ap, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if ns.verbose else logging.WARNING, format="nonstop: %(levelname)s %(message)s"
-    )
+    ap, run = _parser()
+    ns = ap.parse_args(argv)
     try:
+        if ns.cmd == "run":
+            ns = _with_defaults(ap, run, ns, argv)
+        setup_logging(log_level(ns))
         return _dispatch(ns)
     except UsageError as e:
         print(f"nonstop: error: {e}", file=sys.stderr)
@@ -171,6 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     except NonstopError as e:
         print(f"nonstop: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+
+
+def _with_defaults(
+    ap: argparse.ArgumentParser, run: argparse.ArgumentParser, ns: argparse.Namespace, argv: list[str] | None
+) -> argparse.Namespace:
+    """``nonstop run``'s command line parsed again over the defaults that Slurm's environment
+    and then ``--config`` give (the command line wins over both; the file over Slurm)."""
+    defaults = slurm_defaults(os.environ)
+    if ns.config is not None:
+        defaults.update(load_config(ns.config, run))
+    if defaults:
+        run.set_defaults(**defaults)
+        ns = ap.parse_args(argv)
+    if ns.script is None:
+        raise UsageError("nonstop run needs the training script: give it last, or as script in --config")
+    return ns
 
 
 def _dispatch(ns: argparse.Namespace) -> int:
@@ -199,6 +236,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
             detector=detector(ns),
             resume=ns.resume,
             metrics_port=ns.metrics_port,
+            extra_env=tuple(log_config(ns).to_env().items()),
             **snapshot_config(ns),  # type: ignore[arg-type]
             **node_config(ns),  # type: ignore[arg-type]
             **security_config(ns),  # type: ignore[arg-type]
@@ -241,9 +279,14 @@ def _dispatch(ns: argparse.Namespace) -> int:
             ns.json.write_text(json.dumps(report, indent=2))
         return 0 if report["equal"] in (None, True) else 1
     if ns.cmd == "persist":
+        from nonstop.progress import wait_with_status, wanted
         from nonstop.runtime.client import request_persist
 
-        reply = request_persist(ns.job_dir, timeout=ns.timeout)
+        reply = wait_with_status(
+            lambda: request_persist(ns.job_dir, timeout=ns.timeout),
+            "nonstop persist: making the committed step durable",
+            show=wanted(ns.progress),
+        )
         print(
             f"nonstop persist: step {reply['step']} is durable at {reply['url']} "
             f"({reply['stored_bytes']} bytes stored)"
@@ -280,9 +323,12 @@ def _dispatch(ns: argparse.Namespace) -> int:
                 print(f"nonstop: rank {a.get('rank', '?')} not moved: {a.get('error')}", file=sys.stderr)
         return 1 if failed or not answers else 0
     if ns.cmd == "inspect":
-        from nonstop.snapshot.durable import DurableStore, format_inspect
+        from nonstop.progress import inspect_report, wanted
+        from nonstop.snapshot.durable import format_inspect
 
-        report = DurableStore(ns.url).describe(verify=not ns.no_verify)
+        report = inspect_report(
+            ns.url, verify=not ns.no_verify, show=wanted(ns.progress, json_output=ns.json)
+        )
         print(json.dumps(report, indent=2) if ns.json else format_inspect(report))
         return 0
     if ns.cmd == "timeline":

@@ -9,6 +9,13 @@ Process contract:
 * :meth:`Agent.shutdown` terminates every child (SIGTERM, then SIGKILL after a
   grace period) and deletes every shared-memory segment of the job.
 
+Output contract: every child's stdout and stderr are pipes read by a thread of the agent
+(:mod:`nonstop.runtime.workerlog`): lines reach the console prefixed with the child's rank
+(filtered, and bounded: a slow console never blocks a child), ``--log-dir`` files per rank and
+process, or with ``redirect_output`` ``JOB_DIR/logs/{role}-{spawn_id}.log``; what a child wrote
+before it was SIGKILLed is kept. The options come from the worker environment
+(:meth:`~nonstop.runtime.workerlog.LogConfig.from_env`).
+
 Memory contract: slots are created by the workers under the names the agent
 hands them (``/dev/shm/nonstop-<job>-r<rank>-s<i>``), they outlive any worker,
 and only the agent (or ``nonstop gc``) deletes them.
@@ -24,9 +31,9 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from nonstop.config import ENV
+from nonstop.runtime.workerlog import ENV_TAG, Console, Label, LogConfig, WorkerOutput
 from nonstop.snapshot import RankSnapshotStore, segment_prefix
 
 __all__ = ["Agent", "SpawnedProcess"]
@@ -46,7 +53,7 @@ class SpawnedProcess:
     spawn_id: int
     role: str
     proc: subprocess.Popen[bytes]
-    log_file: IO[bytes] | None
+    output: WorkerOutput
 
 
 class Agent:
@@ -60,7 +67,10 @@ class Agent:
         env: dict[str, str],
         redirect_output: bool,
         num_slots: int = 2,
+        console: Console | None = None,
     ) -> None:
+        """``console``: where the children's prefixed lines go (default: this process's stdout
+        and stderr; none with ``redirect_output``)."""
         self.job_id = job_id
         self.num_slots = num_slots
         self.job_dir = job_dir
@@ -72,9 +82,13 @@ class Agent:
         self.exited_pids: dict[int, int] = {}  # spawn id -> pid, for processes already reaped
         self._next_id = 0
         self._stores: dict[int, RankSnapshotStore] = {}
+        self.log_config = LogConfig.from_env(env)
+        self._console: Console | None = None if redirect_output else console or Console()
+        self._outputs: list[WorkerOutput] = []  # every child's, until shutdown has them finish
 
-    def spawn(self, role: str, spawn_id: int | None = None) -> int:
-        """Start a worker or a hot spare; return its spawn id (the coordinator tells it its rank).
+    def spawn(self, role: str, spawn_id: int | None = None, *, rank: int | None = None) -> int:
+        """Start a worker or a hot spare; return its spawn id (the coordinator tells it its rank;
+        ``rank``: the one it is started for, its output's label until it says otherwise).
         ``spawn_id``: the id the coordinator chose (unique in the job); default the next local one."""
         if spawn_id is None:
             spawn_id = self._next_id
@@ -82,21 +96,42 @@ class Agent:
         env = dict(self.env)
         env[ENV.ROLE] = role
         env[ENV.SPAWN_ID] = str(spawn_id)
-        log_file = None
+        spawn_file = None
         if self.redirect_output:
             logs = self.job_dir / "logs"
             logs.mkdir(exist_ok=True)
-            log_file = (logs / f"{role}-{spawn_id}.log").open("ab")
-        proc = subprocess.Popen(
-            self.command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT if log_file else None,
-            start_new_session=True,
-            preexec_fn=_bind_to_parent,
+            spawn_file = logs / f"{role}-{spawn_id}.log"
+        tag = os.urandom(8).hex()
+        env[ENV_TAG] = tag
+        output = WorkerOutput(
+            Label(spawn_id, role, rank),
+            config=self.log_config,
+            console=self._console,
+            tag=tag,
+            spawn_file=spawn_file,
         )
-        self.procs[spawn_id] = SpawnedProcess(spawn_id, role, proc, log_file)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                self.command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=err_w,
+                start_new_session=True,
+                preexec_fn=_bind_to_parent,
+            )
+        except BaseException:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (out_w, err_w):
+                os.close(fd)
+        output.start(out_r, err_r)
+        self._outputs.append(output)
+        self.procs[spawn_id] = SpawnedProcess(spawn_id, role, proc, output)
         return spawn_id
 
     def poll(self) -> list[tuple[int, int]]:
@@ -107,9 +142,7 @@ class Agent:
             if rc is not None:
                 exited.append((sid, rc))
                 self.exited_pids[sid] = sp.proc.pid
-                if sp.log_file is not None:
-                    sp.log_file.close()
-                del self.procs[sid]
+                del self.procs[sid]  # its output thread ends by itself at the pipes' end
         return exited
 
     def kill(self, spawn_id: int, sig: int = signal.SIGKILL) -> None:
@@ -171,6 +204,19 @@ class Agent:
             store.close()
         self._stores.clear()
         remove_segments(self.shm_dir, self.job_id)
+        self.finish_output(timeout=2.0)
+
+    def finish_output(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` in all) for every child's last lines to be read and routed,
+        then write out what the console still holds. A child's own child still holding its
+        pipes (a daemon it started) is not waited for beyond that."""
+        deadline = time.monotonic() + timeout
+        for output in self._outputs:
+            output.join(max(0.0, deadline - time.monotonic()))
+        self._outputs = [o for o in self._outputs if not o.join(0)]
+        if self._console is not None:
+            self._console.close(timeout=max(0.5, deadline - time.monotonic()))
+            self._console = None
 
 
 def ranks_with_segments(shm_dir: Path, job_id: str) -> list[int]:

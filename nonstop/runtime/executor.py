@@ -68,7 +68,10 @@ class Executor:
     def spawn(self, node: str, role: Role, rank: int | None) -> int:
         """Have ``node``'s agent start a process (``rank``: it plays that rank); its spawn id."""
         sid = self.view.add_worker(node, role, rank, time.monotonic()).spawn_id
-        self.send_node(self.view.nodes[node], {"t": "spawn", "spawn_id": sid, "role": str(role)})
+        msg: Message = {"t": "spawn", "spawn_id": sid, "role": str(role)}
+        if rank is not None:
+            msg["rank"] = rank  # the agent labels the process's output with it (runtime/workerlog.py)
+        self.send_node(self.view.nodes[node], msg)
         self.events.emit(ev.Spawn(spawn_id=sid, role=str(role), rank=rank, node=node))
         return sid
 

@@ -54,6 +54,7 @@ from nonstop.control.channel import Message
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
+from nonstop.runtime.workerlog import announce_rank
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.train.collectives import in_collective
 from nonstop.train.ddp import CanonicalGradSync
@@ -151,6 +152,7 @@ class Session:
             LOCAL_RANK=str(self.rank),
             LOCAL_WORLD_SIZE=str(self.world_size),
         )
+        announce_rank(self.rank)  # the agent labels this process's output lines with it from here
 
     def shard_steps(self, model: torch.nn.Module) -> Iterator[int]:
         """The data shards this rank plays in this step, for gradient accumulation::
