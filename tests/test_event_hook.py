@@ -249,7 +249,7 @@ def test_wandb_hook_imports_wandb_lazily_and_logs_against_its_own_step(
     fake = types.ModuleType("wandb")
     fake.run = None  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    with pytest.raises(UsageError, match="wandb.init"):
+    with pytest.raises(UsageError, match=r"wandb\.init"):
         WandbHook()
     fake.run = Run()  # type: ignore[attr-defined]
     hook = WandbHook()

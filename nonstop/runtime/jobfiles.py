@@ -80,8 +80,14 @@ def load_resume(config: JobConfig) -> LoadedCheckpoint:
     any size (``elastic.resume_sources``), a sharded job (``--mesh``) too (its workers reshard
     it: ``Generations.reshard``); any other job needs the size it was written at."""
     assert config.resume is not None
+    from nonstop.progress import wait_with_status, wanted
+
     try:
-        ckpt = DurableStore(config.resume, keep=config.keep).load()
+        ckpt = wait_with_status(
+            DurableStore(config.resume, keep=config.keep).load,
+            f"--resume: loading and verifying the newest checkpoint at {config.resume}",
+            show=wanted(None),
+        )
     except SnapshotMissingError as e:
         raise UsageError(f"--resume {config.resume}: no loadable checkpoint ({e})") from None
     if ckpt.world_size != config.world_size and not config.min_world_size and config.mesh is None:
