@@ -54,7 +54,8 @@ from bench_mttr import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a
 from nonstop.control.channel import new_secret  # noqa: E402
 from nonstop.demo.data import MarkovCorpus  # noqa: E402
 from nonstop.demo.model import GPT, PRESETS  # noqa: E402
-from nonstop.replica.peer import DataPlane, Fetched, fetch, shm_stores  # noqa: E402
+from nonstop.replica.dataplane import DataPlane, shm_stores  # noqa: E402
+from nonstop.replica.peer import Fetched, fetch  # noqa: E402
 from nonstop.snapshot.store import RankSnapshotStore  # noqa: E402
 
 

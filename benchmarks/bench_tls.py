@@ -53,7 +53,8 @@ sys.path.insert(0, str(REPO))
 from nonstop.config import ENV  # noqa: E402
 from nonstop.control.channel import connect, new_secret  # noqa: E402
 from nonstop.control.listener import ControlServer  # noqa: E402
-from nonstop.replica.peer import DataPlane, Replicator, fetch_snapshot, shm_stores  # noqa: E402
+from nonstop.replica.dataplane import DataPlane, shm_stores  # noqa: E402
+from nonstop.replica.peer import Replicator, fetch_snapshot  # noqa: E402
 from nonstop.snapshot import RankSnapshotStore  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"

@@ -309,7 +309,7 @@ def test_a_malformed_fetch_answer_is_a_fetch_error(answer: list[tuple[dict[str, 
 
 def test_a_malformed_fetch_request_gets_an_error_answer(tmp_path: Path) -> None:
     """Was: a ValueError in the fetch server killed its thread without a reply."""
-    from nonstop.replica.peer import DataPlane, shm_stores
+    from nonstop.replica.dataplane import DataPlane, shm_stores
 
     secret = new_secret()
     stores = shm_stores(tmp_path, "malformed", 2)

@@ -14,7 +14,8 @@ import torch
 from nonstop.control.channel import BLOB, connect, new_secret
 from nonstop.control.rdzv import KeyValueTable
 from nonstop.errors import AuthError, ControlError
-from nonstop.replica.peer import DataPlane, FetchError, Replicator, fetch, fetch_snapshot, shm_stores
+from nonstop.replica.dataplane import DataPlane, shm_stores
+from nonstop.replica.peer import FetchError, Replicator, fetch, fetch_snapshot
 from nonstop.snapshot import RankSnapshotStore
 
 Msg = dict[str, object]

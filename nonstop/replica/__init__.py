@@ -2,7 +2,7 @@
 
 Contract:
 
-* Each node agent runs a :class:`~nonstop.replica.peer.DataPlane`: an
+* Each node agent runs a :class:`~nonstop.replica.dataplane.DataPlane`: an
   authenticated listener (job secret, HMAC-framed, nothing unpickled) that
   holds replicas of other nodes' ranks in its own shared memory and serves
   snapshots to nodes that need them after a failure.
@@ -18,6 +18,7 @@ Contract:
   starve the training job's own traffic.
 """
 
-from nonstop.replica.peer import DataPlane, FetchError, Replicator, fetch_snapshot
+from nonstop.replica.dataplane import DataPlane
+from nonstop.replica.peer import FetchError, Replicator, fetch_snapshot
 
 __all__ = ["DataPlane", "FetchError", "Replicator", "fetch_snapshot"]

@@ -63,13 +63,12 @@ from nonstop.config import ENV
 from nonstop.control.channel import Channel, Message, connect
 from nonstop.errors import ControlError, NonstopError, SnapshotMissingError
 from nonstop.faults import fired_at, preempt_notice_path
+from nonstop.replica.dataplane import DataPlane, shm_stores
 from nonstop.replica.peer import (
     REPLICA_SLOTS,
-    DataPlane,
     Replicator,
     local_store_id,
     replica_store_id,
-    shm_stores,
 )
 from nonstop.runtime.agent import Agent, remove_segments
 from nonstop.runtime.gc import hold_lock, release_lock

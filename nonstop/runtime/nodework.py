@@ -53,9 +53,9 @@ import numpy as np
 
 from nonstop.control.channel import Message
 from nonstop.errors import NonstopError
+from nonstop.replica.dataplane import DataPlane
 from nonstop.replica.peer import (
     TRACK_TTL_S,
-    DataPlane,
     Replicator,
     TrackedBase,
     TrackedBases,

@@ -1,0 +1,211 @@
+"""A node's data-plane listener, the holder side of :mod:`nonstop.replica.peer`'s protocol.
+
+:class:`DataPlane` authenticates peers (``purpose="data"``), installs the replicas they send
+(``rep`` + chunks, checked before anything is installed) into this node's replica slots, and
+serves fetches of its own ranks' or its replicas' snapshots -- raw, or a delta against the base a
+tracked fetch kept (a migration's catch-up). :func:`shm_stores` is the cached
+``rank -> RankSnapshotStore`` factory both sides use over a store id.
+
+Threading: one dispatcher thread serves the listener's events in order (replica stores are written
+by it alone); each fetch is answered on a thread of its own, so a slow requester never holds an
+install.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from nonstop.control.channel import Channel, Message
+from nonstop.control.listener import ControlServer
+from nonstop.errors import ControlError, SnapshotError, SnapshotMissingError
+from nonstop.replica.peer import (
+    RAW_CODEC,
+    FetchError,
+    TrackedBase,
+    TrackedBases,
+    _Bucket,
+    _recv_snapshot,
+    _send_chunks,
+)
+from nonstop.snapshot.codec import CodecConfig, Encoder, segments_for
+from nonstop.snapshot.store import RankSnapshotStore
+
+__all__ = ["DataPlane", "shm_stores"]
+
+log = logging.getLogger(__name__)
+
+
+class DataPlane:
+    """A node's listener for peers: stores replicas it receives, serves snapshots on request.
+
+    ``local(rank)`` and ``replica(rank)`` give the node's own and replica slot
+    stores. Runs one dispatcher thread; a fetch is served on its own thread.
+    ``codec`` encodes the deltas of tracked fetches (catch-up); ``bandwidth_bytes_s``
+    caps what tracked fetches send (they run while the job trains; a fetch a recovery
+    or a swap waits on is never held back) and they say so (``capped``).
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        secret: bytes,
+        local: Callable[[int], RankSnapshotStore],
+        replica: Callable[[int], RankSnapshotStore],
+        on_refused: Callable[[str, str], None] | None = None,
+        codec: CodecConfig | None = None,
+        bandwidth_bytes_s: float | None = None,
+    ) -> None:
+        self._local = local
+        self._replica = replica
+        self._codec = codec or CodecConfig()
+        self._bucket = _Bucket(bandwidth_bytes_s)
+        self._sent: TrackedBases[tuple[str, int, str]] = TrackedBases()
+        self._server = ControlServer(
+            host=host, port=port, secret=secret, on_refused=on_refused, purpose="data"
+        )
+        self.address = self._server.address
+        self._partial: dict[Channel, tuple[Message, list[Message]]] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # replica stores are written by the dispatcher only
+        self._thread = threading.Thread(target=self._loop, name="nonstop-dataplane", daemon=True)
+        self._thread.start()
+
+    @property
+    def addr(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                kind, chan, msg = self._server.events.get(timeout=0.1)
+            except queue.Empty:
+                self._sent.expire()  # an aborted migration's bases expire even if no fetch comes
+                continue
+            if kind == "close":
+                self._partial.pop(chan, None)
+                continue
+            if kind != "msg" or msg is None:
+                continue
+            try:
+                self._on_message(chan, msg)
+            except Exception as e:  # a bad peer message must not kill the data plane
+                log.warning("data plane: dropping %s after %s", chan.peer, e)
+                self._partial.pop(chan, None)
+                try:
+                    chan.send({"t": "rep_ack", "ok": False, "error": str(e)[:300]})
+                except ControlError:
+                    pass
+
+    def _on_message(self, chan: Channel, msg: Message) -> None:
+        t = msg.get("t")
+        if t == "rep":
+            if int(msg["nchunks"]) == 0:
+                self._install(chan, msg, [])
+            else:
+                self._partial[chan] = (msg, [])
+        elif t == "chunk":
+            got = self._partial.get(chan)
+            if got is None:
+                raise FetchError("chunk without a rep header")
+            got[1].append(msg)  # its BLOB views a buffer of its own (one per received frame)
+            if len(got[1]) == int(got[0]["nchunks"]):
+                del self._partial[chan]
+                self._install(chan, got[0], got[1])
+        elif t == "fetch":
+            threading.Thread(target=self._serve_fetch, args=(chan, msg), daemon=True).start()
+        else:
+            raise FetchError(f"unknown data-plane message {t!r}")
+
+    def _install(self, chan: Channel, head: Message, chunks: list[Message]) -> None:
+        rank, step = int(head["rank"]), int(head["step"])
+        store = self._replica(rank)
+        base_data = None
+        if head.get("base") is not None:
+            try:
+                base_data = store.copy_out(int(head["base"])).data
+            except SnapshotMissingError:
+                chan.send({"t": "rep_ack", "ok": False, "need_full": True, "error": "base not held"})
+                return
+        it = iter(chunks)
+        try:
+            meta, data = _recv_snapshot(head, lambda: next(it), base_data)
+        except SnapshotError as e:
+            if base_data is None:
+                raise
+            # A delta that does not decode against our copy of the base (a base we hold differs
+            # from the sender's): nothing is installed; ask for the whole snapshot instead.
+            chan.send({"t": "rep_ack", "ok": False, "need_full": True, "error": f"delta rejected: {e}"})
+            return
+        with self._lock:
+            store.write_raw(step, meta, data)
+        chan.send({"t": "rep_ack", "ok": True, "rank": rank, "step": step})
+
+    def _serve_fetch(self, chan: Channel, msg: Message) -> None:
+        """Answer one fetch; whatever goes wrong -- a missing step, a malformed request, a bug --
+        the requester gets a ``fetch_begin`` with ``error`` (it never waits for nothing)."""
+        try:
+            self._answer_fetch(chan, msg)
+        except Exception as e:
+            log.warning("data plane: fetch from %s failed: %s: %s", chan.peer, type(e).__name__, e)
+            try:
+                chan.send({"t": "fetch_begin", "error": f"{type(e).__name__}: {e}"[:300]})
+            except ControlError:
+                pass
+
+    def _answer_fetch(self, chan: Channel, msg: Message) -> None:
+        rank, step, kind = int(msg["rank"]), int(msg["step"]), str(msg.get("kind", "replica"))
+        if kind not in ("replica", "local"):
+            raise FetchError(f"unknown snapshot kind {kind!r}")
+        track, want = bool(msg.get("track")), msg.get("base")
+        key = (str(msg.get("node", "")), rank, kind)
+        prev = self._sent.take(key)
+        try:
+            store = self._replica(rank) if kind == "replica" else self._local(rank)
+            snap = store.copy_out(step, out=prev.spare if prev is not None and track else None)
+            base, base_step = None, None
+            if prev is not None and want is not None and int(want) == prev.step:
+                if prev.data.size == snap.data.size:  # the same layout: a delta applies
+                    base, base_step = prev.data, prev.step
+            with Encoder(self._codec if base is not None else RAW_CODEC) as enc:
+                chunks = enc.encode(snap.data, segments_for(snap.entries(), len(snap.data)), base)
+            capped = track and bool(self._bucket.rate)
+            head: Message = {"t": "fetch_begin", "data_len": len(snap.data), "nchunks": len(chunks)}
+            head.update(base=base_step, capped=capped)
+            if track:  # kept before the requester can see the step: its next fetch may ask for a delta
+                spare = prev.data if prev is not None else None
+                self._sent.put(key, TrackedBase(step=step, data=snap.data, spare=spare))
+            chan.send(head, snap.meta)
+            _send_chunks(chan, chunks, self._bucket if capped else lambda n: None)
+        except (SnapshotError, ControlError, OSError) as e:
+            try:
+                chan.send({"t": "fetch_begin", "error": str(e)[:300]})
+            except ControlError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+        self._thread.join(timeout=2.0)
+
+
+def shm_stores(shm_dir: Path, store_id: str, num_slots: int) -> Callable[[int], RankSnapshotStore]:
+    """A cached ``rank -> RankSnapshotStore`` factory over one store id."""
+    cache: dict[int, RankSnapshotStore] = {}
+    lock = threading.Lock()
+
+    def get(rank: int) -> RankSnapshotStore:
+        with lock:
+            s = cache.get(rank)
+            if s is None:
+                s = cache[rank] = RankSnapshotStore(
+                    shm_dir=shm_dir, job_id=store_id, rank=rank, num_slots=num_slots
+                )
+            return s
+
+    return get
