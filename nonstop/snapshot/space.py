@@ -33,7 +33,7 @@ from pathlib import Path
 
 from nonstop.errors import UsageError
 from nonstop.snapshot.api import HEADER_SIZE
-from nonstop.snapshot.slot import ShmFullError, align, reserve, segment_prefix
+from nonstop.snapshot.slot import ShmFullError, align, rank_slot_paths, reserve, segment_prefix
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,13 @@ def report_degraded(plan: NodePlan | None, *, rank: int, store: str, slots_left:
         events.close()
 
 
+def _sized(path: Path) -> bool:
+    try:
+        return os.stat(path).st_size > 0
+    except FileNotFoundError:
+        return False
+
+
 class StoreRoom:
     """One rank store's side of the memory tier: the node's check (once, before the store first
     sizes a slot) and the slots it dropped because they could not be allocated.
@@ -212,6 +219,7 @@ class StoreRoom:
         self.dropped: set[int] = set()  # slots that could not be allocated: never written again
         self._writes = 0  # writes so far (the start check ends after num_slots)
         self._checked_size = 0
+        self._took_over: bool | None = None  # this rank's slots existed before this store's first write
 
     def plan(self) -> tuple[NodePlan | None, str]:
         """The node's plan and what the store is to it: "local" (a node's own ranks) or
@@ -226,10 +234,18 @@ class StoreRoom:
         the node agent finds it and fails the job). "At start" is the store's first ``num_slots``
         writes (one per slot): a state's size may change over its first snapshots (one taken before
         the first optimizer step has no optimizer state yet), and each larger size is checked
-        again; later growth degrades instead (:meth:`drop`)."""
+        again; later growth degrades instead (:meth:`drop`).
+
+        A store whose rank's slots were already sized before its first write (a replacement
+        worker, a migration's joiner: the job is running, its start passed the check) is never
+        checked: the memory tier may have filled since and this rank's slots, or others', may
+        have been dropped (never grown to the size the plan counts), which the check would take
+        for a node too small and fail the running job; its writes degrade instead."""
         self._writes += 1
+        if self._took_over is None:
+            self._took_over = any(_sized(p) for p in rank_slot_paths(self.shm_dir, self.store_id, self.rank))
         size = slot_bytes(data_len, meta_len)
-        if self._writes > self.num_slots or size <= self._checked_size:
+        if self._took_over or self._writes > self.num_slots or size <= self._checked_size:
             return
         self._checked_size = size
         plan, kind = self.plan()
