@@ -38,34 +38,31 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.config import WorkerEnv
 from nonstop.control.channel import Message
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
-from nonstop.runtime.workerlog import announce_rank
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.train.collectives import in_collective
-from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.eventhooks import FLUSH_S, EventCallback, EventHooks
 from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
 from nonstop.train.link import CoordinatorLink, PeerFailed
+from nonstop.train.membership import Membership
 from nonstop.train.restore import read_restore
 from nonstop.train.snapshots import LoopSnapshots
-from nonstop.train.trainee import Build, Replicated, Sharded, Trainee, accumulate
+from nonstop.train.trainee import Build, Replicated, Sharded, Trainee
 
 __all__ = ["RunResult", "Session", "init"]
 
@@ -93,7 +90,7 @@ class _Reconfigure(Exception):
         self.msg = msg
 
 
-class Session:
+class Session(Membership):
     """A worker's connection to its job. Create it with :func:`init`.
 
     The control connection and its threads are a :class:`~nonstop.train.link.CoordinatorLink`,
@@ -107,7 +104,7 @@ class Session:
         self.env = env
         self.world_size = 0
         self.generation = 0
-        self._sync: CanonicalGradSync | None = None
+        self._sync = None
         self._group = GenerationGroup(keep_groups=env.keep_groups)
         self._step = 0
         self._progress_at = time.monotonic()  # when this rank last completed a step (heartbeat "idle")
@@ -137,62 +134,6 @@ class Session:
         self.rank: int = int(first["rank"])
         self._set_membership(first)
         self._snaps = LoopSnapshots(env)
-
-    def _set_membership(self, msg: Message) -> None:
-        """Rank, world size and data shards of the generation ``msg`` (a reconfigure) starts."""
-        self.rank = int(msg["rank"])
-        self.world_size = int(msg["world_size"])
-        self.shards: tuple[int, ...] = tuple(int(k) for k in msg.get("shards", (self.rank,)))
-        self.num_shards: int = int(msg.get("num_shards", self.world_size))
-        if self._sync is not None:
-            self._sync.set_shards(self.shards, self.num_shards)
-        os.environ.update(
-            RANK=str(self.rank),
-            WORLD_SIZE=str(self.world_size),
-            LOCAL_RANK=str(self.rank),
-            LOCAL_WORLD_SIZE=str(self.world_size),
-        )
-        announce_rank(self.rank)  # the agent labels this process's output lines with it from here
-
-    def shard_steps(self, model: torch.nn.Module) -> Iterator[int]:
-        """The data shards this rank plays in this step, for gradient accumulation::
-
-            for shard in session.shard_steps(model):
-                x, y = batch_for(step, shard)          # shard k: what rank k of the full job reads
-                loss_fn(model(x), y).backward()
-
-        In a job at its full size each rank plays one shard (its rank; a sharded job's: its
-        ``dp_rank``). After an elastic shrink a rank plays several: the gradients of all but the
-        last are accumulated locally (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``),
-        the last backward reduces, and the sum is divided by the number of shards, so the global
-        batch and its samples are those of the full-size job. In an elastic data-parallel job
-        the mean is bitwise the same at every world size (:mod:`nonstop.train.exactsum`): each
-        shard's gradient is kept apart and the shards are summed in their order."""
-        if self._sync is not None and self._sync.exact and isinstance(model, DistributedDataParallel):
-            return self._sync.accumulate(model)
-        return accumulate(model, self.shards)
-
-    @property
-    def mesh(self) -> MeshSpec | None:
-        """This generation's mesh: the job's ``--mesh``, with fewer replica groups after an
-        elastic shrink (None: a data-parallel job)."""
-        if self.env.mesh is None:
-            return None
-        spec = MeshSpec.parse(self.env.mesh)
-        return spec.with_world(self.world_size) if self.world_size else spec
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel index: the batch it reads (ranks of one TP group read the
-        same); the rank itself in a data-parallel job."""
-        mesh = self.mesh
-        return mesh.dp_rank(self.rank) if mesh is not None else self.rank
-
-    @property
-    def dp_size(self) -> int:
-        """How many different batches the job reads per step (its data-parallel degree)."""
-        mesh = self.mesh
-        return mesh.dp_size if mesh is not None else self.world_size
 
     @property
     def store(self) -> ChannelStore:
