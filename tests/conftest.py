@@ -72,9 +72,18 @@ def run_demo_job(
     return DemoRun(result, out, job_dir, read_events(job_dir / "events.jsonl"))
 
 
-def sampled_nodes_config(job_dir: Path, steps: int, faults: tuple[str, ...], **kw: Any) -> Any:
+# Steps while an elastic job runs shrunk, in the tests where a node rejoins to grow it back: the
+# rejoining node's spare imports torch before it can join, which takes well over 10 s on a
+# saturated 2-core machine; at full pace the run could end first and no grow would be seen.
+SHRUNK_STEP_DELAY = ("--shrunk-step-delay", "0.5")
+
+
+def sampled_nodes_config(
+    job_dir: Path, steps: int, faults: tuple[str, ...], *, script_more: tuple[str, ...] = (), **kw: Any
+) -> Any:
     """A tiny demo job of several local nodes (batch 4, 0.1 s steps) that logs every micro-batch
-    it trains on to ``job_dir/samples`` (``nonstop.demo.samples``); ``kw`` goes to the config."""
+    it trains on to ``job_dir/samples`` (``nonstop.demo.samples``); ``script_more``: more script
+    flags; ``kw`` goes to the config."""
     kw.setdefault("coordinator", "127.0.0.1:0")
     kw.setdefault("lease_ttl_s", 3.0)  # no spurious fencing on a loaded machine
     return demo_job_config(
@@ -82,7 +91,7 @@ def sampled_nodes_config(job_dir: Path, steps: int, faults: tuple[str, ...], **k
         steps=steps,
         model="tiny",
         batch=4,
-        script_extra=("--step-delay", "0.1", "--samples-log", str(job_dir / "samples")),
+        script_extra=("--step-delay", "0.1", "--samples-log", str(job_dir / "samples"), *script_more),
         job_dir=job_dir,
         faults=faults,
         **kw,

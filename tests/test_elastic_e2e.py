@@ -21,7 +21,13 @@ from nonstop.demo.samples import check_sequence, effective_samples, read_log
 from nonstop.errors import UsageError
 from nonstop.runtime.jobfiles import load_resume
 from nonstop.snapshot.durable import DurableStore
-from tests.conftest import NodesInBackground, events_named, run_nodes_job, sampled_nodes_config
+from tests.conftest import (
+    SHRUNK_STEP_DELAY,
+    NodesInBackground,
+    events_named,
+    run_nodes_job,
+    sampled_nodes_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +65,9 @@ def test_waits_for_a_spare_then_replaces_bitwise(tmp_path: Path) -> None:
 
 def test_shrink_then_grow_reads_every_sample_once(tmp_path: Path) -> None:
     steps = 80
-    config = _config(tmp_path / "job", steps, ("node:node=2,step=6",), min_world_size=2)
+    config = _config(
+        tmp_path / "job", steps, ("node:node=2,step=6",), min_world_size=2, script_more=SHRUNK_STEP_DELAY
+    )
     events = _run_with_rejoin(config, "shrink")
     (shrink,) = events_named(events, "shrink")
     assert shrink["world_size"] == 2 and shrink["dropped"] == [2]

@@ -225,7 +225,7 @@ def _shrink_then_grow(job_dir: Path, cfg: dict[str, Any], lost: int, at: int) ->
     an uninterrupted run of the same mesh up to float rounding -- and returns the events."""
     from nonstop.demo.runner import demo_job_config
     from nonstop.demo.samples import check_sequence, read_log
-    from tests.conftest import NodesInBackground
+    from tests.conftest import SHRUNK_STEP_DELAY, NodesInBackground
 
     steps, batch = ELASTIC_STEPS, ELASTIC_BATCH
     world = cfg["nproc"] * cfg["nnodes"]
@@ -234,7 +234,7 @@ def _shrink_then_grow(job_dir: Path, cfg: dict[str, Any], lost: int, at: int) ->
         steps=steps,
         model="tiny",
         batch=batch,
-        script_extra=("--step-delay", "0.15", "--samples-log", str(job_dir / "samples")),
+        script_extra=("--step-delay", "0.15", "--samples-log", str(job_dir / "samples"), *SHRUNK_STEP_DELAY),
         nproc_per_node=cfg["nproc"],
         spares=0,
         nnodes=cfg["nnodes"],

@@ -52,6 +52,13 @@ def main(argv: list[str] | None = None) -> None:
         "--step-delay", type=float, default=0.0, help="extra seconds per step (to watch or interrupt a run)"
     )
     ap.add_argument(
+        "--shrunk-step-delay",
+        type=float,
+        default=0.0,
+        help="extra seconds per step while the job runs shrunk (this rank plays several data shards): "
+        "a node rejoining a busy machine has time to come up before the run ends (tests)",
+    )
+    ap.add_argument(
         "--kv-probe-step",
         type=int,
         default=None,
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
             losses.append(float(loss.item()))
         if args.step_delay:
             time.sleep(args.step_delay)
+        if args.shrunk_step_delay and len(session.shards) > 1:
+            time.sleep(args.shrunk_step_delay)
         if step == args.kv_probe_step and session.rank == 0 and not session.warming_up:
             session.store.set("kv-probe", "text")
             try:

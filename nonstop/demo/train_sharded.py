@@ -72,6 +72,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--result", type=Path, default=None)
     ap.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step")
     ap.add_argument(
+        "--shrunk-step-delay",
+        type=float,
+        default=0.0,
+        help="extra seconds per step while the job runs shrunk (this rank plays several data shards): "
+        "a node rejoining a busy machine has time to come up before the run ends (tests)",
+    )
+    ap.add_argument(
         "--samples-log", type=Path, default=None, help="directory: a line per micro-batch (see demo.train)"
     )
     args = ap.parse_args(argv)
@@ -106,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
             losses.append(float(loss.item()))
         if args.step_delay:
             time.sleep(args.step_delay)
+        if args.shrunk_step_delay and len(session.shards) > 1:
+            time.sleep(args.shrunk_step_delay)
         opt.step()
         data["samples_seen"] += args.batch * session.num_shards
         return sum(losses) / len(losses)
