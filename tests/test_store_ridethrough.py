@@ -265,6 +265,7 @@ def test_a_reconnecting_worker_reports_its_newest_step_not_the_one_when_the_link
         reconnect_s=30.0, control_addr=("127.0.0.1", 1), secret=b"x", role="worker", spawn_id=3
     )  # type: ignore[assignment]
     link._resume = resume
+    link._subscription = None  # no Session.on_event subscription to repeat
     link.closing = False
     assert link._reconnect()
     assert hellos[0]["resume"]["step"] == 6
