@@ -27,10 +27,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +41,7 @@ from nonstop.snapshot.api import SlotState
 from nonstop.snapshot.slot import Slot
 from nonstop.snapshot.space import free_bytes
 from tests.conftest import DemoRun, events_named, leftovers, run_demo_job
+from tests.tmpfs import mount_tmpfs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -53,21 +52,7 @@ LEAVE = 256 << 10  # free bytes left in the tmpfs: less than one slot's growth (
 @pytest.fixture
 def small_shm() -> Iterator[Path]:
     """A 16 MiB tmpfs of the test's own (root only), unmounted afterwards whatever happens."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (mount -t tmpfs)")
-    where = Path(f"/tmp/degradeshm-{uuid.uuid4().hex[:8]}")
-    where.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)], capture_output=True, check=False
-    )
-    if done.returncode != 0:
-        where.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-        where.rmdir()
+    yield from mount_tmpfs("16m", name="degradeshm")
 
 
 def _slot_steps(shm: Path, rank: int) -> list[tuple[SlotState, int]]:

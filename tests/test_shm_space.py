@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,36 +22,19 @@ from nonstop.runtime.eventlog import read_events
 from nonstop.snapshot.slot import ShmFullError
 from nonstop.snapshot.space import NodePlan, free_bytes, plan_path, shortfall, write_plan
 from nonstop.snapshot.store import RankSnapshotStore
+from tests.tmpfs import mount_tmpfs
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _mount(size: str) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (mount -t tmpfs)")
-    where = Path(f"/tmp/smallshm-{uuid.uuid4().hex[:8]}")
-    where.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
-    )
-    if done.returncode != 0:
-        where.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-        where.rmdir()
-
-
 @pytest.fixture
 def shm4(tmp_path: Path) -> Iterator[Path]:
-    yield from _mount("4m")
+    yield from mount_tmpfs("4m")
 
 
 @pytest.fixture
 def shm16(tmp_path: Path) -> Iterator[Path]:
-    yield from _mount("16m")
+    yield from mount_tmpfs("16m")
 
 
 def _fill(shm: Path, leave: int) -> Path:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import nonstop
 from nonstop.demo.data import MarkovCorpus
 from nonstop.demo.model import GPT, PRESETS
+from nonstop.demo.pace import add_pace_args, pace
 from nonstop.demo.samples import SamplesLog
 from nonstop.errors import ControlError
 
@@ -48,16 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         help="directory: each process appends (generation, step, shard, first sample, count) of every "
         "micro-batch it trains on, as JSON lines (the proof that an elastic run reads the same samples)",
     )
-    ap.add_argument(
-        "--step-delay", type=float, default=0.0, help="extra seconds per step (to watch or interrupt a run)"
-    )
-    ap.add_argument(
-        "--shrunk-step-delay",
-        type=float,
-        default=0.0,
-        help="extra seconds per step while the job runs shrunk (this rank plays several data shards): "
-        "a node rejoining a busy machine has time to come up before the run ends (tests)",
-    )
+    add_pace_args(ap)
     ap.add_argument(
         "--kv-probe-step",
         type=int,
@@ -96,10 +88,7 @@ def main(argv: list[str] | None = None) -> None:
             loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
             loss.backward()
             losses.append(float(loss.item()))
-        if args.step_delay:
-            time.sleep(args.step_delay)
-        if args.shrunk_step_delay and len(session.shards) > 1:
-            time.sleep(args.shrunk_step_delay)
+        pace(args, session)
         if step == args.kv_probe_step and session.rank == 0 and not session.warming_up:
             session.store.set("kv-probe", "text")
             try:

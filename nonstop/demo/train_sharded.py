@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import nonstop
 from nonstop.demo.data import MarkovCorpus
 from nonstop.demo.model import GPT, PRESETS
+from nonstop.demo.pace import add_pace_args, pace
 from nonstop.demo.samples import SamplesLog
 
 
@@ -70,14 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result", type=Path, default=None)
-    ap.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step")
-    ap.add_argument(
-        "--shrunk-step-delay",
-        type=float,
-        default=0.0,
-        help="extra seconds per step while the job runs shrunk (this rank plays several data shards): "
-        "a node rejoining a busy machine has time to come up before the run ends (tests)",
-    )
+    add_pace_args(ap)
     ap.add_argument(
         "--samples-log", type=Path, default=None, help="directory: a line per micro-batch (see demo.train)"
     )
@@ -111,10 +105,7 @@ def main(argv: list[str] | None = None) -> None:
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
             losses.append(float(loss.item()))
-        if args.step_delay:
-            time.sleep(args.step_delay)
-        if args.shrunk_step_delay and len(session.shards) > 1:
-            time.sleep(args.shrunk_step_delay)
+        pace(args, session)
         opt.step()
         data["samples_seen"] += args.batch * session.num_shards
         return sum(losses) / len(losses)
