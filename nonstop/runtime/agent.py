@@ -86,14 +86,22 @@ class Agent:
         self._console: Console | None = None if redirect_output else console or Console()
         self._outputs: list[WorkerOutput] = []  # every child's, until shutdown has them finish
 
-    def spawn(self, role: str, spawn_id: int | None = None, *, rank: int | None = None) -> int:
+    def spawn(
+        self,
+        role: str,
+        spawn_id: int | None = None,
+        *,
+        rank: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> int:
         """Start a worker or a hot spare; return its spawn id (the coordinator tells it its rank;
-        ``rank``: the one it is started for, its output's label until it says otherwise).
+        ``rank``: the one it is started for, its output's label until it says otherwise; ``env``:
+        variables added to the agent's worker environment, e.g. torchrun's for that rank).
         ``spawn_id``: the id the coordinator chose (unique in the job); default the next local one."""
         if spawn_id is None:
             spawn_id = self._next_id
         self._next_id = max(self._next_id, spawn_id) + 1
-        env = dict(self.env)
+        env = {**self.env, **(env or {})}
         env[ENV.ROLE] = role
         env[ENV.SPAWN_ID] = str(spawn_id)
         spawn_file = None

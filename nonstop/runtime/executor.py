@@ -18,6 +18,7 @@ from nonstop.control.channel import Message
 from nonstop.errors import ControlError
 from nonstop.runtime import events as ev
 from nonstop.runtime.eventlog import EventLog
+from nonstop.runtime.torchenv import rank_env
 from nonstop.runtime.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.runtime.wire import Installed, Inventory, Lost
 
@@ -71,6 +72,7 @@ class Executor:
         msg: Message = {"t": "spawn", "spawn_id": sid, "role": str(role)}
         if rank is not None:
             msg["rank"] = rank  # the agent labels the process's output with it (runtime/workerlog.py)
+            msg["env"] = rank_env(self.view, sid, rank)  # torchrun's, before the script starts
         self.send_node(self.view.nodes[node], msg)
         self.events.emit(ev.Spawn(spawn_id=sid, role=str(role), rank=rank, node=node))
         return sid

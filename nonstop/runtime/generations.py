@@ -53,6 +53,7 @@ from nonstop.runtime.recovery import (
     StageEnded,
     Tick,
 )
+from nonstop.runtime.torchenv import rank_env
 from nonstop.runtime.view import Role
 
 if TYPE_CHECKING:
@@ -407,6 +408,7 @@ class Generations:
                 "gen": r.generation,
                 "rank": rank,
                 "world_size": self.c.view.world_size,
+                "env": rank_env(self.c.view, w.spawn_id, rank),  # torchrun's (runtime/torchenv.py)
                 "restore_step": r.restore_step,
                 "recovery": bool(r.failures),
                 **self.c.resize.shards_of(rank),

@@ -12,7 +12,7 @@ Protocol on the agent's control channel (JSON, authenticated)::
     coordinator -> agent   welcome {job_id, lease_ttl_s, num_slots, env}  |  refused {error}
     agent -> coordinator   lease {seq}            every lease_ttl_s / 5
     coordinator -> agent   lease_ok {seq}
-    coordinator -> agent   spawn {spawn_id, role}        -> spawned {spawn_id, pid}
+    coordinator -> agent   spawn {spawn_id, role, rank?, env?} -> spawned {spawn_id, pid}
     coordinator -> agent   kill {spawn_id, sig}
     agent -> coordinator   exit {spawn_id, rc, pid, fault_at}
     coordinator -> agent   inventory {id}                 -> inventory {id, local, replicas}
@@ -226,6 +226,10 @@ class NodeAgent:
                 ENV.JOB_ID: local_store_id(self.job_id, self.spec.node),
                 ENV.JOB_DIR: str(self.job_dir),
                 ENV.CONTROL: f"{self.coordinator[0]}:{self.coordinator[1]}",
+                # torchrun's: the process group's rendezvous goes through the coordinator
+                # (runtime/torchenv.py); no TCPStore listens there
+                "MASTER_ADDR": str(self.coordinator[0]),
+                "MASTER_PORT": str(self.coordinator[1]),
                 ENV.SECRET_FILE: str(self.secret_file),
                 ENV.SHM_DIR: str(self.shm_dir),
                 ENV.NODE: self.spec.node,
@@ -424,7 +428,10 @@ class NodeAgent:
         if t == "spawn":
             rank = msg.get("rank")
             sid = self.agent.spawn(
-                str(msg["role"]), int(msg["spawn_id"]), rank=None if rank is None else int(rank)
+                str(msg["role"]),
+                int(msg["spawn_id"]),
+                rank=None if rank is None else int(rank),
+                env={str(k): str(v) for k, v in dict(msg.get("env", {})).items()},
             )
             self._send({"t": "spawned", "spawn_id": sid, "pid": self.agent.pid(sid)})
         elif t == "kill":

@@ -40,6 +40,7 @@ from nonstop.runtime.swap import (
     SwapNow,
     SwapPhase,
 )
+from nonstop.runtime.torchenv import rank_env
 from nonstop.runtime.view import NodeRecord, Role, WorkerRecord
 from nonstop.runtime.wire import Fetched
 
@@ -427,6 +428,7 @@ class Swaps:
                 "gen": self.c.view.generation,
                 "rank": rank,
                 "world_size": world_size,
+                "env": rank_env(self.c.view, sid, rank, world_size),  # its node's, if the swap happens
                 "restore_step": step,
                 "recovery": False,
                 "prepare": True,

@@ -54,6 +54,7 @@ class WorkerRecord:
     fault_at: float | None = None  # wall time an injected fault fired on it
     fault_report: tuple[float, str] | None = None  # (when, error) of a reported exception
     chan_closed_at: float | None = None
+    local_rank: int | None = None  # its LOCAL_RANK on its node, once it plays a rank (runtime/torchenv.py)
 
 
 @dataclass

@@ -3,8 +3,9 @@ its coordinates on the mesh (the part of :class:`~nonstop.train.session.Session`
 script reads every step).
 
 A generation's ``reconfigure`` message sets them (:meth:`Membership._set_membership`), and the
-worker's environment follows (``RANK``, ``WORLD_SIZE``, ...), as does the label the node agent puts
-on its output lines. Main thread only.
+worker's environment follows: torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ... as :mod:`nonstop.runtime.torchenv` defines them), as
+does the label the node agent puts on its output lines. Main thread only.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ class Membership:
         self.num_shards: int = int(msg.get("num_shards", self.world_size))
         if self._sync is not None:
             self._sync.set_shards(self.shards, self.num_shards)
-        os.environ.update(
-            RANK=str(self.rank),
-            WORLD_SIZE=str(self.world_size),
-            LOCAL_RANK=str(self.rank),
-            LOCAL_WORLD_SIZE=str(self.world_size),
-        )
+        # torchrun's variables as the coordinator computed them (runtime/torchenv.py); a message
+        # without them (an older coordinator) still sets the rank and the world size
+        env = {str(k): str(v) for k, v in dict(msg.get("env", {})).items()}
+        env.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size))
+        env.update(ROLE_RANK=env["RANK"], ROLE_WORLD_SIZE=env["WORLD_SIZE"])
+        os.environ.update(env)
         announce_rank(self.rank)  # the agent labels this process's output lines with it from here
 
     def shard_steps(self, model: torch.nn.Module) -> Iterator[int]:

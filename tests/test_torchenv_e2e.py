@@ -1,0 +1,111 @@
+"""torchrun's worker environment on a real 2-node local job (2 ranks and a hot spare per node, gloo,
+rank 1 SIGKILLed): every process launched as a rank finds RANK, LOCAL_RANK (its index on its node),
+WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_*, MASTER_ADDR/PORT and TORCHELASTIC_RESTART_COUNT
+before the script starts, and the spare that takes rank 1 reads its own node's values after
+``nonstop.init()``."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from nonstop.config import JobConfig
+from nonstop.runtime.coordinator import JobState
+from nonstop.runtime.localnodes import run_local_nodes
+
+pytestmark = pytest.mark.slow
+
+KEYS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+)  # fmt: skip
+
+SCRIPT = f"""
+import json, os, sys, torch, nonstop
+out = sys.argv[1]
+
+def dump(tag):
+    d = {{k: os.environ.get(k) for k in {KEYS!r}}}
+    d.update(node=os.environ["NONSTOP_NODE"], role=os.environ["NONSTOP_ROLE"])
+    with open(os.path.join(out, tag + "-" + os.environ["NONSTOP_SPAWN_ID"] + ".json"), "w") as f:
+        json.dump(d, f)
+
+dump("start")
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+session = nonstop.init()
+dump("init")
+
+def train_step(ddp_model, step):
+    time.sleep(0.1)
+    opt.zero_grad()
+    g = torch.Generator().manual_seed(step * 100 + session.rank)
+    ddp_model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+    opt.step()
+    return 0.0
+
+import time
+session.run(train_step, model=model, optimizer=opt, num_steps=10)
+dump("done")
+"""
+
+
+def _read(out: Path, tag: str) -> dict[int, dict[str, str]]:
+    return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob(f"{tag}-*.json")}
+
+
+def test_every_worker_sees_torchruns_environment_on_two_nodes_through_a_kill(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "env"
+    out.mkdir()
+    config = JobConfig(
+        script=str(script),
+        script_args=(str(out),),
+        nproc_per_node=2,
+        spares=1,
+        nnodes=2,
+        job_dir=tmp_path / "job",
+        faults=("kill:rank=1,step=4",),
+        coordinator="127.0.0.1:0",
+        lease_ttl_s=3.0,
+    )
+    result = run_local_nodes(config, redirect_output=True)
+    assert result.state is JobState.DONE, result.error
+
+    start, done = _read(out, "start"), _read(out, "done")
+    launched = {sid: e for sid, e in start.items() if e["role"] == "worker"}
+    assert sorted(int(e["RANK"]) for e in launched.values()) == [0, 1, 2, 3]
+    ports = {e["MASTER_PORT"] for e in start.values() if e["role"] == "worker"}
+    assert len(ports) == 1 and next(iter(ports)).isdigit()
+    for e in launched.values():  # before the script's first line: the start plan
+        rank = int(e["RANK"])
+        assert e["node"] == str(rank // 2) and e["GROUP_RANK"] == e["node"]
+        assert (e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) == (str(rank % 2), "2")
+        assert (e["WORLD_SIZE"], e["ROLE_RANK"], e["ROLE_WORLD_SIZE"]) == ("4", e["RANK"], "4")
+        assert (e["GROUP_WORLD_SIZE"], e["ROLE_NAME"], e["MASTER_ADDR"]) == ("2", "default", "127.0.0.1")
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "0"
+    assert all(e["RANK"] is None for e in start.values() if e["role"] == "spare")  # no rank yet
+
+    # at the end: the four ranks, one of them played by the spare that took rank 1
+    assert sorted(int(e["RANK"]) for e in done.values()) == [0, 1, 2, 3]
+    by_node: dict[str, list[dict[str, str]]] = defaultdict(list)
+    for e in done.values():
+        by_node[e["node"]].append(e)
+        assert e["GROUP_RANK"] == e["node"] and e["GROUP_WORLD_SIZE"] == "2"
+        assert (e["WORLD_SIZE"], e["ROLE_RANK"], e["ROLE_WORLD_SIZE"]) == ("4", e["RANK"], "4")
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "1" and e["MASTER_PORT"] in ports
+    for node, es in by_node.items():  # node-local indexes, distinct, below the node's rank count
+        assert all(e["LOCAL_WORLD_SIZE"] == str(len(es)) for e in es), (node, es)
+        assert sorted(int(e["LOCAL_RANK"]) for e in es) == list(range(len(es))), (node, es)
+    (taker,) = [e for e in done.values() if e["role"] == "spare"]
+    assert taker["RANK"] == "1"
+    survivors = sorted(int(e["LOCAL_RANK"]) for e in by_node[taker["node"]] if e is not taker)
+    # its index on ITS node: the one the killed rank left on node 0, or the next one on node 1
+    assert taker["LOCAL_RANK"] == ("1" if taker["node"] == "0" else "2"), (taker, survivors)
+    for sid, e in done.items():  # survivors kept their processes and their indexes
+        if sid in launched:
+            assert e["LOCAL_RANK"] == launched[sid]["LOCAL_RANK"]
