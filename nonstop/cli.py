@@ -13,6 +13,7 @@ from pathlib import Path
 
 from nonstop.cliargs import detector, detector_args, node_args, node_config, snapshot_args, snapshot_config
 from nonstop.cliconfig import load_config
+from nonstop.clienv import add_torchrun_args, env_defaults, nproc_value, resolve_torchrun
 from nonstop.clilogs import add_level_arg, add_log_args, log_config, log_level
 from nonstop.climetrics import add_metrics_args, add_watch_args, watch_status
 from nonstop.clisecurity import add_security_args, security_config
@@ -49,7 +50,13 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="read flags from a TOML file (keys: the long flag names, e.g. nproc-per-node = 4; "
         "script, script-args); flags on the command line override it",
     )
-    run.add_argument("--nproc-per-node", type=int, default=1)
+    run.add_argument(
+        "--nproc-per-node",
+        type=nproc_value,
+        default=1,
+        metavar="N|gpu|auto",
+        help="ranks per node; gpu: one per visible GPU; auto: that, or one per CPU without GPUs (default 1)",
+    )
     run.add_argument("--spares", type=int, default=0, help="hot spare processes to keep ready")
     run.add_argument("--job-dir", type=Path, default=Path(".nonstop/job"))
     run.add_argument("--host", default="127.0.0.1", help="address the control server binds")
@@ -70,6 +77,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="URL",
         help="restart the whole job from the newest good checkpoint here",
     )
+    add_torchrun_args(run)  # after every flag it gives an underscore spelling
     run.add_argument("script", nargs="?", default=None)
     run.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -197,16 +205,21 @@ def main(argv: list[str] | None = None) -> int:
 def _with_defaults(
     ap: argparse.ArgumentParser, run: argparse.ArgumentParser, ns: argparse.Namespace, argv: list[str] | None
 ) -> argparse.Namespace:
-    """``nonstop run``'s command line parsed again over the defaults that Slurm's environment
-    and then ``--config`` give (the command line wins over both; the file over Slurm)."""
+    """``nonstop run``'s command line parsed again over the defaults given, lowest first, by
+    Slurm's environment, ``PET_*``, ``NONSTOP_*`` and ``--config`` (or ``$NONSTOP_CONFIG``): the
+    command line wins over all (:mod:`nonstop.clienv`); then torchrun's forms resolved."""
     defaults = slurm_defaults(os.environ)
-    if ns.config is not None:
-        defaults.update(load_config(ns.config, run))
+    defaults.update(env_defaults(run, os.environ, "PET_"))
+    defaults.update(env_defaults(run, os.environ, "NONSTOP_"))
+    config = ns.config if ns.config is not None else os.environ.get("NONSTOP_CONFIG") or None
+    if config is not None:
+        defaults.update(load_config(Path(config), run))
     if defaults:
         run.set_defaults(**defaults)
         ns = ap.parse_args(argv)
     if ns.script is None:
         raise UsageError("nonstop run needs the training script: give it last, or as script in --config")
+    resolve_torchrun(ns)
     return ns
 
 

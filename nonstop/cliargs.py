@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from nonstop.clienv import nnodes_value
 from nonstop.config import SNAPSHOT_MODES, SURVIVOR_MODES, SWAP_TRANSFERS, DetectorConfig, JobConfig
 
 __all__ = ["detector", "detector_args", "node_args", "node_config", "snapshot_args", "snapshot_config"]
@@ -94,7 +95,14 @@ def snapshot_config(ns: argparse.Namespace) -> dict[str, object]:
 def node_args(p: argparse.ArgumentParser) -> None:
     c = JobConfig(script="")
     g = p.add_argument_group("many nodes")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default %(default)s)")
+    g.add_argument(
+        "--nnodes",
+        type=nnodes_value,
+        default=1,
+        metavar="N|MIN:MAX",
+        help="nodes in the job; MIN:MAX (torchrun's): MAX nodes, elastic down to MIN nodes' ranks "
+        "(default 1)",
+    )
     g.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 hosts the coordinator")
     g.add_argument(
         "--coordinator", default=None, metavar="HOST:PORT", help="where node 0 listens and the others connect"

@@ -108,8 +108,11 @@ def _scalar(action: argparse.Action, value: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise UsageError(f"{where} must be a string (got {value!r})")
         got = value
-    else:  # a flag with its own parser (none today): hand it the text
-        got = kind(str(value)) if callable(kind) else value
+    else:  # a flag with its own parser (--nproc-per-node, --nnodes): hand it the text
+        try:
+            got = kind(str(value)) if callable(kind) else value
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+            raise UsageError(f"{where}: {e}") from None
     if action.choices is not None and got not in action.choices:
         choices = ", ".join(str(c) for c in action.choices)
         raise UsageError(f"{where} must be one of {choices} (got {value!r})")
