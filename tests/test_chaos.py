@@ -190,3 +190,43 @@ def test_a_wipe_finds_every_copy_of_one_rank_and_a_node_loss_every_file_of_one_n
     assert got == ["nonstop-j1.0-r1-s0", "nonstop-j1.0-r1-s3", "nonstop-j1.2.rep-r1-s2"]
     node1 = sorted(p.name for p in segments_of_node("j1", 1, tmp_path))
     assert node1 == ["nonstop-j1.1-r0-s0", "nonstop-j1.1.lock", "nonstop-j1.1.rep-r2-s0"]
+
+
+def test_a_durable_restore_read_before_the_status_shows_it_is_no_violation() -> None:
+    """Found by the 204-fault soak: each look asks for the status and then reads the events, so
+    the look that reads ``restore_from_durable`` can still show the committed step from before it,
+    and the drop only shows in the next look. That drop is the restore, not a step going back;
+    a drop below the restored checkpoint, or a second drop, still is one."""
+    from nonstop.chaos.checks import Checks
+
+    def status(step: int) -> dict[str, object]:
+        return {"ranks": {}, "committed_step": step, "replicated_step": step}
+
+    checks = Checks()
+    checks.look(status(639), [])
+    checks.look(status(639), [{"event": "restore_from_durable", "step": 630}])
+    checks.look(status(630), [])
+    checks.look(status(633), [])
+    assert checks.violations == []
+    checks.look(status(631), [])  # no restore this time
+    assert checks.violations == ["the committed step went back from 633 to 631"]
+    late = Checks()
+    late.look(status(50), [])
+    late.look(status(50), [{"event": "restore_from_durable", "step": 40}])
+    late.look(status(30), [])  # below the checkpoint it restored
+    assert late.violations == ["the committed step went back from 50 to 30"]
+
+
+def test_the_committed_step_is_held_to_its_rule_from_the_first_replicated_step() -> None:
+    """Also from the soak: before its first replication round a job of several nodes reports the
+    step in its nodes' memory, then the first replicated step, one lower (2, then 1). That number
+    was no guarantee yet; the rule applies from the first replicated step on."""
+    from nonstop.chaos.checks import Checks
+
+    checks = Checks()
+    checks.look({"ranks": {}, "committed_step": 2, "replicated_step": None}, [])
+    checks.look({"ranks": {}, "committed_step": 1, "replicated_step": 1}, [])
+    checks.look({"ranks": {}, "committed_step": 3, "replicated_step": 3}, [])
+    assert checks.violations == []
+    checks.look({"ranks": {}, "committed_step": 2, "replicated_step": 2}, [])
+    assert checks.violations == ["the committed step went back from 3 to 2"]

@@ -31,11 +31,13 @@ class Checks:
     done: list[Invariants] = field(default_factory=list)
     job: Invariants = field(default_factory=Invariants)
     pids: set[int] = field(default_factory=set)  # every worker pid of the current job
+    durable_to: int | None = None  # a durable restore seen, its step: the next drop may go to it
 
     def new_job(self) -> None:
         self.done.append(self.job)
         self.job = Invariants()
         self.pids = set()
+        self.durable_to = None
 
     @property
     def violations(self) -> list[str]:
@@ -57,14 +59,26 @@ class Checks:
         for e in events:
             if e.get("event") == "spawned" and e.get("pid"):
                 self.pids.add(int(e["pid"]))
-        durable = any(e.get("event") == "restore_from_durable" for e in events)
+            if e.get("event") == "restore_from_durable":
+                self.durable_to = int(e.get("step", 0))
         if status is None:
             return
         members = {int(r): int(rec["pid"]) for r, rec in status["ranks"].items() if rec.get("pid")}
         self.pids |= set(members.values())
         live = frozenset(p for p in self.pids if running(p))
         self.job.observe(Observation(time.monotonic(), members, live), fault=fault)
-        self.job.committed(status.get("committed_step"), durable_restore=durable, fault=fault)
+        # A durable restore lets the committed step go back, to that checkpoint or later, once:
+        # the status is asked for before the events are read, so the look that reads the event
+        # may still show the step before it, and the drop only the next one.
+        # Until its first replication round a job of several nodes reports the step in its nodes'
+        # memory (no guarantee yet), then the replicated one, which may be lower: the rule holds
+        # from the first replicated step on.
+        step = status.get("committed_step") if status.get("replicated_step") is not None else None
+        last = self.job.last_committed
+        durable = False
+        if self.durable_to is not None and step is not None and last is not None and step < last:
+            durable, self.durable_to = step >= self.durable_to, None
+        self.job.committed(step, durable_restore=durable, fault=fault)
 
     def leftovers(self, job_id: str | None, ep: Episode, prefix: str, timeout: float = 30.0) -> None:
         """After a job: none of its shared-memory segments, worker or node processes may be left
