@@ -41,7 +41,7 @@ from nonstop.snapshot.api import SlotState
 from nonstop.snapshot.slot import Slot
 from nonstop.snapshot.space import free_bytes
 from tests.conftest import DemoRun, events_named, leftovers, run_demo_job
-from tests.tmpfs import mount_tmpfs
+from tests.tmpfs import fill_tmpfs, mount_tmpfs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -78,12 +78,7 @@ def _fill_after_step_1(shm: Path, job: threading.Thread, seen: dict[str, Any]) -
     while job.is_alive() and time.monotonic() < deadline:
         slots = {r: _slot_steps(shm, r) for r in range(NPROC)}
         if all((SlotState.COMPLETE, 1) in s for s in slots.values()):
-            filler = shm / "other-process-data"
-            fd = os.open(filler, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, free_bytes(shm) - LEAVE)
-            finally:
-                os.close(fd)
+            fill_tmpfs(shm, LEAVE)
             seen["slots"] = {r: _slot_steps(shm, r) for r in range(NPROC)}
             seen["free"] = free_bytes(shm)
             return

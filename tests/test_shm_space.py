@@ -20,9 +20,9 @@ import torch
 
 from nonstop.runtime.eventlog import read_events
 from nonstop.snapshot.slot import ShmFullError
-from nonstop.snapshot.space import NodePlan, free_bytes, plan_path, shortfall, write_plan
+from nonstop.snapshot.space import NodePlan, plan_path, shortfall, write_plan
 from nonstop.snapshot.store import RankSnapshotStore
-from tests.tmpfs import mount_tmpfs
+from tests.tmpfs import fill_tmpfs, mount_tmpfs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,17 +35,6 @@ def shm4(tmp_path: Path) -> Iterator[Path]:
 @pytest.fixture
 def shm16(tmp_path: Path) -> Iterator[Path]:
     yield from mount_tmpfs("16m")
-
-
-def _fill(shm: Path, leave: int) -> Path:
-    """A file that leaves ``leave`` bytes free in ``shm`` (another process filling /dev/shm)."""
-    filler = shm / "other-process-data"
-    fd = os.open(filler, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, free_bytes(shm) - leave)
-    finally:
-        os.close(fd)
-    return filler
 
 
 def test_a_full_tmpfs_fails_at_allocation_not_with_sigbus(shm4: Path) -> None:
@@ -74,7 +63,7 @@ def test_a_store_that_cannot_grow_goes_on_with_fewer_slots(shm16: Path, tmp_path
         for step in (1, 2, 3):
             store.write(step, small)
         assert store.usable_slots == 3
-        _fill(shm16, leave=int(2.5 * (1 << 20)))  # room for one slot's growth of 2 MiB, not two
+        fill_tmpfs(shm16, leave=int(2.5 * (1 << 20)))  # room for one slot's growth of 2 MiB, not two
         for step in (4, 5, 6, 7):  # the state grew: 3 MiB a slot
             store.write(step, {"w": torch.full((3 << 20,), step, dtype=torch.uint8)})
             assert int(store.read(step)["w"][0]) == step  # every write still lands

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from nonstop.snapshot.space import free_bytes
+
 
 def mount_tmpfs(size: str, *, name: str = "smallshm") -> Iterator[Path]:
     """Yield the mount point of a fresh tmpfs of ``size`` (e.g. ``"4m"``) under /tmp."""
@@ -29,3 +31,14 @@ def mount_tmpfs(size: str, *, name: str = "smallshm") -> Iterator[Path]:
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
         where.rmdir()
+
+
+def fill_tmpfs(shm: Path, leave: int) -> Path:
+    """A file that leaves ``leave`` bytes free in ``shm`` (another process filling /dev/shm)."""
+    filler = shm / "other-process-data"
+    fd = os.open(filler, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, free_bytes(shm) - leave)
+    finally:
+        os.close(fd)
+    return filler

@@ -58,31 +58,27 @@ class SocketWatch:
 
     def half_close(self) -> int:
         """Send FIN on every recorded socket still open; return how many."""
-        closed = 0
-        for fd, inode in _socket_inodes().items():
-            if inode not in self.created:
-                continue
-            try:
-                with socket.socket(fileno=os.dup(fd)) as s:
-                    s.shutdown(socket.SHUT_WR)
-                closed += 1
-            except OSError:
-                pass  # already closed by gloo or not connected (a listener)
-        return closed
+        return self._shutdown(socket.SHUT_WR, skip_listeners=False)
 
     def shut_reads(self) -> int:
         """End every pending and future read on the recorded connected sockets (see the module
         docstring); return how many. Safe from any thread: only kernel state changes here."""
-        shut = 0
+        return self._shutdown(socket.SHUT_RD, skip_listeners=True)
+
+    def _shutdown(self, how: int, *, skip_listeners: bool) -> int:
+        """``shutdown(how)`` on each recorded socket still open (through a duplicate of its fd);
+        one that is closed meanwhile or not connected is passed over. ``skip_listeners``: leave
+        listening sockets alone. Returns how many were shut down."""
+        done = 0
         for fd, inode in _socket_inodes().items():
             if inode not in self.created:
                 continue
             try:
                 with socket.socket(fileno=os.dup(fd)) as s:
-                    if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    if skip_listeners and s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                         continue  # gloo's listener: a failed accept is fatal to it
-                    s.shutdown(socket.SHUT_RD)
-                shut += 1
+                    s.shutdown(how)
+                done += 1
             except OSError:
-                pass  # closed meanwhile, or never connected
-        return shut
+                pass  # closed by gloo meanwhile, or not connected (a listener)
+        return done
