@@ -1,4 +1,5 @@
-"""The ``nonstop`` command: ``run``, ``demo``, ``persist``, ``inspect``, ``gc``, ``simulate``, ``advise``.
+"""The ``nonstop`` command: ``run``, ``demo``, ``persist``, ``inspect``, ``export``, ``gc``, ``simulate``,
+``advise``.
 
 User errors print one line (``nonstop: error: ...``) and exit with status 2.
 """
@@ -11,7 +12,18 @@ import os
 import sys
 from pathlib import Path
 
-from nonstop.cliargs import detector, detector_args, node_args, node_config, snapshot_args, snapshot_config
+from nonstop.cliargs import (
+    detector,
+    detector_args,
+    health,
+    health_args,
+    node_args,
+    node_config,
+    probe_args,
+    probes,
+    snapshot_args,
+    snapshot_config,
+)
 from nonstop.cliconfig import load_config
 from nonstop.clienv import add_torchrun_args, env_defaults, nproc_value, resolve_torchrun
 from nonstop.clilogs import add_level_arg, add_log_args, log_config, log_level
@@ -65,6 +77,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     run.add_argument("--fail", action="append", default=[], metavar="SPEC", help="inject a fault (see demo)")
     run.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name")
     detector_args(run)
+    health_args(run)  # issue 21: --straggler, --on-degraded
+    probe_args(run)  # issue 21: --probe-period, --health-cmd, --health-timeout
     snapshot_args(run)
     node_args(run)
     add_security_args(run)
@@ -125,6 +139,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     demo.add_argument("--job-dir", type=Path, default=Path(".nonstop/demo"))
     detector_args(demo)
+    health_args(demo)  # issue 21: --straggler, --on-degraded
     add_security_args(demo, etcd=False)
     add_metrics_args(demo)
     add_level_arg(demo)
@@ -177,6 +192,10 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="trace: Chrome-trace/Perfetto JSON (default JOB_DIR/timeline.trace.json); default: by --out",
     )
     timeline.add_argument("--text-only", action="store_true", help="print the summary, draw nothing")
+
+    from nonstop.checkpoint.cli import add_export_parser
+
+    add_export_parser(sub)
 
     gc = sub.add_parser("gc", help="remove shared memory and processes left by crashed jobs")
     gc.add_argument("--dry-run", action="store_true")
@@ -247,6 +266,8 @@ def _dispatch(ns: argparse.Namespace) -> int:
             max_restarts=ns.max_restarts,
             faults=tuple(ns.fail),
             detector=detector(ns),
+            straggler=health(ns),
+            probes=probes(ns),  # issue 21: each agent's health probes
             resume=ns.resume,
             metrics_port=ns.metrics_port,
             extra_env=tuple(log_config(ns).to_env().items()),
@@ -280,6 +301,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
             verify=ns.verify,
             job_dir=ns.job_dir,
             detector=detector(ns),
+            straggler=health(ns),
             mesh=ns.mesh,
             min_world_size=ns.min_world_size,
             survivors=ns.survivors,
@@ -346,14 +368,21 @@ def _dispatch(ns: argparse.Namespace) -> int:
         return 0
     if ns.cmd == "timeline":
         from nonstop.timeline import load_timeline, timeline_text
-        from nonstop.timeline.output import write_timeline
+        from nonstop.timeline.output import picture_skipped, write_timeline
 
+        skipped = None if ns.text_only else picture_skipped(out=ns.out, fmt=ns.format)  # no matplotlib
         tl = load_timeline(ns.path)
         print(timeline_text(tl))
-        if not ns.text_only:
+        if skipped is not None:
+            print(f"nonstop: {skipped}", file=sys.stderr)
+        elif not ns.text_only:
             out, what = write_timeline(tl, job=ns.path, out=ns.out, fmt=ns.format)
             print(f"nonstop: timeline {'drawn' if what == 'picture' else 'trace written'} to {out}")
         return 0
+    if ns.cmd == "export":
+        from nonstop.checkpoint.cli import run_export
+
+        return run_export(ns)
     if ns.cmd == "gc":
         from nonstop.runtime.gc import collect_garbage
         from nonstop.runtime.launcher import default_shm_dir

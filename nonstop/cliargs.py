@@ -10,8 +10,21 @@ from pathlib import Path
 
 from nonstop.clienv import nnodes_value
 from nonstop.config import SNAPSHOT_MODES, SURVIVOR_MODES, SWAP_TRANSFERS, DetectorConfig, JobConfig
+from nonstop.runtime.probing import ProbeConfig
+from nonstop.runtime.straggler import DEGRADED_ACTIONS, STRAGGLER_MODES, StragglerConfig
 
-__all__ = ["detector", "detector_args", "node_args", "node_config", "snapshot_args", "snapshot_config"]
+__all__ = [
+    "detector",
+    "detector_args",
+    "health",
+    "health_args",
+    "node_args",
+    "node_config",
+    "probe_args",
+    "probes",
+    "snapshot_args",
+    "snapshot_config",
+]
 
 
 def detector_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +53,90 @@ def detector(ns: argparse.Namespace) -> DetectorConfig:
     return DetectorConfig(
         heartbeat_timeout_s=ns.heartbeat_timeout, hang_factor=ns.hang_factor, hang_min_s=ns.hang_min_s
     )
+
+
+def health_args(p: argparse.ArgumentParser) -> None:
+    """Issue 21: fail-slow ranks and degraded nodes (runtime/straggler.py, runtime/healthops.py)."""
+    s = StragglerConfig()
+    p.add_argument(
+        "--straggler",
+        choices=STRAGGLER_MODES,
+        default=s.mode,
+        help="a rank persistently slower than its peers (its compute time outside the gradient "
+        "allreduce): 'warn' logs it (event 'straggler', status), 'migrate' also moves it live to a "
+        "node with an idle spare when the slowdown over the remaining steps costs more than a "
+        "migration, 'off' does not look (default %(default)s)",
+    )
+    p.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=s.factor,
+        help="slower than this x the median of the other ranks is slow (default %(default)s)",
+    )
+    p.add_argument(
+        "--straggler-window",
+        type=int,
+        default=s.window,
+        metavar="STEPS",
+        help="a rank slow in 3/4 of the last STEPS steps is flagged (default %(default)s)",
+    )
+    p.add_argument(
+        "--migration-cost",
+        type=float,
+        default=s.migration_cost_s,
+        metavar="SECONDS",
+        help="what a live migration is assumed to cost until one is measured (default %(default)s)",
+    )
+    p.add_argument(
+        "--on-degraded",
+        choices=DEGRADED_ACTIONS,
+        default=s.on_degraded,
+        help="a node whose health verdict is degraded or failing: 'warn' logs it, 'drain' moves its "
+        "ranks live to nodes with an idle spare and releases it (default %(default)s)",
+    )
+
+
+def health(ns: argparse.Namespace) -> StragglerConfig:
+    return StragglerConfig(
+        mode=ns.straggler,
+        factor=ns.straggler_factor,
+        window=ns.straggler_window,
+        migration_cost_s=ns.migration_cost,
+        on_degraded=ns.on_degraded,
+    )
+
+
+def probe_args(p: argparse.ArgumentParser) -> None:
+    """Issue 21: every node agent's health probes (runtime/probing.py); validated by
+    :class:`~nonstop.runtime.probing.ProbeConfig` (a bad value: one line, exit 2)."""
+    c = ProbeConfig()
+    p.add_argument(
+        "--probe-period",
+        type=float,
+        default=c.period_s,
+        metavar="SECONDS",
+        help="each node agent runs its health probes (host memory and clock, NVML where "
+        "nvidia-ml-py is installed, --health-cmd) this often; 0: no probes (default %(default)s)",
+    )
+    p.add_argument(
+        "--health-cmd",
+        default=c.command,
+        metavar="CMD",
+        help="a node's own health check, run by each agent every --probe-period (split like a shell "
+        "would, run without one; NONSTOP_NODE names the node): exit 0 healthy, else failing; a last "
+        'stdout line {"verdict": "degraded", "detail": "..."} refines it',
+    )
+    p.add_argument(
+        "--health-timeout",
+        type=float,
+        default=c.timeout_s,
+        metavar="SECONDS",
+        help="a --health-cmd still running after this is killed and counts as failing (default %(default)s)",
+    )
+
+
+def probes(ns: argparse.Namespace) -> ProbeConfig:
+    return ProbeConfig(period_s=ns.probe_period, command=ns.health_cmd, timeout_s=ns.health_timeout)
 
 
 def snapshot_args(p: argparse.ArgumentParser) -> None:

@@ -8,8 +8,11 @@ Aliases (same meaning, same value):
 * ``--rdzv-endpoint HOST[:PORT]``: ``--coordinator`` (port 29400 by default, as torchrun's);
   ``--master-addr``/``--master-port`` (static rendezvous): ``--coordinator ADDR:PORT`` (29500)
   when no coordinator is given;
-* ``--nproc-per-node gpu``: ``torch.cuda.device_count()`` (an error with none); ``auto``: that, or
-  the CPU count with no GPU;
+* ``--nproc-per-node gpu``: the node's accelerator device count (``torch.accelerator``, or
+  ``$NONSTOP_FAKE_DEVICES``: :func:`nonstop.runtime.devices.detect_devices`; an error with none);
+  ``auto``: that, or the CPU count with no accelerator. With ``--spares K`` on a device node
+  every process needs a device of its own: ``gpu`` leaves K devices for the spares (8 GPUs,
+  ``--spares 1``: 7 ranks), and the launcher refuses more processes than devices;
 * ``--nnodes MIN:MAX``: ``--nnodes MAX`` and, when MIN < MAX and no ``--min-world-size`` is given,
   ``--min-world-size MIN x nproc-per-node`` (``--min-world-size`` counts ranks: the job may shrink
   to MIN nodes' worth of ranks);
@@ -148,7 +151,7 @@ def resolve_torchrun(ns: argparse.Namespace) -> None:
     """Turn torchrun's forms in ``ns`` into nonstop's, in place (the module docstring):
     ``nproc_per_node`` an int, ``nnodes`` an int, ``min_world_size`` from ``--nnodes MIN:MAX``,
     ``coordinator`` from ``--master-addr`` / ``--rdzv-endpoint`` without a port / ``--standalone``."""
-    ns.nproc_per_node = _nproc(ns.nproc_per_node)
+    ns.nproc_per_node = _nproc(ns.nproc_per_node, int(getattr(ns, "spares", 0) or 0))
     lo, hi = ns.nnodes if isinstance(ns.nnodes, tuple) else (int(ns.nnodes), int(ns.nnodes))
     if ns.standalone:
         if hi > 1:
@@ -165,12 +168,21 @@ def resolve_torchrun(ns: argparse.Namespace) -> None:
         ns.coordinator = f"{ns.coordinator}:{RDZV_PORT}"
 
 
-def _nproc(value: int | str) -> int:
+def _nproc(value: int | str, spares: int = 0) -> int:
+    """``gpu``/``auto`` as a count: the node's devices less one per spare (each process holds a
+    device of its own), or with no accelerator the CPU count (``auto``) or an error (``gpu``)."""
     if isinstance(value, int):
         return value
-    import torch  # only for gpu / auto
+    from nonstop.runtime.devices import detect_devices  # imports torch: only for gpu / auto
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if value == "gpu" and gpus == 0:
-        raise UsageError("--nproc-per-node gpu: no CUDA device is visible")
-    return gpus if gpus else (os.cpu_count() or 1)
+    devices = detect_devices()
+    if devices.count is None:
+        if value == "gpu":
+            raise UsageError("--nproc-per-node gpu: no accelerator device is visible (torch.accelerator)")
+        return os.cpu_count() or 1
+    if devices.count - spares < 1:
+        raise UsageError(
+            f"--nproc-per-node {value} with --spares {spares}: this node has {devices.describe()}, "
+            "no device left for a rank"
+        )
+    return devices.count - spares

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
+from nonstop.runtime.probing import ProbeConfig  # issue 21: each agent's health probes
+from nonstop.runtime.straggler import StragglerConfig  # issue 21: fail-slow detection and action
 
 __all__ = [
     "DetectorConfig",
@@ -161,6 +163,11 @@ class JobConfig:
     # -- operating -----------------------------------------------------------------------------
     metrics_port: int | None = None  # Prometheus /metrics and /status on the control host (0: any free port)
     shm_dir: Path | None = None  # this node's snapshot memory (--shm-dir); None: /dev/shm
+    # -- health (issue 21) -------------------------------------------------------------------
+    # fail-slow detection and the proactive migration of a straggler (runtime/straggler.py)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    # every node agent's health probes: --probe-period, --health-cmd (runtime/probing.py)
+    probes: ProbeConfig = field(default_factory=ProbeConfig)
 
     @property
     def world_size(self) -> int:
@@ -424,7 +431,7 @@ def job_config_to_json(config: JobConfig) -> str:
     doc: dict[str, object] = {}
     for f in fields(config):
         v = getattr(config, f.name)
-        if isinstance(v, DetectorConfig):
+        if isinstance(v, (DetectorConfig, StragglerConfig, ProbeConfig)):
             v = {g.name: getattr(v, g.name) for g in fields(v)}
         elif isinstance(v, Path):
             v = str(v)
@@ -436,6 +443,10 @@ def job_config_from_json(text: str) -> JobConfig:
     """The inverse of :func:`job_config_to_json` (validated like any JobConfig)."""
     doc = json.loads(text)
     doc["detector"] = DetectorConfig(**doc["detector"])
+    if "straggler" in doc:  # issue 21; absent from a record written before it
+        doc["straggler"] = StragglerConfig(**doc["straggler"])
+    if "probes" in doc:  # issue 21; absent from a record written before it
+        doc["probes"] = ProbeConfig(**doc["probes"])
     doc["job_dir"] = Path(doc["job_dir"])
     for name in ("secret_file", "etcd_ca", "etcd_cert", "etcd_key", "shm_dir"):
         if doc.get(name) is not None:

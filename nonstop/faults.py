@@ -14,6 +14,14 @@ A fault spec is ``KIND:key=value,...``:
                                     memory, with the replicas it held, is gone with them)
 * ``slow:rank=R,step=S,seconds=X``  a straggler: the rank computes X seconds longer in step S
                                     (interruptibly, in 10 ms slices, like a real step)
+* ``slowdown:rank=R,step=S,factor=F``  a fail-slow rank: from step S on, every step of the process
+                                    playing rank R computes F x as long (it sleeps (F-1) x its own
+                                    measured compute time of the previous step at the step's start,
+                                    before the gradient allreduce). Persistent, but on the process:
+                                    a process that takes the rank over later (migration, recovery)
+                                    is not slow
+* ``degrade:node=I,step=S``         when a worker on node I starts step S, node I's health verdict
+                                    becomes ``degraded`` (as a health probe would say it)
 * ``migrate:rank=R,step=S[,to=I]``  not a fault: when rank R starts step S it asks the coordinator
                                     to move it live to node I (default: the policy's choice);
                                     training goes on (``nonstop migrate`` from a script)
@@ -49,7 +57,8 @@ from nonstop.errors import UsageError
 
 __all__ = ["FaultInjector", "FaultSpec", "fired_at", "parse_fault", "post_fault", "preempt_notice_path"]
 
-KINDS = ("kill", "hang", "stall", "exit", "slow", "wipe", "node", "migrate", "preempt")
+KINDS = ("kill", "hang", "stall", "exit", "slow", "wipe", "node", "migrate", "preempt", "slowdown", "degrade")
+NODE_KINDS = ("node", "preempt", "degrade")  # faults aimed at a node, not a rank
 PHASES = ("step", "recovery", "prepare")
 INBOX = "inbox.jsonl"  # faults posted to a running job, one JSON object a line
 INBOX_BASE = 1_000_000  # the index of the first posted fault (markers: fault-<index>)
@@ -66,14 +75,18 @@ class FaultSpec:
     node: int = -1  # for kind "node"
     to: int = -1  # for kind "migrate": the target node (-1: the coordinator chooses)
     grace: float = 30.0  # for kind "preempt": seconds of notice
+    factor: float = 1.0  # for kind "slowdown": how many times longer each step computes
 
     def to_text(self) -> str:
         if self.kind == "node":
             return f"node:node={self.node},step={self.step}" + (f",at={self.at}" if self.at != "step" else "")
         if self.kind == "preempt":
             return f"preempt:node={self.node},step={self.step},grace={self.grace:g}"
+        if self.kind == "degrade":
+            return f"degrade:node={self.node},step={self.step}"
         extra = f",code={self.code}" if self.kind == "exit" else ""
         extra += f",seconds={self.seconds:g}" if self.kind == "slow" else ""
+        extra += f",factor={self.factor:g}" if self.kind == "slowdown" else ""
         extra += f",to={self.to}" if self.kind == "migrate" and self.to >= 0 else ""
         at = f",at={self.at}" if self.at != "step" else ""
         return f"{self.kind}:rank={self.rank},step={self.step}{extra}{at}"
@@ -83,7 +96,8 @@ def parse_fault(text: str) -> FaultSpec:
     """Parse a fault spec; raise UsageError with the expected syntax if it is bad."""
     usage = (
         "expected kill:rank=R,step=S | hang:rank=R,step=S | exit:rank=R,step=S,code=C | node:node=I,step=S "
-        "| migrate:rank=R,step=S[,to=I] | preempt:node=I,step=S,grace=G (optionally ,at=recovery)"
+        "| migrate:rank=R,step=S[,to=I] | preempt:node=I,step=S,grace=G | slowdown:rank=R,step=S,factor=F "
+        "| degrade:node=I,step=S (optionally ,at=recovery)"
     )
     kind, sep, rest = text.partition(":")
     if not sep or kind not in KINDS:
@@ -94,13 +108,15 @@ def parse_fault(text: str) -> FaultSpec:
         if not eq or not key or key in fields:
             raise UsageError(f"bad fault spec {text!r}: {usage}")
         fields[key.strip()] = value.strip()
-    who = "node" if kind in ("node", "preempt") else "rank"
+    who = "node" if kind in NODE_KINDS else "rank"
     allowed = {who, "step", "at"} | ({"code"} if kind == "exit" else set())
     allowed |= {"seconds"} if kind == "slow" else set()
     allowed |= {"to"} if kind == "migrate" else set()
     allowed |= {"grace"} if kind == "preempt" else set()
+    allowed |= {"factor"} if kind == "slowdown" else set()
     unknown = set(fields) - allowed
     required = {who, "step"} | ({"seconds"} if kind == "slow" else set())
+    required |= {"factor"} if kind == "slowdown" else set()
     if unknown or not required <= set(fields):
         raise UsageError(f"bad fault spec {text!r}: {usage}")
     try:
@@ -110,6 +126,7 @@ def parse_fault(text: str) -> FaultSpec:
         seconds = float(fields.get("seconds", "0"))
         to = int(fields.get("to", "-1"))
         grace = float(fields.get("grace", "30"))
+        factor = float(fields.get("factor", "1"))
     except ValueError:
         raise UsageError(
             f"bad fault spec {text!r}: rank, step and code must be integers, seconds a number"
@@ -118,7 +135,8 @@ def parse_fault(text: str) -> FaultSpec:
     if (
         rank < 0
         or step < 0
-        or (kind in ("node", "preempt") and node < 0)
+        or (kind in NODE_KINDS and node < 0)
+        or not 1 <= factor <= 100
         or not 0 <= grace <= 3600
         or at not in PHASES
         or not 0 <= code <= 255
@@ -126,10 +144,19 @@ def parse_fault(text: str) -> FaultSpec:
     ):
         raise UsageError(
             f"bad fault spec {text!r}: rank, node, step >= 0, code in 0..255, seconds in 0..3600, "
-            "at=step|recovery|prepare"
+            "at=step|recovery|prepare, factor in 1..100"
         )
     return FaultSpec(
-        kind=kind, rank=rank, step=step, code=code, seconds=seconds, at=at, node=node, to=to, grace=grace
+        kind=kind,
+        rank=rank,
+        step=step,
+        code=code,
+        seconds=seconds,
+        at=at,
+        node=node,
+        to=to,
+        grace=grace,
+        factor=factor,
     )
 
 
@@ -210,7 +237,7 @@ class FaultInjector:
     def due(self, *, rank: int, step: int, phase: str, node: int = -1) -> tuple[int, FaultSpec] | None:
         self._read_inbox()
         for index, f in self.faults:
-            whose = f.node != node if f.kind in ("node", "preempt") else f.rank != rank
+            whose = f.node != node if f.kind in NODE_KINDS else f.rank != rank
             if index in self._gone or f.at != phase or whose:
                 continue
             # a posted fault fires at the first step >= its step (the job may be past it already)

@@ -42,3 +42,46 @@ def test_a_thread_waiting_in_a_gloo_barrier_is_in_a_collective(tmp_path: Path) -
         peer.wait()
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == {"waiting": True, "stuck": False, "main": False, "none": False}
+
+
+DDP_RANK = """
+import datetime, json, os, sys, threading, time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from nonstop.train.collectives import in_collective
+rank, rdzv = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + rdzv, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+torch.manual_seed(0)
+ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
+ddp(torch.randn(3, 4)).sum().backward()  # the first iteration: both ranks
+if rank == 1:
+    time.sleep(60)  # stuck in its own code: rank 0's second forward waits on it
+second = threading.Thread(target=lambda: ddp(torch.randn(3, 4)), daemon=True)
+second.start()
+deadline = time.monotonic() + 20
+while not in_collective(second.ident) and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(json.dumps({"second_forward": in_collective(second.ident)}), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_ddp_forward_waiting_on_the_bucket_rebuild_broadcast_is_in_a_collective(tmp_path: Path) -> None:
+    # A fresh DDP wrapper broadcasts its rebuilt bucket order in its second forward, from DDP's own
+    # module: a rank waiting there for a stuck peer must not be the one blamed for the stall.
+    rdzv = str(tmp_path / "rdzv")
+    peer = subprocess.Popen([sys.executable, "-c", DDP_RANK, "1", rdzv])
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", DDP_RANK, "0", rdzv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    finally:
+        peer.kill()
+        peer.wait()
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"second_forward": True}

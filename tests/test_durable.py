@@ -312,7 +312,7 @@ def test_round_trip_full_and_delta(store_url: str) -> None:
     assert st.read(LATEST) == f"{step_dir(20)}\n".encode()
     assert st.listdir(step_dir(20)) == sorted([*(rank_file(r) for r in range(WORLD)), MANIFEST])
     man = json.loads(st.read(f"{step_dir(20)}/{MANIFEST}"))
-    assert man["format"] == "nonstop-checkpoint" and man["version"] == 1
+    assert man["format"] == "nonstop-checkpoint" and man["version"] == 2
     assert man["step"] == 20 and man["world_size"] == WORLD
     assert [r["base_step"] for r in man["ranks"]] == [10] * WORLD
     assert all(c["delta"] for r in man["ranks"] for c in r["chunks"])

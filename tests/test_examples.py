@@ -1,12 +1,16 @@
-"""The scheduler examples stay in step with the CLI: the sbatch script's TOML loads through
---config's checks, and the Kubernetes pod's command parses as nonstop run flags with a
-termination grace of at least --preempt-grace."""
+"""The examples stay in step with the CLI: the sbatch script's TOML loads through --config's
+checks, the Kubernetes pod's command parses as nonstop run flags with a termination grace of at
+least --preempt-grace, and the README's loop example survives a kill bitwise."""
 
 from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from nonstop import cli
 from nonstop.cliconfig import load_config
@@ -36,3 +40,20 @@ def test_the_kubernetes_command_parses_and_its_grace_covers_preempt_grace() -> N
     grace = re.search(r"terminationGracePeriodSeconds: (\d+)", text)
     assert grace is not None and int(grace.group(1)) >= ns.preempt_grace
     assert "medium: Memory" in text and "clusterIP: None" in text and "secretKeyRef" in text
+
+
+@pytest.mark.slow
+def test_the_loop_example_survives_a_kill_bitwise(tmp_path: Path) -> None:
+    """examples/loop/train.py -- the README's first example -- run as the README says, with a rank
+    SIGKILLed and a hot spare, ends with the weights of the same run without the kill."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    digests = []
+    for name, fail in (("faulty", ["--spares", "1", "--fail", "kill:rank=1,step=8"]), ("ref", [])):
+        out = tmp_path / f"{name}.txt"
+        cmd = [sys.executable, "-m", "nonstop.cli", "run", "--nproc-per-node", "3", *fail]
+        cmd += ["--job-dir", str(tmp_path / name), str(EXAMPLES / "loop" / "train.py"), "--steps", "16"]
+        done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"{1 if fail else 0} failure(s) recovered" in done.stdout, done.stdout[-2000:]
+        digests.append(out.read_text())
+    assert digests[0] == digests[1]

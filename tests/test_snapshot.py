@@ -240,6 +240,15 @@ def test_survivor_optimizer_is_restored_in_place(store: RankSnapshotStore) -> No
     assert torch.equal(tensor_before, saved)
 
 
+def test_restore_drops_the_abandoned_steps_gradients(store: RankSnapshotStore) -> None:
+    """A script that zeroes gradients after optimizer.step() (Accelerate's pattern) must not add
+    the gradients of the step a failure interrupted to the redone step's."""
+    model, _, cap = _snapshotted_linear(store)
+    model(torch.randn(2, 4)).sum().backward()  # the interrupted step got as far as its backward
+    cap.restore(store.read(1, copy=False))
+    assert all(p.grad is None for p in model.parameters())
+
+
 def _flat_clone(state: object) -> list[torch.Tensor]:
     return [t.clone() for t in flatten_state(state)[1]]
 

@@ -22,6 +22,7 @@ from nonstop.runtime.coordinator import JobResult, JobState
 from nonstop.runtime.eventlog import read_events
 from nonstop.runtime.jobdir import hold_dir
 from nonstop.runtime.localnodes import run_local_nodes
+from nonstop.runtime.straggler import StragglerConfig
 
 __all__ = ["DemoOptions", "run_demo"]
 
@@ -42,6 +43,7 @@ class DemoOptions:
     survivors: str = "auto"  # elastic: shrink first or replace first (runtime/survivors.py)
     tls: bool = False  # TLS on the control channel and the data plane (--tls)
     metrics_port: int | None = None  # Prometheus /metrics and /status (--metrics-port)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)  # --straggler, --on-degraded
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -100,6 +102,7 @@ def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple
         survivors=opts.survivors,
         tls=opts.tls,
         metrics_port=opts.metrics_port,
+        straggler=opts.straggler,
     )
     result = run_local_nodes(cfg, redirect_output=True)
     if result.state is not JobState.DONE or not result_file.exists():
@@ -125,6 +128,29 @@ def _resizes(job_dir: Path) -> list[dict[str, Any]]:
         for e in read_events(job_dir / "events.jsonl")
         if e.get("event") in ("shrink", "grow_done", "grow_aborted")
     ]
+
+
+def migrations(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The live migrations of a run, from its event log (issue 21): ``rank``, ``from`` and ``to``
+    (nodes), ``step`` (the boundary it moved at), ``reason`` (``straggler``, ``degraded``,
+    ``preempt``, ``migrate``/``drain``: an operator's) and ``pause_steps`` (the longest step gap at
+    the boundary beyond an ordinary step, in median steps; None when not measured)."""
+    out = []
+    for e in events:
+        if e.get("event") != "migration_done":
+            continue
+        ratio = e.get("pause_ratio")
+        out.append(
+            {
+                "rank": e.get("rank"),
+                "from": e.get("source"),
+                "to": e.get("target"),
+                "step": e.get("boundary"),
+                "reason": e.get("reason"),
+                "pause_steps": round(max(0.0, ratio - 1), 3) if isinstance(ratio, int | float) else None,
+            }
+        )
+    return out
 
 
 def run_demo(opts: DemoOptions, *, echo: bool = True) -> dict[str, Any]:
@@ -157,6 +183,11 @@ def _run_demo(opts: DemoOptions, *, echo: bool) -> dict[str, Any]:
             + (f"  survivors' gap {gap:.2f} steps" if gap is not None else "")
         )
     resizes = _resizes(opts.job_dir / "run")
+    moves = migrations(read_events(opts.job_dir / "run" / "events.jsonl"))
+    for mv in moves:
+        pause = f", pause {mv['pause_steps']:.2f} steps" if mv["pause_steps"] is not None else ""
+        move = f"rank {mv['rank']} node {mv['from']} -> {mv['to']} at step {mv['step']}"
+        say(f"migration ({mv['reason']}): {move}{pause}")
     for z in resizes:
         if z["event"] == "shrink":
             first = " first, a spare joins later" if z.get("shrink_first") else ""
@@ -187,6 +218,7 @@ def _run_demo(opts: DemoOptions, *, echo: bool) -> dict[str, Any]:
         "faults": list(opts.faults),
         "failures": result.failures,
         "resizes": resizes,
+        "migrations": moves,
         "median_step_s": result.median_step_s,
         "final_loss": out["final_loss"],
         "final_hash": out["final_hash"],

@@ -3,6 +3,11 @@
     nonstop run --nproc-per-node 3 --spares 1 -m nonstop.demo.train --steps 60
 
 Rank 0 writes ``--result`` (JSON: final loss, SHA-256 of the final weights).
+
+Device-generic: the model is built on the CPU (the same initial weights on every kind of node),
+moved to the process's own device after ``nonstop.init()`` (``session.device``: ``cuda:LOCAL_RANK``
+on a GPU node, the CPU elsewhere), batches are generated on the CPU and moved, and hashes are
+computed from CPU copies. On a CPU node every tensor stays where it was: bitwise today's run.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ def weights_hash(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         h.update(name.encode())
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())  # cpu(): no copy on a CPU
     return h.hexdigest()
 
 
@@ -62,11 +67,13 @@ def main(argv: list[str] | None = None) -> None:
     cfg = PRESETS[args.model]
     torch.manual_seed(args.seed)
     # Everything that does not depend on the rank is built before joining, so a
-    # hot spare has it ready when it is given a rank.
+    # hot spare has it ready when it is given a rank (on the CPU: the same weights everywhere).
     model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
     session = nonstop.init()  # a hot spare waits here
+    device = session.device  # this process's own device (the CPU on a CPU node: nothing moves)
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)  # over the parameters where they live
     data: dict[str, Any] = {"samples_seen": 0}  # by the whole job (the same on every rank)
     samples_log = SamplesLog(args.samples_log, batch=args.batch) if args.samples_log is not None else None
 
@@ -84,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         for shard in session.shard_steps(ddp):
             if samples_log is not None and not session.warming_up:  # before: a kill may follow the
                 samples_log.record(session, step, shard)  # backward's collective (the step counts)
-            x, y = corpus.batch(step=step, rank=shard, batch=args.batch, seq=cfg.seq)
+            x, y = corpus.batch(step=step, rank=shard, batch=args.batch, seq=cfg.seq)  # on the CPU
+            x, y = x.to(device), y.to(device)
             loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
             loss.backward()
             losses.append(float(loss.item()))

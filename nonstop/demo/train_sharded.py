@@ -41,7 +41,7 @@ def local_hash(model: torch.nn.Module) -> str:
     for name, t in model.state_dict().items():
         local = t.to_local() if isinstance(t, DTensor) else t
         h.update(name.encode())
-        h.update(local.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def build(mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(args.seed)  # every generation builds the same initial weights
+        # stays on the CPU: the sharded trainee builds its mesh on the CPU (train/trainee.py's
+        # device_type) and fully_shard puts the parameters on the mesh's device
         model = GPT(cfg)
         shard_model(model, mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -97,6 +97,7 @@ class ClientRequests:
             "durable_url": self.c.durable_url,
             "failures": self.c.view.failures_total,
             **self.c.swaps.status(),
+            **self.c.health.status(),  # issue 21: stragglers, graded failures, probe verdicts
             "num_shards": self.c.num_shards,
             "full_world_size": self.c.config.world_size,
             "min_world_size": self.c.elastic.min_world_size,

@@ -53,6 +53,7 @@ from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.executor import Executor
 from nonstop.runtime.failures import Failures
 from nonstop.runtime.generations import Generations
+from nonstop.runtime.healthops import Health
 from nonstop.runtime.jobstore import JobStore
 from nonstop.runtime.metrics import JobMonitor
 from nonstop.runtime.nodes import NodeAgents
@@ -85,6 +86,7 @@ class JobResult:
     final_step: int
     failures: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+    usage_error: bool = False  # error is the training script's mistake (nonstop run exits 2)
     median_step_s: float | None = None
     replication: dict[str, Any] = field(default_factory=dict)
 
@@ -139,6 +141,7 @@ class Coordinator:
             max_failures=config.quarantine_failures, window_s=config.quarantine_window_s
         )
         self.error: str | None = None
+        self.usage_error = False
         self.kv = KeyValueTable()
         self.replication = ReplicationRounds(
             view=self.view,
@@ -163,6 +166,8 @@ class Coordinator:
         self.failures = Failures(self)
         # live migrations and elastic grows: boundary swaps (runtime/swap.py, runtime/swapops.py)
         self.swaps = Swaps(self)
+        # issue 21: fail-slow ranks, graded failures, probe verdicts, proactive moves (healthops.py)
+        self.health = Health(self)
         # the job's size: data shards, shrinks, where a resharded generation reads
         self.resize = Resizing(self)
         # --metrics-port: step reports and status snapshots for the metrics server (metrics.py)
@@ -221,6 +226,7 @@ class Coordinator:
             self.replication.maybe_start(now=time.monotonic())
         self.persists.tick()
         self.swaps.tick()
+        self.health.tick()  # issue 21: stragglers judged, a proactive move asked
         self.gens.inventory_tick()
         self.sources.install_tick()
         self.gens.replan_tick()
@@ -244,6 +250,7 @@ class Coordinator:
             final_step=final,
             failures=self.view.reports,
             error=self.error,
+            usage_error=self.usage_error,
             median_step_s=self.detector.median_step_s,
             replication=self.replication_stats(),
         )
@@ -275,10 +282,12 @@ class Coordinator:
     def may_start(self, op: Op) -> bool:
         return may_start(op, self.view.phase, self._busy())
 
-    def fail(self, error: str) -> None:
+    def fail(self, error: str, *, usage: bool = False) -> None:
+        """End the job as failed with ``error`` (``usage``: the script's mistake, exit 2)."""
         if self.view.phase.is_terminal:
             return  # the first cause stands
         self.error = error
+        self.usage_error = usage
         self.set_phase(JobState.FAILED)
         self.events.emit(ev.JobFailed(error=error))
         for w in self.view.workers.values():

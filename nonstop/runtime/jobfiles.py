@@ -108,6 +108,7 @@ def result_to_json(result: JobResult) -> str:
             "final_step": result.final_step,
             "failures": result.failures,
             "error": result.error,
+            "usage_error": result.usage_error,
             "median_step_s": result.median_step_s,
             "replication": result.replication,
         }
@@ -122,6 +123,7 @@ def result_from_json(text: str) -> JobResult:
         final_step=int(d["final_step"]),
         failures=list(d["failures"]),
         error=d["error"],
+        usage_error=d.get("usage_error") is True,
         median_step_s=d["median_step_s"],
         replication=dict(d["replication"]),
     )

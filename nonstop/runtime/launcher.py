@@ -32,10 +32,11 @@ from nonstop.config import ENV, JobConfig, job_config_to_json, security_environ
 from nonstop.control.listener import ControlServer
 from nonstop.control.store import open_store
 from nonstop.errors import ControlError, JobFailedError, UsageError
-from nonstop.faults import FaultSpec, faults_to_json, parse_fault
+from nonstop.faults import NODE_KINDS, FaultSpec, faults_to_json, parse_fault
 from nonstop.replica.peer import local_store_id
 from nonstop.runtime import events as ev
 from nonstop.runtime.coordinator import Coordinator, JobResult, JobState
+from nonstop.runtime.devices import Devices, check_fits, detect_devices
 from nonstop.runtime.eventlog import EventLog
 from nonstop.runtime.gc import hold_lock, release_lock
 from nonstop.runtime.jobdir import (
@@ -106,7 +107,7 @@ def _prepare_job_dir(job_dir: Path, *, owner: bool) -> None:
 def check_faults(config: JobConfig) -> list[FaultSpec]:
     faults = [parse_fault(f) for f in config.faults]
     for f in faults:
-        if f.kind in ("node", "preempt"):
+        if f.kind in NODE_KINDS:  # node, preempt, degrade (issue 21)
             if f.node >= config.nnodes:
                 raise UsageError(
                     f"fault {f.to_text()!r} names node {f.node}, but the job has nodes 0..{config.nnodes - 1}"
@@ -133,6 +134,14 @@ def _route_to(addr: tuple[str, int]) -> str:
         ) from None
 
 
+def _node_devices(config: JobConfig) -> Devices:
+    """This node's accelerators (runtime/devices.py); UsageError (exit 2, one line) when its ranks
+    and spares are more processes than it has devices."""
+    devices = detect_devices({**os.environ, **dict(config.extra_env)})
+    check_fits(nproc=config.nproc_per_node, spares=config.spares, devices=devices)
+    return devices
+
+
 def _node_spec(config: JobConfig) -> NodeSpec:
     name = str(config.node_rank)
     if config.data_host is not None:
@@ -150,6 +159,8 @@ def _node_spec(config: JobConfig) -> NodeSpec:
         domain=config.domain or name,
         data_host=host,
         replica_bandwidth_mb_s=config.replica_bandwidth_mb_s,
+        devices=_node_devices(config),
+        probes=config.probes,  # issue 21: the agent's health probes
     )
 
 
@@ -169,15 +180,21 @@ def run_job(
     Node 0 (every single-node job) hosts the coordinator and runs its own node
     agent on a thread, holding the job dir's and checkpoint root's locks throughout; any
     other node runs only its agent. Raises UsageError for bad input, or a job dir or
-    checkpoint root another job holds, before starting anything.
+    checkpoint root another job holds, before starting anything; and when a training script
+    reported its own mistake (a :class:`UsageError` in ``Session.steps``/``run``: a bad
+    ``state=`` object, a loop body outside ``with step:``), with that script's line.
     """
     with security_environ(config):  # --tls, --etcd-*: every process and thread of the job inherits them
-        return _run_job(config, redirect_output=redirect_output, stop=stop)
+        result = _run_job(config, redirect_output=redirect_output, stop=stop)
+    if result.usage_error and result.error:
+        raise UsageError(result.error)  # the training script's mistake: exit 2 with its line
+    return result
 
 
 def _run_job(config: JobConfig, *, redirect_output: bool, stop: threading.Event | None) -> JobResult:
     command = worker_command(config.script, config.script_args)
     faults = check_faults(config)
+    _node_devices(config)  # an oversubscribed device node fails here, before anything starts
     job_dir = config.job_dir.resolve()
     stop = stop or threading.Event()
     if config.node_rank != 0:

@@ -50,6 +50,10 @@ def node_command(config: JobConfig, node_rank: int, coordinator: str) -> list[st
     if c.tls:
         cmd += ["--tls"]
     cmd += ["--preempt-grace", str(c.preempt_grace_s)]
+    # issue 21: every node runs the job's health probes ('=': a command may start with '-')
+    cmd += [f"--probe-period={c.probes.period_s}", f"--health-timeout={c.probes.timeout_s}"]
+    if c.probes.command is not None:
+        cmd += [f"--health-cmd={c.probes.command}"]
     if c.preempt_url is not None:
         cmd += ["--preempt-url", c.preempt_url, "--preempt-poll", str(c.preempt_poll_s)]
         for h in c.preempt_headers:

@@ -8,11 +8,14 @@ and reports what only it can see (process exits, what memory holds).
 
 Protocol on the agent's control channel (JSON, authenticated)::
 
-    agent -> coordinator   hello {role: agent, node, nproc, spares, domain, data_addr, pid, in_process}
+    agent -> coordinator   hello {role: agent, node, nproc, spares, domain, data_addr, pid, in_process,
+                                  devices, device_type}
     coordinator -> agent   welcome {job_id, lease_ttl_s, num_slots, env}  |  refused {error}
     agent -> coordinator   lease {seq}            every lease_ttl_s / 5
     coordinator -> agent   lease_ok {seq}
-    coordinator -> agent   spawn {spawn_id, role, rank?, env?} -> spawned {spawn_id, pid}
+    coordinator -> agent   spawn {spawn_id, role, rank?, env?} -> spawned {spawn_id, pid, device}
+                           (no free device: spawned {spawn_id, pid: null, error}, then
+                           exit {spawn_id, rc: EXIT_NO_DEVICE, pid: null})
     coordinator -> agent   kill {spawn_id, sig}
     agent -> coordinator   exit {spawn_id, rc, pid, fault_at}
     coordinator -> agent   inventory {id}                 -> inventory {id, local, replicas}
@@ -26,6 +29,8 @@ Protocol on the agent's control channel (JSON, authenticated)::
     coordinator -> agent   persist {id, step, url, world_size, ranks, lossy, lossy_bits}
                                      -> persisted {id, ok, records, raw, stored, full, error}
     agent -> coordinator   preempt {grace_s}     a preemption notice: drain this node
+    agent -> coordinator   health {verdict, probe, detail}   its probes' first verdict and each
+                           change (runtime/probing.py, on a thread of its own)
     coordinator -> agent   release               drained: stop every process, exit 0
     coordinator -> agent   finish {failed} | fenced {error}
 
@@ -38,6 +43,14 @@ and exits. The quarter TTL of margin covers killing and reaping the processes,
 so a node cut off from the coordinator has stopped playing its ranks before
 anyone else is given them. Node 0's
 agent (``in_process``: a thread of the coordinator's process) holds no lease.
+
+**Devices.** The agent holds the node's :class:`~nonstop.runtime.devices.DeviceInventory`:
+every process it spawns (rank or spare) takes a free device and keeps it until its exit is
+seen (:mod:`nonstop.runtime.devices`: ``LOCAL_RANK`` = that device's index, set in the child's
+environment over whatever the spawn message said). ``hello`` tells the coordinator how many
+devices the node has (``devices`` null: a CPU node, no limit) so it places processes only where
+one is free; a spawn that finds none anyway is refused as above. On a CUDA node the workers'
+environment also gets nonstop's NCCL settings (:mod:`nonstop.runtime.ncclenv`).
 
 **Threads.** The agent's own loop (the caller of :meth:`NodeAgent.run`) renews the
 lease, polls the processes and carries out the process commands; a reader thread
@@ -56,13 +69,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nonstop.config import ENV
 from nonstop.control.channel import Channel, Message, connect
 from nonstop.errors import ControlError, NonstopError, SnapshotMissingError
-from nonstop.faults import fired_at, preempt_notice_path
+from nonstop.faults import preempt_notice_path
 from nonstop.replica.dataplane import DataPlane, shm_stores
 from nonstop.replica.peer import (
     REPLICA_SLOTS,
@@ -71,11 +84,16 @@ from nonstop.replica.peer import (
     replica_store_id,
 )
 from nonstop.runtime.agent import Agent, remove_segments
+from nonstop.runtime.devices import DeviceInventory, Devices
 from nonstop.runtime.gc import hold_lock, release_lock
+from nonstop.runtime.ncclenv import nccl_env
 from nonstop.runtime.nodelease import FENCE_AT, NodeLease
+from nonstop.runtime.nodespawn import EXIT_NO_DEVICE as EXIT_NO_DEVICE
+from nonstop.runtime.nodespawn import TICK_S, DeviceSpawner
 from nonstop.runtime.nodework import NodeWork
 from nonstop.runtime.notice import NoticePoller
-from nonstop.runtime.shmspace import NodeMemory
+from nonstop.runtime.probing import ProbeConfig, ProbeThread, node_probes
+from nonstop.runtime.shmspace import NodeMemory, pins_slots
 from nonstop.snapshot.store import RankSnapshotStore
 
 __all__ = ["EXIT_FENCED", "NodeAgent", "NodeSpec"]
@@ -83,7 +101,6 @@ __all__ = ["EXIT_FENCED", "NodeAgent", "NodeSpec"]
 log = logging.getLogger(__name__)
 
 EXIT_FENCED = 3
-TICK_S = 0.005
 NOTICE_POLL_S = 0.1  # how often the preemption notice file is looked for
 RECONNECT_EVERY_S = 0.2  # store mode: how often a node retries a lost coordinator
 
@@ -98,13 +115,16 @@ class NodeSpec:
     domain: str
     data_host: str = "127.0.0.1"
     replica_bandwidth_mb_s: float | None = None
+    devices: Devices = field(default_factory=Devices)  # its accelerators (runtime/devices.py); default: CPU
+    # issue 21: its health probes (runtime/probing.py); default: none (the launcher passes the job's)
+    probes: ProbeConfig = field(default_factory=lambda: ProbeConfig(period_s=0.0))
 
 
 def _not_set_up(rank: int) -> RankSnapshotStore:
     raise SnapshotMissingError(f"rank {rank}: this node has not joined the job yet (no snapshot memory)")
 
 
-class NodeAgent:
+class NodeAgent(DeviceSpawner):
     """Runs one node of a job until the job ends or the node is fenced."""
 
     def __init__(
@@ -159,6 +179,9 @@ class NodeAgent:
         self._next_notice_check = 0.0
         self.notice: NoticePoller | None = None  # --preempt-url: set by the owner before run()
         self.memory: NodeMemory | None = None  # its memory tier's plan and watch, once welcomed
+        self.devices = DeviceInventory(spec.devices)  # which process holds each device (loop only)
+        self._killed: set[int] = set()  # spawn ids SIGKILLed on command, not reaped yet
+        self._probes: ProbeThread | None = None  # issue 21: its health probes, once welcomed
 
     # -- lifecycle --------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> int:
@@ -184,6 +207,7 @@ class NodeAgent:
             self._data_work.start()
             if self.notice is not None:
                 self.notice.start()
+            self._start_probes()
             return self._loop(stop, float(welcome["lease_ttl_s"]))
         finally:
             if self.agent is not None:
@@ -202,6 +226,8 @@ class NodeAgent:
             "data_addr": self.data.addr,
             "pid": os.getpid(),
             "in_process": self.in_process,
+            "devices": self.spec.devices.count,
+            "device_type": self.spec.devices.type,
         }
         if resume:
             hello["resume"] = True
@@ -218,6 +244,7 @@ class NodeAgent:
         self.memory = NodeMemory.open(
             node=self.spec.node, job_id=self.job_id, job_dir=self.job_dir, shm_dir=self.shm_dir,
             nproc=self.spec.nproc, num_slots=self.num_slots, replicas=int(welcome.get("replicas", 0)),
+            pinned=pins_slots(self.spec.devices),  # issue 20: its ranks page-lock slots: RLIMIT_MEMLOCK
         )  # fmt: skip
         env = dict(self.base_env)
         env.update({str(k): str(v) for k, v in dict(welcome.get("env", {})).items()})
@@ -237,6 +264,7 @@ class NodeAgent:
                 ENV.SLOTS: str(self.num_slots),
             }
         )
+        env.update(nccl_env(self.spec.devices.type, env))  # never over a value the user set
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, self.spec.nproc))))
         self.agent = Agent(
             job_id=local_store_id(self.job_id, self.spec.node),
@@ -269,6 +297,17 @@ class NodeAgent:
             replicator=self.replicator,
             send=self._send,
         )
+
+    def _start_probes(self) -> None:
+        """Issue 21: run the node's health probes on a thread of their own (runtime/probing.py);
+        each verdict change goes to the coordinator as ``health {verdict, probe, detail}``. The
+        health command sees the job's environment and NONSTOP_NODE / NONSTOP_JOB_DIR."""
+        cfg = self.spec.probes
+        if not cfg.enabled:
+            return
+        env = {**self.base_env, ENV.NODE: self.spec.node, ENV.JOB_DIR: str(self.job_dir)}
+        self._probes = ProbeThread(lambda: node_probes(cfg, env=env), period_s=cfg.period_s, send=self._send)
+        self._probes.start()
 
     def _check_space(self) -> None:
         """A store of this node found its memory tier too small (runtime/shmspace.py): tell the
@@ -321,6 +360,8 @@ class NodeAgent:
         pending, self._outbox = self._outbox, []
         for msg in pending:
             self._send(msg)
+        if self._probes is not None:
+            self._probes.forget()  # a restarted coordinator knows no verdict: send the next one
         log.info("node %s reconnected to the coordinator", self.spec.node)
         return True
 
@@ -346,10 +387,7 @@ class NodeAgent:
                 sent_at[seq] = now
                 self._send({"t": "lease", "seq": seq})
                 next_renew = now + renew_every
-            for sid, rc in self.agent.poll():
-                pid = self.agent.exited_pids.get(sid)
-                fault_at = fired_at(self.job_dir / "faults", pid) if pid is not None else None
-                self._send({"t": "exit", "spawn_id": sid, "rc": rc, "pid": pid, "fault_at": fault_at})
+            self._report_exits()
             # Read what arrived before judging the lease: after a stall of this process the
             # acknowledgements are already queued.
             try:
@@ -426,16 +464,12 @@ class NodeAgent:
             self.agent.wait_all(5.0)
             return 0
         if t == "spawn":
-            rank = msg.get("rank")
-            sid = self.agent.spawn(
-                str(msg["role"]),
-                int(msg["spawn_id"]),
-                rank=None if rank is None else int(rank),
-                env={str(k): str(v) for k, v in dict(msg.get("env", {})).items()},
-            )
-            self._send({"t": "spawned", "spawn_id": sid, "pid": self.agent.pid(sid)})
+            self._spawn(msg)
         elif t == "kill":
-            self.agent.kill(int(msg["spawn_id"]), int(msg.get("sig", signal.SIGKILL)))
+            sid, sig = int(msg["spawn_id"]), int(msg.get("sig", signal.SIGKILL))
+            self.agent.kill(sid, sig)
+            if sig == signal.SIGKILL and sid in self.agent.procs:
+                self._killed.add(sid)  # certain to exit: a spawn may wait for its device
         elif t == "finish":
             self.agent.wait_all(10.0)
             return 1 if msg.get("failed") else 0
@@ -471,6 +505,8 @@ class NodeAgent:
     def _shutdown(self) -> None:
         if self.notice is not None:
             self.notice.stop()
+        if self._probes is not None:
+            self._probes.stop()
         if self._data_work is not None:
             self._data_work.stop()
         if self._lease is not None:  # a finished node ends its lease at once; a fenced one lost it

@@ -18,6 +18,7 @@ Threading: the coordinator's thread only.
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from typing import TYPE_CHECKING
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from nonstop.runtime.coordinator import Coordinator
 
 __all__ = ["NodeAgents"]
+
+log = logging.getLogger(__name__)
 
 
 class NodeAgents:
@@ -146,6 +149,7 @@ class NodeAgents:
             failure_times=old.failure_times if old is not None else [],
             in_process=bool(h.get("in_process", False)),
             lease_id=int(h.get("lease_id", 0)),
+            devices=None if h.get("devices") is None else int(h["devices"]),  # runtime/devices.py
         )
         chan.tag = ("node", name)
         self.c.view.nodes[name] = node
@@ -168,7 +172,8 @@ class NodeAgents:
             # ... and, in an elastic job, room for ranks: its rank slots wait as spares too (to grow
             # back with, or to take the ranks of a recovery waiting for a spare)
             extra = node.nproc if self.c.elastic.enabled else 0
-            for _ in range(node.spares + extra):
+            room = self.c.view.room_on(name)  # one device per process on a device node
+            for _ in range(node.spares + extra if room is None else min(room, node.spares + extra)):
                 self.c.io.spawn(name, Role.SPARE, None)
 
     def on_message(self, node: NodeRecord, msg: Message) -> None:
@@ -187,6 +192,10 @@ class NodeAgents:
             w = self.c.view.workers.get(m.spawn_id)
             if w is not None and m.pid is not None:
                 w.pid = m.pid
+            if w is not None and m.device is not None:
+                w.local_rank = m.device  # its LOCAL_RANK is its device, for life (runtime/devices.py)
+            if m.error is not None:
+                log.warning("node %s could not start process %d: %s", node.name, m.spawn_id, m.error)
             self.c.events.emit(ev.Spawned(spawn_id=m.spawn_id, pid=m.pid, node=node.name))
         elif isinstance(m, wire.Inventory | wire.Installed):
             self.c.io.replies[m.id] = m
@@ -203,6 +212,8 @@ class NodeAgents:
             node.lease_id = m.lease_id
         elif isinstance(m, wire.Fatal):
             self.c.fail(f"node {node.name}: {m.error}")
+        elif isinstance(m, wire.HealthReport):  # issue 21: its probes' verdict (runtime/probing.py)
+            self.c.health.on_probe(node.name, m.verdict, probe=m.probe, detail=m.detail)
         elif isinstance(m, wire.Raw) and self.c.rounds is not None:  # a persist round's answer
             self.c.rounds.on_reply(node.name, dict(m.msg))
 
@@ -272,5 +283,8 @@ class NodeAgents:
             if self.c.elastic.enabled:  # a node has room for nproc + spares processes, no more
                 ranks_here = sum(1 for r in self.c.view.members if self.c.view.rank_node.get(r) == name)
                 want = min(want, node.nproc + node.spares - ranks_here - have)
+            room = self.c.view.room_on(name)
+            if room is not None:  # a device node: one free device per new process
+                want = min(want, room)
             for _ in range(want):
                 self.c.io.spawn(name, Role.SPARE, None)

@@ -70,6 +70,11 @@ class ReplacementSource(enum.StrEnum):
 
 
 REBUILD_SILENCE_FACTOR = 10.0  # how much longer a rank joining a new group may be silent
+# ... and one that has not completed a step in its generation yet: its first step pays lazy
+# initialisation (imports, DDP's first iteration, the optimizer's state) with the GIL held for long
+# stretches, which on a saturated machine starved the heartbeat thread past 1 s -- and a job that
+# loses a rank before its first committed step cannot recover
+FIRST_STEP_SILENCE_FACTOR = 3.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +140,8 @@ def find_hung_ranks(
     """Ranks to declare hung, with the reason.
 
     * heartbeat silent for ``heartbeat_timeout_s``: the process is stopped or
-      wedged with the GIL held (a rank blocked in a collective still beats).
+      wedged with the GIL held (a rank blocked in a collective still beats); 10x that while it
+      joins a new group, 3x before its first step of the generation (lazy initialisation).
     * no step progress for ``limit = max(hang_factor * median, hang_min_s)`` while no
       collective is pending on that rank, and the rank itself said (``idle_s``) that it has
       been out of any collective without completing a step for longer than ``limit``: it is
@@ -147,7 +153,12 @@ def find_hung_ranks(
     hung: dict[int, str] = {}
     for rank, obs in observations.items():
         silent = now - obs.last_heartbeat
-        allowed = config.heartbeat_timeout_s * (REBUILD_SILENCE_FACTOR if obs.rebuilding else 1)
+        if obs.rebuilding:
+            allowed = config.heartbeat_timeout_s * REBUILD_SILENCE_FACTOR
+        elif not obs.stepped:
+            allowed = config.heartbeat_timeout_s * FIRST_STEP_SILENCE_FACTOR
+        else:
+            allowed = config.heartbeat_timeout_s
         if silent > allowed:
             hung[rank] = f"no heartbeat for {silent:.2f}s"
             continue

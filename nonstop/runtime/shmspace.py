@@ -7,33 +7,95 @@ too little room leaves the one-line error in ``<job_dir>/shm-short-<node>.txt``;
 :meth:`NodeMemory.poll`, called from the agent's loop, finds it and hands it to the agent once,
 which tells the coordinator (``fatal``: the job fails with that line) and keeps it for the
 launcher (exit code 2).
+
+**Locked memory** (issue 20's memory preflight). On a device node each rank page-locks its slots
+(``cudaHostRegister`` of the slot's data, :meth:`~nonstop.snapshot.slot.Slot.pin_for_cuda`) so
+device-to-host copies into them are asynchronous; locked memory is bounded by ``RLIMIT_MEMLOCK``
+(``ulimit -l``; a container's ``memlock`` ulimit, often 64 KiB or 8 MiB). Whether the CUDA driver
+charges a registration to that limit depends on the driver; memory an RDMA NIC registers (NCCL's
+InfiniBand/RoCE transport) always is, so the check is made wherever slots are pinned. The size a
+rank locks is known when its slots are first sized (the same moment as the free-space check): the
+agent's :meth:`NodeMemory.poll` reads its ranks' slot files and, when ``num_slots`` x the largest
+slot exceeds the soft limit the workers inherit, fails the job with one line saying how to raise
+it (exit code 2), through the same record as the free-space shortfall. CPU nodes (and fake
+devices) pin nothing and are not checked; ``NONSTOP_MEMLOCK_CHECK=0`` skips the check (the
+slots then stay pageable where registration fails: slower captures, nothing else), ``=1`` makes
+it on any node (tests: a CPU job under a lowered ``ulimit -l``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import resource
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from nonstop.replica.peer import REPLICA_SLOTS, local_store_id, replica_store_id
-from nonstop.snapshot.space import NodePlan, short_record_path, write_plan
+from nonstop.runtime.devices import Devices
+from nonstop.snapshot.slot import segment_prefix
+from nonstop.snapshot.space import NodePlan, human, short_record_path, write_plan
 
-__all__ = ["NodeMemory"]
+__all__ = ["MEMLOCK_CHECK", "NodeMemory", "memlock_shortfall", "pins_slots", "soft_memlock_limit"]
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often the agent looks for a store's shortfall record
+MEMLOCK_CHECK = "NONSTOP_MEMLOCK_CHECK"  # "0": no locked-memory check; "1": on any node
+
+
+def pins_slots(devices: Devices, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the locked-memory check is made on a node with ``devices``: where its ranks
+    page-lock their slots (real CUDA devices: ``pin_for_cuda``), unless ``$NONSTOP_MEMLOCK_CHECK``
+    is ``0``; anywhere when it is ``1``."""
+    env = os.environ if env is None else env
+    forced = env.get(MEMLOCK_CHECK)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return devices.type == "cuda" and devices.limited and not devices.fake
+
+
+def soft_memlock_limit() -> int | None:
+    """This process's soft ``RLIMIT_MEMLOCK`` in bytes (its children inherit it); None: unlimited."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def memlock_shortfall(*, node: str, num_slots: int, slot_bytes: int, limit: int | None) -> str | None:
+    """The one-line error when a rank's ``num_slots`` slots of ``slot_bytes`` do not fit in the
+    locked-memory ``limit`` (bytes; None: unlimited); None when they do."""
+    need = num_slots * slot_bytes
+    if limit is None or need <= limit:
+        return None
+    return (
+        f"locked memory: each rank of node {node} page-locks {human(need)} of snapshot slots "
+        f"({num_slots} x {human(slot_bytes)}) for its device copies but RLIMIT_MEMLOCK is {human(limit)}; "
+        f"raise it before nonstop run: ulimit -l unlimited (docker run --ulimit memlock=-1; Kubernetes: "
+        f"the container runtime's memlock limit, e.g. LimitMEMLOCK=infinity), or set "
+        f"{MEMLOCK_CHECK}=0 to run with pageable slots"
+    )
 
 
 class NodeMemory:
     """The plan of one node's memory tier and the watch for a shortfall (module docstring).
     Used from the agent's loop thread only."""
 
-    def __init__(self, plan: NodePlan, record: Path) -> None:
+    def __init__(
+        self,
+        plan: NodePlan,
+        record: Path,
+        *,
+        pinned: bool = False,
+        memlock: Callable[[], int | None] = soft_memlock_limit,
+    ) -> None:
         self.plan = plan
         self._record = record
         self.error: str | None = None  # the shortfall's line, once found
         self._next = 0.0
+        self._pinned = pinned  # its ranks page-lock their slots: check the locked-memory limit
+        self._memlock = memlock
+        self._locked_checked = 0  # the largest slot size checked against the limit so far
 
     @classmethod
     def open(
@@ -46,9 +108,13 @@ class NodeMemory:
         nproc: int,
         num_slots: int,
         replicas: int,
+        pinned: bool = False,
+        memlock: Callable[[], int | None] = soft_memlock_limit,
     ) -> NodeMemory:
         """Write the node's plan (a stale shortfall record of an earlier job is removed first). A
-        node holds, on average, the replicas of ``replicas`` x ``nproc`` ranks of other nodes."""
+        node holds, on average, the replicas of ``replicas`` x ``nproc`` ranks of other nodes.
+        ``pinned``: its ranks page-lock their slots (:func:`pins_slots`); ``memlock``: reads the
+        locked-memory limit (tests pass a fake)."""
         record = short_record_path(job_dir, node)
         record.unlink(missing_ok=True)
         local_id = local_store_id(job_id, node)
@@ -66,7 +132,7 @@ class NodeMemory:
             write_plan(plan, local_id)
         except OSError as e:  # a full memory filesystem: the stores' own allocation fails cleanly
             log.warning("node %s: could not write its memory plan (%s); no start check", node, e)
-        return cls(plan, record)
+        return cls(plan, record, pinned=pinned, memlock=memlock)
 
     def poll(self, now: float | None = None) -> str | None:
         """The shortfall's one-line error the first time a store has recorded one; else None."""
@@ -77,6 +143,38 @@ class NodeMemory:
         try:
             text = self._record.read_text().strip()
         except OSError:
-            return None
+            return self._check_locked()
         self.error = text or "snapshot memory is too small for the job"
         return self.error
+
+    def _check_locked(self) -> str | None:
+        """The locked-memory check (module docstring), each time the node's largest slot grows."""
+        if not self._pinned:
+            return None
+        size = _largest_slot(Path(self.plan.shm_dir), self.plan.store_ids[0] if self.plan.store_ids else "")
+        if size <= self._locked_checked:
+            return None
+        self._locked_checked = size
+        problem = memlock_shortfall(
+            node=self.plan.node, num_slots=self.plan.num_slots, slot_bytes=size, limit=self._memlock()
+        )
+        if problem is not None:
+            self.error = problem
+            try:  # where a restarted agent or a reader of the job dir finds it, as a store's
+                self._record.write_text(problem + "\n")
+            except OSError as e:
+                log.warning("could not record the locked-memory shortfall: %s", e)
+        return problem
+
+
+def _largest_slot(shm_dir: Path, store_id: str) -> int:
+    """The size of the largest slot file of the node's own ranks (0: none sized yet)."""
+    if not store_id:
+        return 0
+    largest = 0
+    for path in shm_dir.glob(f"{segment_prefix(store_id)}r*-s*"):
+        try:
+            largest = max(largest, os.stat(path).st_size)
+        except FileNotFoundError:
+            pass
+    return largest

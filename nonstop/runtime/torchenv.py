@@ -11,10 +11,15 @@ values once ``nonstop.init()`` returns or the generation starts.
 ``RANK``, ``ROLE_RANK``         the rank (one role, torchrun's ``default``)
 ``WORLD_SIZE``,                 the generation's world size
 ``ROLE_WORLD_SIZE``
-``LOCAL_RANK``                  the rank's index among the ranks its node plays: a process keeps
-                                the index it was given while it lives (its device stays its own);
-                                a rank new to a node (a spare taking it, a fresh process) takes the
-                                smallest index no other rank on that node holds
+``LOCAL_RANK``                  on a node with accelerator devices: the index of the process's
+                                own device, given by its agent at spawn (spares included) and
+                                fixed for the process's life (:mod:`nonstop.runtime.devices`;
+                                after a recovery it need not be below ``LOCAL_WORLD_SIZE``: a
+                                spare on GPU 7 taking rank 3 keeps 7). On a CPU node: the rank's
+                                index among the ranks its node plays: a process keeps the index
+                                it was given while it lives; a rank new to a node (a spare
+                                taking it, a fresh process) takes the smallest index no other
+                                rank on that node holds
 ``LOCAL_WORLD_SIZE``            how many ranks the node plays (at the job's start: ``--nproc``)
 ``GROUP_RANK``                  the node's index among the job's nodes (by name, numbers first)
 ``GROUP_WORLD_SIZE``            how many nodes play ranks

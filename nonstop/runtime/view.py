@@ -54,7 +54,9 @@ class WorkerRecord:
     fault_at: float | None = None  # wall time an injected fault fired on it
     fault_report: tuple[float, str] | None = None  # (when, error) of a reported exception
     chan_closed_at: float | None = None
-    local_rank: int | None = None  # its LOCAL_RANK on its node, once it plays a rank (runtime/torchenv.py)
+    # its LOCAL_RANK on its node, once it plays a rank (runtime/torchenv.py); on a node with
+    # devices, the device its agent gave it at spawn (runtime/devices.py), from its spawned report
+    local_rank: int | None = None
 
 
 @dataclass
@@ -75,6 +77,7 @@ class NodeRecord:
     lease_id: int = 0  # store mode: the agent's lease on its nodes/<name> key
     disconnected_at: float | None = None  # store mode: its channel dropped (it may reconnect)
     draining: bool = False  # a preemption notice: its ranks move away, nothing new goes there
+    devices: int | None = None  # accelerator devices, one per process (runtime/devices.py); None: CPU
 
 
 def node_order(name: str) -> tuple[int, int, str]:
@@ -145,6 +148,14 @@ class JobView:
             and not self.nodes[w.node].draining
         }
 
+    def room_on(self, node: str) -> int | None:
+        """How many more processes ``node`` has a free device for (None: a CPU node, no limit).
+        A process holds its device until its exit is reported (retired ones included)."""
+        devices = self.nodes[node].devices
+        if devices is None:
+            return None
+        return max(0, devices - sum(1 for w in self.workers.values() if w.node == node and w.live))
+
     def spares_on(self, node: str) -> int:
         """Live spare processes on ``node`` (connected or still starting)."""
         return sum(1 for w in self.workers.values() if w.role is Role.SPARE and w.node == node and w.live)
@@ -192,7 +203,14 @@ class JobView:
             "world_size": self.world_size,
             "next_sid": self.next_sid,
             "workers": {
-                str(sid): {"role": str(w.role), "rank": w.rank, "node": w.node, "pid": w.pid, "live": w.live}
+                str(sid): {
+                    "role": str(w.role),
+                    "rank": w.rank,
+                    "node": w.node,
+                    "pid": w.pid,
+                    "live": w.live,
+                    "local_rank": w.local_rank,
+                }
                 for sid, w in self.workers.items()
             },
             "members": {str(r): sid for r, sid in self.members.items()},
@@ -213,6 +231,7 @@ class JobView:
                     "lease_id": r.lease_id,
                     "failures": len(r.failure_times),
                     "draining": r.draining,
+                    "devices": r.devices,
                 }
                 for n, r in self.nodes.items()
             },
@@ -236,6 +255,7 @@ class JobView:
                 node=str(wd["node"]),
                 pid=None if wd.get("pid") is None else int(wd["pid"]),
                 live=bool(wd.get("live")),
+                local_rank=None if wd.get("local_rank") is None else int(wd["local_rank"]),
                 last_hb=grace_until,
                 last_progress=grace_until,
             )
@@ -260,5 +280,6 @@ class JobView:
                 quarantined=bool(nd["quarantined"]),
                 lease_id=int(nd.get("lease_id", 0)),
                 draining=bool(nd.get("draining", False)),
+                devices=None if nd.get("devices") is None else int(nd["devices"]),
             )
         return v

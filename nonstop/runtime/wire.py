@@ -142,6 +142,8 @@ class Step:
     step_s: float
     snap_s: float = 0.0  # the loop's stall on this step's snapshot (train/session.py)
     nbytes: int = 0  # the snapshot's bytes
+    wait_s: float = 0.0  # of step_s, waiting in the gradient allreduce (issue 21: fail-slow)
+    of: int | None = None  # the run's number of steps, when the worker says (issue 21)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +162,7 @@ class Paused:
 class Fault:
     gen: int
     error: str
+    usage: bool = False  # the script's mistake (a UsageError): the job fails, exit 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,6 +184,16 @@ class Raw:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HealthReport:
+    """A health verdict on the sender's node (issue 21): healthy / degraded / failing, from
+    ``probe`` (a ``degrade`` fault sends one), with what it saw."""
+
+    verdict: str
+    probe: str | None = None
+    detail: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Subscribe:
     """Send this process the job's events of ``kinds`` (None: all): ``Session.on_event``."""
 
@@ -188,8 +201,27 @@ class Subscribe:
 
 
 WorkerMessage = (
-    Heartbeat | Injected | Restored | Ready | Step | Done | Paused | Fault | Migrate | Raw | Subscribe
+    Heartbeat
+    | Injected
+    | Restored
+    | Ready
+    | Step
+    | Done
+    | Paused
+    | Fault
+    | Migrate
+    | Raw
+    | Subscribe
+    | HealthReport
 )
+
+
+def _health(m: Mapping[str, Any]) -> HealthReport:
+    """A ``health`` message, from a worker (the ``degrade`` fault) or a node agent (its probes)."""
+    verdict = m.get("verdict")
+    if verdict not in ("healthy", "degraded", "failing"):
+        raise WireError(f"'health' message: verdict must be healthy, degraded or failing, not {verdict!r}")
+    return HealthReport(verdict=verdict, probe=_opt_str(m, "probe"), detail=_opt_str(m, "detail"))
 
 
 def decode_worker(m: Mapping[str, Any]) -> WorkerMessage | None:
@@ -198,6 +230,8 @@ def decode_worker(m: Mapping[str, Any]) -> WorkerMessage | None:
     gen = _int(m, "gen", -1)
     if t == "hb":
         return Heartbeat(coll=bool(m.get("coll")), idle_s=_opt_num(m, "idle"))
+    if t == "health":
+        return _health(m)
     if t == "injected":
         return Injected(
             ts=_num(m, "ts"), rank=_opt_int(m, "rank"), step=_opt_int(m, "step"), kind=_opt_str(m, "kind")
@@ -220,13 +254,15 @@ def decode_worker(m: Mapping[str, Any]) -> WorkerMessage | None:
             step_s=_num(m, "step_s"),
             snap_s=_num(m, "snap_s", 0.0),
             nbytes=_int(m, "bytes", 0),
+            wait_s=_num(m, "wait_s", 0.0),
+            of=_opt_int(m, "of"),
         )
     if t == "done":
         return Done(gen=gen, step=_int(m, "step"))
     if t == "paused":
         return Paused(gen=gen, step=_int(m, "step"))
     if t == "fault":
-        return Fault(gen=gen, error=str(m.get("error", "")))
+        return Fault(gen=gen, error=str(m.get("error", "")), usage=m.get("usage") is True)
     if t == "migrate":
         return Migrate(gen=gen, rank=_opt_int(m, "rank"), to=_opt_str(m, "to"))
     if t == "kv":
@@ -257,8 +293,13 @@ class Exit:
 
 @dataclass(frozen=True, kw_only=True)
 class Spawned:
+    """A spawn carried out (``device``: the node-local device index it holds, None on a CPU
+    node), or refused (``error``; its ``exit`` follows)."""
+
     spawn_id: int
     pid: int | None
+    device: int | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -328,7 +369,18 @@ class Fatal:
 
 
 AgentMessage = (
-    Lease | Exit | Spawned | Inventory | Installed | Fetched | Replicated | Preempt | Registered | Fatal | Raw
+    Lease
+    | Exit
+    | Spawned
+    | Inventory
+    | Installed
+    | Fetched
+    | Replicated
+    | Preempt
+    | Registered
+    | Fatal
+    | Raw
+    | HealthReport  # issue 21: the agent's probe verdict (runtime/probing.py)
 )
 
 
@@ -345,7 +397,12 @@ def decode_agent(m: Mapping[str, Any]) -> AgentMessage | None:
             fault_at=_opt_num(m, "fault_at"),
         )
     if t == "spawned":
-        return Spawned(spawn_id=_int(m, "spawn_id"), pid=_opt_int(m, "pid"))
+        return Spawned(
+            spawn_id=_int(m, "spawn_id"),
+            pid=_opt_int(m, "pid"),
+            device=_opt_int(m, "device"),
+            error=_opt_str(m, "error"),
+        )
     if t == "inventory":
         return Inventory(
             id=_int(m, "id"), local=_steps_by_rank(m, "local"), replicas=_steps_by_rank(m, "replicas")
@@ -378,6 +435,8 @@ def decode_agent(m: Mapping[str, Any]) -> AgentMessage | None:
         return Registered(lease_id=_int(m, "lease_id"))
     if t == "fatal":
         return Fatal(error=str(m.get("error") or "a node cannot play its part"))
+    if t == "health":  # issue 21: a verdict change of the agent's probes (runtime/probing.py)
+        return _health(m)
     if t == "persisted":
         return Raw(gen=-1, msg=m)
     return None

@@ -110,9 +110,17 @@ class WorkerProtocol:
                 )
             )
             return
+        if isinstance(m, wire.HealthReport):  # issue 21: any process on a node speaks for it
+            c.health.on_probe(w.node, m.verdict, probe=m.probe, detail=m.detail)
+            return
         if isinstance(m, wire.Subscribe):  # any process, any generation: Session.on_event
             if w.chan is not None:
                 c.feed.subscribe(w.spawn_id, w.chan, m.kinds)
+            return
+        if isinstance(m, wire.Fault) and m.usage:  # the script's mistake, from any of its processes
+            who = f"rank {w.rank}" if w.rank is not None else f"process {w.spawn_id}"
+            c.events.emit(ev.FaultReport(rank=w.rank, spawn_id=w.spawn_id, error=m.error))
+            c.fail(f"{who}: {m.error}", usage=True)  # no recovery fixes it: nonstop run exits 2
             return
         if isinstance(m, wire.Restored) and c.swaps.on_restored(w):
             return  # a joiner prepared its rank
@@ -138,6 +146,7 @@ class WorkerProtocol:
             c.detector.record_step(m.step_s)
             c.view.latest_step[rank] = m.step
             c.swaps.on_step(rank, m.step)
+            c.health.on_step(w, rank, m)  # issue 21: compute time (step_s - wait_s) for fail-slow
             c.gens.report(recovery.Stepped(rank, time.time()))
             if c.monitor is not None:
                 c.monitor.on_step(rank, m.step_s, m.snap_s, m.nbytes)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.errors import UsageError
+from nonstop.plotting import require_plots
 from nonstop.runtime.policy import QuarantinePolicy
 from nonstop.runtime.survivors import SurvivorMode
 from nonstop.sim.advisor import advise, plot_frontier
@@ -60,7 +61,11 @@ def _job_args(p: argparse.ArgumentParser, *, days: float) -> None:
     p.add_argument("--seed", type=int, default=0, help="first seed (default %(default)s)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the full result as JSON")
     p.add_argument(
-        "--plot", type=Path, default=None, metavar="PATH", help="write a PNG a person reads at a glance"
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write a PNG a person reads at a glance (needs matplotlib: pip install 'nonstop[plots]')",
     )
 
 
@@ -243,6 +248,8 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
 
 
 def _simulate(ns: argparse.Namespace) -> int:
+    if ns.plot is not None:  # the picture crowns minutes of simulation: say so before, not after
+        require_plots("--plot")
     job = _job(ns)
     cal = load_calibration(ns.results_dir)
     model = _model(ns)
@@ -295,6 +302,8 @@ def _simulate(ns: argparse.Namespace) -> int:
 
 
 def _advise(ns: argparse.Namespace) -> int:
+    if ns.plot is not None:
+        require_plots("--plot")
     job = _job(ns)
     cal = load_calibration(ns.results_dir)
     model = _model(ns)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from nonstop.errors import SnapshotError
+from nonstop.snapshot.device import device_rng_state, set_device_rng_state
 from nonstop.snapshot.sharded import LocalShard, check_matches, copy_into, is_dtensor, local_of, to_dtensor
 
 __all__ = ["StateCapture", "restore_resharded"]
@@ -38,11 +39,15 @@ def _rng_state() -> dict[str, Any]:
     py = random.getstate()
     np_state = np.random.get_state()
     assert isinstance(np_state, tuple)
-    return {
+    out: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], np_state[1], int(np_state[2]), int(np_state[3]), float(np_state[4])],
     }
+    dev = device_rng_state()  # the rank's accelerator device, when one is in use
+    if dev is not None:
+        out["device"] = dev
+    return out
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
@@ -51,6 +56,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((v, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "device" in state:
+        set_device_rng_state(state["device"])
 
 
 class StateCapture:
@@ -58,7 +65,10 @@ class StateCapture:
 
     ``extras`` returns a JSON-like dict (tensors allowed) each time it is
     called, e.g. ``{"samples_seen": n}``; ``load_extras`` receives that dict
-    back on restore.
+    back on restore. ``objects``: named objects with ``state_dict()`` /
+    ``load_state_dict()`` (LR schedulers, ``GradScaler``, ``StatefulDataLoader``), each
+    state dict captured with the rest and loaded back on restore; a snapshot without one of
+    them (written by a script that did not have it) is a :class:`SnapshotError` naming it.
     """
 
     def __init__(
@@ -68,6 +78,7 @@ class StateCapture:
         optimizer: torch.optim.Optimizer | None = None,
         extras: Callable[[], Extras] | None = None,
         load_extras: Callable[[Extras], None] | None = None,
+        objects: dict[str, Any] | None = None,
     ) -> None:
         if (extras is None) != (load_extras is None):
             raise ValueError("give both extras= and load_extras=, or neither")
@@ -75,6 +86,7 @@ class StateCapture:
         self.optimizer = optimizer
         self._extras = extras
         self._load_extras = load_extras
+        self.objects = dict(objects or {})
 
     def state(self, step: int) -> dict[str, Any]:
         """The state after ``step`` optimizer steps (tensors are not copied)."""
@@ -84,6 +96,7 @@ class StateCapture:
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "rng": _rng_state(),
             "extras": self._extras() if self._extras is not None else {},
+            "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
         }
 
     def deferrable(self) -> Callable[[torch.Tensor], bool]:
@@ -107,15 +120,35 @@ class StateCapture:
         return lambda t: t.data_ptr() in ptrs
 
     def restore(self, state: dict[str, Any]) -> int:
-        """Load ``state`` (from ``RankSnapshotStore.read(..., copy=False)``); return its step."""
+        """Load ``state`` (from ``RankSnapshotStore.read(..., copy=False)``); return its step.
+        The model's gradients are dropped (``None``): the step of ``state`` is complete and no
+        later one has begun."""
         _restore_model(self.model, state["model"])
+        # The gradients of the step a failure abandoned would otherwise be summed into the redone
+        # step's by a script that zeroes them after optimizer.step() (Accelerate's and Fabric's
+        # examples do): its recovered run would differ from an uninterrupted one.
+        for p in self.model.parameters():
+            p.grad = None
         if self.optimizer is not None and state["optimizer"] is not None:
             if not _copy_into_optimizer(self.optimizer, state["optimizer"]):
                 self.optimizer.load_state_dict(_fresh_optimizer_state(self.optimizer, state["optimizer"]))
+        self.restore_rest(state)
+        return int(state["step"])
+
+    def restore_rest(self, state: dict[str, Any]) -> None:
+        """Restore what is neither model nor optimizer: RNGs, extras and ``objects``."""
+        saved = state.get("objects") or {}  # snapshots written before objects existed have none
+        missing = sorted(set(self.objects) - set(saved))
+        if missing:
+            raise SnapshotError(
+                f"the snapshot of step {state['step']} holds no state for state= object(s) {missing}: "
+                "it was written by a script without them"
+            )
         _set_rng_state(state["rng"])
         if self._load_extras is not None:
             self._load_extras(_clone_tensors(state["extras"]))
-        return int(state["step"])
+        for name, obj in self.objects.items():
+            obj.load_state_dict(_clone_tensors(saved[name]))
 
 
 def restore_resharded(capture: StateCapture, states: list[dict[str, Any]], rank: int) -> int:
@@ -173,13 +206,11 @@ def restore_resharded(capture: StateCapture, states: list[dict[str, Any]], rank:
                         stride=like.stride(),
                     )
                 else:
-                    out[name] = _clone_tensors(value)
+                    out[name] = _clone_onto(value, params[int(i)] if 0 <= int(i) < len(params) else None)
             state[i] = out
         saved = {k: v for k, v in base["optimizer"].items() if k != "state"}
         opt.load_state_dict({**_clone_tensors(saved), "state": state})
-    _set_rng_state(base["rng"])
-    if capture._load_extras is not None:
-        capture._load_extras(_clone_tensors(base["extras"]))
+    capture.restore_rest(base)
     return int(base["step"])
 
 
@@ -218,7 +249,8 @@ def _restore_model(model: torch.nn.Module, saved: dict[str, Any]) -> None:
 
 def _fresh_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
     """``saved`` for ``Optimizer.load_state_dict`` of an optimizer without state yet: tensors
-    cloned (it keeps references), a :class:`LocalShard` made a DTensor on its parameter's mesh."""
+    cloned (it keeps references) straight onto their parameter's device (:func:`_clone_onto`),
+    a :class:`LocalShard` made a DTensor on its parameter's mesh."""
     params = [p for group in opt.param_groups for p in group["params"]]
     state: dict[int, dict[str, Any]] = {}
     for i, entries in saved["state"].items():
@@ -231,7 +263,7 @@ def _fresh_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) ->
                     )
                 out[key] = to_dtensor(value, params[int(i)], f"optimizer state {i}.{key}")
             else:
-                out[key] = _clone_tensors(value)
+                out[key] = _clone_onto(value, params[int(i)] if 0 <= int(i) < len(params) else None)
         state[i] = out
     return {**_clone_tensors({k: v for k, v in saved.items() if k != "state"}), "state": state}
 
@@ -281,9 +313,28 @@ def _copy_into_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> b
     return True
 
 
+def _clone_onto(value: Any, param: torch.Tensor | None) -> Any:
+    """``value`` (one optimizer state entry of ``param``) copied out of snapshot memory: a tensor
+    of one or more dimensions straight onto ``param``'s device (one copy, not a host clone that
+    ``load_state_dict`` then copies again); scalars (Adam's ``step``) stay on the CPU, where
+    ``load_state_dict`` leaves or moves them by its own rule."""
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and param is not None
+        and not is_dtensor(param)
+        and param.device != value.device
+    ):
+        return value.to(param.device, copy=True)
+    return _clone_tensors(value)
+
+
 def _clone_tensors(obj: Any) -> Any:
+    """``obj`` with every tensor and array copied out (snapshot memory is overwritten later)."""
     if isinstance(obj, torch.Tensor):
         return obj.clone()
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
     if isinstance(obj, dict):
         return {k: _clone_tensors(v) for k, v in obj.items()}
     if isinstance(obj, list):

@@ -3,12 +3,15 @@
 :class:`PendingWrite` is what :meth:`~nonstop.snapshot.store.RankSnapshotStore.begin` returns:
 the handle on a snapshot whose bulk (the *deferred* tensors: parameters and optimizer state)
 may still be copying. :class:`Copier` is the store's one background thread that does those
-copies in order, and on CUDA issues the device-to-host copies on a side stream.
+copies in order, and on CUDA issues the device-to-host copies on a side stream per device
+(:mod:`nonstop.snapshot.device`).
 
 Threading contract: a store owns one :class:`Copier`; only the store's caller thread submits
 to it. Jobs run one at a time, in submission order, on the copier's thread; each job's
 ``complete`` (the COMPLETE header write) runs there after its copies, then the write's
-completion callbacks, then whoever ``wait()``-s is released.
+completion callbacks, then whoever ``wait()``-s is released. With device copies, a job's
+host (CPU-resident) copies run first, then every device's event is synchronized: the slot is
+COMPLETE only once every device's copies have landed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from nonstop.errors import SnapshotError
+from nonstop.snapshot.device import Pairs, SideStreams, fence_streams
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,9 @@ class PendingWrite:
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
         self._error: BaseException | None = None
-        self._cuda_event: Any = None  # torch.cuda.Event recorded after the device copies
+        # per device, the event recorded after that device's copies (empty: no device copies)
+        self._device_events: dict[torch.device, Any] = {}
+        self._host_copied = threading.Event()  # the copier's host copies are done (or failed)
         self.waited_s = 0.0  # host time callers spent blocked on this write
 
     def done(self) -> bool:
@@ -64,6 +70,7 @@ class PendingWrite:
         with self._lock:
             self._error = error
             callbacks, self._callbacks = self._callbacks, []
+        self._host_copied.set()
         if error is None:
             for fn in callbacks:
                 try:
@@ -72,63 +79,53 @@ class PendingWrite:
                     log.exception("snapshot completion callback failed")
         self._done.set()
 
+    def _block(self, event: threading.Event) -> None:
+        if not event.is_set():
+            t0 = time.monotonic()
+            event.wait()
+            self.waited_s += time.monotonic() - t0
+
     def wait(self) -> None:
         """Block until the snapshot is COMPLETE in its slot; re-raise a copy failure."""
-        if not self._done.is_set():
-            t0 = time.monotonic()
-            self._done.wait()
-            self.waited_s += time.monotonic() - t0
+        self._block(self._done)
         if self._error is not None:
             raise SnapshotError(f"snapshot of step {self.step} failed: {self._error}") from self._error
 
     def fence(self) -> None:
         """Make later changes to the deferred tensors wait for their copy.
 
-        CPU: blocks until the copy is done. CUDA: makes the current stream wait
-        for the side stream's copies (no host wait)."""
-        if self._cuda_event is not None and not self._done.is_set():
-            torch.cuda.current_stream().wait_event(self._cuda_event)
+        CPU: blocks until the copy is done. With device copies: each device's current stream
+        waits for that device's copies (no host wait), and the host waits only for the copier's
+        CPU-resident deferred copies (usually none: small ones were copied by ``begin``).
+        A failed copy is not raised here (``wait()`` raises it)."""
+        if self._device_events and not self._done.is_set():
+            fence_streams(self._device_events)
+            self._block(self._host_copied)
             return
         self.wait()
 
 
-CopyJob = tuple[list[tuple[torch.Tensor, torch.Tensor]], Callable[[], None], PendingWrite]
-"""(destination/source tensor pairs to copy, the call that marks the slot COMPLETE, its write)."""
+CopyJob = tuple[Pairs, Callable[[], None], PendingWrite]
+"""(host destination/source tensor pairs to copy, the call that marks the slot COMPLETE, its write)."""
 
 
 class Copier:
-    """The background copy thread of one rank's store (started on the first job) and its CUDA
-    side stream (created on the first device copy)."""
+    """The background copy thread of one rank's store (started on the first job) and its side
+    streams, one per device (created on the first device copy)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._jobs: queue.Queue[CopyJob | None] | None = None
         self._thread: threading.Thread | None = None
-        self._side_stream: Any = None
+        self._streams = SideStreams()
 
-    def start_device_copies(
-        self, now: list[tuple[torch.Tensor, torch.Tensor]], later: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> Any:
-        """Issue device-to-host copies on a side stream, ordered after the current stream's
-        work. The current stream waits for the ``now`` copies at once (a device-side
-        dependency: the next forward may change those tensors); the returned event marks
-        the end of all copies, for :meth:`PendingWrite.fence`."""
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side = self._side_stream
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            for dst, t in now:
-                dst.copy_(t, non_blocking=True)
-            volatile_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            volatile_done.record(side)
-            for dst, t in later:
-                dst.copy_(t, non_blocking=True)
-            all_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            all_done.record(side)
-        main.wait_event(volatile_done)
-        return all_done
+    def start_device_copies(self, now: Pairs, later: Pairs) -> dict[torch.device, Any]:
+        """Issue device-to-host copies on each source device's side stream, ordered after that
+        device's current stream's work (:meth:`.device.SideStreams.start`). Each device's current
+        stream waits for its ``now`` copies at once (the next forward may change those tensors);
+        the returned events (one per device) mark the end of all its copies, for
+        :meth:`PendingWrite.fence` and for the COMPLETE header."""
+        return self._streams.start(now, later)
 
     def submit(self, job: CopyJob) -> None:
         if self._thread is None:
@@ -147,8 +144,9 @@ class Copier:
             pairs, complete, pending = job
             try:
                 self._copy_pairs(pairs)
-                if pending._cuda_event is not None:
-                    pending._cuda_event.synchronize()
+                pending._host_copied.set()
+                for event in pending._device_events.values():
+                    event.synchronize()
                 complete()
             except BaseException as e:  # reported to whoever waits on the write
                 pending._finish(e)
@@ -156,7 +154,7 @@ class Copier:
                 pending._finish()
 
     @staticmethod
-    def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _copy_pairs(pairs: Pairs) -> None:
         for dst, t in pairs:
             dst.copy_(t)
 

@@ -21,6 +21,7 @@ base is bit-identical to the one the encoder used and every chunk checksum holds
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -34,13 +35,13 @@ import numpy as np
 
 from nonstop.errors import NonstopError, SnapshotMissingError
 from nonstop.snapshot.api import TensorEntry
-from nonstop.snapshot.codec import CodecConfig, Encoder, segments_for
+from nonstop.snapshot.codec import Buffer, ChunkInfo, CodecConfig, Encoder, Segment, segments_for
 from nonstop.snapshot.durable import CheckpointWriter, DurableStore
 from nonstop.snapshot.flatten import tensor_at
 from nonstop.snapshot.store import RankSnapshotStore, RawSnapshot
 from nonstop.snapshot.validate import decoding
 
-__all__ = ["PersistResult", "Persister", "RankEncoder", "lossy_roles"]
+__all__ = ["PersistResult", "Persister", "RankEncoder", "SharedChunks", "lossy_roles"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,106 @@ def _whole(view: np.ndarray) -> np.ndarray:
     return view.base if isinstance(view.base, np.ndarray) else view
 
 
+def _runs(segments: list[Segment]) -> list[tuple[int, int, list[Segment]]]:
+    """(start, end, segments) of each run of adjacent segments, in offset order."""
+    runs: list[tuple[int, int, list[Segment]]] = []
+    for seg in sorted(segments, key=lambda sg: sg.offset):
+        if runs and runs[-1][1] == seg.offset:
+            lo, _, run = runs[-1]
+            runs[-1] = (lo, seg.end, [*run, seg])
+        else:
+            runs.append((seg.offset, seg.end, [seg]))
+    return runs
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two uint8 arrays hold the same bytes (compared 8 at a time where they allow)."""
+    if len(a) != len(b):
+        return False
+    n = len(a) // 8 * 8
+    if n and a[:n].ctypes.data % 8 == 0 and b[:n].ctypes.data % 8 == 0:
+        if not np.array_equal(a[:n].view(np.uint64), b[:n].view(np.uint64)):
+            return False
+        return bool(np.array_equal(a[n:], b[n:]))
+    return bool(np.array_equal(a, b))
+
+
+@dataclass
+class _Stored:
+    rank: int
+    info: ChunkInfo
+    data: np.ndarray  # the owner's data bytes of the chunk
+    base: np.ndarray | None  # the owner's base bytes of it (a delta chunk)
+
+
+class SharedChunks:
+    """The chunks of one checkpoint that ranks written before stored, for the next ranks to share
+    (the format's shared chunks, :mod:`nonstop.snapshot.durable.format`).
+
+    A rank's chunk is shared instead of written when a lower rank stored a chunk of the same
+    data range that is exactly what this rank's own encoding would be: its data bytes are equal,
+    it is lossless (a lossy chunk is never shared), and both are full or both deltas over equal
+    base bytes. The comparison is of the bytes themselves (no hash: no collision can make two
+    ranks' different states one). Lossless segments are cut into chunk-sized pieces here (the
+    cut the encoder would make), so the bytes a rank differs in (RNG, extras, a diverged rank)
+    cost it only the chunks they fall in."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._stored: dict[tuple[int, int], _Stored] = {}  # (offset, length) -> the first rank's
+
+    def _pieces(self, seg: Segment) -> list[Segment]:
+        if seg.lossy is not None:
+            return [seg]  # the encoder cuts it by quantisation blocks; never shared
+        step = max(self.chunk_bytes // seg.typesize * seg.typesize, seg.typesize)
+        return [
+            dataclasses.replace(seg, offset=o, length=min(step, seg.end - o))
+            for o in range(seg.offset, seg.end, step)
+        ]
+
+    def split(
+        self, rank: int, data: np.ndarray, base: np.ndarray | None, segments: list[Segment]
+    ) -> tuple[list[Segment], list[tuple[ChunkInfo, int]]]:
+        """(segments rank ``rank`` encodes itself, (info, owner) of the chunks it shares)."""
+        own: list[Segment] = []
+        same: list[tuple[ChunkInfo, int]] = []
+        for seg in segments:
+            for piece in self._pieces(seg):
+                hit = self._stored.get((piece.offset, piece.length))
+                if (
+                    hit is not None
+                    and hit.rank < rank
+                    and (hit.base is None) == (base is None)
+                    and _same_bytes(hit.data, data[piece.offset : piece.end])
+                    and (
+                        base is None
+                        or hit.base is None
+                        or _same_bytes(hit.base, base[piece.offset : piece.end])
+                    )
+                ):
+                    same.append((hit.info, hit.rank))
+                else:
+                    own.append(piece)
+        return own, same
+
+    def add(
+        self,
+        rank: int,
+        data: np.ndarray,
+        base: np.ndarray | None,
+        own: list[Segment],
+        chunks: list[tuple[ChunkInfo, Buffer]],
+    ) -> None:
+        """Record rank ``rank``'s lossless chunks (encoded from ``own``) for the ranks after it."""
+        lossless = {seg.offset for seg in own if seg.lossy is None}
+        for info, _ in chunks:
+            if info.offset in lossless and (info.offset, info.length) not in self._stored:
+                end = info.offset + info.length
+                self._stored[(info.offset, info.length)] = _Stored(
+                    rank, info, data[info.offset : end], None if base is None else base[info.offset : end]
+                )
+
+
 class RankEncoder:
     """Encodes ranks' snapshots into a checkpoint writer, with per-rank delta bases.
 
@@ -144,25 +245,43 @@ class RankEncoder:
             del self._scratch[rank]
 
     def write(self, writer: CheckpointWriter, snaps: list[RawSnapshot]) -> tuple[int, int, bool]:
-        """Add every snapshot's rank to ``writer``; return (raw bytes, stored bytes, any full)."""
+        """Add every snapshot's rank to ``writer``, in rank order; return (raw bytes, stored
+        bytes, any full). A chunk whose payload a lower rank of ``snaps`` already stored is
+        shared, not written again (:class:`SharedChunks`)."""
         step = writer.step
         full = self._since_full == 0 or self._since_full >= self.codec.full_every
         raw_total = stored_total = 0
         new_bases: dict[int, _Base] = {}
-        for snap in snaps:
+        shared = SharedChunks(self.codec.chunk_bytes)
+        for snap in sorted(snaps, key=lambda sn: sn.rank):
             layout = snap.doc["tensors"]
             base = self._bases.get(snap.rank)
             use_base = not full and base is not None and base[1] == layout
+            base_data = base[2] if use_base and base else None
             lossy = lossy_roles(snap.doc) if self.codec.lossy and use_base else None
             segments = segments_for(snap.entries(), len(snap.data), lossy)
-            chunks = self._encoder.encode(snap.data, segments, base[2] if use_base and base else None)
+            own, same = shared.split(snap.rank, snap.data, base_data, segments)
+            chunks = self._encode(snap.data, own, base_data)
             stored_total += writer.add_rank(
-                snap.rank, snap.meta, len(snap.data), chunks, base[0] if use_base and base else None
+                snap.rank, snap.meta, len(snap.data), chunks, base[0] if use_base and base else None, same
             )
+            shared.add(snap.rank, snap.data, base_data, own, chunks)
             raw_total += len(snap.data)
             if not use_base:
                 new_bases[snap.rank] = (step, layout, snap.data)
         return raw_total, stored_total, self._adopt(snaps, new_bases)
+
+    def _encode(
+        self, data: np.ndarray, segments: list[Segment], base: np.ndarray | None
+    ) -> list[tuple[ChunkInfo, Buffer]]:
+        """Encode the ``segments`` of ``data`` (not necessarily tiling it): each run of adjacent
+        segments in one call, its chunks' offsets those in ``data``."""
+        out: list[tuple[ChunkInfo, Buffer]] = []
+        for lo, hi, run in _runs(segments):
+            rel = [dataclasses.replace(seg, offset=seg.offset - lo) for seg in run]
+            part = self._encoder.encode(data[lo:hi], rel, None if base is None else base[lo:hi])
+            out.extend((dataclasses.replace(info, offset=info.offset + lo), p) for info, p in part)
+        return out
 
     def _adopt(self, snaps: list[RawSnapshot], new_bases: dict[int, _Base]) -> bool:
         for snap in snaps:  # reuse this copy's memory next time, unless it became a base

@@ -62,6 +62,7 @@ from nonstop.snapshot.api import (
     SnapshotInfo,
     TensorEntry,
 )
+from nonstop.snapshot.device import HostRegistration, Pairs, cuda_ready
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class Slot:
         self._bytes: torch.Tensor | None = None
         self._views: list[torch.Tensor | None] = []
         self._views_plan = -1
-        self._registered: int | None = None  # data_ptr registered with cudaHostRegister
+        self._pinned = HostRegistration()  # the data area, page-locked (cudaHostRegister)
         self._inode = -1  # of the mapped file: a deleted or replaced file is noticed
         self.data_cap = 0
         self.meta_cap = 0
@@ -225,11 +226,16 @@ class Slot:
         hdr = self.header()
         self.data_cap, self.meta_cap = (hdr[6], hdr[7]) if hdr is not None else (0, 0)
 
-    def ensure_capacity(self, data_len: int, meta_len: int) -> None:
+    def ensure_capacity(self, data_len: int, meta_len: int, *, pin: bool = False) -> None:
+        """Make the slot hold ``data_len`` + ``meta_len`` bytes (grown in place, pages allocated);
+        ``pin``: the state has device tensors, so page-lock the data area now
+        (:meth:`pin_for_cuda`), before any copy into it, not inside a later write."""
         if self._mm is None:
             self.open_existing()
         valid = self.header() is not None
         if valid and data_len <= self.data_cap and meta_len <= self.meta_cap:
+            if pin:
+                self.pin_for_cuda()
             return
         data_cap = align(max(data_len, self.data_cap))
         meta_cap = align(max(int(meta_len * 1.5) + 4096, self.meta_cap))
@@ -241,6 +247,8 @@ class Slot:
         self.data_cap, self.meta_cap = data_cap, meta_cap
         # A slot without a valid header (new, or corrupt) has no reader's pins either.
         self.write_header(SlotState.EMPTY, -1, 0, 0, 0.0, keep_pins=valid)
+        if pin:
+            self.pin_for_cuda()
 
     def _grow_file(self, size: int) -> None:
         """Make the file at least ``size`` bytes with every page allocated (:func:`.space.reserve`).
@@ -275,20 +283,21 @@ class Slot:
         return self._views
 
     def pin_for_cuda(self) -> None:
-        """Page-lock the data area so device-to-host copies into it are truly asynchronous."""
-        if self._bytes is None or not torch.cuda.is_available():
+        """Page-lock the data area so device-to-host copies into it are truly asynchronous
+        (:class:`~nonstop.snapshot.device.HostRegistration`: chunked, checked; a refusal leaves it
+        pageable). Nothing unless CUDA is initialised; nothing when it is registered already."""
+        if self._bytes is None or self.data_cap == 0 or not cuda_ready():
             return
-        ptr = self._bytes.data_ptr()
-        if self._registered == ptr:
-            return
-        rc = torch.cuda.cudart().cudaHostRegister(ptr, self._bytes.numel(), 0)  # type: ignore[no-untyped-call]
-        self._registered = ptr if int(rc) == 0 else None
+        self._pinned.register(self.data_view().data_ptr(), self.data_cap)
+
+    def copies(self, dst: torch.Tensor, src: torch.Tensor) -> Pairs:
+        """The device-to-host copies of ``src`` into ``dst`` (one of :meth:`views`): cut where
+        ``dst`` crosses the edge of a registered chunk, so each lands in page-locked memory."""
+        return self._pinned.pieces(dst, src)
 
     def close(self) -> None:
         self._views, self._views_plan = [], -1
-        if self._registered is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._registered)  # type: ignore[no-untyped-call]
-            self._registered = None
+        self._pinned.unregister()  # (the store's copies into it are done: it waits before closing)
         self._bytes = None
         if self._mm is not None:
             self._mm.close()

@@ -25,8 +25,10 @@ of the state (RNG, buffers, extras, the JSON tree) is copied at once; the bulk
 ``optimizer.step`` changes) is copied by a background thread while the next
 step's forward and backward run. The caller fences the pending write before the
 optimizer changes those tensors (:meth:`PendingWrite.fence`). On CUDA the
-copies are asynchronous on a side stream into page-locked slot memory and the
-fence is a stream dependency, not a host wait.
+copies are asynchronous, on a side stream of each tensor's device, into page-locked
+slot memory, and the fence is a stream dependency per device, not a host wait; CPU-resident
+deferred tensors of such a write are copied at once when small, else fenced on the host
+(:mod:`nonstop.snapshot.device`).
 
 One slot file (its naming, mapping, header encoding and pin word) is
 :class:`nonstop.snapshot.slot.Slot`; the write in flight and the background copier are
@@ -47,6 +49,7 @@ import numpy as np
 import torch
 
 from nonstop.errors import SnapshotCorruptError, SnapshotError, SnapshotMissingError
+from nonstop.snapshot import device
 from nonstop.snapshot.api import SlotState, SnapshotInfo, TensorEntry
 from nonstop.snapshot.flatten import flatten_state
 from nonstop.snapshot.pending import Copier, PendingWrite
@@ -165,18 +168,19 @@ class RankSnapshotStore:
         return self._slots[best[1]]
 
     # -- room in the memory tier (snapshot/space.py) ------------------------------------------
-    def _sized_slot(self, data_len: int, meta_len: int) -> Slot:
+    def _sized_slot(self, data_len: int, meta_len: int, *, pin: bool = False) -> Slot:
         """The slot to write next (:meth:`_choose_slot`), with room for ``data_len`` + ``meta_len``.
 
         A slot that cannot be allocated (the memory filesystem is full: ShmFullError) is dropped
         for good and the next candidate tried: the rank goes on with fewer slots, down to one
         (then every write overwrites the newest snapshot: until it completes, this rank's step
-        is only in a replica or the durable tier). With none left, ShmFullError."""
+        is only in a replica or the durable tier). With none left, ShmFullError. ``pin``: the
+        state has device tensors (the slot's data is page-locked when first sized)."""
         self._room.check(data_len, meta_len)
         while True:
             slot = self._choose_slot()
             try:
-                slot.ensure_capacity(data_len, meta_len)
+                slot.ensure_capacity(data_len, meta_len, pin=pin)
                 return slot
             except ShmFullError as e:
                 self._room.drop(self._slots.index(slot), e)
@@ -198,9 +202,10 @@ class RankSnapshotStore:
     def prefault(self, state: Any) -> int:
         """Size every slot that holds no complete snapshot for ``state`` and touch its pages, so
         that the first snapshots of a process new to this rank (a migration's joiner) do not pay
-        for growing files and page faults. Complete snapshots are left alone. Returns the number
-        of slots prepared."""
-        _, entries, data_len, meta = self._encode(state)
+        for growing files and page faults, nor (a state with device tensors) for page-locking
+        them. Complete snapshots are left alone. Returns the number of slots prepared."""
+        tensors, entries, data_len, meta = self._encode(state)
+        pin = any(t.is_cuda for t in tensors)
         done = 0
         for i in range(self.num_slots):
             inf = self.info(i)
@@ -211,7 +216,7 @@ class RankSnapshotStore:
             slot = self._slots[i]
             self._room.check(data_len, len(meta))
             try:
-                slot.ensure_capacity(data_len, len(meta))
+                slot.ensure_capacity(data_len, len(meta), pin=pin)
             except ShmFullError as e:
                 self._room.drop(i, e)
                 continue
@@ -235,24 +240,31 @@ class RankSnapshotStore:
         else (and everything, when ``deferred`` is None) is copied before this
         returns. A previous pending write is completed first. No buffer is
         allocated while the state's layout stays the same.
+
+        Device tensors are copied on their own device's side stream (see the module docstring);
+        in a write that has any, a CPU-resident deferred tensor of at most
+        :data:`.device.SMALL_HOST_COPY` bytes is copied at once (the optimizer changes it from the
+        host, which no stream dependency holds back) and a larger one is fenced on the host.
         """
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
         tensors, entries, data_len, meta = self._encode(state)
-        slot = self._sized_slot(data_len, len(meta))
+        on_device = any(t.is_cuda for t in tensors)
+        slot = self._sized_slot(data_len, len(meta), pin=on_device)
         slot.write_header(SlotState.WRITING, step, 0, 0, 0.0)
         pending = PendingWrite(step, data_len)
         cpu_later: list[tuple[torch.Tensor, torch.Tensor]] = []
         dev_now: list[tuple[torch.Tensor, torch.Tensor]] = []
         dev_later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        small = device.SMALL_HOST_COPY if on_device else -1
         for dst, t in zip(slot.views(self._plan_id, entries), tensors, strict=True):
             if dst is None:
                 continue
             later = deferred is not None and deferred(t)
             if t.is_cuda:
-                (dev_later if later else dev_now).append((dst, t))
-            elif later:
+                (dev_later if later else dev_now).extend(slot.copies(dst, t))
+            elif later and (small < 0 or t.numel() * t.element_size() > small):
                 cpu_later.append((dst, t))
             else:
                 dst.copy_(t)
@@ -262,8 +274,9 @@ class RankSnapshotStore:
             slot.write_header(SlotState.COMPLETE, step, data_len, len(meta), time.time())
 
         if dev_now or dev_later:
-            slot.pin_for_cuda()
-            pending._cuda_event = self._copier.start_device_copies(dev_now, dev_later)
+            pending._device_events = self._copier.start_device_copies(dev_now, dev_later)
+            if not cpu_later:
+                pending._host_copied.set()  # the fence need not wait for the copier thread
         elif not cpu_later:
             complete()
             pending._finish()

@@ -22,6 +22,7 @@ either, so each shard's gradient is kept apart and summed in shard order
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -30,8 +31,9 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.train.exactsum import exact_mean
+from nonstop.train.liveness import CollectiveWatch
 
-__all__ = ["CanonicalGradSync", "wrap_ddp"]
+__all__ = ["CanonicalGradSync", "foreign_allreduce_pending", "register_canonical_hook", "wrap_ddp"]
 
 _ONE_BUCKET_MB = float(1 << 20)
 
@@ -50,8 +52,19 @@ class CanonicalGradSync:
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise ValueError(f"deterministic gradient sync needs one parameter dtype, got {dtypes}")
-        self.flat = torch.empty(total, dtype=params[0].dtype if params else torch.float32)
+        # on the gradients' device (a GPU's: NCCL reduces it in place; never a host round trip)
+        device = params[0].device if params else torch.device("cpu")
+        self.flat = torch.empty(total, dtype=params[0].dtype if params else torch.float32, device=device)
         self.pending_since: float | None = None  # read by the heartbeat thread
+        # issue 20: device events around each allreduce (an NCCL one returns at enqueue; the
+        # heartbeat polls them: train/liveness.py). Records nothing on the CPU.
+        self.watch = CollectiveWatch()
+        # issue 21 (fail-slow detection): seconds the gradient allreduces waited since the last
+        # take_wait_s() -- the step's time in collectives; its step report subtracts it from
+        # step_s to get the rank's own compute time. Written on the thread that completes the
+        # allreduce (gloo's), read by the training thread: a float assigned whole, and the step
+        # reads it only after the step's allreduce completed.
+        self.wait_s = 0.0
         # the gradient sum is divided by this: the data shards of the full-size job (elastic);
         # None: the world size
         self.divisor: int | None = None
@@ -60,6 +73,17 @@ class CanonicalGradSync:
         self.exact = False
         self.shards: tuple[int, ...] = ()
         self._parts: torch.Tensor | None = None
+
+    def take_wait_s(self) -> float:
+        """Seconds spent in the gradient allreduce since the last call (and reset to 0)."""
+        out, self.wait_s = self.wait_s, 0.0
+        return out
+
+    def in_collective(self) -> bool:
+        """True while this sync's gradient reduction is in flight (read by the heartbeat thread):
+        issued and not returned to the host (``pending_since``), or on a device, its completion
+        event not reached while this rank's own inputs to it are (:mod:`nonstop.train.liveness`)."""
+        return self.pending_since is not None or self.watch.pending()
 
     def set_shards(self, shards: tuple[int, ...], num_shards: int) -> None:
         """The generation's data shards: this rank's and the job's count (the divisor)."""
@@ -78,7 +102,7 @@ class CanonicalGradSync:
     def _rows(self) -> torch.Tensor:
         n = len(self.shards)
         if self._parts is None or self._parts.shape[0] != n:
-            self._parts = torch.zeros((n, self.flat.numel()), dtype=self.flat.dtype)
+            self._parts = torch.zeros((n, self.flat.numel()), dtype=self.flat.dtype, device=self.flat.device)
         return self._parts
 
     def _pack(self, dst: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
@@ -112,16 +136,21 @@ class CanonicalGradSync:
         self._unpack(self._mean(self._rows(), group), self._params, self._grads())
 
     def _mean(self, parts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        self.pending_since = time.monotonic()
+        self.watch.before(parts.device)  # liveness: this rank's inputs are ready from here
+        self.pending_since = started = time.monotonic()
         try:
-            return exact_mean(parts, shards=self.shards, num_shards=self.divisor or group.size(), group=group)
+            mean = exact_mean(parts, shards=self.shards, num_shards=self.divisor or group.size(), group=group)
+            self.watch.after(parts.device)  # ordered after its collectives (they were waited on)
+            return mean
         finally:
             self.pending_since = None
+            self.wait_s += time.monotonic() - started  # issue 21: the step's time in collectives
 
     def hook(
         self, process_group: dist.ProcessGroup
     ) -> Callable[[object, GradBucket], torch.futures.Future[torch.Tensor]]:
         world = process_group.size()
+        self.watch.clear()  # a new wrapper: a new generation's group (an aborted one's events go)
 
         def _hook(_state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
             grads, params = bucket.gradients(), bucket.parameters()
@@ -130,18 +159,26 @@ class CanonicalGradSync:
                     "nonstop: gradient bucket does not hold every parameter; "
                     "deterministic sync needs a single bucket"
                 )
+            if grads and grads[0].device != self.flat.device:  # follows the gradients' device
+                self.flat = torch.empty_like(self.flat, device=grads[0].device)
+                self._parts = None
             flat = self.flat
             self._pack(flat, params, grads)
             if self.exact:
                 return self._exact_hook(process_group, bucket, flat)
             flat.div_(self.divisor or world)
-            self.pending_since = time.monotonic()
+            self.watch.before(flat.device)  # liveness: this rank's part is queued before here
+            self.pending_since = started = time.monotonic()
             fut = dist.all_reduce(flat, group=process_group, async_op=True).get_future()
 
             def _unpack(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
                 self.pending_since = None
+                self.wait_s += time.monotonic() - started  # issue 21: the step's time in collectives
                 f.value()  # re-raise a communication error here
                 self._unpack(flat, params, grads)
+                # liveness: a CUDA future runs this on a stream made to wait for the allreduce,
+                # so this event is reached once the allreduce and the unpack are done
+                self.watch.after(flat.device)
                 out: torch.Tensor = bucket.buffer()
                 return out
 
@@ -196,6 +233,52 @@ def wrap_ddp(
     )
     ddp.register_comm_hook(None, sync.hook(process_group))
     return ddp
+
+
+def register_canonical_hook(
+    ddp: DistributedDataParallel, sync: CanonicalGradSync | None = None
+) -> CanonicalGradSync:
+    """Make a DDP wrapper someone else built (a framework's: Accelerate, Fabric) reduce its
+    gradients in the canonical order, as :func:`wrap_ddp` does: call it after the wrapper is
+    made and before its first forward. ``sync``: reuse one (its parameters must be
+    ``ddp.module``'s); default a new one. Returns the sync.
+
+    The wrapper must hold every gradient in one bucket, in its first iteration and after DDP
+    rebuilds its buckets: build it with ``bucket_cap_mb`` at least the gradients' size (given
+    explicitly: DDP's default also caps the first bucket at 1 MiB) and no ``bucket_cap_mb_list``.
+    Raises ValueError, naming what to pass, when it cannot (the hook would fail in backward)."""
+    sync = CanonicalGradSync(ddp.module) if sync is None else sync
+    need = sync.flat.numel() * sync.flat.element_size()
+    if getattr(ddp, "bucket_bytes_cap_list", None):
+        raise ValueError("nonstop's canonical gradient sync needs one bucket: give DDP no bucket_cap_mb_list")
+    # DDP's default bucket_cap_mb also caps the first bucket, at torch's _DEFAULT_FIRST_BUCKET_BYTES
+    default_first = int(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20))
+    first_cap = default_first if ddp.bucket_bytes_cap_default else ddp.bucket_bytes_cap
+    if need > min(first_cap, ddp.bucket_bytes_cap):
+        mib = -(-need // (1 << 20))
+        raise ValueError(
+            f"nonstop's canonical gradient sync needs one bucket of {need} bytes: build DDP "
+            f"with bucket_cap_mb={mib} or more (given explicitly)"
+        )
+    ddp.register_comm_hook(None, sync.hook(ddp.process_group))
+    global _foreign
+    _foreign = weakref.ref(sync)
+    return sync
+
+
+# The sync register_canonical_hook set up last: a framework's wrapper of this generation. A
+# reference assigned whole (the heartbeat thread reads it): no container shared between threads.
+_foreign: weakref.ref[CanonicalGradSync] | None = None
+
+
+def foreign_allreduce_pending() -> bool:
+    """True while the gradient allreduce of the wrapper given :func:`register_canonical_hook`
+    last is in flight: the training thread is waiting on its peers (read by the heartbeat
+    thread, :func:`~nonstop.train.collectives.in_collective`; a framework's DDP blocks there in
+    C++, under autograd's Python frames, where the frame test cannot see it)."""
+    ref = _foreign
+    sync = ref() if ref is not None else None
+    return sync is not None and sync.in_collective()
 
 
 def _sum_divided_by(

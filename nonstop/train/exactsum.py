@@ -23,6 +23,7 @@ changes keeps the allreduce of :mod:`nonstop.train.ddp`, already exact across ge
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,9 @@ import torch.distributed as dist
 from nonstop.runtime.elastic import assign_shards
 
 __all__ = ["exact_mean"]
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns from 2.14 on)
+_all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def exact_mean(
@@ -75,5 +79,5 @@ def exact_mean(
         acc.add_(row)
     acc.div_(num_shards)
     out = torch.empty(padded, dtype=parts.dtype, device=parts.device)
-    dist.all_gather_single(out, acc, group=group)
+    _all_gather_single(out, acc, group=group)
     return out[:total]

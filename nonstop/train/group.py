@@ -1,8 +1,11 @@
 """One generation's process group on a worker: join it, wrap the model in DDP, tear it down.
 
-A :class:`GenerationGroup` builds the gloo process group of a generation from a rendezvous
-store (the coordinator's :class:`~nonstop.control.rdzv.ChannelStore`), wraps the model in
-DDP with the deterministic gradient sync, and tears both down so that peers blocked on this
+A :class:`GenerationGroup` builds the process group of a generation from a rendezvous
+store (the coordinator's :class:`~nonstop.control.rdzv.ChannelStore`) -- gloo on a CPU node; on
+a GPU node ``cpu:gloo,cuda:nccl`` bound to the rank's own device (``device_id``), with the
+collective timeout of :func:`~nonstop.train.backend.collective_timeout_s`
+(:mod:`nonstop.train.backend` chooses both from the device the agent gave the process) --
+wraps the model in DDP with the deterministic gradient sync, and tears both down so that peers blocked on this
 rank fail at once instead of at the collective timeout.
 
 Threading contract: main thread only, except :meth:`GenerationGroup.sever`.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.control.rdzv import ChannelStore
 from nonstop.train.abort import SocketWatch
+from nonstop.train.backend import choose_backend, collective_timeout_s, worker_device
 from nonstop.train.ddp import CanonicalGradSync, wrap_ddp
 from nonstop.train.meshgroups import MeshGroups
 
@@ -45,6 +49,7 @@ class GenerationGroup:
         self._ddp: DistributedDataParallel | None = None
         self._sockets: SocketWatch | None = None
         self._severed = False  # sever() ran in this generation: nothing of it may be kept
+        self._device_backend: Any = None  # a device node's NCCL (or other) backend, to abort
         self.mesh_groups = MeshGroups(keep=keep_groups)  # a sharded job's, kept across generations
 
     def join(
@@ -83,14 +88,28 @@ class GenerationGroup:
         """Rendezvous through ``store`` and start the default process group, then run ``then``
         (a sharded model builds its mesh there, through :attr:`mesh_groups`); every socket the
         default group connects is half-closed at :meth:`destroy`. Returns what ``then`` returned."""
-        timeout = datetime.timedelta(seconds=timeout_s)
+        device = worker_device()
+        choice = choose_backend(device)
+        timeout = datetime.timedelta(seconds=collective_timeout_s(timeout_s, device))
         self._severed = False
+        self._device_backend = None
         watch = SocketWatch()
         try:
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+            dist.init_process_group(
+                choice.backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+                device_id=choice.device_id,
+            )
         finally:
             watch.stop()
             self._sockets = watch
+        if device.type != "cpu":  # the device half of the composite, for sever() to abort
+            world = dist.group.WORLD
+            assert world is not None
+            self._device_backend = world._get_backend(device)
         return then() if then is not None else None
 
     def sever(self) -> None:
@@ -98,12 +117,27 @@ class GenerationGroup:
 
         For a recovery that interrupts a step blocked in a collective with a peer that will never
         answer nor close (a network partition): without this the step waits out the group's
-        timeout. Any thread (reads only immutable socket sets)."""
+        timeout. On a device node the device backend's communicators are aborted too (NCCL's
+        ``abort``: a kernel waiting on a dead peer returns, so a main thread blocked on the device
+        comes back to Python, where the interrupt that follows can reach it). Any thread (reads
+        only references set by the last join)."""
         self._severed = True
+        backend = self._device_backend
+        if backend is not None:
+            try:
+                backend.abort()
+            except Exception as e:  # an abort must never kill the reader thread
+                log.warning("aborting the device communicators failed: %s", e)
         sockets = self._sockets
         if sockets is not None:
             sockets.shut_reads()
         self.mesh_groups.sever()
+
+    @property
+    def severed(self) -> bool:
+        """:meth:`sever` ran in this generation: a step that completed anyway ran on aborted
+        collectives (NCCL's abort may leave a kernel's output unwritten without an error)."""
+        return self._severed
 
     def destroy(self, *, at_boundary: bool = False) -> None:
         """Drop the DDP wrapper and the process group.

@@ -14,9 +14,10 @@ Threading contract:
   them without blocking: :mod:`nonstop.train.eventhooks`), aborts ``rdzv`` when a reconfigure
   or an abort arrives (so a rendezvous in progress gives up), and queues every other message
   in the inbox. A reconfigure that
-  arrives while the main thread is inside ``train_step`` (``in_step``) interrupts it: SIGUSR1
-  makes the handler raise :class:`PeerFailed` in the main thread -- but a signal handler runs
-  only between bytecodes, and a main thread blocked in a collective with a peer that will never
+  arrives while the main thread is inside a step (``in_step``) interrupts it: SIGUSR1, sent to
+  the main thread (``pthread_kill``, so a system call it is blocked in -- a sleep, a read --
+  returns EINTR), makes the handler raise :class:`PeerFailed` there. A signal handler runs
+  only between bytecodes, though, and a main thread blocked in a collective with a peer that will never
   answer (a partition: no reset ever arrives) would wait out the group's timeout, so the reader
   also calls the owner's ``sever`` callback for a recovery's reconfigure (never for a live
   swap's, which a step may finish first), which fails the collectives in flight at once
@@ -44,17 +45,30 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any, TypeVar
 
 from nonstop.config import WorkerEnv
 from nonstop.control.channel import Channel, Message, connect
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import ControlError, JobFailedError
 
-__all__ = ["EXIT_COORDINATOR_LOST", "CoordinatorLink", "PeerFailed"]
+__all__ = ["EXIT_COORDINATOR_LOST", "CoordinatorLink", "PeerFailed", "uninterruptible"]
 
 log = logging.getLogger(__name__)
 
 EXIT_COORDINATOR_LOST = 75
+F = TypeVar("F", bound=Callable[..., Any])
+
+_NOT_HERE: set[CodeType] = set()
+
+
+def uninterruptible(fn: F) -> F:
+    """Mark ``fn`` as a place where a recovery never raises :class:`PeerFailed` (the main thread
+    entering or leaving a step: an exception raised there would escape the step's handler); the
+    interrupt is delivered again at the next instruction outside it."""
+    _NOT_HERE.add(fn.__code__)
+    return fn
 
 
 class PeerFailed(BaseException):
@@ -84,6 +98,8 @@ class CoordinatorLink:
         self._heartbeat_msg = heartbeat
         self._resume = resume
         self._inbox: queue.Queue[Message] = queue.Queue()
+        self._arrived = 0  # reconfigures the reader put in the inbox (reader thread writes)
+        self._taken = 0  # reconfigures the main thread took out (main thread writes)
         self.closing = False
         self.rdzv: ChannelStore | None = None  # this generation's rendezvous store, if any
         self.pause_at: int | None = None  # live migration: stop after this step, wait for the swap
@@ -93,6 +109,7 @@ class CoordinatorLink:
         self.on_feed: Callable[[Message], None] | None = None
         self._subscription: Message | None = None
         self._can_interrupt = threading.current_thread() is threading.main_thread()
+        self._main_ident = threading.main_thread().ident or 0
         if self._can_interrupt:
             signal.signal(signal.SIGUSR1, self._on_interrupt)
         self.chan: Channel = connect(env.control_addr, env.secret, self._hello(), timeout=timeout)
@@ -151,16 +168,34 @@ class CoordinatorLink:
                 if msg.get("t") in ("reconfigure", "abort") and rdzv is not None:
                     rdzv.abort("a newer generation started")  # unblock a rendezvous in progress
                 self._inbox.put(msg)
+                if msg.get("t") == "reconfigure":
+                    self._arrived += 1  # before in_step is read: see enter_step
                 if msg.get("t") == "reconfigure" and self.in_step:
-                    if self._can_interrupt:
-                        _thread.interrupt_main(signal.SIGUSR1)
-                    if self._sever is not None and msg.get("recovery"):
-                        self._sever()  # a collective blocked on a silent peer fails now
+                    self._leave_step_now(recovery=bool(msg.get("recovery")))
         except (ControlError, OSError, ValueError):
             return
 
-    def _on_interrupt(self, _signum: int, _frame: object) -> None:
+    def _leave_step_now(self, *, recovery: bool) -> None:
+        """Reader thread: a reconfigure arrived while the main thread is in a step. Abort first,
+        then interrupt: a recovery's reconfigure severs the generation's group (gloo: sockets shut
+        for reading; NCCL: communicators aborted), so a main thread blocked in a collective or on
+        the device returns to Python; then SIGUSR1 -- a real signal, not ``interrupt_main``'s
+        simulated one, so a main thread blocked in a system call (a sleep, a read of data)
+        wakes with EINTR -- makes the handler raise :class:`PeerFailed` there. A live swap's
+        reconfigure does not sever (a step may finish first)."""
+        if recovery and self._sever is not None:
+            self._sever()
+        if self._can_interrupt:
+            signal.pthread_kill(self._main_ident, signal.SIGUSR1)
+
+    def _on_interrupt(self, _signum: int, frame: FrameType | None) -> None:
         if self.in_step:  # outside train_step the loop sees the message between steps
+            if frame is not None and frame.f_code in _NOT_HERE:
+                # entering or leaving a step (Step.__enter__/__exit__): an exception raised here
+                # would escape the step's handler. Deliver it again at the next instruction:
+                # inside the step's body it raises; once the step is left, in_step is False.
+                _thread.interrupt_main(signal.SIGUSR1)
+                return
             self.in_step = False
             raise PeerFailed("a peer failed; abandoning this step")
 
@@ -199,9 +234,25 @@ class CoordinatorLink:
             pass
 
     # -- the inbox (main thread) -----------------------------------------------------------
+    def _take(self, msg: Message) -> Message:
+        if msg["t"] == "reconfigure":
+            self._taken += 1
+        return msg
+
+    @uninterruptible
+    def enter_step(self) -> None:
+        """The main thread enters a step: from now on a recovery interrupts it. A reconfigure that
+        arrived since the last poll (while no step ran, so nobody was interrupted) interrupts it
+        at once: the step is not run to its end against a group that is being replaced. (The
+        reader counts a reconfigure before it reads ``in_step``, this sets ``in_step`` before it
+        reads the count: one of the two sees the other.)"""
+        self.in_step = True
+        if self._arrived > self._taken and self._can_interrupt:
+            _thread.interrupt_main(signal.SIGUSR1)  # raised in the step's body (see uninterruptible)
+
     def wait_for(self, *kinds: str) -> Message:
         while True:
-            msg = self._inbox.get()
+            msg = self._take(self._inbox.get())
             if msg["t"] in kinds:
                 return msg
             if msg["t"] == "pause":
@@ -211,12 +262,24 @@ class CoordinatorLink:
             if msg["t"] == "abort":
                 raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
 
+    def await_abort(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the coordinator's ``abort`` (after this process reported
+        a mistake that fails the job: exiting first would look like a crash to recover from)."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = self._take(self._inbox.get(timeout=left))
+            except queue.Empty:
+                return
+            if msg["t"] == "abort":
+                return
+
     def poll_reconfigure(self) -> Message | None:
         """A reconfigure that arrived between steps, if any (newest wins)."""
         found = None
         while True:
             try:
-                msg = self._inbox.get_nowait()
+                msg = self._take(self._inbox.get_nowait())
             except queue.Empty:
                 return found
             if msg["t"] == "reconfigure":

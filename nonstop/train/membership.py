@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from nonstop.config import WorkerEnv
 from nonstop.control.channel import Message
 from nonstop.mesh import MeshSpec
+from nonstop.runtime.devices import DEVICE
 from nonstop.runtime.workerlog import announce_rank
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.trainee import accumulate
@@ -46,6 +47,9 @@ class Membership:
         # without them (an older coordinator) still sets the rank and the world size
         env = {str(k): str(v) for k, v in dict(msg.get("env", {})).items()}
         env.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size))
+        device = os.environ.get(DEVICE)
+        if device is not None:  # a device node: LOCAL_RANK is this process's device, for life
+            env["LOCAL_RANK"] = device  # (runtime/devices.py), whatever the message says
         env.update(ROLE_RANK=env["RANK"], ROLE_WORLD_SIZE=env["WORLD_SIZE"])
         os.environ.update(env)
         announce_rank(self.rank)  # the agent labels this process's output lines with it from here

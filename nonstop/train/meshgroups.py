@@ -260,6 +260,15 @@ def _register(group: _Group, ranks: list[int], generation: int) -> None:
         w.tags_to_pg.setdefault("", []).append(pg)
     c10d._register_process_group(name, pg)
     group.entry = None
+    # Creating a group takes a step of torch's group naming on each member: torch >= 2.14 salts
+    # the hashed name of the next group with ``_world.group_count``, which every creation bumps
+    # (torch <= 2.13: the registry's size, which a kept group adds to like a new one). A kept
+    # group takes the same step, so a member that keeps a group and one that builds it again
+    # name the next group alike -- a different name is a different store prefix, and the group's
+    # members would wait for each other forever.
+    name_step = getattr(c10d, "_process_group_name", None)
+    if name_step is not None:
+        name_step(ranks, use_hashed_name=True)
 
 
 def _shutdown(group: _Group) -> None:

@@ -9,6 +9,13 @@ Usage in a training script (run it with ``nonstop run``)::
         ...
     session.run(train_step, model=model, optimizer=opt, num_steps=1000)
 
+A script that owns its loop (or a framework that does) iterates :meth:`Session.steps` instead,
+each step inside ``with step:`` (:mod:`nonstop.train.steps`)::
+
+    for step in session.steps(1000, model=model, optimizer=opt, state={"sched": sched}):
+        with step:
+            loss = train(step.model, step)
+
 A sharded job (``nonstop run --mesh shard=S,...``: FSDP2, HSDP, tensor parallel) gives a
 collective-free ``build(mesh) -> (model, optimizer)`` instead, called on every rank of every
 generation (:mod:`nonstop.train.trainee`)::
@@ -31,6 +38,11 @@ Contract of :meth:`Session.run`:
   do not keep it between calls.
 * An exception that is not caused by another rank's failure is re-raised (the
   worker then exits and the agent restarts the rank, within its budget).
+* ``state={name: obj}``: objects with ``state_dict()``/``load_state_dict()`` (LR schedulers,
+  ``GradScaler``, ``StatefulDataLoader``, :class:`~nonstop.train.steps.Batches`) are snapshotted
+  with every step and restored with it. A mistake in the arguments (an object without those
+  methods) is a :class:`~nonstop.errors.UsageError` that fails the whole job at once: ``nonstop
+  run`` exits 2 with its line.
 """
 
 from __future__ import annotations
@@ -38,11 +50,12 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -52,27 +65,29 @@ from nonstop.control.channel import Message
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
-from nonstop.snapshot import RankSnapshotStore, StateCapture
+from nonstop.train.backend import set_current_device, worker_device
 from nonstop.train.collectives import in_collective
 from nonstop.train.eventhooks import FLUSH_S, EventCallback, EventHooks
 from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
-from nonstop.train.link import CoordinatorLink, PeerFailed
-from nonstop.train.membership import Membership
-from nonstop.train.restore import read_restore
+from nonstop.train.link import CoordinatorLink, PeerFailed, uninterruptible
+from nonstop.train.rejoin import Rejoin, TrainStep
 from nonstop.train.snapshots import LoopSnapshots
+from nonstop.train.steps import Step, check_objects
 from nonstop.train.trainee import Build, Replicated, Sharded, Trainee
 
 __all__ = ["RunResult", "Session", "init"]
 
 log = logging.getLogger(__name__)
 
-TrainStep = Callable[[torch.nn.Module, int], float | None]
 # Imported by a hot spare before it waits: the first torch.optim construction
 # imports torch._dynamo (~1 s on these machines), which a spare must not pay
 # after it has been given a rank.
 PREWARM_MODULES = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.algorithms")
+
+
+USAGE_ABORT_WAIT_S = 10.0  # a worker that failed the job waits this long for the abort, then exits
 
 
 @dataclass(frozen=True)
@@ -90,7 +105,7 @@ class _Reconfigure(Exception):
         self.msg = msg
 
 
-class Session(Membership):
+class Session(Rejoin):
     """A worker's connection to its job. Create it with :func:`init`.
 
     The control connection and its threads are a :class:`~nonstop.train.link.CoordinatorLink`,
@@ -102,6 +117,11 @@ class Session(Membership):
         self, env: WorkerEnv, *, connect_timeout: float = 30.0, prewarm: tuple[str, ...] = PREWARM_MODULES
     ) -> None:
         self.env = env
+        # issue 20: this process's own device (its agent's choice at spawn, LOCAL_RANK's index;
+        # cpu on a CPU node), made current before anything here or in a spare touches CUDA.
+        # A script moves its model there: ``model.to(session.device)`` (train/backend.py).
+        self.device: torch.device = worker_device()
+        set_current_device(self.device)
         self.world_size = 0
         self.generation = 0
         self._sync = None
@@ -112,6 +132,7 @@ class Session(Membership):
         self._live_at: int | None = None  # paused after this step: the live state is that step's
         self.warming_up = False  # a joiner's sandboxed step (see _warm_up): skip side effects
         self._train_thread: int | None = None  # the thread in run(): its collectives are watched
+        self.result: RunResult | None = None  # once the job finished (run() returns it too)
         self._link = CoordinatorLink(
             env,
             timeout=connect_timeout,
@@ -180,8 +201,9 @@ class Session(Membership):
 
     # -- what the link's threads report (read-only on the session) -----------------------
     def _heartbeat_msg(self) -> Message:
-        since = self._sync.pending_since if self._sync is not None else None
-        coll = since is not None or in_collective(self._train_thread)
+        # the sync's allreduce in flight: pending on the host, or on a device (train/liveness.py)
+        own = self._sync is not None and self._sync.in_collective()
+        coll = own or in_collective(self._train_thread)
         idle = round(time.monotonic() - self._progress_at, 3)
         return {"t": "hb", "coll": coll, "step": self._step, "idle": idle}
 
@@ -199,6 +221,7 @@ class Session(Membership):
         num_steps: int,
         extras: Callable[[], dict[str, Any]] | None = None,
         load_extras: Callable[[dict[str, Any]], None] | None = None,
+        state: Mapping[str, Any] | None = None,
         deterministic: bool = True,
     ) -> RunResult:
         """Train ``num_steps`` steps through failures. See the module docstring.
@@ -207,21 +230,97 @@ class Session(Membership):
         FSDP2, HSDP, tensor parallel): give ``build(mesh) -> (model, optimizer)`` instead; it is
         called on every rank of every generation with a ``DeviceMesh`` whose dims carry the
         mesh's names, and must run no collective (``fully_shard`` is local; give
-        ``parallelize_module`` ``src_data_rank=None``)."""
+        ``parallelize_module`` ``src_data_rank=None``). ``state``: named objects with
+        ``state_dict()``/``load_state_dict()`` (LR scheduler, GradScaler, StatefulDataLoader),
+        captured every step and restored exactly. The loop is :meth:`steps`'s."""
+        for step in self.steps(
+            num_steps,
+            model=model,
+            optimizer=optimizer,
+            build=build,
+            state=state,
+            extras=extras,
+            load_extras=load_extras,
+            deterministic=deterministic,
+            warm_up=train_step,
+        ):
+            with step:
+                step.loss = train_step(step.model, int(step))
+        assert self.result is not None
+        return self.result
+
+    def steps(
+        self,
+        num_steps: int,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        build: Build | None = None,
+        state: Mapping[str, Any] | None = None,
+        extras: Callable[[], dict[str, Any]] | None = None,
+        load_extras: Callable[[dict[str, Any]], None] | None = None,
+        deterministic: bool = True,
+        wrap: bool = True,
+        warm_up: TrainStep | None = None,
+    ) -> Iterator[Step]:
+        """The training loop, owned by the script: yields one :class:`~nonstop.train.steps.Step`
+        per optimizer step, to run inside ``with step:``; same guarantees as :meth:`run`::
+
+            for step in session.steps(N, model=model, optimizer=opt, state={"sched": sched}):
+                with step:
+                    loss = train(step.model, step)   # step: the 0-based step index (an int)
+
+        A failure inside ``with step:`` is recovered and the loop goes on at the committed
+        step (see :mod:`nonstop.train.steps`). The iterator ends when the job has finished
+        (:attr:`result` then holds the :class:`RunResult`); do not leave the loop early.
+        ``wrap=False`` (data-parallel): the model is not wrapped in DDP -- the default process
+        group exists in every generation and a framework that owns the loop wraps the model
+        itself (again when ``step.new_generation``). ``warm_up(model, step)``: one sandboxed step
+        a migration's joiner runs on the bare model (``run`` passes its ``train_step``). Arguments
+        are checked here, before the first step: a mistake fails the job at once (exit 2)."""
+        try:
+            self._start(model, optimizer, build, state, extras, load_extras, deterministic, wrap)
+        except UsageError as e:
+            self._fail_usage(e)
+            raise
+        return self._loop(num_steps, warm_up)
+
+    def _start(
+        self,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        build: Build | None,
+        state: Mapping[str, Any] | None,
+        extras: Callable[[], dict[str, Any]] | None,
+        load_extras: Callable[[dict[str, Any]], None] | None,
+        deterministic: bool,
+        wrap: bool,
+    ) -> None:
         self._train_thread = threading.get_ident()
         fence = self._snaps.fence if self.env.snapshot == "overlapped" else None
         if (model is None) == (build is None):
-            raise UsageError("Session.run: give model= (and optimizer=) for DDP, or build= for a --mesh job")
+            raise UsageError("give model= (and optimizer=) for DDP, or build= for a --mesh job")
+        if (extras is None) != (load_extras is None):
+            raise UsageError("give both extras= and load_extras=, or neither")
+        objects = check_objects(state)
         if build is not None:
             if self.env.mesh is None:
-                raise UsageError("Session.run(build=...) trains a sharded model: start the job with --mesh")
+                raise UsageError("build=... trains a sharded model: start the job with --mesh")
+            if not wrap:
+                raise UsageError("wrap=False is for a data-parallel model= (a --mesh job's build wraps it)")
             self.trainee: Trainee = Sharded(
-                build, MeshSpec.parse(self.env.mesh), extras=extras, load_extras=load_extras, fence=fence
+                build,
+                MeshSpec.parse(self.env.mesh),
+                extras=extras,
+                load_extras=load_extras,
+                fence=fence,
+                objects=objects,
+                device_type=self.device.type,  # the mesh on the rank's device (cuda on a GPU node)
             )
         else:
             assert model is not None
             if self.env.mesh is not None:
-                raise UsageError(f"this job has --mesh {self.env.mesh}: train through Session.run(build=...)")
+                raise UsageError(f"this job has --mesh {self.env.mesh}: train through build=...")
             self.trainee = Replicated(
                 model,
                 optimizer,
@@ -229,6 +328,8 @@ class Session(Membership):
                 load_extras=load_extras,
                 deterministic=deterministic,
                 fence=fence if optimizer is not None else None,
+                objects=objects,
+                wrap=wrap,
             )
         self._sync = self.trainee.sync
         if self._sync is not None:
@@ -236,14 +337,18 @@ class Session(Membership):
             self._sync.set_shards(self.shards, self.num_shards)
         self._snaps.open(self.rank)
         self._progress_at = time.monotonic()
+
+    def _loop(self, num_steps: int, warm_up: TrainStep | None) -> Iterator[Step]:
         loss: float | None = None
+        module: torch.nn.Module | None = None
+        new_generation = False
         msg = self._pending_reconfigure
         self._pending_reconfigure = None
         try:
             while True:
                 if msg is not None:
-                    ddp = self._reconfigure(msg, train_step)
-                    msg = None
+                    module = self._reconfigure(msg, warm_up)
+                    msg, new_generation = None, True
                     self._progress_at = time.monotonic()
                 try:
                     while self._step < num_steps:
@@ -254,33 +359,30 @@ class Session(Membership):
                             pending = self._pause(self._snaps.live)
                         if pending is not None:
                             raise _Reconfigure(pending)
+                        assert module is not None
+                        step = Step(
+                            self._step,
+                            model=module,
+                            generation=self.generation,
+                            new_generation=new_generation,
+                            enter=self._enter_step,
+                            leave=self._leave_step,
+                        )
                         t0 = time.monotonic()
-                        self._link.in_step = True  # from here a recovery interrupts the step
+                        if self._sync is not None:  # issue 21: this step's wait starts at 0
+                            self._sync.take_wait_s()
+                        self._link.enter_step()  # a recovery interrupts a fault injected here
                         self._maybe_inject("step", self._step)
-                        loss = train_step(ddp, self._step)
+                        self._faults.stretch()  # issue 21: a slowdown fault's longer compute
                         self._link.in_step = False
-                        step_s = time.monotonic() - t0
-                        self._step += 1
-                        t1 = self._progress_at = time.monotonic()
-                        snap = self._snaps.take(self._step, self._capture())
-                        # Stall: time the loop spent on this snapshot now, plus what the
-                        # step just run waited for the previous snapshot's background copy.
-                        stall_s = time.monotonic() - t1 + self._snaps.waited_s()
-                        report = {
-                            "t": "step",
-                            "gen": self.generation,
-                            "step": self._step,
-                            "step_s": step_s,
-                            "snap_s": stall_s,
-                            "bytes": snap.nbytes if snap is not None else 0,
-                            "loss": loss,
-                        }
-                        # A step counts as done (committed) once its snapshot is complete:
-                        # with overlapped capture that is when the background copy finishes.
-                        if snap is None:
-                            self._link.send(report)
-                        else:
-                            snap.on_complete(functools.partial(self._link.send_quietly, report))
+                        yield step
+                        error = step.outcome()
+                        if error is not None:
+                            raise error
+                        if self._group.severed:  # ran on aborted collectives: never snapshot it
+                            raise PeerFailed("the generation's group was aborted during the step")
+                        new_generation, loss = False, step.loss
+                        self._stepped(time.monotonic() - t0, loss, num_steps)
                     self._snaps.live.drain()  # the last snapshot is complete before we report done
                     self._done = True
                     self._link.send({"t": "done", "gen": self.generation, "step": self._step})
@@ -289,12 +391,16 @@ class Session(Membership):
                         self._link.closing = True
                         if self._hooks.active:
                             self._hooks.flush(FLUSH_S)
-                        return RunResult(step=self._step, last_loss=loss, generation=self.generation)
+                        self.result = RunResult(step=self._step, last_loss=loss, generation=self.generation)
+                        return
                     msg = reply
                 except _Reconfigure as r:
                     msg = r.msg
                 except PeerFailed as e:
                     msg = self._on_step_error(e)
+                except UsageError as e:  # the script's mistake: no recovery can fix it
+                    self._fail_usage(e)
+                    raise
                 except Exception as e:  # a collective failed, or the user's code raised
                     self._link.in_step = False
                     msg = self._on_step_error(e)
@@ -302,155 +408,50 @@ class Session(Membership):
             self.trainee.close()
             self._snaps.live.close()
 
-    def _warm_up(self, train_step: TrainStep, model: torch.nn.Module) -> None:
-        """A migration's joiner, while the others train: one sandboxed step on the bare model (no
-        DDP, so no collective), so that its first real step does not pay for allocating
-        activations and gradients, autograd's and the optimizer's lazy initialisation (its
-        snapshot slots are prefaulted just before, for its first snapshots). What it
-        changes is overwritten: the swap restores the boundary step. ``warming_up`` is True
-        meanwhile: a script skips its side effects (logs, counters) then."""
-        self.warming_up = True
-        t0 = time.monotonic()
-        try:
-            train_step(model, self._step)
-        except Exception as e:  # a warm-up is an optimisation: never fail the migration for it
-            log.warning("warm-up step failed (the first real step will be slower): %s", e)
-        finally:
-            self.warming_up = False
-            model.zero_grad(set_to_none=True)
-        log.info("warm-up step took %.3fs", time.monotonic() - t0)
+    @uninterruptible
+    def _enter_step(self) -> None:
+        self._link.enter_step()  # from here a recovery interrupts the step
 
-    def _pause(self, store: RankSnapshotStore) -> Message | None:
-        """Live migration: stop after the boundary step (its snapshot complete, for the joiner to
-        fetch) until the coordinator swaps the rank (a reconfigure) or gives up (continue)."""
-        store.drain()
-        self._link.pause_at = None
-        self._live_at = self._step  # until the next step starts, the live state is that of this step
-        self._link.send({"t": "paused", "gen": self.generation, "step": self._step})
-        reply = self._link.wait_for("reconfigure", "continue")
-        if reply["t"] == "reconfigure":
-            return reply
-        self._live_at = None
-        return None
+    @uninterruptible
+    def _leave_step(self) -> None:
+        self._link.in_step = False
 
-    def _capture(self) -> StateCapture:
-        capture = self.trainee.capture
-        assert capture is not None, "the model is built once the generation's group is joined"
-        return capture
+    def _stepped(self, step_s: float, loss: float | None, num_steps: int | None = None) -> None:
+        """Step ``self._step`` completed in ``step_s``: count it, snapshot the state after it and
+        report it (once its snapshot is complete: a step counts as committed only then)."""
+        self._step += 1
+        t1 = self._progress_at = time.monotonic()
+        wait_s = self._sync.take_wait_s() if self._sync is not None else 0.0  # issue 21
+        self._faults.observe(step_s - wait_s)  # a slowdown fault stretches the own compute
+        snap = self._snaps.take(self._step, self._capture())
+        # Stall: time the loop spent on this snapshot now, plus what the step just run
+        # waited for the previous snapshot's background copy.
+        stall_s = time.monotonic() - t1 + self._snaps.waited_s()
+        report = {
+            "t": "step",
+            "gen": self.generation,
+            "step": self._step,
+            "step_s": step_s,
+            # issue 21: seconds of the step spent waiting in the gradient allreduce (step_s minus
+            # this is the rank's own compute: the coordinator's fail-slow detection compares it)
+            "wait_s": round(wait_s, 6),
+            "snap_s": stall_s,
+            "of": num_steps,  # issue 21: the run's length (the proactive policy's remaining steps)
+            "bytes": snap.nbytes if snap is not None else 0,
+            "loss": loss,
+        }
+        # with overlapped capture the snapshot is complete when the background copy finishes
+        if snap is None:
+            self._link.send(report)
+        else:
+            snap.on_complete(functools.partial(self._link.send_quietly, report))
 
-    def _on_step_error(self, err: BaseException) -> Message:
-        """Tear down the group at once (so blocked peers fail fast), then ask what to do."""
-        if err.__traceback__ is not None:
-            traceback.clear_frames(err.__traceback__)  # frames hold the old DDP and its group
-        self._destroy_group()
-        self._link.send(
-            {
-                "t": "fault",
-                "gen": self.generation,
-                "step": self._step,
-                "error": f"{type(err).__name__}: {err}"[:500],
-            }
+    def _fail_usage(self, err: UsageError) -> None:
+        """Fail the job for the script's mistake ``err``: ``nonstop run`` exits 2 with its line."""
+        self._link.send_quietly(
+            {"t": "fault", "gen": self.generation, "step": self._step, "error": str(err)[:500], "usage": True}
         )
-        reply = self._link.wait_for("reconfigure", "raise")
-        if reply["t"] == "raise":
-            raise err
-        return reply
-
-    def _maybe_inject(self, phase: str, step: int) -> None:
-        self._faults.maybe_fire(phase, rank=self.rank, step=step, generation=self.generation)
-
-    def _destroy_group(self, *, at_boundary: bool = False) -> None:
-        """Drop this generation's rendezvous store, DDP wrapper and groups (GenerationGroup.destroy)."""
-        self._link.drop_rdzv("the process group was torn down")
-        self._group.destroy(at_boundary=at_boundary)
-
-    def _reconfigure(self, msg: Message, train_step: TrainStep) -> torch.nn.Module:
-        """Restore the committed step, then rebuild the process group for a new generation.
-
-        A data-parallel model restores before the group is joined; a sharded one is built in
-        the new group (:mod:`nonstop.train.trainee`), so its snapshot is read (and checked) at the
-        restore stage and copied into the fresh model once it is built."""
-        trainee = self.trainee
-        while True:
-            gen = int(msg["gen"])
-            restore_step = msg.get("restore_step")
-            self.generation = gen
-            self._link.pause_at = None  # a new generation ends any migration's pause
-            # here the last step is complete (a failed one tore its groups down already)
-            self._destroy_group(at_boundary=True)
-            if restore_step is not None and msg.get("recovery"):
-                self._maybe_inject("recovery", int(restore_step))
-            elif restore_step is not None and msg.get("prepare"):
-                self._maybe_inject("prepare", int(restore_step))
-            self._snaps.live.drain()  # never restore under a copy still writing into the slots
-            if int(msg["rank"]) != self.rank:  # renumbered (elastic): snapshot under the new number
-                self._snaps.open(int(msg["rank"]))
-            self._set_membership(msg)
-            store = self._snaps.live
-            t0 = time.monotonic()
-            self._step, pending = read_restore(
-                msg,
-                env=self.env,
-                store=store,
-                in_group=trainee.restore_in_group,
-                capture=self._capture,
-                step=self._step,
-                live_at=self._live_at,
-            )
-            self._live_at = None
-            bare = trainee.bare
-            if msg.get("prepare") and restore_step is not None and bare is not None:
-                store.prefault(self._capture().state(self._step))  # before the warm-up changes the state
-                self._warm_up(train_step, bare)
-            self._link.send(
-                {"t": "restored", "gen": gen, "step": self._step, "restore_s": time.monotonic() - t0}
-            )
-            reply = self._link.wait_for("rebuild", "reconfigure")
-            if reply["t"] == "reconfigure":
-                msg = reply
-                continue
-            if int(reply["gen"]) != gen:
-                continue
-            fresh = bool(msg.get("fresh")) and restore_step is not None
-            if fresh and not trainee.restore_in_group:
-                # Every rank has restored (the rebuild says so): what this rank number's slots hold
-                # was written under another numbering. Start them over with the restored step.
-                store.clear()
-                store.write(self._step, self._capture().state(self._step))
-            t1 = time.monotonic()
-            try:
-                module = self._join_group(gen, restored=restore_step is not None)
-                if pending is not None:
-                    pending.apply(self._capture(), self.rank)
-            except Exception as e:
-                pending = None
-                msg = self._on_step_error(e)
-                continue
-            pending = None
-            if fresh and trainee.restore_in_group:  # (a sharded model exists only now)
-                store.clear()
-                store.write(self._step, self._capture().state(self._step))
-            if restore_step is None:
-                store.write(0, self._capture().state(0))
-            self._link.send(
-                _ready(gen, time.monotonic() - t1, self._group if trainee.restore_in_group else None)
-            )
-            return module
-
-    def _join_group(self, gen: int, *, restored: bool) -> torch.nn.Module:
-        # Rendezvous through the coordinator (authenticated, fenced by generation, abortable).
-        # A generation that is already stale fails at once: the coordinator refuses its keys.
-        store = self._link.open_rdzv(gen, self.env.rebuild_timeout_s)
-        return self.trainee.join(
-            self._group,
-            store,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout_s=self.env.rebuild_timeout_s,
-            restored=restored,
-            divisor=self.num_shards,
-            generation=gen,
-        )
+        self._link.await_abort(USAGE_ABORT_WAIT_S)
 
     def close(self) -> None:
         self._link.closing = True
@@ -458,20 +459,22 @@ class Session(Membership):
         self._link.close()
 
 
-def _ready(gen: int, rebuild_s: float, sharded: GenerationGroup | None) -> Message:
-    """The message that says this rank joined generation ``gen``; a sharded job's says which of
-    its mesh groups it kept."""
-    out: Message = {"t": "ready", "gen": gen, "rebuild_s": rebuild_s}
-    if sharded is not None:
-        g = sharded.mesh_groups
-        out["groups"] = [g.kept, g.built, g.build_s]
-    return out
-
-
 def init() -> Session:
     """Join the job this process was started for by ``nonstop run``.
 
     A hot spare returns only when it has been given a rank. Raises UsageError
-    when the process was not started by ``nonstop run``.
+    when the process was not started by ``nonstop run``. From here an uncaught
+    :class:`UsageError` (a mistake in the script's use of nonstop, which fails the job) prints
+    its one line, not a traceback.
     """
-    return Session(WorkerEnv.from_environ())
+    session = Session(WorkerEnv.from_environ())
+    if sys.excepthook is sys.__excepthook__:
+        sys.excepthook = _one_line_usage_errors
+    return session
+
+
+def _one_line_usage_errors(kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
+    if isinstance(err, UsageError):
+        print(f"nonstop: error: {err}", file=sys.stderr, flush=True)
+    else:
+        sys.__excepthook__(kind, err, tb)

@@ -47,7 +47,10 @@ class LoopSnapshots:
         return self.live.begin(step, capture.state(step), deferred=deferred)
 
     def fence(self) -> None:
-        """Wait for the previous step's overlapped copy (before the optimizer changes the state)."""
+        """Hold the optimizer back until the previous step's overlapped copy is done with the
+        state: on the CPU a host wait; with device tensors each device's current stream waits for
+        that device's copies, and the host only for CPU-resident ones still copying
+        (:meth:`~nonstop.snapshot.pending.PendingWrite.fence`)."""
         pending = self.live.pending
         if pending is not None:
             before = pending.waited_s

@@ -30,11 +30,13 @@ from nonstop.mesh import MeshSpec
 from nonstop.snapshot import StateCapture
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.group import GenerationGroup
+from nonstop.train.steps import check_objects
 
 __all__ = ["Build", "Replicated", "Sharded", "Trainee", "accumulate", "average_over"]
 
-# build(mesh) -> (model, optimizer): collective-free; called on every rank of every generation
-Build = Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]]
+# build(mesh) -> (model, optimizer) or (model, optimizer, objects): collective-free; called on
+# every rank of every generation; objects: more state= objects, built on this optimizer
+Build = Callable[[Any], Any]
 Fence = Callable[[], None]
 Extras = Callable[[], dict[str, Any]] | None
 LoadExtras = Callable[[dict[str, Any]], None] | None
@@ -88,10 +90,15 @@ class Replicated:
         load_extras: LoadExtras,
         deterministic: bool,
         fence: Fence | None,
+        objects: dict[str, Any] | None = None,
+        wrap: bool = True,
     ) -> None:
         self.model = model
-        self._capture = StateCapture(model=model, optimizer=optimizer, extras=extras, load_extras=load_extras)
-        self.sync = CanonicalGradSync(model) if deterministic else None
+        self._capture = StateCapture(
+            model=model, optimizer=optimizer, extras=extras, load_extras=load_extras, objects=objects
+        )
+        self._wrap = wrap
+        self.sync = CanonicalGradSync(model) if deterministic and wrap else None
         # overlapped snapshots: the bulk copy of step k runs during step k+1 until its optimizer step
         self._hook = (
             optimizer.register_step_pre_hook(lambda *_: fence())
@@ -119,6 +126,9 @@ class Replicated:
         divisor: int,
         generation: int = 0,
     ) -> torch.nn.Module:
+        if not self._wrap:  # the script's framework wraps the model in the default group
+            group.join_plain(store, rank=rank, world_size=world_size, timeout_s=timeout_s)
+            return self.model
         return group.join(
             store,
             rank=rank,
@@ -152,8 +162,10 @@ class Sharded:
         load_extras: LoadExtras,
         fence: Fence | None,
         device_type: str = "cpu",
+        objects: dict[str, Any] | None = None,
     ) -> None:
         self._build, self.spec, self.device_type = build, spec, device_type
+        self._objects = dict(objects or {})
         self._extras, self._load_extras, self._fence = extras, load_extras, fence
         self._capture: StateCapture | None = None
         self._hook: Any = None
@@ -189,20 +201,19 @@ class Sharded:
         device_mesh = group.join_plain(
             store, rank=rank, world_size=world_size, timeout_s=timeout_s, then=mesh
         )
-        built = self._build(device_mesh)
-        if (
-            not isinstance(built, tuple)
-            or len(built) != 2
-            or not isinstance(built[0], torch.nn.Module)
-            or not isinstance(built[1], torch.optim.Optimizer)
-        ):
-            raise UsageError("Session.run(build=...): build(mesh) must return (model, optimizer)")
-        model, optimizer = built
+        model, optimizer, objects = _built(self._build(device_mesh))
+        clash = sorted(set(objects) & set(self._objects))
+        if clash:
+            raise UsageError(f"build(mesh) returned state objects named like state= ones: {clash}")
         self.model = model
         if spec.dp_size < self.spec.dp_size:
             average_over(model, self.spec.dp_size)
         self._capture = StateCapture(
-            model=model, optimizer=optimizer, extras=self._extras, load_extras=self._load_extras
+            model=model,
+            optimizer=optimizer,
+            extras=self._extras,
+            load_extras=self._load_extras,
+            objects={**self._objects, **objects},
         )
         fence = self._fence
         if fence is not None:
@@ -214,6 +225,20 @@ class Sharded:
             self._hook.remove()
             self._hook = None
         self.model, self._capture = None, None
+
+
+def _built(built: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    """What ``build(mesh)`` returned, checked: ``(model, optimizer)`` or ``(model, optimizer,
+    objects)`` -- ``objects`` being ``state=`` objects made on this generation's optimizer (an LR
+    scheduler must be: the optimizer is new every generation)."""
+    if (
+        not isinstance(built, tuple)
+        or len(built) not in (2, 3)
+        or not isinstance(built[0], torch.nn.Module)
+        or not isinstance(built[1], torch.optim.Optimizer)
+    ):
+        raise UsageError("build(mesh) must return (model, optimizer) or (model, optimizer, {name: object})")
+    return built[0], built[1], check_objects(built[2] if len(built) == 3 else None)
 
 
 def average_over(model: torch.nn.Module, dp_size: int) -> None:

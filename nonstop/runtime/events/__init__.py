@@ -34,6 +34,13 @@ from nonstop.runtime.events.base import (
     decode,
     from_fields,
 )
+from nonstop.runtime.events.health import (
+    FailureGraded,
+    HealthVerdict,
+    ProactiveDecision,
+    Straggler,
+    StragglerCleared,
+)
 from nonstop.runtime.events.job import (
     Client,
     Connect,
@@ -113,6 +120,7 @@ __all__ = [
     "Event",
     "Exit",
     "Failure",
+    "FailureGraded",
     "FaultInjected",
     "FaultReport",
     "GroupsJoined",
@@ -124,6 +132,7 @@ __all__ = [
     "GrowPause",
     "GrowStart",
     "HangDetected",
+    "HealthVerdict",
     "JobDone",
     "JobEnd",
     "JobFailed",
@@ -149,6 +158,7 @@ __all__ = [
     "Persist",
     "PersistFailed",
     "PreemptNotice",
+    "ProactiveDecision",
     "ProtocolError",
     "Recovery",
     "Refused",
@@ -162,6 +172,8 @@ __all__ = [
     "Spawn",
     "Spawned",
     "Stage",
+    "Straggler",
+    "StragglerCleared",
     "UnknownEvent",
     "as_int",
     "as_str",

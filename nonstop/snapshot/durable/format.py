@@ -1,7 +1,7 @@
 """The durable tier's on-disk format: the spec, the names of its files, the manifest and rank
 records (plain values), and the manifest's encoding, decoding and validation.
 
-On-disk format, version 1 (nothing is pickled; every file is raw bytes or JSON)::
+On-disk format, version 2 (nothing is pickled; every file is raw bytes or JSON)::
 
     <root>/
       latest                        "step-000000000120\\n": the committed checkpoint. Written LAST.
@@ -14,7 +14,7 @@ On-disk format, version 1 (nothing is pickled; every file is raw bytes or JSON):
 ``manifest.json`` is one line of canonical JSON (keys in the order below, separators
 ``,`` and ``:``, ASCII only) followed by ``\\n``::
 
-    {"format": "nonstop-checkpoint", "version": 1, "step": 120, "world_size": 2,
+    {"format": "nonstop-checkpoint", "version": 2, "step": 120, "world_size": 2,
      "created_at": 1767225600.5, "codec": "<CodecConfig.describe()>",
      "ranks": [{"rank": 0, "data_len": N, "meta": "<the rank's meta JSON, as a string>",
                 "meta_crc": C, "base_step": null | 110, "file": "rank-00000.bin",
@@ -27,6 +27,18 @@ key. A reader re-serialises what it parsed and requires the file to be byte-iden
 it and the CRC to match, so a change of any byte of the manifest is detected. Each chunk
 carries the CRC of its stored payload and of its decoded bytes; chunks tile the ``.bin``
 file exactly (``file_offset`` ascending, no gaps, ``file_len`` in total).
+
+**Shared chunks** (version 2): a chunk entry with ``"in": R`` (a lower rank of the same
+checkpoint) has its payload in rank R's file at ``file_offset``, where rank R's own entry lists
+the identical chunk (same info, same offset). It decodes exactly like one of the rank's own
+chunks (a delta against the rank's own base). A writer shares a chunk only when the rank's own
+encoding of it would have been that payload byte for byte: the same data bytes, and for a delta
+the same base bytes (:class:`~nonstop.snapshot.persist.RankEncoder`). So a data-parallel job's
+replicated model and optimizer are stored once per checkpoint (in the lowest rank's file), while
+what differs between ranks (RNG, extras, a diverged rank, every shard of a sharded job) is each
+rank's own. Shared chunks are left out of the tiling of the rank's own file; a bad shared
+payload fails its checksums for every rank that uses it. Version 1 (no shared chunks) is still
+read.
 
 A rank's checkpoint is either FULL (``base_step`` null) or a DELTA whose delta chunks apply
 to the same rank of checkpoint ``base_step``. Chains have depth 1: the writer accepts a
@@ -78,11 +90,13 @@ __all__ = [
     "LATEST_RE",
     "MANIFEST",
     "MAX_MANIFEST_BYTES",
+    "READ_VERSIONS",
     "TMP_MARK",
     "Manifest",
     "ManifestError",
     "RankRecord",
     "check_coverage",
+    "check_shared",
     "decode_manifest",
     "encode_manifest",
     "layout_of",
@@ -95,7 +109,9 @@ __all__ = [
 ]
 
 FORMAT_NAME = "nonstop-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)  # what a reader accepts; writers write FORMAT_VERSION
+SHARED_KEY = "in"  # a chunk entry's owner rank, when its payload is in another rank's file
 LATEST = "latest"
 MANIFEST = "manifest.json"
 TMP_MARK = ".tmp-"  # in the name of every object being written (never in a committed file's name)
@@ -149,7 +165,12 @@ class RankRecord:
     base_step: int | None
     file: str
     file_len: int
-    chunks: tuple[tuple[ChunkInfo, int], ...]  # (info, offset in file)
+    chunks: tuple[tuple[ChunkInfo, int], ...]  # (info, offset in its owner's file), data order
+    owners: tuple[int, ...] = ()  # the rank whose file holds each chunk (empty: all this rank's)
+
+    def owner(self, i: int) -> int:
+        """The rank whose file holds chunk ``i``'s payload."""
+        return self.owners[i] if self.owners else self.rank
 
 
 @dataclass(frozen=True)
@@ -161,6 +182,7 @@ class Manifest:
     created_at: float
     codec: str
     ranks: tuple[RankRecord, ...]
+    version: int = FORMAT_VERSION
 
 
 class ManifestError(Exception):
@@ -183,17 +205,30 @@ def rank_doc(r: RankRecord) -> dict[str, Any]:
         "base_step": r.base_step,
         "file": r.file,
         "file_len": r.file_len,
-        "chunks": [{**info.to_json(), "file_offset": off} for info, off in r.chunks],
+        "chunks": [
+            {
+                **info.to_json(),
+                "file_offset": off,
+                **({SHARED_KEY: r.owner(i)} if r.owner(i) != r.rank else {}),
+            }
+            for i, (info, off) in enumerate(r.chunks)
+        ],
     }
 
 
 def encode_manifest(
-    step: int, world_size: int, created_at: float, codec: str, ranks: Sequence[RankRecord]
+    step: int,
+    world_size: int,
+    created_at: float,
+    codec: str,
+    ranks: Sequence[RankRecord],
+    version: int = FORMAT_VERSION,
 ) -> bytes:
-    """The bytes of ``manifest.json`` (see the module doc)."""
+    """The bytes of ``manifest.json`` (see the module doc); ``version`` only to re-encode an
+    older checkpoint's manifest (a version 1 manifest has no shared chunks)."""
     body: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": version,
         "step": step,
         "world_size": world_size,
         "created_at": created_at,
@@ -249,10 +284,10 @@ def _decode_manifest(raw: bytes, where: str) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise SnapshotCorruptError(f"{where}: not a {FORMAT_NAME} manifest")
     version = doc.get("version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in READ_VERSIONS:
         raise SnapshotCorruptError(
             f"{where}: manifest format version {str(version)[:40]}, "
-            f"this nonstop reads version {FORMAT_VERSION}"
+            f"this nonstop reads versions {', '.join(map(str, READ_VERSIONS))}"
         )
     try:
         canonical = _canonical(doc) + b"\n"
@@ -263,7 +298,7 @@ def _decode_manifest(raw: bytes, where: str) -> Manifest:
         raise SnapshotCorruptError(f"{where}: manifest fails its checksum (manifest_crc)")
     try:
         m = _manifest_from_doc(doc)
-        again = encode_manifest(m.step, m.world_size, m.created_at, m.codec, m.ranks)
+        again = encode_manifest(m.step, m.world_size, m.created_at, m.codec, m.ranks, m.version)
     except (ManifestError, SnapshotCorruptError, ValueError, TypeError, KeyError, OverflowError) as e:
         raise SnapshotCorruptError(f"{where}: manifest: {one_line(e)}") from None
     if again != raw:  # a key missing, one too many, or a value of another spelling (5 for 5.0)
@@ -272,6 +307,7 @@ def _decode_manifest(raw: bytes, where: str) -> Manifest:
 
 
 def _manifest_from_doc(doc: dict[str, Any]) -> Manifest:
+    version = _nonneg(doc, "version")
     step = _nonneg(doc, "step")
     world_size = _nonneg(doc, "world_size")
     created_at = float(_get(doc, "created_at", (int, float)))
@@ -284,15 +320,25 @@ def _manifest_from_doc(doc: dict[str, Any]) -> Manifest:
         if not isinstance(rd, dict):
             raise ManifestError(f"rank entry {i} is not an object")
         try:
-            ranks.append(rank_from_doc(rd, i, step))
+            ranks.append(rank_from_doc(rd, i, step, shared=version >= 2))
         except ManifestError as e:
             raise ManifestError(f"rank {i}: {e}") from None
-    return Manifest(step=step, world_size=world_size, created_at=created_at, codec=codec, ranks=tuple(ranks))
+    check_shared(ranks)
+    return Manifest(
+        step=step,
+        world_size=world_size,
+        created_at=created_at,
+        codec=codec,
+        ranks=tuple(ranks),
+        version=version,
+    )
 
 
-def rank_from_doc(rd: dict[str, Any], i: int, step: int) -> RankRecord:
-    """Validate rank ``i``'s entry of checkpoint ``step`` (see :func:`rank_doc`).
-    ManifestError (or SnapshotCorruptError from a chunk's own decoding) when malformed."""
+def rank_from_doc(rd: dict[str, Any], i: int, step: int, *, shared: bool = True) -> RankRecord:
+    """Validate rank ``i``'s entry of checkpoint ``step`` (see :func:`rank_doc`); ``shared``:
+    whether its chunks may be in a lower rank's file (version 2; :func:`check_shared` checks
+    those against the owner's entry). ManifestError (or SnapshotCorruptError from a chunk's own
+    decoding) when malformed."""
     if _nonneg(rd, "rank") != i:
         raise ManifestError("entries are out of rank order")
     data_len = _nonneg(rd, "data_len")
@@ -308,14 +354,23 @@ def rank_from_doc(rd: dict[str, Any], i: int, step: int) -> RankRecord:
         raise ManifestError(f"file {file[:80]!r} is not {rank_file(i)!r}")
     file_len = _nonneg(rd, "file_len")
     chunks = []
+    owners = []
     pos = 0
     for cd in _get(rd, "chunks", list):
         if not isinstance(cd, dict):
             raise ManifestError("a chunk entry is not an object")
         cd = dict(cd)
         off = cd.pop("file_offset", None)
+        owner = cd.pop(SHARED_KEY, i)
         info = ChunkInfo.from_json(cd)  # SnapshotCorruptError on bad input
-        if off != pos:
+        if owner != i:
+            if not shared:
+                raise ManifestError(f"a chunk entry has {SHARED_KEY!r}, which format version 1 has not")
+            if not isinstance(owner, int) or isinstance(owner, bool) or not 0 <= owner < i:
+                raise ManifestError(f"a shared chunk's owner {str(owner)[:40]} is not a lower rank")
+            if not isinstance(off, int) or isinstance(off, bool) or off < 0:
+                raise ManifestError("a shared chunk's file_offset is not a non-negative int")
+        elif off != pos:
             raise ManifestError("chunks do not tile the file")
         if info.offset < 0 or info.length < 0 or info.offset + info.length > data_len:
             raise ManifestError(
@@ -323,8 +378,14 @@ def rank_from_doc(rd: dict[str, Any], i: int, step: int) -> RankRecord:
             )
         if info.delta and base_step is None:
             raise ManifestError("a delta chunk but no base_step")
-        chunks.append((info, pos))
-        pos += info.enc_len
+        owners.append(owner)
+        if owner == i:
+            chunks.append((info, pos))
+            pos += info.enc_len
+        else:
+            chunks.append((info, off))
+    if [c.offset for c, _ in chunks] != sorted(c.offset for c, _ in chunks):
+        raise ManifestError("chunks are not in data order")
     if pos != file_len:
         raise ManifestError(f"chunks cover {pos} bytes of the {file_len}-byte file")
     check_coverage([info for info, _ in chunks], data_len)
@@ -337,7 +398,33 @@ def rank_from_doc(rd: dict[str, Any], i: int, step: int) -> RankRecord:
         file=file,
         file_len=file_len,
         chunks=tuple(chunks),
+        owners=tuple(owners) if any(o != i for o in owners) else (),
     )
+
+
+def check_shared(ranks: Sequence[RankRecord]) -> None:
+    """Every shared chunk of ``ranks`` (indexed by rank) must be one its owner's file holds: the
+    owner's own entry lists the identical chunk at that file offset (ManifestError otherwise)."""
+    own: dict[int, set[tuple[ChunkInfo, int]]] = {}
+    for r in ranks:
+        if not r.owners:
+            continue
+        for i, (info, off) in enumerate(r.chunks):
+            o = r.owner(i)
+            if o == r.rank:
+                continue
+            if o >= len(ranks) or ranks[o].rank != o:
+                raise ManifestError(
+                    f"rank {r.rank}: a shared chunk's owner rank {o} is not in the checkpoint"
+                )
+            if o not in own:
+                owner = ranks[o]
+                own[o] = {c for k, c in enumerate(owner.chunks) if owner.owner(k) == o}
+            if (info, off) not in own[o]:
+                raise ManifestError(
+                    f"rank {r.rank}: shared chunk at data offset {info.offset} is not rank {o}'s chunk "
+                    f"at file offset {off}"
+                )
 
 
 def check_coverage(infos: Sequence[ChunkInfo], data_len: int) -> None:

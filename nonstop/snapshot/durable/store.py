@@ -12,7 +12,8 @@ raises ValueError.
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from nonstop.errors import UsageError
 from nonstop.snapshot.durable import inspect as _inspect
@@ -23,6 +24,8 @@ from nonstop.snapshot.durable.storage import Storage, open_storage
 from nonstop.snapshot.durable.writer import CheckpointWriter
 
 __all__ = ["DurableStore"]
+
+T = TypeVar("T")
 
 
 def _check_step_args(step: int, world_size: int) -> None:
@@ -125,6 +128,12 @@ class DurableStore:
         """Checkpoint ``step``, or with ``step=None`` the newest good one (see :mod:`.format`).
         SnapshotMissingError when there is none; UsageError when ``world_size`` differs."""
         return self._loader.load(step, world_size=world_size)
+
+    def first_good(self, read: Callable[[int], T], *, defer_warnings: bool = False) -> T:
+        """``read(step)`` of the newest step it succeeds on, in the order ``load(None)`` tries
+        them (``latest``, then older committed steps); a SnapshotError moves on to the next
+        (:meth:`Loader.first_good`). SnapshotMissingError when none is usable."""
+        return self._loader.first_good(read, defer_warnings=defer_warnings)
 
     def verify(self, step: int) -> list[str]:
         """Problems of checkpoint ``step`` (empty when good): reads and checks every byte."""

@@ -32,6 +32,7 @@ from nonstop.snapshot.durable.format import (
     ManifestError,
     RankRecord,
     check_coverage,
+    check_shared,
     encode_manifest,
     layout_of,
     one_line,
@@ -160,12 +161,16 @@ class CheckpointWriter:
         data_len: int,
         chunks: Sequence[tuple[ChunkInfo, Buffer]],
         base_step: int | None,
+        shared: Sequence[tuple[ChunkInfo, int]] = (),
     ) -> int:
         """Write rank ``rank``'s chunk file (durable when this returns); return its size.
 
         ``chunks`` are the (info, payload) pairs of an :class:`~nonstop.snapshot.codec.Encoder`
         for this rank's data of ``data_len`` bytes; ``base_step`` the committed FULL
-        checkpoint their delta chunks apply to (ignored when no chunk is a delta)."""
+        checkpoint their delta chunks apply to (ignored when no chunk is a delta).
+        ``shared``: (info, owner rank) of the rest of its data's chunks, whose identical
+        payload a lower rank already added to this writer holds (see the format's shared
+        chunks; the caller guarantees the payload is what this rank's own would be)."""
         self._check_open()
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside world size {self.world_size}")
@@ -178,14 +183,15 @@ class CheckpointWriter:
         except (UnicodeDecodeError, ValueError):
             raise ValueError(f"rank {rank}: meta must be the snapshot's JSON meta (UTF-8 JSON)") from None
         infos = [info for info, _ in chunks]
+        placed = self._place_shared(rank, shared)
         try:
-            check_coverage(infos, data_len)
+            check_coverage(infos + [info for info, _, _ in placed], data_len)
         except ManifestError as e:
             raise ValueError(f"rank {rank}: {e}") from None
         for info, payload in chunks:
             if len(byte_view(payload)) != info.enc_len:
                 raise ValueError(f"rank {rank}: payload of chunk at {info.offset} is not enc_len bytes")
-        if not any(info.delta for info in infos):
+        if not any(info.delta for info in infos + [info for info, _ in shared]):
             base_step = None
         elif base_step is None:
             raise ValueError(f"rank {rank}: delta chunks need a base_step")
@@ -207,10 +213,12 @@ class CheckpointWriter:
         name = rank_file(rank)
         written = self.catalog.storage.write(f"{self._dir}/{name}", payloads())
         self._hook("bin_written")
-        offsets, pos = [], 0
+        entries, pos = [], 0
         for info in infos:
-            offsets.append((info, pos))
+            entries.append((info, pos, rank))
             pos += info.enc_len
+        entries = sorted(entries + placed, key=lambda e: e[0].offset)
+        owners = tuple(o for _, _, o in entries) if placed else ()
         self._ranks[rank] = RankRecord(
             rank=rank,
             data_len=data_len,
@@ -219,9 +227,33 @@ class CheckpointWriter:
             base_step=base_step,
             file=name,
             file_len=written,
-            chunks=tuple(offsets),
+            chunks=tuple((info, off) for info, off, _ in entries),
+            owners=owners,
         )
         return written
+
+    def _place_shared(
+        self, rank: int, shared: Sequence[tuple[ChunkInfo, int]]
+    ) -> list[tuple[ChunkInfo, int, int]]:
+        """(info, file offset in the owner's file, owner) of each shared chunk; ValueError unless
+        its owner is a lower rank already added that holds that very chunk itself."""
+        out = []
+        where: dict[int, dict[ChunkInfo, int]] = {}
+        for info, owner in shared:
+            rec = self._ranks.get(owner) if 0 <= owner < rank else None
+            if rec is None:
+                raise ValueError(
+                    f"rank {rank}: a shared chunk's owner {owner} is not a lower rank added before"
+                )
+            if owner not in where:
+                where[owner] = {c: off for k, (c, off) in enumerate(rec.chunks) if rec.owner(k) == owner}
+            off = where[owner].get(info)
+            if off is None:
+                raise ValueError(
+                    f"rank {rank}: rank {owner} holds no chunk like the one at data offset {info.offset}"
+                )
+            out.append((info, off, owner))
+        return out
 
     def record(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s manifest entry (JSON-safe), for the checkpoint's owner to :meth:`adopt`."""
@@ -275,6 +307,10 @@ class CheckpointWriter:
         if missing:
             raise ValueError(f"checkpoint step {self.step}: ranks {missing} were not added; cannot commit")
         self._hook("bins_done")
+        try:
+            check_shared([self._ranks[r] for r in range(self.world_size)])
+        except ManifestError as e:  # an adopted rank names a chunk its owner's file does not hold
+            raise SnapshotCorruptError(f"{self.catalog.where(self.step)}: {e}") from None
         manifest = encode_manifest(
             self.step,
             self.world_size,

@@ -1,0 +1,62 @@
+"""The NCCL settings nonstop gives worker processes on a CUDA node: the one place they are set.
+
+nonstop recovers a failed rank with the survivors' processes kept, so a collective that fails
+must fail *in the survivor* -- an exception the training loop hands to nonstop -- not kill it.
+Values are for torch 2.13's ``ProcessGroupNCCL`` (``ProcessGroupNCCL.hpp``: ``ErrorHandlingMode``):
+
+==================================  =====  ======================================================
+variable                            value  why
+==================================  =====  ======================================================
+``TORCH_NCCL_ASYNC_ERROR_HANDLING``  ``2``  ``CleanUpOnly``: on a collective's error or timeout the
+                                           watchdog aborts the communicators and fails the work,
+                                           and does NOT tear the process down. torch's default is
+                                           ``3`` (``SkipCleanUp``: tear the process down without
+                                           aborting), ``1`` (``TearDown``) aborts then kills; both
+                                           turn "survivors keep their processes" into a cold
+                                           restart. ``0`` (``NoHandling``) would leave a timed-out
+                                           collective hanging forever.
+``TORCH_NCCL_BLOCKING_WAIT``         ``0``  ``wait()`` stays asynchronous: the timeout is the
+                                           watchdog's (above), and the main thread can be
+                                           interrupted by nonstop while a collective is queued.
+==================================  =====  ======================================================
+
+The collective timeout itself (the watchdog's) is the process group's ``timeout``, chosen by
+:func:`nonstop.train.backend.collective_timeout_s` (``$NONSTOP_COLLECTIVE_TIMEOUT_S``, default
+600 s), separate from the rebuild timeout (``--rebuild-timeout``: how long a generation's
+rendezvous may take). The NCCL watchdog's own monitoring thread
+(``TORCH_NCCL_ENABLE_MONITORING``, which kills a process whose watchdog is stuck inside a
+hung CUDA/NCCL call) is left at torch's default: it is the last resort when an abort itself
+hangs.
+
+A value the user exported (in the launcher's environment or ``--env``) is never overridden.
+Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = ["NCCL_DEFAULTS", "nccl_env"]
+
+NCCL_DEFAULTS: dict[str, str] = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # CleanUpOnly: abort communicators, keep the process
+    "TORCH_NCCL_BLOCKING_WAIT": "0",
+}
+# torch still reads these older spellings; a user who set one of them has chosen
+_ALIASES = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_BLOCKING_WAIT": "NCCL_BLOCKING_WAIT",
+}
+
+
+def nccl_env(device_type: str, user_env: Mapping[str, str]) -> dict[str, str]:
+    """The variables to add to a worker's environment on a node whose devices are
+    ``device_type`` (none unless ``cuda``), leaving out any the user set in ``user_env``
+    (either spelling)."""
+    if device_type != "cuda":
+        return {}
+    return {
+        name: value
+        for name, value in NCCL_DEFAULTS.items()
+        if name not in user_env and _ALIASES[name] not in user_env
+    }

@@ -1,0 +1,207 @@
+"""The worker's side of a generation change: restore the committed step, rejoin the process group.
+
+:class:`Rejoin` is the part of :class:`~nonstop.train.session.Session` that runs between two
+steps of the training loop when the coordinator starts a generation (a recovery, a resize, a
+migration's swap) or a step failed: tear the old group down, restore from this node's memory (or
+the durable tier), report ``restored``, wait for ``rebuild``, join the new group and report
+``ready``; a migration's boundary pause and a joiner's sandboxed warm-up step. Main thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from nonstop.control.channel import Message
+from nonstop.snapshot import RankSnapshotStore, StateCapture
+from nonstop.train.group import GenerationGroup
+from nonstop.train.injection import WorkerFaults
+from nonstop.train.link import CoordinatorLink
+from nonstop.train.membership import Membership
+from nonstop.train.restore import read_restore
+from nonstop.train.snapshots import LoopSnapshots
+from nonstop.train.trainee import Trainee
+
+__all__ = ["Rejoin", "TrainStep"]
+
+log = logging.getLogger(__name__)
+
+TrainStep = Callable[[torch.nn.Module, int], float | None]
+
+
+class Rejoin(Membership):
+    """Restore and rejoin for a new generation (see the module docstring)."""
+
+    generation: int
+    trainee: Trainee
+    warming_up: bool
+    _link: CoordinatorLink
+    _group: GenerationGroup
+    _snaps: LoopSnapshots
+    _faults: WorkerFaults
+    _step: int
+    _live_at: int | None
+
+    def _warm_up(self, train_step: TrainStep, model: torch.nn.Module) -> None:
+        """A migration's joiner, while the others train: one sandboxed step on the bare model (no
+        DDP, so no collective), so that its first real step does not pay for allocating
+        activations and gradients, autograd's and the optimizer's lazy initialisation (its
+        snapshot slots are prefaulted just before, for its first snapshots). What it
+        changes is overwritten: the swap restores the boundary step. ``warming_up`` is True
+        meanwhile: a script skips its side effects (logs, counters) then."""
+        self.warming_up = True
+        t0 = time.monotonic()
+        try:
+            train_step(model, self._step)
+        except Exception as e:  # a warm-up is an optimisation: never fail the migration for it
+            log.warning("warm-up step failed (the first real step will be slower): %s", e)
+        finally:
+            self.warming_up = False
+            model.zero_grad(set_to_none=True)
+        log.info("warm-up step took %.3fs", time.monotonic() - t0)
+
+    def _pause(self, store: RankSnapshotStore) -> Message | None:
+        """Live migration: stop after the boundary step (its snapshot complete, for the joiner to
+        fetch) until the coordinator swaps the rank (a reconfigure) or gives up (continue)."""
+        store.drain()
+        self._link.pause_at = None
+        self._live_at = self._step  # until the next step starts, the live state is that of this step
+        self._link.send({"t": "paused", "gen": self.generation, "step": self._step})
+        reply = self._link.wait_for("reconfigure", "continue")
+        if reply["t"] == "reconfigure":
+            return reply
+        self._live_at = None
+        return None
+
+    def _capture(self) -> StateCapture:
+        capture = self.trainee.capture
+        assert capture is not None, "the model is built once the generation's group is joined"
+        return capture
+
+    def _on_step_error(self, err: BaseException) -> Message:
+        """Tear down the group at once (so blocked peers fail fast), then ask what to do."""
+        if err.__traceback__ is not None:
+            traceback.clear_frames(err.__traceback__)  # frames hold the old DDP and its group
+        self._destroy_group()
+        self._link.send(
+            {
+                "t": "fault",
+                "gen": self.generation,
+                "step": self._step,
+                "error": f"{type(err).__name__}: {err}"[:500],
+            }
+        )
+        reply = self._link.wait_for("reconfigure", "raise")
+        if reply["t"] == "raise":
+            raise err
+        return reply
+
+    def _maybe_inject(self, phase: str, step: int) -> None:
+        self._faults.maybe_fire(phase, rank=self.rank, step=step, generation=self.generation)
+
+    def _destroy_group(self, *, at_boundary: bool = False) -> None:
+        """Drop this generation's rendezvous store, DDP wrapper and groups (GenerationGroup.destroy)."""
+        self._link.drop_rdzv("the process group was torn down")
+        self._group.destroy(at_boundary=at_boundary)
+
+    def _reconfigure(self, msg: Message, warm_up: TrainStep | None) -> torch.nn.Module:
+        """Restore the committed step, then rebuild the process group for a new generation.
+
+        A data-parallel model restores before the group is joined; a sharded one is built in
+        the new group (:mod:`nonstop.train.trainee`), so its snapshot is read (and checked) at the
+        restore stage and copied into the fresh model once it is built."""
+        trainee = self.trainee
+        while True:
+            gen = int(msg["gen"])
+            restore_step = msg.get("restore_step")
+            self.generation = gen
+            self._link.pause_at = None  # a new generation ends any migration's pause
+            # here the last step is complete (a failed one tore its groups down already)
+            self._destroy_group(at_boundary=True)
+            if restore_step is not None and msg.get("recovery"):
+                self._maybe_inject("recovery", int(restore_step))
+            elif restore_step is not None and msg.get("prepare"):
+                self._maybe_inject("prepare", int(restore_step))
+            self._snaps.live.drain()  # never restore under a copy still writing into the slots
+            if int(msg["rank"]) != self.rank:  # renumbered (elastic): snapshot under the new number
+                self._snaps.open(int(msg["rank"]))
+            self._set_membership(msg)
+            store = self._snaps.live
+            t0 = time.monotonic()
+            self._step, pending = read_restore(
+                msg,
+                env=self.env,
+                store=store,
+                in_group=trainee.restore_in_group,
+                capture=self._capture,
+                step=self._step,
+                live_at=self._live_at,
+            )
+            self._live_at = None
+            bare = trainee.bare
+            if msg.get("prepare") and restore_step is not None and bare is not None and warm_up is not None:
+                store.prefault(self._capture().state(self._step))  # before the warm-up changes the state
+                self._warm_up(warm_up, bare)
+            self._link.send(
+                {"t": "restored", "gen": gen, "step": self._step, "restore_s": time.monotonic() - t0}
+            )
+            reply = self._link.wait_for("rebuild", "reconfigure")
+            if reply["t"] == "reconfigure":
+                msg = reply
+                continue
+            if int(reply["gen"]) != gen:
+                continue
+            fresh = bool(msg.get("fresh")) and restore_step is not None
+            if fresh and not trainee.restore_in_group:
+                # Every rank has restored (the rebuild says so): what this rank number's slots hold
+                # was written under another numbering. Start them over with the restored step.
+                store.clear()
+                store.write(self._step, self._capture().state(self._step))
+            t1 = time.monotonic()
+            try:
+                module = self._join_group(gen, restored=restore_step is not None)
+                if pending is not None:
+                    pending.apply(self._capture(), self.rank)
+            except Exception as e:
+                pending = None
+                msg = self._on_step_error(e)
+                continue
+            pending = None
+            if fresh and trainee.restore_in_group:  # (a sharded model exists only now)
+                store.clear()
+                store.write(self._step, self._capture().state(self._step))
+            if restore_step is None:
+                store.write(0, self._capture().state(0))
+            self._link.send(
+                _ready(gen, time.monotonic() - t1, self._group if trainee.restore_in_group else None)
+            )
+            return module
+
+    def _join_group(self, gen: int, *, restored: bool) -> torch.nn.Module:
+        # Rendezvous through the coordinator (authenticated, fenced by generation, abortable).
+        # A generation that is already stale fails at once: the coordinator refuses its keys.
+        store = self._link.open_rdzv(gen, self.env.rebuild_timeout_s)
+        return self.trainee.join(
+            self._group,
+            store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout_s=self.env.rebuild_timeout_s,
+            restored=restored,
+            divisor=self.num_shards,
+            generation=gen,
+        )
+
+
+def _ready(gen: int, rebuild_s: float, sharded: GenerationGroup | None) -> Message:
+    """The message that says this rank joined generation ``gen``; a sharded job's says which of
+    its mesh groups it kept."""
+    out: Message = {"t": "ready", "gen": gen, "rebuild_s": rebuild_s}
+    if sharded is not None:
+        g = sharded.mesh_groups
+        out["groups"] = [g.kept, g.built, g.build_s]
+    return out

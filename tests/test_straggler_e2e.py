@@ -1,0 +1,90 @@
+"""Fail-slow with real processes (issue 21): a 3-node job (one rank and one hot spare per node)
+whose rank 1 turns 3x slower at step 10 (``slowdown:rank=1,step=10,factor=3``) is flagged, and
+with ``--straggler migrate`` moved live to another node's spare -- no rollback, final weights
+bitwise those of the same job without the fault, which with ``--straggler warn`` flags nothing.
+A node whose health turns degraded (``degrade:node=1,step=5``) is drained with ``--on-degraded
+drain``. Events are asserted, timings only loosely."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from nonstop.runtime.straggler import StragglerConfig
+from tests.conftest import events_named, run_nodes_job
+
+pytestmark = pytest.mark.slow
+
+STEPS = 60
+SLOWDOWN_AT = 10
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, object]]]:
+    """The same job without the fault, ``--straggler warn``: its hash and events."""
+    run = run_nodes_job(
+        tmp_path_factory.mktemp("warn") / "job", nnodes=3, spares=1, steps=STEPS, straggler=StragglerConfig()
+    )
+    assert run.out is not None, run.result.error
+    return str(run.out["final_hash"]), run.events
+
+
+def test_no_fault_flags_nothing(undisturbed: tuple[str, list[dict[str, object]]]) -> None:
+    _, events = undisturbed
+    assert events_named(events, "straggler") == []  # no false positive
+    assert events_named(events, "migration_start") == []
+
+
+def test_a_straggler_is_migrated_away_bitwise(
+    tmp_path: Path, undisturbed: tuple[str, list[dict[str, object]]]
+) -> None:
+    reference, _ = undisturbed
+    run = run_nodes_job(
+        tmp_path / "job",
+        nnodes=3,
+        spares=1,
+        steps=STEPS,
+        faults=(f"slowdown:rank=1,step={SLOWDOWN_AT},factor=3",),
+        # a 60-step run has little left to lose: a cheap move, so the policy says migrate
+        straggler=StragglerConfig(mode="migrate", migration_cost_s=0.5),
+    )
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference  # bitwise: a live migration rolls nothing back
+    assert run.result.failures == [] and events_named(run.events, "failure") == []
+    flagged = events_named(run.events, "straggler")
+    assert [e["rank"] for e in flagged] == [1], flagged
+    assert flagged[0]["step"] > SLOWDOWN_AT and flagged[0]["factor"] > 1.5
+    (decision,) = [e for e in events_named(run.events, "proactive") if e["migrate"]]
+    assert decision["rank"] == 1
+    (done,) = events_named(run.events, "migration_done")
+    assert done["rank"] == 1 and done["reason"] == "straggler" and done["source"] == "1"
+    assert done["target"] in ("0", "2") and done["boundary"] > flagged[0]["step"]
+    # the new process playing rank 1 is not slow: the flag clears, never raised again
+    assert events_named(run.events, "straggler_cleared")
+    # throughput after the move is back near the start's (loosely: a loaded machine)
+    intervals = run.out["step_intervals_s"]
+    assert isinstance(intervals, list)
+    first, last = statistics.median(intervals[:9]), statistics.median(intervals[-10:])
+    assert last < 1.5 * first, (first, last)
+
+
+def test_a_degraded_node_is_drained(tmp_path: Path, undisturbed: tuple[str, list[dict[str, object]]]) -> None:
+    reference, _ = undisturbed
+    run = run_nodes_job(
+        tmp_path / "job",
+        nnodes=3,
+        spares=1,
+        steps=STEPS,
+        faults=("degrade:node=1,step=5",),
+        straggler=StragglerConfig(on_degraded="drain"),
+    )
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference
+    (verdict,) = events_named(run.events, "health")
+    assert verdict["node"] == "1" and verdict["verdict"] == "degraded"
+    (done,) = events_named(run.events, "migration_done")
+    assert done["rank"] == 1 and done["reason"] == "degraded" and done["source"] == "1"
+    assert any(e["node"] == "1" for e in events_named(run.events, "node_released"))
+    assert run.result.failures == []
