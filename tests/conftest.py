@@ -27,6 +27,17 @@ from nonstop.runtime.localnodes import LocalNodesJob, run_local_nodes
 STEPS = 16
 
 
+@pytest.fixture(autouse=True)
+def _restore_environ() -> Iterator[None]:
+    """Code under test may set ``os.environ`` (``nonstop.init()`` sets torchrun's variables in
+    its process); whatever a test leaves there would reach every process later tests start."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @dataclass
 class DemoRun:
     result: JobResult

@@ -57,7 +57,13 @@ def _read(out: Path, tag: str) -> dict[int, dict[str, str]]:
     return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob(f"{tag}-*.json")}
 
 
-def test_every_worker_sees_torchruns_environment_on_two_nodes_through_a_kill(tmp_path: Path) -> None:
+def test_every_worker_sees_torchruns_environment_on_two_nodes_through_a_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # launched from inside another job's rank: nothing of its torchrun variables reaches a process
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("WORLD_SIZE", "9")
+    monkeypatch.setenv("LOCAL_RANK", "5")
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     out = tmp_path / "env"

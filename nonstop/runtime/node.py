@@ -94,6 +94,7 @@ from nonstop.runtime.nodework import NodeWork
 from nonstop.runtime.notice import NoticePoller
 from nonstop.runtime.probing import ProbeConfig, ProbeThread, node_probes
 from nonstop.runtime.shmspace import NodeMemory, pins_slots
+from nonstop.runtime.torchenv import without_rank_vars
 from nonstop.snapshot.store import RankSnapshotStore
 
 __all__ = ["EXIT_FENCED", "NodeAgent", "NodeSpec"]
@@ -246,7 +247,7 @@ class NodeAgent(DeviceSpawner):
             nproc=self.spec.nproc, num_slots=self.num_slots, replicas=int(welcome.get("replicas", 0)),
             pinned=pins_slots(self.spec.devices),  # issue 20: its ranks page-lock slots: RLIMIT_MEMLOCK
         )  # fmt: skip
-        env = dict(self.base_env)
+        env = without_rank_vars(self.base_env)  # a spare has no RANK, a rank only the coordinator's
         env.update({str(k): str(v) for k, v in dict(welcome.get("env", {})).items()})
         env.update(
             {

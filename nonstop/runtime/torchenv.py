@@ -42,7 +42,20 @@ from __future__ import annotations
 from nonstop.runtime.phase import JobPhase
 from nonstop.runtime.view import JobView, node_order
 
-__all__ = ["rank_env"]
+__all__ = ["RANK_VARS", "rank_env", "without_rank_vars"]
+
+# The variables :func:`rank_env` computes for a process playing a rank. A process inherits none of
+# them from whoever started its agent (a shell inside a torchrun job, a test that set them): a spare
+# has none until it is given a rank, and a rank has the coordinator's values only.
+RANK_VARS = (
+    "RANK", "ROLE_RANK", "WORLD_SIZE", "ROLE_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RESTART_COUNT",
+)  # fmt: skip
+
+
+def without_rank_vars(env: dict[str, str]) -> dict[str, str]:
+    """``env`` less :data:`RANK_VARS`: the base environment an agent gives every process it starts."""
+    return {k: v for k, v in env.items() if k not in RANK_VARS}
 
 
 def local_ranks(view: JobView, node: str, extra: tuple[int, int] | None = None) -> dict[int, int]:
