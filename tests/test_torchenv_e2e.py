@@ -6,15 +6,12 @@ before the script starts, and the spare that takes rank 1 reads its own node's v
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from nonstop.config import JobConfig
-from nonstop.runtime.coordinator import JobState
-from nonstop.runtime.localnodes import run_local_nodes
+from tests.envdump import run_env_dump_job
 
 pytestmark = pytest.mark.slow
 
@@ -22,39 +19,6 @@ KEYS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
 )  # fmt: skip
-
-SCRIPT = f"""
-import json, os, sys, torch, nonstop
-out = sys.argv[1]
-
-def dump(tag):
-    d = {{k: os.environ.get(k) for k in {KEYS!r}}}
-    d.update(node=os.environ["NONSTOP_NODE"], role=os.environ["NONSTOP_ROLE"])
-    with open(os.path.join(out, tag + "-" + os.environ["NONSTOP_SPAWN_ID"] + ".json"), "w") as f:
-        json.dump(d, f)
-
-dump("start")
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-session = nonstop.init()
-dump("init")
-
-def train_step(ddp_model, step):
-    time.sleep(0.1)
-    opt.zero_grad()
-    g = torch.Generator().manual_seed(step * 100 + session.rank)
-    ddp_model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
-    opt.step()
-    return 0.0
-
-import time
-session.run(train_step, model=model, optimizer=opt, num_steps=10)
-dump("done")
-"""
-
-
-def _read(out: Path, tag: str) -> dict[int, dict[str, str]]:
-    return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob(f"{tag}-*.json")}
 
 
 def test_every_worker_sees_torchruns_environment_on_two_nodes_through_a_kill(
@@ -64,25 +28,7 @@ def test_every_worker_sees_torchruns_environment_on_two_nodes_through_a_kill(
     monkeypatch.setenv("RANK", "7")
     monkeypatch.setenv("WORLD_SIZE", "9")
     monkeypatch.setenv("LOCAL_RANK", "5")
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    out = tmp_path / "env"
-    out.mkdir()
-    config = JobConfig(
-        script=str(script),
-        script_args=(str(out),),
-        nproc_per_node=2,
-        spares=1,
-        nnodes=2,
-        job_dir=tmp_path / "job",
-        faults=("kill:rank=1,step=4",),
-        coordinator="127.0.0.1:0",
-        lease_ttl_s=3.0,
-    )
-    result = run_local_nodes(config, redirect_output=True)
-    assert result.state is JobState.DONE, result.error
-
-    start, done = _read(out, "start"), _read(out, "done")
+    start, _, done = run_env_dump_job(tmp_path, KEYS)
     launched = {sid: e for sid, e in start.items() if e["role"] == "worker"}
     assert sorted(int(e["RANK"]) for e in launched.values()) == [0, 1, 2, 3]
     ports = {e["MASTER_PORT"] for e in start.values() if e["role"] == "worker"}

@@ -87,35 +87,12 @@ class Swaps:
         return req in self._reqs
 
     def status(self) -> dict[str, Any]:
-        m, z = self.migration, self.grow
-        return {
-            "migration": None
-            if m is None
-            else {
-                "rank": m.rank,
-                "source": m.source_node,
-                "target": m.target,
-                "phase": str(m.phase),
-                "boundary": m.boundary,
-            },
-            "queued_migrations": [q[0] for q in self.queue],
-            "growing": None if z is None else {"to": z.new_world_size, "boundary": z.boundary},
-        }
+        """The swaps for ``nonstop status``."""
+        return swaps_status(self)
 
     def record(self) -> dict[str, Any]:
         """The swap in flight for the store's record (see :mod:`nonstop.runtime.storesync`)."""
-        a = self.active
-        out: dict[str, Any] = {"migrate_queue": [[q[0], q[1], q[2]] for q in self.queue]}
-        out["migration"] = out["grow"] = None
-        if a is not None:
-            out[str(a.kind)] = {
-                "rank": a.rank,
-                "joiners": [j.sid for j in a.joiners],
-                "told": [j.sid for j in a.joiners if j.told],
-                "phase": str(a.phase),
-                "swapped": a.generation is not None,
-            }
-        return out
+        return swaps_record(self)
 
     # -- requests ---------------------------------------------------------------------------------
     def request_migration(self, rank: int, target: str | None, reason: str) -> str | None:
@@ -453,3 +430,34 @@ class Swaps:
             self.answer(a.rank, ok=f.ok, error=f.error, **{k: v for k, v in f.info.items() if k != "rank"})
         elif not f.ok:
             self._grow_retry_at = time.monotonic() + GROW_RETRY_S
+
+
+def swaps_status(s: Swaps) -> dict[str, Any]:
+    """The migration and the grow in flight, and the queued migrations, as ``status`` shows them."""
+    m, z = s.migration, s.grow
+    migration = None
+    if m is not None:
+        migration = {"rank": m.rank, "source": m.source_node, "target": m.target, "phase": str(m.phase)}
+        migration["boundary"] = m.boundary
+    return {
+        "migration": migration,
+        "queued_migrations": [q[0] for q in s.queue],
+        "growing": None if z is None else {"to": z.new_world_size, "boundary": z.boundary},
+    }
+
+
+def swaps_record(s: Swaps) -> dict[str, Any]:
+    """The queue and the swap in flight, as the job's store records them (a restarted coordinator
+    reads them back)."""
+    a = s.active
+    out: dict[str, Any] = {"migrate_queue": [[q[0], q[1], q[2]] for q in s.queue]}
+    out["migration"] = out["grow"] = None
+    if a is not None:
+        out[str(a.kind)] = {
+            "rank": a.rank,
+            "joiners": [j.sid for j in a.joiners],
+            "told": [j.sid for j in a.joiners if j.told],
+            "phase": str(a.phase),
+            "swapped": a.generation is not None,
+        }
+    return out
