@@ -124,3 +124,12 @@ def test_status_says_when_the_job_is_shrunk() -> None:
     assert "growing to 3 ranks at step 12" in text
     full = _format_status({**st, "world_size": 3, "growing": None})
     assert "shards" not in full and "shrunk" not in full
+
+
+def test_an_elastic_job_does_not_start_a_cold_process_elsewhere_for_a_node_to_avoid() -> None:
+    """replace_elsewhere never moves a cold process to a node an elastic job keeps for its own
+    ranks: with no spare the rank restarts cold on its own node (the one to avoid) or shrinks."""
+    kw = {"failed": {1: "1"}, "spares": {}, "data_nodes": {}, "live_nodes": ["0", "1"]}
+    kw["load"] = {"0": 1, "1": 0}
+    placed = choose_replacements(**kw, cold_elsewhere=False, avoid={1: "1"})  # type: ignore[arg-type]
+    assert placed[1].node == "1" and placed[1].spare is None

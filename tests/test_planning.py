@@ -180,3 +180,17 @@ def test_shrink_first_drops_a_sharded_jobs_whole_replica_group() -> None:
     p = plan(elastic=groups, shrink_first=True)
     assert p.action is PlanAction.SHRINK and p.shrink is not None and p.shrink.dropped == (2, 3)
     assert dict(p.shrink.new_of) == {0: 0, 1: 1}
+
+
+def test_a_failure_graded_replace_elsewhere_takes_a_spare_on_another_node() -> None:
+    """Rank 3 failed on node b in a way that points at b (a bus error, a degraded probe): the
+    spare on a takes it although b has one; with a spare only on b, b's spare still recovers it
+    (better than not recovering); with no spare, the cold process starts on a."""
+    both = plan(idle_spares={10: "b", 11: "a"}, avoid={3: "b"})
+    assert both.placements[3].node == "a" and both.placements[3].spare == 11
+    assert plan(idle_spares={10: "b", 11: "a"}).placements[3].spare == 10  # not graded: its own node
+    only_b = plan(avoid={3: "b"})
+    assert only_b.placements[3].node == "b" and only_b.placements[3].spare == 10
+    cold = plan(idle_spares={}, avoid={3: "b"})
+    assert cold.placements[3].node == "a" and cold.placements[3].spare is None
+    assert plan(avoid={1: "a"}).placements[3].spare == 10  # a rank that is not missing: ignored

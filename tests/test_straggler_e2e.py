@@ -88,3 +88,30 @@ def test_a_degraded_node_is_drained(tmp_path: Path, undisturbed: tuple[str, list
     assert done["rank"] == 1 and done["reason"] == "degraded" and done["source"] == "1"
     assert any(e["node"] == "1" for e in events_named(run.events, "node_released"))
     assert run.result.failures == []
+
+
+def test_a_failure_on_a_degraded_node_is_replaced_on_another_node(
+    tmp_path: Path, undisturbed: tuple[str, list[dict[str, object]]]
+) -> None:
+    """Node 1 turns degraded (``--on-degraded warn``: nothing moves), then its rank is SIGKILLed:
+    the failure is graded replace_elsewhere and another node's spare takes rank 1, although node
+    1 has an idle spare of its own -- still from memory, still bitwise."""
+    reference, _ = undisturbed
+    run = run_nodes_job(
+        tmp_path / "job",
+        nnodes=3,
+        spares=1,
+        steps=STEPS,
+        faults=("degrade:node=1,step=5", "kill:rank=1,step=15"),
+        straggler=StragglerConfig(),
+    )
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference
+    (graded,) = events_named(run.events, "failure_graded")
+    assert (graded["rank"], graded["node"], graded["grade"]) == (1, "1", "replace_elsewhere"), graded
+    (gen,) = [e for e in events_named(run.events, "generation") if e["cause"]]
+    nodes = gen["nodes"]
+    assert isinstance(nodes, dict) and nodes["1"] in ("0", "2"), gen
+    assert gen["tier"] != "durable", gen  # from memory: node 1's or its peer replica
+    (rec,) = events_named(run.events, "recovery")
+    assert rec["lost_steps"] == 0, rec

@@ -112,9 +112,10 @@ class Failures:
                 if w.fault_report is not None and kind is FailureKind.EXIT:
                     kind = FailureKind.ERROR
                 detail = w.killed_for_hang or describe_exit(rc)
-            # issue 21: every failure graded (runtime/grading.py); today's path stands except
-            # where the grade demands: fail_job ends the job, a quarantine_node the node's
-            # history alone would not have caused (a failing probe) quarantines it
+            # issue 21: every failure graded (runtime/grading.py): fail_job ends the job, a
+            # quarantine_node the node's history alone would not have caused (a failing probe)
+            # quarantines it, replace_elsewhere has the plan place the rank on another node
+            # where a spare or room allows; restart_in_place is today's path
             exception = w.fault_report[1] if w.fault_report is not None else None
             graded = self.c.health.grade(
                 rank=w.rank,
@@ -142,6 +143,10 @@ class Failures:
                     detected_at=time.time(),
                     fault_at=fault_at,
                     step=self.c.view.latest_step.get(w.rank, 0),
+                    # the grade points at the node (not lost): its spare is the last choice
+                    avoid_node=node
+                    if graded.grade is Grade.REPLACE_ELSEWHERE and ex.node_lost is None
+                    else None,
                 )
             )
             failed_on[sid] = node

@@ -197,6 +197,7 @@ class Generations:
             recovering=bool(failures),
             reshard=self.c.resize.reshards,
             shrink_first=choice is not None and choice.shrink_first,
+            avoid={f.rank: f.avoid_node for f in failures if f.avoid_node is not None},
         )
         if plan.action is PlanAction.FAIL:
             self.pending = None

@@ -115,6 +115,7 @@ def plan_generation(
     recovering: bool,
     reshard: bool = False,
     shrink_first: bool = False,
+    avoid: Mapping[int, str] | None = None,
 ) -> Plan:
     """Plan generation + 1 (pure, deterministic).
 
@@ -124,7 +125,9 @@ def plan_generation(
     ``reshard``: a shrink reshards (a sharded job without replicas), so the restore step must be
     one every old rank holds somewhere, the dropped ones' replicas included; ``shrink_first``:
     shrink without the missing ranks even where spares could take them, at once (no elastic
-    wait), unless that would go below the minimum world size (then they are replaced).
+    wait), unless that would go below the minimum world size (then they are replaced);
+    ``avoid``: missing rank -> the node its failure's grade says to leave (``replace_elsewhere``),
+    placed elsewhere where a spare or room allows (:func:`~nonstop.runtime.policy.choose_replacements`).
     """
     if not live_nodes:
         return Plan(
@@ -143,6 +146,7 @@ def plan_generation(
         live_nodes=live_nodes,
         load=load,
         cold_elsewhere=not elastic.enabled,
+        avoid={r: n for r, n in (avoid or {}).items() if r in missing},
     )
     first = shrink_first and bool(missing) and may_shrink(elastic, world_size, missing)
     if first:

@@ -305,6 +305,7 @@ def choose_replacements(
     load: Mapping[str, int],
     quarantined: Sequence[str] = (),
     cold_elsewhere: bool = True,
+    avoid: Mapping[int, str] | None = None,
 ) -> dict[int, Placement]:
     """Who plays each failed rank, and on which node (pure, deterministic).
 
@@ -321,8 +322,14 @@ def choose_replacements(
        (elastic jobs: a node has room for its own ranks only); the rank is then left out of
        the result, unplaced.
 
+    ``avoid``: rank -> a node its failure was graded ``replace_elsewhere`` on
+    (:mod:`nonstop.runtime.grading`: the node, not the process, is suspect): that node is not
+    preferred for the rank in 1 and comes last in 2 and 3 -- used only when no other node has
+    a spare or room (recovering there beats not recovering).
+
     Usable: live and not quarantined. Raises ValueError if no node is usable.
     """
+    avoid = avoid or {}
     bad = set(quarantined)
     usable = [n for n in live_nodes if n not in bad]
     if not usable:
@@ -331,8 +338,9 @@ def choose_replacements(
     load_now = {n: load.get(n, 0) for n in usable}
     out: dict[int, Placement] = {}
     for rank in sorted(failed):
-        own = failed[rank]
-        prefer = [n for n in ([own] if own else []) + list(data_nodes.get(rank, ())) if n in usable]
+        own, shun = failed[rank], avoid.get(rank)
+        candidates = ([own] if own else []) + list(data_nodes.get(rank, ()))
+        prefer = [n for n in candidates if n in usable and n != shun]
         pick: Placement | None = None
         for node in prefer:
             sid = next((s for s, n in free.items() if n == node), None)
@@ -340,12 +348,20 @@ def choose_replacements(
                 pick = Placement(node=node, spare=sid)
                 break
         if pick is None and free:
-            sid = min(free, key=lambda s: (load_now[free[s]], usable.index(free[s]), s))
+            sid = min(free, key=lambda s: (free[s] == shun, load_now[free[s]], usable.index(free[s]), s))
             pick = Placement(node=free[sid], spare=sid)
         if pick is None:
             if own not in usable and not cold_elsewhere:
                 continue
-            node = own if own in usable else min(usable, key=lambda n: (load_now[n], usable.index(n)))
+            others = [n for n in usable if n != shun]
+            if own in others:
+                node = own
+            elif cold_elsewhere and others:
+                node = min(others, key=lambda n: (load_now[n], usable.index(n)))
+            elif own in usable:
+                node = own  # the node to avoid, but the only place the rank may go
+            else:
+                node = min(usable, key=lambda n: (load_now[n], usable.index(n)))
             assert node is not None
             pick = Placement(node=node, spare=None)
         if pick.spare is not None:

@@ -202,6 +202,8 @@ class Failure:
     detected_at: float
     step: int
     fault_at: float | None = None  # when the fault was injected, if it was
+    # the node to replace it elsewhere than: its failure was graded replace_elsewhere (runtime/grading.py)
+    avoid_node: str | None = None
 
 
 @dataclass(kw_only=True)
