@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from nonstop.runtime.coordinator import JobState
 from nonstop.runtime.straggler import StragglerConfig
-from tests.conftest import events_named, run_nodes_job
+from tests.conftest import events_named, run_demo_job, run_nodes_job
 
 pytestmark = pytest.mark.slow
 
@@ -115,3 +116,23 @@ def test_a_failure_on_a_degraded_node_is_replaced_on_another_node(
     assert gen["tier"] != "durable", gen  # from memory: node 1's or its peer replica
     (rec,) = events_named(run.events, "recovery")
     assert rec["lost_steps"] == 0, rec
+
+
+def test_a_sharded_straggler_is_flagged_from_its_sampled_waits(tmp_path: Path) -> None:
+    """FSDP2 on 3 ranks: rank 1 turns 3x slower. Its peers wait for it inside FSDP's all-gathers
+    and reduce-scatters, where no allreduce stamp is: the sampled wait (train/waitclock.py) is what
+    tells their compute from its own, so only rank 1 is flagged (without it none would be)."""
+    run = run_demo_job(
+        tmp_path / "job",
+        mesh="shard=3",
+        nproc=3,
+        spares=0,
+        steps=40,
+        faults=("slowdown:rank=1,step=8,factor=3",),
+        script_extra=("--step-delay", "0.1"),
+        straggler=StragglerConfig(),
+    )
+    assert run.result.state is JobState.DONE, run.result.error
+    flagged = events_named(run.events, "straggler")
+    assert [e["rank"] for e in flagged] == [1], flagged
+    assert flagged[0]["step"] > 8 and flagged[0]["factor"] > 1.5, flagged

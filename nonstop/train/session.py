@@ -76,6 +76,7 @@ from nonstop.train.rejoin import Rejoin, TrainStep
 from nonstop.train.snapshots import LoopSnapshots
 from nonstop.train.steps import Step, check_objects
 from nonstop.train.trainee import Build, Replicated, Sharded, Trainee
+from nonstop.train.waitclock import CollectiveClock
 
 __all__ = ["RunResult", "Session", "init"]
 
@@ -125,6 +126,7 @@ class Session(Rejoin):
         self.world_size = 0
         self.generation = 0
         self._sync = None
+        self._clock: CollectiveClock | None = None  # a sharded model's waits (train/waitclock.py)
         self._group = GenerationGroup(keep_groups=env.keep_groups)
         self._step = 0
         self._progress_at = time.monotonic()  # when this rank last completed a step (heartbeat "idle")
@@ -332,6 +334,8 @@ class Session(Rejoin):
                 wrap=wrap,
             )
         self._sync = self.trainee.sync
+        if self._sync is None and self._clock is None:  # issue 21: a sharded model's waits, sampled
+            self._clock = CollectiveClock(self._train_thread)
         if self._sync is not None:
             self._sync.exact = self.env.elastic
             self._sync.set_shards(self.shards, self.num_shards)
@@ -369,8 +373,7 @@ class Session(Rejoin):
                             leave=self._leave_step,
                         )
                         t0 = time.monotonic()
-                        if self._sync is not None:  # issue 21: this step's wait starts at 0
-                            self._sync.take_wait_s()
+                        self._take_wait_s()  # issue 21: this step's wait starts at 0
                         self._link.enter_step()  # a recovery interrupts a fault injected here
                         self._maybe_inject("step", self._step)
                         self._faults.stretch()  # issue 21: a slowdown fault's longer compute
@@ -407,6 +410,14 @@ class Session(Rejoin):
         finally:
             self.trainee.close()
             self._snaps.live.close()
+            if self._clock is not None:
+                self._clock.close()
+                self._clock = None
+
+    def _take_wait_s(self) -> float:
+        """Seconds in collectives since the last call: DDP's stamped allreduce, else sampled."""
+        src = self._sync if self._sync is not None else self._clock
+        return src.take_wait_s() if src is not None else 0.0
 
     @uninterruptible
     def _enter_step(self) -> None:
@@ -421,7 +432,7 @@ class Session(Rejoin):
         report it (once its snapshot is complete: a step counts as committed only then)."""
         self._step += 1
         t1 = self._progress_at = time.monotonic()
-        wait_s = self._sync.take_wait_s() if self._sync is not None else 0.0  # issue 21
+        wait_s = self._take_wait_s()  # issue 21
         self._faults.observe(step_s - wait_s)  # a slowdown fault stretches the own compute
         snap = self._snaps.take(self._step, self._capture())
         # Stall: time the loop spent on this snapshot now, plus what the step just run
