@@ -50,8 +50,8 @@ from nonstop.snapshot.durable import MANIFEST, DurableStore, step_dir  # noqa: E
 from nonstop.snapshot.durable.format import decode_manifest  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "persist-bytes.json"
-# The last commit before shared chunks (069eadd): every DDP rank persists its own copy.
-DEFAULT_BASELINE = "069eadd~1"
+# The last commit before shared chunks (they came with 20a221c): every DDP rank persists its own copy.
+DEFAULT_BASELINE = "bf3d8f8"
 
 
 def run_job(tree: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
