@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +15,10 @@ from nonstop.runtime.grading import Grade, Graded
 from nonstop.runtime.policy import FailureKind
 from nonstop.runtime.proactive import MigrationDecision
 from nonstop.runtime.straggler import StragglerConfig
-from nonstop.sim.api import FailureEvents, JobSpec, SlowEvents
+from nonstop.sim.advisor import proactive_worth
+from nonstop.sim.api import FailureEvents, JobSpec, SimResult, SlowEvents
 from nonstop.sim.calibrate import load_calibration
+from nonstop.sim.cli import add_parsers, dispatch
 from nonstop.sim.engine import simulate
 from nonstop.sim.failslow import FailSlowModel, WithFailSlow, detection_steps
 from nonstop.sim.failures import Cause, preset
@@ -63,8 +68,14 @@ def nonstop(*, proactive_moves: bool = True) -> Nonstop:
     return Nonstop(job=JOB, params=params, calibration=CAL)
 
 
-def stage(r: object, name: str) -> float:
-    return r.lost_by_stage.get(name, 0.0)  # type: ignore[attr-defined]
+def stage(r: SimResult, name: str) -> float:
+    return r.lost_by_stage.get(name, 0.0)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    add_parsers(ap.add_subparsers(dest="cmd", required=True))
+    return ap.parse_args(list(argv))
 
 
 def test_a_slow_rank_slows_the_whole_job_by_its_factor() -> None:
@@ -194,3 +205,36 @@ def test_proactive_moves_pay_at_scale() -> None:
     )
     assert on.failures == off.failures and on.slowdowns == off.slowdowns > 0
     assert on.ettr > off.ettr and on.proactive.get("straggler", 0) > 0
+
+
+def test_simulate_fail_slow_reports_what_the_moves_are_worth(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sim.json"
+    argv = ["simulate", "--gpus", "1024", "--days", "7", "--fail-slow", "--json", str(out), "--no-progress"]
+    assert dispatch(parse(*argv)) == 0
+    text = capsys.readouterr().out
+    assert "| nonstop no-proactive |" in text and "proactive migration is worth" in text
+    doc = json.loads(out.read_text())
+    assert doc["fail_slow"]["rate_per_gpu_hour"] == pytest.approx(FailSlowModel().rate_per_gpu_hour)
+    names = [r["strategy"] for r in doc["median_runs"]]
+    assert names == ["checkpoint-restart", "torchft-like", "nonstop", "nonstop no-proactive"]
+    assert all(r["slowdowns"] > 0 for r in doc["median_runs"])
+
+
+def test_simulate_without_fail_slow_is_unchanged(capsys: pytest.CaptureFixture[str]) -> None:
+    assert dispatch(parse("simulate", "--gpus", "1024", "--days", "2", "--strategy", "nonstop")) == 0
+    text = capsys.readouterr().out
+    assert "no-proactive" not in text and "proactive migration" not in text
+
+
+def test_advise_fail_slow_says_what_proactive_migration_is_worth(capsys: pytest.CaptureFixture[str]) -> None:
+    worth = proactive_worth(
+        job=JobSpec(num_gpus=1024, days=7),
+        model=preset("llama3"),
+        failslow=FailSlowModel(),
+        calibration=CAL,
+        seeds=(0,),
+    )
+    assert worth.ettr_with > worth.ettr_without and worth.moves_per_day
+    assert "proactive migration" in worth.line() and worth.to_json()["num_gpus"] == 1024
