@@ -21,10 +21,11 @@ from nonstop.sim.calibrate import load_calibration
 from nonstop.sim.cli import add_parsers, dispatch
 from nonstop.sim.engine import simulate
 from nonstop.sim.failslow import FailSlowModel, WithFailSlow, detection_steps
-from nonstop.sim.failures import Cause, preset
+from nonstop.sim.failures import Cause, TraceFailures, preset
 from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
 from nonstop.sim.proactivesim import NO_PROACTIVE
 from nonstop.sim.strategies import CheckpointRestart, TorchftLike
+from nonstop.sim.traces import find_trace, load_node_trace
 
 CAL = load_calibration()
 JOB = JobSpec(num_gpus=64, days=1)  # 8 nodes
@@ -238,3 +239,12 @@ def test_advise_fail_slow_says_what_proactive_migration_is_worth(capsys: pytest.
     )
     assert worth.ettr_with > worth.ettr_without and worth.moves_per_day
     assert "proactive migration" in worth.line() and worth.to_json()["num_gpus"] == 1024
+
+
+def test_a_spot_preemption_gives_no_degraded_signal() -> None:
+    job = JobSpec(num_gpus=256, days=1)
+    trace = TraceFailures(trace=load_node_trace(find_trace("p3")))
+    events = WithFailSlow(base=trace, model=FailSlowModel(warned_fraction=1.0)).sample(
+        job, np.random.default_rng(0)
+    )
+    assert len(events) > 0 and events.lead_s is not None and not np.any(events.lead_s > 0)

@@ -52,6 +52,7 @@ from nonstop.runtime import straggler
 from nonstop.runtime.policy import FailureKind
 from nonstop.runtime.straggler import StragglerConfig, StragglerVerdict
 from nonstop.sim.api import FailureEvents, JobSpec, SlowEvents, require
+from nonstop.sim.failures import SPOT_PREEMPTION
 
 __all__ = [
     "DEFAULT_FAILSLOW",
@@ -114,9 +115,14 @@ class FailSlowModel:
 
     def sample_leads(self, events: FailureEvents, rng: np.random.Generator) -> np.ndarray:
         """Per failure, the lead of its degraded signal (0: none): a ``warned_fraction`` share of
-        the unplanned lost-node failures, ``lead_s`` ahead."""
+        the unplanned lost-node failures, ``lead_s`` ahead (a spot preemption is not a failing
+        machine: it gives no degraded signal; its notice is ``--spot-notice-s``)."""
         hardware = np.array(
-            [c.kind is FailureKind.NODE_LOST and not c.planned for c in events.causes], dtype=np.bool_
+            [
+                c.kind is FailureKind.NODE_LOST and not c.planned and c.name != SPOT_PREEMPTION.name
+                for c in events.causes
+            ],
+            dtype=np.bool_,
         )
         eligible = hardware[events.cause] if len(events) else np.zeros(0, dtype=np.bool_)
         warned = eligible & (rng.uniform(size=len(events)) < self.warned_fraction)
