@@ -20,7 +20,9 @@ What is measured.
   ranks and degraded-before-failure signals (:mod:`nonstop.sim.failslow`, its default rates,
   each sourced or flagged as an assumption), nonstop with and without its proactive moves (the
   runtime's ``--straggler migrate --on-degraded drain`` against ``warn``/``warn``), beside the
-  baselines, which have none.
+  baselines, which have none; then what the moves are worth at 16,384 GPUs (llama3) as the
+  assumed fail-slow rate and share of warned failures vary (``advisor.proactive_worth``, means
+  over the seeds).
 
 Run it::
 
@@ -53,10 +55,11 @@ import numpy as np  # noqa: E402
 from nonstop.runtime.policy import FailureKind  # noqa: E402
 from nonstop.runtime.survivors import SurvivorMode  # noqa: E402
 from nonstop.sim import theory  # noqa: E402
+from nonstop.sim.advisor import proactive_worth  # noqa: E402
 from nonstop.sim.api import JobSpec, SimResult, Strategy  # noqa: E402
 from nonstop.sim.calibrate import Calibration, load_calibration  # noqa: E402
 from nonstop.sim.engine import EventSource, simulate  # noqa: E402
-from nonstop.sim.failslow import DEFAULT_FAILSLOW, WithFailSlow  # noqa: E402
+from nonstop.sim.failslow import DEFAULT_FAILSLOW, FailSlowModel, WithFailSlow  # noqa: E402
 from nonstop.sim.failures import Cause, FailureModel, preset  # noqa: E402
 from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams  # noqa: E402
 from nonstop.sim.proactivesim import NO_PROACTIVE  # noqa: E402
@@ -343,6 +346,22 @@ def main() -> int:
     return 0
 
 
+def bench_sensitivity(cal: Calibration, days: float, seeds: int) -> list[dict[str, Any]]:
+    """What the moves are worth at 16,384 GPUs (llama3) as the assumptions vary."""
+    job = JobSpec(num_gpus=16_384, days=days)
+    rows = []
+    for scale in (0.0, 0.1, 0.3, 1.0, 3.0):
+        for warned in (0.0, 0.2, 0.5):
+            model = FailSlowModel(
+                rate_per_gpu_hour=scale * DEFAULT_FAILSLOW.rate_per_gpu_hour, warned_fraction=warned
+            )
+            worth = proactive_worth(
+                job=job, model=preset("llama3"), failslow=model, calibration=cal, seeds=tuple(range(seeds))
+            )
+            rows.append({"rate_scale": scale, "warned_fraction": warned, **worth.to_json()})
+    return rows
+
+
 def main_failslow(args: argparse.Namespace) -> int:
     """The projection with fail-slow ranks and degraded signals, and what proactive moves are worth."""
     sizes = [1_024, 16_384] if args.quick else [1_024, 16_384, 100_352]
@@ -361,6 +380,8 @@ def main_failslow(args: argparse.Namespace) -> int:
     }
     print("measuring the fail-slow projection ...", file=sys.stderr, flush=True)
     doc["projection"] = bench_projection(cal, args.days, args.seeds, sizes, fail_slow=True)
+    print("measuring the sensitivity to the assumptions ...", file=sys.stderr, flush=True)
+    doc["sensitivity"] = bench_sensitivity(cal, args.days, args.seeds)
     doc["wall_s"] = time.perf_counter() - started
     out = args.out or FAILSLOW_OUT
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -374,6 +395,15 @@ def main_failslow(args: argparse.Namespace) -> int:
             f"| {p['preset']} | {p['num_gpus']:,} | {p['strategy']} | {fmt(p['ettr'], 4)} "
             f"| {fmt(p['lost_gpu_hours_per_day'], 0, comma=True)} "
             f"| {p['lost_gpu_hours_per_day_by_stage_median'].get('fail_slow', 0.0):,.0f} | {moves} |"
+        )
+    print("\n## What the moves are worth at 16,384 GPUs (llama3) as the assumptions vary (means)\n")
+    print("| fail-slow rate (x the default) | warned share | ETTR with | ETTR without | GPU-h/day saved |")
+    print("|---|---|---|---|---|")
+    for w in doc["sensitivity"]:
+        saved = w["lost_gpu_hours_per_day_without"] - w["lost_gpu_hours_per_day_with"]
+        print(
+            f"| {w['rate_scale']:g} | {w['warned_fraction']:g} | {w['ettr_with']:.4f} "
+            f"| {w['ettr_without']:.4f} | {saved:,.0f} |"
         )
     print(f"\nwrote {out} ({doc['wall_s']:.0f} s)")
     return 0
