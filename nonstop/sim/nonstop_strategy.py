@@ -239,15 +239,8 @@ class Nonstop:
         self.grow_prepare = cal.launch_cold_s + self.grow_swap.prepare_s
         self.grow_pause = self.grow_swap.pause_s
         self._holders: dict[int, list[int]] = {}
-        self.moves = ProactiveMoves(
-            config=p.straggler,
-            quarantine=p.quarantine,
-            step_s=job.step_s,
-            horizon_s=job.horizon_s,
-            cost_s=self.migration,
-            prepare_s=self.migration_swap.prepare_s,
-            plan_s=cal.plan_s,
-        )
+        swap, plan = self.migration_swap, cal.plan_s
+        self.moves = ProactiveMoves.for_job(p.straggler, p.quarantine, job, swap, self.migration, plan)
 
     # -- the ring of replica holders ------------------------------------------------------------
     def holders(self, pos: int) -> list[int]:
@@ -434,27 +427,20 @@ class Nonstop:
             pause=pause, lost_work_s=lost, action=action, tier=tier, replacement=source, resize=resize
         )
 
-    # -- proactive moves (sim/proactivesim.py) ----------------------------------------------------
+    # -- proactive moves (sim/proactivesim.py decides) ------------------------------------------
     def _has_target(self, now: float) -> bool:
-        """Some other node has an idle hot spare: a process spare (every node keeps one) or a
-        spare node."""
-        others = self.job.num_nodes > 1 and self.p.spares_per_node > 0
-        return others or bool(self.spares.idle(now, limit=1))
+        """Another node has an idle hot spare: a process spare (each node keeps one) or a spare node."""
+        return (self.job.num_nodes > 1 and self.p.spares_per_node > 0) or bool(self.spares.idle(now, limit=1))
 
     def on_slow(self, *, now: float, node: int, factor: float, duration_s: float) -> SlowResponse:
-        """``Proactive.on_slow``: the runtime's detector and proactive policy decide."""
-        del node, duration_s  # the runtime knows neither which GPU nor for how long
+        """``Proactive.on_slow`` (the runtime knows neither the GPU nor how long it will last)."""
         return self.moves.on_slow(now=now, factor=factor, has_target=self._has_target(now))
 
     def on_warning(self, *, now: float, node: int, cause: Cause, lead_s: float) -> bool:
-        """``Proactive.on_warning``: the runtime's grading and drain rule decide."""
-        if node in self.elastic.absent:
-            return False
-        return self.moves.on_warning(
-            cause=cause,
-            lead_s=lead_s,
-            others_usable=self.job.num_nodes - 1,
-            has_target=self._has_target(now),
+        """``Proactive.on_warning`` (a position a shrink dropped has no machine to drain)."""
+        absent = node in self.elastic.absent
+        return not absent and self.moves.on_warning(
+            cause=cause, lead_s=lead_s, has_target=self._has_target(now)
         )
 
     def _take(self, node: int, placement: Placement, *, healthy: bool, now: float) -> None:

@@ -34,7 +34,8 @@ from nonstop.runtime.grading import FailureSignal, Grade
 from nonstop.runtime.policy import QuarantinePolicy
 from nonstop.runtime.straggler import StragglerConfig, StragglerVerdict
 from nonstop.sim import failslow
-from nonstop.sim.api import SlowResponse
+from nonstop.sim.api import JobSpec, SlowResponse
+from nonstop.sim.swapsim import SwapTiming
 
 __all__ = ["NO_PROACTIVE", "PROACTIVE", "ProactiveMoves"]
 
@@ -52,12 +53,35 @@ class ProactiveMoves:
     quarantine: QuarantinePolicy
     step_s: float
     horizon_s: float
+    num_nodes: int
     cost_s: float
     prepare_s: float
     plan_s: float
 
     def __post_init__(self) -> None:
         self._flagged: dict[float, tuple[int, StragglerVerdict] | None] = {}
+
+    @classmethod
+    def for_job(
+        cls,
+        config: StragglerConfig,
+        quarantine: QuarantinePolicy,
+        job: JobSpec,
+        swap: SwapTiming,
+        cost_s: float,
+        plan_s: float,
+    ) -> ProactiveMoves:
+        """For ``job``, whose planned migration is ``swap`` (its preparation) costing ``cost_s``."""
+        return cls(
+            config=config,
+            quarantine=quarantine,
+            step_s=job.step_s,
+            horizon_s=job.horizon_s,
+            num_nodes=job.num_nodes,
+            cost_s=cost_s,
+            prepare_s=swap.prepare_s,
+            plan_s=plan_s,
+        )
 
     def detection(self, factor: float) -> tuple[int, StragglerVerdict] | None:
         """The runtime detector's answer for a rank ``factor`` x slower (cached per run)."""
@@ -92,13 +116,12 @@ class ProactiveMoves:
             reason=decision.reason,
         )
 
-    def on_warning(self, *, cause: Any, lead_s: float, others_usable: int, has_target: bool) -> bool:
+    def on_warning(self, *, cause: Any, lead_s: float, has_target: bool) -> bool:
         """Whether the node was drained before its failure (see the module docstring)."""
         if self.config.on_degraded != "drain" or not has_target:
             return False
-        graded = grading.grade_failure(
-            FailureSignal(kind=cause.kind, probe="degraded", others_usable=others_usable), self.quarantine
-        )
+        signal = FailureSignal(kind=cause.kind, probe="degraded", others_usable=self.num_nodes - 1)
+        graded = grading.grade_failure(signal, self.quarantine)
         if graded.grade not in (Grade.REPLACE_ELSEWHERE, Grade.QUARANTINE_NODE):
             return False
         return lead_s >= self.plan_s + self.prepare_s
