@@ -16,11 +16,19 @@ What is measured.
   with the calibration used (every figure's source) in the JSON. Besides nonstop's defaults, two
   elastic variants (``--min-world-size`` 90% of the GPUs, ``--shards-per-rank`` 4): ``--survivors
   auto`` (the runtime's policy chooses per failure) and ``continue`` (always shrink first).
+* **Fail-slow** (``--fail-slow``, alone, to its own file): the same projection with fail-slow
+  ranks and degraded-before-failure signals (:mod:`nonstop.sim.failslow`, its default rates,
+  each sourced or flagged as an assumption), nonstop with and without its proactive moves (the
+  runtime's ``--straggler migrate --on-degraded drain`` against ``warn``/``warn``), beside the
+  baselines, which have none; then what the moves are worth at 16,384 GPUs (llama3) as the
+  assumed fail-slow rate and share of warned failures vary (``advisor.proactive_worth``, means
+  over the seeds).
 
 Run it::
 
     .venv/bin/python benchmarks/bench_sim.py              # -> benchmarks/results/sim.json
     .venv/bin/python benchmarks/bench_sim.py --quick      # smaller, for a smoke run
+    .venv/bin/python benchmarks/bench_sim.py --fail-slow  # -> benchmarks/results/sim-failslow.json
 """
 
 from __future__ import annotations
@@ -47,14 +55,18 @@ import numpy as np  # noqa: E402
 from nonstop.runtime.policy import FailureKind  # noqa: E402
 from nonstop.runtime.survivors import SurvivorMode  # noqa: E402
 from nonstop.sim import theory  # noqa: E402
+from nonstop.sim.advisor import proactive_worth  # noqa: E402
 from nonstop.sim.api import JobSpec, SimResult, Strategy  # noqa: E402
 from nonstop.sim.calibrate import Calibration, load_calibration  # noqa: E402
-from nonstop.sim.engine import simulate  # noqa: E402
+from nonstop.sim.engine import EventSource, simulate  # noqa: E402
+from nonstop.sim.failslow import DEFAULT_FAILSLOW, FailSlowModel, WithFailSlow  # noqa: E402
 from nonstop.sim.failures import Cause, FailureModel, preset  # noqa: E402
 from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams  # noqa: E402
+from nonstop.sim.proactivesim import NO_PROACTIVE  # noqa: E402
 from nonstop.sim.strategies import CheckpointRestart, TorchftLike  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "sim.json"
+FAILSLOW_OUT = REPO_ROOT / "benchmarks" / "results" / "sim-failslow.json"
 
 
 def machine_info() -> dict[str, Any]:
@@ -191,14 +203,29 @@ def bench_accuracy(cal: Calibration, days: float, seeds: int) -> list[dict[str, 
     return out
 
 
-def bench_projection(cal: Calibration, days: float, seeds: int, sizes: list[int]) -> list[dict[str, Any]]:
+def failslow_strategies(job: JobSpec, model: FailureModel, cal: Calibration) -> list[Strategy]:
+    """The three strategies, and nonstop detecting slow ranks and degraded nodes but moving none."""
+    out = strategies(job, model, cal)
+    blind = Nonstop(job=job, params=NonstopParams(straggler=NO_PROACTIVE), calibration=cal)
+    blind.name = "nonstop no-proactive"
+    return [*out, blind]
+
+
+def bench_projection(
+    cal: Calibration, days: float, seeds: int, sizes: list[int], *, fail_slow: bool = False
+) -> list[dict[str, Any]]:
     rows = []
     for preset_name in ("llama3", "meta-high"):
         model = preset(preset_name)
+        source: EventSource = WithFailSlow(base=model) if fail_slow else model
         for gpus in sizes:
             job = JobSpec(num_gpus=gpus, days=days)
-            for s in strategies(job, model, cal, variants=True):
-                runs: list[SimResult] = [simulate(job, model, s, seed=k) for k in range(seeds)]
+            if fail_slow:
+                strats = failslow_strategies(job, model, cal)
+            else:
+                strats = strategies(job, model, cal, variants=True)
+            for s in strats:
+                runs: list[SimResult] = [simulate(job, source, s, seed=k) for k in range(seeds)]
                 stage_hours = {
                     k: statistics.median(r.lost_by_stage[k] / 3600 / days for r in runs)
                     for k in runs[0].lost_by_stage
@@ -218,6 +245,11 @@ def bench_projection(cal: Calibration, days: float, seeds: int, sizes: list[int]
                             for k in sorted({k for r in runs for k in r.resizes})
                         },
                         "spare_gpus": runs[0].spare_gpus,
+                        "slowdowns": stats([float(r.slowdowns) for r in runs]),
+                        "proactive_moves_median": {
+                            k: statistics.median(r.proactive.get(k, 0) for r in runs)
+                            for k in sorted({k for r in runs for k in r.proactive})
+                        },
                         "params": runs[0].params,
                     }
                 )
@@ -235,8 +267,12 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--days", type=float, default=54.0)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--fail-slow", action="store_true", help="only the fail-slow projection")
     args = ap.parse_args()
+    if args.fail_slow:
+        return main_failslow(args)
+    args.out = args.out or DEFAULT_OUT
     sizes = [1_024, 16_384, 100_352]
     mem_sizes = [16_384, 131_072, 1_048_576]
     acc_days, acc_seeds = 400.0, 5
@@ -307,6 +343,69 @@ def main() -> int:
             f"| {p['goodput_per_provisioned_gpu']['median']:.4f} |"
         )
     print(f"\nwrote {args.out} ({doc['wall_s']:.0f} s)")
+    return 0
+
+
+def bench_sensitivity(cal: Calibration, days: float, seeds: int) -> list[dict[str, Any]]:
+    """What the moves are worth at 16,384 GPUs (llama3) as the assumptions vary."""
+    job = JobSpec(num_gpus=16_384, days=days)
+    rows = []
+    for scale in (0.0, 0.1, 0.3, 1.0, 3.0):
+        for warned in (0.0, 0.2, 0.5):
+            model = FailSlowModel(
+                rate_per_gpu_hour=scale * DEFAULT_FAILSLOW.rate_per_gpu_hour, warned_fraction=warned
+            )
+            worth = proactive_worth(
+                job=job, model=preset("llama3"), failslow=model, calibration=cal, seeds=tuple(range(seeds))
+            )
+            rows.append({"rate_scale": scale, "warned_fraction": warned, **worth.to_json()})
+    return rows
+
+
+def main_failslow(args: argparse.Namespace) -> int:
+    """The projection with fail-slow ranks and degraded signals, and what proactive moves are worth."""
+    sizes = [1_024, 16_384] if args.quick else [1_024, 16_384, 100_352]
+    if args.quick:
+        args.seeds, args.days = 2, 7.0
+    started = time.perf_counter()
+    cal = load_calibration()
+    doc: dict[str, Any] = {
+        "benchmark": "sim-failslow",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": [sys.executable.split("/")[-1], *sys.argv],
+        "machine": machine_info(),
+        "workload": {"days": args.days, "seeds": args.seeds, "sizes": sizes},
+        "fail_slow": DEFAULT_FAILSLOW.to_json(),
+        "calibration": cal.to_json(),
+    }
+    print("measuring the fail-slow projection ...", file=sys.stderr, flush=True)
+    doc["projection"] = bench_projection(cal, args.days, args.seeds, sizes, fail_slow=True)
+    print("measuring the sensitivity to the assumptions ...", file=sys.stderr, flush=True)
+    doc["sensitivity"] = bench_sensitivity(cal, args.days, args.seeds)
+    doc["wall_s"] = time.perf_counter() - started
+    out = args.out or FAILSLOW_OUT
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print(f"## Fail-slow projection ({args.days:g} days, median [min-max] of {args.seeds} draws)\n")
+    print("| failures | GPUs | strategy | ETTR | lost GPU-h/day | of it fail_slow | proactive moves |")
+    print("|---|---|---|---|---|---|---|")
+    for p in doc["projection"]:
+        moves = ", ".join(f"{k} {v:g}" for k, v in p["proactive_moves_median"].items()) or "-"
+        print(
+            f"| {p['preset']} | {p['num_gpus']:,} | {p['strategy']} | {fmt(p['ettr'], 4)} "
+            f"| {fmt(p['lost_gpu_hours_per_day'], 0, comma=True)} "
+            f"| {p['lost_gpu_hours_per_day_by_stage_median'].get('fail_slow', 0.0):,.0f} | {moves} |"
+        )
+    print("\n## What the moves are worth at 16,384 GPUs (llama3) as the assumptions vary (means)\n")
+    print("| fail-slow rate (x the default) | warned share | ETTR with | ETTR without | GPU-h/day saved |")
+    print("|---|---|---|---|---|")
+    for w in doc["sensitivity"]:
+        saved = w["lost_gpu_hours_per_day_without"] - w["lost_gpu_hours_per_day_with"]
+        print(
+            f"| {w['rate_scale']:g} | {w['warned_fraction']:g} | {w['ettr_with']:.4f} "
+            f"| {w['ettr_without']:.4f} | {saved:,.0f} |"
+        )
+    print(f"\nwrote {out} ({doc['wall_s']:.0f} s)")
     return 0
 
 

@@ -8,6 +8,11 @@ Concepts (each in its own module):
   GPU-seconds booked per (cause, stage).
 * :mod:`~nonstop.sim.failures` — failure processes (Poisson / Weibull per node, lemon nodes),
   Llama 3's cause mix, Meta's rates, spot-trace replay; :mod:`~nonstop.sim.traces` reads traces.
+* :mod:`~nonstop.sim.failslow` — fail-slow ranks (a synchronous job runs at its slowest rank's
+  pace) and degraded signals before failures, with their sources; :mod:`~nonstop.sim.proactivesim`
+  — nonstop's moves ahead of trouble, decided by the runtime's detector, grading and proactive
+  policy (:mod:`nonstop.runtime.straggler`, :mod:`~nonstop.runtime.grading`,
+  :mod:`~nonstop.runtime.proactive`).
 * :mod:`~nonstop.sim.engine` — the discrete-event engine (:func:`simulate`).
 * :mod:`~nonstop.sim.strategies` — :class:`CheckpointRestart` (DCP + torchrun) and
   :class:`TorchftLike`; :mod:`~nonstop.sim.nonstop_strategy` — :class:`Nonstop`, which decides
@@ -29,6 +34,7 @@ docs/simulator.md describes the model, the laws and their sources, and the valid
 from nonstop.sim.api import FailureEvents, JobSpec, Recovery, SimResult, Strategy
 from nonstop.sim.calibrate import Calibration, load_calibration
 from nonstop.sim.engine import simulate
+from nonstop.sim.failslow import FailSlowModel, WithFailSlow
 from nonstop.sim.failures import LLAMA3_CAUSES, PRESETS, Cause, FailureModel, TraceFailures, preset
 from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
 from nonstop.sim.strategies import CheckpointRestart, TorchftLike
@@ -39,6 +45,7 @@ __all__ = [
     "Calibration",
     "Cause",
     "CheckpointRestart",
+    "FailSlowModel",
     "FailureEvents",
     "FailureModel",
     "JobSpec",
@@ -49,6 +56,7 @@ __all__ = [
     "Strategy",
     "TorchftLike",
     "TraceFailures",
+    "WithFailSlow",
     "load_calibration",
     "preset",
     "simulate",

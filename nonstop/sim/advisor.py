@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +31,12 @@ from nonstop.plotting import pyplot, save_figure
 from nonstop.sim.api import JobSpec, SimResult, default_spare_nodes, require
 from nonstop.sim.calibrate import Calibration
 from nonstop.sim.engine import simulate
+from nonstop.sim.failslow import FailSlowModel, WithFailSlow
 from nonstop.sim.failures import FailureModel
 from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
+from nonstop.sim.proactivesim import NO_PROACTIVE
 
-__all__ = ["Advice", "Candidate", "advise", "plot_frontier"]
+__all__ = ["Advice", "Candidate", "ProactiveWorth", "advise", "plot_frontier", "proactive_worth"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +50,17 @@ class Candidate:
     goodput_per_provisioned_gpu: float
     min_world_size: int = 0  # 0: not elastic
     shards_per_rank: int = 1
+
+    def params(self) -> NonstopParams:
+        """nonstop's settings this candidate stands for."""
+        return NonstopParams(
+            replicas=self.replicas,
+            snapshot_every=self.snapshot_every,
+            persist_every_s=self.persist_every_s,
+            spare_nodes=self.spare_nodes,
+            min_world_size=self.min_world_size,
+            shards_per_rank=self.shards_per_rank,
+        )
 
     @property
     def elastic(self) -> str:
@@ -186,6 +199,73 @@ def advise(
             frontier.append(max(mine, key=lambda c: c.goodput_per_provisioned_gpu))
     best = max(frontier, key=lambda c: (c.goodput_per_provisioned_gpu, -c.host_bytes_per_node))
     return Advice(best=best, frontier=frontier, candidates=out, rejected_for_memory=rejected)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProactiveWorth:
+    """nonstop's chosen setting with and without proactive moves, under fail-slow events and
+    degraded signals (means over the seeds, the same failures and slowdowns for both)."""
+
+    num_gpus: int
+    ettr_with: float
+    ettr_without: float
+    lost_gpu_h_per_day_with: float
+    lost_gpu_h_per_day_without: float
+    moves_per_day: dict[str, float]
+
+    def line(self) -> str:
+        moves = ", ".join(f"{k} {v:.1f}/day" for k, v in sorted(self.moves_per_day.items())) or "none"
+        saved = self.lost_gpu_h_per_day_without - self.lost_gpu_h_per_day_with
+        verdict = "" if saved > 0 else " -> do not move proactively"
+        gain = self.ettr_with - self.ettr_without
+        return (
+            f"proactive migration (fail-slow ranks, degraded nodes) at {self.num_gpus:,} GPUs: ETTR "
+            f"{self.ettr_with:.4f} with, {self.ettr_without:.4f} without ({gain:+.4f}; "
+            f"{saved:,.0f} GPU-h/day); moves: {moves}{verdict}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "num_gpus": self.num_gpus,
+            "ettr_with": self.ettr_with,
+            "ettr_without": self.ettr_without,
+            "lost_gpu_hours_per_day_with": self.lost_gpu_h_per_day_with,
+            "lost_gpu_hours_per_day_without": self.lost_gpu_h_per_day_without,
+            "moves_per_day": self.moves_per_day,
+        }
+
+
+def proactive_worth(
+    *,
+    job: JobSpec,
+    model: FailureModel,
+    failslow: FailSlowModel,
+    calibration: Calibration,
+    params: NonstopParams | None = None,
+    seeds: tuple[int, ...] = (0, 1),
+) -> ProactiveWorth:
+    """What proactive moves are worth to nonstop (``params``) on this job: the same runs with the
+    runtime's ``--straggler migrate --on-degraded drain`` and with detection only."""
+    params = params or NonstopParams()
+    source = WithFailSlow(base=model, model=failslow)
+    runs: dict[bool, list[SimResult]] = {}
+    for moving in (True, False):
+        p = params if moving else replace(params, straggler=NO_PROACTIVE)
+        strat = Nonstop(job=job, params=p, calibration=calibration)
+        runs[moving] = [simulate(job, source, strat, seed=s) for s in seeds]
+    kinds = sorted({k for r in runs[True] for k in r.proactive})
+    return ProactiveWorth(
+        num_gpus=job.num_gpus,
+        ettr_with=mean([r.ettr for r in runs[True]]),
+        ettr_without=mean([r.ettr for r in runs[False]]),
+        lost_gpu_h_per_day_with=mean([r.lost_gpu_hours_per_day() for r in runs[True]]),
+        lost_gpu_h_per_day_without=mean([r.lost_gpu_hours_per_day() for r in runs[False]]),
+        moves_per_day={k: mean([r.proactive.get(k, 0) / job.days for r in runs[True]]) for k in kinds},
+    )
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
 
 
 def plot_frontier(advice: Advice, path: Path, *, title: str = "") -> Path:

@@ -8,9 +8,12 @@ Stages are the runtime's recovery stages (:class:`nonstop.runtime.recovery.Stage
 launch, restore, rebuild, resume) plus the simulator's own: ``replan`` (a recovery cut short by
 another failure), ``lost_work`` (committed progress redone), ``overhead`` (checkpoint blocking or
 per-step snapshot stall, charged to the cause ``steady``), ``shrunk`` (the throughput an elastic
-job gives up while it trains with fewer ranks, charged to the failure that shrank it). GPUs idle
-while the rest of the job trains on (a torchft replica group healing) are booked under the stage
-they are in.
+job gives up while it trains with fewer ranks, charged to the failure that shrank it),
+``fail_slow`` (the throughput a synchronous job gives up while one of its ranks is slow, charged
+to the cause ``fail-slow``) and ``proactive_migration`` (the pause of a live migration done ahead
+of trouble: away from a detected straggler, or off a node whose degraded signal came before its
+failure). GPUs idle while the rest of the job trains on (a torchft replica group healing) are
+booked under the stage they are in.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from nonstop.runtime.recovery import Stage
 
 __all__ = [
     "DAY_S",
+    "FAIL_SLOW",
     "STAGES",
     "STEADY",
     "Charge",
@@ -35,8 +39,11 @@ __all__ = [
     "FailureEvents",
     "JobSpec",
     "Recovery",
+    "Proactive",
     "Resizing",
     "RunContext",
+    "SlowEvents",
+    "SlowResponse",
     "SimResult",
     "Strategy",
     "Trained",
@@ -45,12 +52,15 @@ __all__ = [
 
 DAY_S = 86_400.0
 STEADY = "steady"  # the cause of overheads paid whether or not anything fails
+FAIL_SLOW = "fail-slow"  # the cause of the throughput lost to slow ranks and their migrations
 STAGES: tuple[str, ...] = (
     *(s.value for s in Stage if not s.is_terminal),
     "replan",
     "lost_work",
     "overhead",
     "shrunk",
+    "fail_slow",
+    "proactive_migration",
 )
 
 
@@ -109,13 +119,35 @@ class JobSpec:
 
 
 @dataclass(frozen=True)
+class SlowEvents:
+    """Fail-slow events in time order, as parallel arrays: from ``time`` on, one GPU of node
+    ``node`` computes ``factor`` x slower than its peers for ``duration_s`` seconds (unless its
+    node is replaced first, or its rank is moved away)."""
+
+    time: npt.NDArray[np.float64]
+    node: npt.NDArray[np.int64]
+    factor: npt.NDArray[np.float64]
+    duration_s: npt.NDArray[np.float64]
+
+    def __post_init__(self) -> None:
+        n = len(self.time)
+        assert len(self.node) == n and len(self.factor) == n and len(self.duration_s) == n
+        assert n == 0 or bool(np.all(np.diff(self.time) >= 0)), "events must be sorted by time"
+
+    def __len__(self) -> int:
+        return len(self.time)
+
+
+@dataclass(frozen=True)
 class FailureEvents:
     """Failures in time order, as parallel arrays (one row per event).
 
     ``node``: position of the failed node in the job (0..num_nodes-1). ``cause``: index into
     ``causes`` (a cause carries its :class:`FailureKind` and whether it is planned). ``lemon``:
     the event comes from a lemon node's excess rate; the engine drops it once that node's machine
-    has been replaced (thinning).
+    has been replaced (thinning). ``lead_s`` (None: no signal ever): seconds before the failure
+    that its node showed a detectable degraded signal (0: none for this one). ``slow``: the
+    run's fail-slow events (None: not modelled).
     """
 
     time: npt.NDArray[np.float64]
@@ -123,10 +155,13 @@ class FailureEvents:
     cause: npt.NDArray[np.int64]
     lemon: npt.NDArray[np.bool_]
     causes: tuple[Any, ...]  # tuple[failures.Cause, ...]; Any keeps this module import-free
+    lead_s: npt.NDArray[np.float64] | None = None
+    slow: SlowEvents | None = None
 
     def __post_init__(self) -> None:
         n = len(self.time)
         assert len(self.node) == n and len(self.cause) == n and len(self.lemon) == n
+        assert self.lead_s is None or len(self.lead_s) == n
         assert n == 0 or bool(np.all(np.diff(self.time) >= 0)), "events must be sorted by time"
 
     def __len__(self) -> int:
@@ -219,6 +254,40 @@ class Trained:
     shrunk: bool = False
 
 
+@dataclass(frozen=True, kw_only=True)
+class SlowResponse:
+    """What a strategy does about a fail-slow rank that started at ``now``.
+
+    ``detect_after_s``: when (after ``now``) its detector flags the rank (None: never: the
+    strategy has none, or the slowdown is below its threshold). ``migrate``: it then moves the
+    rank live: the slowdown ends ``prepare_s`` after the detection (the joiner prepares while the
+    job trains on, slowly) and the whole job pauses ``pause_s`` (the swap). ``reason``: why, for
+    the breakdowns."""
+
+    detect_after_s: float | None = None
+    migrate: bool = False
+    prepare_s: float = 0.0
+    pause_s: float = 0.0
+    reason: str = ""
+
+
+@runtime_checkable
+class Proactive(Protocol):
+    """What a strategy that acts before things break adds to :class:`Strategy`.
+
+    The engine calls :meth:`on_slow` when a fail-slow event starts, and :meth:`on_warning` for a
+    failure whose node gave a degraded signal ``lead_s`` before it (called at the failure's time,
+    before :meth:`Strategy.on_failure`): True means the node was drained in time, so the engine
+    hands the failure to ``on_failure`` as a planned event (a live migration, nothing lost) and
+    books its pause as ``proactive_migration``."""
+
+    def on_slow(self, *, now: float, node: int, factor: float, duration_s: float) -> SlowResponse:
+        """A rank of node ``node`` computes ``factor`` x slower from ``now`` on."""
+
+    def on_warning(self, *, now: float, node: int, cause: Any, lead_s: float) -> bool:
+        """Node ``node`` fails at ``now`` with ``cause``; it looked degraded ``lead_s`` before."""
+
+
 @runtime_checkable
 class Resizing(Protocol):
     """What a strategy whose job can change size (elastic shrink and grow) adds to :class:`Strategy`.
@@ -261,6 +330,8 @@ class SimResult:
     shrunk_s: float = 0.0  # wall seconds the job trained below its full size (elastic)
     shrunk_work_s: float = 0.0  # ... and the progress made meanwhile, in seconds of the full-size job
     resizes: dict[str, int] = field(default_factory=dict)  # elastic: wait / shrink / fail / grow
+    slowdowns: int = 0  # fail-slow events that started within the run
+    proactive: dict[str, int] = field(default_factory=dict)  # live moves ahead of trouble, by reason
 
     @property
     def lost_by_stage(self) -> dict[str, float]:

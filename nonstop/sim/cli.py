@@ -11,6 +11,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,16 @@ from nonstop.errors import UsageError
 from nonstop.plotting import require_plots
 from nonstop.runtime.policy import QuarantinePolicy
 from nonstop.runtime.survivors import SurvivorMode
-from nonstop.sim.advisor import advise, plot_frontier
+from nonstop.sim.advisor import advise, plot_frontier, proactive_worth
 from nonstop.sim.api import JobSpec, SimResult, Strategy, require
 from nonstop.sim.calibrate import DEFAULT_RESULTS, Calibration, load_calibration
 from nonstop.sim.engine import EventSource, simulate
+from nonstop.sim.failslow import DEFAULT_FAILSLOW, FailSlowModel, WithFailSlow
 from nonstop.sim.failures import PRESETS, FailureModel, TraceFailures, preset
-from nonstop.sim.metrics import markdown_table, plot_results, result_json
+from nonstop.sim.metrics import NO_PROACTIVE_NAME, failslow_summary, markdown_table, plot_results, result_json
 from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
 from nonstop.sim.predictor import ARForecaster, evaluate
+from nonstop.sim.proactivesim import NO_PROACTIVE
 from nonstop.sim.strategies import CheckpointRestart, TorchftLike
 from nonstop.sim.theory import optimal_interval
 from nonstop.sim.traces import find_trace, load_availability, load_node_trace
@@ -55,6 +58,31 @@ def _job_args(p: argparse.ArgumentParser, *, days: float) -> None:
     f.add_argument("--weibull-shape", type=float, default=1.0, help="1 = Poisson (default %(default)s)")
     f.add_argument("--lemon-fraction", type=float, default=0.0, help="share of nodes failing more often")
     f.add_argument("--lemon-factor", type=float, default=1.0, help="how much more often (x)")
+    f.add_argument(
+        "--fail-slow",
+        action="store_true",
+        help="also model fail-slow ranks and degraded signals before failures (docs/simulator.md); "
+        "nonstop then moves ranks ahead of trouble, and the report says what that is worth",
+    )
+    f.add_argument(
+        "--fail-slow-rate",
+        type=float,
+        default=DEFAULT_FAILSLOW.rate_per_gpu_hour,
+        metavar="PER_GPU_HOUR",
+        help="fail-slow events per GPU-hour (default %(default).3g: an assumption, see the docs)",
+    )
+    f.add_argument(
+        "--warned-fraction",
+        type=float,
+        default=DEFAULT_FAILSLOW.warned_fraction,
+        help="share of hardware failures with a degraded signal first (default %(default)s: assumed)",
+    )
+    f.add_argument(
+        "--lead-s",
+        type=float,
+        default=DEFAULT_FAILSLOW.lead_s,
+        help="how long before its failure a node looks degraded, s (default %(default)s: assumed)",
+    )
     p.add_argument(
         "--results-dir", type=Path, default=DEFAULT_RESULTS, help="runtime benchmark JSON to calibrate on"
     )
@@ -191,6 +219,14 @@ def _model(ns: argparse.Namespace) -> FailureModel:
     )
 
 
+def _failslow(ns: argparse.Namespace) -> FailSlowModel | None:
+    if not ns.fail_slow:
+        return None
+    return FailSlowModel(
+        rate_per_gpu_hour=ns.fail_slow_rate, warned_fraction=ns.warned_fraction, lead_s=ns.lead_s
+    )
+
+
 def _quarantine(spec: str) -> QuarantinePolicy:
     try:
         n, w = spec.split("/")
@@ -259,6 +295,14 @@ def _simulate(ns: argparse.Namespace) -> int:
         source = TraceFailures(trace=load_node_trace(find_trace(ns.trace)), notice_s=ns.spot_notice_s)
     require(ns.seeds >= 1, f"--seeds must be >= 1; got {ns.seeds}")
     strategies = build_strategies(ns.strategy or list(STRATEGIES), job, model, cal, ns)
+    slow = _failslow(ns)
+    if slow is not None:
+        source = WithFailSlow(base=source, model=slow)
+        for strat in list(strategies):  # what the proactive moves are worth: nonstop without them
+            if isinstance(strat, Nonstop):
+                blind = Nonstop(job=job, params=replace(strat.p, straggler=NO_PROACTIVE), calibration=cal)
+                blind.name = NO_PROACTIVE_NAME
+                strategies.insert(strategies.index(strat) + 1, blind)
     medians: list[SimResult] = []
     every: dict[str, list[dict[str, Any]]] = {}
     for strat in strategies:
@@ -275,6 +319,8 @@ def _simulate(ns: argparse.Namespace) -> int:
         f"{job.state_bytes_per_gpu / 1e9:g} GB state/GPU, step {job.step_s:g} s; median of {ns.seeds} seed(s)"
     )
     print(markdown_table(medians))
+    if slow is not None:
+        print(failslow_summary(medians))
     for r in medians:
         if r.resizes:
             resizes = ", ".join(f"{k} {v}" for k, v in sorted(r.resizes.items()))
@@ -289,6 +335,7 @@ def _simulate(ns: argparse.Namespace) -> int:
             {
                 "command": "simulate",
                 "failures": what,
+                "fail_slow": None if slow is None else slow.to_json(),
                 "median_runs": [result_json(r) for r in medians],
                 "runs": every,
                 "calibration": cal.to_json(),
@@ -327,6 +374,18 @@ def _advise(ns: argparse.Namespace) -> int:
         print(f"replication factors over the memory budget: {adv.rejected_for_memory}")
     print(adv.table())
     doc: dict[str, Any] = {"command": "advise", **adv.to_json(), "calibration": cal.to_json()}
+    slow = _failslow(ns)
+    if slow is not None:
+        worth = proactive_worth(
+            job=job,
+            model=model,
+            failslow=slow,
+            calibration=cal,
+            params=b.params(),
+            seeds=tuple(range(ns.seed, ns.seed + ns.seeds)),
+        )
+        print(worth.line())
+        doc["proactive"] = worth.to_json()
     if ns.trace is not None:
         series = load_availability(find_trace(ns.trace), 60.0)
         probe = Nonstop(job=job, params=NonstopParams(replicas=b.replicas), calibration=cal)

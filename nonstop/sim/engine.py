@@ -21,24 +21,40 @@ overhead, the throughput it gave up (stage ``shrunk``), and it schedules its own
 back when a node joins), which the engine replays in time order with the failures — deferred to
 the end of a pause, booked like a recovery, counted in ``SimResult.resizes`` but not as failures.
 The engine measures the wall time spent shrunk and the progress made meanwhile.
+
+Fail-slow (:mod:`nonstop.sim.failslow`). When the failures carry fail-slow events, the engine
+replays them in time order too: while slow ranks are active the job progresses at ``1 / factor``
+of its rate (the slowest rank's factor), the strategy trains ``dt / factor`` of progress and the
+rest is booked to the cause ``fail-slow`` (stage ``fail_slow``). A slowdown ends when its
+duration is over, when a failure replaces its node, or when a :class:`~nonstop.sim.api.Proactive`
+strategy moved its rank away (its answer to :meth:`~nonstop.sim.api.Proactive.on_slow`; the
+move's pause is booked as ``proactive_migration``; one due during a recovery waits for its end).
+A failure whose node gave a degraded signal first is offered to
+:meth:`~nonstop.sim.api.Proactive.on_warning`; drained in time, it reaches the strategy as a
+planned event and its pause is booked as ``proactive_migration``.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import os
 import sys
 import time
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Protocol, TextIO
 
 import numpy as np
 
 from nonstop.runtime.policy import RecoveryAction
 from nonstop.sim.api import (
+    FAIL_SLOW,
     STEADY,
     FailureEvents,
     JobSpec,
+    Proactive,
     Recovery,
     Resizing,
     RunContext,
@@ -129,6 +145,7 @@ class _Timeline:
         self.pending: tuple[str, float, list[tuple[str, float]]] | None = None
         self.shrunk_s = 0.0  # wall seconds trained below full size
         self.shrunk_work_s = 0.0  # progress made meanwhile
+        self.slow: dict[int, tuple[int, float]] = {}  # active slowdowns: id -> (node, factor)
 
     def train_until(self, now: float) -> None:
         """Unless the job is paused at ``now``: book the pause that ended and the training since."""
@@ -140,17 +157,23 @@ class _Timeline:
         dt = now - max(self.t, self.pause_end)
         if dt > 0:
             self._train(dt)
+            self.t = now
 
     def _train(self, dt: float) -> None:
+        """``dt`` wall seconds of training at the slowest active rank's pace: the strategy trains
+        ``dt / factor``, the rest is lost to the slow rank."""
+        factor = max((f for _, f in self.slow.values()), default=1.0)
+        eff = dt / factor
+        self.ledger.charge(FAIL_SLOW, "fail_slow", dt - eff, self.gpus)
         if self.resizing is None:
-            self.ledger.charge(STEADY, "overhead", self.strategy.advance(dt), self.gpus)
+            self.ledger.charge(STEADY, "overhead", self.strategy.advance(eff), self.gpus)
             return
-        tr = self.resizing.train(dt)
+        tr = self.resizing.train(eff)
         self.ledger.charge(STEADY, "overhead", tr.overhead_s, self.gpus)
         self.ledger.charge(tr.cause, "shrunk", tr.shrunk_s, self.gpus)
         if tr.shrunk:
-            self.shrunk_s += dt
-            self.shrunk_work_s += dt - tr.overhead_s - tr.shrunk_s
+            self.shrunk_s += eff
+            self.shrunk_work_s += eff - tr.overhead_s - tr.shrunk_s
 
     def book(self, cause: str, now: float, rec: Recovery) -> None:
         """A recovery (or a strategy's own event) starting at ``now``."""
@@ -214,6 +237,8 @@ def simulate(
 
     times, nodes, cause_idx, lemon = events.time, events.node, events.cause, events.lemon
     causes = events.causes
+    proactive = strategy if isinstance(strategy, Proactive) else None
+    slow = _SlowReplay(events, line, proactive)
     replaced: set[int] = set()  # positions whose original machine was replaced (lemon thinning)
     counts: Counter[str] = Counter()
     actions: Counter[str] = Counter()
@@ -221,23 +246,41 @@ def simulate(
     sources: Counter[str] = Counter()
     resizes: Counter[str] = Counter()
 
-    for i in range(len(times)):
-        now = float(times[i])
+    i, n = 0, len(times)
+    while True:
+        t_fail = float(times[i]) if i < n else math.inf
+        now = min(t_fail, slow.next_due())
         if now >= horizon:
             break
-        node = int(nodes[i])
-        if lemon[i] and node in replaced:
-            continue
-        cause = causes[int(cause_idx[i])]
         line.fire_events(now, resizes)
+        if now < t_fail:  # a slowdown starts or ends first
+            slow.fire(now)
+            continue
+        i += 1
+        node = int(nodes[i - 1])
+        if lemon[i - 1] and node in replaced:
+            continue
+        cause = causes[int(cause_idx[i - 1])]
         recovering = now < line.pause_end
         line.train_until(now)
-        rec: Recovery = strategy.on_failure(now=now, node=node, cause=cause, recovering=recovering)
+        lead = float(events.lead_s[i - 1]) if events.lead_s is not None else 0.0
+        drained = (
+            proactive is not None
+            and lead > 0
+            and not cause.planned
+            and proactive.on_warning(now=now, node=node, cause=cause, lead_s=lead)
+        )
+        told = replace(cause, planned=True) if drained else cause
+        rec: Recovery = strategy.on_failure(now=now, node=node, cause=told, recovering=recovering)
+        if drained:  # moved live before it broke: one planned swap
+            rec.pause = [("proactive_migration", rec.pause_s)]
+            slow.proactive["degraded"] += 1
         counts[cause.name] += 1
         if rec.action is not None:
             actions[rec.action.value] += 1
             if rec.action in (RecoveryAction.REPLACE_NODE, RecoveryAction.QUARANTINE, RecoveryAction.MIGRATE):
                 replaced.add(node)
+                slow.node_replaced(node)
         if rec.tier is not None:
             tiers[rec.tier.value] += 1
         if rec.resize is not None:
@@ -245,7 +288,7 @@ def simulate(
         sources[rec.replacement] += 1
         line.book(cause.name, now, rec)
         if bar is not None:
-            bar.update(i + 1, f"t={now / 86400:.1f}d failures={sum(counts.values())}")
+            bar.update(i, f"t={now / 86400:.1f}d failures={sum(counts.values())}")
 
     line.fire_events(horizon, resizes)
     line.finish()
@@ -271,4 +314,65 @@ def simulate(
         shrunk_s=line.shrunk_s,
         shrunk_work_s=line.shrunk_work_s,
         resizes=dict(resizes),
+        slowdowns=slow.started,
+        proactive=dict(slow.proactive),
     )
+
+
+class _SlowReplay:
+    """The run's fail-slow events replayed against the timeline: starts in time order, and each
+    active slowdown's end (its duration over, or the proactive move that ends it) from a heap."""
+
+    def __init__(self, events: FailureEvents, line: _Timeline, proactive: Proactive | None) -> None:
+        self.events = events.slow
+        self.line = line
+        self.strategy = proactive
+        self.next = 0  # the next start
+        self.ends: list[tuple[float, int]] = []  # (when, slowdown id): its end
+        self.pause_s: dict[int, float] = {}  # slowdown id -> the pause of the move that ends it
+        self.started = 0
+        self.proactive: Counter[str] = Counter()
+
+    def next_due(self) -> float:
+        ev = self.events
+        start = float(ev.time[self.next]) if ev is not None and self.next < len(ev) else math.inf
+        return min(start, self.ends[0][0] if self.ends else math.inf)
+
+    def fire(self, now: float) -> None:
+        """The start or end due at ``now`` (ends first)."""
+        line = self.line
+        if self.ends and self.ends[0][0] <= now:
+            _, sid = heapq.heappop(self.ends)
+            if sid not in line.slow:
+                return  # its node was replaced first
+            if sid in self.pause_s and now < line.pause_end:  # a move waits for the recovery's end
+                heapq.heappush(self.ends, (line.pause_end, sid))
+                return
+            line.train_until(now)
+            del line.slow[sid]
+            pause = self.pause_s.pop(sid, None)
+            if pause is not None:
+                line.book(FAIL_SLOW, now, Recovery(pause=[("proactive_migration", pause)]))
+                self.proactive["straggler"] += 1
+            return
+        ev = self.events
+        assert ev is not None
+        sid = self.next
+        self.next += 1
+        node, factor, duration = int(ev.node[sid]), float(ev.factor[sid]), float(ev.duration_s[sid])
+        line.train_until(now)
+        line.slow[sid] = (node, factor)
+        self.started += 1
+        end = now + duration
+        if self.strategy is not None:
+            resp = self.strategy.on_slow(now=now, node=node, factor=factor, duration_s=duration)
+            if resp.migrate and resp.detect_after_s is not None and resp.detect_after_s < duration:
+                end = min(end, now + resp.detect_after_s + resp.prepare_s)
+                self.pause_s[sid] = resp.pause_s
+        heapq.heappush(self.ends, (end, sid))
+
+    def node_replaced(self, node: int) -> None:
+        """A new machine plays ``node``: its slow GPUs are gone (their moves with them)."""
+        for sid in [k for k, (nd, _) in self.line.slow.items() if nd == node]:
+            del self.line.slow[sid]
+            self.pause_s.pop(sid, None)

@@ -6,6 +6,9 @@
   strategies that buy their ETTR with spare GPUs.
 * **lost GPU-hours** by cause (``steady`` = overhead paid even without failures) and by stage
   (the runtime's recovery stages + ``replan``, ``lost_work``, ``overhead``, ``shrunk``).
+* **fail-slow** (``--fail-slow``): the slowdowns replayed, the proactive moves by reason
+  (``straggler``, ``degraded``), and what they are worth: nonstop's ETTR with them against
+  nonstop without them (:data:`NO_PROACTIVE_NAME`, the same failures and slowdowns).
 * **elastic**: wall hours per day the job trained shrunk (fewer data-parallel ranks), its
   throughput meanwhile (progress per wall second in seconds of the full-size job: 1.0 = full
   speed with no overhead), and the count of each resize (wait / shrink / fail / grow).
@@ -21,7 +24,16 @@ from typing import Any
 from nonstop.plotting import pyplot, save_figure
 from nonstop.sim.api import STAGES, SimResult
 
-__all__ = ["aggregate", "markdown_table", "plot_results", "result_json"]
+__all__ = [
+    "NO_PROACTIVE_NAME",
+    "aggregate",
+    "failslow_summary",
+    "markdown_table",
+    "plot_results",
+    "result_json",
+]
+
+NO_PROACTIVE_NAME = "nonstop no-proactive"  # nonstop detecting slow ranks and degraded nodes, moving none
 
 
 def result_json(r: SimResult) -> dict[str, Any]:
@@ -48,6 +60,8 @@ def result_json(r: SimResult) -> dict[str, Any]:
         "shrunk_hours_per_day": r.shrunk_s / hours,
         "shrunk_throughput": r.shrunk_throughput,
         "resizes": r.resizes,
+        "slowdowns": r.slowdowns,
+        "proactive_moves": r.proactive,
         "failures": r.failures,
         "failures_by_cause": dict(sorted(r.failures_by_cause.items(), key=lambda kv: -kv[1])),
         "actions": r.actions,
@@ -87,6 +101,30 @@ def markdown_table(results: Sequence[SimResult]) -> str:
             f"{r.spare_gpus} | {r.goodput_per_provisioned_gpu:.4f} | {top} ({share:.0%}) |"
         )
     return "\n".join(rows)
+
+
+def failslow_summary(results: Sequence[SimResult]) -> str:
+    """Per strategy, the GPU-hours/day lost to slow ranks and the proactive moves; then what the
+    moves are worth (nonstop against :data:`NO_PROACTIVE_NAME`), when both ran."""
+    lines = []
+    for r in results:
+        hours = 3600.0 * r.job.days
+        slow = r.lost_by_stage.get("fail_slow", 0.0) / hours
+        moved = r.lost_by_stage.get("proactive_migration", 0.0) / hours
+        moves = ", ".join(f"{k} {v}" for k, v in sorted(r.proactive.items())) or "none"
+        lines.append(
+            f"{r.strategy}: {r.slowdowns} slowdowns, {slow:,.0f} GPU-h/day lost to slow ranks; "
+            f"proactive moves: {moves} ({moved:,.0f} GPU-h/day of pauses)"
+        )
+    by_name = {r.strategy: r for r in results}
+    on, off = by_name.get("nonstop"), by_name.get(NO_PROACTIVE_NAME)
+    if on is not None and off is not None:
+        saved = off.lost_gpu_hours_per_day() - on.lost_gpu_hours_per_day()
+        lines.append(
+            f"proactive migration is worth {on.ettr - off.ettr:+.4f} ETTR ({on.ettr:.4f} with, "
+            f"{off.ettr:.4f} without): {saved:,.0f} GPU-h/day at {on.job.num_gpus:,} GPUs"
+        )
+    return "\n".join(lines)
 
 
 def plot_results(results: Sequence[SimResult], path: Path, *, title: str = "") -> Path:

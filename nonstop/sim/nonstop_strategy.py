@@ -29,6 +29,10 @@ shrunk while the spare prepares: launch, fetch, restore, a warm-up step; it then
 or replace first (everyone waits for the spare), with this job's costs at scale as the runtime
 passes it the costs it measured.
 
+Proactive moves (``NonstopParams.straggler``, the runtime's ``--straggler`` and ``--on-degraded``):
+a fail-slow rank and a degraded node before its failure are moved live when the runtime's
+detector, grading and proactive policy say so (:mod:`nonstop.sim.proactivesim`).
+
 Granularity: one call per failed node; the node's ranks move together (a node's GPUs share its
 snapshot memory and its spare), so ``failed`` holds one entry for the node's rank group. Ranks are
 GPUs (one data-parallel rank per GPU, as the runtime starts them): an elastic job has
@@ -52,13 +56,23 @@ from nonstop.runtime.policy import (
     ReplacementSource,
     Tier,
 )
+from nonstop.runtime.straggler import StragglerConfig
 from nonstop.runtime.survivors import SurvivorChoice, SurvivorCosts, SurvivorMode
 from nonstop.runtime.swap import SwapKind
 from nonstop.sim import recoverysim, swapsim
-from nonstop.sim.api import JobSpec, Recovery, RunContext, Trained, default_spare_nodes, require
+from nonstop.sim.api import (
+    JobSpec,
+    Recovery,
+    RunContext,
+    SlowResponse,
+    Trained,
+    default_spare_nodes,
+    require,
+)
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s
 from nonstop.sim.elasticsim import ElasticWorld
 from nonstop.sim.failures import Cause
+from nonstop.sim.proactivesim import PROACTIVE, ProactiveMoves
 from nonstop.sim.recoverysim import RecoveryCosts
 from nonstop.sim.strategies import SparePool
 from nonstop.sim.swapsim import SwapCosts
@@ -89,7 +103,9 @@ class NonstopParams:
     replicate=R,shard=S``, a shard group per replica group); a live migration or a grow then
     builds only the groups with the moved node's ranks in them (:meth:`MeshSpec.changed_groups`,
     the runtime's ``train/meshgroups.py``), a failure every group (gloo cannot cancel a
-    collective in flight); 0: data-parallel, one group of the whole job.
+    collective in flight); 0: data-parallel, one group of the whole job. straggler: the
+    runtime's fail-slow and degraded-node settings (``mode`` migrate and ``on_degraded`` drain:
+    proactive moves; :data:`~nonstop.sim.proactivesim.NO_PROACTIVE` detects only).
     """
 
     snapshot_every: int = 1
@@ -105,6 +121,7 @@ class NonstopParams:
     shards_per_rank: int = 1
     survivors: SurvivorMode = SurvivorMode.AUTO
     replica_nodes: int = 0
+    straggler: StragglerConfig = PROACTIVE
 
     def __post_init__(self) -> None:
         require(self.snapshot_every >= 1, f"--snapshot-every must be >= 1 step; got {self.snapshot_every}")
@@ -222,6 +239,8 @@ class Nonstop:
         self.grow_prepare = cal.launch_cold_s + self.grow_swap.prepare_s
         self.grow_pause = self.grow_swap.pause_s
         self._holders: dict[int, list[int]] = {}
+        swap, plan = self.migration_swap, cal.plan_s
+        self.moves = ProactiveMoves.for_job(p.straggler, p.quarantine, job, swap, self.migration, plan)
 
     # -- the ring of replica holders ------------------------------------------------------------
     def holders(self, pos: int) -> list[int]:
@@ -408,6 +427,22 @@ class Nonstop:
             pause=pause, lost_work_s=lost, action=action, tier=tier, replacement=source, resize=resize
         )
 
+    # -- proactive moves (sim/proactivesim.py decides) ------------------------------------------
+    def _has_target(self, now: float) -> bool:
+        """Another node has an idle hot spare: a process spare (each node keeps one) or a spare node."""
+        return (self.job.num_nodes > 1 and self.p.spares_per_node > 0) or bool(self.spares.idle(now, limit=1))
+
+    def on_slow(self, *, now: float, node: int, factor: float, duration_s: float) -> SlowResponse:
+        """``Proactive.on_slow`` (the runtime knows neither the GPU nor how long it will last)."""
+        return self.moves.on_slow(now=now, factor=factor, has_target=self._has_target(now))
+
+    def on_warning(self, *, now: float, node: int, cause: Cause, lead_s: float) -> bool:
+        """``Proactive.on_warning`` (a position a shrink dropped has no machine to drain)."""
+        absent = node in self.elastic.absent
+        return not absent and self.moves.on_warning(
+            cause=cause, lead_s=lead_s, has_target=self._has_target(now)
+        )
+
     def _take(self, node: int, placement: Placement, *, healthy: bool, now: float) -> None:
         """A spare node taken for ``node`` (its machine comes back as a spare after repair unless
         it was healthy); a process spare on the node itself warms up again."""
@@ -536,6 +571,7 @@ class Nonstop:
             "elastic_wait_s": self.p.elastic_wait_s,
             "shards_per_rank": self.p.shards_per_rank,
             "survivors": self.p.survivors.value,
+            "proactive": self.moves.describe(),
             "grow_prepare_s": self.grow_prepare,
             "grow_pause_s": self.grow_pause,
             "quarantine": {
