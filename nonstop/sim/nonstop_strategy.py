@@ -412,7 +412,7 @@ class Nonstop:
                 launch = cal.node_provision_s + cal.launch_cold_s
             else:
                 launch = cal.launch_cold_s
-            pause = [("detect", self._detect(cause.kind)), *self._generation(tier, launch)]
+            pause = [("detect", detect_s(self.cal, cause.kind)), *self._generation(tier, launch)]
         self.work -= lost
         # bookkeeping: spares used, machines leaving, memory that must be re-replicated
         back = sum(s for _, s in pause) + self.transfer * max(1, self.p.replicas)
@@ -492,7 +492,7 @@ class Nonstop:
         tier = policy.choose_tier(local_alive=True, has_local=True, peer_has=True, durable_has=True)
         assert tier is not None
         lost = 0.0 if recovering and tier is not Tier.DURABLE else self._lost(tier)
-        detect = self._detect(cause.kind)
+        detect = detect_s(self.cal, cause.kind)
         # the wait for a spare is part of the planning
         pause = [("detect", detect), *self._generation(tier, None, waited_s=waited)]
         self.work -= lost
@@ -538,44 +538,51 @@ class Nonstop:
         )
         return [("plan", plan), *((n, s) for n, s in timing.pause if n != "launch" or launch_s is not None)]
 
-    def _detect(self, kind: FailureKind) -> float:
-        cal = self.cal
-        if kind is FailureKind.NODE_LOST:
-            return cal.node_lease_s
-        if kind is FailureKind.HANG:
-            return cal.heartbeat_timeout_s + cal.detect_exit_s
-        return cal.detect_exit_s
-
     def describe(self) -> dict[str, Any]:
-        return {
-            "strategy": self.name,
-            "snapshot_every": self.p.snapshot_every,
-            "stall_s": self.stall,
-            "stall_fraction": self.stall / (self.job.step_s * self.p.snapshot_every),
-            "step_overhead_s": self.cal.nonstop_step_overhead_s,
-            "steady_fraction": self.steady_fraction,
-            "replicas": self.p.replicas,
-            "replica_lag_steps": self.replica_lag_steps,
-            "spares_per_node": self.p.spares_per_node,
-            "spare_nodes": self.num_spare_nodes,
-            "persist_every_s": self.p.persist_every_s,
-            "persist_write_s": self.persist_write,
-            "restore_local_s": self.restore_local,
-            "peer_transfer_s": self.transfer,
-            "durable_read_s": self.durable_read,
-            "rebuild_s": self.rebuild,
-            "replica_nodes": self.p.replica_nodes,
-            "swap_rebuild_s": self.swap_rebuild,
-            "migration_pause_s": self.migration,
-            "min_world_size": self.p.min_world_size,
-            "elastic_wait_s": self.p.elastic_wait_s,
-            "shards_per_rank": self.p.shards_per_rank,
-            "survivors": self.p.survivors.value,
-            "proactive": self.moves.describe(),
-            "grow_prepare_s": self.grow_prepare,
-            "grow_pause_s": self.grow_pause,
-            "quarantine": {
-                "max_failures": self.p.quarantine.max_failures,
-                "window_s": self.p.quarantine.window_s,
-            },
-        }
+        return describe_nonstop(self)
+
+
+def describe_nonstop(s: Nonstop) -> dict[str, Any]:
+    """Every setting and derived cost of a nonstop strategy, for the report."""
+    return {
+        "strategy": s.name,
+        "snapshot_every": s.p.snapshot_every,
+        "stall_s": s.stall,
+        "stall_fraction": s.stall / (s.job.step_s * s.p.snapshot_every),
+        "step_overhead_s": s.cal.nonstop_step_overhead_s,
+        "steady_fraction": s.steady_fraction,
+        "replicas": s.p.replicas,
+        "replica_lag_steps": s.replica_lag_steps,
+        "spares_per_node": s.p.spares_per_node,
+        "spare_nodes": s.num_spare_nodes,
+        "persist_every_s": s.p.persist_every_s,
+        "persist_write_s": s.persist_write,
+        "restore_local_s": s.restore_local,
+        "peer_transfer_s": s.transfer,
+        "durable_read_s": s.durable_read,
+        "rebuild_s": s.rebuild,
+        "replica_nodes": s.p.replica_nodes,
+        "swap_rebuild_s": s.swap_rebuild,
+        "migration_pause_s": s.migration,
+        "min_world_size": s.p.min_world_size,
+        "elastic_wait_s": s.p.elastic_wait_s,
+        "shards_per_rank": s.p.shards_per_rank,
+        "survivors": s.p.survivors.value,
+        "proactive": s.moves.describe(),
+        "grow_prepare_s": s.grow_prepare,
+        "grow_pause_s": s.grow_pause,
+        "quarantine": {
+            "max_failures": s.p.quarantine.max_failures,
+            "window_s": s.p.quarantine.window_s,
+        },
+    }
+
+
+def detect_s(cal: Calibration, kind: FailureKind) -> float:
+    """How long nonstop takes to notice a failure of ``kind``: a lost node's lease, a hang's
+    heartbeat timeout, else the agent's exit report."""
+    if kind is FailureKind.NODE_LOST:
+        return cal.node_lease_s
+    if kind is FailureKind.HANG:
+        return cal.heartbeat_timeout_s + cal.detect_exit_s
+    return cal.detect_exit_s
