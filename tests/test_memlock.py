@@ -5,6 +5,7 @@ soft limit of a CPU job and forces the check on (a CPU node pins nothing)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 
 from nonstop.replica.peer import local_store_id
 from nonstop.runtime.devices import Devices
-from nonstop.runtime.shmspace import NodeMemory, memlock_shortfall, pins_slots
+from nonstop.runtime.shmspace import CAP_IPC_LOCK, NodeMemory, has_ipc_lock, memlock_shortfall, pins_slots
 from nonstop.snapshot.slot import slot_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,9 +83,52 @@ def test_unlimited_or_unpinned_is_never_short(tmp_path: Path, pinned: bool, limi
 
 
 def _lower_memlock() -> None:
+    """In the child before exec: a 64 KiB soft limit, and (as root) no CAP_IPC_LOCK after the exec,
+    which would lift the limit (dropped from the bounding set: root's capabilities at exec)."""
     _soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     low = 64 * 1024 if hard == resource.RLIM_INFINITY else min(64 * 1024, hard)
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (low, hard))
+    if has_ipc_lock():
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_IPC_LOCK)")
+
+
+PR_CAPBSET_DROP = 24  # linux/prctl.h
+
+
+def test_cap_ipc_lock_is_read_from_the_effective_set() -> None:
+    status = "Name:\tx\nCapInh:\t0000000000000000\nCapEff:\t{}\n"
+    assert has_ipc_lock(status.format("000001ffffffffff")) is True  # root
+    assert has_ipc_lock(status.format("0000000000004000")) is True  # CAP_IPC_LOCK alone
+    assert has_ipc_lock(status.format("000001ffffffbfff")) is False  # all but CAP_IPC_LOCK
+    assert has_ipc_lock(status.format("0000000000000000")) is False  # an ordinary user
+    assert has_ipc_lock("Name:\tx\n") is False and has_ipc_lock("CapEff:\tzz\n") is False
+
+
+def test_a_process_with_cap_ipc_lock_is_not_held_to_the_limit(tmp_path: Path) -> None:
+    """The limit as the agent sees it: the soft limit, or None (unlimited) where the kernel does
+    not enforce it -- checked in a child that lowered its limit, with and without the capability."""
+    code = (
+        "import resource; from nonstop.runtime.shmspace import soft_memlock_limit as f; "
+        "print(f(), resource.getrlimit(resource.RLIMIT_MEMLOCK)[0])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, preexec_fn=_lower_memlock
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["65536", "65536"]  # capability dropped (or never held): the limit
+    if has_ipc_lock():  # root here: the same child keeping the capability is not limited
+        keep = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            preexec_fn=lambda: resource.setrlimit(
+                resource.RLIMIT_MEMLOCK, (64 * 1024, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1])
+            ),
+        )
+        assert keep.stdout.split() == ["None", "65536"], keep.stderr
 
 
 @pytest.mark.slow

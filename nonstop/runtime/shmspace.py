@@ -17,7 +17,9 @@ InfiniBand/RoCE transport) always is, so the check is made wherever slots are pi
 rank locks is known when its slots are first sized (the same moment as the free-space check): the
 agent's :meth:`NodeMemory.poll` reads its ranks' slot files and, when ``num_slots`` x the largest
 slot exceeds the soft limit the workers inherit, fails the job with one line saying how to raise
-it (exit code 2), through the same record as the free-space shortfall. CPU nodes (and fake
+it (exit code 2), through the same record as the free-space shortfall. An agent that holds
+``CAP_IPC_LOCK`` (root, or a container given it for RDMA) is not checked: the kernel lifts the
+limit for it and for the workers it starts. CPU nodes (and fake
 devices) pin nothing and are not checked; ``NONSTOP_MEMLOCK_CHECK=0`` skips the check (the
 slots then stay pageable where registration fails: slower captures, nothing else), ``=1`` makes
 it on any node (tests: a CPU job under a lowered ``ulimit -l``).
@@ -37,7 +39,15 @@ from nonstop.runtime.devices import Devices
 from nonstop.snapshot.slot import segment_prefix
 from nonstop.snapshot.space import NodePlan, human, short_record_path, write_plan
 
-__all__ = ["MEMLOCK_CHECK", "NodeMemory", "memlock_shortfall", "pins_slots", "soft_memlock_limit"]
+__all__ = [
+    "CAP_IPC_LOCK",
+    "MEMLOCK_CHECK",
+    "NodeMemory",
+    "has_ipc_lock",
+    "memlock_shortfall",
+    "pins_slots",
+    "soft_memlock_limit",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +66,36 @@ def pins_slots(devices: Devices, env: Mapping[str, str] | None = None) -> bool:
     return devices.type == "cuda" and devices.limited and not devices.fake
 
 
+CAP_IPC_LOCK = 14  # linux/capability.h: lock memory beyond RLIMIT_MEMLOCK
+
+
+def has_ipc_lock(status: str | None = None) -> bool:
+    """Whether this process holds ``CAP_IPC_LOCK`` in its effective set (``CapEff`` of
+    ``/proc/self/status``, or of ``status``): the kernel then does not hold its page-locking --
+    ``mlock``, the pinning under ``cudaHostRegister``, an RDMA registration -- to ``RLIMIT_MEMLOCK``
+    (root, and containers given the capability for RDMA). False where it cannot be read."""
+    if status is None:
+        try:
+            with open("/proc/self/status") as f:
+                status = f.read()
+        except OSError:
+            return False
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            try:
+                return bool(int(line.split(":", 1)[1].strip(), 16) >> CAP_IPC_LOCK & 1)
+            except ValueError:
+                return False
+    return False
+
+
 def soft_memlock_limit() -> int | None:
-    """This process's soft ``RLIMIT_MEMLOCK`` in bytes (its children inherit it); None: unlimited."""
+    """This process's soft ``RLIMIT_MEMLOCK`` in bytes (its children inherit it and its
+    capabilities); None: unlimited, or not enforced (:func:`has_ipc_lock`)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return None if soft == resource.RLIM_INFINITY else int(soft)
+    if soft == resource.RLIM_INFINITY or has_ipc_lock():
+        return None
+    return int(soft)
 
 
 def memlock_shortfall(*, node: str, num_slots: int, slot_bytes: int, limit: int | None) -> str | None:
