@@ -291,3 +291,75 @@ def test_copies_are_cut_at_registered_chunk_edges(
     s.close()
     assert all(torch.equal(got[k], v) for k, v in state.items())
     assert max(cut) > 1
+
+
+# -- paced device copies ----------------------------------------------------------------------------
+def test_cut_splits_large_contiguous_copies_into_whole_element_pieces() -> None:
+    src, dst = torch.arange(250, dtype=torch.float32), torch.zeros(250)
+    small = (torch.zeros(3), torch.ones(3))
+    pieces = devmod.cut([(dst, src), small], 400)  # 100 float32 a piece
+    assert [d.numel() for d, _ in pieces] == [100, 100, 50, 3]
+    for d, s in pieces:
+        d.copy_(s)
+    assert torch.equal(dst, src)
+    t = torch.zeros(4, 4).t()  # not contiguous: left whole
+    assert len(devmod.cut([(t, t)], 8)) == 1
+
+
+def _paced_store(tmp_path: Path, chunk: int) -> RankSnapshotStore:
+    return RankSnapshotStore(shm_dir=tmp_path, job_id="p", rank=0, num_slots=2, device_chunk=chunk)
+
+
+def test_deferred_device_copies_are_issued_a_few_chunks_at_a_time(tmp_path: Path, world: FakeCuda) -> None:
+    """A 4000-byte deferred tensor, 400-byte chunks: begin issues none of it; the copier issues
+    batches while at most COPIES_IN_FLIGHT are queued on the device, so with the device held it
+    stops after depth + 1 batches (a GPU's copy engine runs copies in queue order: what is not
+    queued cannot hold back another stream's copy), and the fence waits until the last is issued."""
+    store = _paced_store(tmp_path, 400)
+    try:
+        w = torch.arange(1000, dtype=torch.float32)
+        world.hold(0)
+        pending = store.begin(1, {"w": on_device(w, 0)}, deferred=_all)
+        assert world.blocked(0).wait(10), "the copier never waited for the oldest batch"
+        (side,) = world.streams_made
+        assert len(side.ops) == 1 + devmod.COPIES_IN_FLIGHT + 1  # wait for main, then 3 of 10 pieces
+        fenced = threading.Event()
+        threading.Thread(target=lambda: (pending.fence(), fenced.set()), daemon=True).start()
+        assert not fenced.wait(0.3)  # 7 pieces not issued yet: nothing to make the stream wait on
+        world.release(0)
+        assert fenced.wait(10)
+        assert len(side.ops) == 1 + 10
+        world.run_main(0)  # the optimizer's stream waited for the last batch
+        w.add_(1000)
+        pending.wait()
+        assert torch.equal(store.read(1)["w"], torch.arange(1000, dtype=torch.float32))
+    finally:
+        store.close()
+
+
+def test_unpaced_begin_issues_every_copy_itself(tmp_path: Path, world: FakeCuda) -> None:
+    store = _paced_store(tmp_path, 0)
+    try:
+        world.hold(0)
+        pending = store.begin(1, {"w": on_device(torch.arange(1000.0), 0)}, deferred=_all)
+        (side,) = world.streams_made
+        assert len(side.ops) == 2  # wait for main, the whole copy: issued by begin
+        pending.fence()  # no host wait: the events exist
+        world.release(0)
+        pending.wait()
+        assert torch.equal(store.read(1)["w"], torch.arange(1000.0))
+    finally:
+        store.close()
+
+
+def test_paced_copies_of_two_devices_take_turns(tmp_path: Path, world: FakeCuda) -> None:
+    store = _paced_store(tmp_path, 400)
+    try:
+        a, b = torch.arange(500.0), torch.arange(300.0) * 3
+        pending = store.begin(1, {"a": on_device(a, 0), "b": on_device(b, 1)}, deferred=_all)
+        pending.wait()
+        got = store.read(1)
+        assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+        assert sorted(len(s.ops) for s in world.streams_made) == [1 + 3, 1 + 5]
+    finally:
+        store.close()

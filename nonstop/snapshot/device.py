@@ -12,6 +12,16 @@ each), and :func:`fence_streams` makes each device's current stream wait for tha
 so the optimizer's kernels on d start only after d's copies: a device-side dependency, no host
 wait.
 
+**Paced copies** (:class:`DeviceCopies`). A GPU's copy engine runs device-to-host copies in the
+order they were queued, whatever their stream: a snapshot of several GB queued at once would hold
+back every small copy the training loop makes meanwhile -- a ``loss.item()`` after the optimizer
+step waits for the whole snapshot (measured on an H200: the step took as long as with a synchronous
+snapshot). So only the copies the next forward may change (``now``) are issued by ``begin``; the
+deferred ones are issued by the copier thread :data:`DEVICE_COPY_CHUNK` bytes at a time with at
+most :data:`COPIES_IN_FLIGHT` batches queued per device, so another stream's copy waits behind a
+few milliseconds of the snapshot at most. The fence then waits on the host until the last batch is
+issued (the tail of the copy), and makes the stream wait for it.
+
 **CPU-resident deferred tensors** in a write that also has device copies (Adam's ``step``, kept on
 the CPU for device parameters unless ``capturable``): the optimizer changes them from the host, so
 a stream dependency does not hold them. Those of at most :data:`SMALL_HOST_COPY` bytes are copied
@@ -35,6 +45,7 @@ rank's current device, captured only when CUDA (or another accelerator torch kno
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import logging
@@ -47,17 +58,28 @@ import torch
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "COPIES_IN_FLIGHT",
+    "DEVICE_COPY_CHUNK",
     "REGISTER_CHUNK",
     "SMALL_HOST_COPY",
+    "DeviceCopies",
     "HostRegistration",
     "Pairs",
     "SideStreams",
     "cuda_ready",
+    "cut",
     "device_rng_state",
     "fence_streams",
     "set_device_rng_state",
     "split_at",
 ]
+
+DEVICE_COPY_CHUNK = 64 << 20
+"""Bytes of deferred device-to-host copies issued at a time (see "Paced copies"): ~1 ms of PCIe."""
+
+COPIES_IN_FLIGHT = 2
+"""Batches of :data:`DEVICE_COPY_CHUNK` a device has queued at most (the next is issued as the
+oldest lands: the copy engine never idles, and a stream's own copy waits behind at most this)."""
 
 SMALL_HOST_COPY = 64 << 10
 """A CPU-resident deferred tensor of a write with device copies is copied at once up to this size."""
@@ -79,21 +101,24 @@ def cuda_ready() -> bool:
 
 # -- streams and events ------------------------------------------------------------------------
 class SideStreams:
-    """One store's side streams, one per device (made on first use). Caller's thread only."""
+    """One store's side streams, one per device (made on first use). Caller's thread only, except
+    :meth:`DeviceCopies.issue` on the copier thread while the write it belongs to is in flight."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, Any] = {}
 
-    def start(self, now: Pairs, later: Pairs) -> dict[torch.device, Any]:
-        """Issue the device-to-host copies of ``now`` and ``later`` (device tensors into slot
-        memory), each on its source device's side stream after that device's current stream's
-        work. Each device's current stream waits at once for its ``now`` copies (the next forward
-        may change those tensors). Returns each device's event recorded after all its copies."""
+    def start(self, now: Pairs, later: Pairs, *, chunk: int = 0) -> DeviceCopies:
+        """Order each device's side stream after that device's current stream's work, and issue
+        the device-to-host copies of ``now`` (device tensors into slot memory) on it; each device's
+        current stream waits at once for its ``now`` copies (the next forward may change those
+        tensors). The ``later`` copies are issued here too when ``chunk`` is 0; else they are left
+        in the returned :class:`DeviceCopies` for the copier thread to issue paced (see "Paced
+        copies" in the module docstring)."""
         groups: dict[torch.device, tuple[Pairs, Pairs]] = {}
         for i, pairs in enumerate((now, later)):
             for dst, src in pairs:
                 groups.setdefault(src.device, ([], []))[i].append((dst, src))
-        events: dict[torch.device, Any] = {}
+        copies = DeviceCopies()
         for dev, (dev_now, dev_later) in groups.items():
             side = self._streams.get(dev)
             if side is None:
@@ -107,14 +132,74 @@ class SideStreams:
                 if dev_now:
                     volatile_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     volatile_done.record(side)
-                for dst, src in dev_later:
-                    dst.copy_(src, non_blocking=True)
-                all_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                all_done.record(side)
+                if chunk <= 0 or not dev_later:
+                    for dst, src in dev_later:
+                        dst.copy_(src, non_blocking=True)
+                    all_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    all_done.record(side)
+                    copies.events[dev] = all_done
+                else:
+                    copies.todo[dev] = (side, cut(dev_later, chunk))
             if volatile_done is not None:
                 main.wait_event(volatile_done)
-            events[dev] = all_done
-        return events
+        return copies
+
+
+class DeviceCopies:
+    """The device-to-host copies of one write: per device, the event recorded after all its copies
+    (``events``), and the copies not issued yet (``todo``: its side stream and the pieces, each at
+    most the pacing chunk). :meth:`issue` runs on the copier thread."""
+
+    def __init__(self) -> None:
+        self.events: dict[torch.device, Any] = {}
+        self.todo: dict[torch.device, tuple[Any, Pairs]] = {}
+
+    @property
+    def issued(self) -> bool:
+        return not self.todo
+
+    def issue(self, chunk: int, depth: int = COPIES_IN_FLIGHT) -> None:
+        """Issue ``todo`` about ``chunk`` bytes at a time per device, the devices in turn, with at
+        most ``depth`` batches per device in flight (the host waits for the oldest before it issues
+        more); fills ``events``. Its side streams already wait for the step that produced the
+        tensors (:meth:`SideStreams.start`), and a stream runs in order: each device's last batch's
+        event marks the end of all its copies."""
+        queues = {dev: (side, list(reversed(pairs))) for dev, (side, pairs) in self.todo.items()}
+        inflight: collections.deque[Any] = collections.deque()
+        while queues:
+            for dev in list(queues):
+                side, stack = queues[dev]
+                size = 0
+                with torch.cuda.device(dev), torch.cuda.stream(side):
+                    while stack and size < chunk:
+                        dst, src = stack.pop()
+                        dst.copy_(src, non_blocking=True)
+                        size += dst.numel() * dst.element_size()
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record(side)
+                inflight.append(event)
+                if not stack:
+                    del queues[dev]
+                    self.events[dev] = event
+            while len(inflight) > depth * max(1, len(queues)):
+                inflight.popleft().synchronize()
+        self.todo = {}
+
+
+def cut(pairs: Pairs, chunk: int) -> Pairs:
+    """``pairs`` with every contiguous copy of more than ``chunk`` bytes cut into pieces of at most
+    ``chunk`` bytes (whole elements); a copy into memory registered in chunks is already cut at
+    their edges (:meth:`HostRegistration.pieces`), and ``chunk`` divides those."""
+    out: Pairs = []
+    for dst, src in pairs:
+        size = dst.element_size()
+        if dst.numel() * size <= chunk or not (dst.is_contiguous() and src.is_contiguous()):
+            out.append((dst, src))
+            continue
+        step = max(1, chunk // size)
+        flat_dst, flat_src = dst.view(-1), src.reshape(-1)
+        out += [(flat_dst[i : i + step], flat_src[i : i + step]) for i in range(0, dst.numel(), step)]
+    return out
 
 
 def fence_streams(events: dict[torch.device, Any]) -> None:

@@ -10,7 +10,8 @@ Threading contract: a store owns one :class:`Copier`; only the store's caller th
 to it. Jobs run one at a time, in submission order, on the copier's thread; each job's
 ``complete`` (the COMPLETE header write) runs there after its copies, then the write's
 completion callbacks, then whoever ``wait()``-s is released. With device copies, a job's
-host (CPU-resident) copies run first, then every device's event is synchronized: the slot is
+deferred device copies are issued first, paced (:class:`~nonstop.snapshot.device.DeviceCopies`),
+then its host (CPU-resident) copies run, then every device's event is synchronized: the slot is
 COMPLETE only once every device's copies have landed.
 """
 
@@ -21,12 +22,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
-
-import torch
 
 from nonstop.errors import SnapshotError
-from nonstop.snapshot.device import Pairs, SideStreams, fence_streams
+from nonstop.snapshot.device import DEVICE_COPY_CHUNK, DeviceCopies, Pairs, SideStreams, fence_streams
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +46,9 @@ class PendingWrite:
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
         self._error: BaseException | None = None
-        # per device, the event recorded after that device's copies (empty: no device copies)
-        self._device_events: dict[torch.device, Any] = {}
+        # the write's device copies (None: none), their events once issued
+        self._device_copies: DeviceCopies | None = None
+        self._issued = threading.Event()  # every device copy is issued (or the write failed)
         self._host_copied = threading.Event()  # the copier's host copies are done (or failed)
         self.waited_s = 0.0  # host time callers spent blocked on this write
 
@@ -71,6 +70,7 @@ class PendingWrite:
             self._error = error
             callbacks, self._callbacks = self._callbacks, []
         self._host_copied.set()
+        self._issued.set()
         if error is None:
             for fn in callbacks:
                 try:
@@ -94,12 +94,15 @@ class PendingWrite:
     def fence(self) -> None:
         """Make later changes to the deferred tensors wait for their copy.
 
-        CPU: blocks until the copy is done. With device copies: each device's current stream
-        waits for that device's copies (no host wait), and the host waits only for the copier's
-        CPU-resident deferred copies (usually none: small ones were copied by ``begin``).
-        A failed copy is not raised here (``wait()`` raises it)."""
-        if self._device_events and not self._done.is_set():
-            fence_streams(self._device_events)
+        CPU: blocks until the copy is done. With device copies: the host waits until the copier
+        has issued the last of them (paced copies: the tail of the snapshot's copy), then each
+        device's current stream waits for that device's copies (a device-side wait), and the host
+        for the copier's CPU-resident deferred copies (usually none: small ones were copied by
+        ``begin``). A failed copy is not raised here (``wait()`` raises it)."""
+        copies = self._device_copies
+        if copies is not None and not self._done.is_set():
+            self._block(self._issued)
+            fence_streams(copies.events)
             self._block(self._host_copied)
             return
         self.wait()
@@ -113,19 +116,21 @@ class Copier:
     """The background copy thread of one rank's store (started on the first job) and its side
     streams, one per device (created on the first device copy)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, *, device_chunk: int = DEVICE_COPY_CHUNK) -> None:
         self.rank = rank
+        self.device_chunk = device_chunk  # 0: a write's device copies all issued by begin
         self._jobs: queue.Queue[CopyJob | None] | None = None
         self._thread: threading.Thread | None = None
         self._streams = SideStreams()
 
-    def start_device_copies(self, now: Pairs, later: Pairs) -> dict[torch.device, Any]:
+    def start_device_copies(self, now: Pairs, later: Pairs) -> DeviceCopies:
         """Issue device-to-host copies on each source device's side stream, ordered after that
         device's current stream's work (:meth:`.device.SideStreams.start`). Each device's current
         stream waits for its ``now`` copies at once (the next forward may change those tensors);
-        the returned events (one per device) mark the end of all its copies, for
-        :meth:`PendingWrite.fence` and for the COMPLETE header."""
-        return self._streams.start(now, later)
+        the ``later`` ones are left to this copier's thread, paced (unless ``device_chunk`` is 0).
+        The events of the result (one per device, once issued) mark the end of all its copies,
+        for :meth:`PendingWrite.fence` and for the COMPLETE header."""
+        return self._streams.start(now, later, chunk=self.device_chunk)
 
     def submit(self, job: CopyJob) -> None:
         if self._thread is None:
@@ -143,10 +148,15 @@ class Copier:
                 return
             pairs, complete, pending = job
             try:
+                copies = pending._device_copies
+                if copies is not None:  # first: the fence and the device wait for these
+                    copies.issue(self.device_chunk)  # nothing left when begin issued them all
+                    pending._issued.set()
                 self._copy_pairs(pairs)
                 pending._host_copied.set()
-                for event in pending._device_events.values():
-                    event.synchronize()
+                if copies is not None:
+                    for event in copies.events.values():
+                        event.synchronize()
                 complete()
             except BaseException as e:  # reported to whoever waits on the write
                 pending._finish(e)

@@ -99,7 +99,17 @@ class RankSnapshotStore:
     ``load_state_dict`` that copies, such as ``nn.Module``'s).
     """
 
-    def __init__(self, *, shm_dir: Path, job_id: str, rank: int, num_slots: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        shm_dir: Path,
+        job_id: str,
+        rank: int,
+        num_slots: int = 2,
+        device_chunk: int = device.DEVICE_COPY_CHUNK,
+    ) -> None:
+        """``device_chunk``: bytes of deferred device-to-host copies issued at a time (0: all at
+        once by ``begin``; :mod:`nonstop.snapshot.device`, "Paced copies")."""
         if num_slots < 2:
             raise SnapshotError("a rank needs at least 2 snapshot slots (one to read while one is written)")
         self.rank = rank
@@ -111,7 +121,7 @@ class RankSnapshotStore:
         self._plan_json = "[]"
         self._plan_id = 0
         self._pending: PendingWrite | None = None
-        self._copier = Copier(rank)
+        self._copier = Copier(rank, device_chunk=device_chunk)
 
     # -- writing ---------------------------------------------------------------
     def _layout(self, tensors: list[torch.Tensor]) -> list[TensorEntry]:
@@ -274,9 +284,11 @@ class RankSnapshotStore:
             slot.write_header(SlotState.COMPLETE, step, data_len, len(meta), time.time())
 
         if dev_now or dev_later:
-            pending._device_events = self._copier.start_device_copies(dev_now, dev_later)
+            copies = pending._device_copies = self._copier.start_device_copies(dev_now, dev_later)
             if not cpu_later:
                 pending._host_copied.set()  # the fence need not wait for the copier thread
+            if copies.issued:
+                pending._issued.set()
         elif not cpu_later:
             complete()
             pending._finish()
