@@ -1,5 +1,10 @@
-"""GPU-only tests of issue 20 (skipped without 2 CUDA devices; run on a lent GPU machine with
+"""GPU-only tests of issue 20 (skipped without CUDA devices; run on a lent GPU machine with
 ``pytest -m gpu tests/test_gpu.py``):
+
+* one GPU: a one-rank demo job on ``cuda:0`` (group ``cpu:gloo,cuda:nccl``, snapshots copied
+  from the device into page-locked slots) survives a SIGKILL and a hang -- a cold process takes
+  the freed GPU and restores the committed step from memory onto it -- and ends with the weights
+  of the same run without faults, bitwise;
 
 * collective-aware liveness on real CUDA and NCCL: the canonical sync's allreduce returns at
   enqueue (its host stamp is gone at once), yet while the peer is stuck in its own code the
@@ -20,11 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.slow,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+one_gpu = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
 
 LIVENESS = """
 import datetime, json, os, sys, threading, time
@@ -78,6 +81,7 @@ dist.destroy_process_group()
 """
 
 
+@two_gpus
 def test_a_rank_waiting_on_a_stuck_peer_under_nccl_is_in_a_collective(tmp_path: Path) -> None:
     rdzv = str(tmp_path / "rdzv")
     procs = [
@@ -98,6 +102,7 @@ def test_a_rank_waiting_on_a_stuck_peer_under_nccl_is_in_a_collective(tmp_path: 
     assert r1["other_context"] is False  # polling made no context on GPU 0 (rank 1's is GPU 1)
 
 
+@two_gpus
 def test_a_rank_killed_under_nccl_recovers_with_the_survivor_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -118,3 +123,24 @@ def test_a_rank_killed_under_nccl_recovers_with_the_survivor_in_place(
     failed_exits = [e for e in run.events if e["event"] == "exit" and e.get("returncode") not in (0, None)]
     assert [e["spawn_id"] for e in failed_exits] == [first[1]], failed_exits  # rank 0 kept its process
     assert all(e["spawn_id"] != first[0] or e["returncode"] == 0 for e in run.events if e["event"] == "exit")
+
+
+@one_gpu
+def test_a_one_gpu_job_survives_a_kill_and_a_hang_bitwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nonstop.runtime.coordinator import JobState
+    from tests.conftest import run_demo_job
+
+    monkeypatch.delenv("NONSTOP_FAKE_DEVICES", raising=False)  # the node's real GPU
+    kw = {"nproc": 1, "spares": 0, "steps": 16, "model": "small"}
+    ref = run_demo_job(tmp_path / "ref", **kw)
+    run = run_demo_job(tmp_path / "run", faults=("kill:rank=0,step=4", "hang:rank=0,step=9"), **kw)
+    for r in (ref, run):
+        assert r.result.state is JobState.DONE, r.result.error
+        assert r.out is not None and r.out["step"] == 16
+        assert (r.out["device"], r.out["backend"]) == ("cuda:0", "cpu:gloo,cuda:nccl"), r.out
+    kinds = [(f["kind"], f["lost_steps"]) for f in run.result.failures]
+    assert kinds == [("kill", 0), ("hang", 0)], run.result.failures
+    assert all(f["restore_step"] is not None and f["restore_step"] > 0 for f in run.result.failures)
+    assert run.out["final_hash"] == ref.out["final_hash"]  # type: ignore[index]

@@ -8,6 +8,9 @@ Device-generic: the model is built on the CPU (the same initial weights on every
 moved to the process's own device after ``nonstop.init()`` (``session.device``: ``cuda:LOCAL_RANK``
 on a GPU node, the CPU elsewhere), batches are generated on the CPU and moved, and hashes are
 computed from CPU copies. On a CPU node every tensor stays where it was: bitwise today's run.
+On a CUDA device the script asks torch for deterministic kernels (and cuBLAS for a fixed
+workspace) so that ``nonstop demo --verify`` can compare a recovered run's weights bitwise with
+an uninterrupted one's; a kernel torch has no deterministic version of only warns.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import argparse
 import hashlib
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import nonstop
@@ -72,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
     session = nonstop.init()  # a hot spare waits here
     device = session.device  # this process's own device (the CPU on a CPU node: nothing moves)
+    if device.type == "cuda":  # bitwise-comparable GPU runs (the module docstring)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS's first handle
+        torch.use_deterministic_algorithms(True, warn_only=True)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)  # over the parameters where they live
     data: dict[str, Any] = {"samples_seen": 0}  # by the whole job (the same on every rank)
@@ -132,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
                     "samples_seen": data["samples_seen"],
                     "kv_probe": data.get("kv_probe"),
                     "world_size": session.world_size,
+                    "device": str(device),
+                    "backend": dist.get_backend() if dist.is_initialized() else None,
                     "num_params": sum(p.numel() for p in model.parameters()),
                     "seconds": time.time() - t0,
                     "step_intervals_s": [b - a for a, b in itertools.pairwise(starts)],
