@@ -3,7 +3,8 @@ whose rank 1 turns 3x slower at step 10 (``slowdown:rank=1,step=10,factor=3``) i
 with ``--straggler migrate`` moved live to another node's spare -- no rollback, final weights
 bitwise those of the same job without the fault, which with ``--straggler warn`` flags nothing.
 A node whose health turns degraded (``degrade:node=1,step=5``) is drained with ``--on-degraded
-drain``. Events are asserted, timings only loosely."""
+drain`` before its death (``node:node=1,step=40``) can cost a step; a whole-job slowdown and a
+one-off slow step are not flagged. Events are asserted, timings only loosely."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 60
 SLOWDOWN_AT = 10
+DIES_AT = 40
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,9 @@ def test_a_degraded_node_is_drained(tmp_path: Path, undisturbed: tuple[str, list
         nnodes=3,
         spares=1,
         steps=STEPS,
-        faults=("degrade:node=1,step=5",),
+        # the node dies at step 40 (its agent and every process SIGKILLed when a worker of it
+        # starts that step): drained before, it has no worker left to die with
+        faults=("degrade:node=1,step=5", f"node:node=1,step={DIES_AT}"),
         straggler=StragglerConfig(on_degraded="drain"),
     )
     assert run.out is not None, run.result.error
@@ -87,8 +91,36 @@ def test_a_degraded_node_is_drained(tmp_path: Path, undisturbed: tuple[str, list
     assert verdict["node"] == "1" and verdict["verdict"] == "degraded"
     (done,) = events_named(run.events, "migration_done")
     assert done["rank"] == 1 and done["reason"] == "degraded" and done["source"] == "1"
+    assert done["boundary"] < DIES_AT
     assert any(e["node"] == "1" for e in events_named(run.events, "node_released"))
-    assert run.result.failures == []
+    assert run.result.failures == [] and events_named(run.events, "failure") == []
+
+
+def test_a_whole_job_slowdown_and_a_one_off_slow_step_flag_nothing(
+    tmp_path: Path, undisturbed: tuple[str, list[dict[str, object]]]
+) -> None:
+    """Every rank 2x slower from step 10 (the job as a whole slows: a hotter room, a slower
+    filesystem), and rank 1 once 0.8 s slower at step 30: no straggler, nothing moves, and the
+    weights are those of the undisturbed run."""
+    reference, _ = undisturbed
+    run = run_nodes_job(
+        tmp_path / "job",
+        nnodes=3,
+        spares=1,
+        steps=STEPS,
+        faults=(
+            *(f"slowdown:rank={r},step={SLOWDOWN_AT},factor=2" for r in range(3)),
+            "slow:rank=1,step=30,seconds=0.8",
+        ),
+        straggler=StragglerConfig(mode="migrate", migration_cost_s=0.5),  # would move a straggler
+    )
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference
+    assert events_named(run.events, "straggler") == []
+    assert events_named(run.events, "migration_start") == [] and run.result.failures == []
+    intervals = run.out["step_intervals_s"]
+    assert isinstance(intervals, list)  # the slowdown happened: later steps are slower
+    assert statistics.median(intervals[-10:]) > 1.3 * statistics.median(intervals[:9])
 
 
 def test_a_failure_on_a_degraded_node_is_replaced_on_another_node(
