@@ -19,17 +19,16 @@ import argparse
 import hashlib
 import itertools
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import nonstop
 from nonstop.demo.data import MarkovCorpus
+from nonstop.demo.device import deterministic_on, where
 from nonstop.demo.model import GPT, PRESETS
 from nonstop.demo.pace import add_pace_args, pace
 from nonstop.demo.samples import SamplesLog
@@ -77,9 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
     session = nonstop.init()  # a hot spare waits here
     device = session.device  # this process's own device (the CPU on a CPU node: nothing moves)
-    if device.type == "cuda":  # bitwise-comparable GPU runs (the module docstring)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS's first handle
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic_on(device)  # bitwise-comparable GPU runs (the module docstring)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)  # over the parameters where they live
     data: dict[str, Any] = {"samples_seen": 0}  # by the whole job (the same on every rank)
@@ -140,8 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                     "samples_seen": data["samples_seen"],
                     "kv_probe": data.get("kv_probe"),
                     "world_size": session.world_size,
-                    "device": str(device),
-                    "backend": dist.get_backend() if dist.is_initialized() else None,
+                    **where(device),
                     "num_params": sum(p.numel() for p in model.parameters()),
                     "seconds": time.time() - t0,
                     "step_intervals_s": [b - a for a, b in itertools.pairwise(starts)],

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 import nonstop
 from nonstop.demo.data import MarkovCorpus
+from nonstop.demo.device import deterministic_on, where
 from nonstop.demo.model import GPT, PRESETS
 from nonstop.demo.pace import add_pace_args, pace
 from nonstop.demo.samples import SamplesLog
@@ -80,14 +81,15 @@ def main(argv: list[str] | None = None) -> None:
     cfg = PRESETS[args.model]
     corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
     session = nonstop.init()  # a hot spare waits here
+    deterministic_on(session.device)  # bitwise-comparable GPU runs (nonstop.demo.device)
     data: dict[str, Any] = {"samples_seen": 0}
     samples_log = SamplesLog(args.samples_log, batch=args.batch) if args.samples_log is not None else None
     built: dict[str, Any] = {}
 
     def build(mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(args.seed)  # every generation builds the same initial weights
-        # stays on the CPU: the sharded trainee builds its mesh on the CPU (train/trainee.py's
-        # device_type) and fully_shard puts the parameters on the mesh's device
+        # built on the CPU (the same weights on every kind of node); fully_shard moves the
+        # parameters to the mesh's device, the rank's own (Session.device: its GPU on a GPU node)
         model = GPT(cfg)
         shard_model(model, mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         for shard in session.shard_steps(model):
             if samples_log is not None:  # before: a kill may follow the backward's collective
                 samples_log.record(session, step, shard)
-            x, y = corpus.batch(step=step, rank=shard, batch=args.batch, seq=cfg.seq)
+            x, y = corpus.batch(step=step, rank=shard, batch=args.batch, seq=cfg.seq)  # on the CPU
+            x, y = x.to(session.device), y.to(session.device)  # no copy on a CPU node
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
             losses.append(float(loss.item()))
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             "final_loss": result.last_loss,
             "local_hash": local_hash(built["model"]),
             "step": result.step,
+            **where(session.device),
         }
         args.result.with_suffix(f".rank{session.rank}.json").write_text(json.dumps(mine))
         if session.rank == 0:
