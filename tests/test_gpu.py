@@ -144,3 +144,24 @@ def test_a_one_gpu_job_survives_a_kill_and_a_hang_bitwise(
     assert kinds == [("kill", 0), ("hang", 0)], run.result.failures
     assert all(f["restore_step"] is not None and f["restore_step"] > 0 for f in run.result.failures)
     assert run.out["final_hash"] == ref.out["final_hash"]  # type: ignore[index]
+
+
+@one_gpu
+def test_a_one_gpu_fsdp2_job_survives_a_kill_bitwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sharded demo on a one-rank mesh (FSDP2: DTensor parameters on ``cuda:0``, snapshots of
+    the local shards) through a SIGKILL: its shards equal those of the run without the fault."""
+    from nonstop.runtime.coordinator import JobState
+    from tests.conftest import run_demo_job
+
+    monkeypatch.delenv("NONSTOP_FAKE_DEVICES", raising=False)
+    kw = {"nproc": 1, "spares": 0, "steps": 12, "model": "small", "mesh": "shard=1"}
+    ref = run_demo_job(tmp_path / "ref", **kw)
+    run = run_demo_job(tmp_path / "run", faults=("kill:rank=0,step=5",), **kw)
+    outs = []
+    for r in (ref, run):
+        assert r.result.state is JobState.DONE, r.result.error
+        out = json.loads((r.job_dir / "result.rank0.json").read_text())
+        assert (out["device"], out["backend"], out["step"]) == ("cuda:0", "cpu:gloo,cuda:nccl", 12), out
+        outs.append(out)
+    assert [(f["kind"], f["lost_steps"]) for f in run.result.failures] == [("kill", 0)]
+    assert outs[0]["local_hash"] == outs[1]["local_hash"]
