@@ -15,7 +15,7 @@ import pytest
 
 from nonstop.runtime.coordinator import JobState
 from nonstop.runtime.straggler import StragglerConfig
-from tests.conftest import events_named, run_demo_job, run_nodes_job
+from tests.conftest import DemoRun, events_named, run_demo_job, run_nodes_job
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +34,11 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dic
     return str(run.out["final_hash"]), run.events
 
 
+def _job(tmp_path: Path, **kw: object) -> DemoRun:
+    """The test's job (3 nodes, one rank and one hot spare each, STEPS steps) with ``kw``."""
+    return run_nodes_job(tmp_path / "job", nnodes=3, spares=1, steps=STEPS, **kw)
+
+
 def test_no_fault_flags_nothing(undisturbed: tuple[str, list[dict[str, object]]]) -> None:
     _, events = undisturbed
     assert events_named(events, "straggler") == []  # no false positive
@@ -44,11 +49,8 @@ def test_a_straggler_is_migrated_away_bitwise(
     tmp_path: Path, undisturbed: tuple[str, list[dict[str, object]]]
 ) -> None:
     reference, _ = undisturbed
-    run = run_nodes_job(
-        tmp_path / "job",
-        nnodes=3,
-        spares=1,
-        steps=STEPS,
+    run = _job(
+        tmp_path,
         faults=(f"slowdown:rank=1,step={SLOWDOWN_AT},factor=3",),
         # a 60-step run has little left to lose: a cheap move, so the policy says migrate
         straggler=StragglerConfig(mode="migrate", migration_cost_s=0.5),
@@ -75,11 +77,8 @@ def test_a_straggler_is_migrated_away_bitwise(
 
 def test_a_degraded_node_is_drained(tmp_path: Path, undisturbed: tuple[str, list[dict[str, object]]]) -> None:
     reference, _ = undisturbed
-    run = run_nodes_job(
-        tmp_path / "job",
-        nnodes=3,
-        spares=1,
-        steps=STEPS,
+    run = _job(
+        tmp_path,
         # the node dies at step 40 (its agent and every process SIGKILLed when a worker of it
         # starts that step): drained before, it has no worker left to die with
         faults=("degrade:node=1,step=5", f"node:node=1,step={DIES_AT}"),
@@ -103,11 +102,8 @@ def test_a_whole_job_slowdown_and_a_one_off_slow_step_flag_nothing(
     filesystem), and rank 1 once 0.8 s slower at step 30: no straggler, nothing moves, and the
     weights are those of the undisturbed run."""
     reference, _ = undisturbed
-    run = run_nodes_job(
-        tmp_path / "job",
-        nnodes=3,
-        spares=1,
-        steps=STEPS,
+    run = _job(
+        tmp_path,
         faults=(
             *(f"slowdown:rank={r},step={SLOWDOWN_AT},factor=2" for r in range(3)),
             "slow:rank=1,step=30,seconds=0.8",
@@ -130,11 +126,8 @@ def test_a_failure_on_a_degraded_node_is_replaced_on_another_node(
     the failure is graded replace_elsewhere and another node's spare takes rank 1, although node
     1 has an idle spare of its own -- still from memory, still bitwise."""
     reference, _ = undisturbed
-    run = run_nodes_job(
-        tmp_path / "job",
-        nnodes=3,
-        spares=1,
-        steps=STEPS,
+    run = _job(
+        tmp_path,
         faults=("degrade:node=1,step=5", "kill:rank=1,step=15"),
         straggler=StragglerConfig(),
     )
