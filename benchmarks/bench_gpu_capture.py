@@ -277,6 +277,8 @@ def loop_case(
             "median_host_s": statistics.median(host[c]),
             "min_step_s": min(per[c]),
             "max_step_s": max(per[c]),
+            "mean_step_s": statistics.fmean(per[c]),
+            "steps_s": per[c],  # every counted step (nonstop.sim.calibrate reads their mean)
         }
     return res
 

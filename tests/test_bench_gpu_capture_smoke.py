@@ -28,4 +28,5 @@ def test_bench_gpu_capture_quick_on_the_cpu(tmp_path: Path) -> None:
     assert loop["none"]["step_ratio"] == 1.0
     for c in ("nonstop", "nonstop_unpaced", "nonstop_sync", "dcp_stage"):
         assert loop[c]["median_step_s"] > 0 and loop[c]["step_ratio"] > 0, c
+        assert len(loop[c]["steps_s"]) == loop["steps_per_contender"] > 0, c  # the simulator's samples
     assert loop["nonstop_sync"]["median_host_s"] > 0  # it copied on the caller's thread

@@ -13,9 +13,13 @@ Laws (docs/simulator.md has the derivations):
   rendezvous rounds, so it grows with log n; 14.1 s over 5 doublings = 2.82 s per doubling.
 * **Rendezvous on n nodes**: ``rendezvous_s(n) = 6.6 * restart_s(n) / restart_s(32)`` — Parcae's
   6.6 s rendezvous, taken at its 32-node scale and scaled like the restart.
-* **Snapshot stall per step at scale**: ``stall = overlapped_ratio * bytes / d2h_gbps`` — the
-  measured overlapped stall as a fraction of a bare copy (snapshot_stall.json), times the time of
-  a bare device-to-host copy of the GPU's state.
+* **Snapshot stall per step at scale**: ``copy = bytes / d2h_gbps`` (a bare device-to-host copy of
+  the GPU's state); ``stall = overlapped_ratio * copy`` when the copy fits in the step, the whole
+  ``copy`` when it does not (measured on an H200: a 43 ms step with a 118 ms copy took step +
+  copy). The ratio is the one measured on a GPU where ``gpu_capture.json`` has per-step samples
+  (the mean step with the snapshot minus the mean step without, over the copy, for training steps
+  longer than the copy: :func:`gpu_stall_ratio`); the CPU's otherwise (snapshot_stall.json, where
+  the copy competes with compute for the cores: higher).
 * **Restore from memory**: ``bytes / restore_local_gbps``, the rate measured for the in-place
   restore stage (mttr.json, 26.3 M parameters x 12 bytes of fp32 + Adam per rank).
 * **Per-step cost of the framework** (every step, whether or not anything fails): the seconds
@@ -47,6 +51,7 @@ __all__ = [
     "PARCAE_RESTART_32_S",
     "PARCAE_RENDEZVOUS_S",
     "Calibration",
+    "gpu_stall_ratio",
     "load_calibration",
     "rendezvous_s",
     "restart_s",
@@ -124,9 +129,14 @@ class Calibration:
     def restore_local_s(self, state_bytes: float) -> float:
         return state_bytes / (self.restore_local_gbps * 1e9)
 
-    def snapshot_stall_s(self, state_bytes: float) -> float:
-        """Per-step stall of nonstop's overlapped snapshot of ``state_bytes`` (one GPU)."""
-        return self.overlapped_stall_ratio * state_bytes / (self.d2h_gbps * 1e9)
+    def snapshot_stall_s(self, state_bytes: float, step_s: float | None = None) -> float:
+        """Stall of one overlapped snapshot of ``state_bytes`` (one GPU) in a step of ``step_s``
+        (None: assumed longer than the copy): the measured share of a bare copy when the copy
+        fits in the step, else the whole copy (the module docstring)."""
+        copy_s = state_bytes / (self.d2h_gbps * 1e9)
+        if step_s is not None and copy_s > step_s:
+            return copy_s
+        return self.overlapped_stall_ratio * copy_s
 
     def dcp_blocking_s(self, state_bytes: float) -> float:
         """Blocking part of a ``dcp.async_save`` of ``state_bytes`` (one GPU)."""
@@ -153,7 +163,9 @@ class Calibration:
 _DEFAULT_SOURCES = {
     "migration_pause_steps": "assumption when migration.json is absent: 2 steps (drain the step in "
     "flight + hand over), BENCH.md's figure 'migration pause / median step'",
-    "d2h_gbps": "assumption: pinned device-to-host copy over PCIe Gen5 x16 at ~40% of its 64 GB/s",
+    "d2h_gbps": "assumption: pinned device-to-host copy over PCIe Gen5 x16 at ~40% of its 64 GB/s, "
+    "every GPU of a node copying at once through shared PCIe switches (one H200 alone measured "
+    "54.4 GB/s: gpu_capture.json)",
     "peer_gbps_per_gpu": "assumption: half of one 400 Gb/s NIC per GPU (Llama 3's fabric: 400 Gbps per GPU)",
     "durable_aggregate_gbps": "Llama 3 paper: Tectonic storage sustains 2 TB/s (7 TB/s peak)",
     "heartbeat_timeout_s": "nonstop default (config.DetectorConfig.heartbeat_timeout_s)",
@@ -176,6 +188,35 @@ def _get(doc: Any, *path: str) -> Any:
 
 def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, int | float) and math.isfinite(v) and v > 0 else None
+
+
+def _mean_step(case: Any, contender: str) -> float | None:
+    steps = _get(case, contender, "steps_s")
+    ok = [v for v in steps if _num(v) is not None] if isinstance(steps, list) else []
+    return statistics.fmean(ok) if ok else None
+
+
+def gpu_stall_ratio(doc: Any) -> tuple[float | None, str]:
+    """The overlapped snapshot's stall on a GPU as a share of a bare copy, from
+    ``bench_gpu_capture.py``'s report: for each training case whose step (without a snapshot) is
+    longer than the state's copy at the measured snapshot bandwidth, (mean step with ``nonstop`` -
+    mean step with none) / copy, at least 0; the median over such cases. A mean, not a median: an
+    occasional step that waits for a whole copy costs throughput. (None, why) without such a case
+    or without per-step samples (reports before they were recorded)."""
+    gbps = _num(_get(doc, "bandwidth", "nonstop_gbps"))
+    ratios = []
+    for case in _get(doc, "loops") or []:
+        state = _num(_get(case, "state_bytes"))
+        bare, snap = _mean_step(case, "none"), _mean_step(case, "nonstop")
+        if gbps is None or state is None or bare is None or snap is None:
+            continue
+        copy_s = state / (gbps * 1e9)
+        if copy_s < bare:
+            ratios.append(max(0.0, snap - bare) / copy_s)
+    if not ratios:
+        return None, "gpu_capture.json: no case with per-step samples whose step outlasts its copy"
+    gpu = _get(doc, "machine", "gpu") or "a GPU"
+    return statistics.median(ratios), f"gpu_capture.json ({gpu}): (nonstop - none mean step) / copy"
 
 
 def load_calibration(results_dir: Path = DEFAULT_RESULTS, **overrides: float) -> Calibration:
@@ -234,7 +275,12 @@ def load_calibration(results_dir: Path = DEFAULT_RESULTS, **overrides: float) ->
         ok = [v for v in vals if v is not None]
         return statistics.median(ok) if ok else None
 
-    take("overlapped_stall_ratio", ratio("nonstop_overlapped"), "snapshot_stall.json median over cases")
+    gpu_ratio, gpu_source = gpu_stall_ratio(load("gpu_capture.json"))
+    if gpu_ratio is not None:
+        values["overlapped_stall_ratio"] = gpu_ratio
+        sources["overlapped_stall_ratio"] = f"measured: {gpu_source}"
+    else:
+        take("overlapped_stall_ratio", ratio("nonstop_overlapped"), "snapshot_stall.json median over cases")
     take("dcp_async_stall_ratio", ratio("dcp_async"), "snapshot_stall.json median over cases")
     gbps = [_num(_get(c, "contenders", "floor", "gb_per_s_at_median")) for c in cases if isinstance(c, dict)]
     ok = [g for g in gbps if g is not None]

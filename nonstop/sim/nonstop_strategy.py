@@ -195,7 +195,7 @@ class Nonstop:
         b = job.state_bytes_per_gpu
         self.num_spare_nodes = default_spare_nodes(job.num_nodes) if p.spare_nodes is None else p.spare_nodes
         self.spare_gpus = self.num_spare_nodes * job.gpus_per_node
-        self.stall = cal.snapshot_stall_s(b) if p.stall_s is None else p.stall_s
+        self.stall = cal.snapshot_stall_s(b, job.step_s) if p.stall_s is None else p.stall_s
         require(
             self.stall < job.step_s * p.snapshot_every,
             f"a snapshot stall of {self.stall:.2f} s does not fit in {p.snapshot_every} step(s) of "
