@@ -334,9 +334,16 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     report["loops"] = []
+
+    def save() -> None:  # after every part: a run cut short keeps what it measured
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    save()
     for name, cfg, batch in cases:
         res = loop_case(name, cfg, batch, device, rounds, steps)
         report["loops"].append(res)
+        save()
         print(
             f"{name}: {res['params'] / 1e6:.0f}M params, batch {batch}, "
             f"state {res['state_bytes'] / 1e9:.2f} GB"
@@ -351,8 +358,6 @@ def main(argv: list[str] | None = None) -> int:
                 )
         for c, e in res["errors"].items():
             print(f"  {c:13s} failed: {e}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
 
