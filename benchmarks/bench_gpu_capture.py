@@ -71,6 +71,9 @@ from nonstop.snapshot import RankSnapshotStore, StateCapture  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu_capture.json"
 CONTENDERS = ("none", "nonstop", "nonstop_unpaced", "nonstop_sync", "dcp_stage")
+PHASES = ("enqueue", "fence", "opt", "snapshot", "item")
+"""A step's host time: forward and backward enqueued, the fence (or DCP's staging future), the
+optimizer step enqueued, the snapshot call, ``loss.item()`` (the wait for the step's GPU work)."""
 TENSOR_BYTES = 64 << 20
 
 
@@ -163,27 +166,26 @@ class Loop:
         loss.backward()
         return loss
 
-    def run(self, contender: str, steps: int) -> tuple[list[float], list[float]]:
-        """``steps`` steps under ``contender``: (each step's seconds, host seconds in snapshot calls)."""
+    def run(self, contender: str, steps: int) -> tuple[list[float], list[float], dict[str, list[float]]]:
+        """``steps`` steps under ``contender``: each step's seconds, the host seconds in snapshot
+        calls, and where each step's host time went (``PHASES``: to find a slow step's cause)."""
         times, host = [], []
+        phases: dict[str, list[float]] = {k: [] for k in PHASES}
         pending = None
         future = None
         for _ in range(steps):
             t0 = time.perf_counter()
             loss = self._fwd_bwd()
-            h = 0.0
+            t1 = time.perf_counter()
             if pending is not None:  # nonstop: before the optimizer changes the state
-                a = time.perf_counter()
                 pending.fence()
-                h += time.perf_counter() - a
             if future is not None:  # dcp_stage: the staged copy must be done with the state
-                a = time.perf_counter()
                 future.result()
-                h += time.perf_counter() - a
                 future = None
+            t2 = time.perf_counter()
             self.opt.step()
             self.step_no += 1
-            a = time.perf_counter()
+            t3 = time.perf_counter()
             if contender in self.stores:
                 pending = self.stores[contender].begin(
                     self.step_no, self.capture.state(self.step_no), deferred=self.capture.deferrable()
@@ -192,15 +194,24 @@ class Loop:
                 self.stores["nonstop"].write(self.step_no, self.capture.state(self.step_no))
             elif contender == "dcp_stage":
                 future = self._stage()
-            h += time.perf_counter() - a
+            t4 = time.perf_counter()
             float(loss.item())  # the step's GPU work is done
-            times.append(time.perf_counter() - t0)
-            host.append(h)
+            t5 = time.perf_counter()
+            times.append(t5 - t0)
+            host.append((t2 - t1) + (t4 - t3))
+            for name, a, b in (
+                ("enqueue", t0, t1),
+                ("fence", t1, t2),
+                ("opt", t2, t3),
+                ("snapshot", t3, t4),
+                ("item", t4, t5),
+            ):
+                phases[name].append(b - a)
         if pending is not None:
             pending.wait()
         if future is not None:
             future.result()
-        return times, host
+        return times, host, phases
 
     def _stage(self) -> Any:
         from concurrent.futures import Future
@@ -217,7 +228,11 @@ class Loop:
                     use_non_blocking_copy=gpu,
                 )
             )
-        sd = {"model": self.model.state_dict(), "optim": self.opt.state_dict()["state"]}
+        # plain dicts of tensors: torch 2.11's stager failed on the model's state dict (an
+        # OrderedDict with _metadata) with KeyError: <class 'type'>; whether this avoids it is
+        # untested on a GPU so far
+        optim = {int(k): dict(v) for k, v in self.opt.state_dict()["state"].items()}
+        sd = {"model": dict(self.model.state_dict()), "optim": optim}
         out = self.stager.stage(sd)
         if isinstance(out, Future):
             return out
@@ -240,6 +255,7 @@ def loop_case(
     loop = Loop(cfg, batch, device, shm)
     per: dict[str, list[float]] = {c: [] for c in CONTENDERS}
     host: dict[str, list[float]] = {c: [] for c in CONTENDERS}
+    phases: dict[str, dict[str, list[float]]] = {c: {k: [] for k in PHASES} for c in CONTENDERS}
     errors: dict[str, str] = {}
     try:
         for r in range(rounds + 1):
@@ -247,13 +263,15 @@ def loop_case(
                 if c in errors:
                     continue
                 try:
-                    t, h = loop.run(c, steps)
+                    t, h, ph = loop.run(c, steps)
                 except Exception as e:  # a peer's API this torch lacks: recorded, the rest goes on
                     errors[c] = f"{type(e).__name__}: {e}"
                     continue
                 if r > 0:  # round 0 warms up
                     per[c] += t[1:]  # each run's first step follows the previous contender's
                     host[c] += h[1:]
+                    for k in PHASES:
+                        phases[c][k] += ph[k][1:]
     finally:
         loop.close()
         shutil.rmtree(shm, ignore_errors=True)
@@ -279,6 +297,7 @@ def loop_case(
             "max_step_s": max(per[c]),
             "mean_step_s": statistics.fmean(per[c]),
             "steps_s": per[c],  # every counted step (nonstop.sim.calibrate reads their mean)
+            "phases_s": phases[c],  # each counted step's host time by PHASES
         }
     return res
 

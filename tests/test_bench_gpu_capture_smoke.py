@@ -29,4 +29,9 @@ def test_bench_gpu_capture_quick_on_the_cpu(tmp_path: Path) -> None:
     for c in ("nonstop", "nonstop_unpaced", "nonstop_sync", "dcp_stage"):
         assert loop[c]["median_step_s"] > 0 and loop[c]["step_ratio"] > 0, c
         assert len(loop[c]["steps_s"]) == loop["steps_per_contender"] > 0, c  # the simulator's samples
+        phases = loop[c]["phases_s"]
+        assert set(phases) == {"enqueue", "fence", "opt", "snapshot", "item"}, c
+        assert all(len(v) == len(loop[c]["steps_s"]) for v in phases.values()), c
+        for i, step in enumerate(loop[c]["steps_s"]):  # the phases are parts of the step
+            assert sum(v[i] for v in phases.values()) == pytest.approx(step, rel=1e-6), c
     assert loop["nonstop_sync"]["median_host_s"] > 0  # it copied on the caller's thread
