@@ -6,7 +6,8 @@
 # 2. the GPU-only tests (pytest -m gpu: tests/test_gpu.py, tests/test_capture_gpu.py) and the
 #    fake-CUDA capture tests, on the real driver;
 # 3. benchmarks/bench_gpu_capture.py: D2H bandwidth of a snapshot vs the pinned floor, and what an
-#    every-step snapshot adds to a real training step (nonstop vs torch's DCP staging);
+#    every-step snapshot adds to a real training step (nonstop vs torch's DCP staging), each step's
+#    host time by phase; again with CUDA_DEVICE_MAX_CONNECTIONS=32;
 # 4. nonstop demo on the GPU through a kill and a hang, --verify (bitwise against a clean run).
 # Wheels in .whl/ (what the machine lacks: blosc2, crc32c, ... for its Python) are installed into
 # /tmp/site first; nonstop itself runs from this checkout (PYTHONPATH), not installed, so the
@@ -42,6 +43,11 @@ step() {  # name, seconds, command...: one stage, bounded, its output kept
 step pytest 180 python3 -m pytest -q -p no:cacheprovider -s --timeout 200 \
   tests/test_capture_gpu.py tests/test_gpu.py tests/test_capture_device.py
 step bench 150 python3 benchmarks/bench_gpu_capture.py --out "$out/gpu_capture.json"
+# the same with more hardware queues: with CUDA's default 8, two streams can share one and run
+# in submission order (a false dependency) -- one candidate for the paced snapshot's steps that
+# still wait for a whole copy (BENCHMARKS.md, "On a GPU")
+step bench-conn32 150 env CUDA_DEVICE_MAX_CONNECTIONS=32 python3 benchmarks/bench_gpu_capture.py \
+  --out "$out/gpu_capture-conn32.json"
 step demo 150 python3 -m nonstop.cli demo --nproc 1 --spares 0 --steps 30 --model small \
   --fail kill:rank=0,step=8 --fail hang:rank=0,step=18 --verify --job-dir /tmp/nonstop-demo \
   --json "$out/demo.json"
