@@ -20,7 +20,9 @@ snapshot). So only the copies the next forward may change (``now``) are issued b
 deferred ones are issued by the copier thread :data:`DEVICE_COPY_CHUNK` bytes at a time with at
 most :data:`COPIES_IN_FLIGHT` batches queued per device, so another stream's copy waits behind a
 few milliseconds of the snapshot at most. The fence then waits on the host until the last batch is
-issued (the tail of the copy), and makes the stream wait for it.
+issued (the tail of the copy), and makes the stream wait for it. Measured after the pacing (H200,
+BENCHMARKS.md "On a GPU"): most steps pay nothing, but 3 in 10 still waited for a whole copy --
+why is not known yet.
 
 **CPU-resident deferred tensors** in a write that also has device copies (Adam's ``step``, kept on
 the CPU for device parameters unless ``capturable``): the optimizer changes them from the host, so
