@@ -58,6 +58,7 @@ __all__ = ["EXIT_COORDINATOR_LOST", "CoordinatorLink", "PeerFailed", "uninterrup
 log = logging.getLogger(__name__)
 
 EXIT_COORDINATOR_LOST = 75
+REDELIVER_S = 0.001  # an interrupt that landed where it may not raise is sent again this much later
 F = TypeVar("F", bound=Callable[..., Any])
 
 _NOT_HERE: set[CodeType] = set()
@@ -190,14 +191,27 @@ class CoordinatorLink:
 
     def _on_interrupt(self, _signum: int, frame: FrameType | None) -> None:
         if self.in_step:  # outside train_step the loop sees the message between steps
-            if frame is not None and frame.f_code in _NOT_HERE:
+            if frame is not None and (frame.f_code in _NOT_HERE or frame.f_code is _HANDLER):
                 # entering or leaving a step (Step.__enter__/__exit__): an exception raised here
-                # would escape the step's handler. Deliver it again at the next instruction:
-                # inside the step's body it raises; once the step is left, in_step is False.
-                _thread.interrupt_main(signal.SIGUSR1)
+                # would escape the step's handler. Deliver it again a moment later: inside the
+                # step's body it raises; once the step is left, in_step is False. Not at once
+                # (interrupt_main): that delivery comes inside this handler, whose frame is then
+                # the one interrupted -- raised there, it left through Step.__exit__ and killed a
+                # healthy survivor under load; re-delivered there, it recursed.
+                self._redeliver_later()
                 return
             self.in_step = False
             raise PeerFailed("a peer failed; abandoning this step")
+
+    def _redeliver_later(self) -> None:
+        """SIGUSR1 to the main thread again in :data:`REDELIVER_S`, if it is still in a step."""
+
+        def fire() -> None:
+            time.sleep(REDELIVER_S)
+            if self.in_step:
+                signal.pthread_kill(self._main_ident, signal.SIGUSR1)
+
+        threading.Thread(target=fire, name="nonstop-redeliver", daemon=True).start()
 
     # -- the heartbeat thread --------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -310,3 +324,6 @@ class CoordinatorLink:
         """Stop the threads' work (the reader returns instead of reconnecting) and disconnect."""
         self.closing = True
         self.chan.close()
+
+
+_HANDLER = CoordinatorLink._on_interrupt.__code__  # the SIGUSR1 handler itself (see _on_interrupt)

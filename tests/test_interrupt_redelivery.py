@@ -1,0 +1,71 @@
+"""A recovery's interrupt (SIGUSR1, :meth:`CoordinatorLink._on_interrupt`) never raises
+:class:`PeerFailed` inside a step's entry or exit (``@uninterruptible``): it is delivered again
+a moment later, and raised in the step's body if the rank is still in the step. Found under load
+in ``make demo``: the re-delivery (then ``interrupt_main``) came at once, inside the handler
+itself, and was raised there -- out through ``Step.__exit__``, which killed a healthy survivor
+(exit code 1) and cost a second recovery."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from nonstop.train.link import CoordinatorLink, PeerFailed, uninterruptible
+
+
+@pytest.fixture
+def link() -> Iterator[CoordinatorLink]:
+    bare = CoordinatorLink.__new__(CoordinatorLink)  # the handler needs only these two
+    bare.in_step = True
+    bare._main_ident = threading.main_thread().ident or 0
+    old = signal.signal(signal.SIGUSR1, bare._on_interrupt)
+    try:
+        yield bare
+    finally:
+        bare.in_step = False  # a re-delivery still on its way finds no step
+        time.sleep(0.05)
+        signal.signal(signal.SIGUSR1, old)
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:  # instructions where a delivered interrupt is handled
+        pass
+
+
+def test_an_interrupt_while_leaving_a_step_is_not_raised_there(link: CoordinatorLink) -> None:
+    @uninterruptible
+    def leave() -> None:  # as Step.__exit__: interrupted, then the step is left
+        signal.raise_signal(signal.SIGUSR1)
+        total = 0
+        for i in range(10_000):
+            total += i
+        link.in_step = False
+
+    leave()  # before the fix: PeerFailed (raised by the handler's own re-delivery)
+    assert link.in_step is False
+    _spin(0.2)  # the re-delivery finds the step left: nothing raised
+
+
+def test_an_interrupt_while_entering_a_step_is_raised_in_its_body(link: CoordinatorLink) -> None:
+    @uninterruptible
+    def enter() -> None:  # as Step.__enter__: interrupted before the body runs
+        signal.raise_signal(signal.SIGUSR1)
+        for _ in range(10_000):
+            pass
+
+    enter()
+    with pytest.raises(PeerFailed):
+        _spin(5.0)  # the body: the interrupt comes again here, and is raised
+    assert link.in_step is False
+
+
+def test_an_interrupt_in_the_step_body_raises(link: CoordinatorLink) -> None:
+    with pytest.raises(PeerFailed):
+        signal.raise_signal(signal.SIGUSR1)
+        _spin(5.0)
+    assert link.in_step is False
