@@ -277,8 +277,7 @@ def load_calibration(results_dir: Path = DEFAULT_RESULTS, **overrides: float) ->
 
     gpu_ratio, gpu_source = gpu_stall_ratio(load("gpu_capture.json"))
     if gpu_ratio is not None:
-        values["overlapped_stall_ratio"] = gpu_ratio
-        sources["overlapped_stall_ratio"] = f"measured: {gpu_source}"
+        take("overlapped_stall_ratio", gpu_ratio, gpu_source)
     else:
         take("overlapped_stall_ratio", ratio("nonstop_overlapped"), "snapshot_stall.json median over cases")
     take("dcp_async_stall_ratio", ratio("dcp_async"), "snapshot_stall.json median over cases")
