@@ -24,7 +24,7 @@ from nonstop.chaos import report as rep
 from nonstop.chaos.checks import Checks
 from nonstop.chaos.cluster import Episode, Etcd, Netns, free_port
 from nonstop.chaos.inject import Injector
-from nonstop.chaos.recover import Recoveries
+from nonstop.chaos.recover import Overtaken, Recoveries
 from nonstop.chaos.schedule import ALL_KINDS, Planned, make_schedule
 from nonstop.chaos.watch import JobWatch, Timeout
 from nonstop.config import DetectorConfig
@@ -223,6 +223,11 @@ class Soak:
                 tag = f"{prefix}fault {p.index} ({p.kind}): "
                 try:
                     rec.fault(p, record, injector, status, tag=tag)
+                except Overtaken as e:  # the job ended first: no fault happened; the next job takes it
+                    self.records.remove(record)
+                    todo.insert(0, p)
+                    self.say(f"chaos: {tag}not done, the job ended first ({e}); the next job takes it")
+                    break
                 except Timeout as e:
                     record.ok = False
                     self.checks.fail(f"{tag}{e}")

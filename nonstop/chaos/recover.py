@@ -20,14 +20,22 @@ from nonstop.chaos.cluster import Episode, Netns
 from nonstop.chaos.inject import Injector, durable_steps
 from nonstop.chaos.report import FaultRecord
 from nonstop.chaos.schedule import Planned
-from nonstop.chaos.watch import JobWatch, Timeout
+from nonstop.chaos.watch import JobEnded, JobWatch, Timeout
 from nonstop.faults import preempt_notice_path
 
-__all__ = ["FAILURE_KINDS", "Recoveries"]
+__all__ = ["FAILURE_KINDS", "PLANNED_KINDS", "Overtaken", "Recoveries"]
 
 # kinds after which the job must run a new generation (a rank is replaced)
 FAILURE_KINDS = frozenset({"kill", "hang", "exit", "stall", "wipe", "corrupt", "node", "partition"})
 DURABLE_KINDS = frozenset({"wipe", "corrupt"})  # memory lost on purpose: back to a durable checkpoint
+# planned moves: the job may reach its last step before one completes, which cancels it (no fault)
+PLANNED_KINDS = frozenset({"migrate", "preempt"})
+PLANNED_ROOM_S = 25.0  # seconds of training a job must have left to take a planned move
+RATE_WINDOW_S = 10.0  # the step rate is measured over the last this many seconds
+
+
+class Overtaken(Timeout):
+    """A planned move the job's end overtook: not a failure; the next job takes the fault again."""
 
 
 class Recoveries:
@@ -44,6 +52,8 @@ class Recoveries:
         )
         self._seen = 0
         self.margin = max(40, opts.steps // 10)  # steps a job must have left to take a fault
+        self._progress: list[tuple[float, int]] = []  # (monotonic time, committed step) as seen
+        self.clock = time.monotonic  # what the step rate is timed with (tests set it)
 
     # -- looking -----------------------------------------------------------------------------------
     def look(self, fault: str = "") -> dict[str, Any] | None:
@@ -53,7 +63,23 @@ class Recoveries:
         new = self.watch.events[self._seen :]
         self._seen = len(self.watch.events)
         self.checks.look(status, new, fault=fault)
+        c = status.get("committed_step") if status is not None else None
+        if c is not None:
+            now = self.clock()
+            self._progress.append((now, int(c)))
+            while len(self._progress) > 2 and self._progress[1][0] < now - RATE_WINDOW_S:
+                self._progress.pop(0)
         return status
+
+    def step_rate(self) -> float | None:
+        """Committed steps per second over the last :data:`RATE_WINDOW_S` seconds (None before
+        two looks a second apart, or while the job does not advance)."""
+        if len(self._progress) < 2:
+            return None
+        (t0, c0), (t1, c1) = self._progress[0], self._progress[-1]
+        if t1 - t0 < 1.0 or c1 <= c0:
+            return None
+        return (c1 - c0) / (t1 - t0)
 
     def _full(self, st: dict[str, Any] | None) -> bool:
         return (
@@ -118,6 +144,12 @@ class Recoveries:
             c = st.get("committed_step") or 0
             if c >= self.opts.steps - self.margin:
                 return {"no_room": True}
+            if p.kind in PLANNED_KINDS:  # a move takes seconds whatever the pace: room in time
+                rate = self.step_rate()
+                if rate is None:
+                    return None
+                if (self.opts.steps - c) / rate < PLANNED_ROOM_S:
+                    return {"no_room": True}
             return st if len(durable_steps(root)) >= need else None
 
         got = self.watch.wait(f"room for a {p.kind}", ok, self.opts.timeout_s, alive=self._alive, every=0.25)
@@ -125,6 +157,20 @@ class Recoveries:
 
     # -- one fault ---------------------------------------------------------------------------------
     def fault(
+        self, p: Planned, rec: FaultRecord, injector: Injector, status: dict[str, Any], *, tag: str
+    ) -> None:
+        """Inject ``p`` and wait until the job recovered and is whole again (filling ``rec``).
+        :class:`Overtaken` when ``p`` is a planned move the job's end cancelled; :class:`Timeout`
+        when a wait ran out (a failure)."""
+        failed = len(self.checks.violations)
+        try:
+            self._fault(p, rec, injector, status, tag=tag)
+        except JobEnded as e:
+            if p.kind not in PLANNED_KINDS or len(self.checks.violations) > failed:
+                raise
+            raise Overtaken(str(e)) from e
+
+    def _fault(
         self, p: Planned, rec: FaultRecord, injector: Injector, status: dict[str, Any], *, tag: str
     ) -> None:
         timeout = self.opts.timeout_s
@@ -175,6 +221,9 @@ class Recoveries:
             rec.detail.update(resumed_generation=ev.get("generation"), lost_nodes=ev.get("lost"))
         elif p.kind == "migrate":
             if rec.detail["returncode"] != 0:
+                self.watch.poll()
+                if self.watch.ended() and "the job finished first" in str(rec.detail["output"]):
+                    raise Overtaken(f"the job reached its last step before the move: {rec.detail['output']}")
                 self.checks.fail(f"{tag}nonstop migrate failed: {rec.detail['output']}")
         elif p.kind == "preempt":
             self.watch.wait(

@@ -15,13 +15,17 @@ from typing import Any
 from nonstop.errors import NonstopError
 from nonstop.runtime.client import request_status
 
-__all__ = ["JobWatch", "Timeout"]
+__all__ = ["JobEnded", "JobWatch", "Timeout"]
 
 POLL_S = 0.1  # each status request is a connection the job logs: not faster
 
 
 class Timeout(NonstopError):
     """A condition the driver waited for did not come within its deadline."""
+
+
+class JobEnded(Timeout):
+    """The job reached its last step (and ended) before what the driver waited for came."""
 
 
 class JobWatch:
@@ -94,7 +98,7 @@ class JobWatch:
             if got:
                 return got
             if self.ended():
-                raise Timeout(f"the job ended while waiting for {what}")
+                raise JobEnded(f"the job ended while waiting for {what}")
             if alive is not None and not alive():
                 raise Timeout(f"node 0 exited while waiting for {what}")
             if time.monotonic() > deadline:
