@@ -27,7 +27,7 @@ demo:
 
 test:
 	scripts/setup.sh dev
-	.venv/bin/python -m pytest -q -m "not bench"
+	.venv/bin/python -m pytest -q -m "not bench" --durations=25
 
 test-quick:
 	.venv/bin/python -m pytest -q -m "not slow and not bench"

@@ -136,6 +136,14 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="elastic: on a failure a spare could replace, 'continue' goes on without the rank at "
         "once and the spare joins at a step boundary; 'wait' waits for the spare (default %(default)s)",
     )
+    demo.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=1,
+        metavar="K",
+        help="snapshot every K steps: a failure redoes up to K-1 steps past the last snapshot "
+        "(--verify still compares bitwise; default %(default)s)",
+    )
     demo.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     demo.add_argument("--job-dir", type=Path, default=Path(".nonstop/demo"))
     detector_args(demo)
@@ -305,6 +313,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
             mesh=ns.mesh,
             min_world_size=ns.min_world_size,
             survivors=ns.survivors,
+            snapshot_every=ns.snapshot_every,
             tls=ns.tls,
             metrics_port=ns.metrics_port,
         )

@@ -148,6 +148,14 @@ def snapshot_args(p: argparse.ArgumentParser) -> None:
         help="per-step capture: overlapped with the next step, sync, or off (default %(default)s)",
     )
     p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=c.snapshot_every,
+        metavar="K",
+        help="snapshot every K steps: 1/K of the per-step snapshot cost, up to K-1 steps redone after "
+        "a failure (`nonstop advise` weighs it; default %(default)s)",
+    )
+    p.add_argument(
         "--persist",
         default=None,
         metavar="URL",
@@ -180,6 +188,7 @@ def snapshot_args(p: argparse.ArgumentParser) -> None:
 def snapshot_config(ns: argparse.Namespace) -> dict[str, object]:
     return {
         "snapshot": ns.snapshot,
+        "snapshot_every": ns.snapshot_every,
         "persist_url": ns.persist,
         "persist_every": ns.persist_every,
         "keep": ns.keep,

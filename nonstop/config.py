@@ -52,6 +52,7 @@ class ENV:
     NODE = "NONSTOP_NODE"
     AGENT_PID = "NONSTOP_AGENT_PID"
     SLOTS = "NONSTOP_SNAPSHOT_SLOTS"
+    SNAPSHOT_EVERY = "NONSTOP_SNAPSHOT_EVERY"  # --snapshot-every: steps between in-memory snapshots
     SECRET = "NONSTOP_SECRET"  # alternative to a secret file for node agents
     RECONNECT = "NONSTOP_RECONNECT_S"  # how long a worker retries a lost coordinator (0: exit at once)
     MESH = "NONSTOP_MESH"  # the job's device mesh (--mesh), for Session.run(build=...)
@@ -118,6 +119,10 @@ class JobConfig:
     faults: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
     snapshot: str = "overlapped"
+    # steps between in-memory snapshots (1: every step). K > 1 trades the snapshot's cost per step
+    # (1/K of it) for up to K - 1 steps redone after a failure; swaps' boundaries and the last
+    # step are always snapshotted. `nonstop simulate --snapshot-every` and its advisor weigh it.
+    snapshot_every: int = 1
     persist_url: str | None = None  # None: <job_dir>/checkpoints
     persist_every: int = 100  # steps between lazy persists; 0: only on demand, SIGTERM and exit
     keep: int = 3
@@ -197,6 +202,10 @@ class JobConfig:
             raise UsageError(f"--keep must be >= 1 (got {self.keep})")
         if self.snapshot not in SNAPSHOT_MODES:
             raise UsageError(f"--snapshot must be one of {', '.join(SNAPSHOT_MODES)} (got {self.snapshot!r})")
+        if self.snapshot_every < 1:
+            raise UsageError(
+                f"--snapshot-every must be >= 1 step (got {self.snapshot_every}); 1 snapshots every step"
+            )
         if self.nproc_per_node < 1:
             raise UsageError(f"--nproc-per-node must be >= 1 (got {self.nproc_per_node})")
         if self.spares < 0:
@@ -342,6 +351,7 @@ class WorkerEnv:
     heartbeat_interval_s: float = 0.1
     rebuild_timeout_s: float = 30.0
     snapshot: str = "overlapped"
+    snapshot_every: int = 1  # the job's --snapshot-every
     node: str = "0"
     agent_pid: int | None = None
     num_slots: int = 2
@@ -373,6 +383,7 @@ class WorkerEnv:
             heartbeat_interval_s=float(env.get(ENV.HEARTBEAT_INTERVAL, "0.1")),
             rebuild_timeout_s=float(env.get(ENV.REBUILD_TIMEOUT, "30")),
             snapshot=env.get(ENV.SNAPSHOT, "overlapped"),
+            snapshot_every=_snapshot_every(env.get(ENV.SNAPSHOT_EVERY, "1")),
             node=env.get(ENV.NODE, "0"),
             agent_pid=int(env[ENV.AGENT_PID]) if ENV.AGENT_PID in env else None,
             num_slots=int(env.get(ENV.SLOTS, "2")),
@@ -381,6 +392,16 @@ class WorkerEnv:
             elastic=env.get(ENV.ELASTIC) == "1",
             keep_groups=env.get(ENV.KEEP_GROUPS, "1") != "0",
         )
+
+
+def _snapshot_every(raw: str) -> int:
+    try:
+        k = int(raw)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise UsageError(f"{ENV.SNAPSHOT_EVERY}={raw!r}: must be a whole number of steps >= 1")
+    return k
 
 
 def security_env(config: JobConfig) -> dict[str, str]:

@@ -41,6 +41,7 @@ class DemoOptions:
     mesh: str | None = None  # the sharded demo (nonstop.demo.train_sharded) on this mesh
     min_world_size: int = 0  # elastic: the job may shrink to this many ranks
     survivors: str = "auto"  # elastic: shrink first or replace first (runtime/survivors.py)
+    snapshot_every: int = 1  # --snapshot-every: steps between in-memory snapshots
     tls: bool = False  # TLS on the control channel and the data plane (--tls)
     metrics_port: int | None = None  # Prometheus /metrics and /status (--metrics-port)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)  # --straggler, --on-degraded
@@ -52,6 +53,8 @@ class DemoOptions:
             raise UsageError(f"--nnodes must be >= 1 (got {self.nnodes})")
         if self.steps < 1:
             raise UsageError(f"--steps must be >= 1 (got {self.steps})")
+        if self.snapshot_every < 1:
+            raise UsageError(f"--snapshot-every must be >= 1 (got {self.snapshot_every})")
         for f in self.faults:
             spec = parse_fault(f)
             if spec.step >= self.steps:
@@ -100,6 +103,7 @@ def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple
         mesh=opts.mesh,
         min_world_size=opts.min_world_size,
         survivors=opts.survivors,
+        snapshot_every=opts.snapshot_every,
         tls=opts.tls,
         metrics_port=opts.metrics_port,
         straggler=opts.straggler,
@@ -175,11 +179,12 @@ def _run_demo(opts: DemoOptions, *, echo: bool) -> dict[str, Any]:
             f"failure {i}: {f['kind']} rank {f['rank']} after step {f['step']} ({f['detail']}) -> "
             f"replacement {f['replacement']}, restored step {f['restore_step']}"
         )
-        gap = f.get("survivor_gap_steps")
+        gap, redone = f.get("survivor_gap_steps"), f.get("redone_steps")
         say(
             "  "
             + "  ".join(f"{k} {v * 1000:.0f}ms" for k, v in st.items())
             + f"  | MTTR {f['mttr_s']:.3f}s  lost steps {f['lost_steps']}"
+            + (f"  redone {redone}" if redone else "")
             + (f"  survivors' gap {gap:.2f} steps" if gap is not None else "")
         )
     resizes = _resizes(opts.job_dir / "run")

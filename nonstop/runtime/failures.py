@@ -142,7 +142,8 @@ class Failures:
                     detail=detail,
                     detected_at=time.time(),
                     fault_at=fault_at,
-                    step=self.c.view.latest_step.get(w.rank, 0),
+                    # the newest step it completed (snapshotted or not: --snapshot-every)
+                    step=max(self.c.view.latest_step.get(w.rank, 0), self.c.view.reached_step.get(w.rank, 0)),
                     # the grade points at the node (not lost): its spare is the last choice
                     avoid_node=node
                     if graded.grade is Grade.REPLACE_ELSEWHERE and ex.node_lost is None

@@ -293,6 +293,10 @@ class Generations:
             r.fresh = set(from_rank) | set(placements)
         if failures and restore_step is not None:
             r.lost_steps = max(0, self.c.committed() - restore_step)
+            # completed past the restored step, to be trained again: with --snapshot-every K
+            # up to K - 1 steps that were never committed (the step in flight is not counted)
+            reached = max(self.c.view.reached_step.values(), default=restore_step)
+            r.redone_steps = max(0, reached - restore_step)
         if restore_step is not None:
             self.c.view.rewind(restore_step)
         if failures:  # the survivors' gap runs from their last step before the failure

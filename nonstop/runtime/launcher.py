@@ -262,6 +262,7 @@ def serve_coordinator(
         ENV.HEARTBEAT_INTERVAL: str(config.detector.heartbeat_interval_s),
         ENV.REBUILD_TIMEOUT: str(config.rebuild_timeout_s),
         ENV.SNAPSHOT: config.snapshot,
+        ENV.SNAPSHOT_EVERY: str(config.snapshot_every),
         ENV.RECONNECT: str(config.reconnect_s if jobs is not None else 0),
         **({ENV.MESH: config.mesh} if config.mesh is not None else {}),
         ENV.ELASTIC: "1" if config.min_world < config.world_size else "0",

@@ -223,7 +223,8 @@ class Reconfiguration:
     live: bool = False
     # a sharded job resumed at another size: {url, step, world} of the checkpoint every rank reshards
     reshard: dict[str, Any] | None = None
-    lost_steps: int = 0
+    lost_steps: int = 0  # committed steps the restore went back past (a durable fallback)
+    redone_steps: int = 0  # steps completed past the restored one (--snapshot-every K: < K)
     replans: int = 0
     stage: Stage = Stage.PLAN
     waiting_launch: set[int] = field(default_factory=set)
@@ -362,6 +363,7 @@ class Reconfiguration:
                     "survivor_gap_s": max(self.survivor_gaps.values(), default=None),
                     "mttr_s": m["resume"] - start,
                     "lost_steps": self.lost_steps,
+                    "redone_steps": self.redone_steps,
                     "restore_step": self.restore_step,
                     "replacement": self.replacements.get(f.rank, "none"),
                     "generation": self.generation,

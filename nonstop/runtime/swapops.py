@@ -292,7 +292,9 @@ class Swaps:
         self._step_at.clear()
 
     def _progress(self) -> dict[str, Any]:
-        return {"latest": dict(self.c.view.latest_step), "committed": self.c.committed(), "now": time.time()}
+        v = self.c.view  # a boundary goes past the newest step completed, snapshotted or not
+        latest = {r: max(s, v.reached_step.get(r, 0)) for r, s in v.latest_step.items()}
+        return {"latest": latest, "committed": self.c.committed(), "now": time.time()}
 
     # -- actions ----------------------------------------------------------------------------------
     def _run(self, actions: list[Action]) -> None:

@@ -98,7 +98,10 @@ class JobView:
     workers: dict[int, WorkerRecord] = field(default_factory=dict)
     members: dict[int, int] = field(default_factory=dict)  # rank -> spawn id
     rank_node: dict[int, str] = field(default_factory=dict)  # rank -> node that plays (played) it
-    latest_step: dict[int, int] = field(default_factory=dict)  # rank -> newest step reported
+    latest_step: dict[int, int] = field(default_factory=dict)  # rank -> newest step snapshotted
+    # rank -> newest step completed (snapshotted or not: --snapshot-every K > 1 skips some);
+    # where a swap's boundary goes. Not kept in the record: a new coordinator starts it afresh.
+    reached_step: dict[int, int] = field(default_factory=dict)
     done_ranks: set[int] = field(default_factory=set)
     replicated_step: int | None = None
     failures_total: int = 0
@@ -181,6 +184,7 @@ class JobView:
     def rewind(self, step: int) -> None:
         """Every rank goes back to ``step``: later step reports are void."""
         self.latest_step = {rank: step for rank in range(self.world_size)}
+        self.reached_step = dict(self.latest_step)
         if self.replicated_step is not None and self.replicated_step > step:
             self.replicated_step = step
 
@@ -192,6 +196,7 @@ class JobView:
             self.workers[sid].rank = rank
         self.rank_node = {new_of[r]: n for r, n in self.rank_node.items() if r in new_of}
         self.latest_step = {new_of[r]: st for r, st in self.latest_step.items() if r in new_of}
+        self.reached_step = {new_of[r]: st for r, st in self.reached_step.items() if r in new_of}
 
     # -- the record (JSON) ------------------------------------------------------------------------
     def to_record(self) -> dict[str, Any]:

@@ -144,6 +144,9 @@ class Step:
     nbytes: int = 0  # the snapshot's bytes
     wait_s: float = 0.0  # of step_s, waiting in the gradient allreduce (issue 21: fail-slow)
     of: int | None = None  # the run's number of steps, when the worker says (issue 21)
+    # False: --snapshot-every skipped this step's snapshot; it is progress, not a committed step
+    snapped: bool = True
+    again: bool = False  # a step reported before, now snapshotted after all (a late swap boundary)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,6 +259,8 @@ def decode_worker(m: Mapping[str, Any]) -> WorkerMessage | None:
             nbytes=_int(m, "bytes", 0),
             wait_s=_num(m, "wait_s", 0.0),
             of=_opt_int(m, "of"),
+            snapped=m.get("snapped") is not False,
+            again=m.get("again") is True,
         )
     if t == "done":
         return Done(gen=gen, step=_int(m, "step"))

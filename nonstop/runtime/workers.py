@@ -141,10 +141,14 @@ class WorkerProtocol:
                     reply(out)
                 except ControlError:
                     pass
+        elif isinstance(m, wire.Step) and m.again:  # its timing was reported already: only the snapshot
+            c.view.latest_step[rank] = max(c.view.latest_step.get(rank, 0), m.step)
         elif isinstance(m, wire.Step):
             w.last_progress, w.stepped, w.last_step_wall = now, True, time.time()
             c.detector.record_step(m.step_s)
-            c.view.latest_step[rank] = m.step
+            if m.snapped:  # a step counts as committed only once its snapshot is complete
+                c.view.latest_step[rank] = m.step
+            c.view.reached_step[rank] = max(c.view.reached_step.get(rank, 0), m.step)
             c.swaps.on_step(rank, m.step)
             c.health.on_step(w, rank, m)  # issue 21: compute time (step_s - wait_s) for fail-slow
             c.gens.report(recovery.Stepped(rank, time.time()))

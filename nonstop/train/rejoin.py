@@ -9,6 +9,7 @@ the durable tier), report ``restored``, wait for ``rebuild``, join the new group
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import traceback
@@ -67,6 +68,13 @@ class Rejoin(Membership):
     def _pause(self, store: RankSnapshotStore) -> Message | None:
         """Live migration: stop after the boundary step (its snapshot complete, for the joiner to
         fetch) until the coordinator swaps the rank (a reconfigure) or gives up (continue)."""
+        if self._snaps.taken != self._step and self.env.snapshot != "off":
+            # the boundary came after this step was reported unsnapshotted (--snapshot-every):
+            # snapshot it now, for the joiner to fetch; the report says only that much
+            snap = self._snaps.take(self._step, self._capture())
+            again = {"t": "step", "gen": self.generation, "step": self._step, "step_s": 0.0, "again": True}
+            if snap is not None:
+                snap.on_complete(functools.partial(self._link.send_quietly, again))
         store.drain()
         self._link.pause_at = None
         self._live_at = self._step  # until the next step starts, the live state is that of this step

@@ -428,13 +428,16 @@ class Session(Rejoin):
         self._link.in_step = False
 
     def _stepped(self, step_s: float, loss: float | None, num_steps: int | None = None) -> None:
-        """Step ``self._step`` completed in ``step_s``: count it, snapshot the state after it and
-        report it (once its snapshot is complete: a step counts as committed only then)."""
+        """Step ``self._step`` completed in ``step_s``: count it, snapshot the state after it
+        (when due: ``--snapshot-every``) and report it (a snapshotted step once its snapshot is
+        complete: a step counts as committed only then)."""
         self._step += 1
         t1 = self._progress_at = time.monotonic()
         wait_s = self._take_wait_s()  # issue 21
         self._faults.observe(step_s - wait_s)  # a slowdown fault stretches the own compute
-        snap = self._snaps.take(self._step, self._capture())
+        final = num_steps is not None and self._step >= num_steps
+        due = self._snaps.due(self._step, final=final, pause_at=self._link.pause_at)
+        snap = self._snaps.take(self._step, self._capture()) if due else None
         # Stall: time the loop spent on this snapshot now, plus what the step just run
         # waited for the previous snapshot's background copy.
         stall_s = time.monotonic() - t1 + self._snaps.waited_s()
@@ -451,6 +454,8 @@ class Session(Rejoin):
             "bytes": snap.nbytes if snap is not None else 0,
             "loss": loss,
         }
+        if not due:
+            report["snapped"] = False  # progress only: the committed step stays where it is
         # with overlapped capture the snapshot is complete when the background copy finishes
         if snap is None:
             self._link.send(report)

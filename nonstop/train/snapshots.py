@@ -26,6 +26,14 @@ class LoopSnapshots:
         self._env = env
         self._store: RankSnapshotStore | None = None
         self._fence_wait_s = 0.0
+        self.taken: int | None = None  # the step of the newest snapshot begun
+
+    def due(self, step: int, *, final: bool, pause_at: int | None) -> bool:
+        """Whether the state after ``step`` is snapshotted: every ``--snapshot-every`` K-th step,
+        the run's last step, and a swap's boundary (``pause_at``: the coordinator asked this rank
+        to stop after that step) -- each of those must be restorable."""
+        k = self._env.snapshot_every
+        return k == 1 or step % k == 0 or final or (pause_at is not None and step >= pause_at)
 
     def open(self, rank: int) -> None:
         """Open the slots of ``rank``, closing the ones open under another number."""
@@ -44,7 +52,9 @@ class LoopSnapshots:
         if mode == "off":  # only for measuring what snapshots cost; nothing to recover from
             return None
         deferred = capture.deferrable() if mode == "overlapped" else None
-        return self.live.begin(step, capture.state(step), deferred=deferred)
+        pending = self.live.begin(step, capture.state(step), deferred=deferred)
+        self.taken = step
+        return pending
 
     def fence(self) -> None:
         """Hold the optimizer back until the previous step's overlapped copy is done with the

@@ -1,0 +1,100 @@
+"""``--snapshot-every K``: a rank snapshots every K-th step, the run's last step and a swap's
+boundary; the committed step moves only with a snapshot; a failure redoes the uncommitted steps
+and the result is still bitwise that of an uninterrupted run."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from nonstop.cliargs import snapshot_args, snapshot_config
+from nonstop.config import ENV, JobConfig, WorkerEnv
+from nonstop.errors import UsageError
+from nonstop.runtime import wire
+from nonstop.runtime.view import JobView
+from nonstop.train.snapshots import LoopSnapshots
+from tests.conftest import events_named, run_nodes_job
+
+
+def _worker_env(tmp_path: Path, every: str | None) -> dict[str, str]:
+    secret = tmp_path / "secret"
+    secret.write_text("s")
+    env = {ENV.JOB_ID: "j", ENV.CONTROL: "127.0.0.1:1", ENV.SECRET_FILE: str(secret)}
+    if every is not None:
+        env[ENV.SNAPSHOT_EVERY] = every
+    return env
+
+
+def test_a_bad_interval_fails_at_start_with_one_line(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="--snapshot-every must be >= 1"):
+        JobConfig(script="x", snapshot_every=0)
+    for bad in ("0", "-3", "four"):
+        with pytest.raises(UsageError, match="NONSTOP_SNAPSHOT_EVERY"):
+            WorkerEnv.from_environ(_worker_env(tmp_path, bad))
+    assert WorkerEnv.from_environ(_worker_env(tmp_path, None)).snapshot_every == 1
+    assert WorkerEnv.from_environ(_worker_env(tmp_path, "8")).snapshot_every == 8
+
+
+def test_the_command_line_reaches_the_config() -> None:
+    p = argparse.ArgumentParser()
+    snapshot_args(p)
+    assert (
+        JobConfig(script="x", **snapshot_config(p.parse_args(["--snapshot-every", "5"]))).snapshot_every == 5
+    )  # type: ignore[arg-type]
+    assert snapshot_config(p.parse_args([]))["snapshot_every"] == 1
+
+
+def test_due_steps_are_the_kth_the_last_and_a_boundary(tmp_path: Path) -> None:
+    every4 = LoopSnapshots(WorkerEnv.from_environ(_worker_env(tmp_path, "4")))
+    due = [s for s in range(1, 13) if every4.due(s, final=False, pause_at=None)]
+    assert due == [4, 8, 12]
+    assert every4.due(10, final=True, pause_at=None)  # the run's last step: its result is restorable
+    assert every4.due(6, final=False, pause_at=6)  # a swap's boundary: the joiner fetches it
+    assert every4.due(7, final=False, pause_at=6)  # past a boundary asked late: paused there
+    assert not every4.due(5, final=False, pause_at=6)
+    every1 = LoopSnapshots(WorkerEnv.from_environ(_worker_env(tmp_path, None)))
+    assert all(every1.due(s, final=False, pause_at=None) for s in range(1, 20))
+
+
+def test_an_unsnapshotted_step_is_progress_not_a_committed_step() -> None:
+    got = wire.decode_worker({"t": "step", "gen": 1, "step": 5, "step_s": 0.1, "snapped": False})
+    assert isinstance(got, wire.Step) and not got.snapped and not got.again
+    old = wire.decode_worker({"t": "step", "gen": 1, "step": 5, "step_s": 0.1})  # a worker of before K
+    assert isinstance(old, wire.Step) and old.snapped
+    again = wire.decode_worker({"t": "step", "gen": 1, "step": 6, "step_s": 0.0, "again": True})
+    assert isinstance(again, wire.Step) and again.again
+    v = JobView(job_id="j", world_size=2)
+    v.latest_step, v.reached_step = {0: 4, 1: 4}, {0: 7, 1: 6}
+    v.rewind(4)  # a recovery back to the committed step: later progress is void
+    assert v.reached_step == {0: 4, 1: 4}
+    v.reached_step = {0: 9, 1: 9, 2: 9}
+    v.renumber({0: 0, 2: 1}, 2)
+    assert v.reached_step == {0: 9, 1: 9}
+
+
+@pytest.mark.slow
+def test_failures_and_a_migration_between_snapshots_are_bitwise(tmp_path: Path, reference_hash: str) -> None:
+    """K beyond the run's length: only step 0, the migration's boundary and the last step are
+    ever snapshotted, so the boundary is snapshotted because it is one (whatever step it falls
+    on), a kill before it goes back to step 0 and one after it to the boundary."""
+    run = run_nodes_job(
+        tmp_path / "job",
+        nnodes=3,
+        spares=1,
+        snapshot_every=1000,
+        faults=("kill:rank=0,step=2", "migrate:rank=1,step=5,to=2", "kill:rank=2,step=11"),
+    )
+    assert run.out is not None, run.result.error
+    assert run.out["final_hash"] == reference_hash
+    (done,) = events_named(run.events, "migration_done")
+    boundary = int(done["boundary"])
+    assert 5 < boundary < 11
+    first, second = run.result.failures
+    assert first["restore_step"] == 0 and 1 <= first["redone_steps"] <= 3 and first["lost_steps"] == 0
+    assert second["restore_step"] == boundary and second["lost_steps"] == 0
+    assert 11 - boundary <= second["redone_steps"] <= 11 - boundary + 1
+    # only snapshotted steps were ever committed (and so replicated): none between them
+    replicated = {e["step"] for e in events_named(run.events, "replicated")}
+    assert replicated and replicated <= {0, boundary, 16}, replicated
