@@ -93,8 +93,14 @@ def test_store_round_trip_is_exact(tmp_path_factory: pytest.TempPathFactory, tre
 
 
 def test_flatten_rejects_unsupported_values() -> None:
-    with pytest.raises(SnapshotError, match="cannot snapshot a value of type object"):
-        flatten_state({"a": [object()]})
+    with pytest.raises(SnapshotError, match=r"cannot snapshot a value of type object at \.a\[1\]"):
+        flatten_state({"a": [1, object()]})
+    with pytest.raises(SnapshotError, match=r"type set at \.b\[0\]"):
+        flatten_state({"b": ({1}, 2)})
+    with pytest.raises(SnapshotError, match=r"unsupported dict key type frozenset at \.c"):
+        flatten_state({"c": {frozenset(): 1}})
+    with pytest.raises(SnapshotError, match="at <root>"):
+        flatten_state(object())
 
 
 def test_slots_alternate_and_keep_previous_step(store: RankSnapshotStore) -> None:
@@ -174,6 +180,24 @@ def test_capture_restores_model_optimizer_rng_and_extras(store: RankSnapshotStor
     assert data["pos"] == 42
     got = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(got[0], expect_draws[0]) and got[1:] == expect_draws[1:]
+
+
+def test_python_rng_state_is_an_array_and_a_list_from_older_snapshots_still_loads(
+    store: RankSnapshotStore,
+) -> None:
+    cap = StateCapture(model=torch.nn.Linear(2, 2))
+    random.seed(3)
+    state = cap.state(1)
+    assert isinstance(state["rng"]["python"][1], np.ndarray)  # a tensor in the slot, not 7 KB of JSON
+    store.write(1, state)
+    older = cap.state(2)
+    older["rng"]["python"][1] = [int(x) for x in older["rng"]["python"][1]]  # as written before
+    store.write(2, older)
+    want = [random.random() for _ in range(3)]
+    for step in (1, 2):
+        random.seed(99)
+        cap.restore(store.read(step, copy=False))
+        assert [random.random() for _ in range(3)] == want
 
 
 def _snapshotted_linear(

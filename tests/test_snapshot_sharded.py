@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nonstop.errors import SnapshotError
+from nonstop.errors import SnapshotCorruptError, SnapshotError
 from nonstop.snapshot import RankSnapshotStore, StateCapture, flatten_state, unflatten_state
 from nonstop.snapshot.sharded import LocalShard, stitch
 
@@ -54,9 +54,10 @@ def test_a_dtensor_is_its_local_shard_and_what_places_it(mesh: Any) -> None:
     from torch.distributed.tensor import DTensor, Replicate
 
     rep = DTensor.from_local(FULL.clone(), mesh, [Replicate()], run_check=False)
-    tree, tensors = flatten_state({"w": sharded(mesh), "r": rep, "plain": torch.ones(1)})
+    tree, tensors = flatten_state({"w": sharded(mesh), "r": rep, "plain": torch.ones(1), "w2": sharded(mesh)})
     assert tree["w"] == {
         "__dt__": 0,
+        "__dm__": 0,  # layout 0 of this snapshot, defined here
         "shape": [6, 2],
         "stride": [2, 1],
         "offset": [3, 0],
@@ -64,12 +65,38 @@ def test_a_dtensor_is_its_local_shard_and_what_places_it(mesh: Any) -> None:
         "mesh": [2],
         "dims": ["shard"],
     }
+    assert tree["r"]["__dm__"] == 1 and tree["r"]["offset"] == [0, 0]
+    assert tree["w2"] == {"__dt__": 3, "__dr__": 0}  # the same layout as "w": named, not repeated
     assert torch.equal(tensors[0], FULL[3:]) and tensors[0].data_ptr() != 0
     back = unflatten_state(tree, tensors)
+    assert back["w2"].offset == (3, 0) and back["w2"].global_shape == (6, 2)
+    assert torch.equal(back["w2"].tensor, FULL[3:])
     w = back["w"]
     assert isinstance(w, LocalShard) and w.offset == (3, 0) and w.placements == ("Shard(dim=0)",)
     assert back["r"].offset == (0, 0) and back["r"].placements == ("Replicate()",)
     assert torch.equal(back["plain"], torch.ones(1))
+    older = dict(tree, w2={k: v for k, v in tree["w"].items() if k != "__dm__"} | {"__dt__": 3})
+    assert unflatten_state(older, tensors)["w2"].offset == (3, 0)  # nodes of before: fields inline
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"__dt__": 0, "__dr__": 5},  # no such layout
+        {"__dt__": 0, "__dr__": [0]},  # not a number (unhashable: must not raise TypeError)
+        {"__dt__": 0, "__dr__": True},
+    ],
+)
+def test_a_layout_reference_nothing_defined_is_corrupt(node: dict[str, Any]) -> None:
+    with pytest.raises(SnapshotCorruptError, match="layout"):
+        unflatten_state({"x": node}, [torch.zeros(2)])
+
+
+def test_a_layout_defined_under_a_bad_number_is_corrupt(mesh: Any) -> None:
+    tree, tensors = flatten_state({"w": sharded(mesh)})
+    tree["w"]["__dm__"] = "zero"
+    with pytest.raises(SnapshotCorruptError, match="layout"):
+        unflatten_state(tree, tensors)
 
 
 def test_a_sharded_model_and_optimizer_round_trip_through_memory_slots(mesh: Any, tmp_path: Path) -> None:

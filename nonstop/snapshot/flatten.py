@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from nonstop.errors import SnapshotCorruptError, SnapshotError
-from nonstop.snapshot.sharded import DT_KEY, decode_dtensor, encode_dtensor, is_dtensor
+from nonstop.snapshot.sharded import DT_DEF, DT_KEY, DT_REF, decode_dtensor, encode_dtensor, is_dtensor
 from nonstop.snapshot.validate import decoding
 
 __all__ = ["flatten_state", "tensor_at", "unflatten_state"]
@@ -31,44 +31,86 @@ _Item = TypeVar("_Item")
 def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
     """Return ``(tree, tensors)``; the tree is JSON-serialisable.
 
-    Tensors are returned as they are (no copy): the caller copies them.
+    Tensors are returned as they are (no copy; one that requires grad detached): the caller
+    copies them. This runs on every
+    snapshot (every step): the walk builds no path; a value it cannot keep is located afterwards,
+    for the error message only.
     """
     tensors: list[torch.Tensor] = []
+    plain = (bool, int, float, str)
+    layouts: dict[int, int] = {}  # id(layout fields) -> k: a DTensor node's layout, defined once
+    held: list[Any] = []  # those fields, alive until the walk ends (their ids stay theirs)
 
-    def walk(obj: Any, path: str) -> Any:
-        if is_dtensor(obj):  # its local shard, and the metadata that places it (snapshot/sharded.py)
-            node, local = encode_dtensor(obj, len(tensors))
-            tensors.append(local)
-            return node
+    def walk(obj: Any) -> Any:
+        if obj is None or isinstance(obj, plain):
+            return obj
         if isinstance(obj, torch.Tensor):
-            tensors.append(obj.detach())
+            if is_dtensor(obj):  # its local shard, and the metadata that places it (snapshot/sharded.py)
+                fields, local = encode_dtensor(obj)
+                tensors.append(local)
+                k = layouts.get(id(fields))
+                if k is not None:
+                    return {DT_KEY: len(tensors) - 1, DT_REF: k}
+                k = layouts[id(fields)] = len(held)
+                held.append(fields)
+                return {DT_KEY: len(tensors) - 1, DT_DEF: k, **fields}
+            tensors.append(obj.detach() if obj.requires_grad else obj)  # a parameter: off the graph
             return {_T: len(tensors) - 1}
+        if isinstance(obj, dict):
+            if all(type(k) is str and not k.startswith("__") for k in obj):
+                return {k: walk(v) for k, v in obj.items()}
+            items = []
+            for k, v in obj.items():
+                if not isinstance(k, (str, int, float, bool)) and k is not None:
+                    raise _Unsupported(k, key=True)
+                items.append([k, walk(v)])
+            return {_DICT: items}
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if isinstance(obj, tuple):
+            return {_TUPLE: [walk(v) for v in obj]}
         if isinstance(obj, np.ndarray):
             tensors.append(torch.from_numpy(np.ascontiguousarray(obj)))
             return {_NDARRAY: len(tensors) - 1}
         if isinstance(obj, np.generic):
             return obj.item()
-        if obj is None or isinstance(obj, (bool, int, float, str)):
-            return obj
-        if isinstance(obj, dict):
-            if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-                return {k: walk(v, f"{path}.{k}") for k, v in obj.items()}
-            items = []
-            for k, v in obj.items():
-                if not isinstance(k, (str, int, float, bool)) and k is not None:
-                    raise SnapshotError(f"unsupported dict key type {type(k).__name__} at {path}")
-                items.append([k, walk(v, f"{path}.{k}")])
-            return {_DICT: items}
-        if isinstance(obj, tuple):
-            return {_TUPLE: [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
-        raise SnapshotError(
-            f"cannot snapshot a value of type {type(obj).__name__} at {path or '<root>'}: "
-            "use tensors, numbers, strings, lists, tuples and dicts"
-        )
+        raise _Unsupported(obj)
 
-    return walk(state, ""), tensors
+    try:
+        return walk(state), tensors
+    except _Unsupported as e:
+        path = _path_to(state, e.value, key=e.key) or "<root>"
+        if e.key:
+            raise SnapshotError(f"unsupported dict key type {type(e.value).__name__} at {path}") from None
+        raise SnapshotError(
+            f"cannot snapshot a value of type {type(e.value).__name__} at {path}: "
+            "use tensors, numbers, strings, lists, tuples and dicts"
+        ) from None
+
+
+class _Unsupported(Exception):
+    def __init__(self, value: Any, *, key: bool = False) -> None:
+        super().__init__()
+        self.value, self.key = value, key
+
+
+def _path_to(obj: Any, target: Any, *, key: bool, path: str = "") -> str | None:
+    """Where in ``obj`` the value (or, ``key``: the dict key) ``target`` is, as ``.a.b[2]``."""
+    if isinstance(obj, dict):
+        children = [(f"{path}.{k}", k, v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        children = [(f"{path}[{i}]", None, v) for i, v in enumerate(obj)]
+    else:
+        return None
+    for where, k, v in children:
+        if key and k is target:
+            return path
+        if not key and v is target:
+            return where
+        found = _path_to(v, target, key=key, path=where)
+        if found is not None:
+            return found
+    return None
 
 
 def tensor_at(tensors: Sequence[_Item], index: object) -> _Item:
@@ -87,13 +129,30 @@ def unflatten_state(tree: Any, tensors: list[torch.Tensor]) -> Any:
     The tree may come from untrusted bytes: anything :func:`flatten_state` cannot have produced
     (a tensor index out of range, a malformed tuple or dict record, nesting too deep) raises
     SnapshotCorruptError."""
+    layouts: dict[int, dict[str, Any]] = {}  # a DTensor layout k -> the node that defined it
+
+    def dtensor(obj: dict[str, Any]) -> Any:
+        if DT_REF in obj:
+            k = obj[DT_REF]
+            fields = layouts.get(k) if type(k) is int else None
+            if fields is None:
+                raise SnapshotCorruptError(
+                    f"a sharded tensor's record names layout {str(k)[:20]}, which no earlier record defines"
+                )
+            return decode_dtensor({**fields, DT_KEY: obj[DT_KEY]}, tensors)
+        shard = decode_dtensor(obj, tensors)
+        if DT_DEF in obj:
+            if type(obj[DT_DEF]) is not int:
+                raise SnapshotCorruptError("a sharded tensor's record defines a layout that is not a number")
+            layouts[obj[DT_DEF]] = obj
+        return shard
 
     def walk(obj: Any) -> Any:
         if isinstance(obj, dict):
             if _T in obj:
                 return tensor_at(tensors, obj[_T])
             if DT_KEY in obj:
-                return decode_dtensor(obj, tensors)
+                return dtensor(obj)
             if _NDARRAY in obj:
                 return tensor_at(tensors, obj[_NDARRAY]).numpy()
             if _TUPLE in obj:

@@ -16,11 +16,17 @@ Encoding in the tree (JSON, no pickle)::
 
     {"__dt__": <tensor index>, "shape": [..], "stride": [..], "offset": [..] | null,
      "placements": ["Shard(dim=0)", ...], "mesh": [..], "dims": [..] | null}
+
+A snapshot's nodes of the same layout share it (:mod:`.flatten`): the first one in the tree's
+order also holds ``"__dm__": k``, the others only ``{"__dt__": i, "__dr__": k}`` -- a model's
+layers repeat a handful of layouts, and their JSON was most of a snapshot's metadata, written
+every step. Nodes without either (snapshots before this) hold their own fields.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +35,9 @@ import torch
 from nonstop.errors import SnapshotCorruptError, SnapshotError
 
 __all__ = [
+    "DT_DEF",
     "DT_KEY",
+    "DT_REF",
     "LocalShard",
     "decode_dtensor",
     "encode_dtensor",
@@ -43,15 +51,24 @@ __all__ = [
 ]
 
 DT_KEY = "__dt__"
+DT_DEF = "__dm__"  # this node's layout is layout k of the snapshot (its fields are here)
+DT_REF = "__dr__"  # this node has layout k, defined by an earlier node
+
+
+_DTENSOR: type | None = None  # torch.distributed.tensor.DTensor, imported on first need
 
 
 def is_dtensor(t: object) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (without importing it on a plain path)."""
-    if not isinstance(t, torch.Tensor) or type(t) is torch.Tensor:
+    """True for a ``torch.distributed.tensor.DTensor`` (without importing it on a plain path).
+    Called for every tensor of every snapshot: no import statement on the way."""
+    global _DTENSOR
+    if type(t) is torch.Tensor or not isinstance(t, torch.Tensor):
         return False
-    from torch.distributed.tensor import DTensor
+    if _DTENSOR is None:
+        from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
+        _DTENSOR = DTensor
+    return isinstance(t, _DTENSOR)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,10 +95,31 @@ class LocalShard:
 # computed once (torch's mesh and offset helpers cost ~0.1 ms per tensor).
 _META: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
 _META_MAX = 65536
+# id(DTensor) -> (a weak reference to it, its spec object, its metadata): the same DTensor
+# objects (parameters, optimizer moments) come back every step, and while one still holds the
+# same spec object its metadata is the same; this skips even building the key above (~3 us).
+_BY_OBJECT: dict[int, tuple[Any, Any, dict[str, Any]]] = {}
 
 
-def encode_dtensor(t: Any, index: int) -> tuple[dict[str, Any], torch.Tensor]:
-    """The tree node of DTensor ``t`` stored as tensor ``index``, and its local tensor."""
+def encode_dtensor(t: Any) -> tuple[dict[str, Any], torch.Tensor]:
+    """The layout fields of DTensor ``t``'s tree node (a cached object, the same one for every
+    DTensor of that layout: never change it), and its local tensor."""
+    spec = getattr(t, "_spec", None)
+    seen = _BY_OBJECT.get(id(t)) if spec is not None else None
+    if seen is not None and seen[1] is spec and seen[0]() is t:
+        meta = seen[2]
+    else:
+        meta = _meta_of(t)
+        if spec is not None:
+            if len(_BY_OBJECT) >= _META_MAX:
+                _BY_OBJECT.clear()
+            _BY_OBJECT[id(t)] = (weakref.ref(t), spec, meta)
+    local = local_of(t)
+    return meta, (local.detach() if local.requires_grad else local)
+
+
+def _meta_of(t: Any) -> dict[str, Any]:
+    """The placement metadata of DTensor ``t`` (cached by mesh, shape, stride and placements)."""
     mesh = t.device_mesh
     placements = tuple(t.placements)
     key = (id(mesh), tuple(t.shape), tuple(t.stride()), placements)
@@ -98,7 +136,7 @@ def encode_dtensor(t: Any, index: int) -> tuple[dict[str, Any], torch.Tensor]:
             "dims": list(mesh.mesh_dim_names) if mesh.mesh_dim_names is not None else None,
         }
         hit = _META[key] = (mesh, meta)
-    return {DT_KEY: index, **hit[1]}, local_of(t).detach()
+    return hit[1]
 
 
 def local_of(t: Any) -> torch.Tensor:

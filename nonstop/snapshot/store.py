@@ -205,7 +205,7 @@ class RankSnapshotStore:
         tree, tensors = flatten_state(state)
         entries = self._layout(tensors)
         data_len = (entries[-1].offset + entries[-1].nbytes) if entries else 0
-        tree_json = json.dumps(tree, separators=(",", ":"))
+        tree_json = json.dumps(tree, separators=(",", ":"), check_circular=False)  # a tree: no cycle
         meta = ('{"tree":' + tree_json + ',"tensors":' + self._plan_json + "}").encode()
         return tensors, entries, data_len, meta
 
