@@ -293,8 +293,9 @@ class Generations:
             r.fresh = set(from_rank) | set(placements)
         if failures and restore_step is not None:
             r.lost_steps = max(0, self.c.committed() - restore_step)
-            # completed past the restored step, to be trained again: with --snapshot-every K
-            # up to K - 1 steps that were never committed (the step in flight is not counted)
+            # completed by some rank past the restored step, to be trained again: the failed
+            # rank's step in flight where the others finished it, and with --snapshot-every K up
+            # to K - 1 steps more that were never committed
             reached = max(self.c.view.reached_step.values(), default=restore_step)
             r.redone_steps = max(0, reached - restore_step)
         if restore_step is not None:

@@ -149,8 +149,8 @@ class Recovery(Event):
     # median step (None: no survivor, or a log older than the field)
     survivor_gap_s: float | None = field(default=None, metadata=OPTIONAL)
     survivor_gap_steps: float | None = field(default=None, metadata=OPTIONAL)
-    # steps completed past the restored one and trained again (--snapshot-every K > 1: up to
-    # K - 1 uncommitted steps; the step in flight is not counted)
+    # steps some rank completed past the restored one, trained again: the failed rank's step
+    # in flight where the others finished it, and with --snapshot-every K up to K - 1 more
     redone_steps: int | None = field(default=None, metadata=OPTIONAL)
 
 
