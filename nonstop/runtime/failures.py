@@ -142,8 +142,7 @@ class Failures:
                     detail=detail,
                     detected_at=time.time(),
                     fault_at=fault_at,
-                    # the newest step it completed (snapshotted or not: --snapshot-every)
-                    step=max(self.c.view.latest_step.get(w.rank, 0), self.c.view.reached_step.get(w.rank, 0)),
+                    step=self.c.view.reached(w.rank),  # snapshotted or not (--snapshot-every)
                     # the grade points at the node (not lost): its spare is the last choice
                     avoid_node=node
                     if graded.grade is Grade.REPLACE_ELSEWHERE and ex.node_lost is None

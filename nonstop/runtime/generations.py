@@ -296,7 +296,7 @@ class Generations:
             # completed by some rank past the restored step, to be trained again: the failed
             # rank's step in flight where the others finished it, and with --snapshot-every K up
             # to K - 1 steps more that were never committed
-            reached = max(self.c.view.reached_step.values(), default=restore_step)
+            reached = max(map(self.c.view.reached, self.c.view.latest_step), default=restore_step)
             r.redone_steps = max(0, reached - restore_step)
         if restore_step is not None:
             self.c.view.rewind(restore_step)

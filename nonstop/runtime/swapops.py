@@ -293,7 +293,7 @@ class Swaps:
 
     def _progress(self) -> dict[str, Any]:
         v = self.c.view  # a boundary goes past the newest step completed, snapshotted or not
-        latest = {r: max(s, v.reached_step.get(r, 0)) for r, s in v.latest_step.items()}
+        latest = {r: v.reached(r) for r in v.latest_step}
         return {"latest": latest, "committed": self.c.committed(), "now": time.time()}
 
     # -- actions ----------------------------------------------------------------------------------

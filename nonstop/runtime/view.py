@@ -181,6 +181,12 @@ class JobView:
             self.rank_node[rank] = node
         return w
 
+    def reached(self, rank: int) -> int:
+        """The newest step ``rank`` completed, snapshotted or not (``latest_step`` may hold a
+        newer one than ``reached_step`` where no step report set it: a rank's ``done``, or a
+        coordinator that restarted from the store's record)."""
+        return max(self.latest_step.get(rank, 0), self.reached_step.get(rank, 0))
+
     def rewind(self, step: int) -> None:
         """Every rank goes back to ``step``: later step reports are void."""
         self.latest_step = {rank: step for rank in range(self.world_size)}

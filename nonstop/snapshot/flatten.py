@@ -32,9 +32,8 @@ def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
     """Return ``(tree, tensors)``; the tree is JSON-serialisable.
 
     Tensors are returned as they are (no copy; one that requires grad detached): the caller
-    copies them. This runs on every
-    snapshot (every step): the walk builds no path; a value it cannot keep is located afterwards,
-    for the error message only.
+    copies them. This runs on every snapshot (every step): the walk builds no path; a value it
+    cannot keep is located afterwards, for the error message only.
     """
     tensors: list[torch.Tensor] = []
     plain = (bool, int, float, str)

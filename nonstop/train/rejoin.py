@@ -68,7 +68,7 @@ class Rejoin(Membership):
     def _pause(self, store: RankSnapshotStore) -> Message | None:
         """Live migration: stop after the boundary step (its snapshot complete, for the joiner to
         fetch) until the coordinator swaps the rank (a reconfigure) or gives up (continue)."""
-        if self._snaps.taken != self._step and self.env.snapshot != "off":
+        if self._snaps.taken != self._step:
             # the boundary came after this step was reported unsnapshotted (--snapshot-every):
             # snapshot it now, for the joiner to fetch; the report says only that much
             snap = self._snaps.take(self._step, self._capture())
