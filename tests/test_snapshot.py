@@ -429,3 +429,34 @@ def test_clear_and_prefault(tmp_path: Path) -> None:
     assert s.complete_steps() == []
     with pytest.raises(SnapshotMissingError):
         s.read(8)
+
+
+def test_equal_states_give_equal_bytes_whatever_a_slot_held_before(tmp_path: Path) -> None:
+    """The alignment padding between tensors is zeroed when a slot takes a new layout: rank 0's
+    slots first held another layout (a step before the optimizer had state), rank 1's did not;
+    the same state then gives the same bytes on both (the durable tier shares equal chunks)."""
+    first = {"w": torch.full((3,), 7.0), "b": torch.full((37,), 9.0)}  # 12 B then padding
+    state = {"w": torch.arange(5.0), "m": torch.ones(3), "v": torch.zeros(2)}
+    rank0 = RankSnapshotStore(shm_dir=tmp_path, job_id="pad", rank=0, num_slots=2)
+    rank1 = RankSnapshotStore(shm_dir=tmp_path, job_id="pad", rank=1, num_slots=2)
+    try:
+        for step in (0, 1):  # fill both of rank 0's slots with the other layout
+            rank0.write(step, first)
+        old = rank0.copy_out(1)
+        for step in (2, 3):
+            rank0.write(step, state)
+            rank1.write(step, state)
+        for step in (2, 3):
+            a, b = rank0.copy_out(step), rank1.copy_out(step)
+            assert a.meta == b.meta
+            assert bytes(a.data) == bytes(b.data)
+            assert not bytes(a.data[20:64]).strip(b"\0")  # w's padding: zeros, not b's old 9.0s
+        # Bytes written whole (a restore) into a slot whose views are this layout's, then
+        # the layout again in that slot (step 6 goes where step 4 went):
+        rank0.write_raw(4, old.meta, old.data)
+        rank0.write(5, state)
+        rank0.write(6, state)
+        assert bytes(rank0.copy_out(6).data) == bytes(rank1.copy_out(3).data)
+    finally:
+        rank0.close()
+        rank1.close()

@@ -39,6 +39,7 @@ only carries it over.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import math
 import mmap
@@ -270,9 +271,14 @@ class Slot:
 
     def views(self, plan_id: int, entries: list[TensorEntry]) -> list[torch.Tensor | None]:
         """Destination tensors for ``entries`` in this slot (None for empty ones), made once
-        per layout and mapping."""
+        per layout and mapping. The alignment padding between them is zeroed then: a snapshot's
+        bytes are its tensors' and zeros, never what an earlier layout left there, so equal
+        states give equal bytes on every rank (the durable tier stores such chunks once)."""
         if self._views_plan != plan_id:
             data = self.data_view()
+            for e, nxt in itertools.pairwise(entries):
+                if e.offset + e.nbytes < nxt.offset:
+                    data[e.offset + e.nbytes : nxt.offset].zero_()
             self._views = [
                 data[e.offset : e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
                 if e.nbytes
@@ -295,8 +301,12 @@ class Slot:
         ``dst`` crosses the edge of a registered chunk, so each lands in page-locked memory."""
         return self._pinned.pieces(dst, src)
 
-    def close(self) -> None:
+    def forget_views(self) -> None:
+        """Drop :meth:`views`' cache: the data area was written other than through them."""
         self._views, self._views_plan = [], -1
+
+    def close(self) -> None:
+        self.forget_views()
         self._pinned.unregister()  # (the store's copies into it are done: it waits before closing)
         self._bytes = None
         if self._mm is not None:

@@ -313,6 +313,7 @@ class RankSnapshotStore:
         slot = self._sized_slot(len(data), len(meta))
         slot.write_header(SlotState.WRITING, step, 0, 0, 0.0)
         slot.data_memoryview()[: len(data)] = data
+        slot.forget_views()  # the next begin re-zeroes the padding these bytes may have filled
         slot.meta_view()[: len(meta)] = meta
         slot.write_header(SlotState.COMPLETE, step, len(data), len(meta), time.time())
 
