@@ -9,7 +9,8 @@ import pytest
 
 from tests.conftest import run_benchmark_quick
 
-pytestmark = pytest.mark.bench  # a benchmark script's smoke run: `make test-bench`
+# a benchmark script's smoke run of a minute or more: `make test-bench`, by hand (not CI)
+pytestmark = [pytest.mark.bench, pytest.mark.manual]
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ import pytest
 
 from tests.conftest import run_benchmark_quick
 
-pytestmark = pytest.mark.bench  # a benchmark script's smoke run: `make test-bench`
+# a benchmark script's smoke run of a minute or more: `make test-bench`, by hand (not CI)
+pytestmark = [pytest.mark.bench, pytest.mark.manual]
 
 FIGURES = ("survivors_resume_s", "replacement_participates_s", "full_participation_s")
 
