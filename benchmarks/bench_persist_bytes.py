@@ -12,20 +12,22 @@ What is measured. The same W-train job -- ``nonstop run --nproc-per-node N --spa
 
 Figures per run, from the job's event log (each ``persist`` event's ``stored_bytes``, the rank
 files' bytes; manifests and ``latest`` are left out, a few KB): the bytes written over the whole
-run, per checkpoint, and the ratio per_rank ÷ shared. For the shared run also the bytes its
-final checkpoint's manifest says every rank's chunks take (own + shared): what the same
-checkpoint costs when every rank stores its own, which must equal the per_rank run's last
-checkpoint when both stored the same steps against the same bases. Both jobs train the same steps on
-the same data, but the persister is lazy: it persists the committed step it finds when it wakes
-(every ``--persist-every`` steps or later), so on a loaded machine a job may persist step 5
-where another persisted step 4, and its last checkpoint is then a delta against another base.
-The summary says whether the two last checkpoints are the same steps on the same bases
-(``same_steps``); only then are the bytes comparable, and exactly so where both trees lay a rank's
-state out the same way (``data_bytes``, the decoded bytes of every rank: since c7542ea Python's
-RNG state is a tensor of the data, 2.5 KB a rank, where the old tree kept it in the metadata).
-The final weights of the two runs are
-checked equal (the demo's weights hash): the measure is of the same training. Each run's last
-checkpoint is verified by this tree's reader: the old tree's (format version 1) included.
+run, per checkpoint, and the ratio per_rank ÷ shared. For the shared run also the bytes its final
+checkpoint's manifest says every rank's chunks take (own + shared): what the same checkpoint costs
+when every rank stores its own; over what it stored, ``last_checkpoint_sharing`` (about the number
+of ranks), a figure of that run alone.
+
+Both jobs train the same steps on the same data, but the persister is lazy: it persists the
+committed step it finds when it wakes (every ``--persist-every`` steps or later), so on a loaded
+machine one job may persist step 6 where the other persisted step 4, or only the last step; its
+last checkpoint is then a delta against another base, or full. The summary says whether the two
+runs persisted the same steps with the same bases (``same_steps``); only then do their bytes
+compare (the ratio of bytes written included), and then the shared run's every-rank-own bytes equal
+the per_rank run's last checkpoint, but for what the newer layout added to each rank's data
+(``data_bytes``: since c7542ea Python's RNG state is a tensor of the data, 2.5 KB a rank, where the
+old tree kept it in the metadata). The final weights of the two runs are checked equal (the demo's
+weights hash): the measure is of the same training. Each run's last checkpoint is verified by this
+tree's reader: the old tree's (format version 1) included.
 
 Run it::
 
@@ -168,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
             "min": min(ratios),
             "max": max(ratios),
         },
+        # What the shared run's last checkpoint would take with every rank storing its own,
+        # over what it stored: one run's own figure, whatever steps the other run persisted.
+        "last_checkpoint_sharing": statistics.median(
+            r["shared"]["last_checkpoint"]["every_rank_own_bytes"]
+            / r["shared"]["last_checkpoint"]["stored_bytes"]
+            for r in rows
+        ),
         "last_checkpoint_shared": last["shared"]["last_checkpoint"],
         "last_checkpoint_per_rank": last["per_rank"]["last_checkpoint"],
         # Both persisted the same steps, so the last checkpoints are deltas over the same bases

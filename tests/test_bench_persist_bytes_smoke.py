@@ -1,7 +1,8 @@
 """Smoke test of ``benchmarks/bench_persist_bytes.py --quick``: a tiny 3-rank job run by this tree and
 by the tree before shared chunks (a git worktree) trains the same weights; this tree writes about a
-third of the bytes, and where both persisted the same steps, its last checkpoint's chunks, counted
-per rank, are what the old tree wrote, plus at most the bytes the newer layout added. About 40 s on
+third of the bytes (its last checkpoint: about a third of what every rank storing its own takes),
+and where both persisted the same steps, its last checkpoint's chunks, counted per rank, are what
+the old tree wrote, plus at most the bytes the newer layout added. About 40 s on
 two cores::
 
     .venv/bin/python -m pytest -q tests/test_bench_persist_bytes_smoke.py
@@ -24,18 +25,17 @@ def test_bench_persist_bytes_quick(tmp_path: Path) -> None:
     report = run_benchmark_quick("bench_persist_bytes", out, timeout=290)
     assert report["benchmark"] == "persist-bytes" and report["config"]["quick"] is True
     s = report["summary"]
-    assert s["ratio_per_rank_to_shared"]["median"] > 2.5  # 3 ranks: nearly 3x
+    assert s["last_checkpoint_sharing"] > 2.5  # 3 ranks, the replicated state stored once: nearly 3x
     shared, per_rank = s["last_checkpoint_shared"], s["last_checkpoint_per_rank"]
     assert shared["version"] == 2 and per_rank["version"] == 1
     assert shared["step"] == per_rank["step"] == 8  # the end of the job is always persisted
     own, theirs = shared["every_rank_own_bytes"], per_rank["stored_bytes"]
     if s["same_steps"]:
+        assert s["ratio_per_rank_to_shared"]["median"] > 2.5
         # Equal, but for what the newer layout added to each rank's data (Python's RNG state:
         # 2.5 KB a rank, stored raw in a full checkpoint, ~nothing in a delta over step 4).
         added = shared["data_bytes"] - per_rank["data_bytes"]
         assert 0 <= added <= 3 * 2560
         assert theirs <= own <= theirs + added, (own, theirs, added)
-    else:
-        # The lazy persister took another step on a loaded machine (step 5 for 4, say): the last
-        # checkpoint is a delta against another base, of a size near, not equal to, the other.
-        assert abs(own - theirs) < 0.1 * theirs, (own, theirs)
+    # Else the lazy persister took other steps on a loaded machine (step 6 for 4, or only the
+    # last): a delta against another base, or a full checkpoint, is no measure of the other run.
