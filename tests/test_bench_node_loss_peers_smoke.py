@@ -1,7 +1,8 @@
 """Smoke tests of ``benchmarks/bench_node_loss_peers.py --quick``: the same node loss (2 nodes x 2
 ranks, the last node SIGKILLed) recovered by nonstop, torchrun + DCP and, where the benchmark-only
-torchft is installed, torchft; every figure of the report is there and nothing is left running
-(~1.5 minutes, plus ~30 s for torchft, on two cores)."""
+torchft is installed, torchft; and the same as HSDP (``--mesh``) by nonstop and torchrun + DCP;
+every figure of the report is there and nothing is left running (~1.5 minutes each, plus ~30 s for
+torchft, on two cores)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,22 @@ def test_bench_node_loss_peers_quick_nonstop_and_torchrun_dcp(tmp_path: Path) ->
     ratio = report["ratios"]["full_participation_s:torchrun_dcp/nonstop"]
     assert ratio["per_round"]["n"] == 1 and ratio["of_medians"] > 0
     assert report["machine"]["cpu_count"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_bench_node_loss_peers_quick_hsdp(tmp_path: Path) -> None:
+    """``--mesh replicate=2,shard=2``: each node is one replica group; nonstop's spares take the lost
+    one's shards from peer replicas, torchrun's restarted ranks reshard-load DCP; torchft is left out."""
+    report = run_benchmark_quick(
+        "bench_node_loss_peers", tmp_path / "peers.json", "--mesh", "replicate=2,shard=2", timeout=410
+    )
+    assert report["config"]["mesh"] == "replicate=2,shard=2"
+    assert list(report["contenders"]) == ["nonstop", "torchrun_dcp"]
+    ns = _only_run(report, "nonstop")
+    assert ns["lost_steps"] == 0 and ns["ranks_lost"] == 2 and ns["left_behind"] == 0
+    dcp = _only_run(report, "torchrun_dcp")
+    assert dcp["restore_step"] == [dcp["newest_ckpt_done_before_fault"]] and dcp["left_behind"] == 0
 
 
 @pytest.mark.slow
