@@ -1,7 +1,7 @@
 # The two commands the README starts with:
 #   make demo   set up .venv/ and run a 3-rank training job that survives injected failures
 #   make test   set up .venv/ (with dev tools) and run the test suite
-# CI (.ci/run) also runs make test-bench (the benchmark scripts' smoke runs) and make lint;
+# CI (.ci/run) also runs make test-bench-ci (the quicker benchmark smoke runs) and make lint;
 # make test-compat (the other end of the torch range) is run by hand (CI's time budget).
 .PHONY: demo test test-quick test-bench test-bench-ci test-compat lint bench clean
 
