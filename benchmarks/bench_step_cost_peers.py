@@ -52,8 +52,9 @@ for _p in (str(REPO), str(BENCH)):
         sys.path.insert(0, _p)
 
 from bench_mttr import machine_info, read_jsonl, run_stamp  # noqa: E402
-from bench_node_loss_peers import LIGHTHOUSE_FLAGS, Procs, free_port, start_lighthouse  # noqa: E402
 from bench_step_overhead import one_job  # noqa: E402
+from peers_procs import Procs, free_port  # noqa: E402
+from peers_torchft import LIGHTHOUSE_FLAGS, start_lighthouse  # noqa: E402
 
 CONTENDERS = ("ddp", "torchft", "nonstop_off", "nonstop")
 BASE = "ddp"
