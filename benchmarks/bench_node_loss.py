@@ -71,7 +71,7 @@ def one_run(args: argparse.Namespace, nnodes: int, nproc: int, run_dir: Path) ->
         persist_every=0,
         lease_ttl_s=args.lease_ttl,
         script_extra=("--step-delay", str(args.step_delay)) if args.step_delay else (),
-        **({"mesh": args.mesh} if getattr(args, "mesh", None) else {}),
+        mesh=getattr(args, "mesh", None),  # bench_node_loss_peers --mesh; None: DDP
     )
     result = run_local_nodes(cfg, redirect_output=True)
     collect_garbage(default_shm_dir())  # the SIGKILLed node could not free its memory
