@@ -6,18 +6,26 @@ What is measured. Phase A: 2 processes (gloo, CPU, mesh ``shard=2``) build the d
 sharded demo's ``shard_model`` (FSDP2 per block, then the root), train 3 AdamW steps on the demo's
 data (so the Adam moments exist), then each rank writes (a) its nonstop snapshot as the runtime
 encodes it (``RankSnapshotStore.write`` of ``StateCapture.state``, copied out: the meta JSON and the
-data bytes) and (b) a DCP checkpoint (``get_state_dict`` + ``dcp.save``) to the work dir on disk.
-Phase B: 3 processes (mesh ``shard=3``) hold every old rank's snapshot bytes in memory (read before
-any timing). Per run, each path restores into a freshly built model + AdamW whose model tensors are
-zeroed first (so equality proves the restore wrote everything), timed on every rank from a barrier;
-the figure of a run (and of each of its parts) is the slowest rank's:
+data bytes, left in its memory slots) and (b) a DCP checkpoint (``get_state_dict`` + ``dcp.save``) to
+the work dir on disk. Phase B: 3 processes (mesh ``shard=3``), as the ranks of one node that
+reshards in memory. Per run, each path restores into a freshly built model + AdamW whose model
+tensors are zeroed first (so equality proves the restore wrote everything), timed on every rank
+from a barrier; the figure of a run (and of each of its parts) is the slowest rank's:
 
-* ``nonstop``: ``decode_raw`` of the 2 old snapshots + ``restore_resharded`` (the optimizer starts
-  without state, as a fresh rank's does in the runtime);
+* ``nonstop``: the runtime's own path -- ``train.restore.read_to_reshard`` of the 2 old ranks from
+  the node's slots (views: nothing is copied until each new rank cuts its own slices out) +
+  ``restore_resharded`` (the optimizer starts without state, as a fresh rank's does in the
+  runtime) + closing the stores;
+* ``nonstop_copy``: the same, reading each old rank's whole state out of its slots first
+  (``copy=True``: what the runtime did before the views);
 * ``dcp``: ``get_state_dict`` (which initialises the optimizer state: a zero-lr step) +
   ``dcp.load`` + ``set_state_dict``; ``dcp_load_set_s`` leaves ``get_state_dict`` out.
 
-The paths alternate which goes first; ``--warmup`` rounds are not counted. The DCP files were just
+Memory: ``read_anon_bytes`` is how much the rank's private memory (``RssAnon``) grew while it read
+the old ranks (the largest rank's); the views leave it near zero, the copies make it the old ranks'
+whole state.
+
+The paths take turns going first; ``--warmup`` rounds are not counted. The DCP files were just
 written: they are read from a warm page cache (which favours DCP). After each path every rank hashes
 its local shards of the model and optimizer state (and the optimizer's hyper-parameters):
 ``bitwise_equal`` says nonstop's equal DCP's on every rank and both paths' global tensors
@@ -60,6 +68,8 @@ from nonstop.snapshot.sharded import is_dtensor, local_of  # noqa: E402
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "reshard.json"
 QUICK_OUT = REPO / "benchmarks" / "results" / "reshard-quick.json"
 OLD_WORLD, NEW_WORLD, TRAIN_STEPS, BATCH = 2, 3, 3, 8
+JOB, NUM_SLOTS = "bench-reshard", 2
+PATHS = ("nonstop", "nonstop_copy", "dcp")
 
 
 def _init(rank: int, world: int, work: Path, tag: str) -> Any:
@@ -144,7 +154,7 @@ def phase_a(rank: int, work: Path, model_name: str) -> None:
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
         opt.step()
     (work / "shm").mkdir(exist_ok=True)
-    store = RankSnapshotStore(shm_dir=work / "shm", job_id="bench-reshard", rank=rank)
+    store = RankSnapshotStore(shm_dir=work / "shm", job_id=JOB, rank=rank, num_slots=NUM_SLOTS)
     try:
         store.write(TRAIN_STEPS, StateCapture(model=model, optimizer=opt).state(TRAIN_STEPS))
         raw = store.copy_out(TRAIN_STEPS)
@@ -162,16 +172,32 @@ def phase_a(rank: int, work: Path, model_name: str) -> None:
     dist.destroy_process_group()
 
 
-def _restore_nonstop(model: Any, opt: Any, raws: list[tuple[bytes, bytearray]], rank: int) -> dict[str, Any]:
-    from nonstop.snapshot.capture import StateCapture, restore_resharded
-    from nonstop.snapshot.store import decode_raw
+def _anon_bytes() -> int:
+    """This process's private resident memory (``RssAnon``), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
+
+def _restore_nonstop(model: Any, opt: Any, work: Path, rank: int, *, copy: bool) -> dict[str, Any]:
+    """The runtime's resharding restore from this node's slots (``train.restore``)."""
+    from types import SimpleNamespace
+
+    from nonstop.snapshot.capture import StateCapture
+    from nonstop.train.restore import InGroup, read_to_reshard
+
+    env: Any = SimpleNamespace(shm_dir=work / "shm", job_id=JOB, num_slots=NUM_SLOTS)
+    info = {"step": TRAIN_STEPS, "world": OLD_WORLD, "memory": {str(r): "local" for r in range(OLD_WORLD)}}
+    anon = _anon_bytes()
     t0 = time.perf_counter()
-    states = [decode_raw(meta, data) for meta, data in raws]
+    pending = InGroup(old_ranks=read_to_reshard(info, env, copy=copy))
     t1 = time.perf_counter()
-    restore_resharded(StateCapture(model=model, optimizer=opt), states, rank)
+    grown = _anon_bytes() - anon
+    pending.apply(StateCapture(model=model, optimizer=opt), rank)
+    pending.close()
     t2 = time.perf_counter()
-    return {"total_s": t2 - t0, "decode_s": t1 - t0, "restore_s": t2 - t1}
+    return {"total_s": t2 - t0, "read_s": t1 - t0, "restore_s": t2 - t1, "read_anon_bytes": grown}
 
 
 def _restore_dcp(model: Any, opt: Any, path: Path) -> dict[str, float]:
@@ -198,15 +224,10 @@ def _restore_dcp(model: Any, opt: Any, path: Path) -> dict[str, float]:
 def phase_b(rank: int, work: Path, model_name: str, rounds: int) -> None:
     """3 ranks restore the 2-rank state by both paths, ``rounds`` times; rank 0 writes the figures."""
     mesh = _init(rank, NEW_WORLD, work, "b")
-    snap = work / "snap"
-    raws = [
-        ((snap / f"rank{r}.meta").read_bytes(), bytearray((snap / f"rank{r}.data").read_bytes()))
-        for r in range(OLD_WORLD)
-    ]
     ref = json.loads((work / "reference.json").read_text())
     runs, new_bytes = [], 0
     for i in range(rounds):
-        order = ("nonstop", "dcp") if i % 2 == 0 else ("dcp", "nonstop")
+        order = PATHS[i % 3 :] + PATHS[: i % 3]
         run: dict[str, Any] = {"first": order[0]}
         digests: dict[str, str] = {}
         for path in order:
@@ -215,8 +236,8 @@ def phase_b(rank: int, work: Path, model_name: str, rounds: int) -> None:
                 for t in model.state_dict().values():
                     (local_of(t) if is_dtensor(t) else t).zero_()
             dist.barrier()
-            if path == "nonstop":
-                parts = _restore_nonstop(model, opt, raws, rank)
+            if path.startswith("nonstop"):
+                parts = _restore_nonstop(model, opt, work, rank, copy=path == "nonstop_copy")
             else:
                 parts = _restore_dcp(model, opt, work / "dcp")
             run[path] = _slowest(parts)
@@ -226,10 +247,9 @@ def phase_b(rank: int, work: Path, model_name: str, rounds: int) -> None:
             new_bytes = sum(local_of(t).nbytes if is_dtensor(t) else t.nbytes for t in tensors)
         every: list[Any] = [None] * NEW_WORLD
         dist.all_gather_object(every, (digests, new_bytes))
-        run["equal_per_rank"] = [d["nonstop"] == d["dcp"] for d, _ in every]
-        run["bitwise_equal"] = (
-            all(run["equal_per_rank"]) and run["nonstop_matches_reference"] and run["dcp_matches_reference"]
-        )
+        run["equal_per_rank"] = [d["nonstop"] == d["dcp"] == d["nonstop_copy"] for d, _ in every]
+        matches = all(run[f"{p}_matches_reference"] for p in PATHS)
+        run["bitwise_equal"] = all(run["equal_per_rank"]) and matches
         runs.append(run)
     if rank == 0:
         out = {"runs": runs, "state_bytes_per_new_rank": [b for _, b in every]}
@@ -259,8 +279,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     def of(path: str, part: str) -> list[float]:
         return [r[path][part] for r in counted]
 
-    def ratio(part: str) -> dict[str, float] | None:
-        return summarize([d / n for d, n in zip(of("dcp", part), of("nonstop", "total_s"), strict=True)])
+    def ratio(part: str, over: str = "dcp") -> dict[str, float] | None:
+        return summarize([d / n for d, n in zip(of(over, part), of("nonstop", "total_s"), strict=True)])
 
     return {
         "benchmark": "reshard",
@@ -287,8 +307,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "phase_s": {"old_mesh_train_and_save": t1 - t0, "new_mesh_all_rounds": t2 - t1},
         "runs": b["runs"],  # the first --warmup are not counted
         "nonstop_s": summarize(of("nonstop", "total_s")),
-        "nonstop_decode_s": summarize(of("nonstop", "decode_s")),
+        "nonstop_read_s": summarize(of("nonstop", "read_s")),
         "nonstop_restore_s": summarize(of("nonstop", "restore_s")),
+        "nonstop_read_anon_bytes": summarize(of("nonstop", "read_anon_bytes")),
+        "nonstop_copy_s": summarize(of("nonstop_copy", "total_s")),
+        "nonstop_copy_read_s": summarize(of("nonstop_copy", "read_s")),
+        "nonstop_copy_read_anon_bytes": summarize(of("nonstop_copy", "read_anon_bytes")),
+        "ratio_copy_over_views": ratio("total_s", "nonstop_copy"),
         "dcp_s": summarize(of("dcp", "total_s")),
         "dcp_get_state_dict_s": summarize(of("dcp", "get_state_dict_s")),
         "dcp_load_s": summarize(of("dcp", "load_s")),
@@ -311,7 +336,14 @@ def print_summary(r: dict[str, Any]) -> None:
         f"params): snapshot {statistics.mean(w['snapshot_bytes_per_old_rank']) / 1e6:.2f} MB per old rank, "
         f"DCP {w['dcp_checkpoint_bytes'] / 1e6:.2f} MB in {w['dcp_files']} files"
     )
-    print(f"  nonstop (decode + restore_resharded), ms:            {msf(r['nonstop_s'])}")
+
+    def mbf(s: dict[str, float] | None) -> str:
+        return fmt({k: v / 1e6 for k, v in s.items()} if s else None)
+
+    print(f"  nonstop (views of the slots + restore_resharded), ms: {msf(r['nonstop_s'])}")
+    print(f"    private memory grown by the read, MB:              {mbf(r['nonstop_read_anon_bytes'])}")
+    print(f"  nonstop, each old rank copied out first, ms:         {msf(r['nonstop_copy_s'])}")
+    print(f"    private memory grown by the read, MB:              {mbf(r['nonstop_copy_read_anon_bytes'])}")
     print(f"  DCP (get_state_dict + load + set_state_dict), ms:    {msf(r['dcp_s'])}")
     print(f"  DCP (load + set_state_dict only), ms:                {msf(r['dcp_load_set_s'])}")
     print(f"  ratio DCP / nonstop:                                 {fmt(r['ratio_dcp_over_nonstop'])}")

@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from nonstop.control.channel import Message
 from nonstop.snapshot import RankSnapshotStore, StateCapture
@@ -158,10 +159,11 @@ class Rejoin(Membership):
                 {"t": "restored", "gen": gen, "step": self._step, "restore_s": time.monotonic() - t0}
             )
             reply = self._link.wait_for("rebuild", "reconfigure")
-            if reply["t"] == "reconfigure":
-                msg = reply
-                continue
-            if int(reply["gen"]) != gen:
+            if reply["t"] == "reconfigure" or int(reply["gen"]) != gen:
+                if pending is not None:
+                    pending.close()  # (the next generation reads its own)
+                if reply["t"] == "reconfigure":
+                    msg = reply
                 continue
             fresh = bool(msg.get("fresh")) and restore_step is not None
             if fresh and not trainee.restore_in_group:
@@ -174,10 +176,16 @@ class Rejoin(Membership):
                 module = self._join_group(gen, restored=restore_step is not None)
                 if pending is not None:
                     pending.apply(self._capture(), self.rank)
+                    if pending.reads_slots:
+                        _resharded_everywhere()
             except Exception as e:
+                if pending is not None:
+                    pending.close()
                 pending = None
                 msg = self._on_step_error(e)
                 continue
+            if pending is not None:
+                pending.close()
             pending = None
             if fresh and trainee.restore_in_group:  # (a sharded model exists only now)
                 store.clear()
@@ -203,6 +211,15 @@ class Rejoin(Membership):
             divisor=self.num_shards,
             generation=gen,
         )
+
+
+def _resharded_everywhere() -> None:
+    """Return once every rank of the generation has resharded. A resharding rank reads the old
+    ranks' slots on its node as views (:class:`~nonstop.train.restore.Resharding`), and a fresh
+    rank starts its own slots over right after its restore: without this, a rank that finished
+    first could write into the slots of its rank number while another rank of its node still
+    cuts its shards out of them. One small collective on the default group (its CPU backend)."""
+    dist.all_reduce(torch.zeros(1))
 
 
 def _ready(gen: int, rebuild_s: float, sharded: GenerationGroup | None) -> Message:

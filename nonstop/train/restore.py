@@ -5,7 +5,9 @@ durable tier (no process group needed), and applied once a sharded model is buil
   elastic shrink renumbered it);
 * every old rank's state, to reshard (:func:`read_to_reshard`): an elastic resize of a sharded
   job without replicas (from the node's own and replica slots) or a resume on another mesh
-  (from the durable tier);
+  (from the durable tier). From memory these are views of the slots, not copies: a new rank
+  copies out only the slices its own shards need (:func:`~nonstop.snapshot.sharded.reshard`),
+  so resharding W old ranks costs it its own share, not W old ranks' states;
 * :func:`read_restore` decides which from the ``reconfigure`` message: a data-parallel model
   restores at once; a sharded model exists only once the generation's groups are joined, so
   what it restores is held (:class:`InGroup`) and copied in then.
@@ -13,8 +15,9 @@ durable tier (no process group needed), and applied once a sharded model is buil
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nonstop.config import WorkerEnv
@@ -22,22 +25,61 @@ from nonstop.control.channel import Message
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.snapshot.capture import restore_resharded
 
-__all__ = ["InGroup", "open_store", "read_own", "read_restore", "read_to_reshard"]
+__all__ = ["InGroup", "Resharding", "open_store", "read_own", "read_restore", "read_to_reshard"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Resharding:
+    """Every old rank's state of one step (``states[r]``: old rank r's), to cut new shards out
+    of. Read from memory, the tensors are views of the slots of ``stores`` (this node's own and
+    replica slots), which stay open until :meth:`close`: the slots must not be written before
+    then (:meth:`nonstop.train.rejoin` holds every rank's fresh snapshot back until all the
+    generation's ranks have resharded)."""
+
+    states: list[dict[str, Any]]
+    stores: list[RankSnapshotStore] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Drop the states and close the stores they are views into. A store whose mapping is
+        still referenced (an exception's traceback holding a view) stays mapped until those
+        references die: that is logged, not raised."""
+        self.states = []
+        for store in self.stores:
+            try:
+                store.close()
+            except BufferError:
+                log.debug("a slot store stays mapped: views of it are still referenced")
+        self.stores = []
 
 
 @dataclass
 class InGroup:
     """A sharded model's restore, read at the restore stage: its own snapshot (``held``) or
-    every old rank's (``old_ranks``, to reshard); :meth:`apply` once the model is built."""
+    every old rank's (``old_ranks``, to reshard); :meth:`apply` once the model is built, then
+    :meth:`close`."""
 
     held: Any = None
-    old_ranks: list[dict[str, Any]] | None = None
+    old_ranks: Resharding | None = None
 
     def apply(self, capture: StateCapture, rank: int) -> None:
         if self.held is not None:
             capture.restore(self.held)
         elif self.old_ranks is not None:
-            restore_resharded(capture, self.old_ranks, rank)
+            restore_resharded(capture, self.old_ranks.states, rank)
+
+    @property
+    def reads_slots(self) -> bool:
+        """Whether what it restores is views of slots other ranks of this node may write."""
+        return self.old_ranks is not None and bool(self.old_ranks.stores)
+
+    def close(self) -> None:
+        """Release what was read (idempotent)."""
+        self.held = None
+        if self.old_ranks is not None:
+            self.old_ranks.close()
+            self.old_ranks = None
 
 
 def read_restore(
@@ -85,13 +127,17 @@ def read_own(env: WorkerEnv, store: RankSnapshotStore, from_rank: int | None, st
         old.close()
 
 
-def read_to_reshard(info: dict[str, Any], env: WorkerEnv) -> list[dict[str, Any]]:
+def read_to_reshard(info: dict[str, Any], env: WorkerEnv, *, copy: bool = False) -> Resharding:
     """Every old rank's state of step ``info["step"]`` of a world of ``info["world"]`` ranks,
     which the new model, once built, cuts its shards out of
     (:func:`~nonstop.snapshot.capture.restore_resharded`): from this node's memory when
     ``info["memory"]`` says where each old rank's is (``local``: the slots of that rank number
     here, ``replica``: the replicas this node keeps; an elastic shrink), else from the durable
-    checkpoint at ``info["url"]``, each checksum verified (a job resumed on another mesh)."""
+    checkpoint at ``info["url"]``, each checksum verified (a job resumed on another mesh).
+
+    From memory the states are views of the slots (their stores stay open in the result);
+    ``copy=True`` copies each old rank's whole state out instead and closes them (what this did
+    before; ``benchmarks/bench_reshard.py`` measures the two side by side)."""
     from nonstop.snapshot.store import decode_raw
 
     step, world = int(info["step"]), int(info["world"])
@@ -100,20 +146,24 @@ def read_to_reshard(info: dict[str, Any], env: WorkerEnv) -> list[dict[str, Any]
         from nonstop.snapshot.durable import DurableStore
 
         durable = DurableStore(str(info["url"]))
-        return [decode_raw(*durable.load_rank(step, r)) for r in range(world)]
+        return Resharding([decode_raw(*durable.load_rank(step, r)) for r in range(world)])
     from nonstop.replica.peer import REPLICA_SLOTS, replicas_beside
 
-    states = []
-    for old in range(world):
-        local = where[str(old)] == "local"
-        store = RankSnapshotStore(
-            shm_dir=env.shm_dir,
-            job_id=env.job_id if local else replicas_beside(env.job_id),
-            rank=old,
-            num_slots=env.num_slots if local else REPLICA_SLOTS,
-        )
-        try:
-            states.append(store.read(step, copy=True))
-        finally:
-            store.close()
-    return states
+    out = Resharding([])
+    try:
+        for old in range(world):
+            local = where[str(old)] == "local"
+            store = RankSnapshotStore(
+                shm_dir=env.shm_dir,
+                job_id=env.job_id if local else replicas_beside(env.job_id),
+                rank=old,
+                num_slots=env.num_slots if local else REPLICA_SLOTS,
+            )
+            out.stores.append(store)
+            out.states.append(store.read(step, copy=copy))
+            if copy:
+                out.stores.pop().close()
+    except BaseException:
+        out.close()
+        raise
+    return out
