@@ -29,7 +29,7 @@ def test_bench_reshard_quick(tmp_path: Path) -> None:
         assert run["nonstop_matches_reference"] and run["dcp_matches_reference"]
         assert run["nonstop_copy_matches_reference"]
         assert run["bitwise_equal"]
-        assert run["nonstop"]["total_s"] > 0 and run["dcp"]["total_s"] > 0 and run["nonstop_copy"]["total_s"] > 0
+        assert min(run[path]["total_s"] for path in ("nonstop", "nonstop_copy", "dcp")) > 0
         # (RssAnon growth: at the tiny model's 0.7 MB the allocator's reuse is as large as the
         # copies, so only the medium model's run shows the difference; here: that it is reported)
         assert isinstance(run["nonstop"]["read_anon_bytes"], int)

@@ -284,11 +284,12 @@ def test_hsdp_shrinks_by_a_replica_group_and_grows_it_back(tmp_path: Path) -> No
 
 def test_fsdp2_without_replicas_reshards_in_memory_to_shrink_and_to_grow(tmp_path: Path) -> None:
     """Elastic FSDP2 on three nodes of one rank, no spare: node 2 is lost, and the two ranks that
-    stay reshard the job's state over a mesh of 2 from memory -- each node gathers every old
-    rank's committed step (its own slots, the replicas it holds, fetches of the rest) and every
-    rank cuts its new shards out of them. Node 2 joins again: at a step boundary every rank, the
-    joiner too, reshards the 2 ranks' state over 3. The samples are read once each in order, the
-    loss is the uninterrupted run's up to float rounding."""
+    stay reshard the job's state over a mesh of 2 from memory -- each node gathers the old ranks'
+    committed step its rank cuts from (its own slots, the replicas it holds, fetches of the rest;
+    which ones, by the layouts rank 0 reported) and every rank cuts its new shards out of them.
+    Node 2 joins again: at a step boundary every rank, the joiner too, reshards the 2 ranks'
+    state over 3. The samples are read once each in order, the loss is the uninterrupted run's up
+    to float rounding."""
     three = {"mesh": "shard=3", "nproc": 1, "nnodes": 3, "coordinator": "127.0.0.1:0", "lease_ttl_s": 3.0}
     events = _shrink_then_grow(tmp_path / "job", three, lost=2, at=8)
     (shrink,) = events_named(events, "shrink")
@@ -296,3 +297,11 @@ def test_fsdp2_without_replicas_reshards_in_memory_to_shrink_and_to_grow(tmp_pat
     assert shrink["shards"] == {"0": [0], "1": [1, 2]}
     fetched = [e for e in events_named(events, "fetched") if e["ok"]]
     assert fetched, "the nodes gathered the old ranks' steps"
+    # The tiny model's rows: new rank 1 (node 1) cuts from old ranks 1 and 2 only, so node 1
+    # fetches old rank 2 (from node 0's replica) and not old rank 0; node 0 fetches old rank 1.
+    # At the grow, new rank 0 (node 0) needs only its own old rank 0: node 0 fetches nothing.
+    at_grow = next(i for i, e in enumerate(events) if e.get("event") == "grow")
+    before = [e for e in events[:at_grow] if e.get("event") == "fetched" and e["ok"]]
+    after = [e for e in events[at_grow:] if e.get("event") == "fetched" and e["ok"]]
+    assert sorted((e["node"], e["rank"]) for e in before) == [("0", 1), ("1", 2)]
+    assert "0" not in {e["node"] for e in after} and after

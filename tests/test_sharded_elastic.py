@@ -234,3 +234,52 @@ def test_without_replicas_a_shrink_and_a_grow_gather_every_old_ranks_step_on_eac
     assert h.coord.state is JobState.RUNNING and h.coord.swaps.active is None
     [grow] = h.events("grow")
     assert grow["shards"] == {"0": [0], "1": [1], "2": [2]}
+
+
+def test_with_layouts_known_each_node_gathers_only_the_old_ranks_its_ranks_cut_from(
+    tmp_path: Path,
+) -> None:
+    """The same shrink and grow as above, once rank 0 has said how the model is laid out (one
+    6-row tensor sharded on dim 0 over ``shard``): a node fetches only the old ranks whose rows
+    overlap its new rank's, plus the one its rank takes the unsharded rest from. Shrink 3 -> 2
+    (old rows [0,2) [2,4) [4,6); new [0,3) [3,6)): node 0 needs old 0 and 1, node 1 old 1 and 2 --
+    node 1 no longer fetches old rank 0. Grow 2 -> 3 (old [0,3) [3,6); new [0,2) [2,4) [4,6)):
+    node 0 needs only its own old rank 0 and fetches nothing."""
+    h = _running(tmp_path, "shard=3", nodes=3)
+    layout = [[[6, 4], ["Shard(dim=0)"], ["shard"]]]
+    h.worker_says(0, {"t": "ready", "layouts": layout})
+    other = [[[99], ["Shard(dim=0)"], ["shard"]]]
+    h.worker_says(1, {"t": "ready", "layouts": other})  # not rank 0's: ignored
+    h.tick()
+    h.step_all(2)
+    h.step_all(3)
+    h.replicas["0"] = {2: {2}}
+    h.lose_node("2")
+    sent = [(n, m) for n, a in h.agents.items() for m in a.sent if m.get("t") == "fetch"]
+    assert sorted((n, int(m["rank"]), m.get("into")) for n, m in sent) == [
+        ("0", 1, "replica"),
+        ("1", 2, "replica"),
+    ]
+    h.tick()
+    told = {r: h.member(r).last("reconfigure") for r in (0, 1)}
+    assert told[0]["reshard"]["memory"] == {"0": "local", "1": "replica"}
+    assert told[1]["reshard"]["memory"] == {"1": "local", "2": "replica"}
+    h.resume_all(3)
+    assert h.coord.state is JobState.RUNNING
+    h.add_node("3", nproc=1)
+    h.connect_spawned()
+    h.tick()
+    z = h.coord.swaps.grow
+    assert z is not None
+    joiner = h.workers[z.joiners[0].sid]
+    h.tick()
+    h.put("msg", joiner, {"t": "restored", "gen": h.coord.generation})
+    boundary = _all_pause(h, (0, 1))
+    sent = [(n, m) for n, a in h.agents.items() for m in a.sent if m.get("t") == "fetch"]
+    resharding = sorted((n, int(m["rank"])) for n, m in sent if m.get("into") and m["step"] == boundary)
+    assert resharding == [("1", 0), ("3", 0), ("3", 1)]
+    h.tick()
+    assert h.member(0).last("reconfigure")["reshard"]["memory"] == {"0": "local"}
+    assert h.member(1).last("reconfigure")["reshard"]["memory"] == {"0": "replica", "1": "local"}
+    h.resume_all(boundary + 1)
+    assert h.coord.state is JobState.RUNNING

@@ -25,6 +25,7 @@ import signal
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from nonstop.reshardplan import TensorLayout, needed_old_ranks
 from nonstop.runtime import events as ev
 from nonstop.runtime.elastic import assign_shards
 from nonstop.runtime.planning import Shrink, dropped_with, may_shrink
@@ -44,6 +45,18 @@ class Resizing:
 
     def __init__(self, c: Coordinator) -> None:
         self.c = c
+        # how a sharded job's tensors are laid out (rank 0's ``ready``): a reshard's fetches are
+        # planned by it (nonstop/reshardplan.py); None: every node gathers every old rank
+        self.layouts: tuple[TensorLayout, ...] | None = None
+
+    def needed_on(self, node: str, old_world: int) -> set[int]:
+        """The old ranks (of ``old_world``) whose step ``node``'s ranks of the current view cut
+        their shards out of in a reshard: by the reported layouts, else all."""
+        mesh, v = self.c.mesh, self.c.view
+        if mesh is None or not self.layouts:
+            return set(range(old_world))
+        mine = [r for r in range(v.world_size) if v.rank_node.get(r) == node]
+        return needed_old_ranks(self.layouts, mesh.with_world(old_world), mesh.with_world(v.world_size), mine)
 
     @property
     def reshards(self) -> bool:

@@ -111,14 +111,16 @@ class RestoreSources:
         """A resize that reshards (a sharded job without replicas): every node playing a rank of
         generation ``r`` needs every old rank's ``step`` in its memory -- in its own slots (an
         old rank it played), else in its replica slots (a replica it holds, or fetched there from
-        a holder). Returns node -> old rank -> ``local`` | ``replica``, where the node's ranks
-        read them; its ranks are told their generation once all its fetches are done."""
+        a holder) -- only the old ranks whose shards the node's ranks need, where the job's
+        layouts are known (``Resizing.needed_on``). Returns node -> old rank -> ``local`` |
+        ``replica``, where the node's ranks read them; its ranks are told their generation once
+        all its fetches are done."""
         where: dict[str, dict[int, str]] = {}
         view = self.c.view
         for node in sorted({view.rank_node[rank] for rank in range(view.world_size)}):
             mine: dict[int, str] = {}
             reqs: dict[int, int] = {}  # request -> old rank
-            for old in range(old_world):
+            for old in sorted(self.c.resize.needed_on(node, old_world)):
                 holders = [(str(n), str(k)) for n, k in avail.get(old, {}).get(step, [])]
                 if (node, "local") in holders or (node, "replica") in holders:
                     mine[old] = "local" if (node, "local") in holders else "replica"

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nonstop.reshardplan import TensorLayout, decode_layouts
+
 __all__ = [
     "AgentMessage",
     "ClientRequest",
@@ -133,6 +135,7 @@ class Ready:
     gen: int
     rebuild_s: float = 0.0
     groups: tuple[int, int, float] | None = None  # a sharded job's mesh groups: kept, built, seconds
+    layouts: tuple[TensorLayout, ...] | None = None  # a sharded job's rank 0: its DTensors' layouts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,6 +252,7 @@ def decode_worker(m: Mapping[str, Any]) -> WorkerMessage | None:
             groups=(int(groups[0]), int(groups[1]), float(groups[2]))
             if isinstance(groups, list) and len(groups) == 3
             else None,
+            layouts=decode_layouts(m["layouts"]) if "layouts" in m else None,
         )
     if t == "step":
         return Step(

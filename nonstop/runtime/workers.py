@@ -133,6 +133,8 @@ class WorkerProtocol:
                 )
             return  # fenced: an older generation, or not (any more) a member
         rank, r = w.rank, c.gens.reconf
+        if isinstance(m, wire.Ready) and m.layouts is not None and rank == 0:
+            c.resize.layouts = m.layouts  # what a later reshard plans its fetches by
         if isinstance(m, wire.Raw):
             chan = w.chan
             assert chan is not None
@@ -163,6 +165,7 @@ class WorkerProtocol:
             c.gens.report(recovery.Joined(rank, time.time()))
             if m.groups is not None:
                 c.events.emit(groups_joined(m, rank, m.groups))
+
         elif isinstance(m, wire.Done):
             c.view.latest_step[rank] = m.step
             c.view.done_ranks.add(rank)

@@ -154,18 +154,26 @@ class StateCapture:
             obj.load_state_dict(_clone_tensors(saved[name]))
 
 
-def restore_resharded(capture: StateCapture, states: list[dict[str, Any]], rank: int) -> int:
-    """Restore ``capture`` (a sharded model just built on a new mesh) from every old rank's state
-    of a snapshot taken on another mesh (``states[r]``: old rank r's). Each DTensor of the model
-    and of the optimizer is cut from all the old ranks' shards for its live layout
-    (:func:`~nonstop.snapshot.sharded.reshard`); the rest (plain tensors, optimizer scalars and
-    hyper-parameters, RNG, extras) comes from old rank ``rank % len(states)``. Returns the step."""
+def restore_resharded(capture: StateCapture, states: list[dict[str, Any] | None], rank: int) -> int:
+    """Restore ``capture`` (a sharded model just built on a new mesh) from the old ranks' states
+    of a snapshot taken on another mesh (``states[r]``: old rank r's; None for one this rank's
+    node did not gather, :mod:`~nonstop.reshardplan`). Each DTensor of the model
+    and of the optimizer is cut from the old ranks' shards for its live layout
+    (:func:`~nonstop.snapshot.sharded.reshard`: a slice they leave uncovered is an error); the
+    rest (plain tensors, optimizer scalars and hyper-parameters, RNG, extras) comes from old rank
+    ``rank % len(states)``. Returns the step."""
     from nonstop.snapshot.sharded import reshard
 
-    base = states[rank % len(states)]
+    held = rank % len(states)
+    maybe = states[held]
+    if maybe is None:
+        raise SnapshotError(
+            f"cannot reshard: old rank {held}'s state, which rank {rank} restores the rest from, is not here"
+        )
+    base: dict[str, Any] = maybe
 
     def cut(live: Any, key: Any, pick: Any, where: str) -> torch.Tensor:
-        shards = [pick(st) for st in states]
+        shards = [pick(st) for st in states if st is not None]
         if not all(isinstance(sh, LocalShard) for sh in shards):
             raise SnapshotError(f"cannot reshard {where}: the snapshot does not hold it sharded")
         coord = tuple(live.device_mesh.get_coordinate() or ())

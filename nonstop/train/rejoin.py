@@ -14,6 +14,7 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -192,10 +193,18 @@ class Rejoin(Membership):
                 store.write(self._step, self._capture().state(self._step))
             if restore_step is None:
                 store.write(0, self._capture().state(0))
-            self._link.send(
-                _ready(gen, time.monotonic() - t1, self._group if trainee.restore_in_group else None)
-            )
+            sharded = trainee.restore_in_group
+            layouts = self._layouts() if sharded and self.rank == 0 else None
+            self._link.send(_ready(gen, time.monotonic() - t1, self._group if sharded else None, layouts))
             return module
+
+    def _layouts(self) -> list[Any] | None:
+        """The model's DTensor layouts, which the coordinator plans a later reshard's fetches by
+        (:mod:`nonstop.reshardplan`); None when it cannot plan by them."""
+        from nonstop.reshardplan import encode_layouts, layouts_of
+
+        found = layouts_of(self._capture().model.state_dict().values())
+        return encode_layouts(found) if found else None
 
     def _join_group(self, gen: int, *, restored: bool) -> torch.nn.Module:
         # Rendezvous through the coordinator (authenticated, fenced by generation, abortable).
@@ -222,11 +231,15 @@ def _resharded_everywhere() -> None:
     dist.all_reduce(torch.zeros(1))
 
 
-def _ready(gen: int, rebuild_s: float, sharded: GenerationGroup | None) -> Message:
+def _ready(
+    gen: int, rebuild_s: float, sharded: GenerationGroup | None, layouts: list[Any] | None = None
+) -> Message:
     """The message that says this rank joined generation ``gen``; a sharded job's says which of
-    its mesh groups it kept."""
+    its mesh groups it kept, and rank 0's how its model's tensors are laid out."""
     out: Message = {"t": "ready", "gen": gen, "rebuild_s": rebuild_s}
     if sharded is not None:
         g = sharded.mesh_groups
         out["groups"] = [g.kept, g.built, g.build_s]
+    if layouts is not None:
+        out["layouts"] = layouts
     return out

@@ -32,13 +32,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Resharding:
-    """Every old rank's state of one step (``states[r]``: old rank r's), to cut new shards out
+    """The old ranks' states of one step (``states[r]``: old rank r's), to cut new shards out
     of. Read from memory, the tensors are views of the slots of ``stores`` (this node's own and
     replica slots), which stay open until :meth:`close`: the slots must not be written before
     then (:meth:`nonstop.train.rejoin` holds every rank's fresh snapshot back until all the
     generation's ranks have resharded)."""
 
-    states: list[dict[str, Any]]
+    states: list[dict[str, Any] | None]  # None: an old rank this node's ranks do not need
     stores: list[RankSnapshotStore] = field(default_factory=list)
 
     def close(self) -> None:
@@ -132,7 +132,8 @@ def read_to_reshard(info: dict[str, Any], env: WorkerEnv, *, copy: bool = False)
     which the new model, once built, cuts its shards out of
     (:func:`~nonstop.snapshot.capture.restore_resharded`): from this node's memory when
     ``info["memory"]`` says where each old rank's is (``local``: the slots of that rank number
-    here, ``replica``: the replicas this node keeps; an elastic shrink), else from the durable
+    here, ``replica``: the replicas this node keeps; an old rank it leaves out is not needed
+    here and reads as None), else from the durable
     checkpoint at ``info["url"]``, each checksum verified (a job resumed on another mesh).
 
     From memory the states are views of the slots (their stores stay open in the result);
@@ -152,6 +153,9 @@ def read_to_reshard(info: dict[str, Any], env: WorkerEnv, *, copy: bool = False)
     out = Resharding([])
     try:
         for old in range(world):
+            if str(old) not in where:  # not needed by this node's ranks (nonstop/reshardplan.py)
+                out.states.append(None)
+                continue
             local = where[str(old)] == "local"
             store = RankSnapshotStore(
                 shm_dir=env.shm_dir,

@@ -1,0 +1,206 @@
+"""Which old ranks a resharded rank needs (nonstop/reshardplan.py): the slices it computes are
+DTensor's (checked against ``shard_layout``), the old ranks it names cover every new slice --
+cutting from those alone gives what cutting from all gives -- and nothing it names is spare;
+malformed reports are refused whole."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nonstop.mesh import MeshSpec
+from nonstop.reshardplan import (
+    MAX_LAYOUTS,
+    TensorLayout,
+    decode_layouts,
+    encode_layouts,
+    layouts_of,
+    needed_old_ranks,
+)
+from nonstop.snapshot.sharded import LocalShard, reshard, shard_layout
+
+SHARD0 = ("Shard(dim=0)",)
+
+
+def _box(
+    shape: tuple[int, ...], placements: tuple[str, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...]
+) -> tuple[tuple[int, int], ...]:
+    """[start, stop) per tensor dim of the slice DTensor places at ``coord``."""
+    local, offset = shard_layout(shape, placements, mesh_shape, coord)
+    return tuple((o, o + n) for o, n in zip(offset, local, strict=True))
+
+
+def _cells(box: tuple[tuple[int, int], ...]) -> set[tuple[int, ...]]:
+    return set(itertools.product(*(range(lo, hi) for lo, hi in box)))
+
+
+def _coord(mesh: MeshSpec, rank: int, dims: tuple[str, ...]) -> tuple[int, ...]:
+    c = mesh.coords(rank)
+    return tuple(c.get(d, 0) for d in dims)
+
+
+@pytest.mark.parametrize(
+    ("spec", "old_world", "new_world"),
+    [
+        ("shard=8", 3, 2),
+        ("shard=8", 2, 3),
+        ("shard=8", 5, 7),
+        ("shard=8", 8, 1),
+        ("shard=8,tp=2", 6, 4),
+        ("shard=8,tp=2", 4, 10),
+    ],
+)
+def test_the_named_old_ranks_cover_every_new_slice_and_each_is_needed(
+    spec: str, old_world: int, new_world: int
+) -> None:
+    mesh = MeshSpec.parse(spec)
+    old, new = mesh.with_world(old_world), mesh.with_world(new_world)
+    rng = random.Random(old_world * 31 + new_world)
+    dims = old.names
+    layouts = [
+        TensorLayout(
+            (rng.randint(1, 23), rng.randint(1, 5)),
+            SHARD0 + (("Shard(dim=1)",) if len(dims) == 2 else ()),
+            dims,
+        )
+        for _ in range(12)
+    ]
+    if len(dims) == 2:  # a tensor FSDP shards but TP replicates, on the 2-D mesh
+        layouts.append(TensorLayout((9, 3), ("Shard(dim=0)", "Replicate()"), dims))
+    for r in range(new.world_size):
+        needed = needed_old_ranks(layouts, old, new, [r])
+        assert r % old.world_size in needed  # the unsharded rest comes from it
+        useful = {r % old.world_size}
+        for lay in layouts:
+            oshape, nshape = tuple(old.size(d) for d in dims), tuple(new.size(d) for d in dims)
+            want = _cells(_box(lay.global_shape, lay.placements, nshape, _coord(new, r, dims)))
+            have: set[tuple[int, ...]] = set()
+            for o in needed:
+                cells = _cells(_box(lay.global_shape, lay.placements, oshape, _coord(old, o, dims)))
+                have |= cells
+                if cells & want:
+                    useful.add(o)
+            assert want <= have, (lay, r, sorted(needed))
+        assert needed == useful  # none named that holds nothing this rank cuts
+
+
+def test_cutting_from_the_named_old_ranks_alone_gives_what_all_give() -> None:
+    whole = torch.arange(70.0).reshape(14, 5)
+    old, new = MeshSpec.parse("shard=5"), MeshSpec.parse("shard=3")
+    shards = []
+    for o in range(5):
+        shape, off = shard_layout((14, 5), SHARD0, (5,), (o,))
+        local = whole[off[0] : off[0] + shape[0]].clone()
+        shards.append(
+            LocalShard(
+                tensor=local,
+                global_shape=(14, 5),
+                global_stride=(5, 1),
+                offset=off,
+                placements=SHARD0,
+                mesh_shape=(5,),
+                mesh_dims=("shard",),
+            )
+        )
+    lay = [TensorLayout((14, 5), SHARD0, ("shard",))]
+    for r in range(3):
+        needed = needed_old_ranks(lay, old, new, [r])
+        assert len(needed) < 5
+        mine = reshard([shards[o] for o in sorted(needed)], SHARD0, (3,), (r,))
+        assert torch.equal(mine, reshard(shards, SHARD0, (3,), (r,)))
+
+
+def test_without_layouts_every_old_rank_is_needed() -> None:
+    old, new = MeshSpec.parse("shard=4"), MeshSpec.parse("shard=4").with_world(2)
+    assert needed_old_ranks(None, old, new, [0]) == {0, 1, 2, 3}
+    assert needed_old_ranks([], old, new, [1]) == {0, 1, 2, 3}
+
+
+def test_a_node_needs_the_union_of_its_ranks_needs() -> None:
+    old, new = MeshSpec.parse("shard=6"), MeshSpec.parse("shard=6").with_world(4)
+    lay = [TensorLayout((24, 2), SHARD0, ("shard",))]
+    each = [needed_old_ranks(lay, old, new, [r]) for r in range(4)]
+    assert needed_old_ranks(lay, old, new, [0, 1]) == each[0] | each[1]
+    assert each[0] == {0, 1}  # rows [0, 6) of old [0, 4) [4, 8)
+
+
+def test_reports_round_trip_and_malformed_ones_are_refused() -> None:
+    lays = [
+        TensorLayout((6, 4), SHARD0, ("shard",)),
+        TensorLayout((3,), ("Replicate()", "Shard(dim=0)"), ("shard", "tp")),
+    ]
+    assert decode_layouts(encode_layouts(lays)) == tuple(lays)
+    bad: list[Any] = [
+        None,
+        [],
+        "x",
+        [[[6], ["Shard(dim=0)"]]],  # two fields
+        [[[6], ["Shard(dim=1)"], ["shard"]]],  # shards a dim the tensor lacks
+        [[[6], ["_StridedShard(dim=0, sf=2)"], ["shard"]]],
+        [[[6], ["Shard(dim=0)"], ["shard", "tp"]]],  # placements and dims disagree
+        [[[-1], ["Shard(dim=0)"], ["shard"]]],
+        [[[True], ["Shard(dim=0)"], ["shard"]]],
+        [[[6.0], ["Shard(dim=0)"], ["shard"]]],
+        [[[6], ["Shard(dim=0)"], [""]]],
+        [[[6], ["Shard(dim=0)"], ["shard"]]] * (MAX_LAYOUTS + 1),
+    ]
+    for raw in bad:
+        assert decode_layouts(raw) is None, raw
+
+
+@pytest.fixture
+def mesh2d() -> Iterator[Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_layouts_of_a_model_are_its_distinct_dtensor_layouts(mesh2d: Any) -> None:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def dt(shape: tuple[int, ...], placements: list[Any]) -> Any:
+        full = torch.zeros(shape)
+        return DTensor.from_local(
+            full, mesh2d, placements, run_check=False, shape=full.shape, stride=full.stride()
+        )
+
+    sd = {
+        "a": dt((8, 4), [Shard(0), Shard(1)]),
+        "b": dt((8, 4), [Shard(0), Shard(1)]),  # the same layout again
+        "c": dt((6,), [Shard(0), Replicate()]),
+        "plain": torch.ones(3),
+    }
+    assert layouts_of(sd.values()) == [
+        TensorLayout((8, 4), ("Shard(dim=0)", "Shard(dim=1)"), ("shard", "tp")),
+        TensorLayout((6,), ("Shard(dim=0)", "Replicate()"), ("shard", "tp")),
+    ]
+    assert layouts_of([torch.ones(2)]) == []
+
+
+def test_a_replicated_dim_needs_one_holder_the_one_at_the_new_ranks_coordinate() -> None:
+    """FSDP over ``shard`` with TP replicating the tensor: the old ranks of every tp coordinate
+    hold the same rows; a new rank takes them from its own tp coordinate's only."""
+    mesh = MeshSpec.parse("shard=8,tp=2")
+    old, new = mesh.with_world(12), mesh.with_world(8)
+    lay = [TensorLayout((30, 4), ("Shard(dim=0)", "Replicate()"), ("shard", "tp"))]
+    for r in range(new.world_size):
+        base = r % old.world_size
+        others = needed_old_ranks(lay, old, new, [r]) - {base}
+        assert others and {old.coords(o)["tp"] for o in others} == {new.coords(r)["tp"]}
+
+
+def test_nested_shards_of_one_dim_are_not_planned() -> None:
+    mesh = MeshSpec.parse("shard=4,tp=2")
+    lay = [TensorLayout((16, 4), ("Shard(dim=0)", "Shard(dim=0)"), ("shard", "tp"))]
+    assert needed_old_ranks(lay, mesh, mesh.with_world(6), [0]) == set(range(8))
