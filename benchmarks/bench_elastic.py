@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_mttr import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
+from benchcommon import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
 
 from nonstop.config import JobConfig  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402

@@ -55,21 +55,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +74,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere: import nonstop from this checkout
     sys.path.insert(0, str(REPO))
+
+from benchcommon import fmt, machine_info, ratio_summary, read_jsonl, summarize  # noqa: E402
 
 from nonstop.demo.runner import demo_job_config  # noqa: E402
 from nonstop.runtime.coordinator import JobState  # noqa: E402
@@ -114,48 +113,6 @@ class Options:
     quick: bool
     batch: int = 8
     mesh: str | None = None  # sharded (nonstop.demo.train_sharded): the baseline is torchrun + DCP
-
-
-# -- small helpers ---------------------------------------------------------------------------------
-def summarize(values: Sequence[float]) -> dict[str, float] | None:
-    vals = [float(v) for v in values]
-    if not vals:
-        return None
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
-
-
-def machine_info() -> dict[str, Any]:
-    return {
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "torch": importlib.metadata.version("torch"),
-        "loadavg_at_start": list(os.getloadavg()),
-    }
-
-
-def run_stamp() -> dict[str, str]:
-    """When a benchmark ran and on which commit of this checkout (for its JSON report)."""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        cwd=Path(__file__).resolve().parent,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    return {"when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit}
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a SIGKILL
-    return out
 
 
 # -- contender 1 and 2: nonstop ---------------------------------------------------------------------
@@ -414,19 +371,6 @@ def run_one(name: str, opts: Options, run_dir: Path) -> dict[str, Any]:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
-def ratio_summary(
-    num: list[dict[str, Any]], den: list[dict[str, Any]], key: str = "mttr_s"
-) -> dict[str, Any] | None:
-    """``num[i][key] / den[i][key]`` per round (both runs ok), then median, min and max."""
-    per_round = [
-        a[key] / b[key]
-        for a, b in zip(num, den, strict=True)
-        if a.get("ok") and b.get("ok") and a.get(key) is not None and b.get(key)
-    ]
-    s = summarize(per_round)
-    return None if s is None else {**s, "per_round": per_round}
-
-
 def summarize_contender(runs: list[dict[str, Any]], step_s: float | None) -> dict[str, Any]:
     ok = [r for r in runs if r.get("ok")]
     keys = ("detect_s", "training_again_s", "mttr_s", "lost_steps")
@@ -449,14 +393,6 @@ def summarize_contender(runs: list[dict[str, Any]], step_s: float | None) -> dic
     out["runs_failed"] = len(runs) - len(ok)
     out["anomalies"] = [r["anomaly"] for r in ok if r.get("anomaly")]
     return out
-
-
-def fmt(s: dict[str, float] | None, *, digits: int = 2) -> str:
-    if s is None:
-        return "-"
-    if s["min"] == s["max"]:
-        return f"{s['median']:.{digits}f}"
-    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
 
 
 def print_table(report: dict[str, Any]) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench_mttr import machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
+from benchcommon import machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
 
 from nonstop.config import JobConfig  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402
@@ -51,7 +51,7 @@ from nonstop.runtime.localnodes import run_local_nodes  # noqa: E402
 
 
 def summarize_present(values: Sequence[float | None]) -> dict[str, float] | None:
-    """bench_mttr's summary (median, min, max, n) of the values that were measured."""
+    """benchcommon's summary (median, min, max, n) of the values that were measured."""
     return summarize([v for v in values if v is not None])
 
 

@@ -56,7 +56,7 @@ the SIGKILL):
   ``replacement_launched_s`` (the benchmark's reaction, torchft and torchrun) and each
   contender's stages (``stages`` / ``stages_from_fault``).
 
-Summaries are median, min and max over the counted runs (``bench_mttr.summarize``). Results go
+Summaries are median, min and max over the counted runs (``benchcommon.summarize``). Results go
 to ``benchmarks/results/node_loss_peers.json``. A round (one run of each contender, small model,
 60 steps) took ~2 minutes on a loaded 2-core VM, so the default full run (1 warm-up + 3 counted
 rounds) takes ~8-10 minutes::
@@ -109,8 +109,8 @@ for _p in (str(REPO), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_mttr import fmt, machine_info, ratio_summary, read_jsonl, run_stamp, summarize  # noqa: E402
 from bench_node_loss import one_run  # noqa: E402
+from benchcommon import fmt, machine_info, ratio_summary, read_jsonl, run_stamp, summarize  # noqa: E402
 from peers_procs import NNODES, NPROC, Options, wait_gone  # noqa: E402
 from peers_torchft import LIGHTHOUSE_FLAGS, run_torchft  # noqa: E402
 from peers_torchrun import run_torchrun_dcp  # noqa: E402

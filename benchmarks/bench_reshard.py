@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from bench_mttr import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
+from benchcommon import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
 
 from nonstop.demo.model import GPT, PRESETS  # noqa: E402
 from nonstop.snapshot.sharded import is_dtensor, local_of  # noqa: E402

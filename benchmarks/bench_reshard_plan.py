@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_mttr import machine_info, run_stamp  # noqa: E402  (a sibling script)
+from benchcommon import machine_info, run_stamp  # noqa: E402  (a sibling script)
 
 from nonstop.demo.model import GPT, PRESETS  # noqa: E402
 from nonstop.mesh import MeshSpec  # noqa: E402

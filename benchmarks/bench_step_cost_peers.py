@@ -51,8 +51,8 @@ for _p in (str(REPO), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_mttr import machine_info, read_jsonl, run_stamp  # noqa: E402
 from bench_step_overhead import one_job  # noqa: E402
+from benchcommon import machine_info, read_jsonl, run_stamp  # noqa: E402
 from peers_procs import Procs, free_port  # noqa: E402
 from peers_torchft import LIGHTHOUSE_FLAGS, start_lighthouse  # noqa: E402
 

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_mttr import machine_info, run_stamp  # noqa: E402  (a sibling script)
+from benchcommon import machine_info, run_stamp  # noqa: E402  (a sibling script)
 
 from nonstop.chaos.cluster import Etcd, free_port  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402

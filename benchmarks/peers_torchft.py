@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_mttr import read_jsonl
+from benchcommon import read_jsonl
 from peers_procs import (
     BENCH,
     NNODES,

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_mttr import AGENT_DECLARED, read_jsonl
+from bench_mttr import AGENT_DECLARED
+from benchcommon import read_jsonl
 from peers_procs import (
     BENCH,
     NNODES,

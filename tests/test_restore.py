@@ -113,3 +113,97 @@ def test_an_old_rank_the_node_was_not_told_of_reads_as_none(tmp_path: Path) -> N
         assert out.states[0] is None and out.states[1] is not None and len(out.stores) == 1
     finally:
         out.close()
+
+
+def _old_fsdp_raws(tmp_path: Path, world: int, rows: int) -> list[tuple[bytes, bytearray]]:
+    """Each old rank's raw snapshot of ``{"model": {"w": DTensor}}``: a (rows, 2) tensor sharded
+    on dim 0 over ``shard=world`` (torch's fake process group, one rank at a time)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    whole = torch.arange(rows * 2.0).reshape(rows, 2)
+    raws = []
+    for r in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=world)
+        try:
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+            local = whole.chunk(world)[r].clone() if r < len(whole.chunk(world)) else whole[:0].clone()
+            w = DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride()
+            )
+            store = RankSnapshotStore(shm_dir=tmp_path, job_id="old", rank=r, num_slots=2)
+            try:
+                store.write(5, {"model": {"w": w}, "step": 5})
+                raw = store.copy_out(5)
+            finally:
+                store.close()
+        finally:
+            dist.destroy_process_group()
+        raws.append((raw.meta, bytearray(raw.data.tobytes())))
+    return raws
+
+
+class _FakeDurable:
+    """A durable tier whose ranks are ``raws``; records which ranks were read."""
+
+    def __init__(self, raws: list[tuple[bytes, bytearray]]) -> None:
+        self.raws = raws
+        self.read: list[int] = []
+
+    def __call__(self, url: str) -> _FakeDurable:
+        return self
+
+    def load_rank(self, step: int, rank: int) -> tuple[bytes, bytearray]:
+        self.read.append(rank)
+        return self.raws[rank]
+
+
+def test_a_resume_reads_only_the_old_ranks_its_rank_cuts_from_and_the_rest_on_demand(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """12 rows on 4 old ranks ([0,3) [3,6) [6,9) [9,12)) resumed on 3: new rank 1 holds rows
+    [4,8), in old ranks 1 and 2 -- only those are read (old rank 1 first: the rest of the state
+    comes from it). ``fill`` reads the others when a model needs them after all."""
+    import nonstop.snapshot.durable as durable
+    from nonstop.mesh import MeshSpec
+
+    fake = _FakeDurable(_old_fsdp_raws(tmp_path, world=4, rows=12))
+    monkeypatch.setattr(durable, "DurableStore", fake)
+    mesh = MeshSpec.parse("shard=4").with_world(3)
+    out = read_to_reshard({"url": "file:///x", "step": 5, "world": 4}, _env(tmp_path), rank=1, mesh=mesh)
+    assert fake.read == [1, 2]
+    assert out.states[0] is None and out.states[3] is None
+    assert out.fill() and fake.read == [1, 2, 0, 3] and all(st is not None for st in out.states)
+    assert not out.fill()  # nothing left out
+    # without this rank's mesh: every old rank, as before
+    fake.read.clear()
+    every = read_to_reshard({"url": "file:///x", "step": 5, "world": 4}, _env(tmp_path))
+    assert fake.read == [0, 1, 2, 3] and every.load is None
+
+
+def test_apply_reads_the_left_out_old_ranks_when_a_slice_is_uncovered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model laid out otherwise than planned: the cut fails, the left-out ranks are read
+    (where they can be: the durable tier) and the cut is done again; from memory it fails."""
+    import nonstop.train.restore as restore
+    from nonstop.errors import SnapshotError
+    from nonstop.train.restore import Resharding
+
+    calls: list[list[Any]] = []
+
+    def cut(capture: Any, states: list[Any], rank: int) -> int:
+        calls.append(list(states))
+        if any(st is None for st in states):
+            raise SnapshotError("reshard: the shards leave 4 of 8 elements uncovered")
+        return 5
+
+    monkeypatch.setattr(restore, "restore_resharded", cut)
+    durable = InGroup(old_ranks=Resharding([{"n": 0}, None], load=lambda r: {"n": r}))
+    durable.apply(cast(Any, None), 0)
+    assert calls == [[{"n": 0}, None], [{"n": 0}, {"n": 1}]]
+    memory = InGroup(old_ranks=Resharding([{"n": 0}, None]))
+    with pytest.raises(SnapshotError, match="uncovered"):
+        memory.apply(cast(Any, None), 0)

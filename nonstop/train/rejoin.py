@@ -150,6 +150,7 @@ class Rejoin(Membership):
                 capture=self._capture,
                 step=self._step,
                 live_at=self._live_at,
+                mesh=self.mesh,
             )
             self._live_at = None
             bare = trainee.bare

@@ -22,8 +22,12 @@ from typing import Any
 
 from nonstop.config import WorkerEnv
 from nonstop.control.channel import Message
+from nonstop.errors import SnapshotError
+from nonstop.mesh import MeshSpec
+from nonstop.reshardplan import TensorLayout, needed_old_ranks
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.snapshot.capture import restore_resharded
+from nonstop.snapshot.sharded import LocalShard
 
 __all__ = ["InGroup", "Resharding", "open_store", "read_own", "read_restore", "read_to_reshard"]
 
@@ -40,6 +44,18 @@ class Resharding:
 
     states: list[dict[str, Any] | None]  # None: an old rank this node's ranks do not need
     stores: list[RankSnapshotStore] = field(default_factory=list)
+    # reads an old rank left out (None) after all: the durable tier can, memory cannot
+    load: Callable[[int], dict[str, Any]] | None = None
+
+    def fill(self) -> bool:
+        """Read every old rank left out (with ``load``); whether there was any to read."""
+        missing = [r for r, st in enumerate(self.states) if st is None]
+        if self.load is None or not missing:
+            return False
+        log.warning("resharding needs old ranks %s after all: reading them too", missing)
+        for r in missing:
+            self.states[r] = self.load(r)
+        return True
 
     def close(self) -> None:
         """Drop the states and close the stores they are views into. A store whose mapping is
@@ -67,7 +83,14 @@ class InGroup:
         if self.held is not None:
             capture.restore(self.held)
         elif self.old_ranks is not None:
-            restore_resharded(capture, self.old_ranks.states, rank)
+            try:
+                restore_resharded(capture, self.old_ranks.states, rank)
+            except SnapshotError:
+                # a slice the planned old ranks leave uncovered (the model's new layout is not
+                # the old placements on the new sizes): read the rest, if it can, and cut again
+                if not self.old_ranks.fill():
+                    raise
+                restore_resharded(capture, self.old_ranks.states, rank)
 
     @property
     def reads_slots(self) -> bool:
@@ -91,16 +114,19 @@ def read_restore(
     capture: Callable[[], StateCapture],
     step: int,
     live_at: int | None,
+    mesh: MeshSpec | None = None,
 ) -> tuple[int, InGroup | None]:
     """Restore what the ``reconfigure`` message ``msg`` says (``store``: this rank's slots;
     ``capture``: a callable giving the data-parallel model's :class:`StateCapture`). Returns the
     step this rank is at, and for a sharded model (``in_group``) what to apply once it is built.
-    ``live_at``: the step this rank paused after (a boundary swap keeps that live state)."""
+    ``live_at``: the step this rank paused after (a boundary swap keeps that live state);
+    ``mesh``: this generation's (a resume from the durable tier reads only what it reshards from)."""
     restore_step = msg.get("restore_step")
     if restore_step is None:
         return 0, None
     if in_group and msg.get("reshard") is not None:
-        return int(msg["reshard"]["step"]), InGroup(old_ranks=read_to_reshard(msg["reshard"], env))
+        old = read_to_reshard(msg["reshard"], env, rank=int(msg["rank"]), mesh=mesh)
+        return int(msg["reshard"]["step"]), InGroup(old_ranks=old)
     own_step = int(restore_step)
     if in_group:
         held = read_own(env, store, msg.get("from_rank"), own_step)
@@ -127,7 +153,14 @@ def read_own(env: WorkerEnv, store: RankSnapshotStore, from_rank: int | None, st
         old.close()
 
 
-def read_to_reshard(info: dict[str, Any], env: WorkerEnv, *, copy: bool = False) -> Resharding:
+def read_to_reshard(
+    info: dict[str, Any],
+    env: WorkerEnv,
+    *,
+    copy: bool = False,
+    rank: int | None = None,
+    mesh: MeshSpec | None = None,
+) -> Resharding:
     """Every old rank's state of step ``info["step"]`` of a world of ``info["world"]`` ranks,
     which the new model, once built, cuts its shards out of
     (:func:`~nonstop.snapshot.capture.restore_resharded`): from this node's memory when
@@ -138,7 +171,9 @@ def read_to_reshard(info: dict[str, Any], env: WorkerEnv, *, copy: bool = False)
 
     From memory the states are views of the slots (their stores stay open in the result);
     ``copy=True`` copies each old rank's whole state out instead and closes them (what this did
-    before; ``benchmarks/bench_reshard.py`` measures the two side by side)."""
+    before; ``benchmarks/bench_reshard.py`` measures the two side by side). From the durable
+    tier, given this rank's number and ``mesh``, only the old ranks it cuts from
+    (:func:`durable_plan`), the rest read later only if its model needs them after all."""
     from nonstop.snapshot.store import decode_raw
 
     step, world = int(info["step"]), int(info["world"])
@@ -147,7 +182,19 @@ def read_to_reshard(info: dict[str, Any], env: WorkerEnv, *, copy: bool = False)
         from nonstop.snapshot.durable import DurableStore
 
         durable = DurableStore(str(info["url"]))
-        return Resharding([decode_raw(*durable.load_rank(step, r)) for r in range(world)])
+
+        def load(r: int) -> dict[str, Any]:
+            state: dict[str, Any] = decode_raw(*durable.load_rank(step, r))
+            return state
+
+        if rank is None or mesh is None:
+            return Resharding([load(r) for r in range(world)])
+        base = rank % world  # read first: the unsharded rest comes from it, the layouts too
+        states: list[dict[str, Any] | None] = [None] * world
+        states[base] = load(base)
+        for r in sorted(durable_plan(states[base], world, mesh, rank) - {base}):
+            states[r] = load(r)
+        return Resharding(states, load=load)
     from nonstop.replica.peer import REPLICA_SLOTS, replicas_beside
 
     out = Resharding([])
@@ -171,3 +218,38 @@ def read_to_reshard(info: dict[str, Any], env: WorkerEnv, *, copy: bool = False)
         out.close()
         raise
     return out
+
+
+def durable_plan(state: Any, world: int, mesh: MeshSpec, rank: int) -> set[int]:
+    """The old ranks (of ``world``) whose shards new rank ``rank`` of ``mesh`` cuts from, by the
+    layouts of one old rank's ``state`` (:mod:`nonstop.reshardplan`; the old mesh from its
+    DTensors' mesh dims and sizes); every old rank when those do not give the old mesh."""
+    every = set(range(world))
+    shards: list[LocalShard] = []
+    _local_shards(state, shards)
+    named = [sh for sh in shards if sh.mesh_dims is not None]
+    if not named or len(named) != len(shards):
+        return every
+    widest = max(named, key=lambda sh: len(sh.mesh_shape))
+    try:
+        old = MeshSpec.of(dict(zip(widest.mesh_dims or (), widest.mesh_shape, strict=True)))
+    except ValueError:
+        return every  # mesh dims nonstop does not name
+    if old.world_size != world:
+        return every
+    layouts = {TensorLayout(sh.global_shape, sh.placements, sh.mesh_dims or ()): None for sh in shards}
+    try:
+        return needed_old_ranks(list(layouts), old, mesh, [rank])
+    except ValueError:
+        return every
+
+
+def _local_shards(obj: Any, out: list[LocalShard]) -> None:
+    if isinstance(obj, LocalShard):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _local_shards(v, out)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            _local_shards(v, out)
