@@ -20,7 +20,7 @@ import pytest
 from nonstop.runtime import gc
 from nonstop.runtime.gc import collect_garbage, hold_lock, lock_path
 from nonstop.snapshot.durable import DurableStore
-from tests.test_durable import full_ckpt, persist
+from tests.durable_fakes import full_ckpt, persist
 
 NONSTOP = [sys.executable, "-m", "nonstop.cli"]
 SECRET = "s" * 40

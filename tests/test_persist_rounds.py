@@ -12,7 +12,7 @@ from nonstop.runtime import persistence
 from nonstop.runtime.persistence import ClusterPersister
 from nonstop.snapshot.codec import CodecConfig, Encoder, segments_for
 from nonstop.snapshot.durable import DurableStore, step_dir
-from tests.test_durable import WORLD, RankData, full_ckpt
+from tests.durable_fakes import WORLD, RankData, full_ckpt
 
 
 def _rounds(tmp_path: Path, every: int = 0, timeout_s: float = 30.0) -> tuple[ClusterPersister, list[Any]]:

@@ -12,7 +12,7 @@ import pytest
 
 from nonstop.progress import inspect_report, wait_with_status, wanted
 from nonstop.snapshot.durable import DurableStore
-from tests.test_durable import make_rank, persist
+from tests.durable_fakes import make_rank, persist
 
 
 class Tty(io.StringIO):

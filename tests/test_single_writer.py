@@ -15,7 +15,7 @@ import pytest
 from nonstop.errors import SnapshotMissingError, UsageError
 from nonstop.runtime.jobdir import LOCK_FILE, hold_job
 from nonstop.snapshot.durable import MANIFEST, DurableStore, LocalStorage, step_dir
-from tests.test_durable import assert_loaded, delta_ckpt, full_ckpt, persist
+from tests.durable_fakes import assert_loaded, delta_ckpt, full_ckpt, persist
 
 NONSTOP = [sys.executable, "-m", "nonstop.cli"]
 
@@ -111,7 +111,9 @@ def _launch(job_dir: Path, *extra: str, steps: int, delay: float) -> subprocess.
 
 @pytest.mark.slow
 def test_a_second_job_started_beside_a_running_one_is_refused_and_the_first_finishes(tmp_path: Path) -> None:
-    job_dir, steps = tmp_path / "job", 60
+    # The first job must outlive both refused launches (each a Python start with torch imported:
+    # 2-5 s quiet, 10-20 s on a loaded 2-core machine): 300 steps of at least 0.1 s each.
+    job_dir, steps = tmp_path / "job", 300
     first = _launch(job_dir, "--persist-every", "4", steps=steps, delay=0.1)
     try:
         ckpt = DurableStore(job_dir / "checkpoints")
@@ -124,6 +126,7 @@ def test_a_second_job_started_beside_a_running_one_is_refused_and_the_first_fini
             other = job_dir if not extra else tmp_path / "other"
             second = _launch(other, *extra, steps=8, delay=0.0)
             out, err = second.communicate(timeout=60)
+            assert first.poll() is None, "the first job ended before the second was refused: lengthen it"
             _one_line_error(subprocess.CompletedProcess(second.args, second.returncode, out, err), "in use")
             assert (job_dir / "secret").read_bytes() == secret and (job_dir / "job.json").read_text() == info
         out, err = first.communicate(timeout=120)
