@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from nonstop.plotting import INSTALL_PLOTS, PlotsUnavailable, plots_missing, require_plots
-from tests.test_timeline import Log
+from tests.timeline_fakes import Log
 
 # Run as `python -c BLOCKED ARGS...`: matplotlib (and any submodule) raises ModuleNotFoundError, as
 # when it is not installed; then the CLI runs with ARGS.

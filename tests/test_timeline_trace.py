@@ -15,7 +15,7 @@ import pytest
 
 from nonstop.timeline import build_timeline, load_timeline
 from nonstop.timeline.trace import check_trace, timeline_trace, tracks
-from tests.test_timeline import Log, _elastic_log
+from tests.timeline_fakes import Log, elastic_log
 
 
 def _shape(trace: dict[str, Any]) -> list[tuple[str, str, str, str]]:
@@ -90,7 +90,7 @@ def test_golden_shape_of_a_small_log_with_a_kill() -> None:
 
 
 def test_traces_of_an_elastic_log_and_its_every_prefix_are_valid() -> None:
-    events = _elastic_log().events
+    events = elastic_log().events
     trace = timeline_trace(build_timeline(events))
     assert check_trace(trace) == []
     names = {e["name"] for e in trace["traceEvents"]}
