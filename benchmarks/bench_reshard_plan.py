@@ -5,8 +5,9 @@ every old rank's (what a node did before, and still does before any layout is re
 The model is the demo GPT's ``--model`` preset (its real DTensor layouts under FSDP2: every
 parameter ``Shard(dim=0)`` over ``shard``, as ``nonstop.demo.train_sharded.shard_model`` places
 them, computed from the module without building a mesh). For each resize ``W_old -> W_new`` of
-``--per-node`` ranks per node: the old ranks each node's ranks need (max and median over nodes)
-and the whole job's planning time (median of ``--repeat``). Results go to
+``--per-node`` ranks per node: the old ranks each node's ranks need (max and median over nodes),
+the whole job's planning time (median of ``--repeat``), and the old ranks' states each rank reads
+on a resume from the durable tier (where every rank reads its own; before, all of them). Results go to
 ``benchmarks/results/reshard_plan.json`` (``--out``)::
 
     .venv/bin/python benchmarks/bench_reshard_plan.py
@@ -43,15 +44,26 @@ def fsdp_layouts(model_name: str) -> list[TensorLayout]:
     return list(seen)
 
 
+def _meshes(old_w: int, new_w: int) -> tuple[MeshSpec, MeshSpec]:
+    job = MeshSpec.parse(f"shard={max(old_w, new_w)}")  # the job's declared (full) mesh
+    return job.with_world(old_w), job.with_world(new_w)
+
+
 def plan(layouts: list[TensorLayout], old_w: int, new_w: int, per_node: int) -> list[int]:
     """Per node of the new job: how many old ranks its ranks need."""
-    job = MeshSpec.parse(f"shard={max(old_w, new_w)}")  # the job's declared (full) mesh
-    old, new = job.with_world(old_w), job.with_world(new_w)
+    old, new = _meshes(old_w, new_w)
     nodes = range(-(-new_w // per_node))
     return [
         len(needed_old_ranks(layouts, old, new, range(n * per_node, min((n + 1) * per_node, new_w))))
         for n in nodes
     ]
+
+
+def per_rank(layouts: list[TensorLayout], old_w: int, new_w: int) -> list[int]:
+    """Per rank of the new job: how many old ranks' states it reads on a resume from the durable
+    tier (``train/restore.py``: ``durable_plan``), where each rank reads its own."""
+    old, new = _meshes(old_w, new_w)
+    return [len(needed_old_ranks(layouts, old, new, [r])) for r in range(new_w)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,9 +86,12 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             counts = plan(layouts, old_w, new_w, args.per_node)
             times.append(time.perf_counter() - t0)
+        reads = per_rank(layouts, old_w, new_w)
         rows.append(
             {
                 "old_world": old_w,
+                "durable_reads_per_rank_median": statistics.median(reads),
+                "durable_reads_per_rank_max": max(reads),
                 "new_world": new_w,
                 "nodes": len(counts),
                 "old_ranks_per_node_max": max(counts),
@@ -89,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{old_w:>5} -> {new_w:<5} ranks ({r['nodes']} nodes of {args.per_node}): a node gathers "
             f"{r['old_ranks_per_node_median']:g} (max {r['old_ranks_per_node_max']}) of {old_w} old ranks; "
-            f"plan {r['plan_s_median'] * 1e3:.1f} ms for the job"
+            f"plan {r['plan_s_median'] * 1e3:.1f} ms for the job; a durable resume reads "
+            f"{r['durable_reads_per_rank_median']:g} (max {r['durable_reads_per_rank_max']}) per rank"
         )
     report = {
         "benchmark": "reshard_plan",

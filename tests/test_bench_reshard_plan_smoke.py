@@ -21,5 +21,6 @@ def test_bench_reshard_plan_quick(tmp_path: Path) -> None:
         assert row["plan_s_median"] > 0 and row["nodes"] == -(
             -row["new_world"] // report["settings"]["per_node"]
         )
+        assert 1 <= row["durable_reads_per_rank_max"] <= row["old_ranks_per_node_max"]
         if row["old_world"] >= 256:
             assert row["old_ranks_per_node_max"] < row["old_world"] / 4
