@@ -2,9 +2,10 @@
 
 A sharded job without replicas that shrinks or grows reshards: every new rank cuts its local
 shards out of the old ranks' snapshots of one step (:func:`~nonstop.snapshot.sharded.reshard`).
-A new rank's slice of a tensor overlaps only a few old ranks' slices (2 of them, mostly, for a
-shard dim that changes by one), so its node needs only those old ranks' steps in memory, not
-every old rank's. This module works that out, pure and without torch, from:
+A new rank's slice of a tensor overlaps only the few old ranks' slices around it (for the demo
+GPT at 64 to 1,024 ranks, 3 to 9 old ranks per new rank over all its tensors:
+``benchmarks/bench_reshard_plan.py``), so its node needs only those old ranks' steps in memory,
+not every old rank's. This module works that out, pure and without torch, from:
 
 * the job's **layouts** -- each distinct DTensor of the model (its global shape, placements and
   mesh dim names; the optimizer's moments share their parameters'), which rank 0 reports when it
