@@ -204,3 +204,20 @@ def test_nested_shards_of_one_dim_are_not_planned() -> None:
     mesh = MeshSpec.parse("shard=4,tp=2")
     lay = [TensorLayout((16, 4), ("Shard(dim=0)", "Shard(dim=0)"), ("shard", "tp"))]
     assert needed_old_ranks(lay, mesh, mesh.with_world(6), [0]) == set(range(8))
+
+
+def test_a_rank_whose_model_cannot_be_read_reports_no_layouts() -> None:
+    """Rank 0's layouts are an optimisation: a model it cannot read is reported as none (every
+    old rank is gathered), never an error in the join."""
+    from types import SimpleNamespace
+
+    from nonstop.train.rejoin import Rejoin
+
+    class Broken:
+        def state_dict(self) -> Any:
+            raise RuntimeError("not readable")
+
+    fake = SimpleNamespace(_capture=lambda: SimpleNamespace(model=Broken()))
+    assert Rejoin._layouts(fake) is None  # type: ignore[arg-type]
+    plain = SimpleNamespace(_capture=lambda: SimpleNamespace(model=torch.nn.Linear(2, 2)))
+    assert Rejoin._layouts(plain) is None  # type: ignore[arg-type]  (no DTensor: nothing to plan by)

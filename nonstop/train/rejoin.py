@@ -204,7 +204,13 @@ class Rejoin(Membership):
         (:mod:`nonstop.reshardplan`); None when it cannot plan by them."""
         from nonstop.reshardplan import encode_layouts, layouts_of
 
-        found = layouts_of(self._capture().model.state_dict().values())
+        try:
+            found = layouts_of(self._capture().model.state_dict().values())
+        except Exception:  # an optimisation only: a model it cannot read is planned as before
+            log.warning(
+                "the model's layouts could not be read; a reshard will gather every old rank", exc_info=True
+            )
+            return None
         return encode_layouts(found) if found else None
 
     def _join_group(self, gen: int, *, restored: bool) -> torch.nn.Module:
