@@ -24,6 +24,11 @@ from tests.conftest import DemoRun, events_named, leftovers, run_demo_job
 pytestmark = pytest.mark.slow
 
 STEPS = 16
+# The migration tests move a rank at step 5 of 16: the joiner must prepare (fetch the step, build
+# its model) before the other 11 steps are done, or the move is aborted ("the job finished
+# first"). At the tiny model's full pace that is about 1 s, which a loaded machine does not
+# always leave (seen in a full make test); paced, the steps leave it several seconds.
+MIGRATION_PACE = ("--step-delay", "0.4")
 FSDP = {"mesh": "shard=2", "nproc": 2}
 HSDP = {
     "mesh": "replicate=2,shard=2",
@@ -126,7 +131,9 @@ def test_an_fsdp2_rank_migrates_live_bitwise(tmp_path: Path, reference: Any) -> 
     fetched snapshot (no warm-up: a sharded step is collective), every rank rebuilds its model on
     the new mesh and restores the boundary step from its own memory; nothing is lost."""
     cfg = {**FSDP, "nproc": 1, "nnodes": 2, "coordinator": "127.0.0.1:0", "lease_ttl_s": 3.0}
-    run = run_demo_job(tmp_path, steps=STEPS, faults=("migrate:rank=1,step=5",), **cfg)
+    run = run_demo_job(
+        tmp_path, steps=STEPS, faults=("migrate:rank=1,step=5",), script_extra=MIGRATION_PACE, **cfg
+    )
     check(run, 0)
     (done,) = events_named(run.events, "migration_done")
     assert (done["rank"], done["source"], done["target"]) == (1, "1", "0")
@@ -146,6 +153,7 @@ def test_an_hsdp_migration_keeps_the_mesh_groups_it_did_not_touch_bitwise(
     move = {
         "steps": STEPS,
         "faults": ("migrate:rank=3,step=5",),
+        "script_extra": MIGRATION_PACE,
         "detector": DetectorConfig(heartbeat_timeout_s=3.0),
     }
     run = run_demo_job(tmp_path / "keep", **move, **HSDP)
