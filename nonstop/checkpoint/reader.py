@@ -36,7 +36,7 @@ import torch
 from nonstop.errors import SnapshotCorruptError, SnapshotError, SnapshotMissingError
 from nonstop.snapshot.durable import DurableStore
 from nonstop.snapshot.raw import decode_state
-from nonstop.snapshot.sharded import LocalShard, stitch
+from nonstop.snapshot.sharded import LocalShard, iter_local_shards, stitch
 from nonstop.snapshot.validate import decoding
 
 __all__ = ["Checkpoint", "load_checkpoint"]
@@ -154,13 +154,7 @@ def _rank_state(store: DurableStore, step: int, rank: int) -> dict[str, Any]:
 
 
 def _has_shards(obj: Any) -> bool:
-    if isinstance(obj, LocalShard):
-        return True
-    if isinstance(obj, dict):
-        return any(_has_shards(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_has_shards(v) for v in obj)
-    return False
+    return next(iter_local_shards(obj), None) is not None
 
 
 def _same(a: Any, b: Any) -> bool:

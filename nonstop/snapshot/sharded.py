@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ import torch
 from nonstop.errors import SnapshotCorruptError, SnapshotError
 
 __all__ = [
+    "iter_local_shards",
     "DT_DEF",
     "DT_KEY",
     "DT_REF",
@@ -88,6 +90,18 @@ class LocalShard:
             f"local {tuple(self.tensor.shape)} of global {self.global_shape}, "
             f"placements {list(self.placements)} on mesh {self.mesh_shape}"
         )
+
+
+def iter_local_shards(obj: Any) -> Iterator[LocalShard]:
+    """Every :class:`LocalShard` in a decoded state tree (dicts, lists, tuples), in tree order."""
+    if isinstance(obj, LocalShard):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_local_shards(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from iter_local_shards(v)
 
 
 # (id(mesh), shape, stride, placements) -> (the mesh, kept alive so its id is not reused; the

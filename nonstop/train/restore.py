@@ -27,7 +27,7 @@ from nonstop.mesh import MeshSpec
 from nonstop.reshardplan import TensorLayout, needed_old_ranks
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.snapshot.capture import restore_resharded
-from nonstop.snapshot.sharded import LocalShard
+from nonstop.snapshot.sharded import iter_local_shards
 
 __all__ = ["InGroup", "Resharding", "open_store", "read_own", "read_restore", "read_to_reshard"]
 
@@ -39,7 +39,7 @@ class Resharding:
     """The old ranks' states of one step (``states[r]``: old rank r's), to cut new shards out
     of. Read from memory, the tensors are views of the slots of ``stores`` (this node's own and
     replica slots), which stay open until :meth:`close`: the slots must not be written before
-    then (:meth:`nonstop.train.rejoin` holds every rank's fresh snapshot back until all the
+    then (``rejoin._resharded_everywhere`` holds every rank's fresh snapshot back until all the
     generation's ranks have resharded)."""
 
     states: list[dict[str, Any] | None]  # None: an old rank this node's ranks do not need
@@ -225,8 +225,7 @@ def durable_plan(state: Any, world: int, mesh: MeshSpec, rank: int) -> set[int]:
     layouts of one old rank's ``state`` (:mod:`nonstop.reshardplan`; the old mesh from its
     DTensors' mesh dims and sizes); every old rank when those do not give the old mesh."""
     every = set(range(world))
-    shards: list[LocalShard] = []
-    _local_shards(state, shards)
+    shards = list(iter_local_shards(state))
     named = [sh for sh in shards if sh.mesh_dims is not None]
     if not named or len(named) != len(shards):
         return every
@@ -242,14 +241,3 @@ def durable_plan(state: Any, world: int, mesh: MeshSpec, rank: int) -> set[int]:
         return needed_old_ranks(list(layouts), old, mesh, [rank])
     except ValueError:
         return every
-
-
-def _local_shards(obj: Any, out: list[LocalShard]) -> None:
-    if isinstance(obj, LocalShard):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _local_shards(v, out)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            _local_shards(v, out)
