@@ -9,7 +9,14 @@ import argparse
 from pathlib import Path
 
 from nonstop.clienv import nnodes_value
-from nonstop.config import SNAPSHOT_MODES, SURVIVOR_MODES, SWAP_TRANSFERS, DetectorConfig, JobConfig
+from nonstop.config import (
+    SNAPSHOT_COPIES,
+    SNAPSHOT_MODES,
+    SURVIVOR_MODES,
+    SWAP_TRANSFERS,
+    DetectorConfig,
+    JobConfig,
+)
 from nonstop.runtime.probing import ProbeConfig
 from nonstop.runtime.straggler import DEGRADED_ACTIONS, STRAGGLER_MODES, StragglerConfig
 
@@ -156,6 +163,14 @@ def snapshot_args(p: argparse.ArgumentParser) -> None:
         "a failure (`nonstop advise` weighs it; default %(default)s)",
     )
     p.add_argument(
+        "--snapshot-copies",
+        choices=SNAPSHOT_COPIES,
+        default=c.snapshot_copies,
+        help="a data-parallel job's parameters and optimizer state, alike on every rank, are kept once "
+        "per node (node: one rank copies them each step, the others only their own RNG, buffers "
+        "and data position) or once per rank (default %(default)s)",
+    )
+    p.add_argument(
         "--persist",
         default=None,
         metavar="URL",
@@ -189,6 +204,7 @@ def snapshot_config(ns: argparse.Namespace) -> dict[str, object]:
     return {
         "snapshot": ns.snapshot,
         "snapshot_every": ns.snapshot_every,
+        "snapshot_copies": ns.snapshot_copies,
         "persist_url": ns.persist,
         "persist_every": ns.persist_every,
         "keep": ns.keep,

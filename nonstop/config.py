@@ -24,6 +24,7 @@ __all__ = [
     "JobConfig",
     "WorkerEnv",
     "ENV",
+    "SNAPSHOT_COPIES",
     "SNAPSHOT_MODES",
     "SWAP_TRANSFERS",
     "channel_tls_from_env",
@@ -57,6 +58,7 @@ class ENV:
     RECONNECT = "NONSTOP_RECONNECT_S"  # how long a worker retries a lost coordinator (0: exit at once)
     MESH = "NONSTOP_MESH"  # the job's device mesh (--mesh), for Session.run(build=...)
     ELASTIC = "NONSTOP_ELASTIC"  # "1": the world size may change (exact gradient mean)
+    NODE_COPY = "NONSTOP_NODE_COPY"  # "1": a DDP job's replicated state is kept once per node
     KEEP_GROUPS = "NONSTOP_KEEP_GROUPS"  # "0": build every mesh group again each generation
     # Security settings every process of a job inherits from its launcher (security_env): a
     # channel's listener and clients (control/channel.py, listener.py) and the etcd client
@@ -68,6 +70,7 @@ class ENV:
 
 
 SNAPSHOT_MODES = ("overlapped", "sync", "off")
+SNAPSHOT_COPIES = ("node", "rank")
 SWAP_TRANSFERS = ("auto", "delta", "whole")  # runtime/migration.py: swap_as_delta
 SURVIVOR_MODES = ("auto", "wait", "continue")  # runtime/survivors.py: SurvivorMode
 
@@ -123,6 +126,9 @@ class JobConfig:
     # (1/K of it) for up to K - 1 steps redone after a failure; swaps' boundaries and the last
     # step are always snapshotted. `nonstop simulate --snapshot-every` and its advisor weigh it.
     snapshot_every: int = 1
+    # where the state a DDP job's ranks hold alike lives in a node's memory tier: "node" (one copy
+    # per node, snapshot/nodecopy.py) or "rank" (every rank its own whole copy)
+    snapshot_copies: str = "node"
     persist_url: str | None = None  # None: <job_dir>/checkpoints
     persist_every: int = 100  # steps between lazy persists; 0: only on demand, SIGTERM and exit
     keep: int = 3
@@ -202,6 +208,11 @@ class JobConfig:
             raise UsageError(f"--keep must be >= 1 (got {self.keep})")
         if self.snapshot not in SNAPSHOT_MODES:
             raise UsageError(f"--snapshot must be one of {', '.join(SNAPSHOT_MODES)} (got {self.snapshot!r})")
+        if self.snapshot_copies not in SNAPSHOT_COPIES:
+            raise UsageError(
+                f"--snapshot-copies must be one of {', '.join(SNAPSHOT_COPIES)} "
+                f"(got {self.snapshot_copies!r})"
+            )
         if self.snapshot_every < 1:
             raise UsageError(
                 f"--snapshot-every must be >= 1 step (got {self.snapshot_every}); 1 snapshots every step"
@@ -359,6 +370,7 @@ class WorkerEnv:
     mesh: str | None = None  # the job's --mesh
     elastic: bool = False  # --min-world-size below the world size: the gradient mean is exact
     keep_groups: bool = True  # the job's keep_groups
+    node_copy: bool = False  # --snapshot-copies node: a DDP job's replicated state once per node
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -391,6 +403,7 @@ class WorkerEnv:
             mesh=env.get(ENV.MESH) or None,
             elastic=env.get(ENV.ELASTIC) == "1",
             keep_groups=env.get(ENV.KEEP_GROUPS, "1") != "0",
+            node_copy=env.get(ENV.NODE_COPY) == "1",
         )
 
 

@@ -87,6 +87,11 @@ class NodePlan:
     def need_bytes(self, slot_bytes: int) -> int:
         return self.slots * slot_bytes
 
+    def shared_need(self, node_slots: int, slot_bytes: int) -> int:
+        """What the node needs when its ranks' alike state is kept once (``node_slots`` shared
+        slots, :mod:`nonstop.snapshot.nodecopy`) and its replicas whole, each ``slot_bytes``."""
+        return (node_slots + self.replica_slots * self.replica_ranks) * slot_bytes
+
 
 def plan_path(shm_dir: Path, store_id: str) -> Path:
     """Where the plan of the node whose own ranks' store id is ``store_id`` lives."""
@@ -138,16 +143,19 @@ def human(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-def shortfall(plan: NodePlan, slot_bytes: int) -> str | None:
+def shortfall(plan: NodePlan, slot_bytes: int, *, node_slots: int = 0) -> str | None:
     """The one-line error when the node's memory tier cannot hold ``plan``'s slots of
-    ``slot_bytes`` each (header, data and meta); None when it can."""
+    ``slot_bytes`` each (header, data and meta); None when it can. ``node_slots``: the check of
+    a node copy's shared slots instead of its ranks' (:meth:`NodePlan.shared_need`)."""
     shm = Path(plan.shm_dir)
-    need = plan.need_bytes(slot_bytes)
+    need = plan.shared_need(node_slots, slot_bytes) if node_slots else plan.need_bytes(slot_bytes)
     free = free_bytes(shm)
     room = free + held_bytes(shm, plan.store_ids)
     if need <= room:
         return None
-    parts = f"{plan.local_ranks} rank(s) x {plan.num_slots} slots"
+    parts = (
+        f"{node_slots} node slots" if node_slots else f"{plan.local_ranks} rank(s) x {plan.num_slots} slots"
+    )
     if plan.replica_ranks:
         parts += f" + {plan.replica_ranks} replica(s) x {plan.replica_slots} slots"
     size_g = max(1, -(-int(need * 1.25 + (room - free)) // (1 << 30)))
@@ -221,6 +229,11 @@ class StoreRoom:
         self._checked_size = 0
         self._took_over: bool | None = None  # this rank's slots existed before this store's first write
 
+    def check_shared(self, data_len: int, meta_len: int, node_slots: int) -> None:
+        """:meth:`check` for a node copy's shared slots (``rank`` unused): the node's need with
+        its ranks' alike state kept once, in ``node_slots`` slots of this size."""
+        self._check(data_len, meta_len, node_slots)
+
     def plan(self) -> tuple[NodePlan | None, str]:
         """The node's plan and what the store is to it: "local" (a node's own ranks) or
         "replica" (the ranks of other nodes it holds)."""
@@ -241,9 +254,17 @@ class StoreRoom:
         checked: the memory tier may have filled since and this rank's slots, or others', may
         have been dropped (never grown to the size the plan counts), which the check would take
         for a node too small and fail the running job; its writes degrade instead."""
+        self._check(data_len, meta_len, 0)
+
+    def _check(self, data_len: int, meta_len: int, node_slots: int) -> None:
         self._writes += 1
         if self._took_over is None:
-            self._took_over = any(_sized(p) for p in rank_slot_paths(self.shm_dir, self.store_id, self.rank))
+            paths = (
+                list(self.shm_dir.glob(f"{segment_prefix(self.store_id)}n0-s*"))
+                if node_slots
+                else rank_slot_paths(self.shm_dir, self.store_id, self.rank)
+            )
+            self._took_over = any(_sized(p) for p in paths)
         size = slot_bytes(data_len, meta_len)
         if self._took_over or self._writes > self.num_slots or size <= self._checked_size:
             return
@@ -251,7 +272,7 @@ class StoreRoom:
         plan, kind = self.plan()
         if plan is None or kind != "local":
             return
-        problem = shortfall(plan, size)
+        problem = shortfall(plan, size, node_slots=node_slots)
         if problem is None:
             return
         try:

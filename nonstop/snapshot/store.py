@@ -42,6 +42,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,8 @@ from nonstop.errors import SnapshotCorruptError, SnapshotError, SnapshotMissingE
 from nonstop.snapshot import device
 from nonstop.snapshot.api import SlotState, SnapshotInfo, TensorEntry
 from nonstop.snapshot.flatten import flatten_state
+from nonstop.snapshot.layout import LayoutCache, data_len
+from nonstop.snapshot.nodecopy import MAX_NODE_SLOTS, Claim, NodeCopy, SharedRef
 from nonstop.snapshot.pending import Copier, PendingWrite
 from nonstop.snapshot.raw import RawSnapshot, decode_raw, decode_state
 from nonstop.snapshot.slot import (
@@ -65,8 +68,25 @@ from nonstop.snapshot.slot import (
     slot_path,
 )
 from nonstop.snapshot.space import StoreRoom
+from nonstop.snapshot.split import compose, decode_split, encode_meta, ref_of, virtual_entries
 
 log = logging.getLogger(__name__)
+
+Share = Callable[[torch.Tensor], bool]
+Part = tuple["Claim | None", int, list[TensorEntry], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    """A state as one write lays it out: ``parts`` (claim or None for the rank's own slot, plan
+    id, entries, tensors), the rank slot's data length and meta, and whether tensors are on a
+    device."""
+
+    parts: list[Part]
+    data_len: int
+    meta: bytes
+    on_device: bool
+
 
 # The slot format (naming, pins, dtype names) lives in nonstop.snapshot.slot, the write in flight
 # in nonstop.snapshot.pending, raw snapshots in nonstop.snapshot.raw; the names this module always
@@ -116,28 +136,25 @@ class RankSnapshotStore:
         self.num_slots = num_slots
         self._slots = [Slot(slot_path(shm_dir, job_id, rank, i)) for i in range(num_slots)]
         self._room = StoreRoom(shm_dir=shm_dir, store_id=job_id, rank=rank, num_slots=num_slots)
-        self._plan_key: tuple[tuple[torch.dtype, torch.Size], ...] | None = None
-        self._plan: list[TensorEntry] = []
-        self._plan_json = "[]"
-        self._plan_id = 0
+        self._whole = LayoutCache()  # a whole state's layout (no node copy, or refused)
+        self._own = LayoutCache()  # with a node copy: the rank's own tensors'
+        self._shared = LayoutCache()  # and the shared ones'
         self._pending: PendingWrite | None = None
         self._copier = Copier(rank, device_chunk=device_chunk)
+        # Split snapshots (a NodeCopy: nonstop.snapshot.nodecopy). A writer is given one with
+        # share_with(); a reader opens the node's when it first meets a slot that refers to it.
+        self._shm_dir, self._job_id = shm_dir, job_id
+        self._node: NodeCopy | None = None
+        self._node_gen = 0
+        self._refs: dict[int, tuple[float, SharedRef | None]] = {}
 
     # -- writing ---------------------------------------------------------------
-    def _layout(self, tensors: list[torch.Tensor]) -> list[TensorEntry]:
-        """Offsets of ``tensors`` in a slot; recomputed only when dtypes or shapes change."""
-        key = tuple((t.dtype, t.shape) for t in tensors)
-        if key != self._plan_key:
-            entries, off = [], 0
-            for t in tensors:
-                nbytes = t.numel() * t.element_size()
-                dtype = str(t.dtype).removeprefix("torch.")
-                entries.append(TensorEntry(dtype=dtype, shape=tuple(t.shape), offset=off, nbytes=nbytes))
-                off = align(off + nbytes)
-            self._plan_key, self._plan = key, entries
-            self._plan_json = json.dumps([e.to_json() for e in entries], separators=(",", ":"))
-            self._plan_id += 1
-        return self._plan
+    def share_with(self, node: NodeCopy | None, gen: int) -> None:
+        """Write the tensors a ``begin``'s ``share`` predicate names into ``node``'s shared slots
+        (one copy per node, :mod:`nonstop.snapshot.nodecopy`), as part of generation ``gen``."""
+        if self._node is not None and self._node is not node:
+            self._node.close()  # a reader's, opened before this store was given the writer's
+        self._node, self._node_gen = node, gen
 
     def _choose_slot(self) -> Slot:
         """A slot that is neither pinned nor the newest complete one; the emptiest/oldest."""
@@ -200,21 +217,49 @@ class RankSnapshotStore:
         """Slots this store may still write (fewer than ``num_slots`` once memory ran out)."""
         return self.num_slots - len(self._room.dropped)
 
-    def _encode(self, state: Any) -> tuple[list[torch.Tensor], list[TensorEntry], int, bytes]:
-        """The tensors of ``state``, their layout in a slot, the data length and the metadata."""
+    def _encode(self, state: Any, share: Share | None, step: int) -> _Encoded:
+        """The tensors of ``state``, where each goes (the rank's slot, the node copy's claimed
+        slot, or nowhere: another rank copies it), and the rank slot's data length and meta."""
         tree, tensors = flatten_state(state)
-        entries = self._layout(tensors)
-        data_len = (entries[-1].offset + entries[-1].nbytes) if entries else 0
         tree_json = json.dumps(tree, separators=(",", ":"), check_circular=False)  # a tree: no cycle
-        meta = ('{"tree":' + tree_json + ',"tensors":' + self._plan_json + "}").encode()
-        return tensors, entries, data_len, meta
+        on_device = any(t.is_cuda for t in tensors)
+        mask = [bool(share(t)) for t in tensors] if share is not None and self._node is not None else []
+        if any(mask):
+            assert self._node is not None
+            own = [t for t, m in zip(tensors, mask, strict=True) if not m]
+            shared = [t for t, m in zip(tensors, mask, strict=True) if m]
+            own_e, shared_e = self._own.of(own), self._shared.of(shared)
+            shared_len = data_len(shared_e)
+            claim = self._node.claim(
+                gen=self._node_gen, step=step, key=self._shared.key, data_len=shared_len, pin=on_device
+            )
+            if claim is not None:
+                length = data_len(own_e)
+                ref = SharedRef(self._node_gen, step, align(length))
+                entries = virtual_entries(own_e, shared_e, mask, ref.base)
+                tensors_json = json.dumps([e.to_json() for e in entries], separators=(",", ":"))
+                meta = encode_meta(ref, tree_json, tensors_json)
+                parts: list[Part] = [(None, self._own.plan_id, own_e, own)]
+                if claim.writer:
+                    parts.append((claim, self._shared.plan_id, shared_e, shared))
+                return _Encoded(parts, length, meta, on_device)
+        entries = self._whole.of(tensors)
+        meta = encode_meta(None, tree_json, self._whole.json)
+        return _Encoded([(None, self._whole.plan_id, entries, tensors)], data_len(entries), meta, on_device)
 
-    def prefault(self, state: Any) -> int:
+    def prefault(self, state: Any, share: Share | None = None) -> int:
         """Size every slot that holds no complete snapshot for ``state`` and touch its pages, so
         that the first snapshots of a process new to this rank (a migration's joiner) do not pay
         for growing files and page faults, nor (a state with device tensors) for page-locking
-        them. Complete snapshots are left alone. Returns the number of slots prepared."""
-        tensors, entries, data_len, meta = self._encode(state)
+        them. Complete snapshots are left alone. Returns the number of slots prepared. With a
+        node copy (``share``), the rank's own part only: the node's shared slots are the node's."""
+        tree, tensors = flatten_state(state)
+        if share is not None and self._node is not None:
+            tensors = [t for t in tensors if not share(t)]
+        cache = LayoutCache()
+        entries = cache.of(tensors)
+        length = data_len(entries)
+        meta_len = len(json.dumps(tree, separators=(",", ":"), check_circular=False)) + len(cache.json) + 64
         pin = any(t.is_cuda for t in tensors)
         done = 0
         for i in range(self.num_slots):
@@ -224,24 +269,28 @@ class RankSnapshotStore:
             if i in self._room.dropped:
                 continue
             slot = self._slots[i]
-            self._room.check(data_len, len(meta))
+            self._room.check(length, meta_len)
             try:
-                slot.ensure_capacity(data_len, len(meta), pin=pin)
+                slot.ensure_capacity(length, meta_len, pin=pin)
             except ShmFullError as e:
                 self._room.drop(i, e)
                 continue
             slot.write_header(SlotState.EMPTY, -1, 0, 0, 0.0)
-            slot.data_view()[:data_len].zero_()
-            slot.views(self._plan_id, entries)
+            slot.data_view()[:length].zero_()
             done += 1
         return done
 
-    def write(self, step: int, state: Any) -> int:
+    def write(self, step: int, state: Any, *, share: Share | None = None) -> int:
         """Write the snapshot of ``step`` synchronously; return the number of tensor bytes."""
-        return self.begin(step, state, deferred=None).nbytes  # deferred=None: complete on return
+        return self.begin(step, state, deferred=None, share=share).nbytes  # deferred=None: complete on return
 
     def begin(
-        self, step: int, state: Any, *, deferred: Callable[[torch.Tensor], bool] | None
+        self,
+        step: int,
+        state: Any,
+        *,
+        deferred: Callable[[torch.Tensor], bool] | None,
+        share: Share | None = None,
     ) -> PendingWrite:
         """Start writing the snapshot of ``step``; return its :class:`PendingWrite`.
 
@@ -251,6 +300,10 @@ class RankSnapshotStore:
         returns. A previous pending write is completed first. No buffer is
         allocated while the state's layout stays the same.
 
+        ``share`` (with :meth:`share_with`'s node copy): the tensors every rank of the node holds
+        alike. They go to the node's shared write of this step, copied by the rank that claims it
+        and by no other (:mod:`nonstop.snapshot.nodecopy`).
+
         Device tensors are copied on their own device's side stream (see the module docstring);
         in a write that has any, a CPU-resident deferred tensor of at most
         :data:`.device.SMALL_HOST_COPY` bytes is copied at once (the optimizer changes it from the
@@ -259,29 +312,36 @@ class RankSnapshotStore:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
-        tensors, entries, data_len, meta = self._encode(state)
-        on_device = any(t.is_cuda for t in tensors)
-        slot = self._sized_slot(data_len, len(meta), pin=on_device)
+        enc = self._encode(state, share, step)
+        slot = self._sized_slot(enc.data_len, len(enc.meta), pin=enc.on_device)
         slot.write_header(SlotState.WRITING, step, 0, 0, 0.0)
-        pending = PendingWrite(step, data_len)
+        claim = next((c for c, *_ in enc.parts if c is not None), None)
+        shared_len = data_len(enc.parts[-1][2]) if claim is not None else 0
+        pending = PendingWrite(step, enc.data_len + shared_len)
         cpu_later: list[tuple[torch.Tensor, torch.Tensor]] = []
         dev_now: list[tuple[torch.Tensor, torch.Tensor]] = []
         dev_later: list[tuple[torch.Tensor, torch.Tensor]] = []
-        small = device.SMALL_HOST_COPY if on_device else -1
-        for dst, t in zip(slot.views(self._plan_id, entries), tensors, strict=True):
-            if dst is None:
-                continue
-            later = deferred is not None and deferred(t)
-            if t.is_cuda:
-                (dev_later if later else dev_now).extend(slot.copies(dst, t))
-            elif later and (small < 0 or t.numel() * t.element_size() > small):
-                cpu_later.append((dst, t))
-            else:
-                dst.copy_(t)
+        small = device.SMALL_HOST_COPY if enc.on_device else -1
+        for part_claim, plan_id, entries, tensors in enc.parts:
+            dst_slot = slot if part_claim is None else part_claim.slot
+            for dst, t in zip(dst_slot.views(plan_id, entries), tensors, strict=True):
+                if dst is None:
+                    continue
+                later = deferred is not None and deferred(t)
+                if t.is_cuda:
+                    (dev_later if later else dev_now).extend(dst_slot.copies(dst, t))
+                elif later and (small < 0 or t.numel() * t.element_size() > small):
+                    cpu_later.append((dst, t))
+                else:
+                    dst.copy_(t)
+        meta = enc.meta
         slot.meta_view()[: len(meta)] = meta
 
         def complete() -> None:
-            slot.write_header(SlotState.COMPLETE, step, data_len, len(meta), time.time())
+            slot.write_header(SlotState.COMPLETE, step, enc.data_len, len(meta), time.time())
+            if claim is not None:
+                assert self._node is not None
+                self._node.complete(claim, step, shared_len)
 
         if dev_now or dev_later:
             copies = pending._device_copies = self._copier.start_device_copies(dev_now, dev_later)
@@ -325,10 +385,31 @@ class RankSnapshotStore:
         """The complete snapshots of ``step``, the newest write first (a step redone after a
         rollback may be in two slots: the one written last is the current timeline's)."""
         infos = [self.info(i) for i in range(self.num_slots)]
-        found = [
-            inf for inf in infos if inf is not None and inf.state is SlotState.COMPLETE and inf.step == step
-        ]
+        found = [inf for inf in infos if inf is not None and inf.step == step and self._complete(inf)]
         return sorted(found, key=lambda inf: -inf.written_at)
+
+    # -- split snapshots (nonstop.snapshot.split) ----------------------------------------------
+    def _node_copy(self) -> NodeCopy:
+        if self._node is None:  # a reader: it opens the node's shared slots when it meets a split slot
+            self._node = NodeCopy(shm_dir=self._shm_dir, job_id=self._job_id, num_slots=MAX_NODE_SLOTS)
+        return self._node
+
+    def _ref(self, inf: SnapshotInfo) -> SharedRef | None:
+        """The shared write slot ``inf`` refers to (None: it holds its whole snapshot)."""
+        cached = self._refs.get(inf.slot)
+        if cached is not None and cached[0] == inf.written_at:
+            return cached[1]
+        ref = ref_of(self._slots[inf.slot].meta_view()[: min(inf.meta_len, 64)])
+        self._refs[inf.slot] = (inf.written_at, ref)
+        return ref
+
+    def _complete(self, inf: SnapshotInfo) -> bool:
+        """Whether slot ``inf`` holds a complete snapshot: COMPLETE, and so is the shared write
+        it refers to, if any."""
+        if inf.state is not SlotState.COMPLETE:
+            return False
+        ref = self._ref(inf)
+        return ref is None or self._node_copy().find(ref) is not None
 
     def _find(self, step: int) -> SnapshotInfo | None:
         found = self._holding(step)
@@ -339,7 +420,7 @@ class RankSnapshotStore:
         out = []
         for i in range(self.num_slots):
             inf = self.info(i)
-            if inf is not None and inf.state is SlotState.COMPLETE:
+            if inf is not None and self._complete(inf):
                 out.append(inf.step)
         return sorted(out)
 
@@ -354,6 +435,10 @@ class RankSnapshotStore:
             inf = self.info(i)
             if inf is not None and inf.state is SlotState.WRITING and inf.writer_pid in live_pids:
                 return inf.step
+            if inf is not None and inf.state is SlotState.COMPLETE and not self._complete(inf):
+                ref = self._ref(inf)  # its own part is written; the shared part may be on its way
+                if ref is not None and self._node_copy().writing(ref, live_pids):
+                    return inf.step
         return None
 
     def _missing(self, step: int) -> SnapshotMissingError:
@@ -370,10 +455,19 @@ class RankSnapshotStore:
         for inf in self._holding(step):
             slot = self._slots[inf.slot]
             what = f"rank {self.rank}'s snapshot of step {step} in slot {inf.slot}"
+            meta = bytes(slot.meta_view()[: inf.meta_len])
+            ref = self._ref(inf)
             try:
-                return decode_state(
-                    bytes(slot.meta_view()[: inf.meta_len]), slot.data_view(), inf.data_len, what, copy
-                )
+                if ref is None:
+                    return decode_state(meta, slot.data_view(), inf.data_len, what, copy)
+                node = self._node_copy()
+                shared = node.find(ref)
+                if shared is None:
+                    continue  # overwritten since _holding looked
+                common = node.slot(shared.slot).data_view()
+                state = decode_split(meta, slot.data_view(), inf.data_len, common, shared.data_len, what)
+                if node.still(ref, shared):  # (copies: a write that raced them is not returned)
+                    return state
             except SnapshotCorruptError as e:
                 # A fresh error: the one caught holds (through its traceback) views of the slot,
                 # which would keep the mapping from being closed.
@@ -385,15 +479,20 @@ class RankSnapshotStore:
     def keep_only(self, steps: Collection[int]) -> list[int]:
         """Hold the complete snapshots of ``steps`` (KEEP_PIN: the writer leaves them alone) and
         release every other slot's hold. Returns the steps found and held."""
-        held = []
+        held, refs = [], []
         for i in range(self.num_slots):
             inf = self.info(i)
             if inf is None:
                 continue
-            keep = inf.state is SlotState.COMPLETE and inf.step in steps and inf.step not in held
+            keep = self._complete(inf) and inf.step in steps and inf.step not in held
             self._slots[i].set_pinned(keep, KEEP_PIN)
             if keep:
                 held.append(inf.step)
+                ref = self._ref(inf)
+                if ref is not None:
+                    refs.append(ref)
+        if refs or self._node is not None:
+            self._node_copy().keep_only(refs)
         return held
 
     def clear(self) -> None:
@@ -423,32 +522,43 @@ class RankSnapshotStore:
         if inf is None:
             raise self._missing(step)
         slot = self._slots[inf.slot]
+        ref = self._ref(inf)
+        node = self._node_copy() if ref is not None else None
+        shared = node.find(ref) if node is not None and ref is not None else None
+        if node is not None and shared is None:
+            raise self._missing(step)
+        pinned = [slot] if shared is None or node is None else [slot, node.slot(shared.slot)]
 
         def same_write() -> bool:
             now = self.info(inf.slot)
-            return now is not None and (now.state, now.step, now.written_at) == (
-                inf.state,
-                step,
-                inf.written_at,
-            )
+            if now is None or (now.state, now.step, now.written_at) != (inf.state, step, inf.written_at):
+                return False
+            return node is None or ref is None or shared is None or node.still(ref, shared)
 
-        slot.set_pinned(True, READ_PIN)
+        for s in pinned:
+            s.set_pinned(True, READ_PIN)
         try:
             if not same_write():
                 raise self._missing(step)
             src = np.frombuffer(slot.data_memoryview(), dtype=np.uint8, count=inf.data_len)
-            if out is not None and out.size >= inf.data_len:
+            meta = bytes(slot.meta_view()[: inf.meta_len])
+            if shared is not None:
+                what = f"rank {self.rank}'s snapshot of step {step}"
+                common = np.frombuffer(pinned[1].data_memoryview(), dtype=np.uint8, count=shared.data_len)
+                meta, data = compose(meta, src, common, what, out)
+            elif out is not None and out.size >= inf.data_len:
                 data = out[: inf.data_len]
                 np.copyto(data, src)  # numpy copies without holding the GIL
             else:
                 data = src.copy()
-            meta = bytes(slot.meta_view()[: inf.meta_len])
             if not same_write():
                 raise self._missing(step)
             if keep:
-                slot.set_pinned(True, KEEP_PIN)
+                for s in pinned:
+                    s.set_pinned(True, KEEP_PIN)
         finally:
-            slot.set_pinned(False, READ_PIN)
+            for s in pinned:
+                s.set_pinned(False, READ_PIN)
         return RawSnapshot(rank=self.rank, step=step, meta=meta, data=data, written_at=inf.written_at)
 
     def drain(self) -> None:
@@ -471,6 +581,8 @@ class RankSnapshotStore:
         self._copier.close()
         for s in self._slots:
             s.close()
+        if self._node is not None:
+            self._node.close()
 
 
 def _age_key(inf: SnapshotInfo | None) -> tuple[int, float]:

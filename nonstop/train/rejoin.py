@@ -73,7 +73,7 @@ class Rejoin(Membership):
         if self._snaps.taken != self._step:
             # the boundary came after this step was reported unsnapshotted (--snapshot-every):
             # snapshot it now, for the joiner to fetch; the report says only that much
-            snap = self._snaps.take(self._step, self._capture())
+            snap = self._snaps.take(self._step, self._capture(), self.generation)
             again = {"t": "step", "gen": self.generation, "step": self._step, "step_s": 0.0, "again": True}
             if snap is not None:
                 snap.on_complete(functools.partial(self._link.send_quietly, again))
@@ -155,7 +155,7 @@ class Rejoin(Membership):
             self._live_at = None
             bare = trainee.bare
             if msg.get("prepare") and restore_step is not None and bare is not None and warm_up is not None:
-                store.prefault(self._capture().state(self._step))  # before the warm-up changes the state
+                self._snaps.prefault(self._capture(), self._step)  # before the warm-up changes the state
                 self._warm_up(warm_up, bare)
             self._link.send(
                 {"t": "restored", "gen": gen, "step": self._step, "restore_s": time.monotonic() - t0}

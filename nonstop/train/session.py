@@ -437,7 +437,7 @@ class Session(Rejoin):
         self._faults.observe(step_s - wait_s)  # a slowdown fault stretches the own compute
         final = num_steps is not None and self._step >= num_steps
         due = self._snaps.due(self._step, final=final, pause_at=self._link.pause_at)
-        snap = self._snaps.take(self._step, self._capture()) if due else None
+        snap = self._snaps.take(self._step, self._capture(), self.generation) if due else None
         # Stall: time the loop spent on this snapshot now, plus what the step just run
         # waited for the previous snapshot's background copy.
         stall_s = time.monotonic() - t1 + self._snaps.waited_s()

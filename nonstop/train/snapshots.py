@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from nonstop.config import WorkerEnv
 from nonstop.snapshot import RankSnapshotStore, StateCapture
+from nonstop.snapshot.nodecopy import NodeCopy, node_slots
 from nonstop.snapshot.store import PendingWrite
 from nonstop.train.restore import open_store
 
@@ -27,6 +28,11 @@ class LoopSnapshots:
         self._store: RankSnapshotStore | None = None
         self._fence_wait_s = 0.0
         self.taken: int | None = None  # the step of the newest snapshot begun
+        # a DDP job's replicated state, once per node (snapshot/nodecopy.py); a sharded job's
+        # ranks hold different shards, so each keeps its own
+        self._node: NodeCopy | None = None
+        if env.node_copy and env.mesh is None:
+            self._node = NodeCopy(shm_dir=env.shm_dir, job_id=env.job_id, num_slots=node_slots(env.num_slots))
 
     def due(self, step: int, *, final: bool, pause_at: int | None) -> bool:
         """Whether the state after ``step`` is snapshotted: every ``--snapshot-every`` K-th step,
@@ -46,15 +52,28 @@ class LoopSnapshots:
         assert self._store is not None, "Session.run() has not started"
         return self._store
 
-    def take(self, step: int, capture: StateCapture) -> PendingWrite | None:
-        """Snapshot the state after ``step`` steps per the job's snapshot mode."""
+    def take(self, step: int, capture: StateCapture, gen: int) -> PendingWrite | None:
+        """Snapshot the state after ``step`` steps (in generation ``gen``) per the job's mode.
+        With a node copy, the parameters and optimizer state (what ``optimizer.step`` alone
+        changes, alike on every DDP rank) go to the node's shared write of the step."""
         mode = self._env.snapshot
         if mode == "off":  # only for measuring what snapshots cost; nothing to recover from
             return None
-        deferred = capture.deferrable() if mode == "overlapped" else None
-        pending = self.live.begin(step, capture.state(step), deferred=deferred)
+        alike = capture.deferrable() if mode == "overlapped" or self._node is not None else None
+        deferred = alike if mode == "overlapped" else None
+        if self._node is not None:
+            self.live.share_with(self._node, gen)
+        share = alike if self._node is not None else None
+        pending = self.live.begin(step, capture.state(step), deferred=deferred, share=share)
         self.taken = step
         return pending
+
+    def prefault(self, capture: StateCapture, step: int) -> int:
+        """Size this rank's slots for its state ahead of its first snapshots (a joiner's)."""
+        share = capture.deferrable() if self._node is not None else None
+        if self._node is not None:
+            self.live.share_with(self._node, 0)
+        return self.live.prefault(capture.state(step), share=share)
 
     def fence(self) -> None:
         """Hold the optimizer back until the previous step's overlapped copy is done with the

@@ -1,0 +1,186 @@
+"""A node's snapshot memory for a DDP job: one copy per node (``--snapshot-copies node``) against
+one copy per rank (``rank``), at 1, 2 and 4 ranks on the node.
+
+What is measured. A real data-parallel job (``nonstop run``, ``--nproc`` ranks on gloo) trains the
+demo transformer (``--model``, default ``small``) with a snapshot every step, its slots in a memory
+directory of its own (``--shm-dir``). A sampler thread adds up the bytes the job's segments hold
+there (allocated pages, ``st_blocks``) every 20 ms; the figure is the largest sum while the job
+runs. Beside it: the loop's pace on rank 0 (median interval between step starts after ``--skip``
+warm-up steps), so that a cheaper memory tier that cost step time would show. Both contenders run
+alternately, round by round; one warm-up round is not counted. The final weights of both are
+compared (the demo's weights hash): they must be equal.
+
+Run it::
+
+    .venv/bin/python benchmarks/bench_node_copy.py            # -> results/node_copy.json
+    .venv/bin/python benchmarks/bench_node_copy.py --quick    # tiny model, 1 round: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.benchcommon import machine_info, run_stamp, summarize  # noqa: E402
+from nonstop.demo.runner import demo_job_config  # noqa: E402
+from nonstop.runtime.coordinator import JobState  # noqa: E402
+from nonstop.runtime.launcher import run_job  # noqa: E402
+
+COPIES = ("rank", "node")
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "node_copy.json"
+
+
+def held(directory: Path) -> int:
+    total = 0
+    for p in directory.iterdir():
+        try:
+            total += os.stat(p).st_blocks * 512
+        except FileNotFoundError:
+            pass
+    return total
+
+
+class Sampler(threading.Thread):
+    """The largest number of bytes ``directory``'s files held while it ran."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(daemon=True)
+        self.directory, self.peak, self._done = directory, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(0.02):
+            self.peak = max(self.peak, held(self.directory))
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        return self.peak
+
+
+def one_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    job_dir = work / f"job-{copies}-{nproc}-{time.monotonic_ns()}"
+    shm = job_dir / "shm"
+    shm.mkdir(parents=True)
+    result_file = job_dir / "result.json"
+    cfg = demo_job_config(
+        result=result_file,
+        steps=args.steps,
+        model=args.model,
+        batch=args.batch,
+        nproc_per_node=nproc,
+        job_dir=job_dir,
+        shm_dir=shm,
+        snapshot_copies=copies,
+        persist_every=0,
+        persist_url=str(job_dir / "ckpt"),
+    )
+    sampler = Sampler(shm)
+    sampler.start()
+    try:
+        res = run_job(cfg, redirect_output=True)
+    finally:
+        peak = sampler.stop()
+    if res.state is not JobState.DONE or not result_file.exists():
+        raise RuntimeError(f"{copies} job with {nproc} ranks failed: {res.error}")
+    out = json.loads(result_file.read_text())
+    intervals = out["step_intervals_s"][args.skip :]
+    shutil.rmtree(job_dir, ignore_errors=True)
+    return {
+        "shm_peak_bytes": peak,
+        "median_interval_s": statistics.median(intervals),
+        "weights": out["final_hash"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--skip", type=int, default=4, help="first step intervals not counted (warm-up)")
+    ap.add_argument("--runs", type=int, default=3, help="counted rounds after one warm-up round")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--quick", action="store_true", help="tiny model, 1 round, 1 and 2 ranks: a smoke run")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.model, args.steps, args.runs, args.skip, args.nproc = "tiny", 8, 1, 2, [1, 2]
+    (REPO_ROOT / ".nonstop").mkdir(exist_ok=True)
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="nonstop-bench-nodecopy-", dir=REPO_ROOT / ".nonstop") as tmp:
+        for i in range(args.runs + 1):
+            r: dict[str, Any] = {}
+            for nproc in args.nproc:
+                for copies in COPIES:
+                    got = one_job(copies, nproc, args, Path(tmp))
+                    r[f"{copies}-{nproc}"] = got
+                    print(
+                        f"[bench] round {i} {copies} x{nproc}: "
+                        f"shm peak {got['shm_peak_bytes'] / 2**20:.1f} MiB, "
+                        f"step {got['median_interval_s'] * 1e3:.1f} ms",
+                        flush=True,
+                    )
+                same = r[f"rank-{nproc}"]["weights"] == r[f"node-{nproc}"]["weights"]
+                r[f"equal-{nproc}"] = same
+                if not same:
+                    raise RuntimeError(f"{nproc} ranks: final weights differ between rank and node copies")
+            if i > 0:
+                rounds.append(r)
+    summary: dict[str, Any] = {}
+    for nproc in args.nproc:
+        row: dict[str, Any] = {}
+        for copies in COPIES:
+            row[copies] = {
+                "shm_peak_mib": summarize([r[f"{copies}-{nproc}"]["shm_peak_bytes"] / 2**20 for r in rounds]),
+                "step_ms": summarize([r[f"{copies}-{nproc}"]["median_interval_s"] * 1e3 for r in rounds]),
+            }
+        row["node_over_rank_memory"] = summarize(
+            [r[f"node-{nproc}"]["shm_peak_bytes"] / r[f"rank-{nproc}"]["shm_peak_bytes"] for r in rounds]
+        )
+        row["node_over_rank_step"] = summarize(
+            [
+                r[f"node-{nproc}"]["median_interval_s"] / r[f"rank-{nproc}"]["median_interval_s"]
+                for r in rounds
+            ]
+        )
+        summary[str(nproc)] = row
+    one = summary.get("1", {}).get("rank", {}).get("shm_peak_mib")
+    report = {
+        "benchmark": "node_copy",
+        "what": "peak snapshot memory of a node (its job's segments, allocated bytes) and step pace, "
+        "one copy per node vs per rank; final weights equal",
+        "workload": {k: getattr(args, k) for k in ("nproc", "model", "batch", "steps", "skip", "runs")},
+        "machine": machine_info(),
+        **run_stamp(),
+        "rounds": rounds,
+        "summary": summary,
+        "one_rank_mib": one,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"{'ranks':>5} {'rank MiB':>10} {'node MiB':>10} {'node/rank':>10} {'step node/rank':>15}")
+    for nproc, row in summary.items():
+        print(
+            f"{nproc:>5} {row['rank']['shm_peak_mib']['median']:>10.1f}"
+            f" {row['node']['shm_peak_mib']['median']:>10.1f}"
+            f" {row['node_over_rank_memory']['median']:>10.3f} {row['node_over_rank_step']['median']:>15.3f}"
+        )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
