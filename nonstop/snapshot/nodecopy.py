@@ -23,9 +23,10 @@ a claim when no shared slot is free.
 
 Slot choice (under the lock): never the newest complete write (by step, then time), a pinned slot
 (a reader's: the agent's persister or replicator) or a slot a *live* process is writing; among
-the rest a torn one, then the oldest complete one, and a slot never used last. The node has one slot more than a rank, because two
-claims may be in flight at once (the claimer of S still copying when another rank, one step
-ahead, claims S + 1).
+the rest a torn one, then the oldest complete one, and a slot never used last. The node has one
+slot more than a rank, because two claims may be in flight at once (the claimer of S still
+copying when another rank, one step ahead, claims S + 1); that slot's pages are allocated only
+when it is first needed.
 
 Segments: ``<prefix>n0-s<i>`` (a rank's are ``<prefix>r<rank>-s<i>``) and the lock file
 ``<prefix>n0-lock``; they go with the job's other segments.
