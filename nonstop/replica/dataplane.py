@@ -1,9 +1,10 @@
 """A node's data-plane listener, the holder side of :mod:`nonstop.replica.peer`'s protocol.
 
 :class:`DataPlane` authenticates peers (``purpose="data"``), installs the replicas they send
-(``rep`` + chunks, checked before anything is installed) into this node's replica slots, and
-serves fetches of its own ranks' or its replicas' snapshots -- raw, or a delta against the base a
-tracked fetch kept (a migration's catch-up). :func:`shm_stores` is the cached
+(``rep`` + chunks, checked before anything is installed) into this node's replica slots (a split
+snapshot's own part there, and the shared write it refers to, ``rep_shared``, beside them once
+per step), and serves fetches of its own ranks' or its replicas' snapshots -- raw, or a delta
+against the base a tracked fetch kept (a migration's catch-up). :func:`shm_stores` is the cached
 ``rank -> RankSnapshotStore`` factory both sides use over a store id.
 
 Threading: one dispatcher thread serves the listener's events in order (replica stores are written
@@ -19,11 +20,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from nonstop.control.channel import Channel, Message
+from nonstop.control.channel import BLOB, Channel, Message
 from nonstop.control.listener import ControlServer
 from nonstop.errors import ControlError, SnapshotError, SnapshotMissingError
 from nonstop.replica.peer import (
     RAW_CODEC,
+    REPLICA_SLOTS,
     FetchError,
     TrackedBase,
     TrackedBases,
@@ -32,6 +34,8 @@ from nonstop.replica.peer import (
     _send_chunks,
 )
 from nonstop.snapshot.codec import CodecConfig, Encoder, segments_for
+from nonstop.snapshot.nodecopy import NodeCopy, SharedRef, node_slots
+from nonstop.snapshot.split import ref_of
 from nonstop.snapshot.store import RankSnapshotStore
 
 __all__ = ["DataPlane", "shm_stores"]
@@ -71,6 +75,7 @@ class DataPlane:
         )
         self.address = self._server.address
         self._partial: dict[Channel, tuple[Message, list[Message]]] = {}
+        self._node: NodeCopy | None = None  # the shared writes held for other nodes (_replica_node)
         self._stop = threading.Event()
         self._lock = threading.Lock()  # replica stores are written by the dispatcher only
         self._thread = threading.Thread(target=self._loop, name="nonstop-dataplane", daemon=True)
@@ -104,9 +109,9 @@ class DataPlane:
 
     def _on_message(self, chan: Channel, msg: Message) -> None:
         t = msg.get("t")
-        if t == "rep":
+        if t in ("rep", "rep_shared"):
             if int(msg["nchunks"]) == 0:
-                self._install(chan, msg, [])
+                self._received(chan, msg, [])
             else:
                 self._partial[chan] = (msg, [])
         elif t == "chunk":
@@ -116,19 +121,60 @@ class DataPlane:
             got[1].append(msg)  # its BLOB views a buffer of its own (one per received frame)
             if len(got[1]) == int(got[0]["nchunks"]):
                 del self._partial[chan]
-                self._install(chan, got[0], got[1])
+                self._received(chan, got[0], got[1])
         elif t == "fetch":
             threading.Thread(target=self._serve_fetch, args=(chan, msg), daemon=True).start()
         else:
             raise FetchError(f"unknown data-plane message {t!r}")
 
+    def _received(self, chan: Channel, head: Message, chunks: list[Message]) -> None:
+        if head.get("t") == "rep_shared":
+            self._install_shared(chan, head, chunks)
+        else:
+            self._install(chan, head, chunks)
+
+    def _replica_node(self, store: RankSnapshotStore) -> NodeCopy:
+        """The shared writes this node holds for other nodes' ranks (beside their replicas)."""
+        if self._node is None:
+            self._node = NodeCopy(
+                shm_dir=store.shm_dir, job_id=store.store_id, num_slots=node_slots(REPLICA_SLOTS)
+            )
+        return self._node
+
+    def _install_shared(self, chan: Channel, head: Message, chunks: list[Message]) -> None:
+        gen, step, key = int(head["gen"]), int(head["step"]), str(head["key"])
+        node = self._replica_node(self._replica(0))
+        base_data = None
+        if head.get("base") is not None:
+            b_gen, b_step = (int(v) for v in head["base"])
+            base_data = node.copy_data(SharedRef(b_gen, b_step, 0))
+            if base_data is None:
+                chan.send({"t": "rep_ack", "ok": False, "need_full": True, "error": "base not held"})
+                return
+        it = iter(chunks)
+        try:
+            _, data = _recv_snapshot(head, lambda: next(it), base_data)
+        except SnapshotError as e:
+            if base_data is None:
+                raise
+            chan.send({"t": "rep_ack", "ok": False, "need_full": True, "error": f"delta rejected: {e}"})
+            return
+        with self._lock:
+            if not node.install(gen=gen, step=step, key=key, data=data):
+                raise FetchError(f"no slot free for step {step}'s shared write")
+        chan.send({"t": "rep_ack", "ok": True, "step": step})
+
     def _install(self, chan: Channel, head: Message, chunks: list[Message]) -> None:
         rank, step = int(head["rank"]), int(head["step"])
         store = self._replica(rank)
+        ref = ref_of(bytes(head.get(BLOB, b"")[:64]))
+        if ref is not None and self._replica_node(store).find(ref) is None:
+            chan.send({"t": "rep_ack", "ok": False, "need_shared": True, "error": "shared write not held"})
+            return
         base_data = None
         if head.get("base") is not None:
             try:
-                base_data = store.copy_out(int(head["base"])).data
+                base_data = store.copy_out(int(head["base"]), split=ref is not None).data
             except SnapshotMissingError:
                 chan.send({"t": "rep_ack", "ok": False, "need_full": True, "error": "base not held"})
                 return
@@ -192,6 +238,8 @@ class DataPlane:
         self._stop.set()
         self._server.close()
         self._thread.join(timeout=2.0)
+        if self._node is not None:
+            self._node.close()
 
 
 def shm_stores(shm_dir: Path, store_id: str, num_slots: int) -> Callable[[int], RankSnapshotStore]:

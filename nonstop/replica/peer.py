@@ -8,6 +8,13 @@ Messages on a peer channel (all authenticated by :mod:`nonstop.control.channel`)
   holder decodes against its copy of ``base`` (a delta) or alone (``base`` is
   null), verifies every chunk's CRC-32C, installs the step in its replica slots
   and answers ``rep_ack`` (``ok``, or ``need_full`` when it lacks the base).
+  A snapshot split with its node's shared write (:mod:`nonstop.snapshot.nodecopy`) goes as the
+  rank's own part (its meta names the shared write); a holder that does not hold that shared
+  write yet answers ``need_shared`` and installs nothing.
+* ``rep_shared`` (sender -> holder): a node's shared write of one step, ``gen, step, key, base,
+  data_len, nchunks`` and the chunks (``base``: the [gen, step] it is a delta against), sent
+  once per holder and step, whichever of the node's ranks met ``need_shared`` first; then that
+  rank's own part again. So a node of N ranks sends the state they hold alike once, not N times.
 * ``fetch`` (a node restoring a rank -> the node holding it): ``rank, step, kind``
   and, for a catch-up, ``node`` (the requester), ``base`` and ``track``. The holder
   answers ``fetch_begin`` (meta as blob, ``data_len, nchunks, base, capped``, or ``error``)
@@ -176,6 +183,9 @@ class Replicator:
         self._chans: dict[str, Channel] = {}
         self._bases: dict[tuple[int, str], tuple[int, np.ndarray]] = {}
         self._scratch: dict[int, np.ndarray] = {}
+        # per holder: the node's shared write last sent there ((gen, step), data): a delta's base
+        self._shared_bases: dict[str, tuple[tuple[int, int], np.ndarray]] = {}
+        self._shared_scratch: np.ndarray | None = None
         self._active: Channel | None = None  # the holder connection a round is using now
 
     def abandon(self) -> None:
@@ -208,29 +218,85 @@ class Replicator:
         store = self._local(rank)
         # keep=True: the step stays in this node's memory until a newer round is committed
         # (the agent releases it), so survivors can always return to the replicated step.
-        snap = store.copy_out(step, out=self._scratch.get(rank), keep=True)
+        # split=True: a snapshot split with the node's shared write comes as the rank's own part;
+        # the shared write goes to a holder once, when it asks for it (need_shared).
+        snap = store.copy_out(step, out=self._scratch.get(rank), keep=True, split=True)
         if self._scratch.get(rank) is None or self._scratch[rank].size < snap.data.size:
             self._scratch[rank] = snap.data
         segments = segments_for(snap.entries(), len(snap.data))
         stats = ReplicaStats(raw_bytes=len(snap.data) * len(holders))
         for addr in holders:
             try:
-                stats.wire_bytes += self._send(addr, rank, step, snap, segments, stats)
+                stats.wire_bytes += self._send(addr, rank, step, snap, segments, stats, store)
             except (ControlError, OSError, FetchError) as e:
                 self._chans.pop(addr, None)
                 self._bases.pop((rank, addr), None)  # next time send it whole
+                self._shared_bases.pop(addr, None)
                 raise FetchError(f"replicating rank {rank} step {step} to {addr} failed: {e}") from e
         stats.seconds = time.monotonic() - t0
         return stats
 
     def _send(
-        self, addr: str, rank: int, step: int, snap: RawSnapshot, segments: Any, stats: ReplicaStats
+        self,
+        addr: str,
+        rank: int,
+        step: int,
+        snap: RawSnapshot,
+        segments: Any,
+        stats: ReplicaStats,
+        store: RankSnapshotStore,
     ) -> int:
         ch = self._active = self._chan(addr)
         try:
-            return self._send_on(ch, addr, rank, step, snap, segments, stats)
+            wire = 0
+            for _ in range(2):
+                sent, need_shared = self._send_on(ch, addr, rank, step, snap, segments, stats)
+                wire += sent
+                if not need_shared:
+                    return wire
+                wire += self._send_shared(ch, addr, snap, store, stats)
+            raise FetchError(f"holder {addr} still lacks step {step}'s shared write after it was sent")
         finally:
             self._active = None
+
+    def _send_shared(
+        self, ch: Channel, addr: str, snap: RawSnapshot, store: RankSnapshotStore, stats: ReplicaStats
+    ) -> int:
+        """Send the node's shared write ``snap`` refers to (once per holder and step: the holder
+        asked for it), as a delta against the one last sent to this holder when it still has
+        that one."""
+        ref = snap.shared
+        assert ref is not None
+        node = store.node_copy()
+        key = node.key_of(ref)
+        data = node.copy_data(ref, out=self._shared_scratch)
+        if data is None or key is None:
+            raise FetchError(f"step {ref.step}'s shared write is no longer in this node's memory")
+        if self._shared_scratch is None or self._shared_scratch.size < data.size:
+            self._shared_scratch = data
+        segments = segments_for(snap.shared_entries(), len(data))
+        base = self._shared_bases.get(addr)
+        if base is not None and base[1].size != data.size:
+            base = None
+        stats.raw_bytes += len(data)
+        for attempt in (0, 1):
+            chunks = self._encoder.encode(data, segments, None if base is None else base[1])
+            head: Message = {"t": "rep_shared", "gen": ref.gen, "step": ref.step, "key": key}
+            head.update(base=None if base is None else list(base[0]), data_len=len(data), nchunks=len(chunks))
+            ch.send(head)
+            wire = _send_chunks(ch, chunks, self._bucket)
+            ack = ch.recv()
+            if ack.get("ok"):
+                keep = self._shared_bases.get(addr)
+                buf = keep[1] if keep is not None and keep[1].size == data.size else np.empty_like(data)
+                np.copyto(buf, data)
+                self._shared_bases[addr] = ((ref.gen, ref.step), buf)
+                return wire
+            if ack.get("need_full") and attempt == 0 and base is not None:
+                base = None
+                continue
+            raise FetchError(f"holder {addr} refused step {ref.step}'s shared write: {ack.get('error')}")
+        raise AssertionError("unreachable")
 
     def _send_on(
         self,
@@ -241,7 +307,9 @@ class Replicator:
         snap: RawSnapshot,
         segments: Any,
         stats: ReplicaStats,
-    ) -> int:
+    ) -> tuple[int, bool]:
+        """Send ``snap`` (whole, or a split snapshot's own part); (wire bytes, whether the holder
+        lacks the shared write it refers to: then nothing was installed)."""
         base = self._bases.get((rank, addr))
         if base is not None and base[1].size != snap.data.size:
             base = None  # the layout changed: a delta needs the same size
@@ -270,7 +338,9 @@ class Replicator:
                 np.copyto(buf, snap.data)
                 self._bases[(rank, addr)] = (step, buf)
                 stats.full = stats.full or base is None
-                return wire
+                return wire, False
+            if ack.get("need_shared") and snap.shared is not None:
+                return wire, True
             if ack.get("need_full") and attempt == 0 and base is not None:
                 base = None
                 continue

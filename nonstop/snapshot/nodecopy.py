@@ -37,17 +37,21 @@ the copier thread writes a claimed slot's COMPLETE header); readers in another p
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from nonstop.snapshot.api import SlotState, SnapshotInfo
-from nonstop.snapshot.slot import KEEP_PIN, ShmFullError, Slot, segment_prefix
+from nonstop.snapshot.slot import KEEP_PIN, READ_PIN, ShmFullError, Slot, segment_prefix
 from nonstop.snapshot.space import StoreRoom
 
 log = logging.getLogger(__name__)
@@ -155,11 +159,17 @@ class NodeCopy:
         """Take part in the shared write of (``gen``, ``step``): find another rank's claim of it,
         or claim it in a free slot sized for ``data_len`` bytes. None when the claim found has
         another layout (``key``) or no slot is free: the caller writes its whole state itself."""
+        with self._locked():
+            return self._claim_locked(gen, step, key, data_len, pin)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The node's lock (``flock`` on its lock file): one claim or install at a time."""
         self._lock.touch(exist_ok=True)
         fd = os.open(self._lock, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            return self._claim_locked(gen, step, key, data_len, pin)
+            yield
         finally:
             os.close(fd)  # (releases the lock)
 
@@ -252,14 +262,60 @@ class NodeCopy:
                 return True
         return False
 
-    def keep_only(self, refs: Collection[SharedRef]) -> None:
-        """Hold (KEEP_PIN) the shared writes ``refs`` name and release every other one. The node
-        agent keeps the same steps of every rank of the node at once, so one rank's set is all
-        ranks' set."""
-        wanted = {(r.gen, r.step) for r in refs}
+    def keep_only(self, steps: Collection[int]) -> None:
+        """Hold (KEEP_PIN) the complete shared writes of ``steps`` and release every other one.
+        The node agent keeps the same steps of all its ranks (and replicas) at once, so every
+        rank store of the node asks for the same steps."""
         for inf, rec in self._claims():
-            keep = inf.state is SlotState.COMPLETE and rec is not None and rec[:2] in wanted
+            keep = inf.state is SlotState.COMPLETE and rec is not None and inf.step in steps
             self._slots[inf.slot].set_pinned(keep, KEEP_PIN)
+
+    def key_of(self, ref: SharedRef) -> str | None:
+        """The layout key of the complete shared write ``ref`` names (None: not held)."""
+        for inf, rec in self._claims():
+            if inf.state is SlotState.COMPLETE and rec is not None and rec[:2] == (ref.gen, ref.step):
+                return rec[2]
+        return None
+
+    def copy_data(self, ref: SharedRef, out: np.ndarray | None = None) -> np.ndarray | None:
+        """A private copy of the data of the shared write ``ref`` names (None: not held, or
+        overwritten while copying), pinned while it is copied and checked after (seqlock-style)."""
+        inf = self.find(ref)
+        if inf is None:
+            return None
+        slot = self._slots[inf.slot]
+        slot.set_pinned(True, READ_PIN)
+        try:
+            src = np.frombuffer(slot.data_memoryview(), dtype=np.uint8, count=inf.data_len)
+            if out is not None and out.size >= inf.data_len:
+                data = out[: inf.data_len]
+                np.copyto(data, src)
+            else:
+                data = src.copy()
+            return data if self.still(ref, inf) else None
+        finally:
+            slot.set_pinned(False, READ_PIN)
+
+    def install(self, *, gen: int, step: int, key: str, data: Any) -> bool:
+        """Hold ``data`` as the shared write of (``gen``, ``step``) -- a replica of another node's,
+        received whole: a holder's. Nothing when it is held already. False when no slot is free."""
+        with self._locked():
+            if self.find(SharedRef(gen, step, 0)) is not None:
+                return True
+            index = self._choose(self._claims())
+            if index is None:
+                return False
+            record = json.dumps({"gen": gen, "step": step, "key": key}).encode()
+            slot = self._slots[index]
+            slot.ensure_capacity(len(data), len(record))  # (a holder's replicas degrade like its others)
+            slot.write_header(SlotState.WRITING, step, 0, 0, 0.0)
+            n = len(data)
+            dst = np.frombuffer(slot.data_memoryview(), dtype=np.uint8, count=n)
+            np.copyto(dst, np.frombuffer(data, dtype=np.uint8, count=n))
+            slot.forget_views()
+            slot.meta_view()[: len(record)] = record
+            slot.write_header(SlotState.COMPLETE, step, len(data), len(record), time.time())
+            return True
 
     def close(self) -> None:
         for s in self._slots:

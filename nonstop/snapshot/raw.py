@@ -17,6 +17,7 @@ import torch
 from nonstop.errors import SnapshotCorruptError
 from nonstop.snapshot.api import TensorEntry
 from nonstop.snapshot.flatten import unflatten_state
+from nonstop.snapshot.nodecopy import SharedRef
 from nonstop.snapshot.slot import dtype_from_name
 from nonstop.snapshot.validate import decoding, parse_meta
 
@@ -29,13 +30,39 @@ class RawSnapshot:
     Its meta is parsed on first use and checked against the data (:func:`.validate.parse_meta`):
     :attr:`doc` and :meth:`entries` raise SnapshotCorruptError when it is corrupt."""
 
-    def __init__(self, *, rank: int, step: int, meta: bytes, data: np.ndarray, written_at: float) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        step: int,
+        meta: bytes,
+        data: np.ndarray,
+        written_at: float,
+        shared: SharedRef | None = None,
+        shared_len: int = 0,
+    ) -> None:
+        """``shared``: the rank's own part of a split snapshot (``copy_out(split=True)``): ``data``
+        is its own bytes, ``meta`` the split meta, and the rest is the node's shared write
+        ``shared`` names, ``shared_len`` bytes (:mod:`nonstop.snapshot.split`)."""
         self.rank, self.step, self.meta, self.data, self.written_at = rank, step, meta, data, written_at
+        self.shared, self.shared_len = shared, shared_len
 
     @functools.cached_property
     def _parsed(self) -> tuple[Any, list[TensorEntry]]:
         what = f"rank {self.rank}'s snapshot of step {self.step} (its meta)"
-        return parse_meta(self.meta, len(self.data), what, "it is not used")
+        span = len(self.data) if self.shared is None else self.shared.base + self.shared_len
+        return parse_meta(self.meta, span, what, "it is not used")
+
+    def shared_entries(self) -> list[TensorEntry]:
+        """A split snapshot's entries in the shared write's data (offsets there); [] when whole."""
+        if self.shared is None:
+            return []
+        base = self.shared.base
+        return [
+            TensorEntry(dtype=e.dtype, shape=e.shape, offset=e.offset - base, nbytes=e.nbytes)
+            for e in self._parsed[1]
+            if e.offset >= base
+        ]
 
     @property
     def doc(self) -> dict[str, Any]:
@@ -44,7 +71,10 @@ class RawSnapshot:
         return {"tree": tree, "tensors": [e.to_json() for e in entries]}
 
     def entries(self) -> list[TensorEntry]:
-        return self._parsed[1]
+        """The entries of ``data`` (a split snapshot's own ones, in the order of its state)."""
+        if self.shared is None:
+            return self._parsed[1]
+        return sorted((e for e in self._parsed[1] if e.offset < self.shared.base), key=lambda e: e.offset)
 
 
 def decode_raw(meta: bytes, data: bytes | bytearray) -> Any:

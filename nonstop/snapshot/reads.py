@@ -1,0 +1,255 @@
+"""Reading a rank's snapshot slots: which steps they hold, a step's state, a stable copy of it.
+
+:class:`SlotReads` is the reading half of :class:`~nonstop.snapshot.store.RankSnapshotStore`
+(the store adds the writing half); every reader of a rank's slots -- the worker restoring, the
+agent's persister, replicator and data plane -- goes through it. A slot holds either a whole
+snapshot or, with a node copy (:mod:`nonstop.snapshot.nodecopy`), the rank's own part and a
+reference to the node's shared write; such a snapshot counts only while both are complete, and
+reads compose the two (:mod:`nonstop.snapshot.split`).
+
+Reads are seqlock-style: a reader in another process pins what it copies and checks afterwards
+that the headers still name the same writes; a write that raced it is never returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nonstop.errors import SnapshotCorruptError, SnapshotMissingError
+from nonstop.snapshot.api import SlotState, SnapshotInfo
+from nonstop.snapshot.nodecopy import MAX_NODE_SLOTS, NodeCopy, SharedRef
+from nonstop.snapshot.raw import RawSnapshot, decode_state
+from nonstop.snapshot.slot import KEEP_PIN, READ_PIN, Slot, slot_path
+from nonstop.snapshot.split import compose, decode_split, ref_of
+
+__all__ = ["SlotReads"]
+
+
+class SlotReads:
+    """The reading half of a rank's snapshot store (see the module docstring).
+
+    Threading contract: as the store's; pins taken from several threads of one process are
+    safe (:meth:`~nonstop.snapshot.slot.Slot.set_pinned`)."""
+
+    def __init__(self, *, shm_dir: Path, job_id: str, rank: int, num_slots: int) -> None:
+        self.rank = rank
+        self.num_slots = num_slots
+        self._slots = [Slot(slot_path(shm_dir, job_id, rank, i)) for i in range(num_slots)]
+        # Split snapshots: a writer is given the node copy (share_with); a reader opens the
+        # node's when it first meets a slot that refers to it.
+        self._shm_dir, self._job_id = shm_dir, job_id
+        self._node: NodeCopy | None = None
+        self._refs: dict[int, tuple[float, SharedRef | None]] = {}
+
+    @property
+    def shm_dir(self) -> Path:
+        return self._shm_dir
+
+    @property
+    def store_id(self) -> str:
+        """The id the slot files are named under (``<job>.<node>``, ``.rep`` for a holder's)."""
+        return self._job_id
+
+    # -- reading ---------------------------------------------------------------
+    def info(self, slot_index: int) -> SnapshotInfo | None:
+        return self._slots[slot_index].read_info(self.rank, slot_index)
+
+    def _holding(self, step: int) -> list[SnapshotInfo]:
+        """The complete snapshots of ``step``, the newest write first (a step redone after a
+        rollback may be in two slots: the one written last is the current timeline's)."""
+        infos = [self.info(i) for i in range(self.num_slots)]
+        found = [inf for inf in infos if inf is not None and inf.step == step and self._complete(inf)]
+        return sorted(found, key=lambda inf: -inf.written_at)
+
+    # -- split snapshots (nonstop.snapshot.split) ----------------------------------------------
+    def node_copy(self) -> NodeCopy:
+        if self._node is None:  # a reader: it opens the node's shared slots when it meets a split slot
+            self._node = NodeCopy(shm_dir=self._shm_dir, job_id=self._job_id, num_slots=MAX_NODE_SLOTS)
+        return self._node
+
+    def _ref(self, inf: SnapshotInfo) -> SharedRef | None:
+        """The shared write slot ``inf`` refers to (None: it holds its whole snapshot)."""
+        cached = self._refs.get(inf.slot)
+        if cached is not None and cached[0] == inf.written_at:
+            return cached[1]
+        ref = ref_of(self._slots[inf.slot].meta_view()[: min(inf.meta_len, 64)])
+        self._refs[inf.slot] = (inf.written_at, ref)
+        return ref
+
+    def _complete(self, inf: SnapshotInfo) -> bool:
+        """Whether slot ``inf`` holds a complete snapshot: COMPLETE, and so is the shared write
+        it refers to, if any."""
+        if inf.state is not SlotState.COMPLETE:
+            return False
+        ref = self._ref(inf)
+        return ref is None or self.node_copy().find(ref) is not None
+
+    def _find(self, step: int) -> SnapshotInfo | None:
+        found = self._holding(step)
+        return found[0] if found else None
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a COMPLETE snapshot in this rank's slots, ascending."""
+        out = []
+        for i in range(self.num_slots):
+            inf = self.info(i)
+            if inf is not None and self._complete(inf):
+                out.append(inf.step)
+        return sorted(out)
+
+    def writing_step(self, live_pids: Collection[int]) -> int | None:
+        """The step a live process is writing right now (a slot in WRITING state), if any.
+
+        A writer that died mid-write leaves a WRITING slot too; it counts only if its
+        ``writer_pid`` is in ``live_pids`` (a replacement playing the rank is not that
+        writer and will never finish it).
+        """
+        for i in range(self.num_slots):
+            inf = self.info(i)
+            if inf is not None and inf.state is SlotState.WRITING and inf.writer_pid in live_pids:
+                return inf.step
+            if inf is not None and inf.state is SlotState.COMPLETE and not self._complete(inf):
+                ref = self._ref(inf)  # its own part is written; the shared part may be on its way
+                if ref is not None and self.node_copy().writing(ref, live_pids):
+                    return inf.step
+        return None
+
+    def _missing(self, step: int) -> SnapshotMissingError:
+        return SnapshotMissingError(
+            f"rank {self.rank}: no complete snapshot of step {step} (have steps {self.complete_steps()})"
+        )
+
+    def read(self, step: int, *, copy: bool = True) -> Any:
+        """The state of ``step`` (see the class docstring), from the slot that holds its newest
+        complete write. SnapshotMissingError when no slot holds a complete snapshot of it;
+        SnapshotCorruptError when the slots that do hold one whose meta does not decode (each
+        such slot is tried, newest first)."""
+        problem: SnapshotCorruptError | None = None
+        for inf in self._holding(step):
+            slot = self._slots[inf.slot]
+            what = f"rank {self.rank}'s snapshot of step {step} in slot {inf.slot}"
+            meta = bytes(slot.meta_view()[: inf.meta_len])
+            ref = self._ref(inf)
+            try:
+                if ref is None:
+                    return decode_state(meta, slot.data_view(), inf.data_len, what, copy)
+                node = self.node_copy()
+                shared = node.find(ref)
+                if shared is None:
+                    continue  # overwritten since _holding looked
+                common = node.slot(shared.slot).data_view()
+                state = decode_split(meta, slot.data_view(), inf.data_len, common, shared.data_len, what)
+                if node.still(ref, shared):  # (copies: a write that raced them is not returned)
+                    return state
+            except SnapshotCorruptError as e:
+                # A fresh error: the one caught holds (through its traceback) views of the slot,
+                # which would keep the mapping from being closed.
+                problem = SnapshotCorruptError(str(e))
+        if problem is not None:
+            raise problem
+        raise self._missing(step)
+
+    def keep_only(self, steps: Collection[int]) -> list[int]:
+        """Hold the complete snapshots of ``steps`` (KEEP_PIN: the writer leaves them alone) and
+        release every other slot's hold. Returns the steps found and held."""
+        held, split = [], False
+        for i in range(self.num_slots):
+            inf = self.info(i)
+            if inf is None:
+                continue
+            keep = self._complete(inf) and inf.step in steps and inf.step not in held
+            self._slots[i].set_pinned(keep, KEEP_PIN)
+            if keep:
+                held.append(inf.step)
+                split = split or self._ref(inf) is not None
+        if split or self._node is not None:
+            self.node_copy().keep_only(steps)  # the node's shared writes of the same steps
+        return held
+
+    def clear(self) -> None:
+        """Forget every snapshot of this rank (headers to EMPTY, holds released). For a worker that
+        starts playing this rank after a world-size change: what the slots hold was written by
+        another process for another numbering and must never be restored as this rank's."""
+        for i in range(self.num_slots):
+            slot = self._slots[i]
+            if not slot.open_existing():
+                continue
+            slot.set_pinned(False, KEEP_PIN)
+            slot.write_header(SlotState.EMPTY, -1, 0, 0, 0.0)
+
+    def copy_out(
+        self, step: int, *, out: np.ndarray | None = None, keep: bool = False, split: bool = False
+    ) -> RawSnapshot:
+        """A private copy of the snapshot of ``step`` that no later write can tear.
+
+        For readers in another process than the writer (the agent's persister).
+        The slot is pinned while it is copied, so the writer leaves it alone, and
+        the header is checked again afterwards: a write that started before the
+        pin was seen raises :class:`SnapshotMissingError` (retry with a newer step).
+        ``out`` (a uint8 array) is reused for the data when it is large enough:
+        fresh memory costs a page fault per 4 KiB, slower than the copy itself.
+        ``keep``: also set KEEP_PIN on the slot (before the read pin is released, so no
+        write can slip in between): it stays until :meth:`keep_only` releases it.
+        A snapshot split with the node's shared write comes whole (composed, byte for byte what a
+        whole write holds), or with ``split`` as its own part alone (``RawSnapshot.shared`` names
+        the shared write: a replicator sends that once per node).
+        """
+        inf = self._find(step)
+        if inf is None:
+            raise self._missing(step)
+        slot = self._slots[inf.slot]
+        ref = self._ref(inf)
+        node = self.node_copy() if ref is not None else None
+        shared = node.find(ref) if node is not None and ref is not None else None
+        if node is not None and shared is None:
+            raise self._missing(step)
+        pinned = [slot] if shared is None or node is None else [slot, node.slot(shared.slot)]
+
+        def same_write() -> bool:
+            now = self.info(inf.slot)
+            if now is None or (now.state, now.step, now.written_at) != (inf.state, step, inf.written_at):
+                return False
+            return node is None or ref is None or shared is None or node.still(ref, shared)
+
+        for s in pinned:
+            s.set_pinned(True, READ_PIN)
+        try:
+            if not same_write():
+                raise self._missing(step)
+            src = np.frombuffer(slot.data_memoryview(), dtype=np.uint8, count=inf.data_len)
+            meta = bytes(slot.meta_view()[: inf.meta_len])
+            if shared is not None and split:
+                data = out[: inf.data_len] if out is not None and out.size >= inf.data_len else src.copy()
+                if data is not src:
+                    np.copyto(data, src)
+            elif shared is not None:
+                what = f"rank {self.rank}'s snapshot of step {step}"
+                common = np.frombuffer(pinned[1].data_memoryview(), dtype=np.uint8, count=shared.data_len)
+                meta, data = compose(meta, src, common, what, out)
+            elif out is not None and out.size >= inf.data_len:
+                data = out[: inf.data_len]
+                np.copyto(data, src)  # numpy copies without holding the GIL
+            else:
+                data = src.copy()
+            if not same_write():
+                raise self._missing(step)
+            if keep:
+                for s in pinned:
+                    s.set_pinned(True, KEEP_PIN)
+        finally:
+            for s in pinned:
+                s.set_pinned(False, READ_PIN)
+        own = split and shared is not None
+        return RawSnapshot(
+            rank=self.rank,
+            step=step,
+            meta=meta,
+            data=data,
+            written_at=inf.written_at,
+            shared=ref if own else None,
+            shared_len=shared.data_len if own and shared is not None else 0,
+        )

@@ -1,0 +1,99 @@
+"""Replicating a node whose ranks keep one copy of their alike state: the shared write travels
+once per holder and step, each rank's own part alone; what the holder gives back is each rank's
+whole snapshot, byte for byte. Real sockets, real shared memory, no workers."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nonstop.control.channel import new_secret
+from nonstop.replica.dataplane import DataPlane, shm_stores
+from nonstop.replica.peer import Replicator, fetch_snapshot
+from nonstop.snapshot import RankSnapshotStore
+from nonstop.snapshot.nodecopy import NodeCopy, node_slots
+
+RANKS = 4
+
+
+def _model(drift: float) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(256, 256, generator=g) + drift, "b": torch.randn(256, generator=g) + drift}
+
+
+def _state(rank: int, model: dict[str, torch.Tensor], step: int) -> dict[str, object]:
+    return {"model": model, "rng": torch.arange(16, dtype=torch.uint8) + rank, "extras": {"step": step}}
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[tuple[Path, str, bytes, DataPlane, Replicator, list[RankSnapshotStore]]]:
+    secret = new_secret()
+    job = uuid.uuid4().hex[:8]
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    holder = DataPlane(
+        host="127.0.0.1",
+        port=0,
+        secret=secret,
+        local=shm_stores(shm, f"{job}.b", 2),
+        replica=shm_stores(shm, f"{job}.b.rep", 2),
+    )
+    rep = Replicator(node="a", secret=secret, local=shm_stores(shm, f"{job}.a", 2))
+    writers = []
+    for r in range(RANKS):  # node a's ranks, as their workers write them
+        s = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.a", rank=r)
+        s.share_with(NodeCopy(shm_dir=shm, job_id=f"{job}.a", num_slots=node_slots(2)), 1)
+        writers.append(s)
+    try:
+        yield shm, job, secret, holder, rep, writers
+    finally:
+        for s in writers:
+            s.close()
+        rep.close()
+        holder.close()
+
+
+def _snapshot(writers: list[RankSnapshotStore], step: int, drift: float) -> None:
+    for r, s in enumerate(writers):
+        model = _model(drift)  # alike on every rank, each its own tensors
+        ptrs = {t.data_ptr() for t in model.values()}
+        s.write(step, _state(r, model, step), share=lambda t, p=ptrs: t.data_ptr() in p)
+
+
+def test_a_node_sends_its_alike_state_once_and_the_holder_gives_back_whole_snapshots(node) -> None:
+    shm, job, secret, holder, rep, writers = node
+    model_bytes = 256 * 257 * 4
+    _snapshot(writers, 10, 0.0)
+    first = [rep.replicate(r, 10, [holder.addr]) for r in range(RANKS)]
+    raw = sum(st.raw_bytes for st in first)
+    assert model_bytes <= raw < 1.2 * model_bytes  # the shared write once, own parts tiny
+    _snapshot(writers, 11, 1e-3)
+    second = [rep.replicate(r, 11, [holder.addr]) for r in range(RANKS)]
+    assert sum(st.raw_bytes for st in second) < 1.2 * model_bytes
+    assert not any(st.full for st in second)  # own parts as deltas
+    local = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.a", rank=0)
+    for r in range(RANKS):
+        held = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b.rep", rank=r)
+        assert held.complete_steps() == [10, 11]
+        want = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.a", rank=r).copy_out(11)
+        meta, data = fetch_snapshot(holder.addr, secret, node="c", rank=r, step=11, kind="replica")
+        assert meta == want.meta and np.array_equal(np.frombuffer(data, dtype=np.uint8), want.data)
+        got = held.read(11)
+        assert torch.equal(got["rng"], torch.arange(16, dtype=torch.uint8) + r)
+        assert torch.equal(got["model"]["w"], _model(1e-3)["w"])
+        held.close()
+    # the holder keeps one shared write per step, not one per rank
+    assert len(list(shm.glob(f"nonstop-{job}.b.rep-n0-s*"))) == 2
+    # and a holder that lost it is sent it again (need_shared), whole
+    for p in shm.glob(f"nonstop-{job}.b.rep-n0-s*"):
+        p.unlink()
+    _snapshot(writers, 12, 2e-3)
+    again = rep.replicate(0, 12, [holder.addr])
+    assert again.raw_bytes >= model_bytes
+    assert RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b.rep", rank=0).complete_steps() == [12]
+    local.close()
