@@ -228,3 +228,29 @@ def test_shared_slots_are_named_apart_from_rank_slots(tmp_path: Path) -> None:
     assert shared_slot_path(tmp_path, JOB, 0).exists()
     assert ranks_with_segments(tmp_path, JOB) == [3]
     a.close()
+
+
+def test_a_slot_that_held_a_whole_snapshot_gives_its_pages_back_and_takes_them_again(tmp_path: Path) -> None:
+    """An install (a fetched or durable snapshot, whole) leaves a slot as large as the whole state;
+    the next split write there gives back the pages past its own part, and a later whole write
+    allocates them again before copying (never a SIGBUS on a full memory filesystem)."""
+    big = {"w": torch.randn(1024, 1024)}  # 4 MiB
+    whole = RankSnapshotStore(shm_dir=tmp_path, job_id="whole", rank=0)
+    whole.write(1, _state(0, big, 1))
+    raw = whole.copy_out(1)
+    a = _store(tmp_path, 0)
+    for s in (1, 2):  # both slots take the whole snapshot (as installs would)
+        a.write_raw(s, raw.meta, raw.data)
+
+    def held() -> int:
+        return sum(os.stat(p).st_blocks * 512 for p in tmp_path.glob(f"nonstop-{JOB}-r0-s*"))
+
+    before = held()
+    assert before > 8 << 20
+    a.write(3, _state(0, big, 3), share=_share(big))
+    a.write(4, _state(0, big, 4), share=_share(big))
+    assert held() < 1 << 20  # both rank slots now hold only their own part
+    assert _same(a.read(4), _state(0, big, 4))
+    a.write_raw(5, raw.meta, raw.data)  # whole again: its pages allocated again first
+    assert _same(a.read(5), _state(0, big, 1)) and held() > 4 << 20
+    a.close(), whole.close()

@@ -30,6 +30,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "PIN_OFFSET",
+    "TRIM_OFFSET",
     "SlotState",
     "SnapshotInfo",
     "TensorEntry",
@@ -39,10 +40,15 @@ MAGIC = b"NSTPSLOT"
 FORMAT_VERSION = 2
 HEADER_FMT = "<8sIIqQQQQdIi"
 PIN_OFFSET = 64  # byte offset of the ``pinned`` word in the header
+# byte offset of the ``trim`` word (u64, after the struct; 0 in a header that never trimmed): a
+# slot whose data area was given back past some length (Slot.trim) names that length here, and
+# the next write longer than it allocates the pages again first (Slot.ensure_capacity)
+TRIM_OFFSET = 128
 HEADER_SIZE = 4096
 ALIGN = 64
 assert struct.calcsize(HEADER_FMT) <= HEADER_SIZE
 assert struct.calcsize(HEADER_FMT[:-2]) == PIN_OFFSET
+assert struct.calcsize(HEADER_FMT) <= TRIM_OFFSET
 
 
 class SlotState(enum.IntEnum):

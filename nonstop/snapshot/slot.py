@@ -59,6 +59,7 @@ from nonstop.snapshot.api import (
     HEADER_SIZE,
     MAGIC,
     PIN_OFFSET,
+    TRIM_OFFSET,
     SlotState,
     SnapshotInfo,
     TensorEntry,
@@ -125,6 +126,9 @@ def reserve(fd: int, size: int) -> None:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
 
+
+TRIM_MIN = 1 << 20  # a slot gives back the pages past what it holds when that is at least this much
+PAGE = mmap.PAGESIZE
 
 READ_PIN = 1  # a reader is copying the slot (transient)
 KEEP_PIN = 2  # the node agent keeps this snapshot (the replicated step, or one being replicated)
@@ -235,6 +239,7 @@ class Slot:
             self.open_existing()
         valid = self.header() is not None
         if valid and data_len <= self.data_cap and meta_len <= self.meta_cap:
+            self._back(data_len)
             if pin:
                 self.pin_for_cuda()
             return
@@ -246,6 +251,8 @@ class Slot:
         self._grow_file(HEADER_SIZE + data_cap + meta_cap)
         self._map(HEADER_SIZE + data_cap + meta_cap, create=True)
         self.data_cap, self.meta_cap = data_cap, meta_cap
+        assert self._mm is not None
+        struct.pack_into("<Q", self._mm, TRIM_OFFSET, 0)  # every page reserved (_grow_file)
         # A slot without a valid header (new, or corrupt) has no reader's pins either.
         self.write_header(SlotState.EMPTY, -1, 0, 0, 0.0, keep_pins=valid)
         if pin:
@@ -259,6 +266,7 @@ class Slot:
         try:
             old = os.fstat(fd).st_size
             if old >= size:
+                reserve(fd, size)  # (pages a trim gave back: allocated again)
                 return
             os.ftruncate(fd, size)
             try:
@@ -268,6 +276,43 @@ class Slot:
                 raise
         finally:
             os.close(fd)
+
+    # -- giving back pages (a slot that held more than it holds now) --------------------------
+    def _trimmed(self) -> int:
+        """The data bytes still backed by pages after a trim (0: never trimmed: all of them)."""
+        assert self._mm is not None
+        return int(struct.unpack_from("<Q", self._mm, TRIM_OFFSET)[0])
+
+    def trim(self, keep: int) -> int:
+        """Give back the pages of the data area past ``keep`` bytes (``MADV_REMOVE``: on tmpfs the
+        memory is freed, the file keeps its size and reads there give zeros) when that frees at
+        least :data:`TRIM_MIN` -- a slot that held a whole snapshot and now holds a rank's own
+        part (:mod:`nonstop.snapshot.nodecopy`). The writer calls it on the slot it writes; the
+        trim word tells a later, longer write to allocate the pages again (:meth:`_back`).
+        Returns the bytes given back."""
+        if self._mm is None or self._pinned.active:
+            return 0  # (page-locked memory is not given back: it is a device job's, kept whole)
+        start = max(PAGE, -(-keep // PAGE) * PAGE)
+        end = (HEADER_SIZE + (self._trimmed() or self.data_cap)) // PAGE * PAGE - HEADER_SIZE
+        if end - start < TRIM_MIN:
+            return 0
+        self._mm.madvise(mmap.MADV_REMOVE, HEADER_SIZE + start, end - start)
+        struct.pack_into("<Q", self._mm, TRIM_OFFSET, start)
+        return end - start
+
+    def _back(self, data_len: int) -> None:
+        """Before a write of ``data_len`` bytes: allocate again the pages a trim gave back, if it
+        reaches past them (ShmFullError when the filesystem cannot: never a SIGBUS mid-copy)."""
+        trimmed = self._trimmed()
+        if not trimmed or data_len <= trimmed:
+            return
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            reserve(fd, HEADER_SIZE + self.data_cap)
+        finally:
+            os.close(fd)
+        assert self._mm is not None
+        struct.pack_into("<Q", self._mm, TRIM_OFFSET, 0)
 
     def views(self, plan_id: int, entries: list[TensorEntry]) -> list[torch.Tensor | None]:
         """Destination tensors for ``entries`` in this slot (None for empty ones), made once

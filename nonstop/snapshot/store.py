@@ -310,6 +310,7 @@ class RankSnapshotStore(SlotReads):
         enc = self._encode(state, share, step)
         slot = self._sized_slot(enc.data_len, len(enc.meta), pin=enc.on_device)
         slot.write_header(SlotState.WRITING, step, 0, 0, 0.0)
+        slot.trim(enc.data_len)  # it held a whole snapshot (an install) and now a rank's own part
         claim = next((c for c, *_ in enc.parts if c is not None), None)
         shared_len = data_len(enc.parts[-1][2]) if claim is not None else 0
         pending = PendingWrite(step, enc.data_len + shared_len)
