@@ -10,6 +10,11 @@ warm-up steps), so that a cheaper memory tier that cost step time would show. Bo
 alternately, round by round; one warm-up round is not counted. The final weights of both are
 compared (the demo's weights hash): they must be equal.
 
+Replication (``--replicate-nproc``): the same job on 2 local nodes (``--replicas 1``: each node's
+ranks replicated to the other), ``--step-delay`` pacing its steps as in the tests; the figures
+are each replication round's bytes before encoding (``raw_bytes``) and on the wire
+(``wire_bytes``, delta-encoded and compressed), median over the job's rounds, per node.
+
 Run it::
 
     .venv/bin/python benchmarks/bench_node_copy.py            # -> results/node_copy.json
@@ -38,6 +43,7 @@ from benchmarks.benchcommon import machine_info, run_stamp, summarize  # noqa: E
 from nonstop.demo.runner import demo_job_config  # noqa: E402
 from nonstop.runtime.coordinator import JobState  # noqa: E402
 from nonstop.runtime.launcher import run_job  # noqa: E402
+from nonstop.runtime.localnodes import run_local_nodes  # noqa: E402
 
 COPIES = ("rank", "node")
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "node_copy.json"
@@ -105,6 +111,41 @@ def one_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> di
     }
 
 
+def replication_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    job_dir = work / f"rep-{copies}-{nproc}-{time.monotonic_ns()}"
+    result_file = job_dir / "result.json"
+    cfg = demo_job_config(
+        result=result_file,
+        steps=args.steps * 2,
+        model=args.model,
+        batch=args.batch,
+        script_extra=("--step-delay", "0.1"),
+        nproc_per_node=nproc,
+        nnodes=2,
+        coordinator="127.0.0.1:0",
+        replicas=1,
+        lease_ttl_s=3.0,
+        job_dir=job_dir,
+        snapshot_copies=copies,
+        persist_every=0,
+        persist_url=str(job_dir / "ckpt"),
+    )
+    res = run_local_nodes(cfg, redirect_output=True)
+    if res.state is not JobState.DONE or not result_file.exists():
+        raise RuntimeError(f"{copies} replication job with {nproc} ranks per node failed: {res.error}")
+    rounds = [json.loads(line) for line in (job_dir / "events.jsonl").read_text().splitlines()]
+    done = [e for e in rounds if e.get("event") == "replicated" and e.get("raw_bytes")]
+    out = json.loads(result_file.read_text())
+    shutil.rmtree(job_dir, ignore_errors=True)
+    return {
+        "rounds": len(done),
+        # a round replicates every node's ranks: per node is the round's total over 2 nodes
+        "raw_bytes_per_node": statistics.median(e["raw_bytes"] / 2 for e in done),
+        "wire_bytes_per_node": statistics.median(e["wire_bytes"] / 2 for e in done),
+        "weights": out["final_hash"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4])
@@ -113,11 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--skip", type=int, default=4, help="first step intervals not counted (warm-up)")
     ap.add_argument("--runs", type=int, default=3, help="counted rounds after one warm-up round")
+    ap.add_argument("--replicate-nproc", type=int, nargs="*", default=[2, 4], help="ranks per node, 2 nodes")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 round, 1 and 2 ranks: a smoke run")
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.steps, args.runs, args.skip, args.nproc = "tiny", 8, 1, 2, [1, 2]
+        args.replicate_nproc = [2]
     (REPO_ROOT / ".nonstop").mkdir(exist_ok=True)
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="nonstop-bench-nodecopy-", dir=REPO_ROOT / ".nonstop") as tmp:
@@ -137,6 +180,20 @@ def main(argv: list[str] | None = None) -> int:
                 r[f"equal-{nproc}"] = same
                 if not same:
                     raise RuntimeError(f"{nproc} ranks: final weights differ between rank and node copies")
+            for nproc in args.replicate_nproc:
+                for copies in COPIES:
+                    got = replication_job(copies, nproc, args, Path(tmp))
+                    r[f"rep-{copies}-{nproc}"] = got
+                    print(
+                        f"[bench] round {i} replication {copies} x{nproc} per node: "
+                        f"raw {got['raw_bytes_per_node'] / 2**20:.2f} MiB, "
+                        f"wire {got['wire_bytes_per_node'] / 2**20:.2f} MiB per node and round",
+                        flush=True,
+                    )
+                if r[f"rep-rank-{nproc}"]["weights"] != r[f"rep-node-{nproc}"]["weights"]:
+                    raise RuntimeError(
+                        f"replication x{nproc}: final weights differ between rank and node copies"
+                    )
             if i > 0:
                 rounds.append(r)
     summary: dict[str, Any] = {}
@@ -157,6 +214,25 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
         summary[str(nproc)] = row
+    replication: dict[str, Any] = {}
+    for nproc in args.replicate_nproc:
+        row = {}
+        for copies in COPIES:
+            row[copies] = {
+                what: summarize(
+                    [r[f"rep-{copies}-{nproc}"][f"{what}_bytes_per_node"] / 2**20 for r in rounds]
+                )
+                for what in ("raw", "wire")
+            }
+        for what in ("raw", "wire"):
+            row[f"node_over_rank_{what}"] = summarize(
+                [
+                    r[f"rep-node-{nproc}"][f"{what}_bytes_per_node"]
+                    / r[f"rep-rank-{nproc}"][f"{what}_bytes_per_node"]
+                    for r in rounds
+                ]
+            )
+        replication[str(nproc)] = row
     one = summary.get("1", {}).get("rank", {}).get("shm_peak_mib")
     report = {
         "benchmark": "node_copy",
@@ -167,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         **run_stamp(),
         "rounds": rounds,
         "summary": summary,
+        "replication_mib_per_node_and_round": replication,
         "one_rank_mib": one,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -177,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{nproc:>5} {row['rank']['shm_peak_mib']['median']:>10.1f}"
             f" {row['node']['shm_peak_mib']['median']:>10.1f}"
             f" {row['node_over_rank_memory']['median']:>10.3f} {row['node_over_rank_step']['median']:>15.3f}"
+        )
+    for nproc, row in replication.items():
+        print(
+            f"replication, {nproc} ranks per node: raw {row['rank']['raw']['median']:.2f} -> "
+            f"{row['node']['raw']['median']:.2f} MiB, wire {row['rank']['wire']['median']:.2f} -> "
+            f"{row['node']['wire']['median']:.2f} MiB per node and round"
         )
     print(f"wrote {args.out}")
     return 0

@@ -122,7 +122,9 @@ def _kill_rank_1_at_step_8(shm: Path, job_dir: Path, job: threading.Thread, seen
         time.sleep(0.01)
 
 
-def _run_filling(job_dir: Path, shm: Path, *, kill: bool) -> tuple[DemoRun, dict[str, Any]]:
+def _run_filling(
+    job_dir: Path, shm: Path, *, kill: bool, copies: str = "rank"
+) -> tuple[DemoRun, dict[str, Any]]:
     # rank 0 is held 3 s at the start of step 1: the window to fill in (module docstring); with
     # ``kill``, rank 1 is held 3 s at the start of step 8: the window to kill it in
     faults = ("slow:rank=0,step=1,seconds=3",) + (("slow:rank=1,step=8,seconds=3",) if kill else ())
@@ -135,6 +137,9 @@ def _run_filling(job_dir: Path, shm: Path, *, kill: bool) -> tuple[DemoRun, dict
                 shm_dir=shm,
                 faults=faults,
                 detector=DetectorConfig(hang_min_s=10.0),  # a 3 s hold is not a hang
+                # the slot sizes above are a whole snapshot's, in each rank's own slots ("rank");
+                # with one copy per node ("node") they are the node's shared writes'
+                snapshot_copies=copies,
             )
         ),
         daemon=True,
@@ -199,3 +204,22 @@ def test_a_kill_after_the_memory_degraded_still_recovers_bitwise(
     after = run.events[run.events.index(gen2) :]
     assert [e["rank"] for e in events_named(after, "memory_degraded")] == [1]
     assert not (run.job_dir / "shm-short-0.txt").exists()
+
+
+def test_with_one_copy_per_node_a_full_memory_tier_degrades_the_shared_slots_and_finishes_bitwise(
+    tmp_path: Path, small_shm: Path, reference_hash: str
+) -> None:
+    """The same fill with one copy per node: the ranks' own slots (RNG, buffers, data position)
+    never grow, the node's shared writes do. Step 2's claimer cannot grow the oldest shared slot
+    nor size the spare one: it drops both (``memory_degraded``, store "shared") and overwrites
+    the one left from then on, as a rank store does with one slot; the job finishes bitwise."""
+    run, seen = _run_filling(tmp_path / "job", small_shm, kill=False, copies="node")
+    assert "slots" in seen, "the job never completed step 1's snapshots"
+    assert run.result.state is JobState.DONE, run.result.error
+    assert run.out is not None and run.out["final_hash"] == reference_hash
+    assert run.result.failures == []
+    degraded = events_named(run.events, "memory_degraded")
+    assert degraded and {e["store"] for e in degraded} == {"shared"}, degraded
+    assert min(e["slots_left"] for e in degraded) == 1
+    assert leftovers(run.job_id) == ([], [])
+    assert sorted(p.name for p in small_shm.iterdir()) == ["other-process-data"]

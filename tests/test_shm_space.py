@@ -89,6 +89,17 @@ def test_the_start_check_counts_every_slot_of_the_node(shm4: Path, tmp_path: Pat
     assert "--shm-dir DIR" in line and "--shm-size=1g" in line and "medium: Memory" in line
 
 
+def test_with_a_node_copy_the_check_counts_the_shared_slots_once_per_node(shm4: Path, tmp_path: Path) -> None:
+    plan = NodePlan(
+        node="1", job_dir=str(tmp_path), shm_dir=str(shm4), num_slots=2, local_ranks=8,
+        replica_ranks=8, replica_slots=3, store_ids=("t4",),
+    )  # fmt: skip
+    assert shortfall(plan, 400 << 10, node_slots=3) is None  # 3 + 4 slots: 2.8 MiB, not 16 x 400 KiB
+    assert shortfall(plan, 400 << 10) is not None  # one copy per rank: 40 slots
+    line = shortfall(plan, 1 << 20, node_slots=3)
+    assert line is not None and "needs 7.0 MiB" in line and "3 shared slots + 4 for replicas" in line
+
+
 @pytest.mark.slow
 def test_a_job_whose_slots_do_not_fit_fails_at_start_with_exit_2(shm4: Path, tmp_path: Path) -> None:
     """2 ranks of the tiny demo (1.4 MiB a snapshot) need 4 slots: more than a 4 MiB /dev/shm."""

@@ -121,7 +121,7 @@ class NodeCopy:
         self._lock = _lock_path(shm_dir, job_id)
         self._records: dict[int, tuple[tuple[int, int, int, float], tuple[int, int, str] | None]] = {}
         self._refused: str | None = None  # the last reason a claim was refused (logged once)
-        self._room = StoreRoom(shm_dir=shm_dir, store_id=job_id, rank=-1, num_slots=num_slots)
+        self._room = StoreRoom(shm_dir=shm_dir, store_id=job_id, rank=-1, num_slots=num_slots, shared=True)
 
     def slot(self, index: int) -> Slot:
         return self._slots[index]
@@ -183,16 +183,21 @@ class NodeCopy:
             if rec[2] != key:
                 return self._refuse(f"step {step}'s shared write has another layout than this rank's state")
             return Claim(inf.slot, self._slots[inf.slot], writer=False)
-        index = self._choose(claims)
-        if index is None:
-            return self._refuse(f"no shared slot was free for step {step}")
         record = json.dumps({"gen": gen, "step": step, "key": key}).encode()
-        slot = self._slots[index]
         self._room.check_shared(data_len, len(record), self.num_slots)  # at start: ShmSpaceError
-        try:
-            slot.ensure_capacity(data_len, len(record), pin=pin)
-        except ShmFullError as e:
-            return self._refuse(f"no room for the shared write of step {step} ({e})")
+        while True:
+            index = self._choose(claims)
+            if index is None:
+                return self._refuse(f"no shared slot was free for step {step}")
+            slot = self._slots[index]
+            try:
+                slot.ensure_capacity(data_len, len(record), pin=pin)
+                break
+            except ShmFullError as e:
+                try:
+                    self._room.drop(index, e)  # never again (logged, memory_degraded)
+                except ShmFullError:
+                    return self._refuse(f"no room for the shared write of step {step} ({e})")
         slot.write_header(SlotState.WRITING, step, 0, 0, 0.0)  # no reader takes it from here on
         slot.meta_view()[: len(record)] = record
         slot.write_header(SlotState.WRITING, step, 0, len(record), 0.0)
@@ -202,8 +207,11 @@ class NodeCopy:
         by_index = {inf.slot: inf for inf, _ in claims}
         complete = [inf for inf in by_index.values() if inf.state is SlotState.COMPLETE]
         newest = max(complete, key=lambda inf: (inf.step, inf.written_at)).slot if complete else None
+        usable = [i for i in range(self.num_slots) if i not in self._room.dropped]
+        if len(usable) == 1:
+            newest = None  # the memory tier is full: every write overwrites the one slot left
         best: tuple[float, int] | None = None
-        for i in range(self.num_slots):
+        for i in usable:
             inf = by_index.get(i)
             if inf is not None:
                 if inf.pinned or i == newest:

@@ -88,9 +88,12 @@ class NodePlan:
         return self.slots * slot_bytes
 
     def shared_need(self, node_slots: int, slot_bytes: int) -> int:
-        """What the node needs when its ranks' alike state is kept once (``node_slots`` shared
-        slots, :mod:`nonstop.snapshot.nodecopy`) and its replicas whole, each ``slot_bytes``."""
-        return (node_slots + self.replica_slots * self.replica_ranks) * slot_bytes
+        """What the node needs for its shared writes of ``slot_bytes`` each, when its ranks'
+        alike state is kept once (``node_slots`` shared slots, :mod:`nonstop.snapshot.nodecopy`)
+        and so is the one of the ranks it holds replicas of (one slot more than a replica's:
+        ``nodecopy.node_slots``). The ranks' own parts are their stores' checks."""
+        held = self.replica_slots + 1 if self.replica_ranks else 0
+        return (node_slots + held) * slot_bytes
 
 
 def plan_path(shm_dir: Path, store_id: str) -> Path:
@@ -153,11 +156,14 @@ def shortfall(plan: NodePlan, slot_bytes: int, *, node_slots: int = 0) -> str | 
     room = free + held_bytes(shm, plan.store_ids)
     if need <= room:
         return None
-    parts = (
-        f"{node_slots} node slots" if node_slots else f"{plan.local_ranks} rank(s) x {plan.num_slots} slots"
-    )
-    if plan.replica_ranks:
-        parts += f" + {plan.replica_ranks} replica(s) x {plan.replica_slots} slots"
+    if node_slots:
+        parts = f"{node_slots} shared slots" + (
+            f" + {plan.replica_slots + 1} for replicas" if plan.replica_ranks else ""
+        )
+    else:
+        parts = f"{plan.local_ranks} rank(s) x {plan.num_slots} slots"
+        if plan.replica_ranks:
+            parts += f" + {plan.replica_ranks} replica(s) x {plan.replica_slots} slots"
     size_g = max(1, -(-int(need * 1.25 + (room - free)) // (1 << 30)))
     return (
         f"snapshot memory: node {plan.node} needs {human(need)} in {shm} ({parts} of {human(slot_bytes)}) "
@@ -222,8 +228,12 @@ class StoreRoom:
 
     Not thread-safe: its store calls it from the one thread that writes the store."""
 
-    def __init__(self, *, shm_dir: Path, store_id: str, rank: int, num_slots: int) -> None:
+    def __init__(
+        self, *, shm_dir: Path, store_id: str, rank: int, num_slots: int, shared: bool = False
+    ) -> None:
+        """``shared``: a node copy's shared slots (reported as store "shared", rank -1), not a rank's."""
         self.shm_dir, self.store_id, self.rank, self.num_slots = shm_dir, store_id, rank, num_slots
+        self.shared = shared
         self.dropped: set[int] = set()  # slots that could not be allocated: never written again
         self._writes = 0  # writes so far (the start check ends after num_slots)
         self._checked_size = 0
@@ -235,11 +245,11 @@ class StoreRoom:
         self._check(data_len, meta_len, node_slots)
 
     def plan(self) -> tuple[NodePlan | None, str]:
-        """The node's plan and what the store is to it: "local" (a node's own ranks) or
-        "replica" (the ranks of other nodes it holds)."""
+        """The node's plan and what the store is to it: "local" (a node's own ranks), "shared"
+        (their node copy) or "replica" (the ranks of other nodes it holds)."""
         if self.store_id.endswith(".rep"):
             return read_plan(self.shm_dir, self.store_id.removesuffix(".rep")), "replica"
-        return read_plan(self.shm_dir, self.store_id), "local"
+        return read_plan(self.shm_dir, self.store_id), "shared" if self.shared else "local"
 
     def check(self, data_len: int, meta_len: int) -> None:
         """At start, for a node's own ranks: can the node's memory tier hold every slot of its
@@ -270,7 +280,7 @@ class StoreRoom:
             return
         self._checked_size = size
         plan, kind = self.plan()
-        if plan is None or kind != "local":
+        if plan is None or kind == "replica":
             return
         problem = shortfall(plan, size, node_slots=node_slots)
         if problem is None:
