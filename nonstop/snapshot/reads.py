@@ -141,10 +141,17 @@ class SlotReads:
                 shared = node.find(ref)
                 if shared is None:
                     continue  # overwritten since _holding looked
-                common = node.slot(shared.slot).data_view()
-                state = decode_split(meta, slot.data_view(), inf.data_len, common, shared.data_len, what)
-                if node.still(ref, shared):  # (copies: a write that raced them is not returned)
-                    return state
+                held = node.slot(shared.slot)
+                held.set_pinned(True, READ_PIN)  # no writer picks it while it is copied
+                try:
+                    if not node.still(ref, shared):
+                        continue
+                    common = held.data_view()
+                    state = decode_split(meta, slot.data_view(), inf.data_len, common, shared.data_len, what)
+                    if node.still(ref, shared):  # (copies: a write that raced them is not returned)
+                        return state
+                finally:
+                    held.set_pinned(False, READ_PIN)
             except SnapshotCorruptError as e:
                 # A fresh error: the one caught holds (through its traceback) views of the slot,
                 # which would keep the mapping from being closed.
