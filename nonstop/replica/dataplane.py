@@ -19,6 +19,7 @@ import queue
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from nonstop.control.channel import BLOB, Channel, Message
 from nonstop.control.listener import ControlServer
@@ -149,16 +150,12 @@ class DataPlane:
             b_gen, b_step = (int(v) for v in head["base"])
             base_data = node.copy_data(SharedRef(b_gen, b_step, 0))
             if base_data is None:
-                chan.send({"t": "rep_ack", "ok": False, "need_full": True, "error": "base not held"})
+                _ask_whole(chan, "base not held")
                 return
-        it = iter(chunks)
-        try:
-            _, data = _recv_snapshot(head, lambda: next(it), base_data)
-        except SnapshotError as e:
-            if base_data is None:
-                raise
-            chan.send({"t": "rep_ack", "ok": False, "need_full": True, "error": f"delta rejected: {e}"})
+        got = _decode(chan, head, chunks, base_data)
+        if got is None:
             return
+        data = got[1]
         with self._lock:
             if not node.install(gen=gen, step=step, key=key, data=data):
                 raise FetchError(f"no slot free for step {step}'s shared write")
@@ -176,18 +173,12 @@ class DataPlane:
             try:
                 base_data = store.copy_out(int(head["base"]), split=ref is not None).data
             except SnapshotMissingError:
-                chan.send({"t": "rep_ack", "ok": False, "need_full": True, "error": "base not held"})
+                _ask_whole(chan, "base not held")
                 return
-        it = iter(chunks)
-        try:
-            meta, data = _recv_snapshot(head, lambda: next(it), base_data)
-        except SnapshotError as e:
-            if base_data is None:
-                raise
-            # A delta that does not decode against our copy of the base (a base we hold differs
-            # from the sender's): nothing is installed; ask for the whole snapshot instead.
-            chan.send({"t": "rep_ack", "ok": False, "need_full": True, "error": f"delta rejected: {e}"})
+        got = _decode(chan, head, chunks, base_data)
+        if got is None:
             return
+        meta, data = got
         with self._lock:
             store.write_raw(step, meta, data)
         chan.send({"t": "rep_ack", "ok": True, "rank": rank, "step": step})
@@ -240,6 +231,25 @@ class DataPlane:
         self._thread.join(timeout=2.0)
         if self._node is not None:
             self._node.close()
+
+
+def _ask_whole(chan: Channel, why: str) -> None:
+    """Answer a replica sent as a delta: install nothing, send it whole instead."""
+    chan.send({"t": "rep_ack", "ok": False, "need_full": True, "error": why})
+
+
+def _decode(chan: Channel, head: Message, chunks: list[Message], base: Any) -> tuple[bytes, Any] | None:
+    """(meta, data) that ``head`` and its ``chunks`` carry, decoded against ``base`` (None: sent
+    whole). A delta that does not decode against this node's copy of its base (one that differs
+    from the sender's) installs nothing: None, and the sender is asked for the whole."""
+    it = iter(chunks)
+    try:
+        return _recv_snapshot(head, lambda: next(it), base)
+    except SnapshotError as e:
+        if base is None:
+            raise
+        _ask_whole(chan, f"delta rejected: {e}")
+        return None
 
 
 def shm_stores(shm_dir: Path, store_id: str, num_slots: int) -> Callable[[int], RankSnapshotStore]:
