@@ -1,0 +1,23 @@
+"""Smoke test of ``benchmarks/bench_node_copy.py --quick``: one copy per node holds less than one
+copy per rank at 2 ranks on a node and replicates about half the bytes, with equal weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_benchmark_quick
+
+pytestmark = [pytest.mark.bench, pytest.mark.manual]  # two minutes of real jobs: make test-bench
+
+
+@pytest.mark.timeout(600)
+def test_bench_node_copy_quick(tmp_path: Path) -> None:
+    report = run_benchmark_quick("bench_node_copy", tmp_path / "node_copy.json", timeout=560)
+    (rnd,) = report["rounds"]
+    assert rnd["equal-1"] and rnd["equal-2"]
+    two = report["summary"]["2"]
+    assert two["node"]["shm_peak_mib"]["median"] < two["rank"]["shm_peak_mib"]["median"]
+    rep = report["replication_mib_per_node_and_round"]["2"]
+    assert rep["node_over_rank_raw"]["median"] < 0.75
