@@ -172,7 +172,7 @@ class Rejoin(Membership):
                 # Every rank has restored (the rebuild says so): what this rank number's slots hold
                 # was written under another numbering. Start them over with the restored step.
                 store.clear()
-                store.write(self._step, self._capture().state(self._step))
+                self._snaps.write(self._step, self._capture(), gen)
             t1 = time.monotonic()
             try:
                 module = self._join_group(gen, restored=restore_step is not None)
@@ -191,9 +191,9 @@ class Rejoin(Membership):
             pending = None
             if fresh and trainee.restore_in_group:  # (a sharded model exists only now)
                 store.clear()
-                store.write(self._step, self._capture().state(self._step))
+                self._snaps.write(self._step, self._capture(), gen)
             if restore_step is None:
-                store.write(0, self._capture().state(0))
+                self._snaps.write(0, self._capture(), gen)
             sharded = trainee.restore_in_group
             layouts = self._layouts() if sharded and self.rank == 0 else None
             self._link.send(_ready(gen, time.monotonic() - t1, self._group if sharded else None, layouts))

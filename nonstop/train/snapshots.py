@@ -68,6 +68,14 @@ class LoopSnapshots:
         self.taken = step
         return pending
 
+    def write(self, step: int, capture: StateCapture, gen: int) -> None:
+        """Snapshot the state after ``step`` now, whatever the job's mode (a generation's first
+        snapshot: a fresh job's step 0, a renumbered rank's restored step)."""
+        share = capture.deferrable() if self._node is not None else None
+        if self._node is not None:
+            self.live.share_with(self._node, gen)
+        self.live.write(step, capture.state(step), share=share)
+
     def prefault(self, capture: StateCapture, step: int) -> int:
         """Size this rank's slots for its state ahead of its first snapshots (a joiner's)."""
         share = capture.deferrable() if self._node is not None else None
