@@ -10,6 +10,11 @@ warm-up steps), so that a cheaper memory tier that cost step time would show. Bo
 alternately, round by round; one warm-up round is not counted. The final weights of both are
 compared (the demo's weights hash): they must be equal.
 
+Recovery (``--mttr-nproc``): the job on one node with a hot spare, rank 1 SIGKILLed at step
+``--steps // 2`` (nonstop's ``kill`` fault): the failure's MTTR, its restore stage (every rank
+reading its snapshot: with one copy per node, its own part and the node's shared write) and the
+time to training again, against one copy per rank; the weights must still be equal.
+
 Replication (``--replicate-nproc``): the same job on 2 local nodes (``--replicas 1``: each node's
 ranks replicated to the other), ``--step-delay`` pacing its steps as in the tests; the figures
 are each replication round's bytes before encoding (``raw_bytes``) and on the wire
@@ -111,6 +116,37 @@ def one_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> di
     }
 
 
+def mttr_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    job_dir = work / f"mttr-{copies}-{nproc}-{time.monotonic_ns()}"
+    result_file = job_dir / "result.json"
+    cfg = demo_job_config(
+        result=result_file,
+        steps=args.steps,
+        model=args.model,
+        batch=args.batch,
+        nproc_per_node=nproc,
+        spares=1,
+        faults=(f"kill:rank=1,step={args.steps // 2}",),
+        job_dir=job_dir,
+        snapshot_copies=copies,
+        persist_every=0,
+        persist_url=str(job_dir / "ckpt"),
+    )
+    res = run_job(cfg, redirect_output=True)
+    if res.state is not JobState.DONE or not result_file.exists() or len(res.failures) != 1:
+        raise RuntimeError(f"{copies} recovery job with {nproc} ranks failed: {res.error}")
+    (f,) = res.failures
+    out = json.loads(result_file.read_text())
+    shutil.rmtree(job_dir, ignore_errors=True)
+    return {
+        "mttr_s": f["mttr_s"],
+        "restore_s": f["stages"]["restore"],
+        "training_again_s": f["training_again_s"],
+        "lost_steps": f["lost_steps"],
+        "weights": out["final_hash"],
+    }
+
+
 def replication_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     job_dir = work / f"rep-{copies}-{nproc}-{time.monotonic_ns()}"
     result_file = job_dir / "result.json"
@@ -154,13 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--skip", type=int, default=4, help="first step intervals not counted (warm-up)")
     ap.add_argument("--runs", type=int, default=3, help="counted rounds after one warm-up round")
+    ap.add_argument("--mttr-nproc", type=int, nargs="*", default=[4], help="ranks of the recovery jobs")
     ap.add_argument("--replicate-nproc", type=int, nargs="*", default=[2, 4], help="ranks per node, 2 nodes")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 round, 1 and 2 ranks: a smoke run")
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.steps, args.runs, args.skip, args.nproc = "tiny", 8, 1, 2, [1, 2]
-        args.replicate_nproc = [2]
+        args.replicate_nproc, args.mttr_nproc = [2], [2]
     (REPO_ROOT / ".nonstop").mkdir(exist_ok=True)
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="nonstop-bench-nodecopy-", dir=REPO_ROOT / ".nonstop") as tmp:
@@ -180,6 +217,19 @@ def main(argv: list[str] | None = None) -> int:
                 r[f"equal-{nproc}"] = same
                 if not same:
                     raise RuntimeError(f"{nproc} ranks: final weights differ between rank and node copies")
+            for nproc in args.mttr_nproc:
+                for copies in COPIES:
+                    got = mttr_job(copies, nproc, args, Path(tmp))
+                    r[f"mttr-{copies}-{nproc}"] = got
+                    print(
+                        f"[bench] round {i} recovery {copies} x{nproc}: MTTR {got['mttr_s']:.3f} s, "
+                        f"restore {got['restore_s'] * 1e3:.0f} ms, lost {got['lost_steps']}",
+                        flush=True,
+                    )
+                if r[f"mttr-rank-{nproc}"]["weights"] != r[f"mttr-node-{nproc}"]["weights"]:
+                    raise RuntimeError(
+                        f"recovery x{nproc}: final weights differ between rank and node copies"
+                    )
             for nproc in args.replicate_nproc:
                 for copies in COPIES:
                     got = replication_job(copies, nproc, args, Path(tmp))
@@ -233,6 +283,19 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             )
         replication[str(nproc)] = row
+    recovery: dict[str, Any] = {}
+    for nproc in args.mttr_nproc:
+        row = {
+            copies: {
+                what: summarize([r[f"mttr-{copies}-{nproc}"][what] for r in rounds])
+                for what in ("mttr_s", "restore_s", "training_again_s", "lost_steps")
+            }
+            for copies in COPIES
+        }
+        row["node_over_rank_mttr"] = summarize(
+            [r[f"mttr-node-{nproc}"]["mttr_s"] / r[f"mttr-rank-{nproc}"]["mttr_s"] for r in rounds]
+        )
+        recovery[str(nproc)] = row
     one = summary.get("1", {}).get("rank", {}).get("shm_peak_mib")
     report = {
         "benchmark": "node_copy",
@@ -244,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "summary": summary,
         "replication_mib_per_node_and_round": replication,
+        "recovery": recovery,
         "one_rank_mib": one,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -254,6 +318,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{nproc:>5} {row['rank']['shm_peak_mib']['median']:>10.1f}"
             f" {row['node']['shm_peak_mib']['median']:>10.1f}"
             f" {row['node_over_rank_memory']['median']:>10.3f} {row['node_over_rank_step']['median']:>15.3f}"
+        )
+    for nproc, row in recovery.items():
+        print(
+            f"recovery, {nproc} ranks: MTTR {row['rank']['mttr_s']['median']:.3f} -> "
+            f"{row['node']['mttr_s']['median']:.3f} s, "
+            f"restore {row['rank']['restore_s']['median'] * 1e3:.0f} -> "
+            f"{row['node']['restore_s']['median'] * 1e3:.0f} ms"
         )
     for nproc, row in replication.items():
         print(
