@@ -54,6 +54,16 @@ COPIES = ("rank", "node")
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "node_copy.json"
 
 
+def _why(job_dir: Path) -> str:
+    """The job's failures and recoveries, from its event log (for a job that failed)."""
+    keep = ("failure", "generation", "recovery_failed", "job_failed", "node_lost", "hang", "fault_injected")
+    try:
+        lines = (job_dir / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return "(no event log)"
+    return "\n".join(ln for ln in lines if any(f'"event": "{k}' in ln for k in keep))[-4000:]
+
+
 def held(directory: Path) -> int:
     total = 0
     for p in directory.iterdir():
@@ -105,7 +115,7 @@ def one_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> di
     finally:
         peak = sampler.stop()
     if res.state is not JobState.DONE or not result_file.exists():
-        raise RuntimeError(f"{copies} job with {nproc} ranks failed: {res.error}")
+        raise RuntimeError(f"{copies} job with {nproc} ranks failed: {res.error}\n{_why(job_dir)}")
     out = json.loads(result_file.read_text())
     intervals = out["step_intervals_s"][args.skip :]
     shutil.rmtree(job_dir, ignore_errors=True)
@@ -134,7 +144,7 @@ def mttr_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> d
     )
     res = run_job(cfg, redirect_output=True)
     if res.state is not JobState.DONE or not result_file.exists() or len(res.failures) != 1:
-        raise RuntimeError(f"{copies} recovery job with {nproc} ranks failed: {res.error}")
+        raise RuntimeError(f"{copies} recovery job with {nproc} ranks failed: {res.error}\n{_why(job_dir)}")
     (f,) = res.failures
     out = json.loads(result_file.read_text())
     shutil.rmtree(job_dir, ignore_errors=True)
@@ -168,7 +178,9 @@ def replication_job(copies: str, nproc: int, args: argparse.Namespace, work: Pat
     )
     res = run_local_nodes(cfg, redirect_output=True)
     if res.state is not JobState.DONE or not result_file.exists():
-        raise RuntimeError(f"{copies} replication job with {nproc} ranks per node failed: {res.error}")
+        raise RuntimeError(
+            f"{copies} replication job with {nproc} ranks per node failed: {res.error}\n{_why(job_dir)}"
+        )
     rounds = [json.loads(line) for line in (job_dir / "events.jsonl").read_text().splitlines()]
     done = [e for e in rounds if e.get("event") == "replicated" and e.get("raw_bytes")]
     out = json.loads(result_file.read_text())
