@@ -254,3 +254,29 @@ def test_a_slot_that_held_a_whole_snapshot_gives_its_pages_back_and_takes_them_a
     a.write_raw(5, raw.meta, raw.data)  # whole again: its pages allocated again first
     assert _same(a.read(5), _state(0, big, 1)) and held() > 4 << 20
     a.close(), whole.close()
+
+
+def _claim_only_and_die(tmp: str) -> None:
+    node = NodeCopy(shm_dir=Path(tmp), job_id=JOB, num_slots=3)
+    assert node.claim(gen=1, step=5, key="k", data_len=64, pin=False) is not None
+    os._exit(0)
+
+
+def test_a_reader_never_takes_a_torn_claim_for_the_new_one_in_its_slot(tmp_path: Path) -> None:
+    """Gen 1's claimer of step 5 dies mid-copy; gen 2's claimer of step 5 takes its slot (same step,
+    same record length, both WRITING). A node copy that saw the first claim must see the second:
+    a third rank joins it instead of claiming step 5 a second time elsewhere."""
+    ctx = multiprocessing.get_context("fork")
+    p = ctx.Process(target=_claim_only_and_die, args=(str(tmp_path),))
+    p.start()
+    p.join(30)
+    seen, first = (
+        NodeCopy(shm_dir=tmp_path, job_id=JOB, num_slots=3),
+        NodeCopy(shm_dir=tmp_path, job_id=JOB, num_slots=3),
+    )
+    assert seen.find(SharedRef(2, 5, 0)) is None  # (it has read gen 1's torn claim)
+    taken = first.claim(gen=2, step=5, key="k", data_len=64, pin=False)
+    assert taken is not None and taken.writer
+    joined = seen.claim(gen=2, step=5, key="k", data_len=64, pin=False)
+    assert joined is not None and not joined.writer and joined.index == taken.index
+    seen.close(), first.close()

@@ -131,9 +131,10 @@ class NodeCopy:
 
     def _record(self, index: int, inf: SnapshotInfo) -> tuple[int, int, str] | None:
         """(gen, step, layout key) of the claim slot ``index`` holds; None when unreadable."""
+        # (only a COMPLETE write's time tells it apart: a claim's WRITING header has none)
         ident = (int(inf.state), inf.step, inf.meta_len, inf.written_at)
         cached = self._records.get(index)
-        if cached is not None and cached[0] == ident:
+        if cached is not None and cached[0] == ident and inf.state is SlotState.COMPLETE:
             return cached[1]
         rec: tuple[int, int, str] | None = None
         try:
