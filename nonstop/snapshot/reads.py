@@ -147,7 +147,9 @@ class SlotReads:
                     if not node.still(ref, shared):
                         continue
                     common = held.data_view()
-                    state = decode_split(meta, slot.data_view(), inf.data_len, common, shared.data_len, what)
+                    state = decode_split(
+                        meta, slot.data_view(), inf.data_len, common, shared.data_len, what, copy
+                    )
                     if node.still(ref, shared):  # (copies: a write that raced them is not returned)
                         return state
                 finally:

@@ -82,18 +82,27 @@ def _parse(
 
 
 def decode_split(
-    meta: bytes, local: torch.Tensor, local_len: int, shared: torch.Tensor, shared_len: int, what: str
+    meta: bytes,
+    local: torch.Tensor,
+    local_len: int,
+    shared: torch.Tensor,
+    shared_len: int,
+    what: str,
+    copy: bool = True,
 ) -> Any:
     """The state a split snapshot holds: its own data ``local`` (uint8, ``local_len`` bytes in
-    use) and the shared write's ``shared``. Tensors are copies (the shared slot is the node's:
-    another rank may write it once this one has restored). SnapshotCorruptError naming ``what``."""
+    use) and the shared write's ``shared``; tensors copied, or views (``copy=False``: valid until
+    either slot is written again -- the shared one by any rank of the node, which none does while
+    a recovery's ranks restore: each waits for all of them in the new group before its next
+    step). SnapshotCorruptError naming ``what``."""
     then = "it is not restored"
     tree, entries, base = _parse(meta, local_len, shared_len, f"{what} (its meta)", then)
     with decoding(what, then):
         tensors = []
         for e in entries:
             src, off = (local, e.offset) if e.offset < base else (shared, e.offset - base)
-            tensors.append(src[off : off + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape).clone())
+            view = src[off : off + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
+            tensors.append(view.clone() if copy else view)
         try:
             return unflatten_state(tree, tensors)
         except SnapshotCorruptError as err:
