@@ -117,9 +117,9 @@ def test_a_rank_before_its_first_step_may_be_silent_longer() -> None:
     # its first step pays lazy initialisation with the GIL held: on a saturated machine the
     # heartbeat thread starved past 1 s and a healthy job lost a rank before its first commit
     cfg = DetectorConfig(heartbeat_timeout_s=1.0)
-    fresh = {0: _obs(8.5, 8.5, stepped=False)}
-    assert not find_hung_ranks(fresh, now=10.0, median_step_s=None, config=cfg)  # 1.5 s < 3 s
-    assert find_hung_ranks({0: _obs(6.5, 6.5, stepped=False)}, now=10.0, median_step_s=None, config=cfg)
+    fresh = {0: _obs(6.5, 6.5, stepped=False)}
+    assert not find_hung_ranks(fresh, now=10.0, median_step_s=None, config=cfg)  # 3.5 s < 10 s
+    assert find_hung_ranks({0: _obs(-0.5, -0.5, stepped=False)}, now=10.0, median_step_s=None, config=cfg)
     assert find_hung_ranks({0: _obs(8.5, 8.5)}, now=10.0, median_step_s=0.1, config=cfg)  # once stepped: 1 s
 
 

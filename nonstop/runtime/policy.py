@@ -73,8 +73,11 @@ REBUILD_SILENCE_FACTOR = 10.0  # how much longer a rank joining a new group may 
 # ... and one that has not completed a step in its generation yet: its first step pays lazy
 # initialisation (imports, DDP's first iteration, the optimizer's state) with the GIL held for long
 # stretches, which on a saturated machine starved the heartbeat thread past 1 s -- and a job that
-# loses a rank before its first committed step cannot recover
-FIRST_STEP_SILENCE_FACTOR = 3.0
+# loses a rank before its first committed step cannot recover. 3x was measured too little: with
+# the suite, a benchmark and CPU burners on this 2-core VM, ranks of a 4-rank job went 3 s silent
+# in step 0 and the job failed (in either snapshot layout); a rank truly hung in its first step
+# is now found after 10 s instead of 3 s
+FIRST_STEP_SILENCE_FACTOR = REBUILD_SILENCE_FACTOR
 
 
 @dataclass(frozen=True, kw_only=True)
