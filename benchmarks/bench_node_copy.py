@@ -188,8 +188,9 @@ def replication_job(copies: str, nproc: int, args: argparse.Namespace, work: Pat
     return {
         "rounds": len(done),
         # a round replicates every node's ranks: per node is the round's total over 2 nodes
-        "raw_bytes_per_node": statistics.median(e["raw_bytes"] / 2 for e in done),
-        "wire_bytes_per_node": statistics.median(e["wire_bytes"] / 2 for e in done),
+        # (None: no round completed, e.g. every one superseded on a saturated machine)
+        "raw_bytes_per_node": statistics.median(e["raw_bytes"] / 2 for e in done) if done else None,
+        "wire_bytes_per_node": statistics.median(e["wire_bytes"] / 2 for e in done) if done else None,
         "weights": out["final_hash"],
     }
 
@@ -246,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
                 for copies in COPIES:
                     got = replication_job(copies, nproc, args, Path(tmp))
                     r[f"rep-{copies}-{nproc}"] = got
+                    if got["raw_bytes_per_node"] is None:
+                        print(
+                            f"[bench] round {i} replication {copies} x{nproc}: no round completed", flush=True
+                        )
+                        continue
                     print(
                         f"[bench] round {i} replication {copies} x{nproc} per node: "
                         f"raw {got['raw_bytes_per_node'] / 2**20:.2f} MiB, "
@@ -279,11 +285,15 @@ def main(argv: list[str] | None = None) -> int:
     replication: dict[str, Any] = {}
     for nproc in args.replicate_nproc:
         row = {}
+        # rounds where both jobs completed a replication round (a saturated machine may leave none)
+        both = [
+            r
+            for r in rounds
+            if all((r.get(f"rep-{c}-{nproc}") or {}).get("raw_bytes_per_node") for c in COPIES)
+        ]
         for copies in COPIES:
             row[copies] = {
-                what: summarize(
-                    [r[f"rep-{copies}-{nproc}"][f"{what}_bytes_per_node"] / 2**20 for r in rounds]
-                )
+                what: summarize([r[f"rep-{copies}-{nproc}"][f"{what}_bytes_per_node"] / 2**20 for r in both])
                 for what in ("raw", "wire")
             }
         for what in ("raw", "wire"):
@@ -291,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                 [
                     r[f"rep-node-{nproc}"][f"{what}_bytes_per_node"]
                     / r[f"rep-rank-{nproc}"][f"{what}_bytes_per_node"]
-                    for r in rounds
+                    for r in both
                 ]
             )
         replication[str(nproc)] = row
@@ -339,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['node']['restore_s']['median'] * 1e3:.0f} ms"
         )
     for nproc, row in replication.items():
+        if row["rank"]["raw"] is None:
+            continue
         print(
             f"replication, {nproc} ranks per node: raw {row['rank']['raw']['median']:.2f} -> "
             f"{row['node']['raw']['median']:.2f} MiB, wire {row['rank']['wire']['median']:.2f} -> "

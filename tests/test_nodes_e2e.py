@@ -77,7 +77,9 @@ def test_nodes_must_agree_on_ranks_per_node(tmp_path: Path) -> None:
         nnodes=2,
         coordinator="127.0.0.1:0",
         job_dir=job_dir,
-        join_timeout_s=8.0,
+        # node 1 must be refused before node 0 gives up waiting and removes the job's secret: a
+        # loaded machine took over 8 s to start node 1's interpreter (then: "no job secret")
+        join_timeout_s=30.0,
     )
     box: list[Any] = []
     t = threading.Thread(target=lambda: box.append(run_job(cfg)), daemon=True)
