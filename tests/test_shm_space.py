@@ -19,8 +19,17 @@ import pytest
 import torch
 
 from nonstop.runtime.eventlog import read_events
-from nonstop.snapshot.slot import ShmFullError
-from nonstop.snapshot.space import NodePlan, plan_path, shortfall, write_plan
+from nonstop.snapshot.nodecopy import shared_slot_path
+from nonstop.snapshot.slot import ShmFullError, Slot
+from nonstop.snapshot.space import (
+    NodePlan,
+    ShmSpaceError,
+    StoreRoom,
+    plan_path,
+    shortfall,
+    slot_bytes,
+    write_plan,
+)
 from nonstop.snapshot.store import RankSnapshotStore
 from tests.tmpfs import fill_tmpfs, mount_tmpfs
 
@@ -48,6 +57,33 @@ def test_a_full_tmpfs_fails_at_allocation_not_with_sigbus(shm4: Path) -> None:
         assert sum(os.stat(p).st_blocks for p in shm4.iterdir()) == 0  # nothing stays allocated
     finally:
         store.close()
+
+
+def test_a_slot_is_extended_only_once_its_pages_are_allocated(
+    shm4: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process maps a slot at the file's size: were the file extended before its pages
+    are allocated, that reader's first look at a new slot's header on a full tmpfs would be a
+    SIGBUS (seen: a node agent's persister reading a shared slot a rank was sizing). So the size
+    is the allocation's (``posix_fallocate``), and a failed one leaves the file as it was."""
+    seen: list[int] = []
+    allocate = os.posix_fallocate
+
+    def watched(fd: int, offset: int, length: int) -> None:
+        seen.append(os.fstat(fd).st_size)
+        allocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", watched)
+    slot = Slot(shm4 / "nonstop-t7-r0-s0")
+    try:
+        slot.ensure_capacity(1 << 20, 100)
+        assert seen == [0] and os.stat(slot.path).st_size > 1 << 20
+        size = os.stat(slot.path).st_size
+        with pytest.raises(ShmFullError):
+            slot.ensure_capacity(8 << 20, 100)
+        assert seen[1] == size and os.stat(slot.path).st_size == size
+    finally:
+        slot.close()
 
 
 def test_a_store_that_cannot_grow_goes_on_with_fewer_slots(shm16: Path, tmp_path: Path) -> None:
@@ -98,6 +134,38 @@ def test_with_a_node_copy_the_check_counts_the_shared_slots_once_per_node(shm4: 
     assert shortfall(plan, 400 << 10) is not None  # one copy per rank: 40 slots
     line = shortfall(plan, 1 << 20, node_slots=3)
     assert line is not None and "needs 7.0 MiB" in line and "3 shared slots + 4 for replicas" in line
+
+
+def test_the_shared_start_check_is_the_nodes_whichever_rank_claims(shm16: Path, tmp_path: Path) -> None:
+    """The node's ranks take turns claiming its shared writes: the start check follows the
+    node's shared slots, not each rank's own count of claims. Rank 1 claims step 0 (small, before
+    any optimizer step), rank 0 step 1 (the full size: checked though rank 0's first claim finds a
+    slot sized), the memory tier then fills, and rank 1's claim of step 2 at that size is not
+    checked again (its slot's growth degrades instead of failing the running job)."""
+    plan = NodePlan(
+        node="0", job_dir=str(tmp_path), shm_dir=str(shm16), num_slots=2, local_ranks=2, store_ids=("t6",)
+    )
+    write_plan(plan, "t6")
+    rooms = [StoreRoom(shm_dir=shm16, store_id="t6", rank=r, num_slots=3, shared=True) for r in (0, 1)]
+
+    def sized(slot: int, data_len: int) -> None:
+        os.truncate(shared_slot_path(shm16, "t6", slot), slot_bytes(data_len, 100))
+
+    try:
+        for slot in range(3):
+            shared_slot_path(shm16, "t6", slot).touch()
+        rooms[1].check_shared(1 << 20, 100, 3)
+        sized(0, 1 << 20)
+        with pytest.raises(ShmSpaceError, match="3 shared slots"):
+            rooms[0].check_shared(8 << 20, 100, 3)  # 3 x 8 MiB > 16 MiB: checked at rank 0's first claim
+        rooms[0].check_shared(3 << 20, 100, 3)
+        sized(1, 3 << 20)
+        fill_tmpfs(shm16, leave=1 << 20)
+        rooms[1].check_shared(3 << 20, 100, 3)  # a size slot 1 has: not checked again
+        sized(2, 3 << 20)
+        rooms[0].check_shared(12 << 20, 100, 3)  # every shared slot sized: the start is over
+    finally:
+        plan_path(shm16, "t6").unlink()
 
 
 @pytest.mark.slow

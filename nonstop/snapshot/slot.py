@@ -114,10 +114,13 @@ class ShmFullError(SnapshotError):
     """A slot's pages could not be allocated: the memory filesystem is full (ENOSPC)."""
 
 
-def reserve(fd: int, size: int) -> None:
-    """Allocate every page of the first ``size`` bytes of ``fd`` now. ShmFullError when the
-    filesystem cannot (ENOSPC: on tmpfs nothing stays allocated); a filesystem without
-    ``posix_fallocate`` is left to allocate pages as they are written."""
+def reserve(fd: int, size: int) -> bool:
+    """Allocate every page of the first ``size`` bytes of ``fd`` now, the file extended to
+    ``size`` when shorter (only once every page is allocated: on tmpfs a reader that maps the
+    file at its new size never touches a page with none behind it, which is a SIGBUS when the
+    filesystem is full). ShmFullError when the filesystem cannot (ENOSPC: on tmpfs nothing stays
+    allocated and the size is unchanged). False on a filesystem without ``posix_fallocate``: the
+    size is unchanged and pages are left to be allocated as they are written."""
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
@@ -125,6 +128,8 @@ def reserve(fd: int, size: int) -> None:
             raise ShmFullError(f"no room for {size} bytes: {os.strerror(e.errno)}") from None
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
+        return False
+    return True
 
 
 TRIM_MIN = 1 << 20  # a slot gives back the pages past what it holds when that is at least this much
@@ -265,15 +270,17 @@ class Slot:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             old = os.fstat(fd).st_size
-            if old >= size:
-                reserve(fd, size)  # (pages a trim gave back: allocated again)
-                return
-            os.ftruncate(fd, size)
             try:
-                reserve(fd, size)
+                # allocates first, then extends (pages a trim gave back are allocated again):
+                # never a moment when another process could map the file over pages with none
+                # behind them, as an ftruncate first would leave (the SIGBUS of a full tmpfs)
+                if reserve(fd, size) or old >= size:
+                    return
             except BaseException:
-                os.ftruncate(fd, old)
+                if os.fstat(fd).st_size != old:  # (a filesystem other than tmpfs, part-way)
+                    os.ftruncate(fd, old)
                 raise
+            os.ftruncate(fd, size)  # no posix_fallocate here: pages come as they are written
         finally:
             os.close(fd)
 

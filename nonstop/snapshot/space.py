@@ -215,6 +215,22 @@ def report_degraded(plan: NodePlan | None, *, rank: int, store: str, slots_left:
         events.close()
 
 
+def paths_of_node(shm_dir: Path, store_id: str) -> list[Path]:
+    """The shared slot files of a node copy (``store_id`` is the node's store)."""
+    return list(shm_dir.glob(f"{segment_prefix(store_id)}n0-s*"))
+
+
+def _sizes(paths: list[Path]) -> list[int]:
+    """The sizes of these files (those not there left out)."""
+    sizes = []
+    for path in paths:
+        try:
+            sizes.append(os.stat(path).st_size)
+        except FileNotFoundError:
+            pass
+    return sizes
+
+
 def _sized(path: Path) -> bool:
     try:
         return os.stat(path).st_size > 0
@@ -241,8 +257,17 @@ class StoreRoom:
 
     def check_shared(self, data_len: int, meta_len: int, node_slots: int) -> None:
         """:meth:`check` for a node copy's shared slots (``rank`` unused): the node's need with
-        its ranks' alike state kept once, in ``node_slots`` slots of this size."""
-        self._check(data_len, meta_len, node_slots)
+        its ranks' alike state kept once, in ``node_slots`` slots of this size.
+
+        The node's ranks take turns claiming its shared writes (under the node's lock), so a
+        rank's own count of writes says nothing of the node's start. The node is at its start
+        while fewer than ``node_slots`` shared slots are sized, and a size is checked only when
+        larger than every sized shared slot (a size one of them has was checked by the rank that
+        first sized it); a larger state later, once every slot is sized, degrades instead."""
+        sizes = _sizes(paths_of_node(self.shm_dir, self.store_id))
+        if len([n for n in sizes if n > 0]) >= node_slots:
+            return
+        self._check_size(slot_bytes(data_len, meta_len), max(sizes, default=0), node_slots)
 
     def plan(self) -> tuple[NodePlan | None, str]:
         """The node's plan and what the store is to it: "local" (a node's own ranks), "shared"
@@ -264,19 +289,17 @@ class StoreRoom:
         checked: the memory tier may have filled since and this rank's slots, or others', may
         have been dropped (never grown to the size the plan counts), which the check would take
         for a node too small and fail the running job; its writes degrade instead."""
-        self._check(data_len, meta_len, 0)
-
-    def _check(self, data_len: int, meta_len: int, node_slots: int) -> None:
         self._writes += 1
         if self._took_over is None:
-            paths = (
-                list(self.shm_dir.glob(f"{segment_prefix(self.store_id)}n0-s*"))
-                if node_slots
-                else rank_slot_paths(self.shm_dir, self.store_id, self.rank)
-            )
-            self._took_over = any(_sized(p) for p in paths)
-        size = slot_bytes(data_len, meta_len)
-        if self._took_over or self._writes > self.num_slots or size <= self._checked_size:
+            self._took_over = any(_sized(p) for p in rank_slot_paths(self.shm_dir, self.store_id, self.rank))
+        if self._took_over or self._writes > self.num_slots:
+            return
+        self._check_size(slot_bytes(data_len, meta_len), self._checked_size, 0)
+
+    def _check_size(self, size: int, checked: int, node_slots: int) -> None:
+        """ShmSpaceError when the node's plan cannot hold its slots at ``size`` each (not
+        checked again when no larger than ``checked``)."""
+        if size <= max(checked, self._checked_size):
             return
         self._checked_size = size
         plan, kind = self.plan()
