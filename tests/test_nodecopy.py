@@ -280,3 +280,47 @@ def test_a_reader_never_takes_a_torn_claim_for_the_new_one_in_its_slot(tmp_path:
     joined = seen.claim(gen=2, step=5, key="k", data_len=64, pin=False)
     assert joined is not None and not joined.writer and joined.index == taken.index
     seen.close(), first.close()
+
+
+def test_threads_reading_through_one_store_survive_its_slots_being_remapped(tmp_path: Path) -> None:
+    """The node agent's threads (persister, replicator, data plane) read through one store per
+    rank; a slot whose file grew or was replaced is mapped afresh by whichever thread sees it
+    first. The others go on through the old mapping (never closed under them): no thread ever
+    meets a closed mapping, only, at worst, a write that raced it (SnapshotMissingError)."""
+    import threading
+
+    w = _store(tmp_path, 0)
+    reader = RankSnapshotStore(shm_dir=tmp_path, job_id=JOB, rank=0)
+    errors: list[BaseException] = []
+    done = threading.Event()
+    copied = [0]
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                steps = reader.complete_steps()
+                if steps:
+                    reader.copy_out(steps[-1])
+                    reader.copy_out(steps[-1], split=True)
+                    copied[0] += 1
+            except SnapshotMissingError:
+                pass  # overwritten while copied: a reader retries with a newer step
+            except BaseException as e:
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for step in range(1, 120):
+            model = {"w": torch.full((64 * step,), float(step))}  # grows: each slot is remapped
+            w.write(step, _state(0, model, step), share=_share(model))
+    finally:
+        done.set()
+        for t in threads:
+            t.join(timeout=30)
+    assert not errors, repr(errors[:3])
+    assert copied[0] > 0
+    w.close()
+    reader.close()

@@ -13,6 +13,7 @@ that the headers still name the same writes; a write that raced it is never retu
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,11 @@ __all__ = ["SlotReads"]
 class SlotReads:
     """The reading half of a rank's snapshot store (see the module docstring).
 
-    Threading contract: as the store's; pins taken from several threads of one process are
-    safe (:meth:`~nonstop.snapshot.slot.Slot.set_pinned`)."""
+    Threading contract: reads may come from several threads at once through one store (the
+    node agent's persister, replicator and data plane do): a thread that maps a grown or
+    replaced slot afresh leaves the others' mapping alone (:meth:`~.slot.Slot._swap`), read pins
+    are counted per process (:meth:`~.slot.Slot.set_pinned`), and a copy torn by a write is
+    SnapshotMissingError (retry), never corrupt. The store's writes come from one thread."""
 
     def __init__(self, *, shm_dir: Path, job_id: str, rank: int, num_slots: int) -> None:
         self.rank = rank
@@ -43,6 +47,7 @@ class SlotReads:
         # node's when it first meets a slot that refers to it.
         self._shm_dir, self._job_id = shm_dir, job_id
         self._node: NodeCopy | None = None
+        self._opening = threading.Lock()
         self._refs: dict[int, tuple[float, SharedRef | None]] = {}
 
     @property
@@ -67,9 +72,10 @@ class SlotReads:
 
     # -- split snapshots (nonstop.snapshot.split) ----------------------------------------------
     def node_copy(self) -> NodeCopy:
-        if self._node is None:  # a reader: it opens the node's shared slots when it meets a split slot
-            self._node = NodeCopy(shm_dir=self._shm_dir, job_id=self._job_id, num_slots=MAX_NODE_SLOTS)
-        return self._node
+        with self._opening:  # (the agent's threads read through one store)
+            if self._node is None:  # a reader opens the node's shared slots when it meets a split slot
+                self._node = NodeCopy(shm_dir=self._shm_dir, job_id=self._job_id, num_slots=MAX_NODE_SLOTS)
+            return self._node
 
     def _ref(self, inf: SnapshotInfo) -> SharedRef | None:
         """The shared write slot ``inf`` refers to (None: it holds its whole snapshot)."""
@@ -147,9 +153,14 @@ class SlotReads:
                     if not node.still(ref, shared):
                         continue
                     common = held.data_view()
-                    state = decode_split(
-                        meta, slot.data_view(), inf.data_len, common, shared.data_len, what, copy
-                    )
+                    try:
+                        state = decode_split(
+                            meta, slot.data_view(), inf.data_len, common, shared.data_len, what, copy
+                        )
+                    except SnapshotCorruptError:
+                        if node.still(ref, shared):
+                            raise
+                        continue  # torn by a write that chose the slot before the pin
                     if node.still(ref, shared):  # (copies: a write that raced them is not returned)
                         return state
                 finally:
@@ -190,6 +201,31 @@ class SlotReads:
             slot.set_pinned(False, KEEP_PIN)
             slot.write_header(SlotState.EMPTY, -1, 0, 0, 0.0)
 
+    def _copy(
+        self,
+        step: int,
+        inf: SnapshotInfo,
+        pinned: list[Slot],
+        shared: SnapshotInfo | None,
+        *,
+        split: bool,
+        out: np.ndarray | None,
+    ) -> tuple[bytes, np.ndarray]:
+        """:meth:`copy_out`'s copy of ``inf``'s meta and data (composed with the shared write's
+        data, in ``pinned[1]``, unless ``split``), unchecked."""
+        slot = pinned[0]
+        src = np.frombuffer(slot.data_memoryview(), dtype=np.uint8, count=inf.data_len)
+        meta = bytes(slot.meta_view()[: inf.meta_len])
+        if shared is not None and not split:
+            what = f"rank {self.rank}'s snapshot of step {step}"
+            common = np.frombuffer(pinned[1].data_memoryview(), dtype=np.uint8, count=shared.data_len)
+            return compose(meta, src, common, what, out)
+        if out is not None and out.size >= inf.data_len:
+            data = out[: inf.data_len]
+            np.copyto(data, src)  # numpy copies without holding the GIL
+            return meta, data
+        return meta, src.copy()
+
     def copy_out(
         self, step: int, *, out: np.ndarray | None = None, keep: bool = False, split: bool = False
     ) -> RawSnapshot:
@@ -229,21 +265,14 @@ class SlotReads:
         try:
             if not same_write():
                 raise self._missing(step)
-            src = np.frombuffer(slot.data_memoryview(), dtype=np.uint8, count=inf.data_len)
-            meta = bytes(slot.meta_view()[: inf.meta_len])
-            if shared is not None and split:
-                data = out[: inf.data_len] if out is not None and out.size >= inf.data_len else src.copy()
-                if data is not src:
-                    np.copyto(data, src)
-            elif shared is not None:
-                what = f"rank {self.rank}'s snapshot of step {step}"
-                common = np.frombuffer(pinned[1].data_memoryview(), dtype=np.uint8, count=shared.data_len)
-                meta, data = compose(meta, src, common, what, out)
-            elif out is not None and out.size >= inf.data_len:
-                data = out[: inf.data_len]
-                np.copyto(data, src)  # numpy copies without holding the GIL
-            else:
-                data = src.copy()
+            try:
+                meta, data = self._copy(step, inf, pinned, shared, split=split, out=out)
+            except (SnapshotCorruptError, ValueError):
+                # a write that slipped in (it chose the slot before the pin) tears what was
+                # copied, and composing torn halves fails: only a write still the same is corrupt
+                if same_write():
+                    raise
+                raise self._missing(step) from None
             if not same_write():
                 raise self._missing(step)
             if keep:

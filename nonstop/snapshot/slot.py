@@ -31,9 +31,13 @@ the store's background copier writes the COMPLETE header of the slot it was
 handed while the caller's thread does not touch that slot's header. The one
 exception is :meth:`Slot.set_pinned`: the readers of one process (persister,
 replicator, data plane) may pin slots from several threads, so the
-read-modify-write of the pin word holds a process-wide lock. Across processes
-the pin word has one writer per bit (the reading process); the writing process
-only carries it over.
+read-modify-write of the pin word holds a process-wide lock, and READ_PIN is
+counted per slot file in the process (set by its first reader, cleared by its
+last: one thread's copy done never unpins another's). Across processes the pin
+word has one writer per bit (the reading process); the writing process only
+carries it over. Readers in threads of one process may also share one
+:class:`Slot`: a thread that finds the file grown or replaced maps it afresh, and
+the old mapping is left to the threads still reading through it (:meth:`Slot._swap`).
 """
 
 from __future__ import annotations
@@ -139,6 +143,7 @@ READ_PIN = 1  # a reader is copying the slot (transient)
 KEEP_PIN = 2  # the node agent keeps this snapshot (the replicated step, or one being replicated)
 PIN_BITS = READ_PIN | KEEP_PIN
 _PIN_LOCK = threading.Lock()
+_READING: dict[str, int] = {}  # slot path -> this process's readers copying it now (READ_PIN)
 
 
 def header_problem(raw: tuple[Any, ...], mapped: int) -> str | None:
@@ -180,18 +185,27 @@ class Slot:
 
     # -- mapping -------------------------------------------------------------
     def _map(self, size: int, *, create: bool) -> None:
-        self.close()
         flags = os.O_RDWR | (os.O_CREAT if create else 0)
         fd = os.open(self.path, flags, 0o600)
         try:
             if create and os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)
             st = os.fstat(fd)
-            size, self._inode = st.st_size, st.st_ino
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._swap(mm, st.st_ino)
+
+    def _swap(self, mm: mmap.mmap | None, inode: int = -1) -> None:
+        """Replace the mapping by ``mm`` (None: none). The old one is left to be unmapped when its
+        last reference goes, never closed here: the agent's threads (persister, replicator, data
+        plane) read through one store's slots, and a thread copying out of the old mapping (its
+        views hold it) must not find it closed -- or, through a tensor view, unmapped under it --
+        because another thread saw the file grow or replaced and mapped it afresh."""
+        self.forget_views()
+        self._pinned.unregister()  # (the writer's own thread: only the writer registers)
+        self._bytes = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else None
+        self._mm, self._inode = mm, inode
 
     def open_existing(self) -> bool:
         if self._mm is not None:
@@ -202,13 +216,13 @@ class Slot:
             if same:
                 self._refresh_caps()
                 return True
-            self.close()  # the file was deleted (lost memory) or replaced: forget the old mapping
+            self._swap(None)  # the file was deleted (lost memory) or replaced: forget the old mapping
         if not self.path.exists():
             return False
         if not self._remap():
             return False
         if len(self._mm or b"") < HEADER_SIZE:
-            self.close()
+            self._swap(None)
             return False
         self._refresh_caps()
         return self._mm is not None
@@ -220,7 +234,7 @@ class Slot:
         except (ValueError, FileNotFoundError):
             # created by its writer a moment ago and not sized yet (mmap refuses an empty
             # file), or deleted (or truncated to nothing) meanwhile: nothing to read in it yet
-            self.close()
+            self._swap(None)
             return False
         return True
 
@@ -228,8 +242,8 @@ class Slot:
         """Take the capacities from the header, remapping first when the header's exceed the
         mapping (the writer grew the file). A corrupt header gives capacities 0: the slot holds
         nothing readable, and its writer re-initialises it (:meth:`ensure_capacity`)."""
-        raw = self._raw_header()
-        if raw is not None and self._mm is not None and len(self._mm) < HEADER_SIZE + raw[6] + raw[7]:
+        raw, mm = self._raw_header(), self._mm
+        if raw is not None and mm is not None and len(mm) < HEADER_SIZE + raw[6] + raw[7]:
             if not self._remap():
                 self.data_cap = self.meta_cap = 0
                 return
@@ -358,19 +372,19 @@ class Slot:
         self._views, self._views_plan = [], -1
 
     def close(self) -> None:
-        self.forget_views()
-        self._pinned.unregister()  # (the store's copies into it are done: it waits before closing)
-        self._bytes = None
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
+        """Unmap now (the store's owner, once no thread reads through it any more)."""
+        mm = self._mm
+        self._swap(None)  # (the store's copies into it are done: it waits before closing)
+        if mm is not None:
+            mm.close()
 
     # -- header --------------------------------------------------------------
     def _raw_header(self) -> tuple[Any, ...] | None:
         """The header's fields, unchecked; None without a mapping or the magic."""
-        if self._mm is None:
+        mm = self._mm  # (once: another thread may swap the mapping meanwhile)
+        if mm is None:
             return None
-        raw = struct.unpack_from(HEADER_FMT, self._mm, 0)
+        raw = struct.unpack_from(HEADER_FMT, mm, 0)
         return raw if raw[0] == MAGIC else None
 
     def header(self) -> tuple[Any, ...] | None:
@@ -445,21 +459,34 @@ class Slot:
     def set_pinned(self, pinned: bool, bit: int = 1) -> None:
         """Set or clear one pin bit (READ_PIN: a reader is copying; KEEP_PIN: the agent keeps this
         snapshot, e.g. the replicated step). Bits of other holders are left alone."""
-        assert self._mm is not None
+        mm = self._mm
+        assert mm is not None
         with _PIN_LOCK:  # the readers of one process (persister, replicator, data plane) share slots
-            value = struct.unpack_from("<I", self._mm, PIN_OFFSET)[0]
+            if bit == READ_PIN:  # one bit for all of them: set by the first, cleared by the last
+                key = str(self.path)
+                readers = _READING.get(key, 0) + (1 if pinned else -1)
+                if readers > 0:
+                    _READING[key] = readers
+                else:
+                    _READING.pop(key, None)
+                if readers > (1 if pinned else 0):
+                    return
+            value = struct.unpack_from("<I", mm, PIN_OFFSET)[0]
             value = value | bit if pinned else value & ~bit
-            struct.pack_into("<I", self._mm, PIN_OFFSET, value)
+            struct.pack_into("<I", mm, PIN_OFFSET, value)
 
     def data_view(self) -> torch.Tensor:
-        assert self._bytes is not None
-        return self._bytes[HEADER_SIZE : HEADER_SIZE + self.data_cap]
+        b = self._bytes
+        assert b is not None
+        return b[HEADER_SIZE : HEADER_SIZE + self.data_cap]
 
     def data_memoryview(self) -> memoryview:
-        assert self._mm is not None
-        return memoryview(self._mm)[HEADER_SIZE : HEADER_SIZE + self.data_cap]
+        mm = self._mm
+        assert mm is not None
+        return memoryview(mm)[HEADER_SIZE : HEADER_SIZE + self.data_cap]
 
     def meta_view(self) -> memoryview:
-        assert self._mm is not None
+        mm = self._mm
+        assert mm is not None
         start = HEADER_SIZE + self.data_cap
-        return memoryview(self._mm)[start : start + self.meta_cap]
+        return memoryview(mm)[start : start + self.meta_cap]
