@@ -128,9 +128,7 @@ class JobConfig:
     snapshot_every: int = 1
     # where the state a DDP job's ranks hold alike lives in a node's memory tier: "node" (one copy
     # per node, snapshot/nodecopy.py) or "rank" (every rank its own whole copy)
-    # (opt-in for now: a survivors test found the node agent's threads racing on a shared slot's
-    # mapping -- "mmap closed or invalid" in a replication round -- which is not fixed yet)
-    snapshot_copies: str = "rank"
+    snapshot_copies: str = "node"
     persist_url: str | None = None  # None: <job_dir>/checkpoints
     persist_every: int = 100  # steps between lazy persists; 0: only on demand, SIGTERM and exit
     keep: int = 3

@@ -52,7 +52,6 @@ def test_a_killed_rank_recovers_from_its_split_snapshot_bitwise(tmp_path: Path, 
             spares=1,
             faults=("kill:rank=1,step=8", "hang:rank=0,step=14"),
             shm_dir=shm,
-            snapshot_copies="node",
             script_extra=("--step-delay", "0.05"),
         )
     finally:
@@ -72,7 +71,7 @@ def test_a_lost_node_recovers_from_replicas_sent_once_per_node_bitwise(tmp_path:
     common = dict(nnodes=2, nproc=2, spares=1, replicas=1)
     whole = run_nodes_job(tmp_path / "rank", snapshot_copies="rank", **common)
     assert whole.out is not None, whole.result.error
-    run = run_nodes_job(tmp_path / "node", faults=("node:node=1,step=12",), snapshot_copies="node", **common)
+    run = run_nodes_job(tmp_path / "node", faults=("node:node=1,step=12",), **common)
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == whole.out["final_hash"]
     assert [(f["kind"], f["lost_steps"]) for f in run.result.failures] == [("node", 0)] * 2  # its 2 ranks
