@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -91,23 +92,29 @@ class Sampler(threading.Thread):
         return self.peak
 
 
-def one_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    job_dir = work / f"job-{copies}-{nproc}-{time.monotonic_ns()}"
-    shm = job_dir / "shm"
-    shm.mkdir(parents=True)
-    result_file = job_dir / "result.json"
-    cfg = demo_job_config(
-        result=result_file,
+def _config(kind: str, copies: str, nproc: int, args: argparse.Namespace, work: Path, **over: Any) -> Any:
+    """The demo job every measurement runs (its own job dir under ``work``), with ``over``."""
+    job_dir = work / f"{kind}-{copies}-{nproc}-{time.monotonic_ns()}"
+    fields: dict[str, Any] = dict(
+        result=job_dir / "result.json",
         steps=args.steps,
         model=args.model,
         batch=args.batch,
         nproc_per_node=nproc,
         job_dir=job_dir,
-        shm_dir=shm,
         snapshot_copies=copies,
         persist_every=0,
         persist_url=str(job_dir / "ckpt"),
     )
+    return demo_job_config(**(fields | over))
+
+
+def one_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    cfg = _config("job", copies, nproc, args, work)
+    job_dir, result_file = Path(cfg.job_dir), Path(cfg.job_dir) / "result.json"
+    shm = job_dir / "shm"
+    shm.mkdir(parents=True)
+    cfg = replace(cfg, shm_dir=shm)
     sampler = Sampler(shm)
     sampler.start()
     try:
@@ -127,21 +134,9 @@ def one_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> di
 
 
 def mttr_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    job_dir = work / f"mttr-{copies}-{nproc}-{time.monotonic_ns()}"
-    result_file = job_dir / "result.json"
-    cfg = demo_job_config(
-        result=result_file,
-        steps=args.steps,
-        model=args.model,
-        batch=args.batch,
-        nproc_per_node=nproc,
-        spares=1,
-        faults=(f"kill:rank=1,step={args.steps // 2}",),
-        job_dir=job_dir,
-        snapshot_copies=copies,
-        persist_every=0,
-        persist_url=str(job_dir / "ckpt"),
-    )
+    faults = (f"kill:rank=1,step={args.steps // 2}",)
+    cfg = _config("mttr", copies, nproc, args, work, spares=1, faults=faults)
+    job_dir, result_file = Path(cfg.job_dir), Path(cfg.job_dir) / "result.json"
     res = run_job(cfg, redirect_output=True)
     if res.state is not JobState.DONE or not result_file.exists() or len(res.failures) != 1:
         raise RuntimeError(f"{copies} recovery job with {nproc} ranks failed: {res.error}\n{_why(job_dir)}")
@@ -158,24 +153,11 @@ def mttr_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> d
 
 
 def replication_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    job_dir = work / f"rep-{copies}-{nproc}-{time.monotonic_ns()}"
-    result_file = job_dir / "result.json"
-    cfg = demo_job_config(
-        result=result_file,
-        steps=args.steps * 2,
-        model=args.model,
-        batch=args.batch,
-        script_extra=("--step-delay", "0.1"),
-        nproc_per_node=nproc,
-        nnodes=2,
-        coordinator="127.0.0.1:0",
-        replicas=1,
-        lease_ttl_s=3.0,
-        job_dir=job_dir,
-        snapshot_copies=copies,
-        persist_every=0,
-        persist_url=str(job_dir / "ckpt"),
-    )
+    cfg = _config(
+        "rep", copies, nproc, args, work, steps=args.steps * 2, script_extra=("--step-delay", "0.1"),
+        nnodes=2, coordinator="127.0.0.1:0", replicas=1, lease_ttl_s=3.0,
+    )  # fmt: skip
+    job_dir, result_file = Path(cfg.job_dir), Path(cfg.job_dir) / "result.json"
     res = run_local_nodes(cfg, redirect_output=True)
     if res.state is not JobState.DONE or not result_file.exists():
         raise RuntimeError(

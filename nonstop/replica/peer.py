@@ -184,7 +184,7 @@ class Replicator:
         self._bases: dict[tuple[int, str], tuple[int, np.ndarray]] = {}
         self._scratch: dict[int, np.ndarray] = {}
         # per holder: the node's shared write last sent there ((gen, step), data): a delta's base
-        self._shared_bases: dict[str, tuple[tuple[int, int], np.ndarray]] = {}
+        self._shared_bases: dict[str, tuple[list[int], np.ndarray]] = {}
         self._shared_scratch: np.ndarray | None = None
         self._active: Channel | None = None  # the holder connection a round is using now
 
@@ -276,27 +276,13 @@ class Replicator:
             self._shared_scratch = data
         segments = segments_for(snap.shared_entries(), len(data))
         base = self._shared_bases.get(addr)
-        if base is not None and base[1].size != data.size:
-            base = None
         stats.raw_bytes += len(data)
-        for attempt in (0, 1):
-            chunks = self._encoder.encode(data, segments, None if base is None else base[1])
-            head: Message = {"t": "rep_shared", "gen": ref.gen, "step": ref.step, "key": key}
-            head.update(base=None if base is None else list(base[0]), data_len=len(data), nchunks=len(chunks))
-            ch.send(head)
-            wire = _send_chunks(ch, chunks, self._bucket)
-            ack = ch.recv()
-            if ack.get("ok"):
-                keep = self._shared_bases.get(addr)
-                buf = keep[1] if keep is not None and keep[1].size == data.size else np.empty_like(data)
-                np.copyto(buf, data)
-                self._shared_bases[addr] = ((ref.gen, ref.step), buf)
-                return wire
-            if ack.get("need_full") and attempt == 0 and base is not None:
-                base = None
-                continue
+        head: Message = {"t": "rep_shared", "gen": ref.gen, "step": ref.step, "key": key}
+        wire, ack, _ = self._offer(ch, head, None, data, segments, base)
+        if not ack.get("ok"):
             raise FetchError(f"holder {addr} refused step {ref.step}'s shared write: {ack.get('error')}")
-        raise AssertionError("unreachable")
+        _keep_base(self._shared_bases, addr, [ref.gen, ref.step], data)
+        return wire
 
     def _send_on(
         self,
@@ -310,42 +296,44 @@ class Replicator:
     ) -> tuple[int, bool]:
         """Send ``snap`` (whole, or a split snapshot's own part); (wire bytes, whether the holder
         lacks the shared write it refers to: then nothing was installed)."""
+        head: Message = {"t": "rep", "rank": rank, "step": step}
         base = self._bases.get((rank, addr))
-        if base is not None and base[1].size != snap.data.size:
+        wire, ack, whole = self._offer(ch, head, snap.meta, snap.data, segments, base)
+        if ack.get("ok"):
+            _keep_base(self._bases, (rank, addr), step, snap.data)
+            stats.full = stats.full or whole
+            return wire, False
+        if ack.get("need_shared") and snap.shared is not None:
+            return wire, True
+        raise FetchError(f"holder {addr} refused rank {rank} step {step}: {ack.get('error')}")
+
+    def _offer(
+        self,
+        ch: Channel,
+        head: Message,
+        meta: bytes | None,
+        data: np.ndarray,
+        segments: Any,
+        base: tuple[Any, np.ndarray] | None,
+    ) -> tuple[int, Message, bool]:
+        """Send ``data`` (with ``meta``) under ``head``, as a delta against ``base`` (what this
+        holder acknowledged last: its id, its bytes) when it has the same size, and once more
+        whole when the holder no longer has that base (``need_full``). (wire bytes, the holder's
+        last answer, whether that send was whole)."""
+        if base is not None and base[1].size != data.size:
             base = None  # the layout changed: a delta needs the same size
-        for attempt in (0, 1):
-            chunks = self._encoder.encode(snap.data, segments, None if base is None else base[1])
-            ch.send(
-                {
-                    "t": "rep",
-                    "rank": rank,
-                    "step": step,
-                    "base": None if base is None else base[0],
-                    "data_len": len(snap.data),
-                    "nchunks": len(chunks),
-                },
-                snap.meta,
-            )
-            wire = _send_chunks(ch, chunks, self._bucket) + len(snap.meta)
+        wire = 0
+        while True:
+            chunks = self._encoder.encode(data, segments, None if base is None else base[1])
+            msg: Message = {**head, "base": None if base is None else base[0]}
+            msg.update(data_len=len(data), nchunks=len(chunks))
+            ch.send(msg, meta)
+            wire += _send_chunks(ch, chunks, self._bucket) + len(meta or b"")
             ack = ch.recv()
-            if ack.get("ok"):
-                keep = self._bases.get((rank, addr))
-                buf = (
-                    keep[1]
-                    if keep is not None and keep[1].size == snap.data.size
-                    else np.empty_like(snap.data)
-                )
-                np.copyto(buf, snap.data)
-                self._bases[(rank, addr)] = (step, buf)
-                stats.full = stats.full or base is None
-                return wire, False
-            if ack.get("need_shared") and snap.shared is not None:
-                return wire, True
-            if ack.get("need_full") and attempt == 0 and base is not None:
+            if ack.get("need_full") and base is not None:
                 base = None
                 continue
-            raise FetchError(f"holder {addr} refused rank {rank} step {step}: {ack.get('error')}")
-        raise AssertionError("unreachable")
+            return wire, ack, base is None
 
     def forget(self, rank: int) -> None:
         """Drop the delta bases of ``rank`` (it moved away from this node)."""
@@ -357,6 +345,15 @@ class Replicator:
         for ch in self._chans.values():
             ch.close()
         self._chans.clear()
+
+
+def _keep_base(bases: dict[Any, tuple[Any, np.ndarray]], key: Any, ident: Any, data: np.ndarray) -> None:
+    """Keep a copy of ``data`` (acknowledged by its holder as ``ident``) as the base of the next
+    delta to that holder, in the buffer kept before when it has the size."""
+    kept = bases.get(key)
+    buf = kept[1] if kept is not None and kept[1].size == data.size else np.empty_like(data)
+    np.copyto(buf, data)
+    bases[key] = (ident, buf)
 
 
 @dataclass

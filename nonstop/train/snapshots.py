@@ -14,7 +14,7 @@ from __future__ import annotations
 from nonstop.config import WorkerEnv
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.snapshot.nodecopy import NodeCopy, node_slots
-from nonstop.snapshot.store import PendingWrite
+from nonstop.snapshot.store import PendingWrite, Share
 from nonstop.train.restore import open_store
 
 __all__ = ["LoopSnapshots"]
@@ -52,18 +52,23 @@ class LoopSnapshots:
         assert self._store is not None, "Session.run() has not started"
         return self._store
 
+    def _shared(self, capture: StateCapture, gen: int) -> Share | None:
+        """With a node copy: what of ``capture`` goes to the node's shared write (the parameters
+        and optimizer state, what ``optimizer.step`` alone changes, alike on every DDP rank),
+        the store told which generation's shared writes to join. None without one."""
+        if self._node is None:
+            return None
+        self.live.share_with(self._node, gen)
+        return capture.deferrable()
+
     def take(self, step: int, capture: StateCapture, gen: int) -> PendingWrite | None:
-        """Snapshot the state after ``step`` steps (in generation ``gen``) per the job's mode.
-        With a node copy, the parameters and optimizer state (what ``optimizer.step`` alone
-        changes, alike on every DDP rank) go to the node's shared write of the step."""
+        """Snapshot the state after ``step`` steps (in generation ``gen``) per the job's mode,
+        the state alike on every rank to the node's shared write of the step (:meth:`_shared`)."""
         mode = self._env.snapshot
         if mode == "off":  # only for measuring what snapshots cost; nothing to recover from
             return None
-        alike = capture.deferrable() if mode == "overlapped" or self._node is not None else None
-        deferred = alike if mode == "overlapped" else None
-        if self._node is not None:
-            self.live.share_with(self._node, gen)
-        share = alike if self._node is not None else None
+        share = self._shared(capture, gen)
+        deferred = (share if share is not None else capture.deferrable()) if mode == "overlapped" else None
         pending = self.live.begin(step, capture.state(step), deferred=deferred, share=share)
         self.taken = step
         return pending
@@ -71,17 +76,12 @@ class LoopSnapshots:
     def write(self, step: int, capture: StateCapture, gen: int) -> None:
         """Snapshot the state after ``step`` now, whatever the job's mode (a generation's first
         snapshot: a fresh job's step 0, a renumbered rank's restored step)."""
-        share = capture.deferrable() if self._node is not None else None
-        if self._node is not None:
-            self.live.share_with(self._node, gen)
+        share = self._shared(capture, gen)
         self.live.write(step, capture.state(step), share=share)
 
     def prefault(self, capture: StateCapture, step: int) -> int:
         """Size this rank's slots for its state ahead of its first snapshots (a joiner's)."""
-        share = capture.deferrable() if self._node is not None else None
-        if self._node is not None:
-            self.live.share_with(self._node, 0)
-        return self.live.prefault(capture.state(step), share=share)
+        return self.live.prefault(capture.state(step), share=self._shared(capture, 0))
 
     def fence(self) -> None:
         """Hold the optimizer back until the previous step's overlapped copy is done with the
