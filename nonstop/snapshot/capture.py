@@ -162,7 +162,7 @@ def restore_resharded(capture: StateCapture, states: list[dict[str, Any] | None]
     (:func:`~nonstop.snapshot.sharded.reshard`: a slice they leave uncovered is an error); the
     rest (plain tensors, optimizer scalars and hyper-parameters, RNG, extras) comes from old rank
     ``rank % len(states)``. Returns the step."""
-    from nonstop.snapshot.sharded import reshard
+    from nonstop.snapshot.sharded import reshard, stitch
 
     held = rank % len(states)
     maybe = states[held]
@@ -173,9 +173,14 @@ def restore_resharded(capture: StateCapture, states: list[dict[str, Any] | None]
     base: dict[str, Any] = maybe
 
     def cut(live: Any, key: Any, pick: Any, where: str) -> torch.Tensor:
-        shards = [pick(st) for st in states if st is not None]
-        if not all(isinstance(sh, LocalShard) for sh in shards):
-            raise SnapshotError(f"cannot reshard {where}: the snapshot does not hold it sharded")
+        """``live`` 's local tensor (the whole tensor when ``live`` is a plain one) out of the old
+        ranks' values (shards, or whole tensors: an old layout that kept it unsharded)."""
+        shards = [_as_shard(pick(st)) for st in states if st is not None]
+        if not is_dtensor(live):
+            whole = stitch(shards)  # (a tensor the new layout keeps whole, the old one sharded)
+            if tuple(whole.shape) != tuple(live.shape):
+                raise SnapshotError(f"cannot reshard {where}: {tuple(whole.shape)} for {tuple(live.shape)}")
+            return whole
         coord = tuple(live.device_mesh.get_coordinate() or ())
         placements = tuple(repr(pl) for pl in live.placements)
         local = reshard(shards, placements, tuple(live.device_mesh.shape), coord)
@@ -187,8 +192,9 @@ def restore_resharded(capture: StateCapture, states: list[dict[str, Any] | None]
 
     with torch.no_grad():
         for key, cur in capture.model.state_dict().items():
-            if is_dtensor(cur):
-                local_of(cur).copy_(cut(cur, key, lambda st, k=key: st["model"][k], f"model {key}"))
+            if is_dtensor(cur) or isinstance(base["model"][key], LocalShard):
+                into = local_of(cur) if is_dtensor(cur) else cur
+                into.copy_(cut(cur, key, lambda st, k=key: st["model"][k], f"model {key}"))
             else:
                 cur.copy_(base["model"][key])
     opt = capture.optimizer
@@ -200,14 +206,17 @@ def restore_resharded(capture: StateCapture, states: list[dict[str, Any] | None]
         for i, entries in base["optimizer"]["state"].items():
             out: dict[str, Any] = {}
             for name, value in entries.items():
-                if isinstance(value, LocalShard):
-                    like = params[int(i)]
+                like = params[int(i)] if 0 <= int(i) < len(params) else None
+                if isinstance(value, LocalShard) or (is_dtensor(like) and _is_state_tensor(value, like)):
                     local = cut(
                         like,
                         name,
                         lambda st, i=i, n=name: st["optimizer"]["state"][i][n],
                         f"optimizer {i}.{name}",
                     )
+                    if like is None or not is_dtensor(like):
+                        out[name] = local  # (kept whole by the new layout)
+                        continue
                     out[name] = DTensor.from_local(
                         local,
                         device_mesh=like.device_mesh,
@@ -217,12 +226,34 @@ def restore_resharded(capture: StateCapture, states: list[dict[str, Any] | None]
                         stride=like.stride(),
                     )
                 else:
-                    out[name] = _clone_onto(value, params[int(i)] if 0 <= int(i) < len(params) else None)
+                    out[name] = _clone_onto(value, like)
             state[i] = out
         saved = {k: v for k, v in base["optimizer"].items() if k != "state"}
         opt.load_state_dict({**_clone_tensors(saved), "state": state})
     capture.restore_rest(base)
     return int(base["step"])
+
+
+def _as_shard(value: Any) -> Any:
+    """An old rank's value of a tensor as a :class:`LocalShard`: a whole (unsharded) tensor is the
+    one piece at offset 0; anything else is returned as it is (:func:`stitch` refuses it)."""
+    if isinstance(value, LocalShard) or not isinstance(value, torch.Tensor):
+        return value
+    return LocalShard(
+        tensor=value,
+        global_shape=tuple(value.shape),
+        global_stride=tuple(value.stride()),
+        offset=(0,) * value.dim(),
+        placements=("Replicate()",),
+        mesh_shape=(1,),
+        mesh_dims=None,
+    )
+
+
+def _is_state_tensor(value: Any, param: Any) -> bool:
+    """Whether optimizer state ``value`` is a per-element tensor of ``param`` (its shape: Adam's
+    moments), not a scalar such as its ``step``."""
+    return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(param.shape) and value.dim() > 0
 
 
 def _ptr(t: torch.Tensor) -> int:
