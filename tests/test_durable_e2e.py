@@ -46,6 +46,15 @@ def _job_id(job_dir: Path) -> str:
     raise AssertionError("no job_start event")
 
 
+def _committed(job_dir: Path) -> int:
+    """The running job's committed step (-1 while it has none, or the status cannot be read)."""
+    out = _nonstop("status", "--job-dir", str(job_dir), "--json")
+    if out.returncode != 0:
+        return -1
+    step = json.loads(out.stdout).get("committed_step")
+    return -1 if step is None else int(step)
+
+
 def _nonstop(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "nonstop.cli", *args], capture_output=True, text=True, timeout=120
@@ -112,14 +121,16 @@ def test_persist_command_and_sigterm_make_the_committed_step_durable(tmp_path: P
             60,
             "the first generation",
         )
-        time.sleep(1.0)
+        # the job's pace is the machine's: wait for progress, never for a fixed time (a saturated
+        # CPU can take seconds for a step)
+        _wait_for(lambda: _committed(job_dir) > 0, 120, "a committed step after step 0")
         out = _nonstop("persist", "--job-dir", str(job_dir))
         assert out.returncode == 0, out.stderr
         step = int(out.stdout.split("step ")[1].split()[0])
         assert step > 0 and DurableStore(ckpt).latest_step() == step
         listing = _nonstop("inspect", str(ckpt))
         assert listing.returncode == 0 and str(step) in listing.stdout
-        time.sleep(0.5)
+        _wait_for(lambda: _committed(job_dir) > step, 120, f"a committed step after step {step}")
         os.killpg(job.pid, signal.SIGTERM)
         job.wait(timeout=120)
     finally:
