@@ -184,6 +184,7 @@ def _stitched(url: Path, step: int) -> dict[str, torch.Tensor]:
 
     store = DurableStore(str(url))
     states = [decode_raw(*store.load_rank(step, r)) for r in range(store.world_size_at(step))]
+
     def whole(values: list[Any]) -> torch.Tensor:
         if isinstance(values[0], LocalShard):
             return stitch(values)
