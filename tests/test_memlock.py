@@ -17,6 +17,7 @@ import pytest
 from nonstop.replica.peer import local_store_id
 from nonstop.runtime.devices import Devices
 from nonstop.runtime.shmspace import CAP_IPC_LOCK, NodeMemory, has_ipc_lock, memlock_shortfall, pins_slots
+from nonstop.snapshot.nodecopy import shared_slot_path
 from nonstop.snapshot.slot import slot_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,6 +74,20 @@ def test_slots_larger_than_the_limit_fail_the_job_once_they_are_sized(tmp_path: 
     assert line is not None and "page-locks 1.5 MiB" in line and mem.error == line
     assert (tmp_path / "shm-short-n0.txt").read_text().strip() == line  # beside the space check's
     assert mem.poll(now=4.0) is None  # reported once
+
+
+def test_a_node_copys_shared_slots_count_for_every_rank(tmp_path: Path) -> None:
+    """With one copy per node a rank's own slots are small, and the node's shared slots -- any rank
+    claims them in its turn and page-locks what it claimed -- hold the bulk: 2 x 64 KiB of its own
+    and 3 x 512 KiB shared need 1.6 MiB of each rank's locked memory, more than 1 MiB."""
+    mem, shm = _memory(tmp_path, pinned=True, limit=MiB)
+    _size_slot(shm, 0, 0, 64 * 1024)
+    assert mem.poll(now=1.0) is None
+    shared = shared_slot_path(shm, local_store_id("job", "n0"), 0)
+    with open(shared, "wb") as f:
+        f.truncate(512 * 1024)
+    line = mem.poll(now=2.0)
+    assert line is not None and "page-locks 1.6 MiB" in line and "3 x 512.0 KiB shared" in line
 
 
 @pytest.mark.parametrize(("pinned", "limit"), [(True, None), (False, MiB)])

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from nonstop.replica.peer import REPLICA_SLOTS, local_store_id, replica_store_id
 from nonstop.runtime.devices import Devices
+from nonstop.snapshot.nodecopy import node_slots
 from nonstop.snapshot.slot import segment_prefix
 from nonstop.snapshot.space import NodePlan, human, short_record_path, write_plan
 
@@ -98,15 +99,22 @@ def soft_memlock_limit() -> int | None:
     return int(soft)
 
 
-def memlock_shortfall(*, node: str, num_slots: int, slot_bytes: int, limit: int | None) -> str | None:
-    """The one-line error when a rank's ``num_slots`` slots of ``slot_bytes`` do not fit in the
-    locked-memory ``limit`` (bytes; None: unlimited); None when they do."""
-    need = num_slots * slot_bytes
+def memlock_shortfall(
+    *, node: str, num_slots: int, slot_bytes: int, limit: int | None, shared: tuple[int, int] = (0, 0)
+) -> str | None:
+    """The one-line error when a rank's ``num_slots`` slots of ``slot_bytes`` -- and, with a node
+    copy, the node's ``shared`` = (slots, bytes each) shared slots, which any rank of the node
+    claims in its turn and page-locks -- do not fit in the locked-memory ``limit`` (bytes; None:
+    unlimited); None when they do."""
+    need = num_slots * slot_bytes + shared[0] * shared[1]
     if limit is None or need <= limit:
         return None
+    what = f"{num_slots} x {human(slot_bytes)}"
+    if shared[0]:
+        what += f" of its own, {shared[0]} x {human(shared[1])} shared by the node's ranks"
     return (
         f"locked memory: each rank of node {node} page-locks {human(need)} of snapshot slots "
-        f"({num_slots} x {human(slot_bytes)}) for its device copies but RLIMIT_MEMLOCK is {human(limit)}; "
+        f"({what}) for its device copies but RLIMIT_MEMLOCK is {human(limit)}; "
         f"raise it before nonstop run: ulimit -l unlimited (docker run --ulimit memlock=-1; Kubernetes: "
         f"the container runtime's memlock limit, e.g. LimitMEMLOCK=infinity), or set "
         f"{MEMLOCK_CHECK}=0 to run with pageable slots"
@@ -131,7 +139,7 @@ class NodeMemory:
         self._next = 0.0
         self._pinned = pinned  # its ranks page-lock their slots: check the locked-memory limit
         self._memlock = memlock
-        self._locked_checked = 0  # the largest slot size checked against the limit so far
+        self._locked_checked = (0, 0)  # the largest (rank, shared) slot sizes checked so far
 
     @classmethod
     def open(
@@ -187,12 +195,18 @@ class NodeMemory:
         """The locked-memory check (module docstring), each time the node's largest slot grows."""
         if not self._pinned:
             return None
-        size = _largest_slot(Path(self.plan.shm_dir), self.plan.store_ids[0] if self.plan.store_ids else "")
-        if size <= self._locked_checked:
+        shm, local = Path(self.plan.shm_dir), self.plan.store_ids[0] if self.plan.store_ids else ""
+        size = _largest(shm, f"{segment_prefix(local)}r*-s*") if local else 0
+        shared = _largest(shm, f"{segment_prefix(local)}n0-s*") if local else 0
+        if size <= self._locked_checked[0] and shared <= self._locked_checked[1]:
             return None
-        self._locked_checked = size
+        self._locked_checked = (max(size, self._locked_checked[0]), max(shared, self._locked_checked[1]))
         problem = memlock_shortfall(
-            node=self.plan.node, num_slots=self.plan.num_slots, slot_bytes=size, limit=self._memlock()
+            node=self.plan.node,
+            num_slots=self.plan.num_slots,
+            slot_bytes=size,
+            limit=self._memlock(),
+            shared=(node_slots(self.plan.num_slots), shared) if shared else (0, 0),
         )
         if problem is not None:
             self.error = problem
@@ -203,12 +217,11 @@ class NodeMemory:
         return problem
 
 
-def _largest_slot(shm_dir: Path, store_id: str) -> int:
-    """The size of the largest slot file of the node's own ranks (0: none sized yet)."""
-    if not store_id:
-        return 0
+def _largest(shm_dir: Path, pattern: str) -> int:
+    """The size of the largest file of ``shm_dir`` matching ``pattern`` (0: none sized yet): the
+    node's own ranks' slots (``<prefix>r*-s*``) or its node copy's shared slots (``<prefix>n0-s*``)."""
     largest = 0
-    for path in shm_dir.glob(f"{segment_prefix(store_id)}r*-s*"):
+    for path in shm_dir.glob(pattern):
         try:
             largest = max(largest, os.stat(path).st_size)
         except FileNotFoundError:
