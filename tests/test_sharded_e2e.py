@@ -201,22 +201,29 @@ def _stitched(url: Path, step: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _resumed_bitwise(tmp_path: Path, first: dict[str, Any], then: dict[str, Any], *, steps: int) -> None:
+    """Run ``first`` for ``steps`` steps, persisting its last one to ``ckpt-a``; resume it with
+    ``then`` (its mesh, ``resume`` = that checkpoint) from the durable tier and persist at once to
+    ``ckpt-b``: the two checkpoints' tensors, stitched whole, are bitwise equal."""
+    old, new = tmp_path / "ckpt-a", tmp_path / "ckpt-b"
+    run = run_demo_job(tmp_path / "a", steps=steps, persist_url=str(old), persist_every=steps, **first)
+    assert run.result.state is JobState.DONE, run.result.error
+    again = run_demo_job(tmp_path / "b", steps=steps, persist_url=str(new), **then)
+    assert again.result.state is JobState.DONE, again.result.error
+    (gen,) = events_named(again.events, "generation")
+    assert gen["restore_step"] == steps and gen["tier"] == "durable"
+    before, after = _stitched(old, steps), _stitched(new, steps)
+    assert before.keys() == after.keys() and len(before) > 10
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_fsdp2_resumes_on_another_mesh_resharded_bitwise(tmp_path: Path) -> None:
     """A 2-rank FSDP2 checkpoint resumed on 3 ranks: every rank cuts its shards (model and AdamW
     moments) out of the old ones; the whole state is bitwise the checkpoint's. A rank whose memory
     is lost before the job has a checkpoint of its own size reshards again, and the run ends
     exactly as one without the fault."""
-    old = tmp_path / "ckpt2"
-    run = run_demo_job(tmp_path / "a", steps=8, persist_url=str(old), persist_every=4, **FSDP)
-    assert run.result.state is JobState.DONE, run.result.error
-    three = {"mesh": "shard=3", "nproc": 3, "resume": str(old)}
-    same = run_demo_job(tmp_path / "b", steps=8, persist_url=str(tmp_path / "ckpt3"), **three)
-    assert same.result.state is JobState.DONE, same.result.error
-    (gen,) = events_named(same.events, "generation")
-    assert gen["restore_step"] == 8 and gen["tier"] == "durable"
-    before, after = _stitched(old, 8), _stitched(tmp_path / "ckpt3", 8)
-    assert before.keys() == after.keys() and len(before) > 10
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    three = {"mesh": "shard=3", "nproc": 3, "resume": str(tmp_path / "ckpt-a")}
+    _resumed_bitwise(tmp_path, FSDP, three, steps=8)
     clean = run_demo_job(tmp_path / "c", steps=STEPS, persist_url=str(tmp_path / "ckpt-c"), **three)
     lost = run_demo_job(
         tmp_path / "d",
@@ -234,17 +241,9 @@ def test_fsdp2_over_tensor_parallel_resumes_on_a_smaller_mesh_resharded_bitwise(
     """A DP x TP checkpoint (FSDP2 over TP: the dp dim's shards are ``_StridedShard`` s) resumed
     on 2 ranks of TP alone: each rank cuts its TP shards out of the 4 old pieces; the whole state
     is bitwise the checkpoint's."""
-    old = tmp_path / "ckpt4"
-    run = run_demo_job(tmp_path / "a", steps=4, persist_url=str(old), persist_every=4, **DPTP)
-    assert run.result.state is JobState.DONE, run.result.error
-    smaller = {"mesh": "tp=2", "nproc": 2, "resume": str(old)}
-    again = run_demo_job(tmp_path / "b", steps=4, persist_url=str(tmp_path / "ckpt2"), **smaller)
-    assert again.result.state is JobState.DONE, again.result.error
-    (gen,) = events_named(again.events, "generation")
-    assert gen["restore_step"] == 4 and gen["tier"] == "durable"
-    before, after = _stitched(old, 4), _stitched(tmp_path / "ckpt2", 4)
-    assert before.keys() == after.keys() and len(before) > 10
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    _resumed_bitwise(
+        tmp_path, DPTP, {"mesh": "tp=2", "nproc": 2, "resume": str(tmp_path / "ckpt-a")}, steps=4
+    )
 
 
 ELASTIC_STEPS, ELASTIC_BATCH = 100, 4  # long enough for a node to rejoin on a busy machine
