@@ -34,7 +34,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from nonstop.errors import SnapshotError
 from nonstop.mesh import MeshSpec
+from nonstop.placements import order, parse
 
 __all__ = [
     "MAX_LAYOUTS",
@@ -108,14 +110,12 @@ def decode_layouts(raw: Any) -> tuple[TensorLayout, ...] | None:
 
 
 def _shard_dim(placement: str) -> int | bool | None:
-    """``Shard(dim=d)`` -> d, ``Replicate()`` -> None, anything else -> False."""
-    if placement == "Replicate()":
-        return None
-    if placement.startswith("Shard(dim=") and placement.endswith(")"):
-        inner = placement[len("Shard(dim=") : -1]
-        if inner.isdigit():
-            return int(inner)
-    return False
+    """``Shard(dim=d)`` and ``_StridedShard(dim=d, sf=s)`` -> d, ``Replicate()`` -> None, anything
+    else -> False."""
+    try:
+        return parse(placement)[0]
+    except (SnapshotError, ValueError):
+        return False
 
 
 def needed_old_ranks(
@@ -124,13 +124,15 @@ def needed_old_ranks(
     """The old ranks (of mesh ``old``) whose snapshots the ``new_ranks`` (of mesh ``new``) cut
     their shards out of. ``layouts`` None or empty: every old rank.
 
-    Per layout and new rank, along each of the layout's mesh dims: a ``Shard(dim=d)`` dim needs
-    the old coordinates whose chunk of dim ``d`` overlaps the new rank's chunk (an empty new
-    chunk -- more ranks than rows -- needs nothing); a ``Replicate()`` dim, and a job dim the
-    layout's mesh leaves out, need one old coordinate only: the new rank's own where the old
-    mesh has it, else 0. A layout that shards one tensor dim along two mesh dims (nested
-    chunks) is not planned: it needs every old rank. ``O(layouts x new ranks x old ranks
-    needed)``, never the old world's size per rank."""
+    Per layout and new rank, per tensor dim the layout shards: the new rank's range of that dim
+    (its chunk, or its chunk of a chunk where several mesh dims shard it, in the order DTensor cut
+    them: :func:`~nonstop.placements.order`, FSDP2 over TP's strided dim included), and the old
+    coordinates along those mesh dims whose (non-empty) range overlaps it, found by walking the
+    old chunks that overlap it only; an empty new range needs nothing. A ``Replicate()`` dim, and
+    a job dim the layout's mesh leaves out, need one old coordinate only: the new rank's own where
+    the old mesh has it, else 0. A layout whose placements cannot be ordered on either mesh needs
+    every old rank. ``O(layouts x new ranks x old ranks needed)``, never the old world's size per
+    rank."""
     ranks = sorted(set(new_ranks))
     every = set(range(old.world_size))
     plan = list(layouts or ())
@@ -138,32 +140,61 @@ def needed_old_ranks(
         return every
     needed = {r % old.world_size for r in ranks}  # the unsharded rest (restore_resharded)
     for lay in plan:
-        dims = [_shard_dim(p) for p in lay.placements]
-        if any(d is False for d in dims):
+        names = lay.mesh_dims
+        try:
+            cut = order(lay.placements, tuple(new.size(n) for n in names))
+            if cut != order(lay.placements, tuple(old.size(n) for n in names)):
+                return every
+        except SnapshotError:
             return every
-        sharded = [d for d in dims if d is not None]
-        if len(sharded) != len(set(sharded)):
-            return every
+        by_dim: dict[int, list[str]] = {}
+        for a, d in cut:
+            if d is not None:
+                by_dim.setdefault(d, []).append(names[a])
         for r in ranks:
             c = new.coords(r)
-            options: list[range | list[int]] = []
-            for name, d in zip(lay.mesh_dims, dims, strict=True):
-                if d is None or d is False:
-                    options.append([_own(c, name, old)])
-                    continue
-                rows, n_new, n_old = lay.global_shape[d], new.size(name), old.size(name)
-                lo, hi = _chunk(rows, n_new, c.get(name, 0))
-                if lo >= hi:
-                    options = []
-                    break
-                step = -(-rows // n_old)
-                options.append(range(lo // step, min((hi - 1) // step, n_old - 1) + 1))
-            if not options:
-                continue
-            rest = {name: _own(c, name, old) for name in old.names if name not in lay.mesh_dims}
-            for picked in itertools.product(*options):
-                needed.add(old.rank_of({**rest, **dict(zip(lay.mesh_dims, picked, strict=True))}))
+            groups: list[list[dict[str, int]]] = [
+                [{name: _own(c, name, old)}] for name, p in zip(names, lay.placements, strict=True)
+                if _shard_dim(p) is None
+            ]  # fmt: skip
+            for d, dims in by_dim.items():
+                lo, hi = 0, lay.global_shape[d]
+                for name in dims:  # the new rank's range of tensor dim d
+                    lo, hi = _sub(lo, hi, new.size(name), c.get(name, 0))
+                groups.append(_overlapping(0, lay.global_shape[d], [(n, old.size(n)) for n in dims], lo, hi))
+            if any(not g for g in groups):
+                continue  # an empty range: this rank holds none of this tensor
+            rest = {name: _own(c, name, old) for name in old.names if name not in names}
+            for picked in itertools.product(*groups):
+                coords = dict(rest)
+                for part in picked:
+                    coords.update(part)
+                needed.add(old.rank_of(coords))
     return needed
+
+
+def _sub(start: int, stop: int, n: int, k: int) -> tuple[int, int]:
+    """Chunk ``k`` of ``n`` (``torch.chunk``) of the range ``[start, stop)``."""
+    lo, hi = _chunk(stop - start, n, k)
+    return start + lo, start + hi
+
+
+def _overlapping(
+    start: int, stop: int, dims: list[tuple[str, int]], lo: int, hi: int
+) -> list[dict[str, int]]:
+    """The coordinates along ``dims`` (name, size: cut in this order, each a chunk of the last) of
+    the non-empty pieces of ``[start, stop)`` that overlap ``[lo, hi)``; none when that is empty."""
+    if lo >= hi or start >= stop:
+        return []
+    if not dims:
+        return [{}]
+    (name, n), below = dims[0], dims[1:]
+    step = -(-(stop - start) // n)
+    out: list[dict[str, int]] = []
+    for k in range(max(0, (lo - start) // step), min(n - 1, (hi - 1 - start) // step) + 1):
+        a, b = _sub(start, stop, n, k)
+        out.extend({name: k, **more} for more in _overlapping(a, b, below, max(lo, a), min(hi, b)))
+    return out
 
 
 def _chunk(rows: int, n: int, k: int) -> tuple[int, int]:

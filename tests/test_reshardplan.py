@@ -73,6 +73,11 @@ def test_the_named_old_ranks_cover_every_new_slice_and_each_is_needed(
     ]
     if len(dims) == 2:  # a tensor FSDP shards but TP replicates, on the 2-D mesh
         layouts.append(TensorLayout((9, 3), ("Shard(dim=0)", "Replicate()"), dims))
+        # one dim cut twice: nested chunks, and FSDP2 over TP's (the TP chunk first: strided)
+        layouts.append(TensorLayout((rng.randint(1, 40), 3), ("Shard(dim=0)", "Shard(dim=0)"), dims))
+        layouts.append(
+            TensorLayout((rng.randint(1, 40), 3), ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)"), dims)
+        )
     for r in range(new.world_size):
         needed = needed_old_ranks(layouts, old, new, [r])
         assert r % old.world_size in needed  # the unsharded rest comes from it
@@ -142,7 +147,7 @@ def test_reports_round_trip_and_malformed_ones_are_refused() -> None:
         "x",
         [[[6], ["Shard(dim=0)"]]],  # two fields
         [[[6], ["Shard(dim=1)"], ["shard"]]],  # shards a dim the tensor lacks
-        [[[6], ["_StridedShard(dim=0, sf=2)"], ["shard"]]],
+        [[[6], ["_StridedShard(dim=0, sf=x)"], ["shard"]]],
         [[[6], ["Shard(dim=0)"], ["shard", "tp"]]],  # placements and dims disagree
         [[[-1], ["Shard(dim=0)"], ["shard"]]],
         [[[True], ["Shard(dim=0)"], ["shard"]]],
@@ -200,10 +205,14 @@ def test_a_replicated_dim_needs_one_holder_the_one_at_the_new_ranks_coordinate()
         assert others and {old.coords(o)["tp"] for o in others} == {new.coords(r)["tp"]}
 
 
-def test_nested_shards_of_one_dim_are_not_planned() -> None:
+def test_fsdp2_over_tensor_parallel_is_planned_and_a_layout_it_cannot_order_is_not() -> None:
     mesh = MeshSpec.parse("shard=4,tp=2")
-    lay = [TensorLayout((16, 4), ("Shard(dim=0)", "Shard(dim=0)"), ("shard", "tp"))]
-    assert needed_old_ranks(lay, mesh, mesh.with_world(6), [0]) == set(range(8))
+    strided = [TensorLayout((16, 4), ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)"), ("shard", "tp"))]
+    # new rank 0 (shard 0 of 3, tp 0): rows [0, 3) of the TP half [0, 8); old shard 0 of 4 holds [0, 2),
+    # shard 1 holds [2, 4): old ranks (0, 0) and (1, 0) -- 0 and 2 -- and rank 0's rest
+    assert needed_old_ranks(strided, mesh, mesh.with_world(6), [0]) == {0, 2}
+    scattered = [TensorLayout((16, 4), ("_StridedShard(dim=0, sf=3)", "Shard(dim=0)"), ("shard", "tp"))]
+    assert needed_old_ranks(scattered, mesh, mesh.with_world(6), [0]) == set(range(8))
 
 
 def test_a_rank_whose_model_cannot_be_read_reports_no_layouts() -> None:
