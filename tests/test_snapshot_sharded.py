@@ -314,3 +314,29 @@ def test_fsdp2_over_tensor_parallel_reshards_to_another_dp_size() -> None:
             assert torch.equal(reshard(old, strided, mesh_shape, coord), want)
     plain = reshard(old, ("Shard(dim=0)",), (2,), (1,))  # onto FSDP2 alone
     assert torch.equal(plain, whole[6:])
+
+
+def test_a_tensor_one_layout_shards_and_the_other_keeps_whole_is_cut_or_stitched(mesh: Any) -> None:
+    """``restore_resharded`` across layouts that disagree on what is sharded: the old ranks held
+    ``w`` whole and ``b`` in two shards; the live model (rank 1 of 2) shards ``w`` and keeps ``b``
+    whole. ``w``'s local rows come out of the whole tensor, ``b`` is stitched from the shards."""
+    from nonstop.snapshot.capture import restore_resharded
+
+    b_full = torch.tensor([5.0, 7.0])
+
+    def b_shard(r: int) -> LocalShard:
+        return LocalShard(
+            tensor=b_full[r : r + 1].clone(), global_shape=(2,), global_stride=(1,), offset=(r,),
+            placements=("Shard(dim=0)",), mesh_shape=(2,), mesh_dims=("shard",),
+        )  # fmt: skip
+
+    model = Tiny(mesh)
+    with torch.no_grad():
+        model.w.to_local().zero_()
+    cap = StateCapture(model=model)
+    base = cap.state(3)
+    old = [{**base, "model": {"w": FULL.clone(), "b": b_shard(r)}} for r in range(2)]
+    assert restore_resharded(cap, list(old), rank=1) == 3
+    assert torch.equal(model.w.to_local(), FULL[3:]) and torch.equal(model.b.detach(), b_full)
+    with pytest.raises(SnapshotError, match="holds no tensor of it"):
+        restore_resharded(cap, [{**o, "model": {"w": None, "b": b_shard(0)}} for o in old], rank=1)

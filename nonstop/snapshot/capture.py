@@ -176,6 +176,8 @@ def restore_resharded(capture: StateCapture, states: list[dict[str, Any] | None]
         """``live`` 's local tensor (the whole tensor when ``live`` is a plain one) out of the old
         ranks' values (shards, or whole tensors: an old layout that kept it unsharded)."""
         shards = [_as_shard(pick(st)) for st in states if st is not None]
+        if not all(isinstance(sh, LocalShard) for sh in shards):
+            raise SnapshotError(f"cannot reshard {where}: the snapshot holds no tensor of it")
         if not is_dtensor(live):
             whole = stitch(shards)  # (a tensor the new layout keeps whole, the old one sharded)
             if tuple(whole.shape) != tuple(live.shape):
@@ -236,7 +238,7 @@ def restore_resharded(capture: StateCapture, states: list[dict[str, Any] | None]
 
 def _as_shard(value: Any) -> Any:
     """An old rank's value of a tensor as a :class:`LocalShard`: a whole (unsharded) tensor is the
-    one piece at offset 0; anything else is returned as it is (:func:`stitch` refuses it)."""
+    one piece at offset 0; anything else is returned as it is (the caller refuses it)."""
     if isinstance(value, LocalShard) or not isinstance(value, torch.Tensor):
         return value
     return LocalShard(
