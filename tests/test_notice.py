@@ -126,7 +126,10 @@ def test_http_notice_drains_the_node(tmp_path: Path, endpoint: _Endpoint, refere
         steps=16,
         model="tiny",
         batch=4,
-        script_extra=("--step-delay", "0.1"),
+        # paced so that the drain (fetch, prepare, catch up, pause: ~2.5 s here) fits well within
+        # the job's 16 steps on a saturated machine: at 0.1 s a step a full-suite run saw the
+        # migration begin at step 8 and abort, "the job finished first" at its boundary, step 16
+        script_extra=("--step-delay", "0.3"),
         nproc_per_node=1,
         spares=1,
         nnodes=3,
