@@ -38,7 +38,7 @@ from nonstop.replica.peer import REPLICA_SLOTS, local_store_id, replica_store_id
 from nonstop.runtime.devices import Devices
 from nonstop.snapshot.nodecopy import node_slots
 from nonstop.snapshot.slot import segment_prefix
-from nonstop.snapshot.space import NodePlan, human, short_record_path, write_plan
+from nonstop.snapshot.space import NodePlan, file_sizes, human, paths_of_node, short_record_path, write_plan
 
 __all__ = [
     "CAP_IPC_LOCK",
@@ -196,8 +196,8 @@ class NodeMemory:
         if not self._pinned:
             return None
         shm, local = Path(self.plan.shm_dir), self.plan.store_ids[0] if self.plan.store_ids else ""
-        size = _largest(shm, f"{segment_prefix(local)}r*-s*") if local else 0
-        shared = _largest(shm, f"{segment_prefix(local)}n0-s*") if local else 0
+        size = max(file_sizes(list(shm.glob(f"{segment_prefix(local)}r*-s*"))), default=0) if local else 0
+        shared = max(file_sizes(paths_of_node(shm, local)), default=0) if local else 0
         if size <= self._locked_checked[0] and shared <= self._locked_checked[1]:
             return None
         self._locked_checked = (max(size, self._locked_checked[0]), max(shared, self._locked_checked[1]))
@@ -215,15 +215,3 @@ class NodeMemory:
             except OSError as e:
                 log.warning("could not record the locked-memory shortfall: %s", e)
         return problem
-
-
-def _largest(shm_dir: Path, pattern: str) -> int:
-    """The size of the largest file of ``shm_dir`` matching ``pattern`` (0: none sized yet): the
-    node's own ranks' slots (``<prefix>r*-s*``) or its node copy's shared slots (``<prefix>n0-s*``)."""
-    largest = 0
-    for path in shm_dir.glob(pattern):
-        try:
-            largest = max(largest, os.stat(path).st_size)
-        except FileNotFoundError:
-            pass
-    return largest

@@ -220,7 +220,7 @@ def paths_of_node(shm_dir: Path, store_id: str) -> list[Path]:
     return list(shm_dir.glob(f"{segment_prefix(store_id)}n0-s*"))
 
 
-def _sizes(paths: list[Path]) -> list[int]:
+def file_sizes(paths: list[Path]) -> list[int]:
     """The sizes of these files (those not there left out)."""
     sizes = []
     for path in paths:
@@ -264,7 +264,7 @@ class StoreRoom:
         while fewer than ``node_slots`` shared slots are sized, and a size is checked only when
         larger than every sized shared slot (a size one of them has was checked by the rank that
         first sized it); a larger state later, once every slot is sized, degrades instead."""
-        sizes = _sizes(paths_of_node(self.shm_dir, self.store_id))
+        sizes = file_sizes(paths_of_node(self.shm_dir, self.store_id))
         if len([n for n in sizes if n > 0]) >= node_slots:
             return
         self._check_size(slot_bytes(data_len, meta_len), max(sizes, default=0), node_slots)
