@@ -58,7 +58,7 @@ class ENV:
     RECONNECT = "NONSTOP_RECONNECT_S"  # how long a worker retries a lost coordinator (0: exit at once)
     MESH = "NONSTOP_MESH"  # the job's device mesh (--mesh), for Session.run(build=...)
     ELASTIC = "NONSTOP_ELASTIC"  # "1": the world size may change (exact gradient mean)
-    NODE_COPY = "NONSTOP_NODE_COPY"  # "1": a DDP job's replicated state is kept once per node
+    NODE_COPY = "NONSTOP_NODE_COPY"  # N > 0: a node keeps its ranks' alike state once per copy group
     KEEP_GROUPS = "NONSTOP_KEEP_GROUPS"  # "0": build every mesh group again each generation
     # Security settings every process of a job inherits from its launcher (security_env): a
     # channel's listener and clients (control/channel.py, listener.py) and the etcd client
@@ -126,8 +126,9 @@ class JobConfig:
     # (1/K of it) for up to K - 1 steps redone after a failure; swaps' boundaries and the last
     # step are always snapshotted. `nonstop simulate --snapshot-every` and its advisor weigh it.
     snapshot_every: int = 1
-    # where the state a DDP job's ranks hold alike lives in a node's memory tier: "node" (one copy
-    # per node, snapshot/nodecopy.py) or "rank" (every rank its own whole copy)
+    # where the state a node's ranks hold alike (a DDP job's, an HSDP job's replica groups') lives
+    # in its memory tier: "node" (one copy per node, snapshot/nodecopy.py) or "rank" (every rank
+    # its own whole copy)
     snapshot_copies: str = "node"
     persist_url: str | None = None  # None: <job_dir>/checkpoints
     persist_every: int = 100  # steps between lazy persists; 0: only on demand, SIGTERM and exit
@@ -183,6 +184,18 @@ class JobConfig:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def node_copy_groups(self) -> int:
+        """The copy groups a node keeps one copy each of (snapshot/nodecopy.py): a DDP job's
+        ranks are one group; an HSDP job's are its shard coordinates when a node holds ranks of
+        several replica groups (:meth:`MeshSpec.copy_groups_on_node`); 0: none (every rank
+        keeps its own whole copy: --snapshot-copies rank, or no two ranks of a node alike)."""
+        if self.snapshot_copies != "node":
+            return 0
+        if self.mesh is None:
+            return 1
+        return MeshSpec.parse(self.mesh).copy_groups_on_node(self.nproc_per_node)
 
     @property
     def coordinator_addr(self) -> tuple[str, int]:
@@ -370,7 +383,7 @@ class WorkerEnv:
     mesh: str | None = None  # the job's --mesh
     elastic: bool = False  # --min-world-size below the world size: the gradient mean is exact
     keep_groups: bool = True  # the job's keep_groups
-    node_copy: bool = False  # --snapshot-copies node: a DDP job's replicated state once per node
+    node_copy: bool = False  # --snapshot-copies node: a DDP (or HSDP) job's alike state once per node
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -403,7 +416,7 @@ class WorkerEnv:
             mesh=env.get(ENV.MESH) or None,
             elastic=env.get(ENV.ELASTIC) == "1",
             keep_groups=env.get(ENV.KEEP_GROUPS, "1") != "0",
-            node_copy=env.get(ENV.NODE_COPY) == "1",
+            node_copy=env.get(ENV.NODE_COPY, "0") not in ("", "0"),
         )
 
 

@@ -152,6 +152,23 @@ class MeshSpec:
     def dp_size(self) -> int:
         return self.size("replicate") * self.size("shard")
 
+    # -- one copy per node of what replica groups hold alike (snapshot/nodecopy.py) ----------------
+    def copy_group(self, rank: int) -> int:
+        """The copy group of ``rank``: its index within its replica group (its coordinates other
+        than ``replicate``). Ranks of one copy group in different replica groups hold the same
+        shards -- bitwise, when the model replicates along ``replicate`` (HSDP) -- and keep
+        the same copy group when an elastic resize renumbers them (whole replica groups go)."""
+        return rank % (self.world_size // self.size("replicate"))
+
+    def copy_groups_on_node(self, nproc_per_node: int) -> int:
+        """How many copy groups a node of ``nproc_per_node`` consecutive ranks holds two ranks or
+        more of -- each kept once by a node copy -- or 0 when it holds none twice (a replica group
+        fills the node or more: a node copy would save nothing)."""
+        per_replica = self.world_size // self.size("replicate")
+        if self.size("replicate") < 2 or nproc_per_node <= per_replica:
+            return 0
+        return per_replica
+
     # -- elastic: whole replica groups, or shard groups with a reshard ------------------------------
     @property
     def elastic_dim(self) -> str | None:

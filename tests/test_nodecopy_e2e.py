@@ -1,11 +1,12 @@
-"""One copy per node of a DDP job's alike state, in real jobs: real workers, real shared memory,
-real kills, real node loss. Recovery reads the split snapshots (own part + the node's shared
-write) and ends bitwise where a job keeping one copy per rank ends; a node replicates that state
-once, not once per rank."""
+"""One copy per node of a DDP job's alike state (and of an HSDP job's replica groups', per shard
+coordinate), in real jobs: real workers, real shared memory, real kills, real node loss. Recovery
+reads the split snapshots (own part + the node's shared write) and ends bitwise where a job
+keeping one copy per rank ends; a node replicates that state once, not once per rank."""
 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import threading
 from pathlib import Path
@@ -13,6 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import events_named, run_demo_job, run_nodes_job
+from tests.test_sharded_e2e import shards
+
+_SHARED = re.compile(r"-n(\d+)-s\d+$")
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +28,7 @@ class _Peak(threading.Thread):
         super().__init__(daemon=True)
         self.shm, self.done = shm, threading.Event()
         self.shared = self.own = 0
+        self.groups: set[int] = set()  # the copy groups whose shared slots were seen
 
     def run(self) -> None:
         while not self.done.wait(0.02):
@@ -33,8 +38,10 @@ class _Peak(threading.Thread):
                     n = os.stat(p).st_blocks * 512
                 except FileNotFoundError:
                     continue
-                if "-n0-s" in p.name:
+                m = _SHARED.search(p.name)
+                if m is not None:
                     shared += n
+                    self.groups.add(int(m[1]))
                 elif "-r" in p.name and "-s" in p.name:
                     own += n
             self.shared, self.own = max(self.shared, shared), max(self.own, own)
@@ -86,3 +93,37 @@ def test_a_lost_node_recovers_from_replicas_sent_once_per_node_bitwise(tmp_path:
 
     # two ranks per node: the shared write once and two own parts, against two whole snapshots
     assert per_round(run.events) < 0.75 * per_round(whole.events)
+
+
+def test_hsdp_replica_groups_on_one_node_keep_each_shard_once_and_recover_bitwise(tmp_path: Path) -> None:
+    """HSDP 2x2 on one node of 4 ranks: ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1,
+    bitwise alike after every step; the node keeps each shard's parameters and optimizer state
+    once (copy groups 0 and 1). A killed rank and a hung one restore from their split
+    snapshots -- the killed one from the shared write its twin may have copied -- and the job
+    ends bitwise where the uninterrupted one does."""
+    hsdp = dict(mesh="replicate=2,shard=2", nproc=4, steps=14)
+    reference = run_demo_job(tmp_path / "reference", spares=0, snapshot_copies="rank", **hsdp)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    peak = _Peak(shm)
+    peak.start()
+    try:
+        run = run_demo_job(
+            tmp_path / "job",
+            spares=1,
+            faults=("kill:rank=2,step=5", "hang:rank=1,step=10"),
+            shm_dir=shm,
+            script_extra=("--step-delay", "0.05"),
+            **hsdp,
+        )
+    finally:
+        peak.done.set()
+        peak.join()
+    assert shards(run) == shards(reference)
+    assert shards(run)[0] == shards(run)[2] and shards(run)[1] == shards(run)[3]  # twins, bitwise
+    failures = [(f["kind"], f["rank"], f["lost_steps"]) for f in run.result.failures]
+    assert failures == [("kill", 2, 0), ("hang", 1, 0)]
+    assert all(g["tier"] == "memory" for g in events_named(run.events, "generation") if g["cause"])
+    assert peak.groups == {0, 1}
+    # each shard once: 4 ranks' own slots (RNG, data position) are smaller than the shared writes
+    assert peak.shared > 0 and peak.own < peak.shared, (peak.shared, peak.own)

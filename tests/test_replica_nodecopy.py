@@ -97,3 +97,48 @@ def test_a_node_sends_its_alike_state_once_and_the_holder_gives_back_whole_snaps
     assert again.raw_bytes >= model_bytes
     assert RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b.rep", rank=0).complete_steps() == [12]
     local.close()
+
+
+def test_each_copy_group_travels_once_and_comes_back_as_its_ranks_whole_snapshots(tmp_path: Path) -> None:
+    """HSDP 2x2 on one node: two copy groups (shards 0 and 1), each sent once per step to the
+    holder (its own delta base per group), and each rank's snapshot fetched back byte for byte."""
+    secret, job = new_secret(), uuid.uuid4().hex[:8]
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    holder = DataPlane(
+        host="127.0.0.1",
+        port=0,
+        secret=secret,
+        local=shm_stores(shm, f"{job}.b", 2),
+        replica=shm_stores(shm, f"{job}.b.rep", 4),
+    )
+    rep = Replicator(node="a", secret=secret, local=shm_stores(shm, f"{job}.a", 4))
+    writers = []
+    for r in range(4):
+        s = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.a", rank=r)
+        s.share_with(NodeCopy(shm_dir=shm, job_id=f"{job}.a", num_slots=node_slots(2), group=r % 2), 1)
+        writers.append(s)
+    try:
+        shard_bytes = 256 * 257 * 4
+        for step, drift in ((10, 0.0), (11, 1e-3)):
+            for r, s in enumerate(writers):
+                model = _model(drift + r % 2)  # each shard its own values, alike on its twins
+                ptrs = {t.data_ptr() for t in model.values()}
+                s.write(step, _state(r, model, step), share=lambda t, p=ptrs: t.data_ptr() in p)
+            stats = [rep.replicate(r, step, [holder.addr]) for r in range(4)]
+            assert 2 * shard_bytes <= sum(st.raw_bytes for st in stats) < 2.4 * shard_bytes  # each group once
+        assert not any(st.full for st in stats)  # step 11: the own parts went as deltas
+        for g in (0, 1):
+            assert len(list(shm.glob(f"nonstop-{job}.b.rep-n{g}-s*"))) == 2
+        for r in range(4):
+            want = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.a", rank=r).copy_out(11)
+            meta, data = fetch_snapshot(holder.addr, secret, node="c", rank=r, step=11, kind="replica")
+            assert meta == want.meta and np.array_equal(np.frombuffer(data, dtype=np.uint8), want.data)
+            held = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b.rep", rank=r)
+            assert torch.equal(held.read(11)["model"]["w"], _model(1e-3 + r % 2)["w"])
+            held.close()
+    finally:
+        for s in writers:
+            s.close()
+        rep.close()
+        holder.close()

@@ -35,8 +35,8 @@ from nonstop.replica.peer import (
     _send_chunks,
 )
 from nonstop.snapshot.codec import CodecConfig, Encoder, segments_for
-from nonstop.snapshot.nodecopy import NodeCopy, SharedRef, node_slots
-from nonstop.snapshot.split import ref_of
+from nonstop.snapshot.nodecopy import MAX_COPY_GROUPS, NodeCopy, SharedRef, node_slots
+from nonstop.snapshot.split import REF_HEAD, ref_of
 from nonstop.snapshot.store import RankSnapshotStore
 
 __all__ = ["DataPlane", "shm_stores"]
@@ -76,7 +76,7 @@ class DataPlane:
         )
         self.address = self._server.address
         self._partial: dict[Channel, tuple[Message, list[Message]]] = {}
-        self._node: NodeCopy | None = None  # the shared writes held for other nodes (_replica_node)
+        self._nodes: dict[int, NodeCopy] = {}  # the shared writes held for other nodes, by copy group
         self._stop = threading.Event()
         self._lock = threading.Lock()  # replica stores are written by the dispatcher only
         self._thread = threading.Thread(target=self._loop, name="nonstop-dataplane", daemon=True)
@@ -134,21 +134,27 @@ class DataPlane:
         else:
             self._install(chan, head, chunks)
 
-    def _replica_node(self, store: RankSnapshotStore) -> NodeCopy:
-        """The shared writes this node holds for other nodes' ranks (beside their replicas)."""
-        if self._node is None:
-            self._node = NodeCopy(
-                shm_dir=store.shm_dir, job_id=store.store_id, num_slots=node_slots(REPLICA_SLOTS)
+    def _replica_node(self, store: RankSnapshotStore, group: int) -> NodeCopy:
+        """The shared writes of copy ``group`` this node holds for other nodes' ranks (beside
+        their replicas)."""
+        node = self._nodes.get(group)
+        if node is None:
+            if group < 0 or len(self._nodes) >= MAX_COPY_GROUPS:
+                raise FetchError(f"copy group {group}: a holder keeps at most {MAX_COPY_GROUPS} groups, >= 0")
+            node = NodeCopy(
+                shm_dir=store.shm_dir, job_id=store.store_id, num_slots=node_slots(REPLICA_SLOTS), group=group
             )
-        return self._node
+            self._nodes[group] = node
+        return node
 
     def _install_shared(self, chan: Channel, head: Message, chunks: list[Message]) -> None:
         gen, step, key = int(head["gen"]), int(head["step"]), str(head["key"])
-        node = self._replica_node(self._replica(0))
+        group = int(head.get("group", 0))
+        node = self._replica_node(self._replica(0), group)
         base_data = None
         if head.get("base") is not None:
             b_gen, b_step = (int(v) for v in head["base"])
-            base_data = node.copy_data(SharedRef(b_gen, b_step, 0))
+            base_data = node.copy_data(SharedRef(b_gen, b_step, 0, group))
             if base_data is None:
                 _ask_whole(chan, "base not held")
                 return
@@ -164,8 +170,8 @@ class DataPlane:
     def _install(self, chan: Channel, head: Message, chunks: list[Message]) -> None:
         rank, step = int(head["rank"]), int(head["step"])
         store = self._replica(rank)
-        ref = ref_of(bytes(head.get(BLOB, b"")[:64]))
-        if ref is not None and self._replica_node(store).find(ref) is None:
+        ref = ref_of(bytes(head.get(BLOB, b"")[:REF_HEAD]))
+        if ref is not None and self._replica_node(store, ref.group).find(ref) is None:
             chan.send({"t": "rep_ack", "ok": False, "need_shared": True, "error": "shared write not held"})
             return
         base_data = None
@@ -229,8 +235,8 @@ class DataPlane:
         self._stop.set()
         self._server.close()
         self._thread.join(timeout=2.0)
-        if self._node is not None:
-            self._node.close()
+        for node in self._nodes.values():
+            node.close()
 
 
 def _ask_whole(chan: Channel, why: str) -> None:

@@ -11,10 +11,11 @@ Messages on a peer channel (all authenticated by :mod:`nonstop.control.channel`)
   A snapshot split with its node's shared write (:mod:`nonstop.snapshot.nodecopy`) goes as the
   rank's own part (its meta names the shared write); a holder that does not hold that shared
   write yet answers ``need_shared`` and installs nothing.
-* ``rep_shared`` (sender -> holder): a node's shared write of one step, ``gen, step, key, base,
-  data_len, nchunks`` and the chunks (``base``: the [gen, step] it is a delta against), sent
-  once per holder and step, whichever of the node's ranks met ``need_shared`` first; then that
-  rank's own part again. So a node of N ranks sends the state they hold alike once, not N times.
+* ``rep_shared`` (sender -> holder): a node's shared write of one step, ``gen, step, key, group,
+  base, data_len, nchunks`` and the chunks (``group``: its copy group, 0 when left out; ``base``:
+  the [gen, step] it is a delta against), sent once per holder, group and step, whichever of the
+  node's ranks met ``need_shared`` first; then that rank's own part again. So a node of N ranks
+  sends the state they hold alike once per copy group, not N times.
 * ``fetch`` (a node restoring a rank -> the node holding it): ``rank, step, kind``
   and, for a catch-up, ``node`` (the requester), ``base`` and ``track``. The holder
   answers ``fetch_begin`` (meta as blob, ``data_len, nchunks, base, capped``, or ``error``)
@@ -183,8 +184,9 @@ class Replicator:
         self._chans: dict[str, Channel] = {}
         self._bases: dict[tuple[int, str], tuple[int, np.ndarray]] = {}
         self._scratch: dict[int, np.ndarray] = {}
-        # per holder: the node's shared write last sent there ((gen, step), data): a delta's base
-        self._shared_bases: dict[str, tuple[list[int], np.ndarray]] = {}
+        # per holder and copy group: the node's shared write last sent there ((gen, step), data):
+        # a delta's base
+        self._shared_bases: dict[tuple[str, int], tuple[list[int], np.ndarray]] = {}
         self._shared_scratch: np.ndarray | None = None
         self._active: Channel | None = None  # the holder connection a round is using now
 
@@ -231,7 +233,8 @@ class Replicator:
             except (ControlError, OSError, FetchError) as e:
                 self._chans.pop(addr, None)
                 self._bases.pop((rank, addr), None)  # next time send it whole
-                self._shared_bases.pop(addr, None)
+                for key in [k for k in self._shared_bases if k[0] == addr]:
+                    del self._shared_bases[key]
                 raise FetchError(f"replicating rank {rank} step {step} to {addr} failed: {e}") from e
         stats.seconds = time.monotonic() - t0
         return stats
@@ -267,7 +270,7 @@ class Replicator:
         that one."""
         ref = snap.shared
         assert ref is not None
-        node = store.node_copy()
+        node = store.node_copy(ref.group)
         key = node.key_of(ref)
         data = node.copy_data(ref, out=self._shared_scratch)
         if data is None or key is None:
@@ -275,13 +278,13 @@ class Replicator:
         if self._shared_scratch is None or self._shared_scratch.size < data.size:
             self._shared_scratch = data
         segments = segments_for(snap.shared_entries(), len(data))
-        base = self._shared_bases.get(addr)
+        base = self._shared_bases.get((addr, ref.group))
         stats.raw_bytes += len(data)
-        head: Message = {"t": "rep_shared", "gen": ref.gen, "step": ref.step, "key": key}
+        head: Message = {"t": "rep_shared", "gen": ref.gen, "step": ref.step, "key": key, "group": ref.group}
         wire, ack, _ = self._offer(ch, head, None, data, segments, base)
         if not ack.get("ok"):
             raise FetchError(f"holder {addr} refused step {ref.step}'s shared write: {ack.get('error')}")
-        _keep_base(self._shared_bases, addr, [ref.gen, ref.step], data)
+        _keep_base(self._shared_bases, (addr, ref.group), [ref.gen, ref.step], data)
         return wire
 
     def _send_on(

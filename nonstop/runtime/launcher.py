@@ -267,7 +267,7 @@ def serve_coordinator(
         **({ENV.MESH: config.mesh} if config.mesh is not None else {}),
         ENV.ELASTIC: "1" if config.min_world < config.world_size else "0",
         ENV.KEEP_GROUPS: "1" if config.keep_groups else "0",
-        ENV.NODE_COPY: "1" if config.snapshot_copies == "node" and config.mesh is None else "0",
+        ENV.NODE_COPY: str(config.node_copy_groups),  # (WorkerEnv.node_copy: not "0")
     }
     codec = CodecConfig(lossy=config.lossy, lossy_bits=config.lossy_bits)
     persister: Persister | None = None

@@ -71,6 +71,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from nonstop.config import ENV
 from nonstop.control.channel import Channel, Message, connect
@@ -246,6 +247,7 @@ class NodeAgent(DeviceSpawner):
             node=self.spec.node, job_id=self.job_id, job_dir=self.job_dir, shm_dir=self.shm_dir,
             nproc=self.spec.nproc, num_slots=self.num_slots, replicas=int(welcome.get("replicas", 0)),
             pinned=pins_slots(self.spec.devices),  # issue 20: its ranks page-lock slots: RLIMIT_MEMLOCK
+            copy_groups=_copy_groups(dict(welcome.get("env", {}))),
         )  # fmt: skip
         env = without_rank_vars(self.base_env)  # a spare has no RANK, a rank only the coordinator's
         env.update({str(k): str(v) for k, v in dict(welcome.get("env", {})).items()})
@@ -525,3 +527,12 @@ class NodeAgent(DeviceSpawner):
             remove_segments(self.shm_dir, replica_store_id(self.job_id, self.spec.node))
         if self._lock is not None:
             release_lock(*self._lock)  # the file goes while still held: gc never sees it orphaned
+
+
+def _copy_groups(env: dict[str, Any]) -> int:
+    """The node copies' groups the coordinator's worker env names (config.node_copy_groups; at
+    least 1: the plan counts them only when the ranks keep node copies)."""
+    try:
+        return max(1, int(env.get(ENV.NODE_COPY, "1")))
+    except (TypeError, ValueError):
+        return 1

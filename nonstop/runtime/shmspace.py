@@ -154,11 +154,13 @@ class NodeMemory:
         replicas: int,
         pinned: bool = False,
         memlock: Callable[[], int | None] = soft_memlock_limit,
+        copy_groups: int = 1,
     ) -> NodeMemory:
         """Write the node's plan (a stale shortfall record of an earlier job is removed first). A
         node holds, on average, the replicas of ``replicas`` x ``nproc`` ranks of other nodes.
         ``pinned``: its ranks page-lock their slots (:func:`pins_slots`); ``memlock``: reads the
-        locked-memory limit (tests pass a fake)."""
+        locked-memory limit (tests pass a fake); ``copy_groups``: the node copies' groups
+        (``JobConfig.node_copy_groups``)."""
         record = short_record_path(job_dir, node)
         record.unlink(missing_ok=True)
         local_id = local_store_id(job_id, node)
@@ -171,6 +173,7 @@ class NodeMemory:
             replica_ranks=replicas * nproc,
             replica_slots=REPLICA_SLOTS if replicas else 0,
             store_ids=(local_id, replica_store_id(job_id, node)),
+            copy_groups=copy_groups,
         )
         try:
             write_plan(plan, local_id)

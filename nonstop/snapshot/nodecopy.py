@@ -28,8 +28,15 @@ slot more than a rank, because two claims may be in flight at once (the claimer 
 copying when another rank, one step ahead, claims S + 1); that slot's pages are allocated only
 when it is first needed.
 
-Segments: ``<prefix>n0-s<i>`` (a rank's are ``<prefix>r<rank>-s<i>``) and the lock file
-``<prefix>n0-lock``; they go with the job's other segments.
+**Copy groups.** The ranks whose state is alike form a *copy group*, and a node keeps one copy
+per group it has ranks of: a DDP job's ranks are all one group (0); an HSDP job's are grouped by
+their coordinates other than ``replicate`` (:meth:`~nonstop.mesh.MeshSpec.copy_group`: the
+ranks of one shard coordinate in different replica groups hold the same shards, bitwise, after
+every step), so a node holding ranks of several replica groups keeps each shard once. A
+:class:`SharedRef` names its group; the groups' slots and locks are apart.
+
+Segments: ``<prefix>n<group>-s<i>`` (a rank's are ``<prefix>r<rank>-s<i>``) and the lock file
+``<prefix>n<group>-lock``; they go with the job's other segments.
 
 Threading contract: as :class:`~nonstop.snapshot.store.RankSnapshotStore` (one writing thread;
 the copier thread writes a claimed slot's COMPLETE header); readers in another process pin slots.
@@ -56,10 +63,22 @@ from nonstop.snapshot.space import StoreRoom
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_NODE_SLOTS", "Claim", "NodeCopy", "SharedRef", "node_slots", "shared_slot_path"]
+__all__ = [
+    "MAX_COPY_GROUPS",
+    "MAX_NODE_SLOTS",
+    "Claim",
+    "NodeCopy",
+    "SharedRef",
+    "node_slots",
+    "shared_slot_path",
+]
 
 MAX_NODE_SLOTS = 8
 """Shared slots a reader looks at (a writer's node has :func:`node_slots` of them)."""
+
+MAX_COPY_GROUPS = 64
+"""Copy groups a holder keeps shared writes of for its peers (a node's ranks make at most one
+group each; a peer naming more is refused, as each group maps slots of its own)."""
 
 
 def node_slots(rank_slots: int) -> int:
@@ -68,23 +87,25 @@ def node_slots(rank_slots: int) -> int:
     return min(rank_slots + 1, MAX_NODE_SLOTS)
 
 
-def shared_slot_path(shm_dir: Path, job_id: str, slot: int) -> Path:
-    return shm_dir / f"{segment_prefix(job_id)}n0-s{slot}"
+def shared_slot_path(shm_dir: Path, job_id: str, slot: int, group: int = 0) -> Path:
+    return shm_dir / f"{segment_prefix(job_id)}n{group}-s{slot}"
 
 
-def _lock_path(shm_dir: Path, job_id: str) -> Path:
-    return shm_dir / f"{segment_prefix(job_id)}n0-lock"
+def _lock_path(shm_dir: Path, job_id: str, group: int) -> Path:
+    return shm_dir / f"{segment_prefix(job_id)}n{group}-lock"
 
 
 @dataclass(frozen=True)
 class SharedRef:
     """What a rank's slot says about the shared part of its snapshot: the claim (generation,
     step) and ``base``, where the shared data starts in the rank's *virtual* data (its own data,
-    then the shared data: the entries of its meta address both)."""
+    then the shared data: the entries of its meta address both); ``group``, the copy group
+    whose shared slots hold it (module docstring)."""
 
     gen: int
     step: int
     base: int
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,15 +134,19 @@ def _alive(pid: int) -> bool:
 
 
 class NodeCopy:
-    """The node's shared slots of a job (see the module docstring)."""
+    """The node's shared slots of one copy group of a job (see the module docstring)."""
 
-    def __init__(self, *, shm_dir: Path, job_id: str, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._slots = [Slot(shared_slot_path(shm_dir, job_id, i)) for i in range(num_slots)]
-        self._lock = _lock_path(shm_dir, job_id)
+    def __init__(self, *, shm_dir: Path, job_id: str, num_slots: int, group: int = 0) -> None:
+        if group < 0:
+            raise ValueError(f"a copy group is a mesh coordinate index, >= 0 (got {group})")
+        self.num_slots, self.group = num_slots, group
+        self._slots = [Slot(shared_slot_path(shm_dir, job_id, i, group)) for i in range(num_slots)]
+        self._lock = _lock_path(shm_dir, job_id, group)
         self._records: dict[int, tuple[tuple[int, int, int, float], tuple[int, int, str] | None]] = {}
         self._refused: str | None = None  # the last reason a claim was refused (logged once)
-        self._room = StoreRoom(shm_dir=shm_dir, store_id=job_id, rank=-1, num_slots=num_slots, shared=True)
+        self._room = StoreRoom(
+            shm_dir=shm_dir, store_id=job_id, rank=-1, num_slots=num_slots, shared=True, group=group
+        )
 
     def slot(self, index: int) -> Slot:
         return self._slots[index]
@@ -242,7 +267,10 @@ class NodeCopy:
 
     # -- reading -----------------------------------------------------------------------------
     def find(self, ref: SharedRef) -> SnapshotInfo | None:
-        """The COMPLETE shared write ``ref`` names, if the node holds it."""
+        """The COMPLETE shared write ``ref`` names, if the node holds it (in this group's slots:
+        a ref of another copy group is never here)."""
+        if ref.group != self.group:
+            return None
         for inf, rec in self._claims():
             if inf.state is SlotState.COMPLETE and rec is not None and rec[:2] == (ref.gen, ref.step):
                 return inf
@@ -261,6 +289,8 @@ class NodeCopy:
 
     def writing(self, ref: SharedRef, live_pids: Collection[int]) -> bool:
         """Whether a process in ``live_pids`` is writing the shared write ``ref`` names."""
+        if ref.group != self.group:
+            return False
         for inf, rec in self._claims():
             if (
                 inf.state is SlotState.WRITING
@@ -281,6 +311,8 @@ class NodeCopy:
 
     def key_of(self, ref: SharedRef) -> str | None:
         """The layout key of the complete shared write ``ref`` names (None: not held)."""
+        if ref.group != self.group:
+            return None
         for inf, rec in self._claims():
             if inf.state is SlotState.COMPLETE and rec is not None and rec[:2] == (ref.gen, ref.step):
                 return rec[2]
@@ -309,7 +341,7 @@ class NodeCopy:
         """Hold ``data`` as the shared write of (``gen``, ``step``) -- a replica of another node's,
         received whole: a holder's. Nothing when it is held already. False when no slot is free."""
         with self._locked():
-            if self.find(SharedRef(gen, step, 0)) is not None:
+            if self.find(SharedRef(gen, step, 0, self.group)) is not None:
                 return True
             index = self._choose(self._claims())
             if index is None:

@@ -25,7 +25,7 @@ from nonstop.snapshot.api import SlotState, SnapshotInfo
 from nonstop.snapshot.nodecopy import MAX_NODE_SLOTS, NodeCopy, SharedRef
 from nonstop.snapshot.raw import RawSnapshot, decode_state
 from nonstop.snapshot.slot import KEEP_PIN, READ_PIN, Slot, slot_path
-from nonstop.snapshot.split import compose, decode_split, ref_of
+from nonstop.snapshot.split import REF_HEAD, compose, decode_split, ref_of
 
 __all__ = ["SlotReads"]
 
@@ -46,7 +46,8 @@ class SlotReads:
         # Split snapshots: a writer is given the node copy (share_with); a reader opens the
         # node's when it first meets a slot that refers to it.
         self._shm_dir, self._job_id = shm_dir, job_id
-        self._node: NodeCopy | None = None
+        self._node: NodeCopy | None = None  # the writer's (share_with)
+        self._groups: dict[int, NodeCopy] = {}  # a reader's, by copy group
         self._opening = threading.Lock()
         self._refs: dict[int, tuple[float, SharedRef | None]] = {}
 
@@ -71,18 +72,32 @@ class SlotReads:
         return sorted(found, key=lambda inf: -inf.written_at)
 
     # -- split snapshots (nonstop.snapshot.split) ----------------------------------------------
-    def node_copy(self) -> NodeCopy:
+    def node_copy(self, group: int = 0) -> NodeCopy:
+        """The node's shared slots of copy ``group``: the writer's own (share_with), or a
+        reader's, opened when it first meets a split slot that refers to that group."""
         with self._opening:  # (the agent's threads read through one store)
-            if self._node is None:  # a reader opens the node's shared slots when it meets a split slot
-                self._node = NodeCopy(shm_dir=self._shm_dir, job_id=self._job_id, num_slots=MAX_NODE_SLOTS)
-            return self._node
+            if self._node is not None and self._node.group == group:
+                return self._node
+            node = self._groups.get(group)
+            if node is None:
+                node = NodeCopy(
+                    shm_dir=self._shm_dir, job_id=self._job_id, num_slots=MAX_NODE_SLOTS, group=group
+                )
+                self._groups[group] = node
+            return node
+
+    def _close_readers(self, group: int | None = None) -> None:
+        """Close the reader's node copies (of ``group`` only, when given)."""
+        with self._opening:
+            for g in [g for g in self._groups if group is None or g == group]:
+                self._groups.pop(g).close()
 
     def _ref(self, inf: SnapshotInfo) -> SharedRef | None:
         """The shared write slot ``inf`` refers to (None: it holds its whole snapshot)."""
         cached = self._refs.get(inf.slot)
         if cached is not None and cached[0] == inf.written_at:
             return cached[1]
-        ref = ref_of(self._slots[inf.slot].meta_view()[: min(inf.meta_len, 64)])
+        ref = ref_of(self._slots[inf.slot].meta_view()[: min(inf.meta_len, REF_HEAD)])
         self._refs[inf.slot] = (inf.written_at, ref)
         return ref
 
@@ -92,7 +107,7 @@ class SlotReads:
         if inf.state is not SlotState.COMPLETE:
             return False
         ref = self._ref(inf)
-        return ref is None or self.node_copy().find(ref) is not None
+        return ref is None or self.node_copy(ref.group).find(ref) is not None
 
     def _find(self, step: int) -> SnapshotInfo | None:
         found = self._holding(step)
@@ -120,7 +135,7 @@ class SlotReads:
                 return inf.step
             if inf is not None and inf.state is SlotState.COMPLETE and not self._complete(inf):
                 ref = self._ref(inf)  # its own part is written; the shared part may be on its way
-                if ref is not None and self.node_copy().writing(ref, live_pids):
+                if ref is not None and self.node_copy(ref.group).writing(ref, live_pids):
                     return inf.step
         return None
 
@@ -143,7 +158,7 @@ class SlotReads:
             try:
                 if ref is None:
                     return decode_state(meta, slot.data_view(), inf.data_len, what, copy)
-                node = self.node_copy()
+                node = self.node_copy(ref.group)
                 shared = node.find(ref)
                 if shared is None:
                     continue  # overwritten since _holding looked
@@ -176,18 +191,21 @@ class SlotReads:
     def keep_only(self, steps: Collection[int]) -> list[int]:
         """Hold the complete snapshots of ``steps`` (KEEP_PIN: the writer leaves them alone) and
         release every other slot's hold. Returns the steps found and held."""
-        held, split = [], False
+        held: list[int] = []
+        groups = set() if self._node is None else {self._node.group}
         for i in range(self.num_slots):
             inf = self.info(i)
             if inf is None:
                 continue
             keep = self._complete(inf) and inf.step in steps and inf.step not in held
             self._slots[i].set_pinned(keep, KEEP_PIN)
+            ref = self._ref(inf) if inf.state is SlotState.COMPLETE else None
+            if ref is not None:
+                groups.add(ref.group)
             if keep:
                 held.append(inf.step)
-                split = split or self._ref(inf) is not None
-        if split or self._node is not None:
-            self.node_copy().keep_only(steps)  # the node's shared writes of the same steps
+        for group in sorted(groups):
+            self.node_copy(group).keep_only(steps)  # the node's shared writes of the same steps
         return held
 
     def clear(self) -> None:
@@ -248,7 +266,7 @@ class SlotReads:
             raise self._missing(step)
         slot = self._slots[inf.slot]
         ref = self._ref(inf)
-        node = self.node_copy() if ref is not None else None
+        node = self.node_copy(ref.group) if ref is not None else None
         shared = node.find(ref) if node is not None and ref is not None else None
         if node is not None and shared is None:
             raise self._missing(step)

@@ -47,6 +47,7 @@ __all__ = [
     "encode_dtensor",
     "is_dtensor",
     "local_of",
+    "replicated_along",
     "reshard",
     "same_mesh",
     "shard_layout",
@@ -153,6 +154,25 @@ def _meta_of(t: Any) -> dict[str, Any]:
         }
         hit = _META[key] = (mesh, meta)
     return hit[1]
+
+
+def replicated_along(tensors: Iterator[Any] | list[Any], dim: str) -> bool:
+    """Whether every one of ``tensors`` is a DTensor replicated along the mesh dim named ``dim``
+    (``Replicate()`` there: HSDP's replicate dim), so that ranks differing only in that
+    coordinate hold the same local shards. False for none, for a plain tensor (nothing keeps
+    it alike across the dim), a mesh without ``dim``, or one sharded along it (a 1-D mesh named
+    ``replicate`` given to ``fully_shard`` shards along it)."""
+    seen = False
+    for t in tensors:
+        if not is_dtensor(t):
+            return False
+        names = t.device_mesh.mesh_dim_names
+        if names is None or dim not in names:
+            return False
+        if not t.placements[list(names).index(dim)].is_replicate():
+            return False
+        seen = True
+    return seen
 
 
 def local_of(t: Any) -> torch.Tensor:

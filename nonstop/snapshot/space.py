@@ -79,6 +79,7 @@ class NodePlan:
     replica_ranks: int = 0
     replica_slots: int = 0
     store_ids: tuple[str, ...] = ()
+    copy_groups: int = 1  # node copies: the copy groups whose ranks it holds (nodecopy.py)
 
     @property
     def slots(self) -> int:
@@ -89,11 +90,12 @@ class NodePlan:
 
     def shared_need(self, node_slots: int, slot_bytes: int) -> int:
         """What the node needs for its shared writes of ``slot_bytes`` each, when its ranks'
-        alike state is kept once (``node_slots`` shared slots, :mod:`nonstop.snapshot.nodecopy`)
-        and so is the one of the ranks it holds replicas of (one slot more than a replica's:
-        ``nodecopy.node_slots``). The ranks' own parts are their stores' checks."""
+        alike state is kept once per copy group (``node_slots`` shared slots each,
+        :mod:`nonstop.snapshot.nodecopy`) and so is the one of the ranks it holds replicas of (one
+        slot more than a replica's: ``nodecopy.node_slots``; a holder's peers are assumed to have
+        as many groups). The ranks' own parts are their stores' checks."""
         held = self.replica_slots + 1 if self.replica_ranks else 0
-        return (node_slots + held) * slot_bytes
+        return self.copy_groups * (node_slots + held) * slot_bytes
 
 
 def plan_path(shm_dir: Path, store_id: str) -> Path:
@@ -215,9 +217,16 @@ def report_degraded(plan: NodePlan | None, *, rank: int, store: str, slots_left:
         events.close()
 
 
-def paths_of_node(shm_dir: Path, store_id: str) -> list[Path]:
-    """The shared slot files of a node copy (``store_id`` is the node's store)."""
-    return list(shm_dir.glob(f"{segment_prefix(store_id)}n0-s*"))
+def paths_of_node(shm_dir: Path, store_id: str, group: int | None = None) -> list[Path]:
+    """The shared slot files of a node copy (``store_id`` is the node's store): of one copy
+    ``group``, or of every group when None."""
+    which = "*" if group is None else str(group)
+    return list(shm_dir.glob(f"{segment_prefix(store_id)}n{which}-s*"))
+
+
+def groups_of_node(paths: list[Path]) -> int:
+    """How many copy groups these shared slot files (:func:`paths_of_node`) belong to."""
+    return len({p.name.rpartition("-s")[0] for p in paths})
 
 
 def file_sizes(paths: list[Path]) -> list[int]:
@@ -245,11 +254,12 @@ class StoreRoom:
     Not thread-safe: its store calls it from the one thread that writes the store."""
 
     def __init__(
-        self, *, shm_dir: Path, store_id: str, rank: int, num_slots: int, shared: bool = False
+        self, *, shm_dir: Path, store_id: str, rank: int, num_slots: int, shared: bool = False, group: int = 0
     ) -> None:
-        """``shared``: a node copy's shared slots (reported as store "shared", rank -1), not a rank's."""
+        """``shared``: a node copy's shared slots of copy ``group`` (reported as store "shared",
+        rank -1), not a rank's."""
         self.shm_dir, self.store_id, self.rank, self.num_slots = shm_dir, store_id, rank, num_slots
-        self.shared = shared
+        self.shared, self.group = shared, group
         self.dropped: set[int] = set()  # slots that could not be allocated: never written again
         self._writes = 0  # writes so far (the start check ends after num_slots)
         self._checked_size = 0
@@ -264,7 +274,7 @@ class StoreRoom:
         while fewer than ``node_slots`` shared slots are sized, and a size is checked only when
         larger than every sized shared slot (a size one of them has was checked by the rank that
         first sized it); a larger state later, once every slot is sized, degrades instead."""
-        sizes = file_sizes(paths_of_node(self.shm_dir, self.store_id))
+        sizes = file_sizes(paths_of_node(self.shm_dir, self.store_id, self.group))
         if len([n for n in sizes if n > 0]) >= node_slots:
             return
         self._check_size(slot_bytes(data_len, meta_len), max(sizes, default=0), node_slots)

@@ -4,7 +4,7 @@ With a :class:`~nonstop.snapshot.nodecopy.NodeCopy`, a rank's slot holds its own
 meta whose entries address a *virtual* data area: the rank's own data, then, from ``base`` on,
 the shared write's data. The meta says so first::
 
-    {"shared":[gen,step,base],"tree":...,"tensors":[...]}
+    {"shared":[gen,step,base(,group)],"tree":...,"tensors":[...]}
 
 (:func:`encode_meta`; :func:`ref_of` reads the reference from the meta's first bytes without
 parsing the rest). A rank's snapshot read from its slots (:func:`decode_split`) is that state
@@ -33,23 +33,28 @@ from nonstop.snapshot.nodecopy import SharedRef
 from nonstop.snapshot.slot import dtype_from_name
 from nonstop.snapshot.validate import corrupt, decoding, parse_meta
 
-__all__ = ["compose", "decode_split", "encode_meta", "ref_of", "virtual_entries"]
+__all__ = ["REF_HEAD", "compose", "decode_split", "encode_meta", "ref_of", "virtual_entries"]
 
-_REF = re.compile(rb'^\{"shared":\[(\d{1,18}),(\d{1,18}),(\d{1,18})\],')
-_HEAD = 64  # bytes of a meta that hold its reference
+_REF = re.compile(rb'^\{"shared":\[(\d{1,18}),(\d{1,18}),(\d{1,18})(?:,(\d{1,6}))?\],')
+REF_HEAD = 96  # the bytes of a meta that hold its reference, at most
 
 
 def encode_meta(ref: SharedRef | None, tree_json: str, tensors_json: str) -> bytes:
-    """A rank slot's meta: ``ref`` first when part of the snapshot is in the shared write."""
-    head = "{" if ref is None else f'{{"shared":[{ref.gen},{ref.step},{ref.base}],'
+    """A rank slot's meta: ``ref`` first when part of the snapshot is in the shared write (its
+    copy group last, left out when 0: a DDP job's metas read as before groups existed)."""
+    if ref is None:
+        head = "{"
+    else:
+        group = f",{ref.group}" if ref.group else ""
+        head = f'{{"shared":[{ref.gen},{ref.step},{ref.base}{group}],'
     return (head + '"tree":' + tree_json + ',"tensors":' + tensors_json + "}").encode()
 
 
 def ref_of(meta: bytes | memoryview) -> SharedRef | None:
     """The shared write a rank slot's meta refers to; None for a whole snapshot (or a meta
     that is not a split one: its parse then fails as any corrupt meta does)."""
-    m = _REF.match(bytes(meta[:_HEAD]))
-    return None if m is None else SharedRef(int(m[1]), int(m[2]), int(m[3]))
+    m = _REF.match(bytes(meta[:REF_HEAD]))
+    return None if m is None else SharedRef(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 0))
 
 
 def virtual_entries(

@@ -147,8 +147,8 @@ class RankSnapshotStore(SlotReads):
     def share_with(self, node: NodeCopy | None, gen: int) -> None:
         """Write the tensors a ``begin``'s ``share`` predicate names into ``node``'s shared slots
         (one copy per node, :mod:`nonstop.snapshot.nodecopy`), as part of generation ``gen``."""
-        if self._node is not None and self._node is not node:
-            self._node.close()  # a reader's, opened before this store was given the writer's
+        if node is not None and self._node is not node:
+            self._close_readers(node.group)  # a reader's, opened before this store was given the writer's
         self._node, self._node_gen = node, gen
 
     def _choose_slot(self) -> Slot:
@@ -230,7 +230,7 @@ class RankSnapshotStore(SlotReads):
             )
             if claim is not None:
                 length = data_len(own_e)
-                ref = SharedRef(self._node_gen, step, align(length))
+                ref = SharedRef(self._node_gen, step, align(length), self._node.group)
                 entries = virtual_entries(own_e, shared_e, mask, ref.base)
                 tensors_json = json.dumps([e.to_json() for e in entries], separators=(",", ":"))
                 meta = encode_meta(ref, tree_json, tensors_json)
@@ -395,6 +395,7 @@ class RankSnapshotStore(SlotReads):
             s.close()
         if self._node is not None:
             self._node.close()
+        self._close_readers()
 
 
 def _age_key(inf: SnapshotInfo | None) -> tuple[int, float]:

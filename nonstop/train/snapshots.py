@@ -11,13 +11,19 @@ store's own business.
 
 from __future__ import annotations
 
+import logging
+
 from nonstop.config import WorkerEnv
+from nonstop.mesh import MeshSpec
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.snapshot.nodecopy import NodeCopy, node_slots
+from nonstop.snapshot.sharded import replicated_along
 from nonstop.snapshot.store import PendingWrite, Share
 from nonstop.train.restore import open_store
 
 __all__ = ["LoopSnapshots"]
+
+log = logging.getLogger(__name__)
 
 
 class LoopSnapshots:
@@ -30,9 +36,10 @@ class LoopSnapshots:
         self.taken: int | None = None  # the step of the newest snapshot begun
         # a DDP job's replicated state, once per node (snapshot/nodecopy.py); a sharded job's
         # ranks hold different shards, so each keeps its own
+        # (an HSDP job's replica groups hold their shards alike: one copy per copy group; opened
+        # at the first snapshot, when the model's placements say whether it replicates)
         self._node: NodeCopy | None = None
-        if env.node_copy and env.mesh is None:
-            self._node = NodeCopy(shm_dir=env.shm_dir, job_id=env.job_id, num_slots=node_slots(env.num_slots))
+        self._alike: dict[int, bool] = {}  # id(optimizer) -> its parameters replicate along "replicate"
 
     def due(self, step: int, *, final: bool, pause_at: int | None) -> bool:
         """Whether the state after ``step`` is snapshotted: every ``--snapshot-every`` K-th step,
@@ -52,12 +59,42 @@ class LoopSnapshots:
         assert self._store is not None, "Session.run() has not started"
         return self._store
 
-    def _shared(self, capture: StateCapture, gen: int) -> Share | None:
-        """With a node copy: what of ``capture`` goes to the node's shared write (the parameters
-        and optimizer state, what ``optimizer.step`` alone changes, alike on every DDP rank),
-        the store told which generation's shared writes to join. None without one."""
-        if self._node is None:
+    def _copy_group(self, capture: StateCapture) -> int | None:
+        """This rank's copy group (snapshot/nodecopy.py), or None when it keeps its own whole copy:
+        a DDP job's ranks are group 0; an HSDP job's rank is in its shard coordinates' group when
+        the optimizer's parameters are replicated along ``replicate`` (checked once per
+        optimizer: a model sharded along a dim named so is not alike across it)."""
+        env = self._env
+        if not env.node_copy:
             return None
+        if env.mesh is None:
+            return 0
+        opt = capture.optimizer
+        if opt is None:
+            return None
+        alike = self._alike.get(id(opt))
+        if alike is None:
+            params = [p for group in opt.param_groups for p in group["params"]]
+            alike = self._alike[id(opt)] = replicated_along(params, "replicate")
+            if not alike:
+                log.info("node copy: parameters not replicated along 'replicate'; each rank keeps its own")
+        return MeshSpec.parse(env.mesh).copy_group(self.live.rank) if alike else None
+
+    def _shared(self, capture: StateCapture, gen: int) -> Share | None:
+        """With a node copy: what of ``capture`` goes to the copy group's shared write (the
+        parameters and optimizer state, what ``optimizer.step`` alone changes, alike on every DDP
+        rank and across an HSDP job's replica groups), the store told which generation's shared
+        writes to join. None without one."""
+        group = self._copy_group(capture)
+        if group is None:
+            return None
+        if self._node is None or self._node.group != group:
+            if self._node is not None:
+                self._node.close()
+            env = self._env
+            self._node = NodeCopy(
+                shm_dir=env.shm_dir, job_id=env.job_id, num_slots=node_slots(env.num_slots), group=group
+            )
         self.live.share_with(self._node, gen)
         return capture.deferrable()
 
