@@ -14,7 +14,7 @@ __all__ = ["MemoryDegraded"]
 @dataclass(frozen=True, kw_only=True)
 class MemoryDegraded(Event):
     """A slot of ``rank``'s ``store`` ("local": its own snapshots; "replica": another node's rank
-    held here; "shared": the node's one copy of its ranks' alike state (a copy group's), ``rank`` -1, logged by
+    held here; "shared": the node's one copy of a copy group's alike state, ``rank`` -1, logged by
     each worker that met it) could not be allocated (the memory filesystem is full): the rank goes on with
     ``slots_left`` slots (0: its snapshots fail, and a recovery restores it from a replica or the
     durable tier). ``free``: bytes free in the memory filesystem then. Logged by the process that
