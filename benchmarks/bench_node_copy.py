@@ -15,6 +15,10 @@ Recovery (``--mttr-nproc``): the job on one node with a hot spare, rank 1 SIGKIL
 reading its snapshot: with one copy per node, its own part and the node's shared write) and the
 time to training again, against one copy per rank; the weights must still be equal.
 
+HSDP (``--hsdp``, on by default): ``replicate=2,shard=2`` on one node of 4 ranks, whose replica
+groups' ranks hold the same shards (copy groups: each shard once per node), peak memory against
+one copy per rank; every rank's shards must be equal between the two.
+
 Replication (``--replicate-nproc``): the same job on 2 local nodes (``--replicas 1``: each node's
 ranks replicated to the other), ``--step-delay`` pacing its steps as in the tests; the figures
 are each replication round's bytes before encoding (``raw_bytes``) and on the wire
@@ -133,6 +137,27 @@ def one_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> di
     }
 
 
+def hsdp_job(copies: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """HSDP ``replicate=2,shard=2`` on one node of 4 ranks: ranks 0 and 2 hold shard 0, ranks 1
+    and 3 shard 1 (copy groups 0 and 1). Peak snapshot memory; every rank's shards' hash."""
+    cfg = _config("hsdp", copies, 4, args, work, mesh="replicate=2,shard=2")
+    job_dir, result_file = Path(cfg.job_dir), Path(cfg.job_dir) / "result.json"
+    shm = job_dir / "shm"
+    shm.mkdir(parents=True)
+    cfg = replace(cfg, shm_dir=shm)
+    sampler = Sampler(shm)
+    sampler.start()
+    try:
+        res = run_job(cfg, redirect_output=True)
+    finally:
+        peak = sampler.stop()
+    if res.state is not JobState.DONE or not result_file.exists():
+        raise RuntimeError(f"{copies} HSDP job failed: {res.error}\n{_why(job_dir)}")
+    hashes = [json.loads((job_dir / f"result.rank{r}.json").read_text())["local_hash"] for r in range(4)]
+    shutil.rmtree(job_dir, ignore_errors=True)
+    return {"shm_peak_bytes": peak, "weights": hashes}
+
+
 def mttr_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     faults = (f"kill:rank=1,step={args.steps // 2}",)
     cfg = _config("mttr", copies, nproc, args, work, spares=1, faults=faults)
@@ -187,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="counted rounds after one warm-up round")
     ap.add_argument("--mttr-nproc", type=int, nargs="*", default=[4], help="ranks of the recovery jobs")
     ap.add_argument("--replicate-nproc", type=int, nargs="*", default=[2, 4], help="ranks per node, 2 nodes")
+    ap.add_argument(
+        "--hsdp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also HSDP 2x2 on one node of 4 ranks",
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 round, 1 and 2 ranks: a smoke run")
     args = ap.parse_args(argv)
@@ -212,6 +243,17 @@ def main(argv: list[str] | None = None) -> int:
                 r[f"equal-{nproc}"] = same
                 if not same:
                     raise RuntimeError(f"{nproc} ranks: final weights differ between rank and node copies")
+            if args.hsdp:
+                for copies in COPIES:
+                    got = hsdp_job(copies, args, Path(tmp))
+                    r[f"hsdp-{copies}"] = got
+                    print(
+                        f"[bench] round {i} HSDP 2x2 {copies}: "
+                        f"shm peak {got['shm_peak_bytes'] / 2**20:.1f} MiB",
+                        flush=True,
+                    )
+                if r["hsdp-rank"]["weights"] != r["hsdp-node"]["weights"]:
+                    raise RuntimeError("HSDP: final shards differ between rank and node copies")
             for nproc in args.mttr_nproc:
                 for copies in COPIES:
                     got = mttr_job(copies, nproc, args, Path(tmp))
@@ -300,6 +342,15 @@ def main(argv: list[str] | None = None) -> int:
             [r[f"mttr-node-{nproc}"]["mttr_s"] / r[f"mttr-rank-{nproc}"]["mttr_s"] for r in rounds]
         )
         recovery[str(nproc)] = row
+    hsdp: dict[str, Any] = {}
+    if args.hsdp:
+        hsdp = {
+            c: {"shm_peak_mib": summarize([r[f"hsdp-{c}"]["shm_peak_bytes"] / 2**20 for r in rounds])}
+            for c in COPIES
+        }
+        hsdp["node_over_rank_memory"] = summarize(
+            [r["hsdp-node"]["shm_peak_bytes"] / r["hsdp-rank"]["shm_peak_bytes"] for r in rounds]
+        )
     one = summary.get("1", {}).get("rank", {}).get("shm_peak_mib")
     report = {
         "benchmark": "node_copy",
@@ -312,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "replication_mib_per_node_and_round": replication,
         "recovery": recovery,
+        "hsdp_2x2_one_node": hsdp,
         "one_rank_mib": one,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -337,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
             f"replication, {nproc} ranks per node: raw {row['rank']['raw']['median']:.2f} -> "
             f"{row['node']['raw']['median']:.2f} MiB, wire {row['rank']['wire']['median']:.2f} -> "
             f"{row['node']['wire']['median']:.2f} MiB per node and round"
+        )
+    if hsdp:
+        print(
+            f"HSDP 2x2, one node of 4 ranks: {hsdp['rank']['shm_peak_mib']['median']:.1f} -> "
+            f"{hsdp['node']['shm_peak_mib']['median']:.1f} MiB "
+            f"({hsdp['node_over_rank_memory']['median']:.3f})"
         )
     print(f"wrote {args.out}")
     return 0

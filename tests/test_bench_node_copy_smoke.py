@@ -1,5 +1,6 @@
 """Smoke test of ``benchmarks/bench_node_copy.py --quick``: one copy per node holds less than one
-copy per rank at 2 ranks on a node and replicates about half the bytes, with equal weights."""
+copy per rank at 2 ranks on a node (and for HSDP 2x2 on one node) and replicates about half the
+bytes, with equal weights."""
 
 from __future__ import annotations
 
@@ -21,3 +22,5 @@ def test_bench_node_copy_quick(tmp_path: Path) -> None:
     assert two["node"]["shm_peak_mib"]["median"] < two["rank"]["shm_peak_mib"]["median"]
     rep = report["replication_mib_per_node_and_round"]["2"]
     assert rep["node_over_rank_raw"]["median"] < 0.75
+    hsdp = report["hsdp_2x2_one_node"]  # each shard once on the node: about half the memory
+    assert hsdp["node_over_rank_memory"]["median"] < 0.75
