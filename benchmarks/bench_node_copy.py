@@ -113,21 +113,26 @@ def _config(kind: str, copies: str, nproc: int, args: argparse.Namespace, work: 
     return demo_job_config(**(fields | over))
 
 
-def one_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    cfg = _config("job", copies, nproc, args, work)
-    job_dir, result_file = Path(cfg.job_dir), Path(cfg.job_dir) / "result.json"
+def _sampled(cfg: Any, what: str) -> tuple[Path, int]:
+    """Run the single-node job ``cfg`` with its slots in a directory of its own, sampled; its
+    job dir and the peak bytes its segments held (RuntimeError naming ``what`` if it failed)."""
+    job_dir = Path(cfg.job_dir)
     shm = job_dir / "shm"
     shm.mkdir(parents=True)
-    cfg = replace(cfg, shm_dir=shm)
     sampler = Sampler(shm)
     sampler.start()
     try:
-        res = run_job(cfg, redirect_output=True)
+        res = run_job(replace(cfg, shm_dir=shm), redirect_output=True)
     finally:
         peak = sampler.stop()
-    if res.state is not JobState.DONE or not result_file.exists():
-        raise RuntimeError(f"{copies} job with {nproc} ranks failed: {res.error}\n{_why(job_dir)}")
-    out = json.loads(result_file.read_text())
+    if res.state is not JobState.DONE or not (job_dir / "result.json").exists():
+        raise RuntimeError(f"{what} failed: {res.error}\n{_why(job_dir)}")
+    return job_dir, peak
+
+
+def one_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    job_dir, peak = _sampled(_config("job", copies, nproc, args, work), f"{copies} job with {nproc} ranks")
+    out = json.loads((job_dir / "result.json").read_text())
     intervals = out["step_intervals_s"][args.skip :]
     shutil.rmtree(job_dir, ignore_errors=True)
     return {
@@ -141,18 +146,7 @@ def hsdp_job(copies: str, args: argparse.Namespace, work: Path) -> dict[str, Any
     """HSDP ``replicate=2,shard=2`` on one node of 4 ranks: ranks 0 and 2 hold shard 0, ranks 1
     and 3 shard 1 (copy groups 0 and 1). Peak snapshot memory; every rank's shards' hash."""
     cfg = _config("hsdp", copies, 4, args, work, mesh="replicate=2,shard=2")
-    job_dir, result_file = Path(cfg.job_dir), Path(cfg.job_dir) / "result.json"
-    shm = job_dir / "shm"
-    shm.mkdir(parents=True)
-    cfg = replace(cfg, shm_dir=shm)
-    sampler = Sampler(shm)
-    sampler.start()
-    try:
-        res = run_job(cfg, redirect_output=True)
-    finally:
-        peak = sampler.stop()
-    if res.state is not JobState.DONE or not result_file.exists():
-        raise RuntimeError(f"{copies} HSDP job failed: {res.error}\n{_why(job_dir)}")
+    job_dir, peak = _sampled(cfg, f"{copies} HSDP job")
     hashes = [json.loads((job_dir / f"result.rank{r}.json").read_text())["local_hash"] for r in range(4)]
     shutil.rmtree(job_dir, ignore_errors=True)
     return {"shm_peak_bytes": peak, "weights": hashes}

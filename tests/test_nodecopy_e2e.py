@@ -10,10 +10,11 @@ import re
 import statistics
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.conftest import events_named, run_demo_job, run_nodes_job
+from tests.conftest import DemoRun, events_named, run_demo_job, run_nodes_job
 from tests.test_sharded_e2e import shards
 
 _SHARED = re.compile(r"-n(\d+)-s\d+$")
@@ -47,7 +48,9 @@ class _Peak(threading.Thread):
             self.shared, self.own = max(self.shared, shared), max(self.own, own)
 
 
-def test_a_killed_rank_recovers_from_its_split_snapshot_bitwise(tmp_path: Path, reference_hash: str) -> None:
+def _peaked_run(tmp_path: Path, faults: tuple[str, ...], **cfg: Any) -> tuple[DemoRun, _Peak]:
+    """A demo job with a hot spare and ``faults``, its slots in a directory of its own, whose
+    bytes a :class:`_Peak` watched while it ran."""
     shm = tmp_path / "shm"
     shm.mkdir()
     peak = _Peak(shm)
@@ -55,15 +58,20 @@ def test_a_killed_rank_recovers_from_its_split_snapshot_bitwise(tmp_path: Path, 
     try:
         run = run_demo_job(
             tmp_path / "job",
-            nproc=3,
             spares=1,
-            faults=("kill:rank=1,step=8", "hang:rank=0,step=14"),
+            faults=faults,
             shm_dir=shm,
             script_extra=("--step-delay", "0.05"),
+            **cfg,
         )
     finally:
         peak.done.set()
         peak.join()
+    return run, peak
+
+
+def test_a_killed_rank_recovers_from_its_split_snapshot_bitwise(tmp_path: Path, reference_hash: str) -> None:
+    run, peak = _peaked_run(tmp_path, ("kill:rank=1,step=8", "hang:rank=0,step=14"), nproc=3)
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash  # the 3-rank job, one copy per rank, no fault
     assert [f["lost_steps"] for f in run.result.failures] == [0, 0]
@@ -103,22 +111,7 @@ def test_hsdp_replica_groups_on_one_node_keep_each_shard_once_and_recover_bitwis
     ends bitwise where the uninterrupted one does."""
     hsdp = dict(mesh="replicate=2,shard=2", nproc=4, steps=14)
     reference = run_demo_job(tmp_path / "reference", spares=0, snapshot_copies="rank", **hsdp)
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    peak = _Peak(shm)
-    peak.start()
-    try:
-        run = run_demo_job(
-            tmp_path / "job",
-            spares=1,
-            faults=("kill:rank=2,step=5", "hang:rank=1,step=10"),
-            shm_dir=shm,
-            script_extra=("--step-delay", "0.05"),
-            **hsdp,
-        )
-    finally:
-        peak.done.set()
-        peak.join()
+    run, peak = _peaked_run(tmp_path, ("kill:rank=2,step=5", "hang:rank=1,step=10"), **hsdp)
     assert shards(run) == shards(reference)
     assert shards(run)[0] == shards(run)[2] and shards(run)[1] == shards(run)[3]  # twins, bitwise
     failures = [(f["kind"], f["rank"], f["lost_steps"]) for f in run.result.failures]

@@ -4,8 +4,9 @@ whole snapshot, byte for byte. Real sockets, real shared memory, no workers."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +31,12 @@ def _state(rank: int, model: dict[str, torch.Tensor], step: int) -> dict[str, ob
     return {"model": model, "rng": torch.arange(16, dtype=torch.uint8) + rank, "extras": {"step": step}}
 
 
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[tuple[Path, str, bytes, DataPlane, Replicator, list[RankSnapshotStore]]]:
+@contextlib.contextmanager
+def _node(
+    tmp_path: Path, stores: int = 2, group_of: Callable[[int], int] = lambda r: 0
+) -> Iterator[tuple[Path, str, bytes, DataPlane, Replicator, list[RankSnapshotStore]]]:
+    """Node a's ``RANKS`` rank stores (rank r in copy group ``group_of(r)``), its replicator,
+    and node b's data plane, which holds a's replicas."""
     secret = new_secret()
     job = uuid.uuid4().hex[:8]
     shm = tmp_path / "shm"
@@ -41,13 +46,14 @@ def node(tmp_path: Path) -> Iterator[tuple[Path, str, bytes, DataPlane, Replicat
         port=0,
         secret=secret,
         local=shm_stores(shm, f"{job}.b", 2),
-        replica=shm_stores(shm, f"{job}.b.rep", 2),
+        replica=shm_stores(shm, f"{job}.b.rep", stores),
     )
-    rep = Replicator(node="a", secret=secret, local=shm_stores(shm, f"{job}.a", 2))
+    rep = Replicator(node="a", secret=secret, local=shm_stores(shm, f"{job}.a", stores))
     writers = []
     for r in range(RANKS):  # node a's ranks, as their workers write them
         s = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.a", rank=r)
-        s.share_with(NodeCopy(shm_dir=shm, job_id=f"{job}.a", num_slots=node_slots(2)), 1)
+        copy = NodeCopy(shm_dir=shm, job_id=f"{job}.a", num_slots=node_slots(2), group=group_of(r))
+        s.share_with(copy, 1)
         writers.append(s)
     try:
         yield shm, job, secret, holder, rep, writers
@@ -56,6 +62,12 @@ def node(tmp_path: Path) -> Iterator[tuple[Path, str, bytes, DataPlane, Replicat
             s.close()
         rep.close()
         holder.close()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[tuple[Path, str, bytes, DataPlane, Replicator, list[RankSnapshotStore]]]:
+    with _node(tmp_path) as made:
+        yield made
 
 
 def _snapshot(writers: list[RankSnapshotStore], step: int, drift: float) -> None:
@@ -102,23 +114,7 @@ def test_a_node_sends_its_alike_state_once_and_the_holder_gives_back_whole_snaps
 def test_each_copy_group_travels_once_and_comes_back_as_its_ranks_whole_snapshots(tmp_path: Path) -> None:
     """HSDP 2x2 on one node: two copy groups (shards 0 and 1), each sent once per step to the
     holder (its own delta base per group), and each rank's snapshot fetched back byte for byte."""
-    secret, job = new_secret(), uuid.uuid4().hex[:8]
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    holder = DataPlane(
-        host="127.0.0.1",
-        port=0,
-        secret=secret,
-        local=shm_stores(shm, f"{job}.b", 2),
-        replica=shm_stores(shm, f"{job}.b.rep", 4),
-    )
-    rep = Replicator(node="a", secret=secret, local=shm_stores(shm, f"{job}.a", 4))
-    writers = []
-    for r in range(4):
-        s = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.a", rank=r)
-        s.share_with(NodeCopy(shm_dir=shm, job_id=f"{job}.a", num_slots=node_slots(2), group=r % 2), 1)
-        writers.append(s)
-    try:
+    with _node(tmp_path, 4, lambda r: r % 2) as (shm, job, secret, holder, rep, writers):
         shard_bytes = 256 * 257 * 4
         for step, drift in ((10, 0.0), (11, 1e-3)):
             for r, s in enumerate(writers):
@@ -137,8 +133,3 @@ def test_each_copy_group_travels_once_and_comes_back_as_its_ranks_whole_snapshot
             held = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b.rep", rank=r)
             assert torch.equal(held.read(11)["model"]["w"], _model(1e-3 + r % 2)["w"])
             held.close()
-    finally:
-        for s in writers:
-            s.close()
-        rep.close()
-        holder.close()
