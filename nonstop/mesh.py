@@ -161,13 +161,15 @@ class MeshSpec:
         return rank % (self.world_size // self.size("replicate"))
 
     def copy_groups_on_node(self, nproc_per_node: int) -> int:
-        """How many copy groups a node of ``nproc_per_node`` consecutive ranks holds two ranks or
-        more of -- each kept once by a node copy -- or 0 when it holds none twice (a replica group
-        fills the node or more: a node copy would save nothing)."""
+        """How many copy groups a node of ``nproc_per_node`` consecutive ranks keeps a node copy
+        of: each of its ranks' groups once, whether the group's other members (its twins in the
+        other replica groups) are on this node (their shards are then kept once) or on other
+        nodes (a replica holder that holds a twin takes the shards from its own memory instead
+        of the wire: ``replica/dataplane.py``); 0 without replica groups (nothing alike)."""
         per_replica = self.world_size // self.size("replicate")
-        if self.size("replicate") < 2 or nproc_per_node <= per_replica:
+        if self.size("replicate") < 2:
             return 0
-        return per_replica
+        return min(per_replica, nproc_per_node)
 
     # -- elastic: whole replica groups, or shard groups with a reshard ------------------------------
     @property

@@ -82,6 +82,13 @@ def test_a_killed_rank_recovers_from_its_split_snapshot_bitwise(tmp_path: Path, 
     assert peak.shared > 0 and peak.own < peak.shared, (peak.shared, peak.own)
 
 
+def _per_round(events: list[dict[str, Any]]) -> float:
+    """A replication round's bytes before encoding, the median over the job's rounds."""
+    done = [e for e in events_named(events, "replicated") if e.get("raw_bytes")]
+    assert done
+    return statistics.median(float(e["raw_bytes"]) for e in done)
+
+
 def test_a_lost_node_recovers_from_replicas_sent_once_per_node_bitwise(tmp_path: Path) -> None:
     common = dict(nnodes=2, nproc=2, spares=1, replicas=1)
     whole = run_nodes_job(tmp_path / "rank", snapshot_copies="rank", **common)
@@ -94,13 +101,26 @@ def test_a_lost_node_recovers_from_replicas_sent_once_per_node_bitwise(tmp_path:
     assert gen["tier"] == "memory"
     assert any(v.endswith(":replica") for v in gen["fetches"].values())
 
-    def per_round(events: list[dict[str, object]]) -> float:
-        done = [e for e in events_named(events, "replicated") if e.get("raw_bytes")]
-        assert done
-        return statistics.median(float(e["raw_bytes"]) for e in done)  # type: ignore[arg-type]
-
     # two ranks per node: the shared write once and two own parts, against two whole snapshots
-    assert per_round(run.events) < 0.75 * per_round(whole.events)
+    assert _per_round(run.events) < 0.75 * _per_round(whole.events)
+
+
+def test_an_hsdp_node_s_replicas_take_the_shards_from_the_twin_node_and_recover_bitwise(
+    tmp_path: Path,
+) -> None:
+    """HSDP 2x2 over 2 nodes, a replica group each: node 1's ranks hold node 0's shards, bitwise.
+    Each node's replicas go to its twin, which takes the shards from its own ranks' memory: only
+    the ranks' own parts travel. Node 1 lost: its ranks restore from the replicas node 0 holds,
+    and the job ends bitwise where one keeping a whole copy per rank ends."""
+    common = dict(nnodes=2, nproc=2, spares=1, replicas=1, mesh="replicate=2,shard=2", steps=14)
+    whole = run_nodes_job(tmp_path / "rank", snapshot_copies="rank", **common)
+    run = run_nodes_job(tmp_path / "node", faults=("node:node=1,step=9",), **common)
+    assert shards(run) == shards(whole)
+    assert [(f["kind"], f["lost_steps"]) for f in run.result.failures] == [("node", 0)] * 2
+    gen = next(g for g in events_named(run.events, "generation") if g["cause"])
+    assert gen["tier"] == "memory" and any(v.endswith(":replica") for v in gen["fetches"].values())
+    # the shards stayed home: a round sends the ranks' own parts (RNG, data position) alone
+    assert _per_round(run.events) < 0.25 * _per_round(whole.events)
 
 
 def test_hsdp_replica_groups_on_one_node_keep_each_shard_once_and_recover_bitwise(tmp_path: Path) -> None:

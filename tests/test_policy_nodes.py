@@ -98,3 +98,14 @@ def test_replicas_go_to_another_replica_group_first() -> None:
     doms = {"a": "r1", "b": "r1", "c": "r1", "d": "r2"}
     assert place_replicas(nodes, doms, 1, groups)["a"] == ["d"]
     assert place_replicas(nodes, doms, 3, groups)["a"] == ["d", "c", "b"]
+
+
+def test_within_the_other_replica_group_the_twin_node_comes_first() -> None:
+    """HSDP of 2 replica groups of 2 nodes: a and c hold the same shards (place 0), b and d too
+    (place 1). Each node's replica goes to its twin, which takes the shards from its own memory."""
+    nodes = ["a", "b", "c", "d"]
+    groups = {"a": 0, "b": 0, "c": 1, "d": 1}
+    places = {"a": 0, "b": 1, "c": 0, "d": 1}
+    assert place_replicas(nodes, {}, 1, groups, places) == {"a": ["c"], "b": ["d"], "c": ["a"], "d": ["b"]}
+    # another replica group still comes before a twin-less node of one's own
+    assert place_replicas(nodes, {}, 2, groups, places)["b"] == ["d", "c"]

@@ -133,3 +133,43 @@ def test_each_copy_group_travels_once_and_comes_back_as_its_ranks_whole_snapshot
             held = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b.rep", rank=r)
             assert torch.equal(held.read(11)["model"]["w"], _model(1e-3 + r % 2)["w"])
             held.close()
+
+
+def test_a_holder_whose_ranks_are_the_twins_takes_the_shards_from_its_own_memory(tmp_path: Path) -> None:
+    """HSDP 2x2 over 2 nodes (a replica group each): node b's ranks 2 and 3 hold the shards node
+    a's ranks 0 and 1 hold, bitwise. a's replicas to b carry their own parts only; b takes the
+    shared writes from its own ranks' and gives back a's whole snapshots byte for byte. A layout
+    b's ranks do not share travels as before."""
+    with _node(tmp_path, 4, lambda r: r % 2) as (shm, job, secret, holder, rep, writers):
+        b_ranks = []
+        for r in (2, 3):  # node b's own ranks, as their workers write them
+            s = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.b", rank=r)
+            s.share_with(NodeCopy(shm_dir=shm, job_id=f"{job}.b", num_slots=node_slots(2), group=r % 2), 1)
+            b_ranks.append(s)
+        try:
+            shard_bytes = 256 * 257 * 4
+            for r, s in [(0, writers[0]), (1, writers[1]), (2, b_ranks[0]), (3, b_ranks[1])]:
+                model = _model(r % 2)  # shard r % 2, alike on both nodes
+                ptrs = {t.data_ptr() for t in model.values()}
+                s.write(10, _state(r, model, 10), share=lambda t, p=ptrs: t.data_ptr() in p)
+            stats = [rep.replicate(r, 10, [holder.addr]) for r in (0, 1)]
+            assert sum(st.raw_bytes for st in stats) < 0.1 * shard_bytes  # own parts alone travelled
+            assert holder.twin_bytes >= 2 * shard_bytes
+            for r in (0, 1):
+                want = RankSnapshotStore(shm_dir=shm, job_id=f"{job}.a", rank=r).copy_out(10)
+                meta, data = fetch_snapshot(holder.addr, secret, node="c", rank=r, step=10, kind="replica")
+                assert meta == want.meta and np.array_equal(np.frombuffer(data, dtype=np.uint8), want.data)
+            # another layout (node a's shards grew): b's write of the step is not it, so a's goes
+            # over the wire
+            for r, s in [(0, writers[0]), (1, writers[1]), (2, b_ranks[0]), (3, b_ranks[1])]:
+                model = _model(r % 2)
+                if r < 2:
+                    model = {k: torch.cat([v, v]) for k, v in model.items()}
+                ptrs = {t.data_ptr() for t in model.values()}
+                s.write(11, _state(r, model, 11), share=lambda t, p=ptrs: t.data_ptr() in p)
+            before = holder.twin_bytes
+            assert sum(rep.replicate(r, 11, [holder.addr]).raw_bytes for r in (0, 1)) > 4 * shard_bytes
+            assert holder.twin_bytes == before
+        finally:
+            for s in b_ranks:
+                s.close()

@@ -3,9 +3,11 @@
 :class:`DataPlane` authenticates peers (``purpose="data"``), installs the replicas they send
 (``rep`` + chunks, checked before anything is installed) into this node's replica slots (a split
 snapshot's own part there, and the shared write it refers to, ``rep_shared``, beside them once
-per step), and serves fetches of its own ranks' or its replicas' snapshots -- raw, or a delta
-against the base a tracked fetch kept (a migration's catch-up). :func:`shm_stores` is the cached
-``rank -> RankSnapshotStore`` factory both sides use over a store id.
+per step -- or, when this node's own ranks wrote the same shared write, an HSDP twin's, copied
+from its own memory instead), and serves fetches of its own ranks' or its replicas' snapshots --
+raw, or a delta against the base a tracked fetch kept (a migration's catch-up).
+:func:`shm_stores` is the cached ``rank -> RankSnapshotStore`` factory both sides use over a
+store id.
 
 Threading: one dispatcher thread serves the listener's events in order (replica stores are written
 by it alone); each fetch is answered on a thread of its own, so a slow requester never holds an
@@ -20,6 +22,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from nonstop.control.channel import BLOB, Channel, Message
 from nonstop.control.listener import ControlServer
@@ -77,6 +81,8 @@ class DataPlane:
         self.address = self._server.address
         self._partial: dict[Channel, tuple[Message, list[Message]]] = {}
         self._nodes: dict[int, NodeCopy] = {}  # the shared writes held for other nodes, by copy group
+        self._twin_scratch: np.ndarray | None = None
+        self.twin_bytes = 0  # shared writes held from this node's own ranks' instead of the wire
         self._stop = threading.Event()
         self._lock = threading.Lock()  # replica stores are written by the dispatcher only
         self._thread = threading.Thread(target=self._loop, name="nonstop-dataplane", daemon=True)
@@ -172,8 +178,11 @@ class DataPlane:
         store = self._replica(rank)
         ref = ref_of(bytes(head.get(BLOB, b"")[:REF_HEAD]))
         if ref is not None and self._replica_node(store, ref.group).find(ref) is None:
-            chan.send({"t": "rep_ack", "ok": False, "need_shared": True, "error": "shared write not held"})
-            return
+            if not self._from_twin(store, ref, head.get("key")):
+                chan.send(
+                    {"t": "rep_ack", "ok": False, "need_shared": True, "error": "shared write not held"}
+                )
+                return
         base_data = None
         if head.get("base") is not None:
             try:
@@ -188,6 +197,29 @@ class DataPlane:
         with self._lock:
             store.write_raw(step, meta, data)
         chan.send({"t": "rep_ack", "ok": True, "rank": rank, "step": step})
+
+    def _from_twin(self, store: RankSnapshotStore, ref: SharedRef, key: object) -> bool:
+        """Hold the shared write ``ref`` (layout ``key``) of another node's rank by copying this
+        node's own write of it, when its ranks wrote the same one: an HSDP job's replica groups
+        hold the same shards bitwise, so the twin's write of (generation, step, copy group) in
+        the same layout is those bytes, and they need not travel. False when it has none."""
+        if not isinstance(key, str):
+            return False
+        own = self._local(0).node_copy(ref.group)
+        if own.key_of(ref) != key:
+            return False
+        data = own.copy_data(ref, out=self._twin_scratch)
+        if data is None:
+            return False  # overwritten since: the sender sends it
+        if self._twin_scratch is None or self._twin_scratch.size < data.size:
+            self._twin_scratch = data
+        with self._lock:
+            held = self._replica_node(store, ref.group).install(
+                gen=ref.gen, step=ref.step, key=key, data=data
+            )
+        if held:
+            self.twin_bytes += len(data)
+        return held
 
     def _serve_fetch(self, chan: Channel, msg: Message) -> None:
         """Answer one fetch; whatever goes wrong -- a missing step, a malformed request, a bug --

@@ -9,8 +9,10 @@ Messages on a peer channel (all authenticated by :mod:`nonstop.control.channel`)
   null), verifies every chunk's CRC-32C, installs the step in its replica slots
   and answers ``rep_ack`` (``ok``, or ``need_full`` when it lacks the base).
   A snapshot split with its node's shared write (:mod:`nonstop.snapshot.nodecopy`) goes as the
-  rank's own part (its meta names the shared write); a holder that does not hold that shared
-  write yet answers ``need_shared`` and installs nothing.
+  rank's own part (its meta names the shared write, ``key`` its layout); a holder that does not
+  hold that shared write yet takes it from its own ranks' shared writes when one of them is the
+  same (generation, step, copy group, layout: an HSDP twin's, in another replica group), else
+  answers ``need_shared`` and installs nothing.
 * ``rep_shared`` (sender -> holder): a node's shared write of one step, ``gen, step, key, group,
   base, data_len, nchunks`` and the chunks (``group``: its copy group, 0 when left out; ``base``:
   the [gen, step] it is a delta against), sent once per holder, group and step, whichever of the
@@ -250,10 +252,13 @@ class Replicator:
         store: RankSnapshotStore,
     ) -> int:
         ch = self._active = self._chan(addr)
+        # a split snapshot's shared write is named by its layout key too: a holder whose own ranks
+        # hold the same write (an HSDP twin's) takes it from its own memory, not the wire
+        key = store.node_copy(snap.shared.group).key_of(snap.shared) if snap.shared is not None else None
         try:
             wire = 0
             for _ in range(2):
-                sent, need_shared = self._send_on(ch, addr, rank, step, snap, segments, stats)
+                sent, need_shared = self._send_on(ch, addr, rank, step, snap, segments, stats, key)
                 wire += sent
                 if not need_shared:
                     return wire
@@ -296,10 +301,14 @@ class Replicator:
         snap: RawSnapshot,
         segments: Any,
         stats: ReplicaStats,
+        key: str | None = None,
     ) -> tuple[int, bool]:
-        """Send ``snap`` (whole, or a split snapshot's own part); (wire bytes, whether the holder
-        lacks the shared write it refers to: then nothing was installed)."""
+        """Send ``snap`` (whole, or a split snapshot's own part, with ``key``: its shared write's
+        layout key); (wire bytes, whether the holder lacks the shared write it refers to: then
+        nothing was installed)."""
         head: Message = {"t": "rep", "rank": rank, "step": step}
+        if key is not None:
+            head["key"] = key
         base = self._bases.get((rank, addr))
         wire, ack, whole = self._offer(ch, head, snap.meta, snap.data, segments, base)
         if ack.get("ok"):

@@ -250,7 +250,11 @@ class QuarantinePolicy:
 
 
 def place_replicas(
-    nodes: Sequence[str], domains: Mapping[str, str], r: int, groups: Mapping[str, int] | None = None
+    nodes: Sequence[str],
+    domains: Mapping[str, str],
+    r: int,
+    groups: Mapping[str, int] | None = None,
+    positions: Mapping[str, int] | None = None,
 ) -> dict[str, list[str]]:
     """For each node, the ``r`` nodes holding replicas of its ranks' snapshots.
 
@@ -263,15 +267,20 @@ def place_replicas(
     the replica group its ranks belong to. A node of *another* group is preferred over
     any of its own group (then other domains first within each): a failure that takes a
     whole replica group (its nodes often share a switch) leaves the replica elsewhere.
+    ``positions``: node -> its place in its replica group; among the other groups' nodes the
+    one at the same place -- its *twin*, holding the same shards -- comes first, since it can
+    take the replicated shards from its own memory (``replica/dataplane.py``).
     """
     out: dict[str, list[str]] = {}
     n = len(nodes)
-    grp = groups or {}
+    grp, pos = groups or {}, positions or {}
     for i, node in enumerate(nodes):
         ring = [nodes[(i + k) % n] for k in range(1, n)]
-        dom, g = domains.get(node, node), grp.get(node, 0)
+        dom, g, p = domains.get(node, node), grp.get(node, 0), pos.get(node)
         # stable: ring order within each tier
-        ranked = sorted(ring, key=lambda m: (grp.get(m, 0) == g, domains.get(m, m) == dom))
+        ranked = sorted(
+            ring, key=lambda m: (grp.get(m, 0) == g, p is None or pos.get(m) != p, domains.get(m, m) == dom)
+        )
         out[node] = ranked[: max(0, r)]
     return out
 

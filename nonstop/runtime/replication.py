@@ -76,7 +76,9 @@ class ReplicationRounds:
         if v.replicated_step is not None and step <= v.replicated_step:
             return
         alive = v.alive_nodes()
-        holders = place_replicas(alive, {n: v.nodes[n].domain for n in alive}, self.replicas, self._groups())
+        groups, positions = self._groups()
+        domains = {n: v.nodes[n].domain for n in alive}
+        holders = place_replicas(alive, domains, self.replicas, groups, positions)
         per_node: dict[str, dict[str, list[str]]] = {}
         for rank in range(v.world_size):
             node = v.rank_node[rank]
@@ -88,17 +90,21 @@ class ReplicationRounds:
         for node, ranks in per_node.items():
             self.io.send_node(v.nodes[node], {"t": "replicate", "step": step, "ranks": ranks})
 
-    def _groups(self) -> dict[str, int] | None:
-        """Node -> the replica group (``replicate`` index) of its ranks, when there are several."""
+    def _groups(self) -> tuple[dict[str, int] | None, dict[str, int] | None]:
+        """Node -> the replica group (``replicate`` index) of its ranks, when there are several,
+        and node -> its place in that group (the copy group of its first rank: nodes of two
+        replica groups at one place hold the same shards)."""
         mesh = self.mesh
         if mesh is None or mesh.size("replicate") < 2:
-            return None
+            return None, None
         out: dict[str, int] = {}
+        first: dict[str, int] = {}
         for rank, node in self.view.rank_node.items():
             if node is not None and rank < mesh.world_size:
                 g = mesh.coords(rank)["replicate"]
                 out[node] = min(out.get(node, g), g)
-        return out
+                first[node] = min(first.get(node, rank), rank)
+        return out, {node: mesh.copy_group(rank) for node, rank in first.items()}
 
     def on_replicated(self, node: str, msg: Replicated) -> None:
         """A node's answer for one rank of the round."""
