@@ -112,6 +112,7 @@ class CoordinatorLink:
         self._can_interrupt = threading.current_thread() is threading.main_thread()
         self._main_ident = threading.main_thread().ident or 0
         if self._can_interrupt:
+            self._start_redelivery()
             signal.signal(signal.SIGUSR1, self._on_interrupt)
         self.chan: Channel = connect(env.control_addr, env.secret, self._hello(), timeout=timeout)
         threading.Thread(target=self._reader, name="nonstop-reader", daemon=True).start()
@@ -191,7 +192,7 @@ class CoordinatorLink:
 
     def _on_interrupt(self, _signum: int, frame: FrameType | None) -> None:
         if self.in_step:  # outside train_step the loop sees the message between steps
-            if frame is not None and (frame.f_code in _NOT_HERE or frame.f_code is _HANDLER):
+            if _inside_no_raise(frame):
                 # entering or leaving a step (Step.__enter__/__exit__): an exception raised here
                 # would escape the step's handler. Deliver it again a moment later: inside the
                 # step's body it raises; once the step is left, in_step is False. Not at once
@@ -203,15 +204,36 @@ class CoordinatorLink:
             self.in_step = False
             raise PeerFailed("a peer failed; abandoning this step")
 
+    def _start_redelivery(self) -> None:
+        """The thread that sends a deferred interrupt again (:meth:`_redeliver_later`), woken
+        through a pipe. The handler only writes a byte to it: a thread started from inside the
+        handler made the main thread wait in ``threading`` for it to start, and on a loaded
+        machine the redelivery landed in that wait -- inside the handler, in a frame not marked
+        -- and was raised there, out through the step's entry (found under a parallel test load)."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._wake_fd = write_fd
+
+        def loop() -> None:
+            while True:
+                try:
+                    if not os.read(read_fd, 64):  # (wake-ups that came meanwhile: one redelivery)
+                        return
+                except OSError:
+                    return
+                time.sleep(REDELIVER_S)
+                if self.in_step:
+                    signal.pthread_kill(self._main_ident, signal.SIGUSR1)
+
+        threading.Thread(target=loop, name="nonstop-redeliver", daemon=True).start()
+
     def _redeliver_later(self) -> None:
-        """SIGUSR1 to the main thread again in :data:`REDELIVER_S`, if it is still in a step."""
-
-        def fire() -> None:
-            time.sleep(REDELIVER_S)
-            if self.in_step:
-                signal.pthread_kill(self._main_ident, signal.SIGUSR1)
-
-        threading.Thread(target=fire, name="nonstop-redeliver", daemon=True).start()
+        """SIGUSR1 to the main thread again in :data:`REDELIVER_S`, if it is still in a step (from
+        the handler: one non-blocking write, no lock, no thread started here)."""
+        try:
+            os.write(self._wake_fd, b"x")
+        except OSError:  # (BlockingIOError: the pipe is full of wake-ups the thread has yet to read)
+            pass
 
     # -- the heartbeat thread --------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -324,6 +346,22 @@ class CoordinatorLink:
         """Stop the threads' work (the reader returns instead of reconnecting) and disconnect."""
         self.closing = True
         self.chan.close()
+        wake_fd = getattr(self, "_wake_fd", None)
+        if wake_fd is not None:
+            self._wake_fd = -1  # (a late write fails quietly; the redelivery thread reads EOF)
+            os.close(wake_fd)
 
 
 _HANDLER = CoordinatorLink._on_interrupt.__code__  # the SIGUSR1 handler itself (see _on_interrupt)
+
+
+def _inside_no_raise(frame: FrameType | None) -> bool:
+    """Whether ``frame`` -- where an interrupt landed -- is, or is called from, a place where it
+    may not raise: an ``@uninterruptible`` function (a helper it calls included) or the handler
+    itself (a redelivery that came while the handler was still deferring the first one: raised
+    there, it leaves through whatever the first one interrupted)."""
+    while frame is not None:
+        if frame.f_code in _NOT_HERE or frame.f_code is _HANDLER:
+            return True
+        frame = frame.f_back
+    return False
