@@ -8,7 +8,6 @@ one-off slow step are not flagged. Events are asserted, timings only loosely."""
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
 import pytest
@@ -66,13 +65,10 @@ def test_a_straggler_is_migrated_away_bitwise(
     (done,) = events_named(run.events, "migration_done")
     assert done["rank"] == 1 and done["reason"] == "straggler" and done["source"] == "1"
     assert done["target"] in ("0", "2") and done["boundary"] > flagged[0]["step"]
-    # the new process playing rank 1 is not slow: the flag clears, never raised again
+    # the new process playing rank 1 is not slow: the flag clears, never raised again (the
+    # detector's verdict on the steps' compute; the step intervals, which a competing load
+    # stretches as much, are not compared here)
     assert events_named(run.events, "straggler_cleared")
-    # throughput after the move is back near the start's (loosely: a loaded machine)
-    intervals = run.out["step_intervals_s"]
-    assert isinstance(intervals, list)
-    first, last = statistics.median(intervals[:9]), statistics.median(intervals[-10:])
-    assert last < 1.5 * first, (first, last)
 
 
 def test_a_degraded_node_is_drained(tmp_path: Path, undisturbed: tuple[str, list[dict[str, object]]]) -> None:
@@ -114,11 +110,12 @@ def test_a_whole_job_slowdown_and_a_one_off_slow_step_flag_nothing(
     assert run.out["final_hash"] == reference
     assert events_named(run.events, "straggler") == []
     assert events_named(run.events, "migration_start") == [] and run.result.failures == []
-    intervals = run.out["step_intervals_s"]
-    # the slowdown happened: later steps are slower (2x the compute, not the demo's fixed 0.1 s
-    # pace: measured 1.27x the early steps on a loaded machine, so a loose bound)
-    assert isinstance(intervals, list)
-    assert statistics.median(intervals[-10:]) > 1.1 * statistics.median(intervals[:9])
+    # every fault fired (each process records the one it fired: the slowdowns of ranks 0-2 and
+    # rank 1's slow step). Not timed: the step intervals once checked here (later steps > 1.1x the
+    # early ones; 1.27x measured on a loaded machine) were 1.04x in a parallel test run, where the
+    # load slowed the early steps as much
+    fired = sorted(p.name for p in (run.job_dir / "faults").glob("fault-*"))
+    assert fired == [f"fault-{i}" for i in range(4)], fired
 
 
 def test_a_failure_on_a_degraded_node_is_replaced_on_another_node(
