@@ -153,3 +153,39 @@ def test_a_node_copy_never_finds_another_group_s_write(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="copy group"):
         NodeCopy(shm_dir=tmp_path, job_id=JOB, num_slots=3, group=-1)
     one.close(), zero.close()
+
+
+def test_a_rank_joins_its_copy_group_only_when_its_model_replicates(fake_world: Any) -> None:
+    """The worker's choice (LoopSnapshots): HSDP's parameters (Replicate on ``replicate``) put
+    rank 3 of ``replicate=2,shard=2`` in group 1; a model sharded along a dim named ``replicate``
+    (the demo's ``replicate=2,tp=2``: FSDP over a 1-D mesh of that name) keeps its own copy; a
+    DDP job's ranks are group 0; ``--snapshot-copies rank`` none."""
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from nonstop.snapshot import StateCapture
+    from nonstop.train.snapshots import LoopSnapshots
+
+    def loop(mesh: str | None, node_copy: bool = True) -> LoopSnapshots:
+        env = SimpleNamespace(node_copy=node_copy, mesh=mesh, shm_dir=Path("/nonexistent"), job_id="j")
+        snaps = LoopSnapshots(env)  # type: ignore[arg-type]
+        snaps._store = SimpleNamespace(rank=3)  # type: ignore[assignment]
+        return snaps
+
+    def capture(param: torch.Tensor) -> StateCapture:
+        model = torch.nn.Linear(2, 2)
+        return StateCapture(model=model, optimizer=torch.optim.SGD([torch.nn.Parameter(param)], lr=0.1))
+
+    full = torch.arange(8.0).reshape(4, 2)
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    w = DTensor.from_local(
+        full[2:].clone(), hsdp, [Replicate(), Shard(0)], run_check=False, shape=(4, 2), stride=(2, 1)
+    )
+    assert loop("replicate=2,shard=2")._copy_group(capture(w)) == 1
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("replicate",))
+    v = DTensor.from_local(full[1:2].clone(), flat, [Shard(0)], run_check=False, shape=(4, 2), stride=(2, 1))
+    assert loop("replicate=4")._copy_group(capture(v)) is None
+    assert loop(None)._copy_group(capture(torch.ones(2))) == 0
+    assert loop("replicate=2,shard=2", node_copy=False)._copy_group(capture(w)) is None

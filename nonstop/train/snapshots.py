@@ -39,7 +39,8 @@ class LoopSnapshots:
         # (an HSDP job's replica groups hold their shards alike: one copy per copy group; opened
         # at the first snapshot, when the model's placements say whether it replicates)
         self._node: NodeCopy | None = None
-        self._alike: dict[int, bool] = {}  # id(optimizer) -> its parameters replicate along "replicate"
+        self._alike: tuple[int, bool] | None = None  # (id(optimizer), replicated along "replicate")
+        self._mesh = MeshSpec.parse(env.mesh) if env.mesh is not None else None
 
     def due(self, step: int, *, final: bool, pause_at: int | None) -> bool:
         """Whether the state after ``step`` is snapshotted: every ``--snapshot-every`` K-th step,
@@ -64,21 +65,22 @@ class LoopSnapshots:
         a DDP job's ranks are group 0; an HSDP job's rank is in its shard coordinates' group when
         the optimizer's parameters are replicated along ``replicate`` (checked once per
         optimizer: a model sharded along a dim named so is not alike across it)."""
-        env = self._env
-        if not env.node_copy:
+        if not self._env.node_copy:
             return None
-        if env.mesh is None:
+        if self._mesh is None:
             return 0
         opt = capture.optimizer
         if opt is None:
             return None
-        alike = self._alike.get(id(opt))
-        if alike is None:
+        if self._alike is not None and self._alike[0] == id(opt):
+            alike = self._alike[1]
+        else:  # (a sharded job's optimizer is built again each generation)
             params = [p for group in opt.param_groups for p in group["params"]]
-            alike = self._alike[id(opt)] = replicated_along(params, "replicate")
+            alike = replicated_along(params, "replicate")
+            self._alike = (id(opt), alike)
             if not alike:
                 log.info("node copy: parameters not replicated along 'replicate'; each rank keeps its own")
-        return MeshSpec.parse(env.mesh).copy_group(self.live.rank) if alike else None
+        return self._mesh.copy_group(self.live.rank) if alike else None
 
     def _shared(self, capture: StateCapture, gen: int) -> Share | None:
         """With a node copy: what of ``capture`` goes to the copy group's shared write (the
