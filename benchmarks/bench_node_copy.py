@@ -17,9 +17,7 @@ time to training again, against one copy per rank; the weights must still be equ
 
 HSDP (``--hsdp``, on by default): ``replicate=2,shard=2`` on one node of 4 ranks, whose replica
 groups' ranks hold the same shards (copy groups: each shard once per node), peak memory against
-one copy per rank; and the same mesh over 2 nodes (a replica group each, each node the other's
-twin), the replication bytes per node and round: a holder takes the shards from its own ranks'
-memory. Every rank's shards must be equal between the two.
+one copy per rank; every rank's shards must be equal between the two.
 
 Replication (``--replicate-nproc``): the same job on 2 local nodes (``--replicas 1``: each node's
 ranks replicated to the other), ``--step-delay`` pacing its steps as in the tests; the figures
@@ -173,15 +171,10 @@ def mttr_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> d
     }
 
 
-def replication_job(
-    copies: str, nproc: int, args: argparse.Namespace, work: Path, mesh: str | None = None
-) -> dict[str, Any]:
-    """The job on 2 local nodes, each node's ranks replicated to the other; with ``mesh`` the
-    sharded demo (``replicate=2,shard=2``: a replica group per node, each the other's twin)."""
-    over: dict[str, Any] = {"mesh": mesh} if mesh else {}
+def replication_job(copies: str, nproc: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     cfg = _config(
         "rep", copies, nproc, args, work, steps=args.steps * 2, script_extra=("--step-delay", "0.1"),
-        nnodes=2, coordinator="127.0.0.1:0", replicas=1, lease_ttl_s=3.0, **over,
+        nnodes=2, coordinator="127.0.0.1:0", replicas=1, lease_ttl_s=3.0,
     )  # fmt: skip
     job_dir, result_file = Path(cfg.job_dir), Path(cfg.job_dir) / "result.json"
     res = run_local_nodes(cfg, redirect_output=True)
@@ -192,10 +185,6 @@ def replication_job(
     rounds = [json.loads(line) for line in (job_dir / "events.jsonl").read_text().splitlines()]
     done = [e for e in rounds if e.get("event") == "replicated" and e.get("raw_bytes")]
     out = json.loads(result_file.read_text())
-    if mesh:
-        world = int(out["world_size"])
-        files = [job_dir / f"result.rank{r}.json" for r in range(world)]
-        out["final_hash"] = [json.loads(f.read_text())["local_hash"] for f in files]
     shutil.rmtree(job_dir, ignore_errors=True)
     return {
         "rounds": len(done),
@@ -259,17 +248,6 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 if r["hsdp-rank"]["weights"] != r["hsdp-node"]["weights"]:
                     raise RuntimeError("HSDP: final shards differ between rank and node copies")
-                for copies in COPIES:
-                    got = replication_job(copies, 2, args, Path(tmp), mesh="replicate=2,shard=2")
-                    r[f"hsdp-rep-{copies}"] = got
-                    raw = got["raw_bytes_per_node"]
-                    print(
-                        f"[bench] round {i} HSDP 2x2 over 2 nodes, replication {copies} per node: "
-                        + ("no round completed" if raw is None else f"raw {raw / 2**20:.3f} MiB"),
-                        flush=True,
-                    )
-                if r["hsdp-rep-rank"]["weights"] != r["hsdp-rep-node"]["weights"]:
-                    raise RuntimeError("HSDP replication: final shards differ between rank and node copies")
             for nproc in args.mttr_nproc:
                 for copies in COPIES:
                     got = mttr_job(copies, nproc, args, Path(tmp))
@@ -367,20 +345,6 @@ def main(argv: list[str] | None = None) -> int:
         hsdp["node_over_rank_memory"] = summarize(
             [r["hsdp-node"]["shm_peak_bytes"] / r["hsdp-rank"]["shm_peak_bytes"] for r in rounds]
         )
-        both = [r for r in rounds if all(r[f"hsdp-rep-{c}"]["raw_bytes_per_node"] for c in COPIES)]
-        hsdp["replication_over_2_nodes"] = {
-            c: {
-                what: summarize([r[f"hsdp-rep-{c}"][f"{what}_bytes_per_node"] / 2**20 for r in both])
-                for what in ("raw", "wire")
-            }
-            for c in COPIES
-        }
-        hsdp["replication_node_over_rank_raw"] = summarize(
-            [
-                r["hsdp-rep-node"]["raw_bytes_per_node"] / r["hsdp-rep-rank"]["raw_bytes_per_node"]
-                for r in both
-            ]
-        )
     one = summary.get("1", {}).get("rank", {}).get("shm_peak_mib")
     report = {
         "benchmark": "node_copy",
@@ -424,8 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"HSDP 2x2, one node of 4 ranks: {hsdp['rank']['shm_peak_mib']['median']:.1f} -> "
             f"{hsdp['node']['shm_peak_mib']['median']:.1f} MiB "
-            f"({hsdp['node_over_rank_memory']['median']:.3f}); replication over 2 nodes, raw bytes "
-            f"node/rank {hsdp['replication_node_over_rank_raw']['median']}"
+            f"({hsdp['node_over_rank_memory']['median']:.3f})"
         )
     print(f"wrote {args.out}")
     return 0

@@ -188,9 +188,9 @@ class JobConfig:
     @property
     def node_copy_groups(self) -> int:
         """The copy groups a node keeps one copy each of (snapshot/nodecopy.py): a DDP job's
-        ranks are one group; an HSDP job's are its shard coordinates
-        (:meth:`MeshSpec.copy_groups_on_node`); 0: none (every rank keeps its own whole copy:
-        --snapshot-copies rank, or a sharded job without replica groups)."""
+        ranks are one group; an HSDP job's are its shard coordinates when a node holds ranks of
+        several replica groups (:meth:`MeshSpec.copy_groups_on_node`); 0: none (every rank
+        keeps its own whole copy: --snapshot-copies rank, or no two ranks of a node alike)."""
         if self.snapshot_copies != "node":
             return 0
         if self.mesh is None:
