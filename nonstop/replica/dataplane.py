@@ -3,8 +3,8 @@
 :class:`DataPlane` authenticates peers (``purpose="data"``), installs the replicas they send
 (``rep`` + chunks, checked before anything is installed) into this node's replica slots (a split
 snapshot's own part there, and the shared write it refers to, ``rep_shared``, beside them once
-per step -- or, when this node's own ranks wrote the same shared write, an HSDP twin's, copied
-from its own memory instead), and serves fetches of its own ranks' or its replicas' snapshots --
+per step -- or, when this node's own ranks wrote the same shared write (a DDP job's, an HSDP
+twin's), copied from its own memory instead), and serves fetches of its own ranks' or its replicas' snapshots --
 raw, or a delta against the base a tracked fetch kept (a migration's catch-up).
 :func:`shm_stores` is the cached ``rank -> RankSnapshotStore`` factory both sides use over a
 store id.
@@ -200,9 +200,10 @@ class DataPlane:
 
     def _from_twin(self, store: RankSnapshotStore, ref: SharedRef, key: object) -> bool:
         """Hold the shared write ``ref`` (layout ``key``) of another node's rank by copying this
-        node's own write of it, when its ranks wrote the same one: an HSDP job's replica groups
-        hold the same shards bitwise, so the twin's write of (generation, step, copy group) in
-        the same layout is those bytes, and they need not travel. False when it has none."""
+        node's own write of it, when its ranks wrote the same one: a DDP job's ranks, and an HSDP
+        job's replica groups' shards, are bitwise alike, so this node's write of (generation,
+        step, copy group) in the same layout is those bytes, and they need not travel. False when
+        it has none."""
         if not isinstance(key, str):
             return False
         own = self._local(0).node_copy(ref.group)

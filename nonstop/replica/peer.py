@@ -11,7 +11,7 @@ Messages on a peer channel (all authenticated by :mod:`nonstop.control.channel`)
   A snapshot split with its node's shared write (:mod:`nonstop.snapshot.nodecopy`) goes as the
   rank's own part (its meta names the shared write, ``key`` its layout); a holder that does not
   hold that shared write yet takes it from its own ranks' shared writes when one of them is the
-  same (generation, step, copy group, layout: an HSDP twin's, in another replica group), else
+  same (generation, step, copy group, layout: every DDP node's; an HSDP twin's), else
   answers ``need_shared`` and installs nothing.
 * ``rep_shared`` (sender -> holder): a node's shared write of one step, ``gen, step, key, group,
   base, data_len, nchunks`` and the chunks (``group``: its copy group, 0 when left out; ``base``:
@@ -253,7 +253,7 @@ class Replicator:
     ) -> int:
         ch = self._active = self._chan(addr)
         # a split snapshot's shared write is named by its layout key too: a holder whose own ranks
-        # hold the same write (an HSDP twin's) takes it from its own memory, not the wire
+        # hold the same write (a DDP job's, an HSDP twin's) takes it from its own memory, not the wire
         key = store.node_copy(snap.shared.group).key_of(snap.shared) if snap.shared is not None else None
         try:
             wire = 0
