@@ -4,8 +4,9 @@
 (``rep`` + chunks, checked before anything is installed) into this node's replica slots (a split
 snapshot's own part there, and the shared write it refers to, ``rep_shared``, beside them once
 per step -- or, when this node's own ranks wrote the same shared write (a DDP job's, an HSDP
-twin's), copied from its own memory instead), and serves fetches of its own ranks' or its replicas' snapshots --
-raw, or a delta against the base a tracked fetch kept (a migration's catch-up).
+twin's), copied from its own memory instead), and serves fetches of its own ranks' or its
+replicas' snapshots -- raw, or a delta against the base a tracked fetch kept (a migration's
+catch-up).
 :func:`shm_stores` is the cached ``rank -> RankSnapshotStore`` factory both sides use over a
 store id.
 
