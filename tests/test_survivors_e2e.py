@@ -100,7 +100,7 @@ def test_a_second_failure_while_the_spare_restores_and_a_failure_of_the_spare(tm
     """Rank 1 is killed: shrink to 3 and node 0's spare prepares (slowly: 3 s in its restore,
     which it then dies in: the spare itself fails). Meanwhile rank 2 is killed too: the grow is
     over, the survivors shrink again at once (2 ranks), and fresh spares grow the job back to 4."""
-    steps = 60
+    steps = 100  # 60 once ended before the second grow, beside another test job (make test's 2 workers)
     faults = (
         "kill:rank=1,step=8",
         "slow:rank=3,step=0,seconds=3,at=prepare",
