@@ -151,6 +151,18 @@ def run_benchmark_quick(name: str, out: Path, *args: str, timeout: float) -> dic
     return report
 
 
+def stuck_stacks(job_dir: Path) -> str:
+    """The stacks a rank's link wrote when its main thread did not take a reconfigure (train/link.py,
+    ``_dump_if_stuck``), from the job's logs: what to read when a recovery stage timed out."""
+    out = []
+    for log in sorted((job_dir / "logs").glob("*.log")):
+        text = log.read_text(errors="replace")
+        at = text.find("its stacks:")
+        if at >= 0:
+            out.append(f"--- {log.name}\n{text[at : at + 6000]}")
+    return "\n".join(out)
+
+
 def leftovers(job_id: str) -> tuple[list[Path], list[int]]:
     """Shared-memory files and live processes a finished job left behind (must be none)."""
     shm = sorted(default_shm_dir().glob(f"nonstop-{job_id}*"))

@@ -87,11 +87,16 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
     tmp_path: Path, reference_hash: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     ckpt = tmp_path / "ckpt"
-    run = run_demo_job(tmp_path / "job", persist_url=str(ckpt), persist_every=4, keep=3)
-    assert run.out is not None
+    # Two durable steps whatever the machine's load: a job's final step is persisted before it
+    # exits (the periodic rounds run at the lowest CPU priority and a busy machine may starve
+    # them all), so a job of half the steps, then its resumption, each end with one.
+    half = run_demo_job(tmp_path / "half", steps=STEPS // 2, persist_url=str(ckpt), persist_every=4, keep=3)
+    assert half.out is not None, half.result.error
+    run = run_demo_job(tmp_path / "job", resume=str(ckpt), persist_url=str(ckpt), persist_every=4, keep=3)
+    assert run.out is not None, run.result.error
     store = DurableStore(ckpt)
     steps = store.steps()
-    assert steps[-1] == STEPS and len(steps) >= 2  # the final step is persisted before exit
+    assert steps[-1] == STEPS and STEPS // 2 in steps  # the final step is persisted before exit
     victim = ckpt / step_dir(steps[-1]) / rank_file(1)
     raw = bytearray(victim.read_bytes())
     raw[len(raw) // 2] ^= 0x01

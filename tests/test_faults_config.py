@@ -130,6 +130,24 @@ def test_stalled_rank_is_blamed_not_its_waiting_peers() -> None:
     assert list(hung) == [1] and "no step progress" in hung[1]
 
 
+def test_every_rank_stalled_at_once_gets_a_longer_limit() -> None:
+    """Found in a loaded CI run: all four ranks of a DDP job 3.2-3.4 s without a step (limit 3 s),
+    none in a collective, and the whole job was killed. One hung rank leaves its peers in a
+    collective; all stalled at once is the machine, so the limit is JOB_STALL_FACTOR x longer."""
+    cfg = DetectorConfig(hang_factor=10, hang_min_s=3.0)
+    everyone = {0: _obs(99.9, 96.0), 1: _obs(99.9, 96.5)}
+    assert not find_hung_ranks(everyone, now=100.0, median_step_s=0.1, config=cfg)  # 4 s < 9 s
+    longer = {0: _obs(99.9, 90.0), 1: _obs(99.9, 96.5)}
+    late = find_hung_ranks(longer, now=100.0, median_step_s=0.1, config=cfg)
+    assert list(late) == [0] and "limit 9.00s" in late[0]  # past 3 x 3 s: still found
+    # one rank out of a collective while its peer waits in one: that rank, at the usual limit
+    one = {0: _obs(99.9, 96.0), 1: _obs(99.9, 96.0, coll=True)}
+    assert list(find_hung_ranks(one, now=100.0, median_step_s=0.1, config=cfg)) == [0]
+    # a silent rank is not a stalled one: the others keep the usual limit
+    silent = {0: _obs(99.9, 96.0), 1: _obs(97.0, 96.0)}
+    assert find_hung_ranks(silent, now=100.0, median_step_s=0.1, config=cfg).keys() == {0, 1}
+
+
 def test_progress_limit_scales_with_median_and_has_a_floor() -> None:
     cfg = DetectorConfig(hang_factor=10, hang_min_s=3.0)
     obs = {0: _obs(99.9, 96.0)}

@@ -94,3 +94,33 @@ def test_a_redelivery_that_comes_while_the_handler_is_still_running_is_not_raise
         enter()  # never PeerFailed here
         with pytest.raises(PeerFailed):
             _spin(5.0)
+
+
+def test_a_main_thread_that_does_not_take_a_reconfigure_has_its_stacks_logged_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A survivor's restore stage timed out in a loaded CI run and nothing said where its main
+    thread was. The heartbeat thread now writes every thread's stack once when a reconfigure has
+    waited STUCK_DUMP_S for the main thread."""
+    import nonstop.train.link as link_mod
+
+    dumps: list[bool] = []
+    clock = [100.0]
+    monkeypatch.setattr(
+        "nonstop.train.link.faulthandler.dump_traceback", lambda all_threads: dumps.append(all_threads)
+    )
+    monkeypatch.setattr("nonstop.train.link.time.monotonic", lambda: clock[0])
+    bare = CoordinatorLink.__new__(CoordinatorLink)
+    bare._arrived, bare._taken, bare._stuck_since, bare._dumped = 1, 1, None, False
+    bare._dump_if_stuck()
+    assert dumps == [] and bare._stuck_since is None  # taken: nothing waits
+    bare._arrived = 2
+    bare._dump_if_stuck()
+    clock[0] += link_mod.STUCK_DUMP_S - 1
+    bare._dump_if_stuck()
+    assert dumps == []  # not long enough yet
+    clock[0] += 2
+    bare._dump_if_stuck()
+    clock[0] += 60
+    bare._dump_if_stuck()
+    assert dumps == [True]  # every thread, once

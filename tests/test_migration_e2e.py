@@ -158,5 +158,6 @@ def test_preemption_without_time_to_drain_recovers_elsewhere(tmp_path: Path, ref
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash
     assert [e["node"] for e in events_named(run.events, "node_lost")] == ["2"]
+    assert len(run.result.failures) == 1, run.result.failures
     (f,) = run.result.failures
     assert f["rank"] == 2 and f["kind"] == "node" and f["lost_steps"] == 0

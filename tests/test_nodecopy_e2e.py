@@ -95,7 +95,8 @@ def test_a_lost_node_recovers_from_replicas_sent_once_per_node_bitwise(tmp_path:
     run = run_nodes_job(tmp_path / "node", faults=("node:node=1,step=12",), **common)
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == whole.out["final_hash"]
-    assert [(f["kind"], f["lost_steps"]) for f in run.result.failures] == [("node", 0)] * 2  # its 2 ranks
+    kinds = [(f["kind"], f["lost_steps"]) for f in run.result.failures]
+    assert kinds == [("node", 0)] * 2, run.result.failures  # its 2 ranks
     gen = next(g for g in events_named(run.events, "generation") if g["cause"])
     assert gen["tier"] == "memory"
     assert any(v.endswith(":replica") for v in gen["fetches"].values())

@@ -19,7 +19,7 @@ from nonstop.config import DetectorConfig
 from nonstop.runtime.coordinator import JobState
 from nonstop.runtime.gc import collect_garbage
 from nonstop.runtime.launcher import default_shm_dir
-from tests.conftest import DemoRun, events_named, leftovers, run_demo_job
+from tests.conftest import DemoRun, events_named, leftovers, run_demo_job, stuck_stacks
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def check(run: DemoRun, failures: int, *, lost_node: str | None = None, from_durable: bool = False) -> None:
     assert run.result.state is JobState.DONE, run.result.error
-    assert len(run.result.failures) == failures, run.result.failures
+    assert len(run.result.failures) == failures, (run.result.failures, stuck_stacks(run.job_dir))
     if not from_durable:  # (the durable tier may hold an older step than the committed one)
         assert all(f["lost_steps"] == 0 for f in run.result.failures)
     shm, procs = leftovers(run.job_id)

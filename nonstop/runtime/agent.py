@@ -184,7 +184,8 @@ class Agent:
     def writing_steps(self) -> dict[int, int]:
         """rank -> step a live child process is writing into that rank's slots right now."""
         # poll(): a child SIGKILLed a moment ago is a zombie, alive to os.kill but not writing.
-        live = {sp.proc.pid for sp in self.procs.values() if sp.proc.poll() is None}
+        # A copy first: the node's worker thread calls this while the agent's loop spawns and reaps.
+        live = {sp.proc.pid for sp in list(self.procs.values()) if sp.proc.poll() is None}
         out = {}
         for rank in self.ranks_in_memory():
             step = self._store(rank).writing_step(live)

@@ -78,6 +78,10 @@ REBUILD_SILENCE_FACTOR = 10.0  # how much longer a rank joining a new group may 
 # in step 0 and the job failed (in either snapshot layout); a rank truly hung in its first step
 # is now found after 10 s instead of 3 s
 FIRST_STEP_SILENCE_FACTOR = REBUILD_SILENCE_FACTOR
+# every rank of the job without progress at once, none of them in a collective: how much longer
+# they get. Measured: with two test jobs and two CPU burners on this 2-core VM all four ranks of
+# a DDP job went 3.2-3.4 s without a step (limit 3 s) and nonstop killed the whole job
+JOB_STALL_FACTOR = 3.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,8 +156,11 @@ def find_hung_ranks(
       when their heartbeat saying so arrives late (a busy machine): the coordinator's clock
       of their progress runs from when their step reports *arrived*, their own from when the
       step ended, and the last word before they entered the collective was a small ``idle_s``.
+    * every rank stalled that way at once (two ranks or more): the limit is ``JOB_STALL_FACTOR``
+      times longer -- a starved machine or a shared stall, not one rank's hang.
     """
     hung: dict[int, str] = {}
+    stalled_for: dict[int, tuple[float, float]] = {}  # rank -> (seconds without progress, its limit)
     for rank, obs in observations.items():
         silent = now - obs.last_heartbeat
         if obs.rebuilding:
@@ -172,6 +179,15 @@ def find_hung_ranks(
         stalled = now - obs.last_progress
         own_word = obs.idle_s is None or obs.idle_s > limit
         if stalled > limit and not obs.collective_pending and own_word:
+            stalled_for[rank] = (stalled, limit)
+    if len(observations) > 1 and len(stalled_for) == len(observations):
+        # Every rank at once, none silent and none waiting in a collective for another: that is
+        # the machine or something all ranks share (a starved CPU, a stalled file system), not
+        # one rank's hang -- one hung rank leaves its peers waiting in a collective. Killing
+        # them all restarts the job for nothing: wait JOB_STALL_FACTOR x longer.
+        stalled_for = {r: (s, lim * JOB_STALL_FACTOR) for r, (s, lim) in stalled_for.items()}
+    for rank, (stalled, limit) in stalled_for.items():
+        if stalled > limit:
             hung[rank] = f"no step progress for {stalled:.2f}s (limit {limit:.2f}s)"
     return hung
 

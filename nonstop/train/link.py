@@ -38,6 +38,7 @@ Threading contract:
 from __future__ import annotations
 
 import _thread
+import faulthandler
 import logging
 import os
 import queue
@@ -58,6 +59,7 @@ __all__ = ["EXIT_COORDINATOR_LOST", "CoordinatorLink", "PeerFailed", "uninterrup
 log = logging.getLogger(__name__)
 
 EXIT_COORDINATOR_LOST = 75
+STUCK_DUMP_S = 10.0  # a reconfigure untaken this long: the main thread's stacks go to the log
 REDELIVER_S = 0.001  # an interrupt that landed where it may not raise is sent again this much later
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -100,6 +102,8 @@ class CoordinatorLink:
         self._resume = resume
         self._inbox: queue.Queue[Message] = queue.Queue()
         self._arrived = 0  # reconfigures the reader put in the inbox (reader thread writes)
+        self._stuck_since: float | None = None  # since when one has waited (heartbeat thread)
+        self._dumped = False  # the stacks of a stuck main thread are written once per process
         self._taken = 0  # reconfigures the main thread took out (main thread writes)
         self.closing = False
         self.rdzv: ChannelStore | None = None  # this generation's rendezvous store, if any
@@ -239,6 +243,7 @@ class CoordinatorLink:
     def _heartbeat(self) -> None:
         interval = self.env.heartbeat_interval_s
         while not self.closing:
+            self._dump_if_stuck()
             msg = self._heartbeat_msg()
             try:
                 self.chan.send(msg)
@@ -246,6 +251,23 @@ class CoordinatorLink:
                 if self.env.reconnect_s <= 0:
                     return  # the reader ends the process
             time.sleep(interval)
+
+    def _dump_if_stuck(self) -> None:
+        """Heartbeat thread: a reconfigure the main thread has not taken for STUCK_DUMP_S means it
+        is stuck where an abort and an interrupt did not reach it (a collective, the device, a
+        lock): write every thread's stack to stderr (the rank's log) once, for whoever
+        investigates. The coordinator's stage timeout replaces the rank as before."""
+        waiting = self._arrived > self._taken
+        if not waiting:
+            self._stuck_since = None
+            return
+        now = time.monotonic()
+        if self._stuck_since is None:
+            self._stuck_since = now
+        elif now - self._stuck_since > STUCK_DUMP_S and not self._dumped:
+            self._dumped = True
+            log.warning("a reconfigure has waited %.0f s for the main thread; its stacks:", STUCK_DUMP_S)
+            faulthandler.dump_traceback(all_threads=True)
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, msg: Message) -> None:
