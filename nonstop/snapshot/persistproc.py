@@ -168,6 +168,9 @@ def _serve(req: dict[str, Any], stores: Any, encoders: dict[tuple[str, str], Any
     key = (url, json.dumps(req["codec"], sort_keys=True))
     enc = encoders.get(key)
     if enc is None:
+        for old in encoders.values():  # one root and codec at a time: bases and scratch are per rank
+            old.close()
+        encoders.clear()
         enc = encoders[key] = RankEncoder(codec)
     if req.get("full"):
         enc.reset()
