@@ -1,11 +1,11 @@
-"""How long a process's own loop stalls while a persist runs beside it, on a saturated CPU:
-the persist on a nice-19 thread of that process (nonstop before c605618) against the persist in a
-nice-19 child process (``snapshot/persistproc.py``, nonstop now).
+"""How long a process's own loop stalls while a persist runs beside it, on a saturated CPU: the
+persist on a nice-19 thread of that process (nonstop before this benchmark) against the same thread
+at the process's own priority (nonstop now).
 
 Why: a node agent's loop renews its lease, and the coordinator's loop acknowledges renewals and
 judges hangs. A nice-19 *thread* takes its process's GIL and then waits for the kernel, which on
 a saturated CPU seldom runs it, so every other thread of the process waits too; a node fenced
-itself in a loaded test job that way. A child process has no GIL to share.
+itself in a loaded test job that way.
 
 What is measured, alternating per round (``--runs``, after a warm-up):
 
@@ -17,16 +17,15 @@ What is measured, alternating per round (``--runs``, after a warm-up):
 * the measuring process's main thread ticks ``time.sleep(0.01)`` for ``--seconds`` and records
   each gap between ticks, while a helper thread persists ``--size`` of a W-state (fp32 model +
   AdamW state, ``--ranks`` ranks in snapshot slots) again and again into a durable root: full
-  checkpoints, zstd-1, as a persist round writes its ranks:
+  checkpoints, zstd-1, as a persist round writes its ranks
+  (:class:`~nonstop.snapshot.persist.RankEncoder`, what the agent's persist thread does):
 
-  * ``thread``: the helper thread renices itself to 19 and encodes and writes in-process
-    (:class:`~nonstop.snapshot.persist.RankEncoder`, what the agent's persist thread did);
-  * ``child``: the helper thread (normal priority) hands each write to a
-    :class:`~nonstop.snapshot.persistproc.PersistProcess` and waits.
+  * ``nice19``: the helper thread renices itself to 19 first (before);
+  * ``nice0``: it runs at the process's own priority (now).
 
-Figures: per mode and placement, the 99th percentile and the largest gap of each round (seconds), and how many
-persists completed; median over rounds; ratio child/thread per round. JSON to
-``benchmarks/results/persist_isolation.json``.
+Figures: per mode and placement, the 99th percentile and the largest gap of each round
+(seconds), and how many persists completed; median over rounds; ratio nice0/nice19 per round
+and placement. JSON to ``benchmarks/results/persist_isolation.json``.
 
 Run it::
 
@@ -59,12 +58,11 @@ from nonstop.snapshot.capture import StateCapture
 from nonstop.snapshot.codec import CodecConfig
 from nonstop.snapshot.durable import DurableStore
 from nonstop.snapshot.persist import RankEncoder
-from nonstop.snapshot.persistproc import PersistProcess
 from nonstop.snapshot.store import RankSnapshotStore
 
 SHM = Path("/dev/shm")
 TICK_S = 0.01
-MODES = ("thread", "child")
+MODES = ("nice19", "nice0")
 PLACES = ("shared", "own")  # where the burners run: the measuring process's session, or their own
 
 
@@ -87,8 +85,6 @@ class Persisting:
         self.root = root
         self.codec = CodecConfig(full_every=1)
         self.encoder = RankEncoder(self.codec)
-        self.proc = PersistProcess(shm_dir=SHM, store_id=self.job, num_slots=self.stores[0].num_slots)
-        self.proc.start()
         self.n = 0  # persists so far (each into a root of its own)
 
     def _open(self) -> tuple[DurableStore, Any]:
@@ -107,17 +103,7 @@ class Persisting:
             writer.adopt(contrib.record(r))
         writer.commit()
 
-    def by_child(self) -> None:
-        durable, writer = self._open()
-        out = self.proc.write(
-            url=durable.url, step=1, world_size=len(self.ranks), ranks=self.ranks, codec=self.codec
-        )
-        for doc in out["records"]:
-            writer.adopt(doc)
-        writer.commit()
-
     def close(self) -> None:
-        self.proc.close()
         self.encoder.close()
         for s in self.stores:
             s.clear()
@@ -129,10 +115,10 @@ def measure(p: Persisting, mode: str, seconds: float) -> dict[str, float]:
     done = [0]
 
     def persist() -> None:
-        if mode == "thread":
+        if mode == "nice19":
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # as the old persist thread
         while not stop.is_set():
-            (p.by_thread if mode == "thread" else p.by_child)()
+            p.by_thread()
             done[0] += 1
 
     helper = threading.Thread(target=persist, daemon=True)
@@ -152,7 +138,7 @@ def measure(p: Persisting, mode: str, seconds: float) -> dict[str, float]:
 
 
 def _pairs(rounds: dict[str, list[dict[str, float]]], where: str) -> list[tuple[dict[str, float], ...]]:
-    return list(zip(rounds[f"child/{where}"], rounds[f"thread/{where}"], strict=True))
+    return list(zip(rounds[f"nice0/{where}"], rounds[f"nice19/{where}"], strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [f"{m}/{where}" for where in PLACES for m in MODES]
     rounds: dict[str, list[dict[str, float]]] = {c: [] for c in cases}
     try:
-        for m in MODES:  # warm-up: the child's imports, first-write allocations
+        for m in MODES:  # warm-up: first-write allocations
             measure(p, m, min(2.0, args.seconds))
         for _ in range(args.runs):
             for where in PLACES:
@@ -201,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             c: {k: summarize([r[k] for r in rounds[c]]) for k in ("p99_gap_s", "max_gap_s", "persists")}
             for c in cases
         },
-        "child_over_thread": {
+        "nice0_over_nice19": {
             where: {
                 k: summarize([c[k] / t[k] for c, t in _pairs(rounds, where)])
                 for k in ("p99_gap_s", "max_gap_s")

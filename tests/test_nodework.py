@@ -32,7 +32,7 @@ def test_an_inventory_is_answered_while_a_replication_round_waits_on_a_silent_ho
     fake: Any = object()
     work = NodeWork(
         node="1", job_id="j", shm_dir=tmp_path, secret=b"x" * 32, agent=fake, data=fake,
-        local=fake, replica=fake, replicator=fake, send=sent.append, num_slots=2,
+        local=fake, replica=fake, replicator=fake, send=sent.append,
     )  # fmt: skip
     work.start()
     try:
@@ -83,7 +83,7 @@ def test_a_newer_round_supersedes_one_stuck_on_a_silent_holder() -> None:
     fake: Any = object()
     work = NodeWork(
         node="0", job_id="j", shm_dir=Path("/nonexistent"), secret=b"x" * 32, agent=fake, data=fake,
-        local=fake, replica=fake, replicator=rep, send=sent.append, num_slots=2,
+        local=fake, replica=fake, replicator=rep, send=sent.append,
     )  # fmt: skip
     work.start()
     try:

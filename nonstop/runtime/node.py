@@ -10,7 +10,7 @@ Protocol on the agent's control channel (JSON, authenticated)::
 
     agent -> coordinator   hello {role: agent, node, nproc, spares, domain, data_addr, pid, in_process,
                                   devices, device_type}
-    coordinator -> agent   welcome {job_id, lease_ttl_s, num_slots, env, persist_rounds}  |  refused {error}
+    coordinator -> agent   welcome {job_id, lease_ttl_s, num_slots, env}  |  refused {error}
     agent -> coordinator   lease {seq}            every lease_ttl_s / 5
     coordinator -> agent   lease_ok {seq}
     coordinator -> agent   spawn {spawn_id, role, rank?, env?} -> spawned {spawn_id, pid, device}
@@ -299,8 +299,6 @@ class NodeAgent(DeviceSpawner):
             replica=self._replica,
             replicator=self.replicator,
             send=self._send,
-            num_slots=self.num_slots,
-            persist_rounds=bool(welcome.get("persist_rounds", True)),
         )
 
     def _start_probes(self) -> None:

@@ -163,7 +163,6 @@ class NodeAgents:
                 "env": self.c.worker_env,
                 "store": self.c.config.store if self.c.store.jobs is not None else None,
                 "reconnect_s": self.c.config.reconnect_s,
-                "persist_rounds": self.c.rounds is not None,  # its persist child starts with the job
             }
         )
         self.c.events.emit(

@@ -22,8 +22,8 @@ queue in order, so that slow work never delays urgent work:
   holder's ack timeout;
 * ``nonstop-agent-fetch``: fetches, on their own because a recovery or a swap waits
   on them; while idle it drops tracked bases unused for ``TRACK_TTL_S``;
-* ``nonstop-agent-persist``: persist rounds (slow I/O), written by a child process at the
-  lowest CPU priority (:mod:`nonstop.snapshot.persistproc`).
+* ``nonstop-agent-persist``: persist rounds (slow I/O), at the agent's own priority (a
+  nice-19 thread held the agent's GIL while unscheduled: :mod:`nonstop.snapshot.persist`).
 
 :meth:`NodeWork.stop` asks each thread to finish after what it has queued and returns
 at once. A failing command is reported (or logged), never fatal to its thread. Replies
@@ -34,9 +34,9 @@ Ownership: the snapshot memory belongs to the node's stores (``local`` and
 ``replica``, shared memory the agent owns and removes at its shutdown) and the
 ``replicator`` to the agent, which closes it. The tracked bases of catch-up fetches
 (numpy buffers, kept between fetches of one migration) are used only by the fetch
-thread; the persist child (:class:`~nonstop.snapshot.persistproc.PersistProcess`, which
-holds the delta bases and scratch buffers) only by the persist thread, which ends it when it
-stops.
+thread; the persist encoders (:class:`~nonstop.snapshot.persist.RankEncoder`, with
+their delta bases and scratch buffers) only by the persist thread, which closes them
+when it stops.
 """
 
 from __future__ import annotations
@@ -66,14 +66,13 @@ from nonstop.replica.peer import (
 from nonstop.runtime.agent import Agent, ranks_with_segments
 from nonstop.snapshot.codec import CodecConfig, preload
 from nonstop.snapshot.durable import DurableStore
-from nonstop.snapshot.persistproc import PersistProcess
+from nonstop.snapshot.persist import RankEncoder
 from nonstop.snapshot.store import RankSnapshotStore
 
 __all__ = ["NodeWork"]
 
 log = logging.getLogger(__name__)
 
-PERSISTED_FIELDS = ("records", "raw", "stored", "full", "seconds")
 SETTLE_S = 2.0  # longest an inventory waits for a live writer to finish its snapshot
 
 
@@ -98,8 +97,6 @@ class NodeWork:
         replica: Callable[[int], RankSnapshotStore],
         replicator: Replicator,
         send: Callable[[Message], None],
-        num_slots: int,
-        persist_rounds: bool = True,
     ) -> None:
         self.node = node
         self.job_id = job_id
@@ -118,10 +115,7 @@ class NodeWork:
         self._rounds_queued = 0  # replicate commands submitted (dispatch thread)
         self._rounds_taken = 0  # ... and taken up by the replicate thread
         self._round_running = False
-        self._persist_rounds = persist_rounds  # the job sends this node persist rounds: start the child early
-        self._persist_proc = PersistProcess(
-            shm_dir=shm_dir, store_id=local_store_id(job_id, node), num_slots=num_slots
-        )
+        self._encoders: dict[tuple[str, bool, int], RankEncoder] = {}
         self._tracks: TrackedBases[int] = TrackedBases()  # local rank slot -> base of its catch-up
 
     def start(self) -> None:
@@ -200,15 +194,8 @@ class NodeWork:
 
     def _persister(self) -> None:
         """Writes this node's ranks of a persist round (module docstring of
-        :mod:`nonstop.runtime.persistence`) through a child process at the lowest CPU priority,
-        like the single-node Persister: training first, and never this process's GIL held by a
-        thread the kernel seldom runs (:mod:`nonstop.snapshot.persistproc`)."""
-        proc = self._persist_proc
-        try:  # ready for the first round: a job of persist rounds has one at its end at least
-            if self._persist_rounds:
-                proc.start()
-        except OSError as e:
-            log.warning("node %s: the persist process did not start: %s", self.node, e)
+        :mod:`nonstop.runtime.persistence`); at the agent's priority, like the single-node
+        Persister (no nice 19: its module docstring)."""
         while True:
             msg = self._persist_work.get()
             if msg is None:
@@ -218,20 +205,37 @@ class NodeWork:
             except Exception as e:  # report, never die: the coordinator fails the round
                 log.warning("node %s: persist failed: %s", self.node, e)
                 self._send({"t": "persisted", "id": msg.get("id"), "ok": False, "error": str(e)[:300]})
-        proc.close()
+        for enc in self._encoders.values():
+            enc.close()
 
     def _persist(self, msg: Message) -> Message:
-        ranks = [int(r) for r in msg["ranks"]]
-        codec = CodecConfig(lossy=bool(msg.get("lossy")), lossy_bits=int(msg.get("lossy_bits", 8)))
-        out = self._persist_proc.write(
-            url=str(msg["url"]),
-            step=int(msg["step"]),
-            world_size=int(msg["world_size"]),
-            ranks=ranks,
-            codec=codec,
-            forget_others=True,
-        )
-        return {"t": "persisted", "id": msg["id"], "ok": True, **{k: out[k] for k in PERSISTED_FIELDS}}
+        step, ranks = int(msg["step"]), [int(r) for r in msg["ranks"]]
+        lossy, bits = bool(msg.get("lossy")), int(msg.get("lossy_bits", 8))
+        key = (str(msg["url"]), lossy, bits)
+        enc = self._encoders.get(key)
+        if enc is None:
+            enc = self._encoders[key] = RankEncoder(CodecConfig(lossy=lossy, lossy_bits=bits))
+        enc.forget_others(set(ranks))
+        t0 = time.monotonic()
+        snaps = [self._local(r).copy_out(step, out=enc.scratch(r)) for r in ranks]
+        durable = DurableStore(key[0])
+        writer = durable.contribute(step, int(msg["world_size"]), enc.codec.describe())
+        try:
+            raw, stored, full = enc.write(writer, snaps)
+        except BaseException:
+            enc.reset()  # a base may be what went wrong: the next write is full
+            writer.abort()
+            raise
+        return {
+            "t": "persisted",
+            "id": msg["id"],
+            "ok": True,
+            "records": [writer.record(r) for r in ranks],
+            "raw": raw,
+            "stored": stored,
+            "full": full,
+            "seconds": time.monotonic() - t0,
+        }
 
     def _keep(self, step: object) -> None:
         """Hold the replicated (committed) step in this node's memory, its ranks' and its replicas';

@@ -1,10 +1,13 @@
 """Lazy persistence: committed snapshots from shared memory to the durable tier.
 
 The :class:`Persister` runs in the agent (which outlives every worker) on one
-background thread; the copies, encoding and writes run in a child process at the
-lowest CPU priority (:mod:`nonstop.snapshot.persistproc`), so on a busy machine it
-uses what training leaves idle without ever holding the agent's GIL. It persists
-the **committed step** (the newest step whose snapshot is complete for every rank):
+background thread at the process's own priority: a nice-19 thread held the agent's
+GIL while the kernel left it unscheduled on a busy CPU, and the agent's (and the
+coordinator's) loop waited with it (``benchmarks/bench_persist_isolation.py``; a node
+fenced itself for want of lease acknowledgements in a loaded test job). The ranks run
+in sessions of their own, so with the kernel's autogroups a nice value here never
+ranked the persist below training anyway. It persists the **committed step** (the newest step
+whose snapshot is complete for every rank):
 
 * every ``every`` steps (when the committed step has advanced that far since the
   last persist), and
@@ -38,7 +41,6 @@ from nonstop.snapshot.api import TensorEntry
 from nonstop.snapshot.codec import Buffer, ChunkInfo, CodecConfig, Encoder, Segment, segments_for
 from nonstop.snapshot.durable import CheckpointWriter, DurableStore
 from nonstop.snapshot.flatten import tensor_at
-from nonstop.snapshot.persistproc import PersistProcess
 from nonstop.snapshot.store import RankSnapshotStore, RawSnapshot
 from nonstop.snapshot.validate import decoding
 
@@ -321,9 +323,7 @@ class Persister:
         self.every = every
         self._emit = emit or (lambda *_a, **_k: None)
         self._stores = [RankSnapshotStore(shm_dir=shm_dir, job_id=job_id, rank=r) for r in range(world_size)]
-        slots = self._stores[0].num_slots if self._stores else 2
-        self._proc = PersistProcess(shm_dir=shm_dir, store_id=job_id, num_slots=slots)
-        self._full_next = False  # after a failure: the next write is full (a base may be what went wrong)
+        self._encoder = RankEncoder(codec)
         self._cond = threading.Condition()
         self._requested = 0  # tickets handed out
         self._served = 0  # tickets satisfied (by a persist that started after they were asked)
@@ -334,7 +334,6 @@ class Persister:
         self._thread = threading.Thread(target=self._loop, name="nonstop-persist", daemon=True)
 
     def start(self) -> None:
-        self._proc.start()  # its imports at the lowest priority while the job starts
         self._thread.start()
 
     # -- requests ------------------------------------------------------------------------
@@ -369,13 +368,13 @@ class Persister:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join()
-        self._proc.close()
+        self._encoder.close()
         for s in self._stores:
             s.close()
 
     # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
-        # training first: the writes run in a child at the lowest CPU priority (persistproc.py)
+        # (no nice 19 for this thread: see the module docstring)
         while True:
             with self._cond:
                 if self._stop:
@@ -403,6 +402,17 @@ class Persister:
             return False
         return step >= (self._last_step or 0) + self.every
 
+    def _copy_committed(self) -> list[RawSnapshot] | None:
+        for _ in range(COPY_ATTEMPTS):
+            step = self._committed()
+            if step is None:
+                return None
+            try:
+                return [s.copy_out(step, out=self._encoder.scratch(s.rank)) for s in self._stores]
+            except SnapshotMissingError:
+                continue  # a writer overtook us between choosing and pinning: take the newer step
+        return None
+
     def _persist_once(self) -> None:
         try:
             self._persist()
@@ -410,38 +420,22 @@ class Persister:
         except (NonstopError, OSError, ValueError) as e:
             # Next attempt writes full checkpoints: a delta base may be what went wrong
             # (deleted or corrupted on the durable side: the writer refuses it, ValueError).
-            self._full_next = True
+            self._encoder.reset()
             self.last_error = f"{type(e).__name__}: {e}"
             log.warning("persist failed: %s", self.last_error)
             self._emit("persist_failed", error=self.last_error)
 
     def _persist(self) -> None:
         t0 = time.monotonic()
-        for _ in range(COPY_ATTEMPTS):
-            step = self._committed()
-            if step is None or step == self._last_step:
-                return  # nothing committed yet, or already durable
-            with self.durable.begin(step, self.world_size, self.codec.describe()) as writer:
-                try:
-                    out = self._proc.write(
-                        url=self.durable.url,
-                        step=step,
-                        world_size=self.world_size,
-                        ranks=list(range(self.world_size)),
-                        codec=self.codec,
-                        full=self._full_next,
-                    )
-                except SnapshotMissingError:
-                    writer.abort()
-                    continue  # a writer overtook us between choosing and pinning: take the newer step
-                self._full_next = False
-                for doc in out["records"]:
-                    writer.adopt(doc)
-                writer.commit()
-            raw_total, stored_total, full = int(out["raw"]), int(out["stored"]), bool(out["full"])
-            break
-        else:
+        snaps = self._copy_committed()
+        if snaps is None:
             return
+        step = snaps[0].step
+        if step == self._last_step:
+            return  # already durable
+        with self.durable.begin(step, self.world_size, self.codec.describe()) as writer:
+            raw_total, stored_total, full = self._encoder.write(writer, snaps)
+            writer.commit()
         self._last_step = step
         self.last = PersistResult(
             step=step,
