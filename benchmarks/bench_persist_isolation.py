@@ -72,7 +72,7 @@ def _burners(n: int, *, own_session: bool) -> list[subprocess.Popen[bytes]]:
 
 
 class Persisting:
-    """``ranks`` slots holding one step of a W-state, and the two ways to persist them."""
+    """``ranks`` slots holding one step of a W-state, and the persist a round runs on them."""
 
     def __init__(self, size: str, ranks: int, root: Path) -> None:
         self.job = f"iso{secrets.token_hex(4)}"

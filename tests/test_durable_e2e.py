@@ -88,8 +88,8 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
 ) -> None:
     ckpt = tmp_path / "ckpt"
     # Two durable steps whatever the machine's load: a job's final step is persisted before it
-    # exits (the periodic rounds run at the lowest CPU priority and a busy machine may starve
-    # them all), so a job of half the steps, then its resumption, each end with one.
+    # exits (the periodic rounds are lazy, and on a busy machine a 16-step job once ended with
+    # only its final one), so a job of half the steps, then its resumption, each end with one.
     half = run_demo_job(tmp_path / "half", steps=STEPS // 2, persist_url=str(ckpt), persist_every=4, keep=3)
     assert half.out is not None, half.result.error
     run = run_demo_job(tmp_path / "job", resume=str(ckpt), persist_url=str(ckpt), persist_every=4, keep=3)
