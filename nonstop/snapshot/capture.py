@@ -112,13 +112,18 @@ class StateCapture:
         changes parameters and optimizer state only through ``optimizer.step()``.
         """
         ptrs: set[int] = set()
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
+        add = ptrs.add
+        opt = self.optimizer
+        if opt is not None:  # (every step, ~4 tensors per parameter: kept to plain loops)
+            state = opt.state
+            for group in opt.param_groups:
                 for p in group["params"]:
-                    ptrs.add(_ptr(p))
-                    for value in self.optimizer.state.get(p, {}).values():
-                        if isinstance(value, torch.Tensor):
-                            ptrs.add(_ptr(value))
+                    add(_ptr(p))
+                    held = state.get(p)
+                    if held:
+                        for value in held.values():
+                            if isinstance(value, torch.Tensor):
+                                add(_ptr(value))
         # the snapshot holds a DTensor's local tensor (DTensor.data_ptr() is 0)
         return lambda t: t.data_ptr() in ptrs
 
@@ -260,6 +265,8 @@ def _is_state_tensor(value: Any, param: Any) -> bool:
 
 def _ptr(t: torch.Tensor) -> int:
     """The address of ``t``'s data (a DTensor's local tensor's: ``DTensor.data_ptr()`` is 0)."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:  # the common case, without a lookup
+        return t.data_ptr()
     return (local_of(t) if is_dtensor(t) else t).data_ptr()
 
 

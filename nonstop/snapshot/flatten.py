@@ -41,11 +41,9 @@ def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
     held: list[Any] = []  # those fields, alive until the walk ends (their ids stay theirs)
 
     def walk(obj: Any) -> Any:
-        if obj is None or isinstance(obj, plain):
-            return obj
-        if isinstance(obj, torch.Tensor):
-            if is_dtensor(obj):  # its local shard, and the metadata that places it (snapshot/sharded.py)
-                fields, local = encode_dtensor(obj)
+        if isinstance(obj, torch.Tensor):  # first: most leaves of a training state are tensors
+            if type(obj) is not torch.Tensor and is_dtensor(obj):  # its local shard, and the
+                fields, local = encode_dtensor(obj)  # metadata that places it (snapshot/sharded.py)
                 tensors.append(local)
                 k = layouts.get(id(fields))
                 if k is not None:
@@ -55,8 +53,13 @@ def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
                 return {DT_KEY: len(tensors) - 1, DT_DEF: k, **fields}
             tensors.append(obj.detach() if obj.requires_grad else obj)  # a parameter: off the graph
             return {_T: len(tensors) - 1}
+        if obj is None or isinstance(obj, plain):
+            return obj
         if isinstance(obj, dict):
-            if all(type(k) is str and not k.startswith("__") for k in obj):
+            for k in obj:
+                if type(k) is not str or k.startswith("__"):
+                    break
+            else:  # string keys only, none of ours: the dict as it is
                 return {k: walk(v) for k, v in obj.items()}
             items = []
             for k, v in obj.items():
