@@ -198,9 +198,24 @@ def test_cpu_node_spawns_without_a_device(tmp_path: Path) -> None:
 
 
 def test_nccl_env_for_cuda_workers_never_overrides_the_user(tmp_path: Path) -> None:
-    assert nccl_env("cuda", {}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0"}
-    assert nccl_env("cuda", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == {"TORCH_NCCL_BLOCKING_WAIT": "0"}
-    assert nccl_env("cuda", {"NCCL_BLOCKING_WAIT": "1"}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    full = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_BLOCKING_WAIT": "0",
+        "TORCH_NCCL_ENABLE_TIMING": "1",
+        "TORCH_FR_BUFFER_SIZE": "2000",
+    }
+    assert nccl_env("cuda", {}) == full
+
+    def without(*names: str) -> dict[str, str]:
+        return {k: v for k, v in full.items() if k not in names}
+
+    assert nccl_env("cuda", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == without(
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    )
+    assert nccl_env("cuda", {"NCCL_BLOCKING_WAIT": "1"}) == without("TORCH_NCCL_BLOCKING_WAIT")
+    # a user who turned the flight recorder off (either spelling) or chose a size keeps it
+    assert nccl_env("cuda", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}) == without("TORCH_FR_BUFFER_SIZE")
+    assert nccl_env("cuda", {"NCCL_ENABLE_TIMING": "0"}) == without("TORCH_NCCL_ENABLE_TIMING")
     assert nccl_env("cpu", {}) == {} and nccl_env("xpu", {}) == {}
 
 

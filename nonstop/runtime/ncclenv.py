@@ -18,6 +18,17 @@ variable                            value  why
 ``TORCH_NCCL_BLOCKING_WAIT``         ``0``  ``wait()`` stays asynchronous: the timeout is the
                                            watchdog's (above), and the main thread can be
                                            interrupted by nonstop while a collective is queued.
+``TORCH_NCCL_ENABLE_TIMING``         ``1``  A start event per collective, so NCCL's watchdog can
+                                           tell a collective whose kernel *started* (the rank's own
+                                           work is done: it waits on its peers) from one merely
+                                           enqueued. Two CUDA events per collective.
+``TORCH_FR_BUFFER_SIZE``          ``2000``  torch's flight recorder: a ring of the last 2,000
+                                           collectives of every process group, whoever issued
+                                           them (FSDP2, tensor parallel, DDP). The heartbeat reads
+                                           the started ones (:mod:`nonstop.train.frwatch`), so the
+                                           ranks waiting in FSDP2's or TP's collectives on a peer
+                                           that stopped are not blamed with it. A few hundred
+                                           bytes per entry.
 ==================================  =====  ======================================================
 
 The collective timeout itself (the watchdog's) is the process group's ``timeout``, chosen by
@@ -41,11 +52,15 @@ __all__ = ["NCCL_DEFAULTS", "nccl_env"]
 NCCL_DEFAULTS: dict[str, str] = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # CleanUpOnly: abort communicators, keep the process
     "TORCH_NCCL_BLOCKING_WAIT": "0",
+    "TORCH_NCCL_ENABLE_TIMING": "1",  # start events: "started" in the flight recorder
+    "TORCH_FR_BUFFER_SIZE": "2000",  # the flight recorder the heartbeat reads (train/frwatch.py)
 }
-# torch still reads these older spellings; a user who set one of them has chosen
+# other spellings torch still reads; a user who set one of them has chosen
 _ALIASES = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "NCCL_ASYNC_ERROR_HANDLING",
     "TORCH_NCCL_BLOCKING_WAIT": "NCCL_BLOCKING_WAIT",
+    "TORCH_NCCL_ENABLE_TIMING": "NCCL_ENABLE_TIMING",
+    "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
 }
 
 

@@ -17,9 +17,9 @@ broadcasts -- while the model's own forward runs in the model's frames.
 
 On a device (NCCL) a collective returns at enqueue, so neither the stamp nor the frame test sees a
 rank waiting in it: the canonical sync then also answers from device events recorded around its
-allreduce (:mod:`nonstop.train.liveness`). Sharded models' NCCL collectives are not covered: their
-waits happen on the device, after ``torch.distributed`` has returned (what would cover them, and
-what torch 2.13 offers for it: :mod:`nonstop.train.liveness`'s "Limits").
+allreduce (:mod:`nonstop.train.liveness`). Sharded models' NCCL collectives wait on the device,
+after ``torch.distributed`` has returned: the heartbeat reads those from torch's flight recorder
+(:mod:`nonstop.train.frwatch`).
 """
 
 from __future__ import annotations

@@ -27,16 +27,12 @@ still blamed. On the CPU no event is made (:func:`device_event` returns None) an
 The events are behind a tiny :class:`CompletionEvent` protocol (``query() -> bool``) and the watch
 takes the factory that makes them, so tests drive it with fake events whose completion they set.
 
-**Limits.** Only collectives nonstop issues are watched. FSDP2's and tensor parallel's collectives
-on NCCL are issued by ``torch.distributed`` and likewise return at enqueue; the frame test sees a
-rank only while it is inside ``torch.distributed``'s Python code. What would cover them, in torch
-2.13: ``ProcessGroup._register_on_completion_hook`` (NCCL only: fires on the watchdog thread when
-a work completes, with its sequence number and start time -- issue-side counting would need a
-wrapper around the issuing calls, which torch has no hook for) or the flight recorder
-(``TORCH_FR_BUFFER_SIZE`` > 0; ``torch._C._distributed_c10d._dump_fr_trace_json(onlyActive=True)``
-lists the in-flight collectives with their state), polled by the heartbeat thread. Neither is
-built; NCCL's own collective timeout (``NONSTOP_COLLECTIVE_TIMEOUT_S``, :mod:`nonstop.train.backend`)
-remains the backstop there.
+**Limits.** Only collectives nonstop issues are watched here. FSDP2's and tensor parallel's
+collectives on NCCL are issued by ``torch.distributed`` and likewise return at enqueue; the frame
+test sees a rank only while it is inside ``torch.distributed``'s Python code. Those are read from
+torch's flight recorder instead (:mod:`nonstop.train.frwatch`), which sees every collective of
+every process group; NCCL's own collective timeout (``NONSTOP_COLLECTIVE_TIMEOUT_S``,
+:mod:`nonstop.train.backend`) remains the backstop.
 """
 
 from __future__ import annotations

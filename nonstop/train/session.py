@@ -68,6 +68,7 @@ from nonstop.mesh import MeshSpec
 from nonstop.train.backend import set_current_device, worker_device
 from nonstop.train.collectives import in_collective
 from nonstop.train.eventhooks import FLUSH_S, EventCallback, EventHooks
+from nonstop.train.frwatch import FlightRecorderWatch, flight_recorder_watch
 from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
@@ -127,6 +128,7 @@ class Session(Rejoin):
         self.generation = 0
         self._sync = None
         self._clock: CollectiveClock | None = None  # a sharded model's waits (train/waitclock.py)
+        self._frwatch: FlightRecorderWatch | None = None  # any collective's wait on a GPU (frwatch.py)
         self._group = GenerationGroup(keep_groups=env.keep_groups)
         self._step = 0
         self._progress_at = time.monotonic()  # when this rank last completed a step (heartbeat "idle")
@@ -203,9 +205,12 @@ class Session(Rejoin):
 
     # -- what the link's threads report (read-only on the session) -----------------------
     def _heartbeat_msg(self) -> Message:
-        # the sync's allreduce in flight: pending on the host, or on a device (train/liveness.py)
+        # the sync's allreduce in flight: pending on the host, or on a device (train/liveness.py);
+        # any other collective: blocked in torch.distributed's code (the CPU), or started on the
+        # device and not completed (the flight recorder, train/frwatch.py)
         own = self._sync is not None and self._sync.in_collective()
-        coll = own or in_collective(self._train_thread)
+        device_wait = self._frwatch is not None and self._frwatch.pending()
+        coll = own or in_collective(self._train_thread) or device_wait
         idle = round(time.monotonic() - self._progress_at, 3)
         return {"t": "hb", "coll": coll, "step": self._step, "idle": idle}
 
@@ -334,6 +339,7 @@ class Session(Rejoin):
                 wrap=wrap,
             )
         self._sync = self.trainee.sync
+        self._frwatch = flight_recorder_watch(self.device.type)  # None on the CPU
         if self._sync is None and self._clock is None:  # issue 21: a sharded model's waits, sampled
             self._clock = CollectiveClock(self._train_thread)
         if self._sync is not None:
