@@ -9,13 +9,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
-from nonstop.train.frwatch import FlightRecorderWatch, flight_recorder_watch, started_entries
+from nonstop.train.frwatch import MIN_IDLE_S, FlightRecorderWatch, flight_recorder_watch, started_entries
 from nonstop.train.session import Session
 
 
@@ -56,18 +57,43 @@ def test_the_watch_answers_from_the_dump_and_a_broken_one_never_protects_a_rank(
 ) -> None:
     dumps = [_dump("started"), _dump("scheduled"), b"garbage"]
     watch = FlightRecorderWatch(dump=lambda: dumps.pop(0))
-    assert watch.pending() is True
-    assert watch.pending() is False
+    stalled = {"idle_s": 5.0, "step_s": 0.5}
+    assert watch.pending(**stalled) is True
+    assert watch.pending(**stalled) is False
 
     with caplog.at_level(logging.WARNING, logger="nonstop.train.frwatch"):
-        assert watch.pending() is False
+        assert watch.pending(**stalled) is False
 
         def boom() -> bytes:
             raise RuntimeError("moved in this torch")
 
         watch._dump = boom
-        assert watch.pending() is False
+        assert watch.pending(**stalled) is False
     assert len([r for r in caplog.records if "flight recorder" in r.getMessage()]) == 1  # once
+
+
+def test_a_rank_still_within_its_step_is_never_dumped() -> None:
+    """The dump holds the GIL for tens of ms: only a rank that has gone MIN_IDLE_S and twice its
+    last step without a step pays for one."""
+    dumped: list[int] = []
+
+    def dump() -> bytes:
+        dumped.append(1)
+        return _dump("started")
+
+    watch = FlightRecorderWatch(dump=dump)
+    assert watch.pending(idle_s=0.5, step_s=None) is False  # before MIN_IDLE_S
+    assert watch.pending(idle_s=3.0, step_s=2.0) is False  # a 2 s step still running
+    assert dumped == []
+    assert watch.pending(idle_s=MIN_IDLE_S, step_s=None) is True
+    assert watch.pending(idle_s=4.5, step_s=2.0) is True
+    assert len(dumped) == 2
+
+
+def test_retired_entries_are_finished_whatever_their_state() -> None:
+    doc = json.loads(_dump("started", "scheduled"))
+    doc["entries"][0]["retired"] = True
+    assert started_entries(json.dumps(doc)) == 0
 
 
 def test_only_a_cuda_rank_with_the_recorder_on_gets_a_watch() -> None:
@@ -86,12 +112,15 @@ def test_the_heartbeat_says_coll_while_the_recorder_shows_a_started_collective()
     stub = SimpleNamespace(
         _sync=None,
         _frwatch=FlightRecorderWatch(dump=lambda: dumps.pop(0)),
+        _last_step_s=0.5,
         _train_thread=None,
-        _progress_at=0.0,
+        _progress_at=time.monotonic() - 10.0,  # ten seconds without a step
         _step=3,
     )
     assert Session._heartbeat_msg(cast(Any, stub))["coll"] is True  # an FSDP2 reduce-scatter waits on a peer
     assert Session._heartbeat_msg(cast(Any, stub))["coll"] is False  # only its own kernels queued: blamed
+    stub._progress_at = time.monotonic()  # a step just completed: no dump (the fake has none left)
+    assert Session._heartbeat_msg(cast(Any, stub))["coll"] is False
 
 
 REAL = textwrap.dedent(

@@ -117,7 +117,12 @@ def test_a_pending_device_event_is_coll_in_the_heartbeat_and_spares_the_rank() -
     assert sync.in_collective()
     # the heartbeat of a rank whose host has run ahead (it sits in loss.item(), in its own frames)
     stub = SimpleNamespace(
-        _sync=sync, _frwatch=None, _train_thread=None, _progress_at=time.monotonic() - 100.0, _step=7
+        _sync=sync,
+        _frwatch=None,
+        _last_step_s=None,
+        _train_thread=None,
+        _progress_at=time.monotonic() - 100.0,
+        _step=7,
     )
     msg = Session._heartbeat_msg(cast(Any, stub))
     assert msg["coll"] is True and msg["idle"] >= 100.0

@@ -129,6 +129,7 @@ class Session(Rejoin):
         self._sync = None
         self._clock: CollectiveClock | None = None  # a sharded model's waits (train/waitclock.py)
         self._frwatch: FlightRecorderWatch | None = None  # any collective's wait on a GPU (frwatch.py)
+        self._last_step_s: float | None = None  # how long the last completed step took
         self._group = GenerationGroup(keep_groups=env.keep_groups)
         self._step = 0
         self._progress_at = time.monotonic()  # when this rank last completed a step (heartbeat "idle")
@@ -209,9 +210,10 @@ class Session(Rejoin):
         # any other collective: blocked in torch.distributed's code (the CPU), or started on the
         # device and not completed (the flight recorder, train/frwatch.py)
         own = self._sync is not None and self._sync.in_collective()
-        device_wait = self._frwatch is not None and self._frwatch.pending()
-        coll = own or in_collective(self._train_thread) or device_wait
         idle = round(time.monotonic() - self._progress_at, 3)
+        watch = self._frwatch
+        device_wait = watch is not None and watch.pending(idle_s=idle, step_s=self._last_step_s)
+        coll = own or in_collective(self._train_thread) or device_wait
         return {"t": "hb", "coll": coll, "step": self._step, "idle": idle}
 
     def _resume_point(self) -> Message:
@@ -439,6 +441,7 @@ class Session(Rejoin):
         complete: a step counts as committed only then)."""
         self._step += 1
         t1 = self._progress_at = time.monotonic()
+        self._last_step_s = step_s
         wait_s = self._take_wait_s()  # issue 21
         self._faults.observe(step_s - wait_s)  # a slowdown fault stretches the own compute
         final = num_steps is not None and self._step >= num_steps
