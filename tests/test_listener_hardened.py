@@ -222,6 +222,27 @@ def test_a_flood_of_refusals_is_reported_a_few_at_a_time() -> None:
         srv.close()
 
 
+def test_a_wrong_secret_is_recorded_before_the_peer_hears_it() -> None:
+    """Was: the listener told the peer first and reported after, so a caller that checked the
+    refusal as soon as its connect failed could miss it, and a listener thread logged into a
+    test's closed output after the test had ended ("Logging error" in CI). A slow report (an
+    event log on a busy disk) makes the order visible."""
+    seen: list[str] = []
+
+    def slow_report(_peer: str, why: str) -> None:
+        time.sleep(0.3)
+        seen.append(why)
+
+    srv = ControlServer(host="127.0.0.1", port=0, secret=new_secret(), on_refused=slow_report)
+    try:
+        for n in range(1, 3):
+            with pytest.raises(AuthError):
+                connect(srv.address, new_secret(), {"role": "x"}, timeout=5.0)
+            assert len(seen) == n and seen[-1].startswith("wrong job secret")  # no wait: recorded
+    finally:
+        srv.close()
+
+
 def test_refusal_limiter_counts_beyond_the_burst_and_reports_the_count_once() -> None:
     now = [0.0]
     lim = RefusalLimiter(2, 10.0, clock=lambda: now[0])

@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
+class _Reported(Exception):
+    """A handshake refused and already reported (:meth:`ControlServer._refuse`): only close."""
+
+
 @dataclass(frozen=True)
 class ListenerLimits:
     """What unauthenticated peers may hold (module docstring)."""
@@ -222,21 +226,23 @@ class ControlServer:
                 log.warning("reporting a refused connection failed: %s", e)
 
     # -- one connection --------------------------------------------------------------------
-    def _handshake(self, sock: socket.socket) -> tuple[socket.socket, bytes, bytes, Message, bytes]:
+    def _handshake(
+        self, sock: socket.socket, peer: str
+    ) -> tuple[socket.socket, bytes, bytes, Message, bytes]:
         deadline = time.monotonic() + self.limits.handshake_timeout_s
         sock.settimeout(self.limits.handshake_timeout_s)
         if self._tls is None:
-            return (sock, *self._authenticate(sock, deadline, b""))
+            return (sock, *self._authenticate(sock, deadline, b"", peer))
         _send_plain(sock, PREAMBLE)
         ssock = server_handshake(sock, self._tls, deadline)
         try:
-            return (ssock, *self._authenticate(ssock, deadline, self._tls.fingerprint))
+            return (ssock, *self._authenticate(ssock, deadline, self._tls.fingerprint, peer))
         except BaseException:
             ssock.close()
             raise
 
     def _authenticate(
-        self, sock: socket.socket, deadline: float, binding: bytes
+        self, sock: socket.socket, deadline: float, binding: bytes, peer: str
     ) -> tuple[bytes, bytes, Message, bytes]:
         ns = secrets.token_bytes(16)
         _send_plain(sock, {"nonce": ns.hex()})
@@ -246,8 +252,14 @@ class ControlServer:
             raise ControlError("bad client nonce")
         expect = _mac(self._key, b"c", ns, nc, binding)
         if not hmac.compare_digest(bytes.fromhex(str(hello_msg["mac"])), expect):
-            _send_plain(sock, {"ok": False, "error": "authentication failed"})
-            raise AuthError("wrong job secret" + (", or a man in the middle of TLS" if binding else ""))
+            err = AuthError("wrong job secret" + (", or a man in the middle of TLS" if binding else ""))
+            # reported before the peer is told: whoever waits on the refusal finds it recorded
+            self._refuse(peer, str(err))
+            try:
+                _send_plain(sock, {"ok": False, "error": "authentication failed"})
+            except OSError:
+                pass  # the peer is gone: it was refused all the same
+            raise _Reported(err)
         hello = hello_msg.get("hello")
         if not isinstance(hello, dict):
             raise ControlError("hello missing")
@@ -256,7 +268,10 @@ class ControlServer:
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
-            sock, ns, nc, hello, binding = self._handshake(sock)
+            sock, ns, nc, hello, binding = self._handshake(sock, peer)
+        except _Reported:
+            sock.close()
+            return
         except (OSError, KeyError, ValueError, TypeError, ControlError) as e:
             self._refuse(peer, str(e) or type(e).__name__)
             sock.close()
