@@ -14,7 +14,8 @@ back-off, and when the process is out of descriptors a reserved one is released 
 accept and close the waiting connection, so the backlog drains and the listener comes
 back as soon as descriptors are free. Refusals reach ``on_refused`` rate-limited
 (:class:`RefusalLimiter`): a flood writes a handful of lines and a count, not a line per
-connection. Authenticated peers are not limited here: their silence is the detector's
+connection; a wrong secret is reported before the peer is told, so whoever sees the refusal
+finds it recorded. Authenticated peers are not limited here: their silence is the detector's
 business (heartbeats), and a client that waits on one passes ``read_timeout``.
 """
 
