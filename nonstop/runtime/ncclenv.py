@@ -27,8 +27,10 @@ variable                            value  why
                                            them (FSDP2, tensor parallel, DDP). The heartbeat reads
                                            the started ones (:mod:`nonstop.train.frwatch`), so the
                                            ranks waiting in FSDP2's or TP's collectives on a peer
-                                           that stopped are not blamed with it. A few hundred
-                                           bytes per entry.
+                                           that stopped are not blamed with it. ~470 bytes per
+                                           entry (measured); with a ring, torch may also write it
+                                           to a file when the watchdog times out
+                                           (``TORCH_NCCL_DUMP_ON_TIMEOUT``), a debugging aid.
 ==================================  =====  ======================================================
 
 The collective timeout itself (the watchdog's) is the process group's ``timeout``, chosen by
