@@ -61,7 +61,8 @@ def _dump_active() -> bytes:
     import torch._C._distributed_c10d as c10d  # (private, untyped: see "Limits")
 
     dump: Any = getattr(c10d, "_dump_fr_trace_json")  # noqa: B009 - not in torch's stubs
-    return bytes(dump(includeCollectives=True, onlyActive=True))
+    raw = dump(includeCollectives=True, onlyActive=True)
+    return raw if isinstance(raw, bytes) else str(raw).encode()  # (a str in some torch builds)
 
 
 def started_entries(dump: bytes | str) -> int:
