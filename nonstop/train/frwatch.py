@@ -62,7 +62,7 @@ def _dump_active() -> bytes:
 
     dump: Any = getattr(c10d, "_dump_fr_trace_json")  # noqa: B009 - not in torch's stubs
     raw = dump(includeCollectives=True, onlyActive=True)
-    return raw if isinstance(raw, bytes) else str(raw).encode()  # (a str in some torch builds)
+    return raw if isinstance(raw, bytes) else str(raw).encode()  # bytes in torch 2.13; text taken too
 
 
 def started_entries(dump: bytes | str) -> int:
