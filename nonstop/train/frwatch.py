@@ -21,8 +21,10 @@ blamed.
 **Cost.** A dump holds the GIL while torch serialises every entry not seen completed, and gloo's
 never are (a CUDA node's composite group sends nonstop's CPU collectives there): measured here, 2,000
 such entries are a 0.9 MB dump, 30 ms to make and 10 ms to parse. So the watch dumps only when the
-answer can matter -- once the rank has gone :data:`MIN_IDLE_S` and twice its last step without
-completing one (the coordinator blames no rank sooner) -- and a healthy step never pays for it.
+answer can matter -- once the rank has gone :data:`MIN_IDLE_S`, and as long as its last step,
+without completing one. The detector blames no rank sooner than ``max(hang_min_s, hang_factor x
+the median step)`` (``hang_factor`` > 1, ``hang_min_s`` 3 s by default); a healthy step pays at
+most for the heartbeats of a tail that outlasts the step before it.
 
 **Limits.** The dump is torch's (``torch._C._distributed_c10d._dump_fr_trace_json``, not public
 API): if it moves or fails, :meth:`FlightRecorderWatch.pending` answers False (logged once) and the
@@ -49,8 +51,8 @@ log = logging.getLogger(__name__)
 
 # the ring's size: torch reads the first of these that is set (distributed_c10d.py, torch 2.13)
 FR_BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-# no dump before the rank has gone this long (and twice its last step) without a step: the
-# detector's hang limit is never below its hang_min_s (2 s by default)
+# no dump before the rank has gone this long (and as long as its last step) without a step;
+# the detector's hang limit is at least its hang_min_s (3 s by default)
 MIN_IDLE_S = 1.0
 
 Dump = Callable[[], bytes | str]
@@ -95,9 +97,9 @@ class FlightRecorderWatch:
         """True while a collective has started on the device and not completed. False when none
         has, and when the recorder cannot answer (logged once: a broken dump is no reason to
         protect a rank). ``idle_s``: seconds since the rank's last completed step; ``step_s``: how
-        long that step took (None before the first). Below ``max(MIN_IDLE_S, 2 * step_s)`` the
+        long that step took (None before the first). Below ``max(MIN_IDLE_S, step_s)`` the
         answer is False without a dump (see "Cost")."""
-        if idle_s < max(MIN_IDLE_S, 2.0 * (step_s or 0.0)):
+        if idle_s < max(MIN_IDLE_S, step_s or 0.0):
             return False
         try:
             return started_entries(self._dump()) > 0
