@@ -66,6 +66,18 @@ def test_progress_is_not_judged_during_a_reconfiguration() -> None:
     assert _scan(det, 100.0, [stalled], in_training=False) == ({}, [])
 
 
+def test_a_progress_hang_says_where_the_rank_was_and_a_moving_rank_waits_longer() -> None:
+    det = FailureDetector(CFG)
+    det.record_step(0.1)
+    asleep = _rec(3, 0, 99.9, last_progress=97.5, at="train/steps.py:88 _wait")
+    moving = _rec(4, 1, 99.9, last_progress=97.5, at="demo/model.py:40 forward", moving=True)
+    waiting = _rec(6, 3, 99.9, last_progress=97.5, coll=True)  # in the allreduce, for them
+    kill, _ = _scan(det, 100.0, [asleep, moving, waiting])  # 2.5 s stalled: limit 2 s, 6 s moving
+    assert list(kill) == [3] and kill[3].endswith(", at train/steps.py:88 _wait")
+    silent = _rec(5, 2, 98.5, at="x.py:1 f")
+    assert _scan(det, 100.0, [silent])[0] == {5: "no heartbeat for 1.50s"}  # its last word is stale
+
+
 def test_closed_channel_of_a_live_process_is_killed_after_a_grace() -> None:
     det = FailureDetector(CFG)
     w = _rec(4, None, 100.0, chan_closed_at=100.0)

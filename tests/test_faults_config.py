@@ -103,8 +103,12 @@ def test_committed_step_is_newest_common_step() -> None:
     assert committed_step({0: [1]}, 2) is None  # rank 1 has nothing
 
 
-def _obs(hb: float, prog: float, coll: bool = False, stepped: bool = True) -> RankObservation:
-    return RankObservation(last_heartbeat=hb, last_progress=prog, collective_pending=coll, stepped=stepped)
+def _obs(
+    hb: float, prog: float, coll: bool = False, stepped: bool = True, moving: bool = False
+) -> RankObservation:
+    return RankObservation(
+        last_heartbeat=hb, last_progress=prog, collective_pending=coll, stepped=stepped, moving=moving
+    )
 
 
 def test_silent_heartbeat_is_a_hang() -> None:
@@ -146,6 +150,25 @@ def test_every_rank_stalled_at_once_gets_a_longer_limit() -> None:
     # a silent rank is not a stalled one: the others keep the usual limit
     silent = {0: _obs(99.9, 96.0), 1: _obs(97.0, 96.0)}
     assert find_hung_ranks(silent, now=100.0, median_step_s=0.1, config=cfg).keys() == {0, 1}
+
+
+def test_a_rank_still_moving_gets_the_longer_limit_and_a_stuck_one_does_not() -> None:
+    """Found in CI: a stall fault on rank 1 with a 1 s limit, two CPU burners and another test
+    job beside it; rank 0 waited in the allreduce, but rank 2, starved on its way there, went
+    1.17 s without a step and was killed with rank 1. A rank whose training thread still moves
+    between heartbeats is slow, not stuck: JOB_STALL_FACTOR x the limit; a sleeping or blocked
+    one (rank 1's stall) keeps the usual limit."""
+    cfg = DetectorConfig(hang_factor=5, hang_min_s=1.0)
+    seen = {
+        0: _obs(99.9, 98.8, coll=True),  # waits in the allreduce
+        1: _obs(99.9, 98.9),  # the stalled rank: asleep, not moving
+        2: _obs(99.9, 98.83, moving=True),  # starved, still running its step
+    }
+    assert list(find_hung_ranks(seen, now=100.0, median_step_s=0.01, config=cfg)) == [1]
+    # a rank that moves but never arrives (a loop that never ends) is still found, later
+    looping = {0: _obs(99.9, 96.0, coll=True), 2: _obs(99.9, 96.5, moving=True)}
+    late = find_hung_ranks(looping, now=100.0, median_step_s=0.01, config=cfg)
+    assert list(late) == [2] and "limit 3.00s" in late[2]
 
 
 def test_progress_limit_scales_with_median_and_has_a_floor() -> None:

@@ -147,6 +147,61 @@ def test_a_pending_device_event_is_coll_in_the_heartbeat_and_spares_the_rank() -
     assert not Session._heartbeat_msg(cast(Any, stub))["coll"]
 
 
+def _asleep_in_a_lock(lock: Any) -> None:
+    lock.acquire()  # blocks: a stuck rank's main thread
+
+
+def _busy(stop: list[bool]) -> None:
+    n = 0
+    while not stop:
+        n = (n * 31 + 7) % 1000003  # a starved rank's main thread: running, slowly
+
+
+def test_the_heartbeat_says_whether_the_training_thread_moves_and_where_it_is() -> None:
+    """The detector gives a moving rank (its training thread uses the CPU: slow on a starved
+    machine, not stuck) the longer limit and records where a blamed rank's training thread was
+    (runtime/policy.py, runtime/detector.py)."""
+    import threading
+
+    lock = threading.Lock()
+    lock.acquire()
+    stuck = threading.Thread(target=_asleep_in_a_lock, args=(lock,), daemon=True)
+    stop: list[bool] = []
+    busy = threading.Thread(target=_busy, args=(stop,), daemon=True)
+    stuck.start()
+    busy.start()
+    try:
+        time.sleep(0.1)
+
+        def stub(thread: threading.Thread) -> Any:
+            return SimpleNamespace(
+                _sync=None,
+                _frwatch=None,
+                _last_step_s=None,
+                _train_cpu_s=None,
+                _train_thread=thread.ident,
+                _progress_at=time.monotonic() - 5.0,
+                _step=3,
+            )
+
+        s = stub(stuck)
+        Session._heartbeat_msg(cast(Any, s))
+        time.sleep(0.05)
+        msg = Session._heartbeat_msg(cast(Any, s))
+        assert msg["moving"] is False and msg["at"].endswith("_asleep_in_a_lock"), msg
+        b = stub(busy)
+        Session._heartbeat_msg(cast(Any, b))
+        time.sleep(0.05)
+        assert Session._heartbeat_msg(cast(Any, b))["moving"] is True
+        hb = decode_worker({**msg, "moving": True, "at": "x" * 1000})
+        assert isinstance(hb, Heartbeat) and hb.moving and hb.at == "x" * 200
+    finally:
+        stop.append(True)
+        lock.release()
+        busy.join(5)
+        stuck.join(5)
+
+
 DDP = """
 import datetime, json, os, sys
 import torch

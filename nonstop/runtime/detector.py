@@ -78,6 +78,7 @@ class FailureDetector:
                 last_progress=max(w.last_progress, self._resumed_at) if in_training else now,
                 collective_pending=w.coll,
                 idle_s=w.idle_s,
+                moving=w.moving,
                 stepped=w.stepped,
                 rebuilding=rank in rebuilding,
             )
@@ -86,7 +87,9 @@ class FailureDetector:
         }
         hung = find_hung_ranks(obs, now=now, median_step_s=self.median_step_s, config=self.config)
         for rank, reason in hung.items():
-            v.kill[members[rank].spawn_id] = reason
+            at = members[rank].at  # where its training thread was (a progress hang only)
+            silent = at is None or reason.startswith("no heartbeat")
+            v.kill[members[rank].spawn_id] = reason if silent else f"{reason}, at {at}"
         for w in everyone:
             if (
                 w.chan_closed_at is not None

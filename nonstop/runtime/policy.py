@@ -101,6 +101,10 @@ class RankObservation:
     # any collective (None: not reported). A healthy peer waiting on a stalled rank reports a
     # collective before this grows past the limit, however late its heartbeats arrive under load.
     idle_s: float | None = None
+    # the rank's own word: its training thread used the CPU between its last two heartbeats. A
+    # rank starved of CPU on its way to the collective its peers wait in moves; one stuck in a
+    # sleep, a lock, a wait or a call blocked in the kernel does not.
+    moving: bool = False
 
 
 def classify_exit(returncode: int, *, killed_for_hang: bool) -> FailureKind:
@@ -156,11 +160,13 @@ def find_hung_ranks(
       when their heartbeat saying so arrives late (a busy machine): the coordinator's clock
       of their progress runs from when their step reports *arrived*, their own from when the
       step ended, and the last word before they entered the collective was a small ``idle_s``.
-    * every rank stalled that way at once (two ranks or more): the limit is ``JOB_STALL_FACTOR``
-      times longer -- a starved machine or a shared stall, not one rank's hang.
+    * every rank stalled that way at once (two ranks or more), or a rank whose training thread is
+      still moving (``moving``: slow, on a starved CPU, rather than stuck): the limit is
+      ``JOB_STALL_FACTOR`` times longer -- a starved machine or a shared stall, not one rank's
+      hang. A rank that spins forever moves too: it is caught at the longer limit.
     """
     hung: dict[int, str] = {}
-    stalled_for: dict[int, tuple[float, float]] = {}  # rank -> (seconds without progress, its limit)
+    stalled_for: dict[int, tuple[float, float, bool]] = {}  # rank -> (seconds stalled, its limit, moving)
     for rank, obs in observations.items():
         silent = now - obs.last_heartbeat
         if obs.rebuilding:
@@ -179,14 +185,15 @@ def find_hung_ranks(
         stalled = now - obs.last_progress
         own_word = obs.idle_s is None or obs.idle_s > limit
         if stalled > limit and not obs.collective_pending and own_word:
-            stalled_for[rank] = (stalled, limit)
-    if len(observations) > 1 and len(stalled_for) == len(observations):
-        # Every rank at once, none silent and none waiting in a collective for another: that is
-        # the machine or something all ranks share (a starved CPU, a stalled file system), not
-        # one rank's hang -- one hung rank leaves its peers waiting in a collective. Killing
-        # them all restarts the job for nothing: wait JOB_STALL_FACTOR x longer.
-        stalled_for = {r: (s, lim * JOB_STALL_FACTOR) for r, (s, lim) in stalled_for.items()}
-    for rank, (stalled, limit) in stalled_for.items():
+            stalled_for[rank] = (stalled, limit, obs.moving)
+    # Every rank at once, none silent and none waiting in a collective for another: that is the
+    # machine or something all ranks share (a starved CPU, a stalled file system), not one rank's
+    # hang -- one hung rank leaves its peers waiting in a collective. Killing them all restarts
+    # the job for nothing: wait JOB_STALL_FACTOR x longer (as for a rank still moving).
+    everyone = len(observations) > 1 and len(stalled_for) == len(observations)
+    for rank, (stalled, limit, moving) in stalled_for.items():
+        if everyone or moving:
+            limit *= JOB_STALL_FACTOR
         if stalled > limit:
             hung[rank] = f"no step progress for {stalled:.2f}s (limit {limit:.2f}s)"
     return hung

@@ -90,6 +90,9 @@ def _opt_num(m: Mapping[str, Any], key: str) -> float | None:
     return None if v is None else _num(m, key)
 
 
+AT_MAX = 200  # characters of a heartbeat's "at" kept
+
+
 def _opt_str(m: Mapping[str, Any], key: str) -> str | None:
     v = m.get(key)
     return None if v is None else str(v)
@@ -113,6 +116,10 @@ class Heartbeat:
     # rank is judged stuck in its own code only on its own word that it has been out of any
     # collective for that long (None: an older worker that does not say)
     idle_s: float | None = None
+    # its training thread used the CPU since the previous heartbeat: slow, not stuck -- the
+    # detector gives such a rank longer (runtime/policy.py)
+    moving: bool = False
+    at: str | None = None  # where its training thread is, while out of a collective (diagnosis)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,7 +242,13 @@ def decode_worker(m: Mapping[str, Any]) -> WorkerMessage | None:
     t = m.get("t")
     gen = _int(m, "gen", -1)
     if t == "hb":
-        return Heartbeat(coll=bool(m.get("coll")), idle_s=_opt_num(m, "idle"))
+        at = _opt_str(m, "at")
+        return Heartbeat(
+            coll=bool(m.get("coll")),
+            idle_s=_opt_num(m, "idle"),
+            moving=m.get("moving") is True,
+            at=None if at is None else at[:AT_MAX],
+        )
     if t == "health":
         return _health(m)
     if t == "injected":

@@ -100,7 +100,7 @@ class WorkerProtocol:
         m = decode_worker(msg)
         now = time.monotonic()
         if isinstance(m, wire.Heartbeat):
-            w.last_hb, w.coll, w.idle_s = now, m.coll, m.idle_s
+            w.last_hb, w.coll, w.idle_s, w.moving, w.at = now, m.coll, m.idle_s, m.moving, m.at
             return
         if isinstance(m, wire.Injected):
             w.fault_at = m.ts

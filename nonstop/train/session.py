@@ -89,6 +89,19 @@ log = logging.getLogger(__name__)
 PREWARM_MODULES = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.algorithms")
 
 
+# CPU seconds the training thread must have used between two heartbeats to count as moving
+MOVING_CPU_S = 0.001
+
+
+def thread_cpu_s(thread_id: int) -> float | None:
+    """CPU seconds thread ``thread_id`` (a ``threading`` ident) has used, or None where the
+    platform cannot tell (``pthread_getcpuclockid`` is POSIX) or the thread is gone."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread_id))
+    except (AttributeError, OSError, OverflowError):
+        return None
+
+
 USAGE_ABORT_WAIT_S = 10.0  # a worker that failed the job waits this long for the abort, then exits
 
 
@@ -130,6 +143,7 @@ class Session(Rejoin):
         self._clock: CollectiveClock | None = None  # a sharded model's waits (train/waitclock.py)
         self._frwatch: FlightRecorderWatch | None = None  # any collective's wait on a GPU (frwatch.py)
         self._last_step_s: float | None = None  # how long the last completed step took
+        self._train_cpu_s: float | None = None  # the training thread's CPU seconds, last heartbeat
         self._group = GenerationGroup(keep_groups=env.keep_groups)
         self._step = 0
         self._progress_at = time.monotonic()  # when this rank last completed a step (heartbeat "idle")
@@ -214,7 +228,19 @@ class Session(Rejoin):
         watch = self._frwatch
         device_wait = watch is not None and watch.pending(idle_s=idle, step_s=self._last_step_s)
         coll = own or in_collective(self._train_thread) or device_wait
-        return {"t": "hb", "coll": coll, "step": self._step, "idle": idle}
+        msg: Message = {"t": "hb", "coll": coll, "step": self._step, "idle": idle}
+        if self._train_thread is not None:
+            # moving: the training thread used the CPU since the last heartbeat (slow, not stuck:
+            # the detector's longer limit; a thread asleep, blocked or waiting uses none)
+            cpu = thread_cpu_s(self._train_thread)
+            if cpu is not None:
+                msg["moving"] = self._train_cpu_s is not None and cpu - self._train_cpu_s > MOVING_CPU_S
+                self._train_cpu_s = cpu
+            frame = sys._current_frames().get(self._train_thread)
+            if frame is not None and not coll:  # where it is, for the failure's record if blamed
+                where = "/".join(frame.f_code.co_filename.split("/")[-2:])
+                msg["at"] = f"{where}:{frame.f_lineno} {frame.f_code.co_name}"
+        return msg
 
     def _resume_point(self) -> Message:
         return {"gen": self.generation, "step": self._step, "done": self._done}
