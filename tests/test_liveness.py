@@ -179,6 +179,7 @@ def test_the_heartbeat_says_whether_the_training_thread_moves_and_where_it_is() 
                 _frwatch=None,
                 _last_step_s=None,
                 _train_cpu_s=None,
+                _train_clock=time.pthread_getcpuclockid(thread.ident),
                 _train_thread=thread.ident,
                 _progress_at=time.monotonic() - 5.0,
                 _step=3,

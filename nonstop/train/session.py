@@ -93,12 +93,24 @@ PREWARM_MODULES = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.algo
 MOVING_CPU_S = 0.001
 
 
-def thread_cpu_s(thread_id: int) -> float | None:
-    """CPU seconds thread ``thread_id`` (a ``threading`` ident) has used, or None where the
-    platform cannot tell (``pthread_getcpuclockid`` is POSIX) or the thread is gone."""
+def own_cpu_clock() -> int | None:
+    """The calling thread's CPU-time clock, for another thread to read (:func:`clock_s`); None
+    where the platform has none (``pthread_getcpuclockid`` is POSIX). Taken on the thread itself:
+    reading it later from elsewhere goes to the kernel, which refuses a clock whose thread is gone
+    (a ``pthread_t`` passed later could name freed memory)."""
     try:
-        return time.clock_gettime(time.pthread_getcpuclockid(thread_id))
-    except (AttributeError, OSError, OverflowError):
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None
+
+
+def clock_s(clock: int | None) -> float | None:
+    """Seconds on ``clock`` (from :func:`own_cpu_clock`), None if it cannot be read."""
+    if clock is None:
+        return None
+    try:
+        return time.clock_gettime(clock)
+    except OSError:
         return None
 
 
@@ -144,6 +156,7 @@ class Session(Rejoin):
         self._frwatch: FlightRecorderWatch | None = None  # any collective's wait on a GPU (frwatch.py)
         self._last_step_s: float | None = None  # how long the last completed step took
         self._train_cpu_s: float | None = None  # the training thread's CPU seconds, last heartbeat
+        self._train_clock: int | None = None  # the training thread's CPU clock (own_cpu_clock)
         self._group = GenerationGroup(keep_groups=env.keep_groups)
         self._step = 0
         self._progress_at = time.monotonic()  # when this rank last completed a step (heartbeat "idle")
@@ -232,7 +245,7 @@ class Session(Rejoin):
         if self._train_thread is not None:
             # moving: the training thread used the CPU since the last heartbeat (slow, not stuck:
             # the detector's longer limit; a thread asleep, blocked or waiting uses none)
-            cpu = thread_cpu_s(self._train_thread)
+            cpu = clock_s(self._train_clock)
             if cpu is not None:
                 msg["moving"] = self._train_cpu_s is not None and cpu - self._train_cpu_s > MOVING_CPU_S
                 self._train_cpu_s = cpu
@@ -332,6 +345,7 @@ class Session(Rejoin):
         wrap: bool,
     ) -> None:
         self._train_thread = threading.get_ident()
+        self._train_clock = own_cpu_clock()
         fence = self._snaps.fence if self.env.snapshot == "overlapped" else None
         if (model is None) == (build is None):
             raise UsageError("give model= (and optimizer=) for DDP, or build= for a --mesh job")
