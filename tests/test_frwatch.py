@@ -139,19 +139,25 @@ REAL = textwrap.dedent(
 )
 
 
+def _run_rank(script: str, tmp_path: Path, env: dict[str, str], *, timeout: float) -> Any:
+    """Run ``script`` as a one-rank job in a fresh process (its own flight recorder: torch reads
+    the ring's size once per process); the JSON its last line prints."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "rdzv")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_the_real_recorder_dump_parses_and_gloo_never_starts_an_entry(tmp_path: Path) -> None:
     """torch's own dump (the real recorder, on gloo): the format the watch parses, and why no
     watch is made on the CPU -- gloo leaves every entry ``scheduled``."""
     env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "16", "GLOO_SOCKET_IFNAME": "lo"}
-    out = subprocess.run(
-        [sys.executable, "-c", REAL, str(tmp_path / "rdzv")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = _run_rank(REAL, tmp_path, env, timeout=120)
     assert got["states"] and set(got["states"]) == {"scheduled"}, got
     assert got["started"] == 0
 
@@ -179,12 +185,4 @@ def test_on_nccl_completed_collectives_leave_no_started_entry(tmp_path: Path) ->
     from nonstop.runtime.ncclenv import nccl_env
 
     env = {**os.environ, **nccl_env("cuda", {})}
-    out = subprocess.run(
-        [sys.executable, "-c", NCCL, str(tmp_path / "rdzv")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"started": 0}
+    assert _run_rank(NCCL, tmp_path, env, timeout=300) == {"started": 0}
