@@ -238,9 +238,12 @@ class Session(Rejoin):
         # device and not completed (the flight recorder, train/frwatch.py)
         own = self._sync is not None and self._sync.in_collective()
         idle = round(time.monotonic() - self._progress_at, 3)
-        watch = self._frwatch
-        device_wait = watch is not None and watch.pending(idle_s=idle, step_s=self._last_step_s)
-        coll = own or in_collective(self._train_thread) or device_wait
+        watch = self._frwatch  # (asked last: its dump is the costly answer)
+        coll = (
+            own
+            or in_collective(self._train_thread)
+            or (watch is not None and watch.pending(idle_s=idle, step_s=self._last_step_s))
+        )
         msg: Message = {"t": "hb", "coll": coll, "step": self._step, "idle": idle}
         if self._train_thread is not None:
             # moving: the training thread used the CPU since the last heartbeat (slow, not stuck:
