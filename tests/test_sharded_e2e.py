@@ -87,6 +87,27 @@ def test_fsdp2_survives_a_kill_and_a_stuck_rank_bitwise(tmp_path: Path, referenc
     assert shards(run) == reference(FSDP)
 
 
+def test_a_spare_that_warmed_up_while_it_waited_takes_a_rank_bitwise(tmp_path: Path, reference: Any) -> None:
+    """The spare warms DTensor's cache in a fake world of the mesh while it waits (the demo
+    gives ``nonstop.init(build=...)``; train/prewarm.py), then takes the killed rank: the same
+    shards as the run without faults. The kill comes late (>= 9 s of paced steps) so that the
+    warm-up has ended even on a loaded machine (one that has not is interrupted, and cold)."""
+    run = run_demo_job(
+        tmp_path, steps=STEPS, faults=("kill:rank=1,step=12",), script_extra=("--step-delay", "0.75"), **FSDP
+    )
+    check(run, 1)
+    assert run.result.failures[0]["replacement"] == "spare"
+    assert shards(run) == reference(FSDP)
+    assert _prewarmed(run) == [1]
+
+
+def _prewarmed(run: DemoRun) -> list[int]:
+    """The ranks whose final process warmed DTensor's cache as a spare (train/prewarm.py)."""
+    world = int(run.out["world_size"]) if run.out is not None else 0
+    files = [json.loads((run.job_dir / f"result.rank{r}.json").read_text()) for r in range(world)]
+    return [r for r, f in enumerate(files) if f.get("prewarm_s") is not None]
+
+
 def test_hsdp_survives_a_lost_node_from_peer_replicas_bitwise(tmp_path: Path, reference: Any) -> None:
     """HSDP 2x2 on two nodes (a replica group each): node 1 is lost with its memory; its ranks
     restore from the replicas node 0 holds."""

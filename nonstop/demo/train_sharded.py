@@ -80,10 +80,6 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = PRESETS[args.model]
     corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
-    session = nonstop.init()  # a hot spare waits here
-    deterministic_on(session.device)  # bitwise-comparable GPU runs (nonstop.demo.device)
-    data: dict[str, Any] = {"samples_seen": 0}
-    samples_log = SamplesLog(args.samples_log, batch=args.batch) if args.samples_log is not None else None
     built: dict[str, Any] = {}
 
     def build(mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -95,6 +91,12 @@ def main(argv: list[str] | None = None) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         built.update(model=model, opt=opt)
         return model, opt
+
+    # a hot spare waits here, and warms DTensor's caches with build meanwhile (nonstop.train.prewarm)
+    session = nonstop.init(build=build)
+    deterministic_on(session.device)  # bitwise-comparable GPU runs (nonstop.demo.device)
+    data: dict[str, Any] = {"samples_seen": 0}
+    samples_log = SamplesLog(args.samples_log, batch=args.batch) if args.samples_log is not None else None
 
     def train_step(model: torch.nn.Module, step: int) -> float:
         opt = built["opt"]
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             "rank": session.rank,
             "final_loss": result.last_loss,
             "local_hash": local_hash(built["model"]),
+            "prewarm_s": session.prewarm_s,  # a spare that took this rank warmed up (train/prewarm.py)
             "step": result.step,
             **where(session.device),
         }

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from nonstop.mesh import MeshSpec
 from nonstop.train.abort import SocketWatch
 
-__all__ = ["GroupClaim", "MeshGroups", "agree", "keep_decision", "registry_supported"]
+__all__ = ["GroupClaim", "MeshGroups", "agree", "keep_decision", "mesh_of", "registry_supported"]
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +148,6 @@ class MeshGroups:
         """The generation's ``DeviceMesh`` for ``spec``, in the default group just created
         through ``store`` (the generation's rendezvous store): a parked group every member
         agrees to keep is put back, every other group is created by its members only."""
-        from torch.distributed.device_mesh import DeviceMesh
-
         t0 = time.monotonic()
         parked, self._groups = self._groups, {}
         self.kept = self.built = 0
@@ -180,12 +178,7 @@ class MeshGroups:
         for old in parked.values():  # dims this generation's mesh no longer has
             _shutdown(old)
         self._parked = False
-        mesh = DeviceMesh.from_group(
-            groups,
-            device_type,
-            mesh=torch.arange(spec.world_size).view(spec.shape),
-            mesh_dim_names=spec.names,
-        )
+        mesh = mesh_of(spec, groups, device_type)
         self.build_s = time.monotonic() - t0
         return mesh
 
@@ -218,6 +211,20 @@ class MeshGroups:
             else:
                 group.sockets.half_close()
         self._groups, self._parked = {}, False
+
+
+def mesh_of(spec: MeshSpec, groups: list[Any], device_type: str) -> Any:
+    """The ``DeviceMesh`` of ``spec`` over this rank's ``groups`` (one per dim, in ``spec.names``
+    order). Every generation's mesh and a spare's warm-up mesh (:mod:`nonstop.train.prewarm`) are
+    made here, so that they compare equal (DTensor's cache keys on that)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(
+        groups,
+        device_type,
+        mesh=torch.arange(spec.world_size).view(spec.shape),
+        mesh_dim_names=spec.names,
+    )
 
 
 def _token(generation: int, dim: str, ranks: list[int]) -> str:

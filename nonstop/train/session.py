@@ -73,6 +73,7 @@ from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
 from nonstop.train.link import CoordinatorLink, PeerFailed, uninterruptible
+from nonstop.train.prewarm import Warmed, warm_sharded
 from nonstop.train.rejoin import Rejoin, TrainStep
 from nonstop.train.snapshots import LoopSnapshots
 from nonstop.train.steps import Step, check_objects
@@ -141,7 +142,12 @@ class Session(Rejoin):
     """
 
     def __init__(
-        self, env: WorkerEnv, *, connect_timeout: float = 30.0, prewarm: tuple[str, ...] = PREWARM_MODULES
+        self,
+        env: WorkerEnv,
+        *,
+        connect_timeout: float = 30.0,
+        prewarm: tuple[str, ...] = PREWARM_MODULES,
+        warm_build: Build | None = None,
     ) -> None:
         self.env = env
         # issue 20: this process's own device (its agent's choice at spawn, LOCAL_RANK's index;
@@ -176,9 +182,18 @@ class Session(Rejoin):
         self._hooks = EventHooks()  # on_event's callbacks (train/eventhooks.py)
         # A spare waits here, imported and connected, until it is given a rank. Pay
         # the lazy imports a first optimizer / DDP construction would pay now.
+        if warm_build is not None and env.mesh is None:
+            raise UsageError("nonstop.init(build=...) is for a --mesh job (a data-parallel one gives model=)")
+        self._warmed: Warmed | None = None  # a sharded spare's warm-up, adopted at its first join
         if env.role == "spare":
             for name in prewarm:
                 importlib.import_module(name)
+            if warm_build is not None:  # its first step after a takeover: DTensor's cache warm
+                spec = MeshSpec.parse(env.mesh) if env.mesh is not None else None
+                assert spec is not None
+                self._warmed = warm_sharded(warm_build, spec, device_type=self.device.type, link=self._link)
+        # seconds this spare's warm-up took (None: none, or it failed or was interrupted)
+        self.prewarm_s: float | None = self._warmed.took_s if self._warmed is not None else None
         first = self._link.wait_for("reconfigure", "finish")
         if first["t"] == "finish":  # the job ended while this process waited as a spare
             self._link.close()
@@ -368,7 +383,9 @@ class Session(Rejoin):
                 fence=fence,
                 objects=objects,
                 device_type=self.device.type,  # the mesh on the rank's device (cuda on a GPU node)
+                warmed=self._warmed,
             )
+            self._warmed = None
         else:
             assert model is not None
             if self.env.mesh is not None:
@@ -527,15 +544,21 @@ class Session(Rejoin):
         self._link.close()
 
 
-def init() -> Session:
+def init(*, build: Build | None = None) -> Session:
     """Join the job this process was started for by ``nonstop run``.
 
     A hot spare returns only when it has been given a rank. Raises UsageError
     when the process was not started by ``nonstop run``. From here an uncaught
     :class:`UsageError` (a mistake in the script's use of nonstop, which fails the job) prints
     its one line, not a traceback.
+
+    ``build``: a sharded job's ``build(mesh)`` (the one given to :meth:`Session.run`), defined
+    before this call. A hot spare then calls it once while it waits, in a fake world of the
+    job's mesh, and takes one optimizer step on zero gradients there, so that its first step
+    after taking a rank finds DTensor's caches warm (:mod:`nonstop.train.prewarm`: 0.2-0.28 s
+    of an HSDP spare's first step on the demo model). Other processes ignore it.
     """
-    session = Session(WorkerEnv.from_environ())
+    session = Session(WorkerEnv.from_environ(), warm_build=build)
     if sys.excepthook is sys.__excepthook__:
         sys.excepthook = _one_line_usage_errors
     return session

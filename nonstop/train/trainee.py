@@ -30,6 +30,7 @@ from nonstop.mesh import MeshSpec
 from nonstop.snapshot import StateCapture
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.group import GenerationGroup
+from nonstop.train.prewarm import Warmed
 from nonstop.train.steps import check_objects
 
 __all__ = ["Build", "Replicated", "Sharded", "Trainee", "accumulate", "average_over"]
@@ -163,8 +164,10 @@ class Sharded:
         fence: Fence | None,
         device_type: str = "cpu",
         objects: dict[str, Any] | None = None,
+        warmed: Warmed | None = None,
     ) -> None:
         self._build, self.spec, self.device_type = build, spec, device_type
+        self._warmed = warmed  # a spare's warm-up (train/prewarm.py): its meshes take the first real one
         self._objects = dict(objects or {})
         self._extras, self._load_extras, self._fence = extras, load_extras, fence
         self._capture: StateCapture | None = None
@@ -201,6 +204,9 @@ class Sharded:
         device_mesh = group.join_plain(
             store, rank=rank, world_size=world_size, timeout_s=timeout_s, then=mesh
         )
+        warmed, self._warmed = self._warmed, None
+        if warmed is not None:  # before build: fully_shard's own DTensors hit the warm cache
+            warmed.adopt(device_mesh)
         model, optimizer, objects = _built(self._build(device_mesh))
         clash = sorted(set(objects) & set(self._objects))
         if clash:
