@@ -70,7 +70,10 @@ def one_run(args: argparse.Namespace, nnodes: int, nproc: int, run_dir: Path) ->
         faults=(f"node:node={nnodes - 1},step={args.fault_step}",),
         persist_every=0,
         lease_ttl_s=args.lease_ttl,
-        script_extra=("--step-delay", str(args.step_delay)) if args.step_delay else (),
+        script_extra=(
+            *(("--step-delay", str(args.step_delay)) if args.step_delay else ()),
+            *getattr(args, "script_extra", ()),  # bench_node_loss_peers' nonstop_cold: --no-prewarm
+        ),
         mesh=getattr(args, "mesh", None),  # bench_node_loss_peers --mesh; None: DDP
     )
     result = run_local_nodes(cfg, redirect_output=True)

@@ -72,7 +72,9 @@ model out on that mesh of the 4 ranks; with ``replicate=2,shard=2`` (HSDP) each 
 replica group of 2 FSDP shards, so the lost node is a whole replica: nonstop's spares on node 0
 take its ranks from the peer replicas node 0 holds, and torchrun's restarted ranks reshard-load
 the newest DCP checkpoint. torchft is left out (its replicate-only recovery restarts a whole
-group; it is not wired for a sharded model here).
+group; it is not wired for a sharded model here). ``--contenders nonstop,nonstop_cold`` (sharded
+only) sets nonstop beside itself with spares that wait cold (the demo's ``--no-prewarm``: no
+``nonstop.init(build=...)``), what the warm-up of ``nonstop/train/prewarm.py`` saves.
 
 The contenders' code: ``peers_procs.py`` (options, layout, the processes of a run),
 ``peers_torchft.py``, ``peers_torchrun.py``; nonstop's is here and in ``bench_node_loss.py``.
@@ -91,6 +93,7 @@ one machine; the benchmark removes that job's segments after each nonstop run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -121,6 +124,7 @@ from nonstop.runtime.launcher import default_shm_dir  # noqa: E402
 DEFAULT_OUT = BENCH / "results" / "node_loss_peers.json"
 CONTENDERS: dict[str, str] = {
     "nonstop": "nonstop (hot spares)",
+    "nonstop_cold": "nonstop, spares not warmed",
     "torchft": "torchft (Lighthouse 1 s)",
     "torchrun_dcp": "torchrun + DCP",
 }
@@ -152,7 +156,7 @@ def clean_nonstop_job(run_dir: Path) -> tuple[int, int]:
     return len(pids), len(segs)
 
 
-def run_nonstop(opts: Options, run_dir: Path) -> dict[str, Any]:
+def run_nonstop(opts: Options, run_dir: Path, *, prewarm: bool = True) -> dict[str, Any]:
     args = argparse.Namespace(
         steps=opts.steps,
         model=opts.model,
@@ -160,6 +164,7 @@ def run_nonstop(opts: Options, run_dir: Path) -> dict[str, Any]:
         lease_ttl=opts.lease_ttl,
         step_delay=opts.step_delay,
         mesh=opts.mesh,
+        script_extra=() if prewarm else ("--no-prewarm",),
     )
     t0 = time.monotonic()
     try:
@@ -183,6 +188,8 @@ def run_nonstop(opts: Options, run_dir: Path) -> dict[str, Any]:
 # -- the benchmark -----------------------------------------------------------------------------------
 RUNNERS: dict[str, Callable[[Options, Path], dict[str, Any]]] = {
     "nonstop": run_nonstop,
+    # A sharded job's spares as before nonstop.init(build=...): cold DTensor caches (train/prewarm.py)
+    "nonstop_cold": functools.partial(run_nonstop, prewarm=False),
     "torchft": run_torchft,
     "torchrun_dcp": run_torchrun_dcp,
 }
@@ -374,7 +381,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, Path]:
     ap.add_argument("--keep-work", action="store_true", help="keep the work dir (logs, events) for a look")
     a = ap.parse_args(argv)
     q = a.quick
-    default = [n for n in CONTENDERS if not (a.mesh and n == "torchft")]
+    default = [n for n in CONTENDERS if not (a.mesh and n == "torchft") and n != "nonstop_cold"]
     names = tuple(n for n in (a.contenders or ",".join(default)).split(",") if n)
     if not names or any(n not in CONTENDERS for n in names):
         ap.error(f"--contenders: a subset of {','.join(CONTENDERS)}")
@@ -390,6 +397,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, Path]:
             ap.error(f"--mesh {a.mesh} has {world} ranks; this layout has {NNODES * NPROC}")
         if "torchft" in names:
             ap.error("--mesh: torchft is no contender for a sharded job here (leave it out of --contenders)")
+    elif "nonstop_cold" in names:
+        ap.error("--contenders nonstop_cold: a sharded job's spares warm up (--mesh); a DDP job's do not")
     interval, attempts = (int(x) for x in a.rdzv_keepalive.split(","))
     opts = Options(
         model=a.model or ("tiny" if q else "small"),

@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result", type=Path, default=None)
+    ap.add_argument(
+        "--no-prewarm", action="store_true", help="spares wait cold: no nonstop.init(build=...) (benchmarks)"
+    )
     add_pace_args(ap)
     ap.add_argument(
         "--samples-log", type=Path, default=None, help="directory: a line per micro-batch (see demo.train)"
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         return model, opt
 
     # a hot spare waits here, and warms DTensor's caches with build meanwhile (nonstop.train.prewarm)
-    session = nonstop.init(build=build)
+    session = nonstop.init(build=None if args.no_prewarm else build)
     deterministic_on(session.device)  # bitwise-comparable GPU runs (nonstop.demo.device)
     data: dict[str, Any] = {"samples_seen": 0}
     samples_log = SamplesLog(args.samples_log, batch=args.batch) if args.samples_log is not None else None
