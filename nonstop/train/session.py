@@ -182,15 +182,12 @@ class Session(Rejoin):
         self._hooks = EventHooks()  # on_event's callbacks (train/eventhooks.py)
         # A spare waits here, imported and connected, until it is given a rank. Pay
         # the lazy imports a first optimizer / DDP construction would pay now.
-        if warm_build is not None and env.mesh is None:
-            raise UsageError("nonstop.init(build=...) is for a --mesh job (a data-parallel one gives model=)")
         self._warmed: Warmed | None = None  # a sharded spare's warm-up, adopted at its first join
         if env.role == "spare":
             for name in prewarm:
                 importlib.import_module(name)
-            if warm_build is not None:  # its first step after a takeover: DTensor's cache warm
-                spec = MeshSpec.parse(env.mesh) if env.mesh is not None else None
-                assert spec is not None
+            if warm_build is not None and env.mesh is not None:  # (a DDP job's build= is run()'s error)
+                spec = MeshSpec.parse(env.mesh)  # its first step after a takeover: DTensor's cache warm
                 self._warmed = warm_sharded(warm_build, spec, device_type=self.device.type, link=self._link)
         # seconds this spare's warm-up took (None: none, or it failed or was interrupted)
         self.prewarm_s: float | None = self._warmed.took_s if self._warmed is not None else None
@@ -556,7 +553,8 @@ def init(*, build: Build | None = None) -> Session:
     before this call. A hot spare then calls it once while it waits, in a fake world of the
     job's mesh, and takes one optimizer step on zero gradients there, so that its first step
     after taking a rank finds DTensor's caches warm (:mod:`nonstop.train.prewarm`: 0.2-0.28 s
-    of an HSDP spare's first step on the demo model). Other processes ignore it.
+    of an HSDP spare's first step on the demo model). Ranks, and a data-parallel job's spares,
+    ignore it.
     """
     session = Session(WorkerEnv.from_environ(), warm_build=build)
     if sys.excepthook is sys.__excepthook__:
