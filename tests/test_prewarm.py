@@ -144,3 +144,68 @@ def test_a_warm_up_refuses_a_process_that_has_a_group(tmp_path: Any) -> None:
             warm_sharded(lambda m: None, MeshSpec.parse("shard=1"), device_type="cpu", link=None)
     finally:
         dist.destroy_process_group()
+
+
+RENUMBERED = textwrap.dedent(
+    """
+    import json, sys, torch, torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from nonstop.demo.model import GPT, PRESETS
+    from nonstop.demo.train_sharded import shard_model
+    from nonstop.mesh import MeshSpec
+    from nonstop.snapshot.sharded import _offset
+    from nonstop.train.meshgroups import mesh_of
+    from nonstop.train.prewarm import MeshHistory
+
+    history = MeshHistory() if sys.argv[1] == "history" else None
+    spec = MeshSpec.parse("shard=3")
+    def generation(rank):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=3)
+        groups = [dist.new_group(spec.group_of(rank, d), use_local_synchronization=True) for d in spec.names]
+        mesh = mesh_of(spec, groups, "cpu")
+        if history is not None:
+            history.joined(mesh, rank=rank)  # (Sharded.join: before build)
+        torch.manual_seed(0)
+        model = GPT(PRESETS["tiny"])
+        shard_model(model, mesh)
+        opt = torch.optim.AdamW(model.parameters())
+        for q in model.parameters():
+            q.grad = DTensor.from_local(torch.ones_like(q.to_local()), q.device_mesh, q.placements,
+                                        shape=q.shape, stride=q.stride())
+        opt.step()
+        p = next(model.parameters())
+        out = {"rank": rank, "real": list(mesh.get_coordinate()),
+               "param": list(p.device_mesh.get_coordinate()),
+               "offset": _offset(p), "state_offset": _offset(opt.state[p]["exp_avg"])}
+        dist.destroy_process_group()
+        return out
+    print(json.dumps([generation(2), generation(1)]))  # rank 2, then (renumbered, grown back) rank 1
+    """
+)
+
+
+def _renumbered(mode: str) -> Any:
+    out = subprocess.run(
+        [sys.executable, "-c", RENUMBERED, mode], capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_rank_renumbered_at_a_mesh_shape_it_had_gets_its_own_offsets_again() -> None:
+    """An elastic job's survivor that played rank 2 of shard=3, then (after a shrink and the grow
+    back) rank 1 of shard=3: its parameters and optimizer state name rank 1's coordinate, and
+    their snapshot offsets are rank 1's shard (the tiny model's first weight: 43 rows each)."""
+    first, second = _renumbered("history")
+    assert first["param"] == [2] and first["offset"][0] == 86
+    assert second["real"] == second["param"] == [1], second
+    assert second["offset"][0] == second["state_offset"][0] == 43, second
+
+
+def test_without_the_history_a_renumbered_rank_records_its_old_offsets() -> None:
+    """The defect MeshHistory mends: DTensor's cache hands the second generation's new
+    parameters the first generation's mesh, rank 2's."""
+    _, second = _renumbered("none")
+    assert second["real"] == [1] and second["param"] == [2], second
+    assert second["offset"][0] == 86, second

@@ -318,6 +318,33 @@ def _shrink_then_grow(job_dir: Path, cfg: dict[str, Any], lost: int, at: int) ->
     return events
 
 
+def test_a_rank_renumbered_by_a_shrink_records_its_own_shards_after_the_grow(tmp_path: Path) -> None:
+    """Elastic FSDP2 over three nodes, the middle one lost: old rank 2 plays rank 1 of the shrunk
+    mesh and stays rank 1 when the grow brings the node back as rank 2 -- rank 1 of the same
+    mesh shape it once played as rank 2. Every rank's shards in the final checkpoint record its
+    own offsets (DTensor's cache would have handed old rank 2's mesh to its rebuilt model:
+    train/prewarm.py's MeshHistory), so they tile each tensor in rank order."""
+    from nonstop.snapshot.durable import DurableStore
+    from nonstop.snapshot.sharded import LocalShard
+    from nonstop.snapshot.store import decode_raw
+
+    three = {"mesh": "shard=3", "nproc": 1, "nnodes": 3, "coordinator": "127.0.0.1:0", "lease_ttl_s": 3.0}
+    events = _shrink_then_grow(tmp_path / "job", three, lost=1, at=8)
+    (shrink,) = events_named(events, "shrink")
+    assert shrink["dropped"] == [1]
+    store = DurableStore(str(tmp_path / "job" / "checkpoints"))
+    step = store.steps()[-1]
+    assert step == ELASTIC_STEPS and store.world_size_at(step) == 3
+    states = [decode_raw(*store.load_rank(step, r)) for r in range(3)]
+    for key, first in states[0]["model"].items():
+        if not isinstance(first, LocalShard):
+            continue
+        shards = [st["model"][key] for st in states]
+        rows = [sh.offset[0] if sh.offset is not None else -1 for sh in shards]
+        assert rows == sorted(rows) and len(set(rows)) == 3, (key, rows)  # rank order, no overlap
+        assert [a + len(sh.tensor) for a, sh in zip(rows, shards, strict=True)][:-1] == rows[1:], (key, rows)
+
+
 def test_hsdp_shrinks_by_a_replica_group_and_grows_it_back(tmp_path: Path) -> None:
     """Elastic HSDP 2x2 on two nodes with no spare: node 1 (replica group 1) is lost and the job
     goes on with one group playing both groups' batches (gradient accumulation, FSDP2 dividing by

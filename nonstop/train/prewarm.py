@@ -45,7 +45,7 @@ import torch.distributed as dist
 from nonstop.mesh import MeshSpec
 from nonstop.train.link import PeerFailed
 
-__all__ = ["Warmed", "warm_sharded"]
+__all__ = ["MeshHistory", "Warmed", "adopt_meshes", "live_meshes", "warm_sharded"]
 
 log = logging.getLogger(__name__)
 
@@ -72,21 +72,64 @@ class Warmed:
         cleared DTensor's cache, where one has no counterpart. Once per process: the meshes are
         forgotten here (the cache still holds them, as it holds a survivor's earlier meshes)."""
         meshes, self.meshes = self.meshes, []
-        names_of_real = tuple(real.mesh_dim_names or ())
-        for fake in meshes:
-            names = tuple(fake.mesh_dim_names or ())
-            twin = None
-            try:
-                twin = real if names == names_of_real else real[names]
-            except Exception as e:  # (a flattened or foreign mesh: no counterpart by names)
-                log.debug("no real mesh for the warm-up's %s: %s", names, e)
-            if twin is None or twin != fake or not hasattr(fake, "__dict__"):
-                log.warning("warm-up mesh %s has no real counterpart: DTensor's cache is cleared", names)
-                clear_dtensor_cache()
-                return False
-            fake.__dict__.update(twin.__dict__)
-            self.adopted += 1
+        self.adopted, unmatched = adopt_meshes(meshes, real)
+        if unmatched:
+            log.warning("%d warm-up mesh(es) have no real counterpart: DTensor's cache is cleared", unmatched)
+            clear_dtensor_cache()
+            return False
         return True
+
+
+class MeshHistory:
+    """A survivor's side of the same hazard. Each generation makes new mesh objects, and the
+    cache keeps answering with the first one it saw of each layout: harmless while this process
+    plays the same coordinates in every generation of a mesh shape (the group names hash the
+    ranks), wrong once it plays others -- an elastic job renumbers ranks at a shrink, and the
+    grow back keeps the new numbers, so a rank 2 of ``shard=3`` can come back as rank 1 of
+    ``shard=3``. Its parameters would then carry rank 2's mesh, and the snapshot would record
+    rank 2's offsets for rank 1's shards (measured: ``[86, 0]`` for ``[43, 0]``). So when the
+    rank this process plays at a shape changes, every older mesh equal to a part of the new one
+    is given the new one's state (a scan of the live objects, ~0.1 s: only then)."""
+
+    def __init__(self) -> None:
+        self._rank_at: dict[tuple[int, ...], int] = {}
+        self.readopted = 0
+
+    def joined(self, real: Any, *, rank: int) -> None:
+        """This process plays ``rank`` on ``real``, the generation's root mesh, before ``build``."""
+        shape = tuple(int(n) for n in real.shape)
+        before = self._rank_at.get(shape, rank)
+        self._rank_at[shape] = rank
+        if before != rank:
+            self.readopted, _ = adopt_meshes([m for m in live_meshes() if m is not real], real)
+            log.info(
+                "rank %d -> %d at mesh %s: %d cached meshes given the new state",
+                before,
+                rank,
+                shape,
+                self.readopted,
+            )
+
+
+def adopt_meshes(meshes: list[Any], real: Any) -> tuple[int, int]:
+    """Give each of ``meshes`` that equals ``real`` or its submesh of the same dim names that
+    mesh's state (attributes). Returns (adopted, without a counterpart)."""
+    adopted = unmatched = 0
+    names_of_real = tuple(real.mesh_dim_names or ())
+    for old in meshes:
+        names = tuple(old.mesh_dim_names or ())
+        twin = None
+        try:
+            twin = real if names == names_of_real else real[names]
+        except Exception as e:  # (a flattened or foreign mesh: no counterpart by names)
+            log.debug("no mesh in the new one for %s: %s", names, e)
+        if twin is None or twin != old or not hasattr(old, "__dict__"):
+            unmatched += 1
+            continue
+        if twin is not old:
+            old.__dict__.update(twin.__dict__)
+        adopted += 1
+    return adopted, unmatched
 
 
 def clear_dtensor_cache() -> None:
@@ -154,7 +197,7 @@ def warm_sharded(
     if not ok:
         clear_dtensor_cache()
         return None
-    meshes = _fake_meshes()
+    meshes = live_meshes()  # (no real group was ever made here: the fake ones)
     took = time.monotonic() - t0
     log.info("warmed DTensor's cache in %.2fs (%d meshes)", took, len(meshes))
     return Warmed(meshes, took_s=took)
@@ -185,9 +228,9 @@ def _one_step(build: Callable[[Any], Any], mesh: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def _fake_meshes() -> list[Any]:
-    """Every ``DeviceMesh`` alive in the process: after the warm-up, with no real group ever
-    made here, the fake ones the cache holds (a spare's idle time; ~0.1 s)."""
+def live_meshes() -> list[Any]:
+    """Every ``DeviceMesh`` alive in the process (a scan of the garbage collector's objects:
+    ~0.1 s with a model built; a spare's idle time, or a renumbered survivor's rare join)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     gc.collect()

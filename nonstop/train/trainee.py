@@ -30,7 +30,7 @@ from nonstop.mesh import MeshSpec
 from nonstop.snapshot import StateCapture
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.group import GenerationGroup
-from nonstop.train.prewarm import Warmed
+from nonstop.train.prewarm import MeshHistory, Warmed
 from nonstop.train.steps import check_objects
 
 __all__ = ["Build", "Replicated", "Sharded", "Trainee", "accumulate", "average_over"]
@@ -168,6 +168,7 @@ class Sharded:
     ) -> None:
         self._build, self.spec, self.device_type = build, spec, device_type
         self._warmed = warmed  # a spare's warm-up (train/prewarm.py): its meshes take the first real one
+        self._meshes = MeshHistory()  # older meshes in DTensor's cache take a renumbered rank's (prewarm.py)
         self._objects = dict(objects or {})
         self._extras, self._load_extras, self._fence = extras, load_extras, fence
         self._capture: StateCapture | None = None
@@ -207,6 +208,7 @@ class Sharded:
         warmed, self._warmed = self._warmed, None
         if warmed is not None:  # before build: fully_shard's own DTensors hit the warm cache
             warmed.adopt(device_mesh)
+        self._meshes.joined(device_mesh, rank=rank)
         model, optimizer, objects = _built(self._build(device_mesh))
         clash = sorted(set(objects) & set(self._objects))
         if clash:
