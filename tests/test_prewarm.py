@@ -154,7 +154,7 @@ RENUMBERED = textwrap.dedent(
     from nonstop.demo.model import GPT, PRESETS
     from nonstop.demo.train_sharded import shard_model
     from nonstop.mesh import MeshSpec
-    from nonstop.snapshot.sharded import _offset
+    from nonstop.snapshot.sharded import _offset, encode_dtensor
     from nonstop.train.meshgroups import mesh_of
     from nonstop.train.prewarm import MeshHistory
 
@@ -177,7 +177,8 @@ RENUMBERED = textwrap.dedent(
         p = next(model.parameters())
         out = {"rank": rank, "real": list(mesh.get_coordinate()),
                "param": list(p.device_mesh.get_coordinate()),
-               "offset": _offset(p), "state_offset": _offset(opt.state[p]["exp_avg"])}
+               "offset": _offset(p), "state_offset": _offset(opt.state[p]["exp_avg"]),
+               "snapshot_offset": encode_dtensor(p)[0]["offset"]}  # (the snapshot's cached layout)
         dist.destroy_process_group()
         return out
     print(json.dumps([generation(2), generation(1)]))  # rank 2, then (renumbered, grown back) rank 1
@@ -200,7 +201,7 @@ def test_a_rank_renumbered_at_a_mesh_shape_it_had_gets_its_own_offsets_again() -
     first, second = _renumbered("history")
     assert first["param"] == [2] and first["offset"][0] == 86
     assert second["real"] == second["param"] == [1], second
-    assert second["offset"][0] == second["state_offset"][0] == 43, second
+    assert second["offset"][0] == second["state_offset"][0] == second["snapshot_offset"][0] == 43, second
 
 
 def test_without_the_history_a_renumbered_rank_records_its_old_offsets() -> None:

@@ -107,9 +107,12 @@ def iter_local_shards(obj: Any) -> Iterator[LocalShard]:
             yield from iter_local_shards(v)
 
 
-# (id(mesh), shape, stride, placements) -> (the mesh, kept alive so its id is not reused; the
-# node's metadata). A snapshot is taken every step of the same tensors: the placement metadata is
-# computed once (torch's mesh and offset helpers cost ~0.1 ms per tensor).
+# (id(mesh), this rank's coordinate on it, shape, stride, placements) -> (the mesh, kept alive so
+# its id is not reused; the node's metadata). A snapshot is taken every step of the same tensors:
+# the placement metadata is computed once (torch's mesh and offset helpers cost ~0.1 ms per
+# tensor). The coordinate is in the key because a mesh object can change it: DTensor's cache
+# hands a rebuilt model an older mesh object of a generation, which is then given the new
+# generation's state (train/prewarm.py) -- a renumbered rank's offsets are not its old ones.
 _META: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
 _META_MAX = 65536
 # id(DTensor) -> (a weak reference to it, its spec object, its metadata): the same DTensor
@@ -139,7 +142,7 @@ def _meta_of(t: Any) -> dict[str, Any]:
     """The placement metadata of DTensor ``t`` (cached by mesh, shape, stride and placements)."""
     mesh = t.device_mesh
     placements = tuple(t.placements)
-    key = (id(mesh), tuple(t.shape), tuple(t.stride()), placements)
+    key = (id(mesh), tuple(mesh.get_coordinate() or ()), tuple(t.shape), tuple(t.stride()), placements)
     hit = _META.get(key)
     if hit is None:
         if len(_META) >= _META_MAX:
