@@ -34,6 +34,7 @@ fake world is torn down and the spare takes its rank at once, cold. Main thread 
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import time
 from collections.abc import Callable
@@ -42,10 +43,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from nonstop.config import WorkerEnv
 from nonstop.mesh import MeshSpec
 from nonstop.train.link import PeerFailed
 
-__all__ = ["MeshHistory", "Warmed", "adopt_meshes", "live_meshes", "warm_sharded"]
+__all__ = ["MeshHistory", "Warmed", "adopt_meshes", "live_meshes", "prepare_spare", "warm_sharded"]
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +149,27 @@ def clear_dtensor_cache() -> None:
         log.debug("the Python sharding cache was not cleared: %s", e)
 
 
+def prepare_spare(
+    env: WorkerEnv,
+    modules: tuple[str, ...],
+    build: Callable[[Any], Any] | None,
+    *,
+    device_type: str,
+    link: _Interruptible | None,
+) -> Warmed | None:
+    """A hot spare (``env.role``; any other process returns None at once) before it waits: import
+    ``modules`` (the lazy imports a first optimizer or DDP construction would pay after the
+    takeover), then, for a sharded job (``env.mesh``) whose script gave ``build``,
+    :func:`warm_sharded`. A data-parallel job's ``build`` is ignored here (run() reports it)."""
+    if env.role != "spare":
+        return None
+    for name in modules:
+        importlib.import_module(name)
+    if build is None or env.mesh is None:
+        return None
+    return warm_sharded(build, MeshSpec.parse(env.mesh), device_type=device_type, link=link)
+
+
 def warm_sharded(
     build: Callable[[Any], Any],
     spec: MeshSpec,
@@ -207,10 +230,9 @@ def _one_step(build: Callable[[Any], Any], mesh: Any) -> None:
     """``build(mesh)``, a zero gradient on every parameter, one optimizer step; then drop it all."""
     from torch.distributed.tensor import DTensor
 
-    built = build(mesh)
-    if not isinstance(built, tuple) or len(built) not in (2, 3):
-        raise TypeError("build(mesh) must return (model, optimizer) or (model, optimizer, {name: object})")
-    model, optimizer = built[0], built[1]
+    from nonstop.train.trainee import _built  # (trainee imports this module)
+
+    model, optimizer, objects = _built(build(mesh))  # checked as a generation's build is
     with torch.no_grad():
         for p in model.parameters():
             if not p.requires_grad:
@@ -223,7 +245,7 @@ def _one_step(build: Callable[[Any], Any], mesh: Any) -> None:
             else:
                 p.grad = torch.zeros_like(p)
     optimizer.step()
-    del built, model, optimizer
+    del model, optimizer, objects
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -48,7 +48,6 @@ Contract of :meth:`Session.run`:
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import sys
 import threading
@@ -73,7 +72,7 @@ from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
 from nonstop.train.link import CoordinatorLink, PeerFailed, uninterruptible
-from nonstop.train.prewarm import Warmed, warm_sharded
+from nonstop.train.prewarm import prepare_spare
 from nonstop.train.rejoin import Rejoin, TrainStep
 from nonstop.train.snapshots import LoopSnapshots
 from nonstop.train.steps import Step, check_objects
@@ -180,16 +179,10 @@ class Session(Rejoin):
         )
         self._faults = WorkerFaults(env, self._link)
         self._hooks = EventHooks()  # on_event's callbacks (train/eventhooks.py)
-        # A spare waits here, imported and connected, until it is given a rank. Pay
-        # the lazy imports a first optimizer / DDP construction would pay now.
-        self._warmed: Warmed | None = None  # a sharded spare's warm-up, adopted at its first join
-        if env.role == "spare":
-            for name in prewarm:
-                importlib.import_module(name)
-            if warm_build is not None and env.mesh is not None:  # (a DDP job's build= is run()'s error)
-                spec = MeshSpec.parse(env.mesh)  # its first step after a takeover: DTensor's cache warm
-                self._warmed = warm_sharded(warm_build, spec, device_type=self.device.type, link=self._link)
-        # seconds this spare's warm-up took (None: none, or it failed or was interrupted)
+        # A spare waits here, imported, connected and (a sharded job's) warmed up, until it is
+        # given a rank (its warm-up is adopted at its first join); ``prewarm_s``: seconds the
+        # warm-up took (None: none, it failed or was interrupted)
+        self._warmed = prepare_spare(env, prewarm, warm_build, device_type=self.device.type, link=self._link)
         self.prewarm_s: float | None = self._warmed.took_s if self._warmed is not None else None
         first = self._link.wait_for("reconfigure", "finish")
         if first["t"] == "finish":  # the job ended while this process waited as a spare
