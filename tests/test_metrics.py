@@ -4,6 +4,7 @@ the server's bounds. No job runs here (tests/test_metrics_e2e.py runs one)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -173,8 +174,8 @@ def test_a_reader_waits_for_the_coordinator_at_most_wait_s() -> None:
 
 
 # -- the server ------------------------------------------------------------------------------------
-@pytest.fixture
-def served() -> Iterator[tuple[StatusServer, str]]:
+@contextlib.contextmanager
+def serving(limits: Limits) -> Iterator[tuple[StatusServer, str]]:
     mon = JobMonitor(lambda: json.loads(json.dumps(STATUS)))
     stop = threading.Event()
 
@@ -191,7 +192,7 @@ def served() -> Iterator[tuple[StatusServer, str]]:
         port=0,
         token=token,
         monitor=mon,
-        limits=Limits(max_connections=2, request_timeout_s=0.5, max_request_bytes=1024),
+        limits=limits,
     )
     try:
         yield server, token
@@ -199,6 +200,23 @@ def served() -> Iterator[tuple[StatusServer, str]]:
         server.close()
         stop.set()
         t.join()
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[StatusServer, str]]:
+    """A server with the default connection bound: a client that makes its requests one after
+    another is never refused, however late the server's threads release their slots (with a bound
+    of 2, a busy CPU left two finished handlers holding theirs and the fifth request was closed at
+    accept, as the bound says it must be)."""
+    with serving(Limits(max_request_bytes=1024)) as s:
+        yield s
+
+
+@pytest.fixture
+def served_tight() -> Iterator[tuple[StatusServer, str]]:
+    """Two slots and a 0.5 s request timeout: for the tests of those bounds."""
+    with serving(Limits(max_connections=2, request_timeout_s=0.5, max_request_bytes=1024)) as s:
+        yield s
 
 
 def get(server: StatusServer, path: str, token: str | None) -> tuple[int, bytes, dict[str, str]]:
@@ -254,8 +272,8 @@ def test_an_oversized_request_is_refused(served: tuple[StatusServer, str]) -> No
     assert not reply.startswith(b"HTTP/1.0 200")
 
 
-def test_slow_clients_hold_no_slot_for_long(served: tuple[StatusServer, str]) -> None:
-    server, token = served
+def test_slow_clients_hold_no_slot_for_long(served_tight: tuple[StatusServer, str]) -> None:
+    server, token = served_tight
     idle = [socket.create_connection(server.address, timeout=5) for _ in range(2)]  # both slots
     try:
         time.sleep(0.2)
