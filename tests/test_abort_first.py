@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType, SimpleNamespace
 
 import pytest
 
+from nonstop.train import link as link_mod
 from nonstop.train.group import GenerationGroup
-from nonstop.train.link import CoordinatorLink
+from nonstop.train.link import CoordinatorLink, severs
 
 
 class FakeDeviceBackend:
@@ -43,11 +45,9 @@ def usr1_log() -> Iterator[list[str]]:
         signal.signal(signal.SIGUSR1, old)
 
 
-def _reader_reacts(group: GenerationGroup, *, recovery: bool) -> None:
+def _reader_reacts(group: GenerationGroup, *, sever: bool) -> None:
     link = SimpleNamespace(_sever=group.sever, _can_interrupt=True, _main_ident=threading.main_thread().ident)
-    reader = threading.Thread(
-        target=CoordinatorLink._leave_step_now, args=(link,), kwargs={"recovery": recovery}
-    )
+    reader = threading.Thread(target=CoordinatorLink._leave_step_now, args=(link,), kwargs={"sever": sever})
     reader.start()
     reader.join()
     signal.sigtimedwait([], 0)  # let the main thread run the pending handler (no-op wait)
@@ -57,7 +57,7 @@ def test_a_recovery_aborts_the_device_communicators_before_it_interrupts(usr1_lo
     group = GenerationGroup()
     group._device_backend = FakeDeviceBackend(usr1_log)
     assert not group.severed
-    _reader_reacts(group, recovery=True)
+    _reader_reacts(group, sever=True)
     assert usr1_log == ["abort", "interrupt"]
     assert group.severed  # the loop will not snapshot a step that completes on this group
 
@@ -65,14 +65,14 @@ def test_a_recovery_aborts_the_device_communicators_before_it_interrupts(usr1_lo
 def test_a_live_swap_interrupts_without_aborting(usr1_log: list[str]) -> None:
     group = GenerationGroup()
     group._device_backend = FakeDeviceBackend(usr1_log)
-    _reader_reacts(group, recovery=False)
+    _reader_reacts(group, sever=False)
     assert usr1_log == ["interrupt"] and not group.severed
 
 
 def test_a_failing_abort_does_not_stop_the_interrupt(usr1_log: list[str]) -> None:
     group = GenerationGroup()
     group._device_backend = FakeDeviceBackend(usr1_log, fail=True)
-    _reader_reacts(group, recovery=True)
+    _reader_reacts(group, sever=True)
     assert usr1_log == ["abort", "interrupt"] and group.severed
 
 
@@ -80,3 +80,35 @@ def test_a_cpu_group_has_no_device_backend_to_abort() -> None:
     group = GenerationGroup()
     group.sever()  # nothing joined: no sockets, no device backend
     assert group.severed and group._device_backend is None
+
+
+def test_every_reconfigure_but_a_live_swaps_severs_a_rank_found_in_a_step() -> None:
+    """A re-plan's peers leave wherever they are, and a sharded job's peer that left at a boundary
+    parks its mesh groups with their sockets open: a rank blocked in the next step's all-gather
+    would wait on it until the stage timed out (an HSDP job under a CPU load), so it severs too."""
+    assert severs({"t": "reconfigure", "recovery": True})
+    assert severs({"t": "reconfigure", "recovery": False})  # a re-plan (a resync, a replan)
+    assert severs({"t": "reconfigure", "recovery": False, "prepare": True})  # a joiner: no group yet
+    assert not severs({"t": "reconfigure", "recovery": False, "live": True})  # every rank paused
+
+
+def test_a_reconfigure_stuck_behind_a_step_severs_it_after_the_dump(
+    monkeypatch: pytest.MonkeyPatch, usr1_log: list[str]
+) -> None:
+    """A live swap's reconfigure does not sever; should it find a rank in a step that cannot finish,
+    the heartbeat thread severs once the reconfigure has waited STUCK_DUMP_S (then the interrupt
+    sent at its arrival is raised as soon as the collective fails)."""
+    monkeypatch.setattr(link_mod, "STUCK_DUMP_S", 0.0)
+    group = GenerationGroup()
+    group._device_backend = FakeDeviceBackend(usr1_log)
+    link = SimpleNamespace(
+        _arrived=1, _taken=0, _stuck_since=None, _dumped=False, in_step=True, _sever=group.sever
+    )
+    CoordinatorLink._dump_if_stuck(link)  # type: ignore[arg-type]
+    assert not group.severed  # the first look only starts the clock
+    time.sleep(0.01)
+    CoordinatorLink._dump_if_stuck(link)  # type: ignore[arg-type]
+    assert group.severed and usr1_log == ["abort"]
+    link._dumped, link.in_step, group._severed = False, False, False
+    CoordinatorLink._dump_if_stuck(link)  # type: ignore[arg-type]
+    assert not group.severed  # out of the step: nothing to sever, the loop takes it

@@ -112,6 +112,7 @@ def test_a_main_thread_that_does_not_take_a_reconfigure_has_its_stacks_logged_on
     monkeypatch.setattr("nonstop.train.link.time.monotonic", lambda: clock[0])
     bare = CoordinatorLink.__new__(CoordinatorLink)
     bare._arrived, bare._taken, bare._stuck_since, bare._dumped = 1, 1, None, False
+    bare.in_step, bare._sever = False, None  # (severing a stuck step: test_abort_first)
     bare._dump_if_stuck()
     assert dumps == [] and bare._stuck_since is None  # taken: nothing waits
     bare._arrived = 2

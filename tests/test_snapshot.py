@@ -112,6 +112,29 @@ def test_slots_alternate_and_keep_previous_step(store: RankSnapshotStore) -> Non
         store.read(2)
 
 
+def test_a_copy_that_may_settle_waits_for_a_step_being_written_again(
+    store: RankSnapshotStore, tmp_path: Path
+) -> None:
+    """A fetch's source may be starting its slots over (cleared, the restored step written again):
+    with ``settle_s`` the reader finds the step once the write lands; without, it fails at once."""
+    store.write(4, {"w": torch.full((4,), 4.0)})
+    reader = RankSnapshotStore(shm_dir=tmp_path, job_id="t", rank=3)
+    store.clear()
+    with pytest.raises(SnapshotMissingError):
+        reader.copy_out(4)
+    t = threading.Timer(0.3, lambda: store.write(4, {"w": torch.full((4,), 4.0)}))
+    t.start()
+    t0 = time.monotonic()
+    snap = reader.copy_out(4, settle_s=10.0)
+    assert 0.2 < time.monotonic() - t0 < 10.0 and snap.step == 4
+    t0 = time.monotonic()
+    with pytest.raises(SnapshotMissingError):
+        reader.copy_out(5, settle_s=0.2)  # never written: fails once settle_s is spent
+    assert time.monotonic() - t0 >= 0.2
+    t.join()
+    reader.close()
+
+
 def test_buffers_are_reused_not_reallocated(store: RankSnapshotStore, tmp_path: Path) -> None:
     store.write(0, {"w": torch.zeros(1000)})
     store.write(1, {"w": torch.zeros(1000)})

@@ -44,7 +44,12 @@ from nonstop.snapshot.nodecopy import MAX_COPY_GROUPS, NodeCopy, SharedRef, node
 from nonstop.snapshot.split import REF_HEAD, ref_of
 from nonstop.snapshot.store import RankSnapshotStore
 
-__all__ = ["DataPlane", "shm_stores"]
+__all__ = ["FETCH_SETTLE_S", "DataPlane", "shm_stores"]
+
+# how long a fetch's source looks again for a step it lacks or that a write tore: the rank may be
+# rewriting that step (starting its slots over after a renumbering) -- a fetch failure fails the
+# reconfiguration that waits on it
+FETCH_SETTLE_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +249,9 @@ class DataPlane:
         prev = self._sent.take(key)
         try:
             store = self._replica(rank) if kind == "replica" else self._local(rank)
-            snap = store.copy_out(step, out=prev.spare if prev is not None and track else None)
+            snap = store.copy_out(
+                step, out=prev.spare if prev is not None and track else None, settle_s=FETCH_SETTLE_S
+            )
             base, base_step = None, None
             if prev is not None and want is not None and int(want) == prev.step:
                 if prev.data.size == snap.data.size:  # the same layout: a delta applies

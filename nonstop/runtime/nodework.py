@@ -53,7 +53,7 @@ import numpy as np
 
 from nonstop.control.channel import Message
 from nonstop.errors import NonstopError
-from nonstop.replica.dataplane import DataPlane
+from nonstop.replica.dataplane import FETCH_SETTLE_S, DataPlane
 from nonstop.replica.peer import (
     TRACK_TTL_S,
     Replicator,
@@ -314,7 +314,7 @@ class NodeWork:
         try:
             if addr == self.data.addr:  # this node holds it: copy between its own stores
                 src = self._replica(rank) if kind == "replica" else self._local(rank)
-                snap = src.copy_out(step)
+                snap = src.copy_out(step, settle_s=FETCH_SETTLE_S)
                 into(dest).write_raw(step, snap.meta, snap.data.data)
                 info.update(raw_bytes=len(snap.data), wire_bytes=0, delta=False)
             else:

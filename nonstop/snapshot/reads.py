@@ -14,6 +14,7 @@ that the headers still name the same writes; a write that raced it is never retu
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ from nonstop.snapshot.raw import RawSnapshot, decode_state
 from nonstop.snapshot.slot import KEEP_PIN, READ_PIN, Slot, slot_path
 from nonstop.snapshot.split import REF_HEAD, compose, decode_split, ref_of
 
-__all__ = ["SlotReads"]
+__all__ = ["SETTLE_POLL_S", "SlotReads"]
+
+SETTLE_POLL_S = 0.02  # copy_out(settle_s=...): how often a missing step is looked for again
 
 
 class SlotReads:
@@ -245,8 +248,29 @@ class SlotReads:
         return meta, src.copy()
 
     def copy_out(
-        self, step: int, *, out: np.ndarray | None = None, keep: bool = False, split: bool = False
+        self,
+        step: int,
+        *,
+        out: np.ndarray | None = None,
+        keep: bool = False,
+        split: bool = False,
+        settle_s: float = 0.0,
     ) -> RawSnapshot:
+        """A private copy of the snapshot of ``step`` that no later write can tear
+        (:meth:`_copy_out_once`). ``settle_s``: a step that is missing, or torn by a write that
+        slipped in, is tried again for up to that long (a fetch's source: its rank may be
+        rewriting that very step, e.g. starting its slots over after an elastic renumbering, which
+        clears them and writes the restored step again); 0, the default: one try."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            try:
+                return self._copy_out_once(step, out=out, keep=keep, split=split)
+            except SnapshotMissingError:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(SETTLE_POLL_S)
+
+    def _copy_out_once(self, step: int, *, out: np.ndarray | None, keep: bool, split: bool) -> RawSnapshot:
         """A private copy of the snapshot of ``step`` that no later write can tear.
 
         For readers in another process than the writer (the agent's persister).

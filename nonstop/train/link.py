@@ -19,9 +19,13 @@ Threading contract:
   returns EINTR), makes the handler raise :class:`PeerFailed` there. A signal handler runs
   only between bytecodes, though, and a main thread blocked in a collective with a peer that will never
   answer (a partition: no reset ever arrives) would wait out the group's timeout, so the reader
-  also calls the owner's ``sever`` callback for a recovery's reconfigure (never for a live
-  swap's, which a step may finish first), which fails the collectives in flight at once
-  (:meth:`~nonstop.train.group.GenerationGroup.sever`). When the connection ends
+  also calls the owner's ``sever`` callback for every reconfigure but a live swap's (a recovery,
+  a re-plan: the peers leave wherever they are, and a peer that left at a boundary parks a
+  sharded job's mesh groups without closing them, so nothing else would fail a collective on
+  them), which fails the collectives in flight at once
+  (:meth:`~nonstop.train.group.GenerationGroup.sever`). A live swap's reconfigure comes after
+  every rank paused at the boundary; a rank found in a step then is severed by the heartbeat
+  thread once the reconfigure has waited :data:`STUCK_DUMP_S`. When the connection ends
   the reader reconnects within ``reconnect_s`` (store mode, replacing ``chan``) or ends the
   process with :data:`EXIT_COORDINATOR_LOST`; after ``closing`` it just returns.
 * The **heartbeat thread** (``nonstop-heartbeat``) sends the owner's heartbeat message every
@@ -54,7 +58,7 @@ from nonstop.control.channel import Channel, Message, connect
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import ControlError, JobFailedError
 
-__all__ = ["EXIT_COORDINATOR_LOST", "CoordinatorLink", "PeerFailed", "uninterruptible"]
+__all__ = ["EXIT_COORDINATOR_LOST", "CoordinatorLink", "PeerFailed", "severs", "uninterruptible"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,13 @@ def uninterruptible(fn: F) -> F:
     interrupt is delivered again at the next instruction outside it."""
     _NOT_HERE.add(fn.__code__)
     return fn
+
+
+def severs(reconfigure: Message) -> bool:
+    """Whether a reconfigure that finds the main thread in a step severs the generation's group
+    first (:meth:`CoordinatorLink._leave_step_now`): every one but a live swap's -- a recovery's,
+    and a re-plan's, whose peers leave wherever they are."""
+    return bool(reconfigure.get("recovery")) or not reconfigure.get("live")
 
 
 class PeerFailed(BaseException):
@@ -177,19 +188,26 @@ class CoordinatorLink:
                 if msg.get("t") == "reconfigure":
                     self._arrived += 1  # before in_step is read: see enter_step
                 if msg.get("t") == "reconfigure" and self.in_step:
-                    self._leave_step_now(recovery=bool(msg.get("recovery")))
+                    self._leave_step_now(sever=severs(msg))
         except (ControlError, OSError, ValueError):
             return
 
-    def _leave_step_now(self, *, recovery: bool) -> None:
+    def _leave_step_now(self, *, sever: bool) -> None:
         """Reader thread: a reconfigure arrived while the main thread is in a step. Abort first,
-        then interrupt: a recovery's reconfigure severs the generation's group (gloo: sockets shut
-        for reading; NCCL: communicators aborted), so a main thread blocked in a collective or on
-        the device returns to Python; then SIGUSR1 -- a real signal, not ``interrupt_main``'s
-        simulated one, so a main thread blocked in a system call (a sleep, a read of data)
-        wakes with EINTR -- makes the handler raise :class:`PeerFailed` there. A live swap's
-        reconfigure does not sever (a step may finish first)."""
-        if recovery and self._sever is not None:
+        then interrupt: ``sever`` (every reconfigure but a live swap's) severs the generation's
+        group (gloo: sockets shut for reading; NCCL: communicators aborted), so a main thread
+        blocked in a collective or on the device returns to Python; then SIGUSR1 -- a real
+        signal, not ``interrupt_main``'s simulated one, so a main thread blocked in a system call
+        (a sleep, a read of data) wakes with EINTR -- makes the handler raise
+        :class:`PeerFailed` there.
+
+        Why a re-plan severs too (found under a CPU load, an HSDP job): its peers leave at their
+        boundary and a sharded job's peer *parks* its mesh groups there, keeping their sockets
+        open for the next generation; a rank that had begun the next step waited in FSDP2's
+        all-gather for that peer, which in turn waited in the next generation's rendezvous for it,
+        until the stage timed out. Severing costs nothing kept: a rank that leaves mid-step makes
+        no claim on its groups, so they are built again anyway."""
+        if sever and self._sever is not None:
             self._sever()
         if self._can_interrupt:
             signal.pthread_kill(self._main_ident, signal.SIGUSR1)
@@ -268,6 +286,9 @@ class CoordinatorLink:
             self._dumped = True
             log.warning("a reconfigure has waited %.0f s for the main thread; its stacks:", STUCK_DUMP_S)
             faulthandler.dump_traceback(all_threads=True)
+            if self.in_step and self._sever is not None:  # (a live swap's, which did not sever)
+                log.warning("severing the generation's group: the step cannot finish")
+                self._sever()
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, msg: Message) -> None:
