@@ -324,3 +324,31 @@ def test_threads_reading_through_one_store_survive_its_slots_being_remapped(tmp_
     assert copied[0] > 0
     w.close()
     reader.close()
+
+
+def test_with_one_shared_slot_a_rank_a_step_behind_holds_nothing_whole_until_its_part_lands(
+    tmp_path: Path,
+) -> None:
+    """A degraded node (one shared slot): rank 0's snapshot of step 2 overwrites the shared write
+    rank 1's part of step 1 names, so rank 1 holds no whole step until it writes its part of step
+    2. An inventory taken then found no step for every rank and failed the job (a re-plan under a
+    CPU load); ``behind_shared`` tells it to wait for that part, as for a writer."""
+
+    def store(rank: int) -> RankSnapshotStore:
+        s = RankSnapshotStore(shm_dir=tmp_path, job_id=JOB, rank=rank, num_slots=2)
+        s.share_with(NodeCopy(shm_dir=tmp_path, job_id=JOB, num_slots=1), 1)
+        return s
+
+    a, b = store(0), store(1)
+    model = _model(4)
+    twin = {k: v.clone() for k, v in model.items()}
+    a.write(1, _state(0, model, 1), share=_share(model))
+    b.write(1, _state(1, twin, 1), share=_share(twin))
+    assert not b.behind_shared({os.getpid()})  # whole: nothing to wait for
+    a.write(2, _state(0, model, 2), share=_share(model))
+    assert a.complete_steps() == [2] and b.complete_steps() == []
+    assert b.behind_shared({os.getpid()}) and not a.behind_shared({os.getpid()})
+    assert not b.behind_shared(set())  # its writer is gone: it will never write step 2
+    b.write(2, _state(1, twin, 2), share=_share(twin))
+    assert b.complete_steps() == [2] and not b.behind_shared({os.getpid()})
+    a.close(), b.close()

@@ -193,6 +193,12 @@ class Agent:
                 out[rank] = step
         return out
 
+    def behind_shared(self) -> list[int]:
+        """Ranks whose live process has yet to write its part of the node's newest shared write,
+        holding no whole step meanwhile (:meth:`~nonstop.snapshot.reads.SlotReads.behind_shared`)."""
+        live = {sp.proc.pid for sp in list(self.procs.values()) if sp.proc.poll() is None}
+        return [rank for rank in self.ranks_in_memory() if self._store(rank).behind_shared(live)]
+
     def wait_all(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while self.procs and time.monotonic() < deadline:

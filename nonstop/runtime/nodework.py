@@ -73,7 +73,7 @@ __all__ = ["NodeWork"]
 
 log = logging.getLogger(__name__)
 
-SETTLE_S = 2.0  # longest an inventory waits for a live writer to finish its snapshot
+SETTLE_S = 2.0  # longest an inventory waits for a live writer to finish its snapshot (or its part)
 
 
 class NodeWork:
@@ -249,7 +249,7 @@ class NodeWork:
 
     def _inventory(self, req_id: int) -> Message:
         deadline = time.monotonic() + SETTLE_S
-        while self.agent.writing_steps() and time.monotonic() < deadline:
+        while (self.agent.writing_steps() or self.agent.behind_shared()) and time.monotonic() < deadline:
             time.sleep(0.002)
         local = self.agent.complete_steps()
         rep_id = replica_store_id(self.job_id, self.node)

@@ -142,6 +142,23 @@ class SlotReads:
                     return inf.step
         return None
 
+    def behind_shared(self, live_pids: Collection[int]) -> bool:
+        """Whether this rank's newest part is complete but its node's shared write is gone, written
+        by a live process, with no complete step left: with one shared slot (a degraded memory
+        tier), the node's first rank to snapshot a step overwrites the shared write the others'
+        parts of the step before still name, so a rank a step behind holds nothing whole until
+        its own part of the new step lands (an inventory waits for that, as for a writer)."""
+        newest: SnapshotInfo | None = None
+        for i in range(self.num_slots):
+            inf = self.info(i)
+            if inf is None or inf.state is not SlotState.COMPLETE:
+                continue
+            if self._complete(inf):
+                return False
+            if newest is None or inf.step > newest.step:
+                newest = inf
+        return newest is not None and newest.writer_pid in live_pids and self._ref(newest) is not None
+
     def _missing(self, step: int) -> SnapshotMissingError:
         return SnapshotMissingError(
             f"rank {self.rank}: no complete snapshot of step {step} (have steps {self.complete_steps()})"
