@@ -88,6 +88,21 @@ def test_a_process_playing_a_rank_again_is_not_replaced() -> None:
     assert inv.violations == []
 
 
+def test_a_cold_process_a_spare_took_the_rank_from_before_it_connected_never_played_it() -> None:
+    """A chaos soak under a CPU load: generation 5 gave rank 2 to a cold process (pid 300) that
+    took 11 s to come up; a hot spare (pid 200) connected first and took the rank, and the cold
+    one came up as a spare, as designed. It was listed as rank 2's member for those 11 s but never
+    played it: no rank ran twice. One that did connect as the rank and is replaced still counts."""
+    inv = Invariants(grace_s=5.0)
+    inv.observe(Observation(0.0, {0: 100, 2: 300}, frozenset({100, 300}), frozenset({100})))
+    inv.observe(Observation(10.0, {0: 100, 2: 200}, frozenset({100, 200, 300}), frozenset({100, 200})))
+    inv.observe(Observation(30.0, {0: 100, 2: 200}, frozenset({100, 200, 300}), frozenset({100, 200})))
+    assert inv.violations == [] and inv.pids_replaced() == []
+    inv.observe(Observation(31.0, {0: 400, 2: 200}, frozenset({100, 200, 300, 400}), frozenset({200})))
+    inv.observe(Observation(37.0, {0: 400, 2: 200}, frozenset({100, 200, 300, 400}), frozenset({200})))
+    assert len(inv.violations) == 1 and "rank 0 runs twice: pid 100" in inv.violations[0]
+
+
 def test_the_committed_step_goes_back_only_to_a_durable_restore() -> None:
     inv = Invariants()
     for step in (3, 5, 5, 9):

@@ -398,5 +398,6 @@ def test_status_of_a_member_planned_but_not_spawned_yet(tmp_path: Path) -> None:
         "node": h.coord.view.rank_node.get(1),
         "spawn_id": 999,
         "pid": None,
+        "connected": False,
         "step": h.coord.view.latest_step.get(1),
     }

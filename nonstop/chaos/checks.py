@@ -66,7 +66,9 @@ class Checks:
         members = {int(r): int(rec["pid"]) for r, rec in status["ranks"].items() if rec.get("pid")}
         self.pids |= set(members.values())
         live = frozenset(p for p in self.pids if running(p))
-        self.job.observe(Observation(time.monotonic(), members, live), fault=fault)
+        ranks = status["ranks"].values()
+        connected = frozenset(int(r["pid"]) for r in ranks if r.get("pid") and r.get("connected", True))
+        self.job.observe(Observation(time.monotonic(), members, live, connected), fault=fault)
         # A durable restore lets the committed step go back, to that checkpoint or later, once:
         # the status is asked for before the events are read, so the look that reads the event
         # may still show the step before it, and the drop only the next one.

@@ -22,11 +22,15 @@ __all__ = ["Invariants", "Observation", "lost_steps"]
 @dataclass(frozen=True)
 class Observation:
     """One look at the job: when (the driver's clock), the rank -> pid of its members (the
-    coordinator's status), and which pids of the job's workers are running (alive, not stopped)."""
+    coordinator's status), which pids of the job's workers are running (alive, not stopped), and
+    which members' processes have connected (``connected``; None: all of them). A member that
+    never connected never played its rank: a cold process a hot spare took the rank from before
+    it came up waits as a spare, which is no rank running twice."""
 
     t: float
     members: Mapping[int, int]
     running: frozenset[int]
+    connected: frozenset[int] | None = None
 
 
 def lost_steps(*, restore_step: int, expected_min: int | None) -> int:
@@ -52,7 +56,8 @@ class Invariants:
     def observe(self, obs: Observation, *, fault: str = "") -> None:
         members = {pid: rank for rank, pid in obs.members.items()}
         for pid, rank in members.items():
-            self._rank_of[pid] = rank
+            if obs.connected is None or pid in obs.connected or pid in self._rank_of:
+                self._rank_of[pid] = rank
             self._left_at.pop(pid, None)
         for pid, rank in self._rank_of.items():
             if pid in members:

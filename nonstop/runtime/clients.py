@@ -76,6 +76,9 @@ class ClientRequests:
                     "spawn_id": sid,
                     # a member planned but not spawned yet has no process record
                     "pid": w.pid if (w := self.c.view.workers.get(sid)) is not None else None,
+                    # its process has connected (a cold one a spare took over from never does as
+                    # this rank: it waits as a spare)
+                    "connected": w is not None and w.chan is not None,
                     "step": self.c.view.latest_step.get(r),
                 }
                 for r, sid in sorted(self.c.view.members.items())
