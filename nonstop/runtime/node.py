@@ -61,7 +61,6 @@ feeds it the coordinator's messages. The commands that move snapshot bytes
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -88,7 +87,7 @@ from nonstop.runtime.agent import Agent, remove_segments
 from nonstop.runtime.devices import DeviceInventory, Devices
 from nonstop.runtime.gc import hold_lock, release_lock
 from nonstop.runtime.ncclenv import nccl_env
-from nonstop.runtime.nodelease import FENCE_AT, NodeLease
+from nonstop.runtime.nodelease import FENCE_AT, NodeLease, fence_node
 from nonstop.runtime.nodespawn import EXIT_NO_DEVICE as EXIT_NO_DEVICE
 from nonstop.runtime.nodespawn import TICK_S, DeviceSpawner
 from nonstop.runtime.nodework import NodeWork
@@ -484,37 +483,9 @@ class NodeAgent(DeviceSpawner):
         return None
 
     def _fence(self, why: str) -> int:
-        """Stop playing any rank: SIGKILL every process of the node, wait until they are gone,
-        then record it in ``<job_dir>/fenced-node-<node>.json`` (when it decided, when every process
-        was sent SIGKILL, when they were all gone, why, which pids)."""
+        """Stop playing any rank (:func:`~nonstop.runtime.nodelease.fence_node`)."""
         self.fenced = why
-        at = time.time()
-        log.error("node %s fenced: %s; killing its processes", self.spec.node, why)
-        pids: list[int] = []
-        if self.agent is not None:
-            for sid in list(self.agent.procs):
-                pid = self.agent.pid(sid)
-                if pid is not None:
-                    pids.append(pid)
-                self.agent.kill(sid, signal.SIGKILL)
-        # once SIGKILL is sent a process runs none of its code again; reaping it (the kernel
-        # freeing a large process's memory) may take longer than the lease's margin on a loaded
-        # machine (0.82 s seen): ``killed_at`` is when the node stopped playing its ranks
-        killed_at = time.time()
-        if self.agent is not None:
-            self.agent.wait_all(5.0)
-        record = {
-            "node": self.spec.node,
-            "at": at,
-            "killed_at": killed_at,
-            "dead_at": time.time(),
-            "why": why,
-            "killed_pids": pids,
-        }
-        try:
-            (self.job_dir / f"fenced-node-{self.spec.node}.json").write_text(json.dumps(record) + "\n")
-        except OSError as e:
-            log.warning("could not record the fencing: %s", e)
+        fence_node(self.agent, node=self.spec.node, job_dir=self.job_dir, why=why)
         return EXIT_FENCED
 
     def _shutdown(self) -> None:
