@@ -183,9 +183,7 @@ class Agent:
 
     def writing_steps(self) -> dict[int, int]:
         """rank -> step a live child process is writing into that rank's slots right now."""
-        # poll(): a child SIGKILLed a moment ago is a zombie, alive to os.kill but not writing.
-        # A copy first: the node's worker thread calls this while the agent's loop spawns and reaps.
-        live = {sp.proc.pid for sp in list(self.procs.values()) if sp.proc.poll() is None}
+        live = self._live_pids()
         out = {}
         for rank in self.ranks_in_memory():
             step = self._store(rank).writing_step(live)
@@ -196,8 +194,14 @@ class Agent:
     def behind_shared(self) -> list[int]:
         """Ranks whose live process has yet to write its part of the node's newest shared write,
         holding no whole step meanwhile (:meth:`~nonstop.snapshot.reads.SlotReads.behind_shared`)."""
-        live = {sp.proc.pid for sp in list(self.procs.values()) if sp.proc.poll() is None}
+        live = self._live_pids()
         return [rank for rank in self.ranks_in_memory() if self._store(rank).behind_shared(live)]
+
+    def _live_pids(self) -> set[int]:
+        """Pids of this agent's children still running. poll(): a child SIGKILLed a moment ago is
+        a zombie, alive to os.kill but writing nothing. A copy first: the node's worker thread
+        calls this while the agent's loop spawns and reaps."""
+        return {sp.proc.pid for sp in list(self.procs.values()) if sp.proc.poll() is None}
 
     def wait_all(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
