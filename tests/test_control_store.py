@@ -316,9 +316,16 @@ def test_etcd_several_endpoints_skip_a_dead_one(etcd_server: EtcdServer) -> None
 
 def test_etcd_logs_in_again_when_the_token_is_refused(etcd_server: EtcdServer) -> None:
     store = EtcdStore(etcd_server.url, password=_password(etcd_server))
-    store._token = "expired.42"  # as etcd sees a token after its TTL or a restart
+    store.put("k0", b"x")  # logged in
+    assert store._token is not None
+    # as etcd sees a token after its TTL or a restart: unknown, of an index it has applied (a
+    # simple token's ".N" is a raft index, and etcd waits for an index it has not reached yet:
+    # a made-up ".42" hung this test for its whole timeout whenever it ran first on a fresh server)
+    index = store._token.rsplit(".", 1)[-1]
+    store._token = f"expired.{index}"
     store.put("k", b"v")
-    store._token = "expired.43"
+    assert store._token != f"expired.{index}"  # refused, logged in again, put
+    store._token = f"expired2.{index}"
     watch = store.watch("k")
     store.put("k", b"w")
     assert watch.get(2.0) is not None
