@@ -46,8 +46,11 @@ def usr1_log() -> Iterator[list[str]]:
 
 
 def _reader_reacts(group: GenerationGroup, *, sever: bool) -> None:
-    link = SimpleNamespace(_sever=group.sever, _can_interrupt=True, _main_ident=threading.main_thread().ident)
-    reader = threading.Thread(target=CoordinatorLink._leave_step_now, args=(link,), kwargs={"sever": sever})
+    link = SimpleNamespace(
+        _sever=group.sever, _settle_store=None, _can_interrupt=True, _main_ident=threading.main_thread().ident
+    )
+    msg = {"t": "reconfigure", "gen": 2, **({"recovery": True} if sever else {"live": True})}
+    reader = threading.Thread(target=CoordinatorLink._leave_step_now, args=(link, msg))
     reader.start()
     reader.join()
     signal.sigtimedwait([], 0)  # let the main thread run the pending handler (no-op wait)
@@ -112,3 +115,35 @@ def test_a_reconfigure_stuck_behind_a_step_severs_it_after_the_dump(
     link._dumped, link.in_step, group._severed = False, False, False
     CoordinatorLink._dump_if_stuck(link)  # type: ignore[arg-type]
     assert not group.severed  # out of the step: nothing to sever, the loop takes it
+
+
+class _FakePG:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def _get_backend(self, device: object) -> FakeDeviceBackend:
+        self.log.append(f"{self.name}:{device}")
+        return FakeDeviceBackend(self.log)
+
+    def rank(self) -> int:
+        return 0
+
+
+def test_a_device_nodes_recovery_aborts_every_mesh_groups_own_communicators(usr1_log: list[str]) -> None:
+    """On a device node each mesh group has communicators of its own, which aborting the default
+    group's does not reach; and a device node keeps none through a failure (the NCCL path that
+    would settle them is not written): a recovery's lost ranks are ignored there."""
+    from nonstop.train.abort import SocketWatch
+    from nonstop.train.meshgroups import _Group
+
+    group = GenerationGroup()
+    group._device_backend = FakeDeviceBackend(usr1_log)
+    mesh = group.mesh_groups
+    mesh._device_type = "cuda"
+    for dim, ranks in (("shard", [0, 1]), ("replicate", [0, 2])):
+        watch = SocketWatch()
+        watch.stop()
+        mesh._groups[dim] = _Group(_FakePG(usr1_log, dim), f"1:{dim}", watch, ranks)
+    assert group.sever(lost=[3]) == []  # neither group has rank 3: on gloo both would stay open
+    assert usr1_log == ["abort", "shard:cuda", "abort", "replicate:cuda", "abort"]
+    assert all(g.severed for g in mesh._groups.values())

@@ -121,6 +121,31 @@ def test_hsdp_survives_a_lost_node_from_peer_replicas_bitwise(tmp_path: Path, re
     assert shards(run) == reference(HSDP)
 
 
+def test_an_hsdp_kill_keeps_the_survivors_groups_the_dead_rank_was_not_in_bitwise(
+    tmp_path: Path, reference: Any
+) -> None:
+    """Rank 3 of HSDP 2 x 2 is killed mid-step and node 1's spare takes it. The survivors sever
+    only the groups rank 3 was in and settle the rest (train/settle.py): no group with rank 3 in
+    it is kept, and replica group 0's shard group {0, 1} -- untouched, its members at the same
+    collective -- keeps its connections. The weights are those of a run without the kill."""
+    run = run_demo_job(
+        tmp_path, steps=STEPS, faults=("kill:rank=3,step=6",), script_extra=("--step-delay", "0.1"), **HSDP
+    )
+    check(run, 1)
+    (kill,) = run.result.failures
+    assert (kill["rank"], kill["replacement"]) == (3, "spare")
+    gen = max(e["gen"] for e in events_named(run.events, "groups_joined"))
+    joined = {
+        e["rank"]: (e["kept"], e["built"])
+        for e in events_named(run.events, "groups_joined")
+        if e["gen"] == gen
+    }
+    assert joined[3] == (0, 2), joined  # the spare holds nothing to keep
+    assert joined[1][0] <= 1 and joined[2][0] <= 1, joined  # {1,3} and {2,3} are built again
+    assert joined[0][0] >= 1 and joined[1][0] >= 1, joined  # {0, 1} is kept
+    assert shards(run) == reference(HSDP)
+
+
 def test_dp_x_tp_survives_a_kill_bitwise(tmp_path: Path, reference: Any) -> None:
     run = run_demo_job(tmp_path, steps=STEPS, faults=("kill:rank=3,step=6",), **DPTP)
     check(run, 1)

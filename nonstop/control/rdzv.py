@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -173,12 +174,17 @@ class KeyValueTable:
         return out
 
 
+_REQUEST_IDS = itertools.count()  # every ChannelStore's requests, process-wide (see ChannelStore)
+
+
 class ChannelStore(dist.Store):  # type: ignore[name-defined,misc]
     """A ``torch.distributed.Store`` served by the coordinator (worker side).
 
     ``send`` sends one message on the control channel; the channel's reader
     thread must pass every ``kv`` reply to :meth:`deliver`. :meth:`abort` fails
-    every call in flight (a newer generation started).
+    every call in flight (a newer generation started). Request ids are unique in
+    the process, so several stores may share one channel: each takes only the
+    replies to its own requests (the reader may hand every reply to all of them).
     """
 
     def __init__(self, send: Callable[[Message], None], generation: int, timeout_s: float) -> None:
@@ -187,7 +193,6 @@ class ChannelStore(dist.Store):  # type: ignore[name-defined,misc]
         self._gen = generation
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._next = 0
         self._pending: dict[int, tuple[threading.Event, list[Message]]] = {}
         self._aborted: str | None = None
 
@@ -212,8 +217,7 @@ class ChannelStore(dist.Store):  # type: ignore[name-defined,misc]
         with self._lock:
             if self._aborted is not None:
                 raise ControlError(f"rendezvous aborted: {self._aborted}")
-            req_id = self._next
-            self._next += 1
+            req_id = next(_REQUEST_IDS)
             self._pending[req_id] = (ev, box)
         try:
             self._send({"t": "kv", "id": req_id, "gen": self._gen, "op": op, **fields})

@@ -417,6 +417,9 @@ class Generations:
                 "env": rank_env(self.c.view, w.spawn_id, rank),  # torchrun's (runtime/torchenv.py)
                 "restore_step": r.restore_step,
                 "recovery": bool(r.failures),
+                # the failed ranks, numbered as in the generation the survivors are leaving: a
+                # survivor keeps the mesh groups none of them was in (nonstop/train/settle.py)
+                **({"lost": sorted({f.rank for f in r.failures})} if r.failures else {}),
                 **self.c.resize.shards_of(rank),
                 **({"from_rank": r.from_rank[rank]} if rank in r.from_rank else {}),
                 **({"fresh": True} if rank in r.fresh else {}),

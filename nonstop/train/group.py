@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 import torch
@@ -33,7 +33,7 @@ from nonstop.control.rdzv import ChannelStore
 from nonstop.train.abort import SocketWatch
 from nonstop.train.backend import choose_backend, collective_timeout_s, worker_device
 from nonstop.train.ddp import CanonicalGradSync, wrap_ddp
-from nonstop.train.meshgroups import MeshGroups
+from nonstop.train.meshgroups import GroupClaim, MeshGroups, OpenGroup
 
 __all__ = ["GenerationGroup"]
 
@@ -49,6 +49,9 @@ class GenerationGroup:
         self._ddp: DistributedDataParallel | None = None
         self._sockets: SocketWatch | None = None
         self._severed = False  # sever() ran in this generation: nothing of it may be kept
+        self._partial = False  # ... but for the mesh groups it left open (see sever)
+        self._left = False  # destroy() parked the mesh groups: a second destroy leaves them so
+        self._unsettled = False  # parked mid-step unsevered: settle() decides by the lost ranks
         self._device_backend: Any = None  # a device node's NCCL (or other) backend, to abort
         self.mesh_groups = MeshGroups(keep=keep_groups)  # a sharded job's, kept across generations
 
@@ -91,7 +94,7 @@ class GenerationGroup:
         device = worker_device()
         choice = choose_backend(device)
         timeout = datetime.timedelta(seconds=collective_timeout_s(timeout_s, device))
-        self._severed = False
+        self._severed = self._partial = self._left = self._unsettled = False
         self._device_backend = None
         watch = SocketWatch()
         try:
@@ -112,7 +115,7 @@ class GenerationGroup:
             self._device_backend = world._get_backend(device)
         return then() if then is not None else None
 
-    def sever(self) -> None:
+    def sever(self, lost: Collection[int] | None = None) -> list[OpenGroup]:
         """Fail this generation's collectives in flight now, whatever peer they wait on.
 
         For a recovery that interrupts a step blocked in a collective with a peer that will never
@@ -120,10 +123,15 @@ class GenerationGroup:
         timeout. On a device node the device backend's communicators are aborted too (NCCL's
         ``abort``: a kernel waiting on a dead peer returns, so a main thread blocked on the device
         comes back to Python, where the interrupt that follows can reach it). Any thread (reads
-        only references set by the last join)."""
+        only references set by the last join).
+
+        ``lost`` (a recovery's failed ranks): a sharded job's mesh groups without a lost member
+        are left open and returned (:meth:`MeshGroups.sever`), for :mod:`nonstop.train.settle`;
+        the default group always goes. None: everything is severed."""
         self._severed = True
         backend = self._device_backend
         if backend is not None:
+            lost = None  # (one abort takes every device communicator: nothing could be kept)
             try:
                 backend.abort()
             except Exception as e:  # an abort must never kill the reader thread
@@ -131,7 +139,21 @@ class GenerationGroup:
         sockets = self._sockets
         if sockets is not None:
             sockets.shut_reads()
-        self.mesh_groups.sever()
+        left = self.mesh_groups.sever(lost)
+        self._partial = bool(left)
+        return left
+
+    def settle(self, lost: Collection[int] | None) -> list[GroupClaim]:
+        """After :meth:`destroy` left a step without a sever (the step's own collective failed,
+        or the interrupt came first): the recovery names the ``lost`` ranks (None: not a
+        recovery) -- tear down the parked mesh groups that had one, and return the claims of
+        the rest for the settling peers. Nothing to settle: []."""
+        if not self._unsettled:
+            return []
+        self._unsettled = False
+        if self._device_backend is not None:
+            lost = None
+        return self.mesh_groups.forget(lost)
 
     @property
     def severed(self) -> bool:
@@ -139,20 +161,34 @@ class GenerationGroup:
         collectives (NCCL's abort may leave a kernel's output unwritten without an error)."""
         return self._severed
 
-    def destroy(self, *, at_boundary: bool = False) -> None:
+    def destroy(self, *, at_boundary: bool = False) -> list[GroupClaim]:
         """Drop the DDP wrapper and the process group.
 
         ``at_boundary``: this rank left its last step complete (a migration, a grow, a pause),
         so its mesh groups have no collective in flight and are parked for the next generation
-        to keep (:class:`~nonstop.train.meshgroups.MeshGroups`); otherwise they are torn down
-        with the rest. The wrapper's reducer is unhooked from autograd first: otherwise it
-        stays attached to the parameters, fires on later backward passes and keeps the dead
-        group (and its threads) alive until interpreter exit.
+        to keep (:class:`~nonstop.train.meshgroups.MeshGroups`). Mid-step they are parked too,
+        but for the severed ones: after a full :meth:`sever` (a re-plan) none is; after a
+        recovery's partial one, those it left open are, and their claims are returned for the
+        settling peers (:func:`nonstop.train.settle.post`); with no sever at all (the step's own
+        collective failed first), every one is, until :meth:`settle` learns the lost ranks. The
+        wrapper's reducer is unhooked from autograd first: otherwise it stays attached to the
+        parameters, fires on later backward passes and keeps the dead group (and its threads)
+        alive until interpreter exit.
         """
-        if at_boundary and not self._severed:
+        claims: list[GroupClaim] = []
+        if self._left:
+            pass  # left already (parked): the groups wait for the next build's agreement
+        elif at_boundary and not self._severed:
             self.mesh_groups.park()
-        else:
+        elif self._severed and not self._partial:
             self.mesh_groups.drop()
+        else:  # mid-step: parked, to be settled by the recovery's lost ranks unless they were
+            claims = self.mesh_groups.leave()
+            self._unsettled = not self._partial
+            if self._unsettled:
+                claims = []
+        self._left = self.mesh_groups.parked
+        self._partial = False
         if self._sockets is not None:
             self._sockets.half_close()  # peers blocked on us fail now, not at the timeout
             self._sockets = None
@@ -164,3 +200,4 @@ class GenerationGroup:
                 dist.destroy_process_group()
             except Exception as e:  # a broken group may refuse a clean teardown
                 log.warning("destroying the old process group failed: %s", e)
+        return claims

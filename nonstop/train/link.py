@@ -49,7 +49,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
@@ -57,6 +57,8 @@ from nonstop.config import WorkerEnv
 from nonstop.control.channel import Channel, Message, connect
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import ControlError, JobFailedError
+from nonstop.train.meshgroups import GroupClaim, OpenGroup
+from nonstop.train.settle import Settling, lost_ranks, post
 
 __all__ = ["EXIT_COORDINATOR_LOST", "CoordinatorLink", "PeerFailed", "severs", "uninterruptible"]
 
@@ -64,6 +66,7 @@ log = logging.getLogger(__name__)
 
 EXIT_COORDINATOR_LOST = 75
 STUCK_DUMP_S = 10.0  # a reconfigure untaken this long: the main thread's stacks go to the log
+SETTLE_STORE_S = 5.0  # a settling post or read that takes longer: settle nothing (sever it all)
 REDELIVER_S = 0.001  # an interrupt that landed where it may not raise is sent again this much later
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -105,10 +108,12 @@ class CoordinatorLink:
         timeout: float,
         heartbeat: Callable[[], Message],
         resume: Callable[[], Message],
-        sever: Callable[[], None] | None = None,
+        sever: Callable[[Collection[int] | None], Sequence[OpenGroup]] | None = None,
     ) -> None:
         self.env = env
         self._sever = sever
+        self._settle_store: ChannelStore | None = None  # a recovery's settling posts (settle.py)
+        self.settling: Settling | None = None
         self._heartbeat_msg = heartbeat
         self._resume = resume
         self._inbox: queue.Queue[Message] = queue.Queue()
@@ -177,29 +182,35 @@ class CoordinatorLink:
                         feed(msg)
                     continue
                 if msg.get("t") == "kv":
-                    rdzv = self.rdzv
-                    if rdzv is not None:
-                        rdzv.deliver(msg)
+                    for store in (self.rdzv, self._settle_store):  # (each takes its own replies)
+                        if store is not None:
+                            store.deliver(msg)
                     continue
-                rdzv = self.rdzv  # read once: the main thread may drop it meanwhile
-                if msg.get("t") in ("reconfigure", "abort") and rdzv is not None:
-                    rdzv.abort("a newer generation started")  # unblock a rendezvous in progress
+                rdzv, settle = self.rdzv, self._settle_store  # read once: the main thread may drop them
+                for store in (rdzv, settle) if msg.get("t") in ("reconfigure", "abort") else ():
+                    if store is not None:
+                        store.abort("a newer generation started")  # unblock a rendezvous in progress
                 self._inbox.put(msg)
                 if msg.get("t") == "reconfigure":
                     self._arrived += 1  # before in_step is read: see enter_step
                 if msg.get("t") == "reconfigure" and self.in_step:
-                    self._leave_step_now(sever=severs(msg))
+                    self._leave_step_now(msg)
         except (ControlError, OSError, ValueError):
             return
 
-    def _leave_step_now(self, *, sever: bool) -> None:
+    def _leave_step_now(self, msg: Message) -> None:
         """Reader thread: a reconfigure arrived while the main thread is in a step. Abort first,
-        then interrupt: ``sever`` (every reconfigure but a live swap's) severs the generation's
-        group (gloo: sockets shut for reading; NCCL: communicators aborted), so a main thread
-        blocked in a collective or on the device returns to Python; then SIGUSR1 -- a real
-        signal, not ``interrupt_main``'s simulated one, so a main thread blocked in a system call
-        (a sleep, a read of data) wakes with EINTR -- makes the handler raise
+        then interrupt: every reconfigure but a live swap's (:func:`severs`) severs the
+        generation's group (gloo: sockets shut for reading; NCCL: communicators aborted), so a
+        main thread blocked in a collective or on the device returns to Python; then SIGUSR1 -- a
+        real signal, not ``interrupt_main``'s simulated one, so a main thread blocked in a system
+        call (a sleep, a read of data) wakes with EINTR -- makes the handler raise
         :class:`PeerFailed` there.
+
+        A recovery's reconfigure names the lost ranks: a sharded job's mesh groups without one
+        are left open, and a :class:`~nonstop.train.settle.Settling` severs those of them that
+        cannot complete (the rest are kept by the next generation). A second reconfigure in the
+        same step severs everything.
 
         Why a re-plan severs too (found under a CPU load, an HSDP job): its peers leave at their
         boundary and a sharded job's peer *parks* its mesh groups there, keeping their sockets
@@ -207,10 +218,30 @@ class CoordinatorLink:
         all-gather for that peer, which in turn waited in the next generation's rendezvous for it,
         until the stage timed out. Severing costs nothing kept: a rank that leaves mid-step makes
         no claim on its groups, so they are built again anyway."""
-        if sever and self._sever is not None:
-            self._sever()
+        if severs(msg) and self._sever is not None:
+            left = self._sever(lost_ranks(msg) if self._settle_store is None else None)
+            if left:
+                store = ChannelStore(self.chan.send, int(msg["gen"]), SETTLE_STORE_S)
+                self._settle_store = store
+                self.settling = Settling(store, left, lambda: self.in_step)
         if self._can_interrupt:
             signal.pthread_kill(self._main_ident, signal.SIGUSR1)
+
+    def post_settled(self, claims: Sequence[GroupClaim], gen: int | None = None) -> None:
+        """Main thread, its step left: post the final sequence numbers of the mesh groups it
+        parked open (:func:`nonstop.train.settle.post`), for peers a settling watches, through
+        the store of the recovery that interrupted the step (or of generation ``gen``'s)."""
+        if not claims:
+            return
+        store = self._settle_store
+        if store is None and gen is not None:
+            store = self._settle_store = ChannelStore(self.chan.send, gen, SETTLE_STORE_S)
+        if store is None:
+            return
+        try:
+            post(store, claims)
+        except ControlError as e:  # (a newer generation: its peers sever everything anyway)
+            log.info("posting the groups' sequence numbers failed: %s", e)
 
     def _on_interrupt(self, _signum: int, frame: FrameType | None) -> None:
         if self.in_step:  # outside train_step the loop sees the message between steps
@@ -288,7 +319,7 @@ class CoordinatorLink:
             faulthandler.dump_traceback(all_threads=True)
             if self.in_step and self._sever is not None:  # (a live swap's, which did not sever)
                 log.warning("severing the generation's group: the step cannot finish")
-                self._sever()
+                self._sever(None)
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, msg: Message) -> None:
@@ -377,6 +408,9 @@ class CoordinatorLink:
         coordinator refuses its keys. The reader delivers its replies until :meth:`drop_rdzv`."""
         store = ChannelStore(self.chan.send, gen, timeout_s)
         self.rdzv = store
+        settle, self._settle_store, self.settling = self._settle_store, None, None
+        if settle is not None:  # (its posts are read by the peers of the last generation only)
+            settle.abort("the next generation's rendezvous started")
         return store
 
     def drop_rdzv(self, why: str) -> None:

@@ -37,7 +37,9 @@ These are private; if this torch lacks them every group is simply built again
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +49,7 @@ import torch.distributed as dist
 from nonstop.mesh import MeshSpec
 from nonstop.train.abort import SocketWatch
 
-__all__ = ["GroupClaim", "MeshGroups", "agree", "keep_decision", "mesh_of", "registry_supported"]
+__all__ = ["GroupClaim", "MeshGroups", "OpenGroup", "agree", "keep_decision", "mesh_of", "registry_supported"]
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +124,26 @@ class _Group:
     pg: Any  # torch.distributed.ProcessGroup
     token: str
     sockets: SocketWatch
+    ranks: list[int]  # its members' global ranks in the generation it serves now
     entry: dict[str, Any] | None = None  # its registry entry while parked
+    severed: bool = False  # its reads were shut: never parked, never kept
 
     def seq(self) -> int:
         return int(self.pg._get_sequence_number_for_group())
+
+
+@dataclass(frozen=True)
+class OpenGroup:
+    """A group a partial :meth:`MeshGroups.sever` left open: what settling it needs
+    (:mod:`nonstop.train.settle`). ``seq()`` reads its sequence number (any thread);
+    ``sever()`` shuts it like the others, unless the rank has left its step already."""
+
+    dim: str
+    token: str
+    position: int
+    size: int
+    seq: Callable[[], int]
+    sever: Callable[[], None]
 
 
 class MeshGroups:
@@ -140,6 +158,8 @@ class MeshGroups:
         self._keep = keep and registry_supported()
         self._groups: dict[str, _Group] = {}  # dim -> group
         self._parked = False
+        self._lock = threading.Lock()  # sever (a control thread) against park/leave (main thread)
+        self._device_type = "cpu"  # the last build's
         self.kept = 0
         self.built = 0
         self.build_s = 0.0
@@ -149,6 +169,7 @@ class MeshGroups:
         through ``store`` (the generation's rendezvous store): a parked group every member
         agrees to keep is put back, every other group is created by its members only."""
         t0 = time.monotonic()
+        self._device_type = device_type
         parked, self._groups = self._groups, {}
         self.kept = self.built = 0
         groups = []
@@ -162,6 +183,7 @@ class MeshGroups:
             ):
                 assert old is not None  # (a member without a claim never agrees)
                 _register(old, ranks, generation)
+                old.ranks = list(ranks)
                 group, self.kept = old, self.kept + 1
             else:
                 if old is not None:
@@ -171,7 +193,7 @@ class MeshGroups:
                     pg = dist.new_group(ranks, use_local_synchronization=True)
                 finally:
                     watch.stop()
-                group = _Group(pg, token, watch)
+                group = _Group(pg, token, watch, list(ranks))
                 self.built += 1
             self._groups[dim] = group
             groups.append(group.pg)
@@ -182,6 +204,11 @@ class MeshGroups:
         self.build_s = time.monotonic() - t0
         return mesh
 
+    @property
+    def parked(self) -> bool:
+        """The groups are out of torch's registry, waiting for the next :meth:`build`."""
+        return self._parked
+
     def park(self) -> None:
         """Leave the generation at a step boundary: take the groups out of torch's registry so
         they outlive the world's ``destroy_process_group``. Nothing is closed. Without keeping,
@@ -189,28 +216,94 @@ class MeshGroups:
         if not self._keep:
             self._groups = {}
             return
-        if self._parked:
-            return
-        for group in self._groups.values():
-            group.entry = _unregister(group.pg)
-        self._parked = True
+        with self._lock:
+            if self._parked:
+                return
+            for group in self._groups.values():
+                group.entry = _unregister(group.pg)
+            self._parked = True
 
-    def sever(self) -> None:
-        """Fail every collective in flight on the live (unparked) groups now (any thread;
-        :meth:`SocketWatch.shut_reads`); the caller then drops them."""
-        if not self._parked:
-            for group in list(self._groups.values()):
-                group.sockets.shut_reads()
+    def sever(self, lost: Collection[int] | None = None) -> list[OpenGroup]:
+        """Fail collectives in flight on the live (unparked) groups now (any thread;
+        :meth:`SocketWatch.shut_reads`). ``lost`` (global ranks of this generation that failed):
+        only the groups with a lost member are shut, and the others are returned, left open for
+        :mod:`nonstop.train.settle` to shut the ones whose members cannot meet again and for
+        :meth:`leave` to park the rest. None: every group is shut."""
+        with self._lock:
+            if self._parked:
+                return []
+            left: list[OpenGroup] = []
+            for dim, group in self._groups.items():
+                if lost is None or not self._keep or group.severed or set(group.ranks) & set(lost):
+                    self._shut(group)
+                else:
+                    left.append(self._open(dim, group))
+            return left
+
+    def _open(self, dim: str, group: _Group) -> OpenGroup:
+        def sever() -> None:
+            with self._lock:
+                if not self._parked:  # (parked by leave: its claim stands, its sockets stay)
+                    self._shut(group)
+
+        return OpenGroup(dim, group.token, int(group.pg.rank()), len(group.ranks), group.seq, sever)
+
+    def _shut(self, group: _Group) -> None:
+        """Fail the group's collectives in flight: gloo's sockets shut for reading, and on a
+        device node its device backend's communicators aborted (NCCL: a kernel waiting on a
+        dead peer returns; each mesh group has communicators of its own, which aborting the
+        default group's does not reach)."""
+        group.severed = True
+        group.sockets.shut_reads()
+        if self._device_type != "cpu":
+            try:
+                group.pg._get_backend(torch.device(self._device_type)).abort()
+            except Exception as e:  # an abort must never kill the thread that severs
+                log.warning("aborting a mesh group's device communicators failed: %s", e)
+
+    def leave(self) -> list[GroupClaim]:
+        """Leave the generation mid-step: the severed groups are torn down like :meth:`drop`'s,
+        the others are parked with whatever collectives they have in flight -- the next
+        :meth:`build` keeps one only if its members' sequence numbers agree, which says that
+        every collective any of them issued on it was issued by all, so it completes on its
+        own. Returns the parked groups' claims (:func:`nonstop.train.settle.post`); a recovery
+        that did not sever first tears down the ones with a lost member (:meth:`forget`)."""
+        if not self._keep:
+            self.drop()
+            return []
+        with self._lock:
+            for dim, group in list(self._groups.items()):
+                if group.severed:
+                    group.sockets.half_close()
+                    del self._groups[dim]
+                elif group.entry is None:
+                    group.entry = _unregister(group.pg)
+            self._parked = True
+            return self._claims()
+
+    def forget(self, lost: Collection[int] | None) -> list[GroupClaim]:
+        """Parked groups: tear down those with a ``lost`` member (every one: None), and return
+        the claims of the rest."""
+        with self._lock:
+            for dim, group in list(self._groups.items()):
+                if lost is None or set(group.ranks) & set(lost):
+                    _shutdown(group)
+                    del self._groups[dim]
+            return self._claims()
+
+    def _claims(self) -> list[GroupClaim]:
+        return [GroupClaim(g.token, g.seq(), int(g.pg.rank())) for g in self._groups.values()]
 
     def drop(self) -> None:
         """Leave the generation mid-step (or for good): half-close every group's sockets so
         peers blocked on this rank fail at once, and forget them."""
-        for group in self._groups.values():
-            if self._parked:  # out of torch's registry: the world's teardown will not close it
-                _shutdown(group)
-            else:
-                group.sockets.half_close()
-        self._groups, self._parked = {}, False
+        with self._lock:
+            for group in self._groups.values():
+                if self._parked:  # out of torch's registry: the world's teardown will not close it
+                    _shutdown(group)
+                else:
+                    group.sockets.half_close()
+            self._groups, self._parked = {}, False
 
 
 def mesh_of(spec: MeshSpec, groups: list[Any], device_type: str) -> Any:

@@ -26,6 +26,7 @@ from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import CoordinatorLink
 from nonstop.train.membership import Membership
 from nonstop.train.restore import read_restore
+from nonstop.train.settle import lost_ranks
 from nonstop.train.snapshots import LoopSnapshots
 from nonstop.train.trainee import Trainee
 
@@ -108,15 +109,19 @@ class Rejoin(Membership):
         reply = self._link.wait_for("reconfigure", "raise")
         if reply["t"] == "raise":
             raise err
+        # mesh groups parked unsevered: keep those without a lost rank (nonstop/train/settle.py)
+        self._link.post_settled(self._group.settle(lost_ranks(reply)), int(reply["gen"]))
         return reply
 
     def _maybe_inject(self, phase: str, step: int) -> None:
         self._faults.maybe_fire(phase, rank=self.rank, step=step, generation=self.generation)
 
     def _destroy_group(self, *, at_boundary: bool = False) -> None:
-        """Drop this generation's rendezvous store, DDP wrapper and groups (GenerationGroup.destroy)."""
+        """Drop this generation's rendezvous store, DDP wrapper and groups (GenerationGroup.destroy);
+        the mesh groups a recovery left open are parked, and their sequence numbers posted for
+        the peers still settling them (:mod:`nonstop.train.settle`)."""
         self._link.drop_rdzv("the process group was torn down")
-        self._group.destroy(at_boundary=at_boundary)
+        self._link.post_settled(self._group.destroy(at_boundary=at_boundary))
 
     def _reconfigure(self, msg: Message, warm_up: TrainStep | None) -> torch.nn.Module:
         """Restore the committed step, then rebuild the process group for a new generation.
