@@ -108,13 +108,11 @@ def _port() -> int:
 def _join(group: GenerationGroup, store: Any, rank: int, gen: int) -> Any:
     gstore = dist.PrefixStore(f"gen{gen}/", store)
     spec = MeshSpec.parse(SPEC)
-    return group.join_plain(
-        gstore,
-        rank=rank,
-        world_size=4,
-        timeout_s=60,
-        then=lambda: group.mesh_groups.build(spec, rank=rank, generation=gen, store=gstore, device_type="cpu"),
-    )
+
+    def mesh() -> Any:
+        return group.mesh_groups.build(spec, rank=rank, generation=gen, store=gstore, device_type="cpu")
+
+    return group.join_plain(gstore, rank=rank, world_size=4, timeout_s=60, then=mesh)
 
 
 def _sums(mesh: Any, rank: int) -> tuple[int, ...]:
