@@ -29,3 +29,14 @@ def test_an_hsdp_swap_rebuilds_its_widest_changed_group_only() -> None:
 def test_replica_groups_must_divide_the_job() -> None:
     with pytest.raises(UsageError, match="--replica-nodes"):
         swap_rebuild_s(JobSpec(num_gpus=16_384), 3)
+
+
+def test_keeping_groups_on_failure_charges_a_failure_what_a_swap_changes() -> None:
+    """The runtime keeps a failure's untouched groups on gloo (train/settle.py); its NCCL path is
+    not written, so the simulator charges a failure every group unless asked not to."""
+    job = JobSpec(num_gpus=16_384)
+    every = Nonstop(job=job, params=NonstopParams(replica_nodes=16))
+    keep = Nonstop(job=job, params=NonstopParams(replica_nodes=16, keep_on_failure=True))
+    assert every.rebuild == rendezvous_s(2048) and keep.rebuild == keep.swap_rebuild == rendezvous_s(128)
+    # data-parallel: one group of the whole job, whatever the setting
+    assert Nonstop(job=job, params=NonstopParams(keep_on_failure=True)).rebuild == rendezvous_s(2048)

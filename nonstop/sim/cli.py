@@ -173,6 +173,12 @@ def add_parsers(sub: Any) -> None:
         "grow rebuilds only the groups with the moved node's ranks in them; 0: data-parallel, one "
         "group of the whole job (default %(default)s)",
     )
+    sim.add_argument(
+        "--keep-groups-on-failure",
+        action="store_true",
+        help="nonstop: a failure also rebuilds only the groups with a replaced rank in them, as "
+        "the runtime does on gloo (train/settle.py); its NCCL path is not written, so off by default",
+    )
     progress = sim.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None)
     progress.add_argument("--no-progress", dest="progress", action="store_false")
@@ -268,6 +274,7 @@ def build_strategies(
                 shards_per_rank=ns.shards_per_rank,
                 survivors=SurvivorMode(ns.survivors),
                 replica_nodes=ns.replica_nodes,
+                keep_on_failure=ns.keep_groups_on_failure,
             )
             out.append(Nonstop(job=job, params=params, calibration=cal))
     return out

@@ -102,8 +102,9 @@ class NonstopParams:
     replica_nodes: the job is HSDP over replica groups of this many nodes (the runtime's ``--mesh
     replicate=R,shard=S``, a shard group per replica group); a live migration or a grow then
     builds only the groups with the moved node's ranks in them (:meth:`MeshSpec.changed_groups`,
-    the runtime's ``train/meshgroups.py``), a failure every group (gloo cannot cancel a
-    collective in flight); 0: data-parallel, one group of the whole job. straggler: the
+    the runtime's ``train/meshgroups.py``), a failure every group unless ``keep_on_failure``
+    (the runtime's ``train/settle.py``: on gloo it keeps them; the NCCL path is not written, so
+    off by default at GPU scale); 0: data-parallel, one group of the whole job. straggler: the
     runtime's fail-slow and degraded-node settings (``mode`` migrate and ``on_degraded`` drain:
     proactive moves; :data:`~nonstop.sim.proactivesim.NO_PROACTIVE` detects only).
     """
@@ -121,6 +122,7 @@ class NonstopParams:
     shards_per_rank: int = 1
     survivors: SurvivorMode = SurvivorMode.AUTO
     replica_nodes: int = 0
+    keep_on_failure: bool = False
     straggler: StragglerConfig = PROACTIVE
 
     def __post_init__(self) -> None:
@@ -212,8 +214,9 @@ class Nonstop:
             self.persist_write <= p.persist_every_s,
             f"persisting takes {self.persist_write:.0f} s: use --persist-every-s >= that",
         )
-        self.rebuild = rendezvous_s(job.num_nodes)  # a failure: every group
         self.swap_rebuild = swap_rebuild_s(job, p.replica_nodes)  # a boundary swap: what changed
+        # a failure: every group, or (keep_on_failure) what changed, as a swap
+        self.rebuild = self.swap_rebuild if p.keep_on_failure else rendezvous_s(job.num_nodes)
         # live migrations and grows: the runtime's own boundary-swap machine, its actions timed at
         # this job's scale (sim/swapsim.py); on links this fast the whole step beats a delta (the
         # encode costs more than the bytes it saves: bench_catchup.py), so a delta takes as long
@@ -563,6 +566,7 @@ def describe_nonstop(s: Nonstop) -> dict[str, Any]:
         "rebuild_s": s.rebuild,
         "replica_nodes": s.p.replica_nodes,
         "swap_rebuild_s": s.swap_rebuild,
+        "keep_on_failure": s.p.keep_on_failure,
         "migration_pause_s": s.migration,
         "min_world_size": s.p.min_world_size,
         "elastic_wait_s": s.p.elastic_wait_s,
