@@ -2,8 +2,8 @@
 
 Member replacement for collective groups (what TrainMover does on a migration): when a new
 generation starts, only the mesh groups (``shard``, ``replicate``, ``tp``) that contain a
-replaced rank, a rank that moved, or a rank that left its last step mid-collective are built
-again; the others are carried over with their connections. The default (world) group is always
+replaced rank, a rank that moved, or a member whose collectives on it the others did not all
+match are built again; the others are carried over with their connections. The default (world) group is always
 new: it contains every rank, so some member of it changed.
 
 **When a group is kept** -- every member of the group in the new generation agrees, through the
@@ -11,21 +11,24 @@ new generation's rendezvous store (:func:`agree`, a few round trips per member w
 group's size), that it holds the *same* group object (created in the same
 generation, for the same dim, with the same ranks), at the *same* collective sequence number,
 at its position in the new group (see :func:`keep_decision`, pure). A member that is new (a
-spare, a joiner), or that left its last generation mid-step, has nothing parked and says so:
-the group is then built again by all its members. Agreement is needed because each member's
+spare, a joiner), or that tore the group down, has nothing parked and says so: the group is
+then built again by all its members. Agreement is needed because each member's
 view alone is not enough -- its peer may have left its step mid-collective.
 
-**Why only at a step boundary on gloo** -- a rank that abandons a step (its collective failed,
-or a recovery interrupted it) may have a collective in flight on *any* of its groups, and gloo
-can neither cancel it nor realign the peers' sequence numbers: :meth:`MeshGroups.drop` tears
-every group down (half-closing its sockets so blocked peers fail at once). A rank that leaves
-at a boundary (a migration, a grow, a pause) parks its groups instead. On a failure, then,
-survivors rebuild every group they were in; the grow that brings the spare back after a shrink
-first, and every live migration, keep what they can. On NCCL the same decision would pick the
-communicators to build with ``ncclCommSplit``, and a failure could keep more by aborting only
-the affected communicators (``ncclCommShrink`` with ``NCCL_SHRINK_ABORT``, torch's
-``shrink_group`` where the backend ``supports_shrinking``): that path is written nowhere yet
-and is untested until a GPU machine is lent (docs/architecture.md).
+**Mid-step** -- a rank that abandons a step (its collective failed, or a recovery interrupted
+it) may have a collective in flight on *any* of its groups, and gloo can neither cancel it nor
+realign the peers' sequence numbers. What a recovery can keep is decided in
+:mod:`nonstop.train.settle`: the groups with a failed rank in them are severed
+(:meth:`MeshGroups.sever` with ``lost``, :meth:`MeshGroups.forget`), the others are parked with
+their collectives in flight (:meth:`MeshGroups.leave`), and the next :meth:`build` keeps one only
+if its members' sequence numbers agree -- then every collective any of them issued on it was
+issued by all, and completes on its own. A re-plan, a second reconfigure in one step, or a
+device node severs everything (:meth:`MeshGroups.drop` then half-closes every socket, so
+blocked peers fail at once). On NCCL the same decision would pick the communicators to build
+with ``ncclCommSplit``, and a failure could keep more by aborting only the affected
+communicators (``ncclCommShrink`` with ``NCCL_SHRINK_ABORT``, torch's ``shrink_group`` where the
+backend ``supports_shrinking``): that path is written nowhere yet and is untested until a GPU
+machine is lent (docs/architecture.md).
 
 **torch internals** -- a group outlives ``destroy_process_group()`` of the world only if it is
 taken out of torch's group registry first (``distributed_c10d._world`` and the named-group
