@@ -28,9 +28,10 @@ Threading contract:
   :class:`~nonstop.train.settle.Settling` thread (``nonstop-settle``) severs those a peer's post
   shows cannot complete; its store's ``kv`` replies are delivered like ``rdzv``'s. A live
   swap's reconfigure comes after every rank paused at the boundary; a rank found in a step
-  then is severed by the heartbeat thread once the reconfigure has waited :data:`STUCK_DUMP_S`. When the connection ends
-  the reader reconnects within ``reconnect_s`` (store mode, replacing ``chan``) or ends the
-  process with :data:`EXIT_COORDINATOR_LOST`; after ``closing`` it just returns.
+  then is severed by the heartbeat thread once the reconfigure has waited :data:`STUCK_DUMP_S`.
+  When the connection ends the reader reconnects within ``reconnect_s`` (store mode, replacing
+  ``chan``) or ends the process with :data:`EXIT_COORDINATOR_LOST`; after ``closing`` it just
+  returns.
 * The **heartbeat thread** (``nonstop-heartbeat``) sends the owner's heartbeat message every
   ``heartbeat_interval_s`` until ``closing``.
 * The **main thread** (the one that built the link, the training loop's) alone consumes the
