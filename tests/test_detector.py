@@ -144,3 +144,20 @@ def test_a_rank_that_does_not_report_idle_time_is_judged_as_before() -> None:
     det.record_step(0.1)
     kill, _ = _scan(det, 100.0, [_rec(3, 0, 100.0, last_progress=97.0, last_hb=99.9, idle_s=None)])
     assert list(kill) == [3]
+
+
+def test_a_peer_leaving_its_collective_on_a_hung_ranks_kill_is_not_blamed_before_the_recovery() -> None:
+    """Found under load (FSDP2, tests/test_sharded_e2e.py): rank 0 stalled and was killed as hung;
+    rank 1, released from the all-gather by the kill, reported "not in a collective" with no step
+    for as long as the stall lasted, and was blamed too before its fault report arrived. While a
+    kill for a hang is pending no progress is judged; a silent rank still is."""
+    det = FailureDetector(CFG)
+    det.record_step(0.1)
+    now = 100.0
+    stalled = _rec(1, 0, now, last_progress=96.0, killed_for_hang="no step progress")
+    peer = _rec(2, 1, now, last_progress=96.0, coll=False, idle_s=4.0)
+    assert _scan(det, now, [stalled, peer])[0] == {}
+    silent = _rec(3, 2, now, last_hb=90.0)
+    assert list(_scan(det, now, [stalled, peer, silent])[0]) == [3]
+    stalled.killed_for_hang = None  # (its exit handled: no kill pending) the rule is as before
+    assert list(_scan(det, now, [peer])[0]) == [2]

@@ -67,6 +67,12 @@ class FailureDetector:
         ``rebuilding``: ranks joining the new generation's groups (a longer silence is allowed).
         """
         v = Verdicts()
+        if any(w.killed_for_hang for w in members.values()):
+            # a rank was just killed as hung and its recovery is coming: a peer it held in a
+            # collective leaves it with the kill, stepless for as long as the hang lasted, until
+            # its fault report or the new generation arrives -- it is not stuck (found under load:
+            # an FSDP2 peer blamed while it tore its group down). Heartbeats are still judged.
+            in_training = False
         if self._last_scan is not None and now - self._last_scan > max(
             0.2, self.config.heartbeat_timeout_s / 4
         ):
