@@ -26,8 +26,15 @@ pytestmark = pytest.mark.slow
 
 def test_migrate_a_rank_to_another_node_bitwise(tmp_path: Path, reference_hash: str) -> None:
     """With the swap fetching the boundary as a delta against the step the catch-up brought."""
+    # paced: the joiner must prepare before the other 12 steps are done, or the move is aborted
+    # ("the job finished first": seen under a competing CPU load at the default 0.1 s a step)
     run = run_nodes_job(
-        tmp_path / "job", nnodes=3, spares=1, faults=("migrate:rank=1,step=4,to=2",), swap_transfer="delta"
+        tmp_path / "job",
+        nnodes=3,
+        spares=1,
+        faults=("migrate:rank=1,step=4,to=2",),
+        swap_transfer="delta",
+        script_extra=("--step-delay", "0.4"),
     )
     assert run.out is not None, run.result.error
     assert run.out["final_hash"] == reference_hash
