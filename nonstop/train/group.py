@@ -131,7 +131,6 @@ class GenerationGroup:
         self._severed = True
         backend = self._device_backend
         if backend is not None:
-            lost = None  # (one abort takes every device communicator: nothing could be kept)
             try:
                 backend.abort()
             except Exception as e:  # an abort must never kill the reader thread
@@ -151,8 +150,6 @@ class GenerationGroup:
         if not self._unsettled:
             return []
         self._unsettled = False
-        if self._device_backend is not None:
-            lost = None
         return self.mesh_groups.forget(lost)
 
     @property
@@ -182,11 +179,10 @@ class GenerationGroup:
             self.mesh_groups.park()
         elif self._severed and not self._partial:
             self.mesh_groups.drop()
-        else:  # mid-step: parked, to be settled by the recovery's lost ranks unless they were
+        else:  # mid-step: parked, the open ones' claims posted now, or after settle() if no sever
             claims = self.mesh_groups.leave()
-            self._unsettled = not self._partial
-            if self._unsettled:
-                claims = []
+            if not self._partial:
+                self._unsettled, claims = True, []
         self._left = self.mesh_groups.parked
         self._partial = False
         if self._sockets is not None:

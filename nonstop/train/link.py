@@ -225,9 +225,7 @@ class CoordinatorLink:
         if severs(msg) and self._sever is not None:
             left = self._sever(lost_ranks(msg) if self._settle_store is None else None)
             if left:
-                store = ChannelStore(self.chan.send, int(msg["gen"]), SETTLE_STORE_S)
-                self._settle_store = store
-                self.settling = Settling(store, left, lambda: self.in_step)
+                self.settling = Settling(self._settling_store(int(msg["gen"])), left, lambda: self.in_step)
         if self._can_interrupt:
             signal.pthread_kill(self._main_ident, signal.SIGUSR1)
 
@@ -237,15 +235,20 @@ class CoordinatorLink:
         the store of the recovery that interrupted the step (or of generation ``gen``'s)."""
         if not claims:
             return
-        store = self._settle_store
-        if store is None and gen is not None:
-            store = self._settle_store = ChannelStore(self.chan.send, gen, SETTLE_STORE_S)
+        store = self._settle_store if gen is None else self._settling_store(gen)
         if store is None:
             return
         try:
             post(store, claims)
         except ControlError as e:  # (a newer generation: its peers sever everything anyway)
             log.info("posting the groups' sequence numbers failed: %s", e)
+
+    def _settling_store(self, gen: int) -> ChannelStore:
+        """The store a recovery's settling posts go through: the one already open, or a new one
+        for generation ``gen`` (its replies are delivered beside ``rdzv``'s)."""
+        if self._settle_store is None:
+            self._settle_store = ChannelStore(self.chan.send, gen, SETTLE_STORE_S)
+        return self._settle_store
 
     def _on_interrupt(self, _signum: int, frame: FrameType | None) -> None:
         if self.in_step:  # outside train_step the loop sees the message between steps

@@ -134,6 +134,14 @@ class _Group:
     def seq(self) -> int:
         return int(self.pg._get_sequence_number_for_group())
 
+    def claim(self) -> GroupClaim:
+        """What this member says about the group at the next generation's agreement."""
+        return GroupClaim(self.token, self.seq(), int(self.pg.rank()))
+
+    def has_any(self, ranks: Collection[int] | None) -> bool:
+        """Whether a member is one of ``ranks`` (None: every rank counts as lost)."""
+        return ranks is None or not set(self.ranks).isdisjoint(ranks)
+
 
 @dataclass(frozen=True)
 class OpenGroup:
@@ -179,7 +187,7 @@ class MeshGroups:
         for dim in spec.names:  # in the same order on every rank: no claim waits on a later dim
             ranks = spec.group_of(rank, dim)
             old = parked.pop(dim, None)
-            claim = GroupClaim(old.token, old.seq(), int(old.pg.rank())) if old is not None else None
+            claim = old.claim() if old is not None else None
             token = _token(generation, dim, ranks)  # the group this generation would build
             if self._keep and agree(
                 store, f"nonstop/keep/{token}", claim, dim=dim, ranks=ranks, position=ranks.index(rank)
@@ -235,9 +243,10 @@ class MeshGroups:
         with self._lock:
             if self._parked:
                 return []
+            lost = self._keepable(lost)
             left: list[OpenGroup] = []
             for dim, group in self._groups.items():
-                if lost is None or not self._keep or group.severed or set(group.ranks) & set(lost):
+                if not self._keep or group.severed or group.has_any(lost):
                     self._shut(group)
                 else:
                     left.append(self._open(dim, group))
@@ -288,14 +297,20 @@ class MeshGroups:
         """Parked groups: tear down those with a ``lost`` member (every one: None), and return
         the claims of the rest."""
         with self._lock:
+            lost = self._keepable(lost)
             for dim, group in list(self._groups.items()):
-                if lost is None or set(group.ranks) & set(lost):
+                if group.has_any(lost):
                     _shutdown(group)
                     del self._groups[dim]
             return self._claims()
 
+    def _keepable(self, lost: Collection[int] | None) -> Collection[int] | None:
+        """``lost``, or None (keep nothing) on a device node: one abort there takes a group's
+        every device communicator, and the NCCL path that would settle them is not written."""
+        return lost if self._device_type == "cpu" else None
+
     def _claims(self) -> list[GroupClaim]:
-        return [GroupClaim(g.token, g.seq(), int(g.pg.rank())) for g in self._groups.values()]
+        return [g.claim() for g in self._groups.values()]
 
     def drop(self) -> None:
         """Leave the generation mid-step (or for good): half-close every group's sockets so

@@ -113,10 +113,11 @@ class Settling:
                     self._sever_all(f"still in the step {self._limit_s:.0f} s after the recovery")
                     return
                 for g in list(self._groups):
+                    own = g.seq()
                     posted = [self._read(g, p) for p in range(g.size) if p != g.position]
-                    if verdict(g.seq(), posted) is Verdict.SEVER:
+                    if verdict(own, posted) is Verdict.SEVER:
                         low = min(p for p in posted if p is not None)
-                        self._sever(g, f"a peer left it at sequence {low}, this rank is at {g.seq()}")
+                        self._sever(g, f"a peer left it at sequence {low}, this rank is at {own}")
                 time.sleep(self._poll_s)
         except Exception as e:  # the store is gone (a newer generation): keep nothing uncertain
             if self._in_step():
