@@ -131,8 +131,9 @@ class _FakePG:
 
 def test_a_device_nodes_recovery_aborts_every_mesh_groups_own_communicators(usr1_log: list[str]) -> None:
     """On a device node each mesh group has communicators of its own, which aborting the default
-    group's does not reach; and a device node keeps none through a failure (the NCCL path that
-    would settle them is not written): a recovery's lost ranks are ignored there."""
+    group's does not reach; and a device node whose groups were not split from the world keeps
+    none through a failure: a recovery's lost ranks are ignored there (the split path's keeping
+    is tests/test_devicegroups.py)."""
     from nonstop.train.abort import SocketWatch
     from nonstop.train.meshgroups import _Group
 

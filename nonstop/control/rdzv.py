@@ -261,3 +261,9 @@ class ChannelStore(dist.Store):  # type: ignore[name-defined,misc]
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout_s = timeout.total_seconds()
+
+    def clone(self) -> ChannelStore:
+        """This store: torch clones a group's store for each group split from it (a device
+        node's mesh groups, :mod:`nonstop.train.devicegroups`), and every call here is already
+        safe from any thread. Without it the split fails on a pure virtual ``clone``."""
+        return self

@@ -175,9 +175,11 @@ def add_parsers(sub: Any) -> None:
     )
     sim.add_argument(
         "--keep-groups-on-failure",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="nonstop: a failure also rebuilds only the groups with a replaced rank in them, as "
-        "the runtime does on gloo (train/settle.py); its NCCL path is not written, so off by default",
+        "the runtime does (train/settle.py; on NCCL train/devicegroups.py, untested on a GPU) "
+        "(default: on; --no-keep-groups-on-failure charges a failure every group)",
     )
     progress = sim.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None)

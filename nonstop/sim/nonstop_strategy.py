@@ -103,8 +103,8 @@ class NonstopParams:
     replicate=R,shard=S``, a shard group per replica group); a live migration or a grow then
     builds only the groups with the moved node's ranks in them (:meth:`MeshSpec.changed_groups`,
     the runtime's ``train/meshgroups.py``), a failure every group unless ``keep_on_failure``
-    (the runtime's ``train/settle.py``: on gloo it keeps them; the NCCL path is not written, so
-    off by default at GPU scale); 0: data-parallel, one group of the whole job. straggler: the
+    (the runtime's ``train/settle.py``, on NCCL ``train/devicegroups.py``, untested on a GPU:
+    on by default, as in the runtime); 0: data-parallel, one group of the whole job. straggler: the
     runtime's fail-slow and degraded-node settings (``mode`` migrate and ``on_degraded`` drain:
     proactive moves; :data:`~nonstop.sim.proactivesim.NO_PROACTIVE` detects only).
     """
@@ -122,7 +122,7 @@ class NonstopParams:
     shards_per_rank: int = 1
     survivors: SurvivorMode = SurvivorMode.AUTO
     replica_nodes: int = 0
-    keep_on_failure: bool = False
+    keep_on_failure: bool = True
     straggler: StragglerConfig = PROACTIVE
 
     def __post_init__(self) -> None:

@@ -22,13 +22,13 @@ realign the peers' sequence numbers. What a recovery can keep is decided in
 (:meth:`MeshGroups.sever` with ``lost``, :meth:`MeshGroups.forget`), the others are parked with
 their collectives in flight (:meth:`MeshGroups.leave`), and the next :meth:`build` keeps one only
 if its members' sequence numbers agree -- then every collective any of them issued on it was
-issued by all, and completes on its own. A re-plan, a second reconfigure in one step, or a
-device node severs everything (:meth:`MeshGroups.drop` then half-closes every socket, so
-blocked peers fail at once). On NCCL the same decision would pick the communicators to build
-with ``ncclCommSplit``, and a failure could keep more by aborting only the affected
-communicators (``ncclCommShrink`` with ``NCCL_SHRINK_ABORT``, torch's ``shrink_group`` where the
-backend ``supports_shrinking``): that path is written nowhere yet and is untested until a GPU
-machine is lent (docs/architecture.md).
+issued by all, and completes on its own. A re-plan or a second reconfigure in one step severs
+everything (:meth:`MeshGroups.drop` then half-closes every socket, so blocked peers fail at once).
+
+**Device nodes** -- the same decisions, carried out by :mod:`nonstop.train.devicegroups`: a
+group is built by a split of the world's device communicator that every rank enters once per dim
+(a kept group's members without a colour), severed by aborting its communicators, and drained
+before a generation reuses it. Untested on a GPU until one is lent (docs/architecture.md).
 
 **torch internals** -- a group outlives ``destroy_process_group()`` of the world only if it is
 taken out of torch's group registry first (``distributed_c10d._world`` and the named-group
@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from nonstop.mesh import MeshSpec
+from nonstop.train import devicegroups
 from nonstop.train.abort import SocketWatch
 
 __all__ = ["GroupClaim", "MeshGroups", "OpenGroup", "agree", "keep_decision", "mesh_of", "registry_supported"]
@@ -171,6 +172,7 @@ class MeshGroups:
         self._parked = False
         self._lock = threading.Lock()  # sever (a control thread) against park/leave (main thread)
         self._device_type = "cpu"  # the last build's
+        self._splits = False  # the last build split its groups from the world's device communicator
         self.kept = 0
         self.built = 0
         self.build_s = 0.0
@@ -181,6 +183,7 @@ class MeshGroups:
         agrees to keep is put back, every other group is created by its members only."""
         t0 = time.monotonic()
         self._device_type = device_type
+        self._splits = devicegroups.splits(device_type)
         parked, self._groups = self._groups, {}
         self.kept = self.built = 0
         groups = []
@@ -189,19 +192,25 @@ class MeshGroups:
             old = parked.pop(dim, None)
             claim = old.claim() if old is not None else None
             token = _token(generation, dim, ranks)  # the group this generation would build
-            if self._keep and agree(
+            keep = self._keep and agree(
                 store, f"nonstop/keep/{token}", claim, dim=dim, ranks=ranks, position=ranks.index(rank)
-            ):
+            )
+            if keep:
                 assert old is not None  # (a member without a claim never agrees)
-                _register(old, ranks, generation)
+                if self._splits:  # every rank enters each dim's split (devicegroups): this one uncoloured
+                    devicegroups.split(ranks, member=False, rank=rank, world_size=spec.world_size)
+                _register(old, ranks, generation, name_step=not self._splits)
                 old.ranks = list(ranks)
                 group, self.kept = old, self.kept + 1
             else:
                 if old is not None:
-                    _shutdown(old)
+                    _shutdown(old, device_type)
                 watch = SocketWatch()
                 try:
-                    pg = dist.new_group(ranks, use_local_synchronization=True)
+                    if self._splits:
+                        pg = devicegroups.split(ranks, member=True, rank=rank, world_size=spec.world_size)
+                    else:
+                        pg = dist.new_group(ranks, use_local_synchronization=True)
                 finally:
                     watch.stop()
                 group = _Group(pg, token, watch, list(ranks))
@@ -209,8 +218,10 @@ class MeshGroups:
             self._groups[dim] = group
             groups.append(group.pg)
         for old in parked.values():  # dims this generation's mesh no longer has
-            _shutdown(old)
+            _shutdown(old, device_type)
         self._parked = False
+        if self.kept:  # a group kept mid-step may have (matched) collectives still in flight
+            devicegroups.drain(device_type)
         mesh = mesh_of(spec, groups, device_type)
         self.build_s = time.monotonic() - t0
         return mesh
@@ -268,10 +279,7 @@ class MeshGroups:
         group.severed = True
         group.sockets.shut_reads()
         if self._device_type != "cpu":
-            try:
-                group.pg._get_backend(torch.device(self._device_type)).abort()
-            except Exception as e:  # an abort must never kill the thread that severs
-                log.warning("aborting a mesh group's device communicators failed: %s", e)
+            devicegroups.abort(group.pg, self._device_type)
 
     def leave(self) -> list[GroupClaim]:
         """Leave the generation mid-step: the severed groups are torn down like :meth:`drop`'s,
@@ -300,14 +308,17 @@ class MeshGroups:
             lost = self._keepable(lost)
             for dim, group in list(self._groups.items()):
                 if group.has_any(lost):
-                    _shutdown(group)
+                    _shutdown(group, self._device_type)
                     del self._groups[dim]
             return self._claims()
 
     def _keepable(self, lost: Collection[int] | None) -> Collection[int] | None:
-        """``lost``, or None (keep nothing) on a device node: one abort there takes a group's
-        every device communicator, and the NCCL path that would settle them is not written."""
-        return lost if self._device_type == "cpu" else None
+        """``lost``, or None (keep nothing): on a device node whose groups are not split from
+        the world or whose split children share the world's resources, which every failure
+        aborts (:mod:`nonstop.train.devicegroups`)."""
+        if self._device_type == "cpu" or (self._splits and devicegroups.keeps_through_failure()):
+            return lost
+        return None
 
     def _claims(self) -> list[GroupClaim]:
         return [g.claim() for g in self._groups.values()]
@@ -318,7 +329,7 @@ class MeshGroups:
         with self._lock:
             for group in self._groups.values():
                 if self._parked:  # out of torch's registry: the world's teardown will not close it
-                    _shutdown(group)
+                    _shutdown(group, self._device_type)
                 else:
                     group.sockets.half_close()
             self._groups, self._parked = {}, False
@@ -359,10 +370,11 @@ def _unregister(pg: Any) -> dict[str, Any]:
     return entry
 
 
-def _register(group: _Group, ranks: list[int], generation: int) -> None:
+def _register(group: _Group, ranks: list[int], generation: int, *, name_step: bool = True) -> None:
     """Put a parked group back, with its members' global ranks in the new world, under a name
     of its own: torch names a group by its ranks, and a renumbered kept group's old ranks may
-    be a new group's now."""
+    be a new group's now. ``name_step``: take the naming step a creation takes (below); not
+    after an uncoloured split, which took it."""
     c10d = _c10d()
     w, pg, entry = c10d._world, group.pg, group.entry
     assert entry is not None
@@ -384,13 +396,17 @@ def _register(group: _Group, ranks: list[int], generation: int) -> None:
     # group takes the same step, so a member that keeps a group and one that builds it again
     # name the next group alike -- a different name is a different store prefix, and the group's
     # members would wait for each other forever.
-    name_step = getattr(c10d, "_process_group_name", None)
-    if name_step is not None:
-        name_step(ranks, use_hashed_name=True)
+    step = getattr(c10d, "_process_group_name", None)
+    if step is not None and name_step:
+        step(ranks, use_hashed_name=True)
 
 
-def _shutdown(group: _Group) -> None:
-    """Close a parked group no one keeps (its peers are at a boundary too: nobody waits on it)."""
+def _shutdown(group: _Group, device_type: str) -> None:
+    """Close a parked group no one keeps (its peers are at a boundary too: nobody waits on it).
+    On a device node its communicators are aborted first: a collective one member issued and
+    another never will stays queued, and a clean shutdown would wait for it."""
+    if device_type != "cpu":
+        devicegroups.abort(group.pg, device_type)
     group.sockets.half_close()
     try:
         group.pg.shutdown()
