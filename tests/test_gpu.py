@@ -11,7 +11,10 @@
   waiting rank's device events say "in a collective", polled from another thread as the heartbeat
   does; the stuck rank's do not; polling never creates a context on a device not the rank's own;
 * SIGKILL of a rank of the demo under NCCL (``cpu:gloo,cuda:nccl``): the survivor recovers in
-  place (its process never exits), the killed rank's replacement takes a free GPU, no step lost.
+  place (its process never exits), the killed rank's replacement takes a free GPU, no step lost;
+* four GPUs: an HSDP 2 x 2 mesh's groups split from the world (``train/devicegroups.py``) kept
+  through a failure of rank 3 -- the untouched ones kept, the lost rank's aborted, one with an
+  unmatched collective in flight built again -- and every group's all-reduce right afterwards.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+four_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
 one_gpu = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
 
 LIVENESS = """
@@ -165,3 +169,76 @@ def test_a_one_gpu_fsdp2_job_survives_a_kill_bitwise(tmp_path: Path, monkeypatch
         outs.append(out)
     assert [(f["kind"], f["lost_steps"]) for f in run.result.failures] == [("kill", 0)]
     assert outs[0]["local_hash"] == outs[1]["local_hash"]
+
+
+MESH_GROUPS = """
+import datetime, json, os, sys
+import torch
+import torch.distributed as dist
+from nonstop.mesh import MeshSpec
+from nonstop.train.meshgroups import MeshGroups
+
+rank, port, gens = int(sys.argv[1]), int(sys.argv[2]), [int(g) for g in sys.argv[3].split(",")]
+dev = torch.device("cuda", rank)
+torch.cuda.set_device(dev)
+spec = MeshSpec.parse("replicate=2,shard=2")
+tcp = dist.TCPStore("127.0.0.1", port, 4, rank == 0 and 1 in gens, timeout=datetime.timedelta(seconds=120))
+mg, out = MeshGroups(), {}
+for g in gens:
+    store = dist.PrefixStore(f"gen{g}/", tcp)
+    dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=120), device_id=dev)
+    groups = mg.build(spec, rank=rank, generation=g, store=store, device_type="cuda").get_all_groups()
+    sums = []
+    for pg in groups:
+        t = torch.ones(1024, device=dev)
+        dist.all_reduce(t, group=pg)
+        sums.append(float(t[0]))
+    torch.cuda.synchronize()
+    out[g] = {"kept": mg.kept, "built": mg.built, "sums": sums}
+    if g == 1:
+        if rank == 3:  # the failed rank: gone without a word
+            print(json.dumps(out), flush=True)
+            os._exit(0)
+        if rank == 0:  # a collective on {0, 1} that rank 1 never issues: that group is built again
+            dist.all_reduce(torch.ones(1024, device=dev), group=groups[1])
+        dist.group.WORLD._get_backend(dev).abort()  # what GenerationGroup.sever does first
+        mg.sever(lost=[3])
+        mg.leave()
+        dist.destroy_process_group()
+print(json.dumps(out), flush=True)
+"""
+
+
+@four_gpus
+def test_hsdp_groups_split_from_the_world_are_kept_through_a_failure_under_nccl(tmp_path: Path) -> None:
+    """Generation 1 builds every group by a split of the world; rank 3 fails; in generation 2
+    rank 0 keeps {0, 2} (replicate) and builds {0, 1} again (its collective there was never
+    matched), rank 2 keeps {0, 2}, ranks 1 and 3 build theirs -- and every all-reduce sums."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = [
+        subprocess.Popen(
+            [sys.executable, "-c", MESH_GROUPS, str(r), str(port), "1,2" if r < 3 else "1"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(4)
+    ]
+    out3, _ = first[3].communicate(timeout=180)
+    spare = subprocess.Popen(
+        [sys.executable, "-c", MESH_GROUPS, "3", str(port), "2"], stdout=subprocess.PIPE, text=True
+    )
+    outs = {}
+    for r, p in enumerate([*first[:3], spare]):
+        text, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, r
+        outs[r] = json.loads(text.strip().splitlines()[-1])
+    assert json.loads(out3.strip().splitlines()[-1])["1"]["sums"] == [2.0, 2.0]
+    assert all(outs[r]["1"] == {"kept": 0, "built": 2, "sums": [2.0, 2.0]} for r in range(3))
+    kept = {r: (outs[r]["2"]["kept"], outs[r]["2"]["built"]) for r in range(4)}
+    assert kept == {0: (1, 1), 1: (0, 2), 2: (1, 1), 3: (0, 2)}, kept
+    assert all(outs[r]["2"]["sums"] == [2.0, 2.0] for r in range(4))
