@@ -102,11 +102,12 @@ class NonstopParams:
     replica_nodes: the job is HSDP over replica groups of this many nodes (the runtime's ``--mesh
     replicate=R,shard=S``, a shard group per replica group); a live migration or a grow then
     builds only the groups with the moved node's ranks in them (:meth:`MeshSpec.changed_groups`,
-    the runtime's ``train/meshgroups.py``), a failure every group unless ``keep_on_failure``
-    (the runtime's ``train/settle.py``, on NCCL ``train/devicegroups.py``, untested on a GPU:
-    on by default, as in the runtime); 0: data-parallel, one group of the whole job. straggler: the
-    runtime's fail-slow and degraded-node settings (``mode`` migrate and ``on_degraded`` drain:
-    proactive moves; :data:`~nonstop.sim.proactivesim.NO_PROACTIVE` detects only).
+    the runtime's ``train/meshgroups.py``), a failure every group unless ``keep_on_failure`` (the
+    runtime's ``train/settle.py``, on NCCL ``train/devicegroups.py``; off by default: the world's
+    re-formation, not charged, is a floor keeping does not remove); 0: data-parallel, one group of
+    the whole job. straggler: the runtime's fail-slow and degraded-node settings (``mode`` migrate
+    and ``on_degraded`` drain: proactive moves; :data:`~nonstop.sim.proactivesim.NO_PROACTIVE`
+    detects only).
     """
 
     snapshot_every: int = 1
@@ -122,7 +123,7 @@ class NonstopParams:
     shards_per_rank: int = 1
     survivors: SurvivorMode = SurvivorMode.AUTO
     replica_nodes: int = 0
-    keep_on_failure: bool = True
+    keep_on_failure: bool = False
     straggler: StragglerConfig = PROACTIVE
 
     def __post_init__(self) -> None:
