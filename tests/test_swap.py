@@ -141,15 +141,39 @@ def test_an_abort_while_paused_lets_the_ranks_go_on() -> None:
     assert isinstance(fin, Finished) and not fin.ok and "not 14" in str(fin.error)
 
 
-def test_a_failed_prepare_fetch_aborts_and_a_swap_interrupted_by_a_failure_undoes_nothing() -> None:
+def test_a_failed_prepare_fetch_aborts() -> None:
     m = migration()
     m.start()
     out = m.on_prepare_fetched(7, False, "gone", now=1)
     assert out[0] == Release(sid=7) and "gone" in str(m.error)
-    m2 = migration()
-    m2.phase = SwapPhase.SWAP
-    out = m2.abort("rank 0 failed")
-    assert kinds(out) == ["migration_aborted", "Finished"]  # the joiner is a member: recovery takes over
+
+
+def test_a_failure_of_another_rank_after_the_swap_leaves_the_move_done() -> None:
+    """The joiner holds the rank and the leaver retired: the failure's recovery takes over the
+    generation, and the move stands -- reported done, interrupted, its pause not measured."""
+    m = migration()
+    m.phase, m.boundary = SwapPhase.SWAP, 14
+    out = m.abort("rank 0 failed: killed", failed=[3, 4])  # the leaver (3) and rank 0's process
+    assert kinds(out) == ["migration_done", "Finished"] and m.phase is SwapPhase.DONE
+    done, fin = out
+    assert isinstance(done, Emit) and done.fields["interrupted"] == "rank 0 failed: killed"
+    assert done.fields["pause_ratio"] is None and done.fields["boundary"] == 14
+    assert isinstance(fin, Finished) and fin.ok
+    assert m.on_generation_done(median_step_s=0.1, now=5) == []  # over
+    z = grow()
+    z.phase = SwapPhase.SWAP
+    out = z.abort("rank 0 failed", failed=[4])
+    assert kinds(out) == ["grow_done", "Finished"] and out[0].fields["seconds"] is None  # type: ignore[union-attr]
+
+
+def test_a_failure_of_the_joiner_after_the_swap_aborts_it_and_undoes_nothing() -> None:
+    m = migration()
+    m.phase = SwapPhase.SWAP
+    out = m.abort("rank 1 failed", failed=[7])
+    assert kinds(out) == ["migration_aborted", "Finished"]  # recovery replaces the joiner: nothing to undo
+    z = grow()
+    z.phase = SwapPhase.SWAP
+    assert kinds(z.abort("rank 3 failed", failed=[9])) == ["grow_aborted", "Finished"]
 
 
 def test_time_out_before_the_swap() -> None:

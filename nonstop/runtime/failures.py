@@ -174,7 +174,9 @@ class Failures:
             self.on_failures(failures)
 
     def on_failures(self, failures: list[Failure]) -> None:
-        self.c.swaps.abort(f"rank {failures[0].rank} failed: {failures[0].detail}")
+        self.c.swaps.abort(
+            f"rank {failures[0].rank} failed: {failures[0].detail}", failed=[f.spawn_id for f in failures]
+        )
         for f in failures:
             self.c.events.emit(
                 ev.Failure(

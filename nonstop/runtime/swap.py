@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -385,17 +385,29 @@ class BoundarySwap:
         """The swap's generation completed its first step everywhere."""
         if self.phase is not SwapPhase.SWAP:
             return []
-        self.phase = SwapPhase.DONE
         self.marks["resumed"] = now
         gap = max(self.gaps.values(), default=None)
+        return self._done(gap=gap, median_step_s=median_step_s, seconds=now - self.started)
+
+    def _done(
+        self,
+        *,
+        gap: float | None,
+        median_step_s: float | None,
+        seconds: float | None,
+        interrupted: str | None = None,
+    ) -> list[Action]:
+        self.phase = SwapPhase.DONE
         ratio = (gap / median_step_s) if gap is not None and median_step_s else None
+        extra = {} if interrupted is None else {"interrupted": interrupted}
         if self.kind is SwapKind.GROW:
             info: dict[str, Any] = {
                 "world_size": self.new_world_size,
                 "boundary": self.boundary,
-                "seconds": now - self.started,
+                "seconds": seconds,
                 "max_step_gap_s": gap,
                 "pause_ratio": ratio,
+                **extra,
             }
             return [Emit(kind="grow_done", fields=info), Finished(ok=True, error=None, info=info)]
         assert self.catch is not None
@@ -411,6 +423,7 @@ class BoundarySwap:
             "reason": self.reason,
             "catchup_rounds": self.catch.rounds,
             "swap_delta": self.catch.swap_delta,
+            **extra,
         }
         return [Emit(kind="migration_done", fields=info), Finished(ok=True, error=None, info=info)]
 
@@ -422,15 +435,19 @@ class BoundarySwap:
             return self.abort(f"not ready to swap within {timeout_s:g}s")
         return []
 
-    def abort(self, why: str, *, members_left: bool = False) -> list[Action]:
+    def abort(self, why: str, *, failed: Collection[int] = ()) -> list[Action]:
         """End without swapping: joiners that took their rank are replaced by fresh spares, the
-        others are idle again; paused members go on. ``members_left``: the swap's generation was
-        already open (a failure interrupted it): nothing to undo, recovery takes over."""
+        others are idle again; paused members go on. After the swap (its generation open, the
+        joiners members, a leaver retired) there is nothing to undo, and recovery takes over:
+        unless a joiner is one of the ``failed`` processes (spawn ids), the swap took effect and
+        is reported done, ``interrupted`` by ``why``, its pause not measured."""
         if self.phase.is_terminal:
             return []
+        if self.phase is SwapPhase.SWAP and not any(j.sid in failed for j in self.joiners):
+            return self._done(gap=None, median_step_s=None, seconds=None, interrupted=why)
         before, self.phase, self.error = self.phase, SwapPhase.ABORTED, why
         out: list[Action] = []
-        if before is not SwapPhase.SWAP and not members_left:
+        if before is not SwapPhase.SWAP:
             for j in self.joiners:
                 out.append(Retire(sid=j.sid, respawn=True) if j.told else Release(sid=j.sid))
             if self.boundary is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from nonstop.control.channel import Channel
@@ -276,9 +277,11 @@ class Swaps:
         who = f"the joiner (spawn {sid})" if a.kind is SwapKind.MIGRATION else f"joining spare {sid}"
         self.abort(f"{who} exited with {how}")
 
-    def abort(self, why: str) -> None:
+    def abort(self, why: str, *, failed: Collection[int] = ()) -> None:
+        """End the swap in progress (``failed``: the spawn ids of processes that failed: a swap
+        already made stands unless one of them was a joiner, :meth:`BoundarySwap.abort`)."""
         if self.active is not None:
-            self._run(self.active.abort(why))
+            self._run(self.active.abort(why, failed=failed))
 
     def finish(self) -> None:
         """The job finishes: nothing more moves."""

@@ -99,6 +99,9 @@ class GrowDone(Event):
     # the longest gap of a rank across the boundary (S -> S+1) and over the median step
     max_step_gap_s: float | None = field(default=None, metadata=OPTIONAL)
     pause_ratio: float | None = field(default=None, metadata=OPTIONAL)
+    # a failure ended the grow's generation before its first step: the grow took effect, its
+    # pause was not measured (why)
+    interrupted: str | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,7 +174,10 @@ class MigrationPause(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class MigrationDone(Event):
-    """``stages``: seconds between the migration's marks, named by the later one."""
+    """``stages``: seconds between the migration's marks, named by the later one.
+    ``interrupted``: a failure of another rank ended the swap's generation before its first
+    step -- the rank had moved (the joiner held it, the leaver had retired), the pause was not
+    measured."""
 
     kind: ClassVar[str] = "migration_done"
     rank: int | None
@@ -185,6 +191,7 @@ class MigrationDone(Event):
     reason: str
     catchup_rounds: int | None
     swap_delta: bool | None
+    interrupted: str | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True, kw_only=True)
