@@ -331,6 +331,42 @@ def test_a_shrunk_job_grows_back_through_a_boundary_swap(tmp_path: Path) -> None
     assert done["world_size"] == 2 and done["boundary"] == boundary
 
 
+def test_a_failure_right_after_a_grows_swap_leaves_the_grow_done(tmp_path: Path) -> None:
+    """Rank 0 dies in the grow's generation before its first step: the joiner already holds
+    rank 1, so the grow took effect -- reported done, interrupted -- and recovery replaces rank 0."""
+    h = Harness(
+        tmp_path, nnodes=2, nproc_per_node=1, spares=0, coordinator="127.0.0.1:0", lease_ttl_s=60.0,
+        min_world_size=1,
+    )  # fmt: skip
+    h.add_node("0", nproc=1)
+    h.add_node("1", nproc=1)
+    h.tick()
+    h.bring_up()
+    h.step_all(2)
+    h.lose_node("1")
+    h.resume_all(3)
+    h.add_node("2", nproc=1)
+    h.connect_spawned()
+    h.tick()
+    z = h.coord.swaps.grow
+    assert z is not None
+    joiner = z.joiners[0].sid
+    h.tick()
+    h.put("msg", h.workers[joiner], {"t": "restored", "gen": h.coord.generation})
+    h.tick()
+    boundary = h.member(0).last("pause")["at"]
+    h.worker_says(0, {"t": "paused", "step": boundary})
+    h.tick(2)
+    assert h.coord.generation == 3 and h.coord.view.members[1] == joiner
+    h.exit(h.coord.view.members[0])
+    assert h.events("grow_aborted") == []
+    [done] = h.events("grow_done")
+    assert done["boundary"] == boundary and "rank 0 failed" in done["interrupted"]
+    assert done.get("pause_ratio") is None
+    assert h.coord.swaps.active is None and h.coord.generation == 4
+    assert h.coord.view.members[1] == joiner  # the grown rank stays where the grow put it
+
+
 class _Durable:
     """What the coordinator asks of a durable tier: its steps and their world sizes."""
 
