@@ -181,21 +181,17 @@ class Agent:
         """Steps with a complete snapshot in memory, per rank with slots here (slot headers)."""
         return {rank: self._store(rank).complete_steps() for rank in self.ranks_in_memory()}
 
-    def writing_steps(self) -> dict[int, int]:
-        """rank -> step a live child process is writing into that rank's slots right now."""
+    def unsettled(self) -> bool:
+        """Whether some rank's slots are about to change: a live process is writing a step into
+        them, or is behind on the node's newest shared write and holds no whole step meanwhile
+        (:meth:`~nonstop.snapshot.reads.SlotReads.behind_shared`). One look at the slots and the
+        children per call, for a caller that polls."""
         live = self._live_pids()
-        out = {}
         for rank in self.ranks_in_memory():
-            step = self._store(rank).writing_step(live)
-            if step is not None:
-                out[rank] = step
-        return out
-
-    def behind_shared(self) -> list[int]:
-        """Ranks whose live process has yet to write its part of the node's newest shared write,
-        holding no whole step meanwhile (:meth:`~nonstop.snapshot.reads.SlotReads.behind_shared`)."""
-        live = self._live_pids()
-        return [rank for rank in self.ranks_in_memory() if self._store(rank).behind_shared(live)]
+            store = self._store(rank)
+            if store.writing_step(live) is not None or store.behind_shared(live):
+                return True
+        return False
 
     def _live_pids(self) -> set[int]:
         """Pids of this agent's children still running. poll(): a child SIGKILLed a moment ago is

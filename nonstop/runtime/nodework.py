@@ -249,7 +249,7 @@ class NodeWork:
 
     def _inventory(self, req_id: int) -> Message:
         deadline = time.monotonic() + SETTLE_S
-        while (self.agent.writing_steps() or self.agent.behind_shared()) and time.monotonic() < deadline:
+        while self.agent.unsettled() and time.monotonic() < deadline:
             time.sleep(0.002)
         local = self.agent.complete_steps()
         rep_id = replica_store_id(self.job_id, self.node)
