@@ -11,6 +11,7 @@ run ``MeshGroups.build`` in four threads against one fake store and one fake wor
 
 from __future__ import annotations
 
+import datetime
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from nonstop.train import devicegroups, meshgroups
 from nonstop.train.meshgroups import MeshGroups
 
 HSDP = MeshSpec.parse("replicate=2,shard=2")
+TIMEOUT = datetime.timedelta(seconds=77)  # the world's collective timeout, for every group split
 
 
 class FakeBackend:
@@ -67,9 +69,11 @@ class FakeWorld:
         self.count: dict[int, int] = defaultdict(int)
         self.entered: dict[int, dict[int, list[int] | None]] = defaultdict(dict)
         self.local = threading.local()
+        self.timeouts: list[Any] = []
 
-    def split_group(self, *, split_ranks: list[list[int]], **_: Any) -> FakePG | None:
+    def split_group(self, *, split_ranks: list[list[int]], timeout: Any = None, **_: Any) -> FakePG | None:
         rank = self.local.rank
+        self.timeouts.append(timeout)
         mine = next((sorted(g) for g in split_ranks if rank in g), None)
         with self.cond:
             k = self.count[rank]
@@ -144,7 +148,9 @@ def _build_all(
     def run(rank: int, mesh: MeshGroups) -> None:
         fake.local.rank = rank
         try:
-            out[rank] = mesh.build(HSDP, rank=rank, generation=generation, store=store, device_type="cuda")
+            out[rank] = mesh.build(
+                HSDP, rank=rank, generation=generation, store=store, device_type="cuda", timeout=TIMEOUT
+            )
         except BaseException as e:  # reported below
             errors.append(e)
 
@@ -174,6 +180,7 @@ def test_a_first_generation_splits_each_dim_once_on_every_rank(world: tuple[Fake
     assert sorted(fake.entered) == [0, 1]  # one split per dim ...
     assert all(len(fake.entered[k]) == 4 for k in (0, 1))  # ... entered by the whole world
     assert drained == []  # nothing kept, nothing to drain
+    assert fake.timeouts == [TIMEOUT] * 8  # every split carries the world's collective timeout
 
 
 def test_a_failure_keeps_the_groups_without_the_lost_rank_and_every_rank_still_enters_each_split(

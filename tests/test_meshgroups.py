@@ -94,13 +94,25 @@ def _worker(rank: int, port: int, results: Any) -> None:
         gstore = dist.PrefixStore(f"gen{gen}/", store)
         timeout = datetime.timedelta(seconds=60)
         dist.init_process_group("gloo", store=gstore, rank=me, world_size=4, timeout=timeout)
-        mesh = groups.build(spec, rank=me, generation=gen, store=gstore, device_type="cpu")
+        mesh = groups.build(
+            spec,
+            rank=me,
+            generation=gen,
+            store=gstore,
+            device_type="cpu",
+            timeout=timeout + datetime.timedelta(seconds=gen),
+        )
         sums = []
         for dim in spec.names:
             x = torch.tensor([float(me)])
             dist.all_reduce(x, group=mesh.get_group(dim))
             sums.append(int(x.item()))
-        seen.append((groups.kept, groups.built, tuple(sums)))
+        # each group carries the collective timeout of the generation that built it
+        timeouts = tuple(
+            int(mesh.get_group(d)._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+            for d in spec.names
+        )
+        seen.append((groups.kept, groups.built, tuple(sums), timeouts))
         # generation 2 ends with rank 3 leaving mid-step (it tears its groups down); the others
         # leave at a boundary and park theirs
         dirty = gen == 2 and rank == 3
@@ -122,11 +134,12 @@ def test_real_gloo_groups_outlive_their_world_and_a_torn_one_is_built_again() ->
     sums = {0: (2, 1), 1: (4, 1), 2: (2, 5), 3: (4, 5)}  # (replicate, shard) sums of the ranks
     for rank in range(4):
         first, second, third, fourth = results[rank]
-        assert first == (0, 2, sums[rank])
-        assert second == (2, 0, sums[rank])  # everyone parked at a boundary: all kept
+        assert first == (0, 2, sums[rank], (61, 61))
+        assert second == (2, 0, sums[rank], (61, 61))  # everyone parked at a boundary: all kept
         # rank 3 tore its groups down: its shard group {2,3} and replica group {1,3} are new
         kept = {0: 2, 1: 1, 2: 1, 3: 0}[rank]
-        assert third == (kept, 2 - kept, sums[rank])
+        new = {0: (61, 61), 1: (63, 61), 2: (61, 63), 3: (63, 63)}[rank]  # (replicate, shard)
+        assert third == (kept, 2 - kept, sums[rank], new)
         # renumbered: a shard group keeps its members in order (kept, under its new ranks); a
         # replica group's members swap places (built again)
-        assert fourth == (1, 1, sums[(rank + 2) % 4])
+        assert fourth[:3] == (1, 1, sums[(rank + 2) % 4]) and fourth[3][0] == 64

@@ -47,6 +47,7 @@ world costs the same bootstrap-free ``ncclCommSplit`` and serves every case.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from collections.abc import Mapping
@@ -78,17 +79,19 @@ def splits(device_type: str) -> bool:
     return bool(getattr(backend, "supports_splitting", False))
 
 
-def split(ranks: list[int], *, member: bool, rank: int, world_size: int) -> Any:
+def split(
+    ranks: list[int], *, member: bool, rank: int, world_size: int, timeout: datetime.timedelta | None = None
+) -> Any:
     """Enter the world's split for one dim: every rank of the world calls this once per dim, in
     the mesh's dim order (the module docstring). ``member``: this rank builds ``ranks`` (its
-    group, global ranks, sorted) and gets the new group; otherwise it keeps its group, splits
-    with no colour and gets None."""
+    group, global ranks, sorted) and gets the new group, with collective ``timeout`` (None:
+    torch's default); otherwise it keeps its group, splits with no colour and gets None."""
     if member:
-        return dist.split_group(split_ranks=[sorted(ranks)])
+        return dist.split_group(split_ranks=[sorted(ranks)], timeout=timeout)
     others = [r for r in range(world_size) if r != rank]
     if not others:  # a world of one: nobody to split with
         return None
-    got = dist.split_group(split_ranks=[others])
+    got = dist.split_group(split_ranks=[others], timeout=timeout)
     if got is not None:  # (torch gave this rank a group it is not in: never expected)
         raise RuntimeError(f"rank {rank} got a group from a split it entered with no colour")
     return None

@@ -53,6 +53,7 @@ class GenerationGroup:
         self._left = False  # destroy() parked the mesh groups: a second destroy leaves them so
         self._unsettled = False  # parked mid-step unsevered: settle() decides by the lost ranks
         self._device_backend: Any = None  # a device node's NCCL (or other) backend, to abort
+        self.timeout: datetime.timedelta | None = None  # the last join's collective timeout
         self.mesh_groups = MeshGroups(keep=keep_groups)  # a sharded job's, kept across generations
 
     def join(
@@ -94,6 +95,7 @@ class GenerationGroup:
         device = worker_device()
         choice = choose_backend(device)
         timeout = datetime.timedelta(seconds=collective_timeout_s(timeout_s, device))
+        self.timeout = timeout  # the mesh groups' too (MeshGroups.build)
         self._severed = self._partial = self._left = self._unsettled = False
         self._device_backend = None
         watch = SocketWatch()

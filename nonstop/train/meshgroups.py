@@ -39,6 +39,7 @@ These are private; if this torch lacks them every group is simply built again
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 import time
@@ -177,10 +178,21 @@ class MeshGroups:
         self.built = 0
         self.build_s = 0.0
 
-    def build(self, spec: MeshSpec, *, rank: int, generation: int, store: Any, device_type: str) -> Any:
+    def build(
+        self,
+        spec: MeshSpec,
+        *,
+        rank: int,
+        generation: int,
+        store: Any,
+        device_type: str,
+        timeout: datetime.timedelta | None = None,
+    ) -> Any:
         """The generation's ``DeviceMesh`` for ``spec``, in the default group just created
         through ``store`` (the generation's rendezvous store): a parked group every member
-        agrees to keep is put back, every other group is created by its members only."""
+        agrees to keep is put back, every other group is created by its members only (on a
+        device node: split from the world, :mod:`nonstop.train.devicegroups`). ``timeout``: the
+        new groups' collective timeout, the world's (None: torch's default for the backend)."""
         t0 = time.monotonic()
         self._device_type = device_type
         self._splits = devicegroups.splits(device_type)
@@ -198,7 +210,9 @@ class MeshGroups:
             if keep:
                 assert old is not None  # (a member without a claim never agrees)
                 if self._splits:  # every rank enters each dim's split (devicegroups): this one uncoloured
-                    devicegroups.split(ranks, member=False, rank=rank, world_size=spec.world_size)
+                    devicegroups.split(
+                        ranks, member=False, rank=rank, world_size=spec.world_size, timeout=timeout
+                    )
                 _register(old, ranks, generation, name_step=not self._splits)
                 old.ranks = list(ranks)
                 group, self.kept = old, self.kept + 1
@@ -208,9 +222,11 @@ class MeshGroups:
                 watch = SocketWatch()
                 try:
                     if self._splits:
-                        pg = devicegroups.split(ranks, member=True, rank=rank, world_size=spec.world_size)
+                        pg = devicegroups.split(
+                            ranks, member=True, rank=rank, world_size=spec.world_size, timeout=timeout
+                        )
                     else:
-                        pg = dist.new_group(ranks, use_local_synchronization=True)
+                        pg = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
                 finally:
                     watch.stop()
                 group = _Group(pg, token, watch, list(ranks))

@@ -199,7 +199,12 @@ class Sharded:
 
         def mesh() -> Any:
             return group.mesh_groups.build(
-                spec, rank=rank, generation=generation, store=store, device_type=self.device_type
+                spec,
+                rank=rank,
+                generation=generation,
+                store=store,
+                device_type=self.device_type,
+                timeout=group.timeout,
             )
 
         device_mesh = group.join_plain(
