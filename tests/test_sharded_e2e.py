@@ -126,7 +126,7 @@ def test_an_hsdp_kill_keeps_the_survivors_groups_the_dead_rank_was_not_in_bitwis
 ) -> None:
     """Rank 3 of HSDP 2 x 2 is killed mid-step and node 1's spare takes it. The survivors sever
     only the groups rank 3 was in and settle the rest (train/settle.py): no group with rank 3 in
-    it is kept, and replica group 0's shard group {0, 1} -- untouched, its members at the same
+    it is kept, and a group of rank 0's that rank 3 was not in -- untouched, its members at the same
     collective -- keeps its connections. The weights are those of a run without the kill."""
     run = run_demo_job(
         tmp_path, steps=STEPS, faults=("kill:rank=3,step=6",), script_extra=("--step-delay", "0.1"), **HSDP
@@ -142,7 +142,10 @@ def test_an_hsdp_kill_keeps_the_survivors_groups_the_dead_rank_was_not_in_bitwis
     }
     assert joined[3] == (0, 2), joined  # the spare holds nothing to keep
     assert joined[1][0] <= 1 and joined[2][0] <= 1, joined  # {1,3} and {2,3} are built again
-    assert joined[0][0] >= 1 and joined[1][0] >= 1, joined  # {0, 1} is kept
+    # What rank 0 keeps, {0, 1} or {0, 2} (or both), its partner keeps too. Which one depends on
+    # where each survivor's step was when rank 3 died: usually {0, 1} (rank 2 left its step before
+    # the replicate all-reduce rank 0 waited in), once {0, 2} under CI's load.
+    assert joined[0][0] >= 1 and joined[1][0] + joined[2][0] == joined[0][0], joined
     assert shards(run) == reference(HSDP)
 
 
