@@ -290,10 +290,11 @@ def test_a_node_lost_while_the_nodes_answer_is_planned_with_the_first(tmp_path: 
     assert sorted(e["rank"] for e in h.events("recovery")) == [1, 2]
 
 
-def test_a_shrunk_job_grows_back_through_a_boundary_swap(tmp_path: Path) -> None:
+def _grown_to_the_swap(tmp_path: Path) -> tuple[Harness, int, int]:
     """Elastic: a lost node shrinks the job; a node joining brings its rank slots as spares; the
     joiner prepares (rank 0's committed step fetched to it, restored), every rank pauses at a
-    boundary, and the grow's generation starts there without a rollback."""
+    boundary, and the grow's generation starts there. Returns the harness, the joiner's spawn id
+    and the boundary, with the grow's generation open and no step of it done yet."""
     h = Harness(
         tmp_path, nnodes=2, nproc_per_node=1, spares=0, coordinator="127.0.0.1:0", lease_ttl_s=60.0,
         min_world_size=1,
@@ -323,6 +324,12 @@ def test_a_shrunk_job_grows_back_through_a_boundary_swap(tmp_path: Path) -> None
     h.tick(2)
     assert h.coord.generation == 3 and h.coord.view.world_size == 2
     assert h.coord.view.members[1] == z.joiners[0].sid
+    return h, z.joiners[0].sid, boundary
+
+
+def test_a_shrunk_job_grows_back_through_a_boundary_swap(tmp_path: Path) -> None:
+    """The grow's generation starts at the boundary without a rollback (_grown_to_the_swap)."""
+    h, _, boundary = _grown_to_the_swap(tmp_path)
     gen = h.events("generation")[-1]
     assert gen["grow"] == [1] and gen["restore_step"] == boundary
     h.resume_all(boundary + 1)
@@ -334,30 +341,8 @@ def test_a_shrunk_job_grows_back_through_a_boundary_swap(tmp_path: Path) -> None
 def test_a_failure_right_after_a_grows_swap_leaves_the_grow_done(tmp_path: Path) -> None:
     """Rank 0 dies in the grow's generation before its first step: the joiner already holds
     rank 1, so the grow took effect -- reported done, interrupted -- and recovery replaces rank 0."""
-    h = Harness(
-        tmp_path, nnodes=2, nproc_per_node=1, spares=0, coordinator="127.0.0.1:0", lease_ttl_s=60.0,
-        min_world_size=1,
-    )  # fmt: skip
-    h.add_node("0", nproc=1)
-    h.add_node("1", nproc=1)
-    h.tick()
-    h.bring_up()
-    h.step_all(2)
-    h.lose_node("1")
-    h.resume_all(3)
-    h.add_node("2", nproc=1)
-    h.connect_spawned()
-    h.tick()
-    z = h.coord.swaps.grow
-    assert z is not None
-    joiner = z.joiners[0].sid
-    h.tick()
-    h.put("msg", h.workers[joiner], {"t": "restored", "gen": h.coord.generation})
-    h.tick()
-    boundary = h.member(0).last("pause")["at"]
-    h.worker_says(0, {"t": "paused", "step": boundary})
-    h.tick(2)
-    assert h.coord.generation == 3 and h.coord.view.members[1] == joiner
+    h, joiner, boundary = _grown_to_the_swap(tmp_path)
+    assert h.coord.view.members[1] == joiner
     h.exit(h.coord.view.members[0])
     assert h.events("grow_aborted") == []
     [done] = h.events("grow_done")
