@@ -80,7 +80,25 @@ def run_demo_job(
     else:
         result = run_job(config, redirect_output=True)
     out = json.loads(result_file.read_text()) if result_file.exists() else None
-    return DemoRun(result, out, job_dir, read_events(job_dir / "events.jsonl"))
+    run = DemoRun(result, out, job_dir, read_events(job_dir / "events.jsonl"))
+    if result.state.value != "done":  # pytest shows this output with a failed test's report
+        print(why_it_failed(run))
+    return run
+
+
+def why_it_failed(run: DemoRun) -> str:
+    """What to read when a job did not end done (CI keeps no job directory): its error, the
+    failures it saw, and the tail of every process log that holds a traceback."""
+    out = [f"job {run.result.state.value}: {run.result.error}"]
+    said = ("failure", "generation", "exit", "fault_report", "recovery")
+    out += [json.dumps(e) for e in run.events if e["event"] in said]
+    logs = run.job_dir / "logs"
+    for log in sorted(logs.glob("*.log")) if logs.is_dir() else []:
+        text = log.read_text(errors="replace")
+        at = text.rfind("Traceback")
+        if at >= 0:  # its end: the error, and the frames nearest to it
+            out.append(f"--- {log.name} (the end of its last traceback)\n{text[at:][-5000:]}")
+    return "\n".join(out)
 
 
 # Steps while an elastic job runs shrunk, in the tests where a node rejoins to grow it back: the

@@ -123,15 +123,21 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeWorld, list[str
     monkeypatch.setattr(meshgroups, "registry_supported", lambda: True)
     monkeypatch.setattr(meshgroups, "_unregister", lambda pg: {"parked": True})
     monkeypatch.setattr(meshgroups, "_register", _fake_register)
+    monkeypatch.setattr(meshgroups, "_creation_name", _fake_creation_name)
     monkeypatch.setattr(meshgroups, "mesh_of", lambda spec, groups, device_type: groups)
     monkeypatch.setattr(dist, "new_group", _no_new_group)
     monkeypatch.delenv(devicegroups.SHARE_RESOURCES, raising=False)
     yield fake, drained
 
 
-def _fake_register(group: Any, ranks: list[int], generation: int, *, name_step: bool = True) -> None:
-    assert not name_step, "an uncoloured split took the naming step already"
+def _fake_register(group: Any, ranks: list[int], name: str) -> None:
+    assert name == f"kept:{ranks}"
     group.entry = None
+
+
+def _fake_creation_name(ranks: list[int], *, take_step: bool) -> str:
+    assert not take_step, "an uncoloured split took the naming step already"
+    return f"kept:{ranks}"
 
 
 def _no_new_group(*_: Any, **__: Any) -> None:

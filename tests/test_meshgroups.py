@@ -143,3 +143,41 @@ def test_real_gloo_groups_outlive_their_world_and_a_torn_one_is_built_again() ->
         # renumbered: a shard group keeps its members in order (kept, under its new ranks); a
         # replica group's members swap places (built again)
         assert fourth[:3] == (1, 1, sums[(rank + 2) % 4]) and fourth[3][0] == 64
+
+
+def _tp_worker(rank: int, port: int, results: Any) -> None:
+    from nonstop.demo.model import GPT, PRESETS
+    from nonstop.demo.train_sharded import shard_model
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    spec = MeshSpec.parse("tp=2")
+    groups = MeshGroups()
+    seen = []
+    for gen in (1, 2):
+        gstore = dist.PrefixStore(f"gen{gen}/", store)
+        dist.init_process_group("gloo", store=gstore, rank=rank, world_size=2)
+        mesh = groups.build(spec, rank=rank, generation=gen, store=gstore, device_type="cpu")
+        torch.manual_seed(0)
+        model = GPT(PRESETS["tiny"])  # a new model on the generation's mesh, as Sharded.join builds it
+        shard_model(model, mesh)
+        with torch.no_grad():  # the row-wise layer's output is summed over tp by name (funcol)
+            out = model(torch.arange(32).view(1, 32) % 128)
+        seen.append((groups.kept, float(out.sum())))
+        groups.park()
+        dist.destroy_process_group()
+    groups.drop()
+    results[rank] = seen
+
+
+@pytest.mark.skipif(not registry_supported(), reason="this torch lacks the group registry internals")
+def test_a_kept_tensor_parallel_group_serves_the_layouts_dtensor_cached_on_the_last_mesh() -> None:
+    """DTensor caches a layout per mesh shape and finds a collective's group by the name the
+    first mesh gave it: the kept tp group answers to that name (before, it was renamed, and the
+    second generation's first forward failed with "Could not resolve the process group")."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    results = mp.Manager().dict()
+    mp.spawn(_tp_worker, args=(_port(), results), nprocs=2, join=True)
+    for rank in range(2):
+        (kept1, out1), (kept2, out2) = results[rank]
+        assert (kept1, kept2) == (0, 1)
+        assert out2 == out1

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from nonstop.mesh import MeshSpec
 from nonstop.train.link import PeerFailed
-from nonstop.train.prewarm import warm_sharded
+from nonstop.train.prewarm import MeshHistory, warm_sharded
 
 SCRIPT = textwrap.dedent(
     """
@@ -210,3 +210,30 @@ def test_without_the_history_a_renumbered_rank_records_its_old_offsets() -> None
     _, second = _renumbered("none")
     assert second["real"] == [1] and second["param"] == [2], second
     assert second["offset"][0] == 86, second
+
+
+def test_older_meshes_take_the_new_group_names_when_a_generation_renames_a_group() -> None:
+    """MeshHistory's other trigger: the same rank at the same shape, but a group under another
+    name than last time (a torch that names groups otherwise than the ranks' hash): the older
+    mesh a cached layout holds is given the new names, so its collectives find live groups."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from nonstop.train.meshgroups import mesh_of
+
+    spec = MeshSpec.parse("tp=2")
+    history = MeshHistory()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        first = mesh_of(spec, [dist.new_group([0, 1])], "cpu")
+        history.joined(first, rank=0)
+        again = mesh_of(spec, [first.get_group("tp")], "cpu")  # a kept group, of the same name
+        history.joined(again, rank=0)
+        assert history.readopted == 0  # nothing renamed: no scan
+        renamed = dist.new_group([0, 1])  # a group of the same ranks under another name
+        assert renamed.group_name != again.get_group("tp").group_name
+        latest = mesh_of(spec, [renamed], "cpu")
+        history.joined(latest, rank=0)
+        assert history.readopted >= 2
+        assert first.get_group("tp").group_name == again.get_group("tp").group_name == renamed.group_name
+    finally:
+        dist.destroy_process_group()

@@ -210,10 +210,13 @@ class MeshGroups:
             if keep:
                 assert old is not None  # (a member without a claim never agrees)
                 if self._splits:  # every rank enters each dim's split (devicegroups): this one uncoloured
+                    name = _creation_name(ranks, take_step=False)  # (the split takes the step)
                     devicegroups.split(
                         ranks, member=False, rank=rank, world_size=spec.world_size, timeout=timeout
                     )
-                _register(old, ranks, generation, name_step=not self._splits)
+                else:
+                    name = _creation_name(ranks, take_step=True)
+                _register(old, ranks, name or _fresh_name(old, generation))
                 old.ranks = list(ranks)
                 group, self.kept = old, self.kept + 1
             else:
@@ -386,15 +389,49 @@ def _unregister(pg: Any) -> dict[str, Any]:
     return entry
 
 
-def _register(group: _Group, ranks: list[int], generation: int, *, name_step: bool = True) -> None:
-    """Put a parked group back, with its members' global ranks in the new world, under a name
-    of its own: torch names a group by its ranks, and a renumbered kept group's old ranks may
-    be a new group's now. ``name_step``: take the naming step a creation takes (below); not
-    after an uncoloured split, which took it."""
+def _creation_name(ranks: list[int], *, take_step: bool) -> str | None:
+    """The name torch would give a group of ``ranks`` created now, or None where this torch
+    cannot say or another group holds that name. A kept group is put back under it, for DTensor:
+    its cache hands back layouts computed on the first mesh of each shape it saw (meshes compare
+    by layout, not by group), and a collective on such a layout finds its group by the name
+    recorded there -- a group built again gets the same name (torch <= 2.13 hashes the ranks and
+    the registry's size), so a kept one must too, or tensor parallel's first collective fails
+    with "Could not resolve the process group". ``take_step``: this stands for a creation, so
+    take the naming step a creation takes -- a member that keeps a group and one that builds it
+    again must name their next group alike (torch >= 2.14 salts the hashed name with
+    ``_world.group_count``, which every creation bumps; a different name is a different store
+    prefix, and the group's members would wait for each other forever). Not after an
+    uncoloured split, which took it; :class:`~nonstop.train.prewarm.MeshHistory` mends the
+    cache wherever a generation's names differ from the last one's all the same."""
+    c10d = _c10d()
+    try:
+        if take_step:
+            step = getattr(c10d, "_process_group_name", None)
+            name = step(ranks, use_hashed_name=True) if step is not None else None
+        else:
+            hashed = getattr(c10d, "_hash_ranks_to_str", None)
+            name = hashed(ranks) if hashed is not None else None
+    except Exception as e:  # (another torch's internals: a name of our own instead)
+        log.debug("no creation name for a kept group: %s", e)
+        return None
+    if name is None or name in c10d._world.pg_names.values():
+        return None
+    return str(name)
+
+
+def _fresh_name(group: _Group, generation: int) -> str:
+    """A kept group's name where :func:`_creation_name` has none: its old one, marked with the
+    generation (torch names a group by its ranks, and a renumbered kept group's old ranks may
+    be a new group's now)."""
+    assert group.entry is not None
+    return f"{group.entry['name'].split('/')[0]}/kept{generation}"
+
+
+def _register(group: _Group, ranks: list[int], name: str) -> None:
+    """Put a parked group back under ``name``, with its members' global ranks in the new world."""
     c10d = _c10d()
     w, pg, entry = c10d._world, group.pg, group.entry
     assert entry is not None
-    name = f"{entry['name'].split('/')[0]}/kept{generation}"
     pg._set_group_name(name)
     w.pg_map[pg] = entry["map"]
     w.pg_names[pg] = name
@@ -406,15 +443,6 @@ def _register(group: _Group, ranks: list[int], generation: int, *, name_step: bo
         w.tags_to_pg.setdefault("", []).append(pg)
     c10d._register_process_group(name, pg)
     group.entry = None
-    # Creating a group takes a step of torch's group naming on each member: torch >= 2.14 salts
-    # the hashed name of the next group with ``_world.group_count``, which every creation bumps
-    # (torch <= 2.13: the registry's size, which a kept group adds to like a new one). A kept
-    # group takes the same step, so a member that keeps a group and one that builds it again
-    # name the next group alike -- a different name is a different store prefix, and the group's
-    # members would wait for each other forever.
-    step = getattr(c10d, "_process_group_name", None)
-    if step is not None and name_step:
-        step(ranks, use_hashed_name=True)
 
 
 def _shutdown(group: _Group, device_type: str) -> None:

@@ -85,32 +85,44 @@ class Warmed:
 class MeshHistory:
     """A survivor's side of the same hazard. Each generation makes new mesh objects, and the
     cache keeps answering with the first one it saw of each layout: harmless while this process
-    plays the same coordinates in every generation of a mesh shape (the group names hash the
-    ranks), wrong once it plays others -- an elastic job renumbers ranks at a shrink, and the
-    grow back keeps the new numbers, so a rank 2 of ``shard=3`` can come back as rank 1 of
-    ``shard=3``. Its parameters would then carry rank 2's mesh, and the snapshot would record
-    rank 2's offsets for rank 1's shards (measured: ``[86, 0]`` for ``[43, 0]``). So when the
-    rank this process plays at a shape changes, every older mesh equal to a part of the new one
-    is given the new one's state (a scan of the live objects, ~0.1 s: only then)."""
+    plays the same coordinates on groups of the same names in every generation of a mesh shape
+    (the group names hash the ranks, and a kept group takes the name a new one would get,
+    :func:`~nonstop.train.meshgroups._creation_name`), wrong once either changes. An elastic job
+    renumbers ranks at a shrink, and the grow back keeps the new numbers, so a rank 2 of
+    ``shard=3`` can come back as rank 1 of ``shard=3``: its parameters would then carry rank 2's
+    mesh, and the snapshot would record rank 2's offsets for rank 1's shards (measured: ``[86,
+    0]`` for ``[43, 0]``). A group under another name (a torch that names groups otherwise) would
+    leave a cached layout naming a group that is gone, and its first collective would fail. So
+    when the rank or the group names this process has at a shape change, every older mesh equal
+    to a part of the new one is given the new one's state (a scan of the live objects, ~0.1 s:
+    only then)."""
 
     def __init__(self) -> None:
-        self._rank_at: dict[tuple[int, ...], int] = {}
+        self._seen: dict[tuple[int, ...], tuple[int, tuple[str, ...]]] = {}
         self.readopted = 0
 
     def joined(self, real: Any, *, rank: int) -> None:
         """This process plays ``rank`` on ``real``, the generation's root mesh, before ``build``."""
         shape = tuple(int(n) for n in real.shape)
-        before = self._rank_at.get(shape, rank)
-        self._rank_at[shape] = rank
-        if before != rank:
+        now = (rank, _group_names(real))
+        before = self._seen.get(shape, now)
+        self._seen[shape] = now
+        if before != now:
             self.readopted, _ = adopt_meshes([m for m in live_meshes() if m is not real], real)
             log.info(
-                "rank %d -> %d at mesh %s: %d cached meshes given the new state",
-                before,
+                "rank %d -> %d, groups %s -> %s at mesh %s: %d cached meshes given the new state",
+                before[0],
                 rank,
+                before[1],
+                now[1],
                 shape,
                 self.readopted,
             )
+
+
+def _group_names(mesh: Any) -> tuple[str, ...]:
+    """The names of ``mesh``'s groups, one per dim (what a cached layout finds them by)."""
+    return tuple(str(mesh.get_group(d).group_name) for d in mesh.mesh_dim_names or ())
 
 
 def adopt_meshes(meshes: list[Any], real: Any) -> tuple[int, int]:
