@@ -19,8 +19,14 @@ What is measured
      overlapped with the next forward and backward), ``fence()`` before the next optimizer step
      (a device-side wait for the copies); its deferred copies are issued 64 MiB at a time
      (``nonstop.snapshot.device``, "Paced copies");
-   * ``nonstop_unpaced``: the same with every copy issued by ``begin`` at once
-     (``RankSnapshotStore(device_chunk=0)``, what nonstop did before the pacing);
+   * ``nonstop_deep``: the same with 8 batches queued per device instead of 2
+     (``RankSnapshotStore(device_depth=8)``: 512 MiB, ~10 ms of PCIe, twice CPython's GIL switch
+     interval): whether the steps that wait for a whole copy are a copier thread starved of the
+     GIL while the loop holds it (the copy engine idles between its batches). Every write's
+     copier timeline (``PendingWrite.timeline``) is kept per step for both paced contenders: a
+     late pick-up, an issue far longer than its waits for landing (GIL), or landing waits that
+     fill it (a busy copy engine). What nonstop did before the pacing (every copy issued by
+     ``begin``: 1.36x the step) is no longer run;
    * ``nonstop_sync``: ``RankSnapshotStore.write`` of the whole state after each step;
    * ``dcp_stage``: torch's own async-checkpoint staging, ``DefaultStager(StagingOptions(
      use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import shutil
 import statistics
@@ -70,10 +77,12 @@ from nonstop.demo.model import GPT, GPTConfig  # noqa: E402
 from nonstop.snapshot import RankSnapshotStore, StateCapture  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu_capture.json"
-CONTENDERS = ("none", "nonstop", "nonstop_unpaced", "nonstop_sync", "dcp_stage")
+CONTENDERS = ("none", "nonstop", "nonstop_deep", "nonstop_sync", "dcp_stage")
 PHASES = ("enqueue", "fence", "opt", "snapshot", "item")
 """A step's host time: forward and backward enqueued, the fence (or DCP's staging future), the
 optimizer step enqueued, the snapshot call, ``loss.item()`` (the wait for the step's GPU work)."""
+COPIER = ("picked_up_s", "batches", "issue_s", "landing_s")
+"""The copier's timeline of the write a step fenced (``PendingWrite.timeline``), where it has one."""
 TENSOR_BYTES = 64 << 20
 
 
@@ -152,7 +161,7 @@ class Loop:
         self.opt.step()  # AdamW's state exists from here on: every snapshot has one layout
         self.stores = {
             "nonstop": RankSnapshotStore(shm_dir=shm, job_id="loop", rank=0, num_slots=2),
-            "nonstop_unpaced": RankSnapshotStore(shm_dir=shm, job_id="unpaced", rank=0, device_chunk=0),
+            "nonstop_deep": RankSnapshotStore(shm_dir=shm, job_id="deep", rank=0, device_depth=8),
         }
         for store in self.stores.values():
             store.prefault(self.capture.state(0))  # sized and page-locked ahead, as a rank's slots
@@ -168,17 +177,21 @@ class Loop:
 
     def run(self, contender: str, steps: int) -> tuple[list[float], list[float], dict[str, list[float]]]:
         """``steps`` steps under ``contender``: each step's seconds, the host seconds in snapshot
-        calls, and where each step's host time went (``PHASES``: to find a slow step's cause)."""
+        calls, and where each step's host time went (``PHASES``: to find a slow step's cause);
+        a paced contender's steps also say where the write they fenced spent its time
+        (``COPIER``, NaN where a step fenced none)."""
         times, host = [], []
-        phases: dict[str, list[float]] = {k: [] for k in PHASES}
+        phases: dict[str, list[float]] = {k: [] for k in (*PHASES, *COPIER)}
         pending = None
         future = None
         for _ in range(steps):
             t0 = time.perf_counter()
             loss = self._fwd_bwd()
             t1 = time.perf_counter()
+            line = None
             if pending is not None:  # nonstop: before the optimizer changes the state
                 pending.fence()
+                line = pending.timeline()  # (the fence waited until every batch was issued)
             if future is not None:  # dcp_stage: the staged copy must be done with the state
                 future.result()
                 future = None
@@ -207,6 +220,8 @@ class Loop:
                 ("item", t4, t5),
             ):
                 phases[name].append(b - a)
+            for name in COPIER:
+                phases[name].append(line[name] if line is not None else math.nan)
         if pending is not None:
             pending.wait()
         if future is not None:
@@ -256,6 +271,7 @@ def loop_case(
     per: dict[str, list[float]] = {c: [] for c in CONTENDERS}
     host: dict[str, list[float]] = {c: [] for c in CONTENDERS}
     phases: dict[str, dict[str, list[float]]] = {c: {k: [] for k in PHASES} for c in CONTENDERS}
+    copier: dict[str, dict[str, list[float]]] = {c: {k: [] for k in COPIER} for c in CONTENDERS}
     errors: dict[str, str] = {}
     try:
         for r in range(rounds + 1):
@@ -272,6 +288,9 @@ def loop_case(
                     host[c] += h[1:]
                     for k in PHASES:
                         phases[c][k] += ph[k][1:]
+                    if c.startswith("nonstop_") or c == "nonstop":
+                        for k in COPIER:
+                            copier[c][k] += ph[k][1:]
     finally:
         loop.close()
         shutil.rmtree(shm, ignore_errors=True)
@@ -299,6 +318,8 @@ def loop_case(
             "steps_s": per[c],  # every counted step (nonstop.sim.calibrate reads their mean)
             "phases_s": phases[c],  # each counted step's host time by PHASES
         }
+        if any(not math.isnan(v) for v in copier[c]["issue_s"]):  # paced device copies (a GPU)
+            res[c]["copier"] = copier[c]  # per counted step: COPIER of the write it fenced
     return res
 
 
@@ -375,6 +396,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"host in snapshot calls {r['median_host_s'] * 1e3:7.1f} ms",
                     flush=True,
                 )
+                if "copier" in r:  # the slowest step's write: where its copies' time went
+                    cp, slow = r["copier"], max(range(len(r["steps_s"])), key=r["steps_s"].__getitem__)
+                    print(
+                        f"  {'':13s} slowest step {r['steps_s'][slow] * 1e3:.1f} ms: its write picked up "
+                        f"{cp['picked_up_s'][slow] * 1e3:.1f} ms after begin, issued in "
+                        f"{cp['issue_s'][slow] * 1e3:.1f} ms ({cp['landing_s'][slow] * 1e3:.1f} waiting "
+                        f"for batches to land, {cp['batches'][slow]:.0f} batches)",
+                        flush=True,
+                    )
         for c, e in res["errors"].items():
             print(f"  {c:13s} failed: {e}")
     print(f"wrote {args.out}")

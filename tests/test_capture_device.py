@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from nonstop.errors import SnapshotError
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.snapshot import device as devmod
 from nonstop.snapshot.api import SlotState
@@ -335,6 +336,40 @@ def test_deferred_device_copies_are_issued_a_few_chunks_at_a_time(tmp_path: Path
         assert torch.equal(store.read(1)["w"], torch.arange(1000, dtype=torch.float32))
     finally:
         store.close()
+
+
+def test_a_deeper_queue_issues_more_batches_and_the_write_says_where_its_time_went(
+    tmp_path: Path, world: FakeCuda
+) -> None:
+    """``device_depth=4``: with the device held the copier stops after 4 + 1 batches; once the
+    device runs, the write's timeline counts its 10 batches, and the time the copier waited for
+    a batch to land (the device held for 0.2 s) is within its issue time."""
+    store = RankSnapshotStore(
+        shm_dir=tmp_path, job_id="q", rank=0, num_slots=2, device_chunk=400, device_depth=4
+    )
+    try:
+        world.hold(0)
+        pending = store.begin(1, {"w": on_device(torch.arange(1000.0), 0)}, deferred=_all)
+        assert world.blocked(0).wait(10), "the copier never waited for the oldest batch"
+        (side,) = world.streams_made
+        assert len(side.ops) == 1 + 4 + 1
+        assert pending.timeline() is None  # not issued yet
+        threading.Timer(0.2, world.release, args=(0,)).start()
+        pending.wait()
+        line = pending.timeline()
+        assert line is not None and line["batches"] == 10
+        assert 0.15 < line["landing_s"] <= line["issue_s"]
+        assert 0.0 <= line["picked_up_s"] < line["issue_s"] + 10
+        assert torch.equal(store.read(1)["w"], torch.arange(1000.0))
+    finally:
+        if 0 in world._held:
+            world.release(0)
+        store.close()
+
+
+def test_a_store_refuses_a_device_queue_of_no_batch(tmp_path: Path) -> None:
+    with pytest.raises(SnapshotError, match="at least one batch"):
+        RankSnapshotStore(shm_dir=tmp_path, job_id="z", rank=0, num_slots=2, device_depth=0)
 
 
 def test_unpaced_begin_issues_every_copy_itself(tmp_path: Path, world: FakeCuda) -> None:

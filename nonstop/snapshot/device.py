@@ -52,6 +52,7 @@ import ctypes
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -155,6 +156,11 @@ class DeviceCopies:
     def __init__(self) -> None:
         self.events: dict[torch.device, Any] = {}
         self.todo: dict[torch.device, tuple[Any, Pairs]] = {}
+        # what :meth:`issue` did, for a step that waited to say why (CopierTimeline): batches
+        # issued, its seconds in all, and the part spent waiting for the oldest batch to land
+        self.batches = 0
+        self.issue_s = 0.0
+        self.landing_s = 0.0
 
     @property
     def issued(self) -> bool:
@@ -165,7 +171,12 @@ class DeviceCopies:
         most ``depth`` batches per device in flight (the host waits for the oldest before it issues
         more); fills ``events``. Its side streams already wait for the step that produced the
         tensors (:meth:`SideStreams.start`), and a stream runs in order: each device's last batch's
-        event marks the end of all its copies."""
+        event marks the end of all its copies.
+
+        Timed (``batches``, ``issue_s``, ``landing_s``): the time not spent waiting for a batch to
+        land is this thread's own -- Python, and the GIL it waits for while the training loop
+        holds it; a copy engine starved that way idles while the issue lasts."""
+        t0 = time.perf_counter()
         queues = {dev: (side, list(reversed(pairs))) for dev, (side, pairs) in self.todo.items()}
         inflight: collections.deque[Any] = collections.deque()
         while queues:
@@ -180,12 +191,16 @@ class DeviceCopies:
                     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     event.record(side)
                 inflight.append(event)
+                self.batches += 1
                 if not stack:
                     del queues[dev]
                     self.events[dev] = event
             while len(inflight) > depth * max(1, len(queues)):
+                t1 = time.perf_counter()
                 inflight.popleft().synchronize()
+                self.landing_s += time.perf_counter() - t1
         self.todo = {}
+        self.issue_s += time.perf_counter() - t0
 
 
 def cut(pairs: Pairs, chunk: int) -> Pairs:

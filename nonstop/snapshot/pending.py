@@ -24,7 +24,14 @@ import time
 from collections.abc import Callable
 
 from nonstop.errors import SnapshotError
-from nonstop.snapshot.device import DEVICE_COPY_CHUNK, DeviceCopies, Pairs, SideStreams, fence_streams
+from nonstop.snapshot.device import (
+    COPIES_IN_FLIGHT,
+    DEVICE_COPY_CHUNK,
+    DeviceCopies,
+    Pairs,
+    SideStreams,
+    fence_streams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +58,26 @@ class PendingWrite:
         self._issued = threading.Event()  # every device copy is issued (or the write failed)
         self._host_copied = threading.Event()  # the copier's host copies are done (or failed)
         self.waited_s = 0.0  # host time callers spent blocked on this write
+        self.begun_at = time.perf_counter()
+        self.picked_up_s: float | None = None  # from begin until the copier took the write up
+
+    def timeline(self) -> dict[str, float] | None:
+        """Where a paced write's device copies spent their time, for a step that waited on the
+        fence (None: no device copies issued by the copier): ``picked_up_s`` from ``begin`` to
+        the copier thread taking the write up, ``issue_s`` the issue of every batch
+        (``batches`` of them), ``landing_s`` the part of it waiting for the oldest batch to
+        land. None until every batch is issued. A GIL-starved copier shows ``issue_s`` far above
+        ``landing_s``; a late one, a large ``picked_up_s``; a busy copy engine, ``landing_s``
+        near ``issue_s``."""
+        copies = self._device_copies
+        if copies is None or self.picked_up_s is None or not copies.batches or not self._issued.is_set():
+            return None
+        return {
+            "picked_up_s": self.picked_up_s,
+            "batches": float(copies.batches),
+            "issue_s": copies.issue_s,
+            "landing_s": copies.landing_s,
+        }
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -116,9 +143,12 @@ class Copier:
     """The background copy thread of one rank's store (started on the first job) and its side
     streams, one per device (created on the first device copy)."""
 
-    def __init__(self, rank: int, *, device_chunk: int = DEVICE_COPY_CHUNK) -> None:
+    def __init__(
+        self, rank: int, *, device_chunk: int = DEVICE_COPY_CHUNK, device_depth: int = COPIES_IN_FLIGHT
+    ) -> None:
         self.rank = rank
         self.device_chunk = device_chunk  # 0: a write's device copies all issued by begin
+        self.device_depth = device_depth  # batches a device has queued at most
         self._jobs: queue.Queue[CopyJob | None] | None = None
         self._thread: threading.Thread | None = None
         self._streams = SideStreams()
@@ -147,10 +177,11 @@ class Copier:
             if job is None:
                 return
             pairs, complete, pending = job
+            pending.picked_up_s = time.perf_counter() - pending.begun_at
             try:
                 copies = pending._device_copies
                 if copies is not None:  # first: the fence and the device wait for these
-                    copies.issue(self.device_chunk)  # nothing left when begin issued them all
+                    copies.issue(self.device_chunk, self.device_depth)  # (none left: begin issued all)
                     pending._issued.set()
                 self._copy_pairs(pairs)
                 pending._host_copied.set()

@@ -129,9 +129,13 @@ class RankSnapshotStore(SlotReads):
         rank: int,
         num_slots: int = 2,
         device_chunk: int = device.DEVICE_COPY_CHUNK,
+        device_depth: int = device.COPIES_IN_FLIGHT,
     ) -> None:
         """``device_chunk``: bytes of deferred device-to-host copies issued at a time (0: all at
-        once by ``begin``; :mod:`nonstop.snapshot.device`, "Paced copies")."""
+        once by ``begin``; :mod:`nonstop.snapshot.device`, "Paced copies"); ``device_depth``:
+        batches of them a device has queued at most."""
+        if device_depth < 1:
+            raise SnapshotError(f"device_depth={device_depth}: a device needs at least one batch in flight")
         if num_slots < 2:
             raise SnapshotError("a rank needs at least 2 snapshot slots (one to read while one is written)")
         super().__init__(shm_dir=shm_dir, job_id=job_id, rank=rank, num_slots=num_slots)
@@ -140,7 +144,7 @@ class RankSnapshotStore(SlotReads):
         self._own = LayoutCache()  # with a node copy: the rank's own tensors'
         self._shared = LayoutCache()  # and the shared ones'
         self._pending: PendingWrite | None = None
-        self._copier = Copier(rank, device_chunk=device_chunk)
+        self._copier = Copier(rank, device_chunk=device_chunk, device_depth=device_depth)
         self._node_gen = 0  # the generation of the node copy's shared writes (share_with)
 
     # -- writing ---------------------------------------------------------------

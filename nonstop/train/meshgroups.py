@@ -33,8 +33,8 @@ before a generation reuses it. Untested on a GPU until one is lent (docs/archite
 **torch internals** -- a group outlives ``destroy_process_group()`` of the world only if it is
 taken out of torch's group registry first (``distributed_c10d._world`` and the named-group
 registry) and put back after the new world is created, with its members' new global ranks,
-under the name a new group of those ranks would get (:func:`_creation_name`). These are private; if this torch lacks them every group is simply built again
-(:func:`registry_supported`).
+under the name a new group of those ranks would get (:func:`_creation_name`). These are
+private; if this torch lacks them every group is simply built again (:func:`registry_supported`).
 """
 
 from __future__ import annotations
