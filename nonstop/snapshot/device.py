@@ -22,7 +22,11 @@ most :data:`COPIES_IN_FLIGHT` batches queued per device, so another stream's cop
 few milliseconds of the snapshot at most. The fence then waits on the host until the last batch is
 issued (the tail of the copy), and makes the stream wait for it. Measured after the pacing (H200,
 BENCHMARKS.md "On a GPU"): most steps pay nothing, but 3 in 10 still waited for a whole copy --
-why is not known yet.
+why is not known yet. Each write records where its paced copies spent their time
+(:meth:`~nonstop.snapshot.pending.PendingWrite.timeline`: the copier's pick-up, its issue, the
+part of it waiting for batches to land), and the queue depth is a store parameter
+(``device_depth``), so that a GPU run can tell a copier starved of the GIL between its batches
+(the copy engine idles) from a busy copy engine (``benchmarks/bench_gpu_capture.py``).
 
 **CPU-resident deferred tensors** in a write that also has device copies (Adam's ``step``, kept on
 the CPU for device parameters unless ``capturable``): the optimizer changes them from the host, so
