@@ -12,6 +12,7 @@ import pytest
 from nonstop.control.embedded import EmbeddedStore
 from nonstop.control.rdzv import KeyValueTable
 from nonstop.runtime.coordinator import JobState
+from nonstop.runtime.failures import MAX_ERROR_DETAIL
 from nonstop.runtime.jobstore import JobStore
 from tests.coord_fakes import FakeChannel, Harness
 
@@ -53,6 +54,20 @@ def test_recovery_takes_the_spare_on_the_failed_ranks_node(tmp_path: Path) -> No
     assert h.coord.state is JobState.RUNNING
     [rec] = h.events("recovery")
     assert rec["rank"] == 1 and rec["replacement"] == "spare" and rec["restore_step"] == 2
+
+
+def test_a_rank_that_raised_fails_with_its_exception_in_the_detail(tmp_path: Path) -> None:
+    """A rank reports the exception its step raised, is told to raise it, and exits 1: the
+    failure (and so a job that runs out of restarts on it) says what it raised, not only its
+    exit code."""
+    h = two_nodes(tmp_path)
+    h.step_all(2)
+    sid = h.coord.view.members[1]
+    h.worker_says(1, {"t": "fault", "step": 3, "error": "RuntimeError: " + "x" * 1000})
+    h.exit(sid, rc=1)
+    [f] = h.events("failure")
+    assert f["kind"] == "error" and f["rank"] == 1
+    assert f["detail"] == "exit code 1 after RuntimeError: " + "x" * (MAX_ERROR_DETAIL - 14)
 
 
 def test_a_failure_during_recovery_replans_with_both(tmp_path: Path) -> None:

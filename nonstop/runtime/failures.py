@@ -37,6 +37,10 @@ __all__ = ["Exit", "Failures"]
 
 log = logging.getLogger(__name__)
 
+MAX_ERROR_DETAIL = 300
+"""Characters of a rank's reported exception a failure's detail carries (the whole is in its
+``fault_report`` event): enough for the job's final error to say what the rank raised."""
+
 
 @dataclass
 class Exit:
@@ -109,9 +113,10 @@ class Failures:
                 kind, detail = FailureKind.NODE_LOST, f"node {node} lost: {ex.node_lost}"
             else:
                 kind = classify_exit(rc, killed_for_hang=w.killed_for_hang is not None)
-                if w.fault_report is not None and kind is FailureKind.EXIT:
-                    kind = FailureKind.ERROR
                 detail = w.killed_for_hang or describe_exit(rc)
+                if w.fault_report is not None and kind is FailureKind.EXIT:
+                    kind = FailureKind.ERROR  # it reported an exception first: say which
+                    detail = f"{detail} after {w.fault_report[1][:MAX_ERROR_DETAIL]}"
             # issue 21: every failure graded (runtime/grading.py): fail_job ends the job, a
             # quarantine_node the node's history alone would not have caused (a failing probe)
             # quarantines it, replace_elsewhere has the plan place the rank on another node
