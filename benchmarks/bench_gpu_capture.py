@@ -288,9 +288,8 @@ def loop_case(
                     host[c] += h[1:]
                     for k in PHASES:
                         phases[c][k] += ph[k][1:]
-                    if c.startswith("nonstop_") or c == "nonstop":
-                        for k in COPIER:
-                            copier[c][k] += ph[k][1:]
+                    for k in COPIER:  # (NaN but for a paced contender's steps: kept only then)
+                        copier[c][k] += ph[k][1:]
     finally:
         loop.close()
         shutil.rmtree(shm, ignore_errors=True)

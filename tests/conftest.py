@@ -18,7 +18,7 @@ import pytest
 
 from nonstop.config import DetectorConfig
 from nonstop.demo.runner import demo_job_config
-from nonstop.runtime.coordinator import JobResult
+from nonstop.runtime.coordinator import JobResult, JobState
 from nonstop.runtime.eventlog import read_events
 from nonstop.runtime.gc import processes_of_job
 from nonstop.runtime.launcher import default_shm_dir, run_job
@@ -81,7 +81,7 @@ def run_demo_job(
         result = run_job(config, redirect_output=True)
     out = json.loads(result_file.read_text()) if result_file.exists() else None
     run = DemoRun(result, out, job_dir, read_events(job_dir / "events.jsonl"))
-    if result.state.value != "done":  # pytest shows this output with a failed test's report
+    if result.state is not JobState.DONE:  # pytest shows this output with a failed test's report
         print(why_it_failed(run))
     return run
 

@@ -84,6 +84,14 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+def _spawned(worker: Any, nprocs: int) -> Any:
+    """Run ``worker(rank, port, results)`` in ``nprocs`` processes; their ``results`` by rank."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    results = mp.Manager().dict()
+    mp.spawn(worker, args=(_port(), results), nprocs=nprocs, join=True)
+    return results
+
+
 def _worker(rank: int, port: int, results: Any) -> None:
     store = dist.TCPStore("127.0.0.1", port, 4, rank == 0, timeout=datetime.timedelta(seconds=60))
     spec = MeshSpec.parse("replicate=2,shard=2")
@@ -127,9 +135,7 @@ def _worker(rank: int, port: int, results: Any) -> None:
 
 @pytest.mark.skipif(not registry_supported(), reason="this torch lacks the group registry internals")
 def test_real_gloo_groups_outlive_their_world_and_a_torn_one_is_built_again() -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    results = mp.Manager().dict()
-    mp.spawn(_worker, args=(_port(), results), nprocs=4, join=True)
+    results = _spawned(_worker, 4)
     # rank = 2 * replica + shard: shard groups {0,1} {2,3}, replicate groups {0,2} {1,3}
     sums = {0: (2, 1), 1: (4, 1), 2: (2, 5), 3: (4, 5)}  # (replicate, shard) sums of the ranks
     for rank in range(4):
@@ -174,9 +180,7 @@ def test_a_kept_tensor_parallel_group_serves_the_layouts_dtensor_cached_on_the_l
     """DTensor caches a layout per mesh shape and finds a collective's group by the name the
     first mesh gave it: the kept tp group answers to that name (before, it was renamed, and the
     second generation's first forward failed with "Could not resolve the process group")."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    results = mp.Manager().dict()
-    mp.spawn(_tp_worker, args=(_port(), results), nprocs=2, join=True)
+    results = _spawned(_tp_worker, 2)
     for rank in range(2):
         (kept1, out1), (kept2, out2) = results[rank]
         assert (kept1, kept2) == (0, 1)

@@ -160,7 +160,7 @@ class DeviceCopies:
     def __init__(self) -> None:
         self.events: dict[torch.device, Any] = {}
         self.todo: dict[torch.device, tuple[Any, Pairs]] = {}
-        # what :meth:`issue` did, for a step that waited to say why (CopierTimeline): batches
+        # what :meth:`issue` did, for a step that waited to say why (PendingWrite.timeline): batches
         # issued, its seconds in all, and the part spent waiting for the oldest batch to land
         self.batches = 0
         self.issue_s = 0.0
