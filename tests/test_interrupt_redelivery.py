@@ -90,10 +90,16 @@ def test_a_redelivery_that_comes_while_the_handler_is_still_running_is_not_raise
             pass
 
     for _ in range(200):
-        link.in_step = True
-        enter()  # never PeerFailed here
-        with pytest.raises(PeerFailed):
+        # Everything after enter() returns is the body -- pytest.raises' own set-up included (CI
+        # once took the redelivery there) -- so the body is all inside the block, and the check
+        # is where it was raised: never inside enter.
+        with pytest.raises(PeerFailed) as raised:
+            link.in_step = True
+            enter()
             _spin(5.0)
+        frames = [entry.frame.code.raw for entry in raised.traceback]
+        assert enter.__code__ not in frames, raised.getrepr()
+        assert link.in_step is False
 
 
 def test_a_main_thread_that_does_not_take_a_reconfigure_has_its_stacks_logged_once(
