@@ -93,6 +93,31 @@ def test_unexplained_exception_is_reraised_after_two_heartbeat_timeouts() -> Non
     assert _scan(det, 102.5, [w])[1] == [2]
 
 
+GLOO_PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:36247"
+
+
+def test_a_peers_symptom_waits_while_the_rank_that_raised_the_cause_is_told_to_raise() -> None:
+    """One rank's own exception closes its group; its peer reports the closed connection, maybe
+    first. Only the cause raises: the peer survives into the recovery its exit starts."""
+    det = FailureDetector(CFG)
+    victim = _rec(0, 0, 103.0, fault_report=(100.0, GLOO_PEER))
+    cause = _rec(1, 1, 103.0, fault_report=(100.1, "ValueError: sample 17 has no label"))
+    assert _scan(det, 103.0, [victim, cause])[1] == [1]
+    assert _scan(det, 103.0, [victim])[1] == [0]  # nothing else explains it: raised, as before
+    both = [_rec(0, 0, 103.0, fault_report=(100.0, GLOO_PEER)), _rec(1, 1, 103.0, fault_report=(100.0, "x"))]
+    assert _scan(det, 101.0, both)[1] == []  # (the grace still holds for the cause)
+    members = {0: victim}  # the cause has exited and its recovery is being planned: still explained
+    v = det.scan(
+        now=103.0,
+        members=members,
+        everyone=[victim],
+        alive=lambda _: True,
+        in_training=False,
+        recovering=True,
+    )
+    assert v.reraise == []
+
+
 def test_silence_is_not_judged_across_the_coordinators_own_stall() -> None:
     """A coordinator starved of CPU for 2 s reads no heartbeat meanwhile: on resuming it gives
     every rank a full timeout from then, and still catches a rank that stays silent."""

@@ -7,7 +7,14 @@ import signal
 
 import pytest
 
-from nonstop.runtime.grading import FailureSignal, Grade, exception_type, grade_failure
+from nonstop.runtime.grading import (
+    REPEATS_TO_FAIL,
+    FailureSignal,
+    Grade,
+    RepeatedErrors,
+    exception_type,
+    grade_failure,
+)
 from nonstop.runtime.policy import FailureKind, QuarantinePolicy
 from nonstop.runtime.proactive import decide_migration, measured_migration_cost
 
@@ -112,6 +119,35 @@ CASES: list[tuple[str, FailureSignal, Grade, str]] = [
         "killed",
     ),
     (
+        "the same error at the same step, twice: restarts",
+        FailureSignal(
+            kind=K.ERROR, returncode=1, exception="ValueError: x", same_error_generations=2, others_usable=1
+        ),
+        R,
+        "ValueError",
+    ),
+    (
+        "the same error at the same step, three generations in a row",
+        FailureSignal(
+            kind=K.ERROR, returncode=1, exception="ValueError: x", same_error_generations=3, others_usable=1
+        ),
+        F,
+        "the same ValueError at the same step in 3 generations",
+    ),
+    (
+        "repeats beat quarantine, on the last node too",
+        FailureSignal(
+            kind=K.ERROR,
+            exception="KeyError: 'w'",
+            same_error_generations=4,
+            node_failures=(1.0, 2.0, 3.0),
+            now=3.0,
+            others_usable=0,
+        ),
+        F,
+        "in 4 generations in a row",
+    ),
+    (
         "usage beats quarantine",
         FailureSignal(kind=K.ERROR, usage=True, node_failures=(1.0, 2.0, 3.0), now=3.0, others_usable=1),
         F,
@@ -170,3 +206,21 @@ def test_measured_migration_cost() -> None:
     assert measured_migration_cost(None, 0.1, 10.0) == 10.0
     assert measured_migration_cost(0.5, 0.1, 10.0) == pytest.approx(0.4)
     assert measured_migration_cost(0.1, 0.1, 10.0) == pytest.approx(0.1)  # at least a step
+
+
+def test_repeated_errors_count_generations_of_one_error_at_one_step() -> None:
+    r = RepeatedErrors()
+    assert r.count(exception="ValueError: x", step=7, generation=1) == 1
+    assert r.count(exception="ValueError: x", step=7, generation=1) == 1  # another rank, same generation
+    assert r.count(exception="ValueError: x", step=7, generation=2) == 2
+    assert r.count(exception="ValueError: x", step=7, generation=3) == REPEATS_TO_FAIL
+
+
+def test_repeated_errors_start_over_when_the_step_or_the_error_differs() -> None:
+    r = RepeatedErrors()
+    r.count(exception="ValueError: x", step=7, generation=1)
+    r.count(exception="ValueError: x", step=7, generation=2)
+    assert r.count(exception="ValueError: x", step=9, generation=3) == 1  # the job moved on
+    assert r.count(exception="ValueError: x", step=9, generation=4) == 2
+    assert r.count(exception="RuntimeError: gloo", step=9, generation=5) == 1  # another fault
+    assert r.count(exception="ValueError: x", step=9, generation=6) == 1  # not in a row

@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from nonstop.config import DetectorConfig
+from nonstop.runtime.grading import is_peer_symptom
 from nonstop.runtime.policy import RankObservation, find_hung_ranks, median_step_time
 from nonstop.runtime.view import WorkerRecord
 
@@ -59,12 +60,14 @@ class FailureDetector:
         alive: Callable[[int], bool],
         in_training: bool,
         rebuilding: Collection[int] = (),
+        recovering: bool = False,
     ) -> Verdicts:
         """Verdicts for this tick. ``members`` maps rank -> worker playing it.
 
         Progress is judged only ``in_training``; during a reconfiguration the
         coordinator's stage deadline applies instead, and only heartbeats count.
         ``rebuilding``: ranks joining the new generation's groups (a longer silence is allowed).
+        ``recovering``: a generation is being planned or set up after a failure.
         """
         v = Verdicts()
         if any(w.killed_for_hang for w in members.values()):
@@ -105,8 +108,18 @@ class FailureDetector:
             ):
                 v.kill.setdefault(w.spawn_id, "control channel closed")
         # An exception no other failure explains within two heartbeat timeouts was the
-        # rank's own: it must raise (and exit, and be restarted like any crash).
-        for w in members.values():
-            if w.fault_report is not None and now - w.fault_report[0] > 2 * self.config.heartbeat_timeout_s:
+        # rank's own: it must raise (and exit, and be restarted like any crash). A peer's
+        # symptom of it ("connection closed by peer") is explained while a rank that reported a
+        # cause is there, or while the recovery of a failure is under way: it waits for that
+        # recovery's reconfigure, and survives (told to raise too, a survivor exited beside the
+        # rank that raised -- found in a job whose script raised a ValueError on one rank: each
+        # failure cost a second, cold replacement).
+        reports = [w for w in members.values() if w.fault_report is not None]
+        caused = recovering or any(not is_peer_symptom(w.fault_report[1]) for w in reports if w.fault_report)
+        for w in reports:
+            assert w.fault_report is not None
+            if caused and is_peer_symptom(w.fault_report[1]):
+                continue
+            if now - w.fault_report[0] > 2 * self.config.heartbeat_timeout_s:
                 v.reraise.append(w.spawn_id)
         return v

@@ -129,6 +129,7 @@ class Failures:
                 kind=kind,
                 returncode=None if ex.node_lost is not None else rc,
                 exception=exception,
+                step=self.c.view.reached(w.rank),
             )
             if graded.grade is Grade.FAIL_JOB:
                 fatal.append(f"rank {w.rank} {detail}: {graded.reason} ({exception})")
@@ -243,6 +244,7 @@ class Failures:
             alive=self.c.view.live,
             in_training=in_training,
             rebuilding=rebuilding,
+            recovering=self.c.view.phase is JobPhase.RECONFIGURING and not in_training,
         )
         for sid, reason in verdicts.kill.items():
             w = self.c.view.workers[sid]

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from nonstop.runtime import events as ev
 from nonstop.runtime import wire
-from nonstop.runtime.grading import FailureSignal, Graded, grade_failure
+from nonstop.runtime.grading import FailureSignal, Graded, RepeatedErrors, grade_failure
 from nonstop.runtime.migration import choose_target
 from nonstop.runtime.phase import JobPhase
 from nonstop.runtime.policy import FailureKind
@@ -61,6 +61,7 @@ class Health:
         self._moved: set[int] = set()  # spawn ids a proactive move was asked for
         self._said: dict[int, str] = {}  # rank -> the last proactive reason logged (no repeats)
         self.grades: collections.deque[dict[str, Any]] = collections.deque(maxlen=GRADES_KEPT)
+        self.repeated = RepeatedErrors()
         self.probes: dict[str, str] = {}  # node -> its latest probe verdict
         c.events.subscribe(self._on_event)
 
@@ -204,10 +205,16 @@ class Health:
         kind: FailureKind,
         returncode: int | None,
         exception: str | None,
+        step: int | None = None,
     ) -> Graded:
         """Grade one failure of a process on ``node`` (before the node's history counts it: this
-        failure is added here), log it and keep it for ``status``."""
+        failure is added here), log it and keep it for ``status``. ``step``: the step its rank
+        had reached (an exception raised at the same step generation after generation fails the
+        job: :class:`~nonstop.runtime.grading.RepeatedErrors`)."""
         now = time.monotonic()
+        same = 1
+        if exception is not None and step is not None:
+            same = self.repeated.count(exception=exception, step=step, generation=self.c.view.generation)
         rec = self.c.view.nodes.get(node)
         history = [*(rec.failure_times if rec is not None else ()), now]
         others = len([n for n in self.c.view.alive_nodes() if n != node])
@@ -220,6 +227,7 @@ class Health:
                 node_failures=history if kind is not FailureKind.NODE_LOST else (),
                 now=now,
                 others_usable=others,
+                same_error_generations=same,
             ),
             self.c.quarantine,
         )
