@@ -12,15 +12,19 @@ run ``MeshGroups.build`` in four threads against one fake store and one fake wor
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from nonstop.control.rdzv import ChannelStore
+from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
 from nonstop.train import devicegroups, meshgroups
 from nonstop.train.meshgroups import MeshGroups
@@ -292,3 +296,162 @@ def test_a_channel_store_clones_to_itself_through_a_prefix_store() -> None:
     with pytest.raises(Exception, match="timed out"):
         clone.set("k", b"v")  # reaches the same channel, under the prefix
     assert sent and sent[0]["key"] == "g//k" and sent[0]["gen"] == 3
+
+
+# -- independent mode (the default): each group its members' own communicator, no world split --
+
+
+class FakeNewGroup:
+    """``new_group(use_local_synchronization=True, device_id=...)`` as an unbound world serves
+    it: a communicator among the members alone -- only they call, nobody else waits."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, list[int], Any, Any]] = []
+        self.local = threading.local()
+        self.lock = threading.Lock()
+
+    def __call__(
+        self, ranks: list[int], *, timeout: Any, use_local_synchronization: bool, device_id: Any
+    ) -> FakePG:
+        assert use_local_synchronization, "an independent group is made by its members only"
+        rank = self.local.rank
+        assert rank in ranks, f"rank {rank} asked for a group it is not in: {ranks}"
+        with self.lock:
+            self.calls.append((rank, sorted(ranks), device_id, timeout))
+        return FakePG(sorted(ranks), rank)
+
+
+@pytest.fixture
+def independent(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeNewGroup, FakeWorld]]:
+    """A device node in independent mode: the world is unbound, so it cannot split; a split
+    entered anyway would fail the test (the fake world's splits are counted)."""
+    made = FakeNewGroup()
+    fake = FakeWorld(HSDP.world_size, timeout_s=0.5)
+    monkeypatch.setattr(devicegroups.dist, "split_group", fake.split_group)
+    monkeypatch.setattr(devicegroups, "splits", lambda device_type: False)
+    monkeypatch.setattr(devicegroups, "drain", lambda device_type: None)
+    monkeypatch.setattr(devicegroups.torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(meshgroups, "registry_supported", lambda: True)
+    monkeypatch.setattr(meshgroups, "_unregister", lambda pg: {"parked": True})
+    monkeypatch.setattr(meshgroups, "_register", lambda group, ranks, name: None)
+    monkeypatch.setattr(meshgroups, "_creation_name", lambda ranks, take_step: f"kept:{ranks}")
+    monkeypatch.setattr(meshgroups, "mesh_of", lambda spec, groups, device_type: groups)
+    monkeypatch.setattr(dist, "new_group", made)
+    monkeypatch.setenv(devicegroups.SHARE_RESOURCES, "1")  # (no world to share with: irrelevant)
+    yield made, fake
+
+
+def _build_independent(
+    made: FakeNewGroup, ranks: dict[int, MeshGroups], generation: int
+) -> dict[int, list[FakePG]]:
+    out: dict[int, list[FakePG]] = {}
+    errors: list[BaseException] = []
+    store = DictStore()
+
+    def run(rank: int, mesh: MeshGroups) -> None:
+        made.local.rank = rank
+        try:
+            out[rank] = mesh.build(
+                HSDP, rank=rank, generation=generation, store=store, device_type="cuda", timeout=TIMEOUT
+            )
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r, m)) for r, m in ranks.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    return out
+
+
+def test_independent_groups_are_their_members_own_eager_communicators(
+    independent: tuple[FakeNewGroup, FakeWorld],
+) -> None:
+    made, fake = independent
+    meshes = _build_independent(made, {r: MeshGroups() for r in range(4)}, generation=1)
+    assert [pg.ranks for pg in meshes[0]] == [[0, 2], [0, 1]]
+    assert len(made.calls) == 8 and not fake.entered  # one per group and member; no split
+    assert {(c[2], c[3]) for c in made.calls} == {(torch.device("cuda", 0), TIMEOUT)}  # eager, timed
+
+
+def test_independent_groups_survive_a_failure_and_only_the_lost_ranks_groups_are_made_again(
+    independent: tuple[FakeNewGroup, FakeWorld],
+) -> None:
+    """Rank 3 dies mid-step. The survivors abort only {1, 3} and {2, 3}; the groups rank 3 was
+    not in are kept even with NCCL_COMM_SPLIT_SHARE_RESOURCES=1 (nothing is split from a world
+    that every failure aborts). The next generation makes {1, 3} and {2, 3} again, called by
+    their members alone: rank 0 makes nothing, and nobody enters a split for it."""
+    made, fake = independent
+    ranks = {r: MeshGroups() for r in range(4)}
+    meshes = _build_independent(made, ranks, generation=1)
+    _in_step(meshes, on=lambda rank, members: True)
+    first = {r: list(m) for r, m in meshes.items()}
+    for r in (0, 1, 2):
+        left = ranks[r].sever(lost=[3])
+        assert sorted(g.dim for g in left) == sorted(
+            d for d, pg in zip(HSDP.names, first[r], strict=True) if 3 not in pg.ranks
+        )
+        ranks[r].leave()
+    assert [pg.events for r in (1, 2) for pg in first[r] if 3 in pg.ranks] == [["abort"], ["abort"]]
+    ranks[3] = MeshGroups()
+    made.calls.clear()
+    meshes = _build_independent(made, ranks, generation=2)
+    assert meshes[0] == first[0] and ranks[0].kept == 2
+    assert sorted((c[0], tuple(c[1])) for c in made.calls) == [
+        (1, (1, 3)),
+        (2, (2, 3)),
+        (3, (1, 3)),
+        (3, (2, 3)),
+    ]
+    assert not fake.entered
+
+
+def test_the_device_groups_mode_defaults_to_independent_and_refuses_anything_else() -> None:
+    assert devicegroups.mode({}) == devicegroups.INDEPENDENT
+    assert devicegroups.mode({devicegroups.MODE: " Split "}) == devicegroups.SPLIT
+    with pytest.raises(UsageError, match="NONSTOP_DEVICE_GROUPS='ring'"):
+        devicegroups.mode({devicegroups.MODE: "ring"})
+    assert devicegroups.keeps_through_failure({devicegroups.SHARE_RESOURCES: "1"}, split_from_world=False)
+
+
+def test_a_lazy_world_sets_gloo_lazy_only_while_it_is_created(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(devicegroups.GLOO_LAZY, raising=False)
+    with devicegroups.lazy_world():
+        assert os.environ[devicegroups.GLOO_LAZY] == "1"
+    assert devicegroups.GLOO_LAZY not in os.environ
+    monkeypatch.setenv(devicegroups.GLOO_LAZY, "0")  # the user's own setting comes back
+    with devicegroups.lazy_world():
+        pass
+    assert os.environ[devicegroups.GLOO_LAZY] == "0"
+
+
+@pytest.mark.parametrize("unbound", [True, False])
+def test_a_sharded_jobs_world_on_a_gpu_is_not_bound_to_the_device(
+    monkeypatch: pytest.MonkeyPatch, unbound: bool
+) -> None:
+    """``join_plain(unbound=True)`` on a GPU node: no ``device_id`` (NCCL makes no world
+    communicator) and gloo lazy while the world is created; bound: the rank's GPU, eager."""
+    from nonstop.train import group as group_mod
+
+    calls: list[tuple[Any, str | None]] = []
+
+    class World:
+        def _get_backend(self, device: object) -> object:
+            return object()
+
+    def init(backend: str, **kw: Any) -> None:
+        calls.append((kw["device_id"], os.environ.get(devicegroups.GLOO_LAZY)))
+
+    monkeypatch.delenv(devicegroups.GLOO_LAZY, raising=False)
+    monkeypatch.setattr(group_mod, "worker_device", lambda: torch.device("cuda", 3))
+    fake_dist = SimpleNamespace(init_process_group=init, group=SimpleNamespace(WORLD=World()))
+    monkeypatch.setattr(group_mod, "dist", fake_dist)  # (join_plain's only torch.distributed calls)
+    gg = group_mod.GenerationGroup()
+    assert (
+        gg.join_plain(DictStore(), rank=0, world_size=4, timeout_s=5, then=lambda: "mesh", unbound=unbound)
+        == "mesh"
+    )  # type: ignore[arg-type]
+    assert calls == [(None, "1")] if unbound else calls == [(torch.device("cuda", 3), None)]
+    assert devicegroups.GLOO_LAZY not in os.environ

@@ -172,13 +172,15 @@ def test_a_one_gpu_fsdp2_job_survives_a_kill_bitwise(tmp_path: Path, monkeypatch
 
 
 MESH_GROUPS = """
-import datetime, json, os, sys
+import contextlib, datetime, json, os, sys
 import torch
 import torch.distributed as dist
 from nonstop.mesh import MeshSpec
+from nonstop.train import devicegroups
 from nonstop.train.meshgroups import MeshGroups
 
 rank, port, gens = int(sys.argv[1]), int(sys.argv[2]), [int(g) for g in sys.argv[3].split(",")]
+split = sys.argv[4] == "split"  # the world bound and split; else unbound, each group its own
 dev = torch.device("cuda", rank)
 torch.cuda.set_device(dev)
 spec = MeshSpec.parse("replicate=2,shard=2")
@@ -186,8 +188,10 @@ tcp = dist.TCPStore("127.0.0.1", port, 4, rank == 0 and 1 in gens, timeout=datet
 mg, out = MeshGroups(), {}
 for g in gens:
     store = dist.PrefixStore(f"gen{g}/", tcp)
-    dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=rank, world_size=4,
-                            timeout=datetime.timedelta(seconds=120), device_id=dev)
+    with devicegroups.lazy_world() if not split else contextlib.nullcontext():
+        dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=rank, world_size=4,
+                                timeout=datetime.timedelta(seconds=120), device_id=dev if split else None)
+    assert devicegroups.splits("cuda") == split
     groups = mg.build(spec, rank=rank, generation=g, store=store, device_type="cuda").get_all_groups()
     sums = []
     for pg in groups:
@@ -211,10 +215,12 @@ print(json.dumps(out), flush=True)
 
 
 @four_gpus
-def test_hsdp_groups_split_from_the_world_are_kept_through_a_failure_under_nccl(tmp_path: Path) -> None:
-    """Generation 1 builds every group by a split of the world; rank 3 fails; in generation 2
-    rank 0 keeps {0, 2} (replicate) and builds {0, 1} again (its collective there was never
-    matched), rank 2 keeps {0, 2}, ranks 1 and 3 build theirs -- and every all-reduce sums."""
+@pytest.mark.parametrize("mode", ["independent", "split"])
+def test_hsdp_groups_are_kept_through_a_failure_under_nccl(tmp_path: Path, mode: str) -> None:
+    """Generation 1 builds every group (independent: each its members' own communicator, on an
+    unbound world; split: by a split of the bound world); rank 3 fails; in generation 2 rank 0
+    keeps {0, 2} (replicate) and builds {0, 1} again (its collective there was never matched),
+    rank 2 keeps {0, 2}, ranks 1 and 3 build theirs -- and every all-reduce sums."""
     import socket
 
     with socket.socket() as s:
@@ -222,7 +228,7 @@ def test_hsdp_groups_split_from_the_world_are_kept_through_a_failure_under_nccl(
         port = s.getsockname()[1]
     first = [
         subprocess.Popen(
-            [sys.executable, "-c", MESH_GROUPS, str(r), str(port), "1,2" if r < 3 else "1"],
+            [sys.executable, "-c", MESH_GROUPS, str(r), str(port), "1,2" if r < 3 else "1", mode],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -230,7 +236,7 @@ def test_hsdp_groups_split_from_the_world_are_kept_through_a_failure_under_nccl(
     ]
     out3, _ = first[3].communicate(timeout=180)
     spare = subprocess.Popen(
-        [sys.executable, "-c", MESH_GROUPS, "3", str(port), "2"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", MESH_GROUPS, "3", str(port), "2", mode], stdout=subprocess.PIPE, text=True
     )
     outs = {}
     for r, p in enumerate([*first[:3], spare]):

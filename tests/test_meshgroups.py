@@ -185,3 +185,42 @@ def test_a_kept_tensor_parallel_group_serves_the_layouts_dtensor_cached_on_the_l
         (kept1, out1), (kept2, out2) = results[rank]
         assert (kept1, kept2) == (0, 1)
         assert out2 == out1
+
+
+def _unbound_worker(rank: int, port: int, results: Any) -> None:
+    from nonstop.train.group import GenerationGroup
+
+    store = dist.TCPStore("127.0.0.1", port, 4, rank == 0, timeout=datetime.timedelta(seconds=60))
+    spec = MeshSpec.parse("replicate=2,shard=2")
+    group = GenerationGroup()
+    seen = []
+    for gen, unbound in ((1, False), (2, True)):
+        gstore = dist.PrefixStore(f"gen{gen}/", store)
+
+        def build(gen: int = gen, gstore: Any = gstore) -> Any:
+            return group.mesh_groups.build(spec, rank=rank, generation=gen, store=gstore, device_type="cpu")
+
+        mesh = group.join_plain(gstore, rank=rank, world_size=4, timeout_s=60, then=build, unbound=unbound)  # type: ignore[arg-type]
+        world_sockets = len(group._sockets.created) if group._sockets is not None else -1
+        sums = []
+        for dim in spec.names:
+            x = torch.tensor([float(rank)])
+            dist.all_reduce(x, group=mesh.get_group(dim))
+            sums.append(int(x.item()))
+        seen.append((world_sockets, os.environ.get("TORCH_GLOO_LAZY_INIT"), tuple(sums)))
+        group.destroy()
+    results[rank] = seen
+
+
+def test_an_unbound_world_makes_no_connection_and_its_mesh_groups_work_on_real_gloo() -> None:
+    """A sharded job's world (``join_plain(unbound=True)``) is created with gloo connecting
+    lazily: it opens its listener and nothing else, where a bound world connects to every peer,
+    while the mesh groups built after it connect as before and reduce correctly."""
+    results = _spawned(_unbound_worker, 4)
+    sums = {0: (2, 1), 1: (4, 1), 2: (2, 5), 3: (4, 5)}
+    for rank in range(4):
+        (bound_socks, bound_env, bound_sums), (lazy_socks, lazy_env, lazy_sums) = results[rank]
+        assert bound_socks >= 4, results[rank]  # the listener and a connection to each of 3 peers
+        assert lazy_socks <= 1, results[rank]  # the listener only
+        assert bound_sums == lazy_sums == sums[rank]
+        assert bound_env is None and lazy_env is None  # (the lazy setting never outlives the world)

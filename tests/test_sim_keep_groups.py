@@ -21,8 +21,8 @@ def test_an_hsdp_swap_rebuilds_its_widest_changed_group_only() -> None:
     # groups one node of each of the 128 replica groups
     assert swap_rebuild_s(job, 16) == rendezvous_s(128)
     assert swap_rebuild_s(job, 256) == rendezvous_s(256)  # 8 replica groups of 256 nodes
-    ns = Nonstop(job=job, params=NonstopParams(replica_nodes=16))
-    assert ns.swap_rebuild < ns.rebuild  # a failure still rebuilds every group
+    ns = Nonstop(job=job, params=NonstopParams(replica_nodes=16, keep_on_failure=False))
+    assert ns.swap_rebuild < ns.rebuild  # a failure that keeps nothing rebuilds every group
     assert ns.migration < Nonstop(job=job).migration
 
 
@@ -32,12 +32,12 @@ def test_replica_groups_must_divide_the_job() -> None:
 
 
 def test_keeping_groups_on_failure_charges_a_failure_what_a_swap_changes() -> None:
-    """The runtime keeps a failure's untouched groups (train/settle.py, train/devicegroups.py);
-    what that saves at scale is not measured, so the simulator charges a failure every group
-    unless asked not to."""
+    """The runtime keeps a failure's untouched groups (train/settle.py, train/devicegroups.py,
+    whose unbound world costs no communicator), and so does the simulator by default; asked
+    not to, it charges a failure every group."""
     job = JobSpec(num_gpus=16_384)
-    every = Nonstop(job=job, params=NonstopParams(replica_nodes=16))
-    keep = Nonstop(job=job, params=NonstopParams(replica_nodes=16, keep_on_failure=True))
+    every = Nonstop(job=job, params=NonstopParams(replica_nodes=16, keep_on_failure=False))
+    keep = Nonstop(job=job, params=NonstopParams(replica_nodes=16))
     assert every.rebuild == rendezvous_s(2048) and keep.rebuild == keep.swap_rebuild == rendezvous_s(128)
     # data-parallel: one group of the whole job, whatever the setting
     assert Nonstop(job=job, params=NonstopParams(keep_on_failure=True)).rebuild == rendezvous_s(2048)

@@ -175,11 +175,11 @@ def add_parsers(sub: Any) -> None:
     )
     sim.add_argument(
         "--keep-groups-on-failure",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="nonstop: a failure also rebuilds only the groups with a replaced rank in them, as "
-        "the runtime does (train/settle.py; on NCCL train/devicegroups.py, untested on a GPU); off "
-        "by default: the world's re-formation, not charged, is a floor it does not remove "
-        "(docs/simulator.md)",
+        "the runtime does (train/settle.py; on NCCL train/devicegroups.py, untested on a GPU); "
+        "--no-keep-groups-on-failure charges every group (default: keep; docs/simulator.md)",
     )
     progress = sim.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None)

@@ -102,10 +102,10 @@ class NonstopParams:
     replica_nodes: the job is HSDP over replica groups of this many nodes (the runtime's ``--mesh
     replicate=R,shard=S``, a shard group per replica group); a live migration or a grow then
     builds only the groups with the moved node's ranks in them (:meth:`MeshSpec.changed_groups`,
-    the runtime's ``train/meshgroups.py``), a failure every group unless ``keep_on_failure`` (the
-    runtime's ``train/settle.py``, on NCCL ``train/devicegroups.py``; off by default: the world's
-    re-formation, not charged, is a floor keeping does not remove); 0: data-parallel, one group of
-    the whole job. straggler: the runtime's fail-slow and degraded-node settings (``mode`` migrate
+    the runtime's ``train/meshgroups.py``), a failure the same with ``keep_on_failure`` (the
+    default, as the runtime does: ``train/settle.py``, on NCCL ``train/devicegroups.py``, whose
+    unbound world costs no communicator), else every group; 0: data-parallel, one group of the
+    whole job. straggler: the runtime's fail-slow and degraded-node settings (``mode`` migrate
     and ``on_degraded`` drain: proactive moves; :data:`~nonstop.sim.proactivesim.NO_PROACTIVE`
     detects only).
     """
@@ -123,7 +123,7 @@ class NonstopParams:
     shards_per_rank: int = 1
     survivors: SurvivorMode = SurvivorMode.AUTO
     replica_nodes: int = 0
-    keep_on_failure: bool = False
+    keep_on_failure: bool = True
     straggler: StragglerConfig = PROACTIVE
 
     def __post_init__(self) -> None:
@@ -152,9 +152,9 @@ class NonstopParams:
 def swap_rebuild_s(job: JobSpec, replica_nodes: int) -> float:
     """The rebuild a step-boundary swap of one node costs: the rendezvous of the widest group
     with one of the node's ranks in it (a group's rendezvous scales with the nodes it spans,
-    :func:`rendezvous_s`); every other group is kept. The default group is new too, but at
-    scale its rendezvous is a store exchange (NCCL creates a communicator at its first
-    collective), not charged. ``replica_nodes`` 0: one data-parallel group of the whole job."""
+    :func:`rendezvous_s`); every other group is kept. The default group is new too, but a
+    sharded job's is created unbound and lazy (``train/devicegroups.py``, independent mode: no
+    NCCL communicator, no gloo connection): a store exchange, not charged. ``replica_nodes`` 0: one data-parallel group of the whole job."""
     if not replica_nodes:
         return rendezvous_s(job.num_nodes)
     require(

@@ -20,6 +20,7 @@ never kept here, and whoever created it aborts it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 from collections.abc import Callable, Collection
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.control.rdzv import ChannelStore
+from nonstop.train import devicegroups
 from nonstop.train.abort import SocketWatch
 from nonstop.train.backend import choose_backend, collective_timeout_s, worker_device
 from nonstop.train.ddp import CanonicalGradSync, wrap_ddp
@@ -88,26 +90,35 @@ class GenerationGroup:
         world_size: int,
         timeout_s: float,
         then: Callable[[], T] | None = None,
+        unbound: bool = False,
     ) -> T | None:
         """Rendezvous through ``store`` and start the default process group, then run ``then``
         (a sharded model builds its mesh there, through :attr:`mesh_groups`); every socket the
-        default group connects is half-closed at :meth:`destroy`. Returns what ``then`` returned."""
+        default group connects is half-closed at :meth:`destroy`. Returns what ``then`` returned.
+
+        ``unbound``: a world that carries no collective (a sharded job's, whose mesh groups are
+        communicators of their own: :mod:`nonstop.train.devicegroups`) -- not bound to the
+        device, so NCCL creates nothing for it, and with gloo connecting lazily, so it costs no
+        connection either: re-forming it every generation is then a store exchange, not a
+        communicator over every rank."""
         device = worker_device()
         choice = choose_backend(device)
+        device_id = None if unbound else choice.device_id
         timeout = datetime.timedelta(seconds=collective_timeout_s(timeout_s, device))
         self.timeout = timeout  # the mesh groups' too (MeshGroups.build)
         self._severed = self._partial = self._left = self._unsettled = False
         self._device_backend = None
         watch = SocketWatch()
         try:
-            dist.init_process_group(
-                choice.backend,
-                store=store,
-                rank=rank,
-                world_size=world_size,
-                timeout=timeout,
-                device_id=choice.device_id,
-            )
+            with devicegroups.lazy_world() if unbound else contextlib.nullcontext():
+                dist.init_process_group(
+                    choice.backend,
+                    store=store,
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timeout,
+                    device_id=device_id,
+                )
         finally:
             watch.stop()
             self._sockets = watch

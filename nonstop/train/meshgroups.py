@@ -4,7 +4,8 @@ Member replacement for collective groups (what TrainMover does on a migration): 
 generation starts, only the mesh groups (``shard``, ``replicate``, ``tp``) that contain a
 replaced rank, a rank that moved, or a member whose collectives on it the others did not all
 match are built again; the others are carried over with their connections. The default (world) group is always
-new: it contains every rank, so some member of it changed.
+new: it contains every rank, so some member of it changed -- but it carries no collective of a
+sharded job, and is created without connections (:meth:`GenerationGroup.join_plain`, ``unbound``).
 
 **When a group is kept** -- every member of the group in the new generation agrees, through the
 new generation's rendezvous store (:func:`agree`, a few round trips per member whatever the
@@ -26,9 +27,11 @@ issued by all, and completes on its own. A re-plan or a second reconfigure in on
 everything (:meth:`MeshGroups.drop` then half-closes every socket, so blocked peers fail at once).
 
 **Device nodes** -- the same decisions, carried out by :mod:`nonstop.train.devicegroups`: a
-group is built by a split of the world's device communicator that every rank enters once per dim
-(a kept group's members without a colour), severed by aborting its communicators, and drained
-before a generation reuses it. Untested on a GPU until one is lent (docs/architecture.md).
+group is built as its members' own communicator, created at once (or, with
+``NONSTOP_DEVICE_GROUPS=split``, by a split of the world's device communicator that every rank
+enters once per dim, a kept group's members without a colour), severed by aborting its
+communicators, and drained before a generation reuses it. Untested on a GPU until one is lent
+(docs/architecture.md).
 
 **torch internals** -- a group outlives ``destroy_process_group()`` of the world only if it is
 taken out of torch's group registry first (``distributed_c10d._world`` and the named-group
@@ -191,7 +194,8 @@ class MeshGroups:
         """The generation's ``DeviceMesh`` for ``spec``, in the default group just created
         through ``store`` (the generation's rendezvous store): a parked group every member
         agrees to keep is put back, every other group is created by its members only (on a
-        device node: split from the world, :mod:`nonstop.train.devicegroups`). ``timeout``: the
+        device node: as their own eager communicator, or split from a bound world,
+        :mod:`nonstop.train.devicegroups`). ``timeout``: the
         new groups' collective timeout, the world's (None: torch's default for the backend)."""
         t0 = time.monotonic()
         self._device_type = device_type
@@ -228,8 +232,13 @@ class MeshGroups:
                         pg = devicegroups.split(
                             ranks, member=True, rank=rank, world_size=spec.world_size, timeout=timeout
                         )
-                    else:
-                        pg = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+                    else:  # its members' own communicator, eager on a device (devicegroups)
+                        pg = dist.new_group(
+                            ranks,
+                            timeout=timeout,
+                            use_local_synchronization=True,
+                            device_id=devicegroups.eager_device(device_type),
+                        )
                 finally:
                     watch.stop()
                 group = _Group(pg, token, watch, list(ranks))
@@ -332,10 +341,10 @@ class MeshGroups:
             return self._claims()
 
     def _keepable(self, lost: Collection[int] | None) -> Collection[int] | None:
-        """``lost``, or None (keep nothing): on a device node whose groups are not split from
-        the world or whose split children share the world's resources, which every failure
-        aborts (:mod:`nonstop.train.devicegroups`)."""
-        if self._device_type == "cpu" or (self._splits and devicegroups.keeps_through_failure()):
+        """``lost``, or None (keep nothing): on a device node whose groups are split from the
+        world with the world's resources shared, which every failure aborts
+        (:mod:`nonstop.train.devicegroups`)."""
+        if self._device_type == "cpu" or devicegroups.keeps_through_failure(split_from_world=self._splits):
             return lost
         return None
 

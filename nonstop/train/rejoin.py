@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nonstop.control.channel import Message
+from nonstop.control.rdzv import ChannelStore
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
@@ -184,7 +184,7 @@ class Rejoin(Membership):
                 if pending is not None:
                     pending.apply(self._capture(), self.rank)
                     if pending.reads_slots:
-                        _resharded_everywhere()
+                        _resharded_everywhere(self._link.rdzv, self.world_size)
             except Exception as e:
                 if pending is not None:
                     pending.close()
@@ -234,13 +234,19 @@ class Rejoin(Membership):
         )
 
 
-def _resharded_everywhere() -> None:
+def _resharded_everywhere(store: ChannelStore | None, world_size: int) -> None:
     """Return once every rank of the generation has resharded. A resharding rank reads the old
     ranks' slots on its node as views (:class:`~nonstop.train.restore.Resharding`), and a fresh
     rank starts its own slots over right after its restore: without this, a rank that finished
     first could write into the slots of its rank number while another rank of its node still
-    cuts its shards out of them. One small collective on the default group (its CPU backend)."""
-    dist.all_reduce(torch.zeros(1))
+    cuts its shards out of them. A barrier on the generation's rendezvous store, not a collective
+    of the world: a sharded job's world has no connections (``join_plain``'s ``unbound``), and a
+    failure aborts the store, so a rank waiting here for a dead peer fails at once."""
+    if store is None:
+        raise RuntimeError("the generation's rendezvous store is gone: a recovery began")
+    if store.add("nonstop/resharded", 1) == world_size:
+        store.set("nonstop/resharded/all", b"1")
+    store.get("nonstop/resharded/all")
 
 
 def _ready(

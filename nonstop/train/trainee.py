@@ -28,6 +28,7 @@ from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
 from nonstop.snapshot import StateCapture
+from nonstop.train import devicegroups
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.group import GenerationGroup
 from nonstop.train.prewarm import MeshHistory, Warmed
@@ -208,7 +209,12 @@ class Sharded:
             )
 
         device_mesh = group.join_plain(
-            store, rank=rank, world_size=world_size, timeout_s=timeout_s, then=mesh
+            store,
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            then=mesh,
+            unbound=devicegroups.mode() == devicegroups.INDEPENDENT,  # (split: from a bound world)
         )
         warmed, self._warmed = self._warmed, None
         if warmed is not None:  # before build: fully_shard's own DTensors hit the warm cache
