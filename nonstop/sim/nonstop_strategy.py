@@ -154,7 +154,8 @@ def swap_rebuild_s(job: JobSpec, replica_nodes: int) -> float:
     with one of the node's ranks in it (a group's rendezvous scales with the nodes it spans,
     :func:`rendezvous_s`); every other group is kept. The default group is new too, but a
     sharded job's is created unbound and lazy (``train/devicegroups.py``, independent mode: no
-    NCCL communicator, no gloo connection): a store exchange, not charged. ``replica_nodes`` 0: one data-parallel group of the whole job."""
+    NCCL communicator, no gloo connection): a store exchange, not charged. ``replica_nodes`` 0:
+    one data-parallel group of the whole job."""
     if not replica_nodes:
         return rendezvous_s(job.num_nodes)
     require(
