@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nonstop.config import DetectorConfig
-from nonstop.runtime.detector import CLOSE_GRACE_S, FailureDetector, WorkerRecord
+from nonstop.runtime.detector import CLOSE_GRACE_S, RAISE_EXIT_GRACE_S, FailureDetector, WorkerRecord
 
 CFG = DetectorConfig(heartbeat_timeout_s=1.0, hang_factor=10, hang_min_s=2.0)
 
@@ -116,6 +116,19 @@ def test_a_peers_symptom_waits_while_the_rank_that_raised_the_cause_is_told_to_r
         recovering=True,
     )
     assert v.reraise == []
+
+
+def test_a_rank_told_to_raise_is_not_killed_as_silent_while_it_exits() -> None:
+    """Found under a saturated CPU: a rank told to raise its ValueError stopped beating while
+    its interpreter unwound, and was killed as hung -- its failure recorded as a hang."""
+    det = FailureDetector(CFG)
+    det.record_step(0.1)
+    w = _rec(2, 1, 100.0, fault_report=(100.0, "ValueError: bug"), told_to_raise_at=102.5)
+    assert _scan(det, 110.0, [w]) == ({}, [])  # silent 10 s, exiting: no kill, not told twice
+    late = 102.5 + RAISE_EXIT_GRACE_S + 1  # it never exited: judged again (a detector that
+    det = FailureDetector(CFG)  # scanned all along: a gap between scans is its own stall)
+    det.record_step(0.1)
+    assert list(_scan(det, late, [w])[0]) == [2]
 
 
 def test_silence_is_not_judged_across_the_coordinators_own_stall() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.config import JobConfig
+from nonstop.config import DetectorConfig, JobConfig
 from nonstop.runtime.coordinator import JobState
 from nonstop.runtime.eventlog import read_events
 from nonstop.runtime.grading import REPEATS_TO_FAIL
@@ -47,7 +47,14 @@ def test_the_same_error_at_the_same_step_fails_the_job_after_three_generations(t
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     config = JobConfig(
-        script=str(script), nproc_per_node=2, spares=1, job_dir=tmp_path / "job", max_restarts=10
+        script=str(script),
+        nproc_per_node=2,
+        spares=1,
+        job_dir=tmp_path / "job",
+        max_restarts=10,
+        # not a test of detection: on a saturated machine a heartbeat 1 s late would kill the
+        # survivor this test follows, or a rank waiting to be told to raise
+        detector=DetectorConfig(heartbeat_timeout_s=3.0, hang_min_s=60.0),
     )
     result = run_job(config, redirect_output=True)
     assert result.state is JobState.FAILED, result
@@ -55,6 +62,9 @@ def test_the_same_error_at_the_same_step_fails_the_job_after_three_generations(t
     assert "ValueError: sample 17 has no label" in result.error, result.error
     assert f"in {REPEATS_TO_FAIL} generations in a row" in result.error, result.error
     events = read_events(config.job_dir / "events.jsonl")
+    failures = [e for e in events if e["event"] == "failure"]  # the last one, which ended it, too
+    assert [(f["rank"], f["step"]) for f in failures] == [(1, 4)] * REPEATS_TO_FAIL
+    assert failures[-1]["kind"] == "error"
     graded = [e for e in events if e["event"] == "failure_graded"]
     assert [g["grade"] for g in graded] == ["restart_in_place"] * (REPEATS_TO_FAIL - 1) + ["fail_job"]
     assert {g["rank"] for g in graded} == {1}

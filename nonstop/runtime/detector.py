@@ -26,6 +26,16 @@ __all__ = ["FailureDetector", "Verdicts", "WorkerRecord"]
 CLOSE_GRACE_S = 0.5
 
 
+# A rank told to raise its own exception exits on that order: its heartbeats stop while the
+# interpreter unwinds (torch's and gloo's teardown take seconds on a busy machine), and killing it
+# as hung then would record a hang for an error. Judged again if it has not exited by then.
+RAISE_EXIT_GRACE_S = 60.0
+
+
+def _exiting(w: WorkerRecord, now: float) -> bool:
+    return w.told_to_raise_at is not None and now - w.told_to_raise_at < RAISE_EXIT_GRACE_S
+
+
 @dataclass
 class Verdicts:
     kill: dict[int, str] = field(default_factory=dict)  # spawn id -> reason
@@ -92,7 +102,7 @@ class FailureDetector:
                 rebuilding=rank in rebuilding,
             )
             for rank, w in members.items()
-            if w.chan is not None and not w.killed_for_hang
+            if w.chan is not None and not w.killed_for_hang and not _exiting(w, now)
         }
         hung = find_hung_ranks(obs, now=now, median_step_s=self.median_step_s, config=self.config)
         for rank, reason in hung.items():
@@ -120,6 +130,6 @@ class FailureDetector:
             assert w.fault_report is not None
             if caused and is_peer_symptom(w.fault_report[1]):
                 continue
-            if now - w.fault_report[0] > 2 * self.config.heartbeat_timeout_s:
+            if w.told_to_raise_at is None and now - w.fault_report[0] > 2 * self.config.heartbeat_timeout_s:
                 v.reraise.append(w.spawn_id)
         return v

@@ -171,6 +171,7 @@ class Failures:
             if rec is not None and rec.alive and not rec.quarantined:  # node_failed may have done it
                 self.c.agents.lose_node(rec, f"quarantined: {why}", quarantine=True)
         if fatal and not self.c.view.phase.is_terminal:
+            self._record(failures)  # the failures that end the job are failures too
             self.c.fail(f"{fatal[0]}: not restarted")
             return
         if self.c.view.phase is JobPhase.FINISHING and not self.c.view.members_alive():
@@ -183,18 +184,7 @@ class Failures:
         self.c.swaps.abort(
             f"rank {failures[0].rank} failed: {failures[0].detail}", failed=[f.spawn_id for f in failures]
         )
-        for f in failures:
-            self.c.events.emit(
-                ev.Failure(
-                    failure_kind=f.kind,
-                    rank=f.rank,
-                    spawn_id=f.spawn_id,
-                    detail=f.detail,
-                    step=f.step,
-                    detect_s=(f.detected_at - f.fault_at) if f.fault_at else None,
-                )
-            )
-        self.c.view.failures_total += len(failures)
+        self._record(failures)
         if self.c.view.phase is JobPhase.STARTING:  # died before the job formed: just start it again
             if self.c.view.failures_total <= self.c.config.max_restarts:
                 for f in failures:
@@ -224,6 +214,21 @@ class Failures:
             self.c.gens.begin(
                 previous.failures + failures, replans=previous.replans + 1, replacements=previous.replacements
             )
+
+    def _record(self, failures: list[Failure]) -> None:
+        """Log each failure (``failure`` events) and count it against the restart budget."""
+        for f in failures:
+            self.c.events.emit(
+                ev.Failure(
+                    failure_kind=f.kind,
+                    rank=f.rank,
+                    spawn_id=f.spawn_id,
+                    detail=f.detail,
+                    step=f.step,
+                    detect_s=(f.detected_at - f.fault_at) if f.fault_at else None,
+                )
+            )
+        self.c.view.failures_total += len(failures)
 
     def detect(self) -> None:
         if self.c.view.phase not in (JobPhase.RUNNING, JobPhase.RECONFIGURING):
@@ -255,6 +260,5 @@ class Failures:
             self.c.io.kill(sid, signal.SIGKILL)
         for sid in verdicts.reraise:
             w = self.c.view.workers[sid]
-            assert w.fault_report is not None
-            w.fault_report = (float("inf"), w.fault_report[1])  # tell it once
+            w.told_to_raise_at = time.monotonic()  # tell it once; its exit is its failure
             self.c.io.send(w, {"t": "raise"})

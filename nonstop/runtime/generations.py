@@ -206,6 +206,7 @@ class Generations:
         if plan.action is PlanAction.WAIT:
             for sid in self.c.view.members.values():  # their fault reports are answered after the wait
                 self.c.view.workers[sid].fault_report = None
+                self.c.view.workers[sid].told_to_raise_at = None
             p.wait_for_spare(time.monotonic() + plan.wait_s)
             self.c.events.emit(ev.ElasticWait(ranks=list(plan.unplaced), wait_s=plan.wait_s))
             return
@@ -407,6 +408,7 @@ class Generations:
         if w is None or w.chan is None:
             return
         w.stepped, w.coll, w.idle_s, w.fault_report = False, False, None, None
+        w.told_to_raise_at = None
         self.c.io.send(
             w,
             {

@@ -55,6 +55,7 @@ class WorkerRecord:
     killed_for_hang: str | None = None  # why nonstop killed it, if it did
     fault_at: float | None = None  # wall time an injected fault fired on it
     fault_report: tuple[float, str] | None = None  # (when, error) of a reported exception
+    told_to_raise_at: float | None = None  # when it was told to raise that exception (it exits)
     chan_closed_at: float | None = None
     # its LOCAL_RANK on its node, once it plays a rank (runtime/torchenv.py); on a node with
     # devices, the device its agent gave it at spawn (runtime/devices.py), from its spawned report
