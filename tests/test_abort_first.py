@@ -131,20 +131,32 @@ class _FakePG:
 
 def test_a_device_nodes_recovery_aborts_every_mesh_groups_own_communicators(usr1_log: list[str]) -> None:
     """On a device node each mesh group has communicators of its own, which aborting the default
-    group's does not reach; and a device node whose groups were not split from the world keeps
-    none through a failure: a recovery's lost ranks are ignored there (the split path's keeping
-    is tests/test_devicegroups.py)."""
+    group's does not reach: a recovery aborts the world's and those of each group with a lost
+    rank, and leaves the others open -- independent groups (not split from the world) share
+    nothing with it (the split path's keeping is tests/test_devicegroups.py)."""
     from nonstop.train.abort import SocketWatch
     from nonstop.train.meshgroups import _Group
 
-    group = GenerationGroup()
-    group._device_backend = FakeDeviceBackend(usr1_log)
-    mesh = group.mesh_groups
-    mesh._device_type = "cuda"
-    for dim, ranks in (("shard", [0, 1]), ("replicate", [0, 2])):
-        watch = SocketWatch()
-        watch.stop()
-        mesh._groups[dim] = _Group(_FakePG(usr1_log, dim), f"1:{dim}", watch, ranks)
-    assert group.sever(lost=[3]) == []  # neither group has rank 3: on gloo both would stay open
+    def fresh() -> GenerationGroup:
+        group = GenerationGroup()
+        group._device_backend = FakeDeviceBackend(usr1_log)
+        mesh = group.mesh_groups
+        mesh._device_type = "cuda"
+        for dim, ranks in (("shard", [0, 1]), ("replicate", [0, 2])):
+            watch = SocketWatch()
+            watch.stop()
+            mesh._groups[dim] = _Group(_FakePG(usr1_log, dim), f"1:{dim}", watch, ranks)
+        return group
+
+    group = fresh()
+    left = group.sever(lost=[3])  # neither group has rank 3: both stay open, the world is aborted
+    assert sorted(g.dim for g in left) == ["replicate", "shard"]
+    assert usr1_log == ["abort"]
+    assert not any(g.severed for g in group.mesh_groups._groups.values())
+    usr1_log.clear()
+    group = fresh()
+    assert [g.dim for g in group.sever(lost=[1])] == ["replicate"]  # {0, 1} had rank 1: aborted
+    assert usr1_log == ["abort", "shard:cuda", "abort"]
+    usr1_log.clear()
+    assert fresh().sever(lost=None) == []  # a full sever: every group's communicators
     assert usr1_log == ["abort", "shard:cuda", "abort", "replicate:cuda", "abort"]
-    assert all(g.severed for g in mesh._groups.values())
