@@ -149,9 +149,10 @@ def _no_new_group(*_: Any, **__: Any) -> None:
 
 
 def _build_all(
-    fake: FakeWorld, ranks: dict[int, MeshGroups], store: DictStore, generation: int
+    fake: FakeWorld | FakeNewGroup, ranks: dict[int, MeshGroups], store: DictStore, generation: int
 ) -> dict[int, list[FakePG]]:
-    """Every rank's ``build`` at once, one thread each; their meshes (lists of groups)."""
+    """Every rank's ``build`` at once, one thread each (``fake.local.rank`` says which rank a
+    thread plays); their meshes (lists of groups)."""
     out: dict[int, list[FakePG]] = {}
     errors: list[BaseException] = []
 
@@ -341,36 +342,11 @@ def independent(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeNewGroup,
     yield made, fake
 
 
-def _build_independent(
-    made: FakeNewGroup, ranks: dict[int, MeshGroups], generation: int
-) -> dict[int, list[FakePG]]:
-    out: dict[int, list[FakePG]] = {}
-    errors: list[BaseException] = []
-    store = DictStore()
-
-    def run(rank: int, mesh: MeshGroups) -> None:
-        made.local.rank = rank
-        try:
-            out[rank] = mesh.build(
-                HSDP, rank=rank, generation=generation, store=store, device_type="cuda", timeout=TIMEOUT
-            )
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(r, m)) for r, m in ranks.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors
-    return out
-
-
 def test_independent_groups_are_their_members_own_eager_communicators(
     independent: tuple[FakeNewGroup, FakeWorld],
 ) -> None:
     made, fake = independent
-    meshes = _build_independent(made, {r: MeshGroups() for r in range(4)}, generation=1)
+    meshes = _build_all(made, {r: MeshGroups() for r in range(4)}, DictStore(), generation=1)
     assert [pg.ranks for pg in meshes[0]] == [[0, 2], [0, 1]]
     assert len(made.calls) == 8 and not fake.entered  # one per group and member; no split
     assert {(c[2], c[3]) for c in made.calls} == {(torch.device("cuda", 0), TIMEOUT)}  # eager, timed
@@ -385,7 +361,7 @@ def test_independent_groups_survive_a_failure_and_only_the_lost_ranks_groups_are
     their members alone: rank 0 makes nothing, and nobody enters a split for it."""
     made, fake = independent
     ranks = {r: MeshGroups() for r in range(4)}
-    meshes = _build_independent(made, ranks, generation=1)
+    meshes = _build_all(made, ranks, DictStore(), generation=1)
     _in_step(meshes, on=lambda rank, members: True)
     first = {r: list(m) for r, m in meshes.items()}
     for r in (0, 1, 2):
@@ -397,7 +373,7 @@ def test_independent_groups_survive_a_failure_and_only_the_lost_ranks_groups_are
     assert [pg.events for r in (1, 2) for pg in first[r] if 3 in pg.ranks] == [["abort"], ["abort"]]
     ranks[3] = MeshGroups()
     made.calls.clear()
-    meshes = _build_independent(made, ranks, generation=2)
+    meshes = _build_all(made, ranks, DictStore(), generation=2)
     assert meshes[0] == first[0] and ranks[0].kept == 2
     assert sorted((c[0], tuple(c[1])) for c in made.calls) == [
         (1, (1, 3)),
