@@ -133,10 +133,15 @@ class Calibration:
         """Stall of one overlapped snapshot of ``state_bytes`` (one GPU) in a step of ``step_s``
         (None: assumed longer than the copy): the measured share of a bare copy when the copy
         fits in the step, else the whole copy (the module docstring)."""
-        copy_s = state_bytes / (self.d2h_gbps * 1e9)
+        copy_s = self.capture_s(state_bytes)
         if step_s is not None and copy_s > step_s:
             return copy_s
         return self.overlapped_stall_ratio * copy_s
+
+    def capture_s(self, state_bytes: float) -> float:
+        """The bare device-to-host copy of one GPU's ``state_bytes``: how long after a step's
+        boundary its snapshot is whole in host memory (the copy overlaps the next step)."""
+        return state_bytes / (self.d2h_gbps * 1e9)
 
     def dcp_blocking_s(self, state_bytes: float) -> float:
         """Blocking part of a ``dcp.async_save`` of ``state_bytes`` (one GPU)."""

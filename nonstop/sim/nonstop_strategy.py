@@ -45,7 +45,6 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nonstop.mesh import MeshSpec
 from nonstop.runtime import policy
 from nonstop.runtime.elastic import ElasticAction, ElasticDecision
 from nonstop.runtime.policy import (
@@ -72,12 +71,13 @@ from nonstop.sim.api import (
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s
 from nonstop.sim.elasticsim import ElasticWorld
 from nonstop.sim.failures import Cause
+from nonstop.sim.nonstop_costs import detect_s, swap_rebuild_s
 from nonstop.sim.proactivesim import PROACTIVE, ProactiveMoves
 from nonstop.sim.recoverysim import RecoveryCosts
 from nonstop.sim.strategies import SparePool
 from nonstop.sim.swapsim import SwapCosts
 
-__all__ = ["Nonstop", "NonstopParams"]
+__all__ = ["Nonstop", "NonstopParams", "swap_rebuild_s"]
 
 POOL = "pool"  # a fresh node from the scheduler (cold, pays node_provision_s)
 
@@ -149,25 +149,6 @@ class NonstopParams:
         )
 
 
-def swap_rebuild_s(job: JobSpec, replica_nodes: int) -> float:
-    """The rebuild a step-boundary swap of one node costs: the rendezvous of the widest group
-    with one of the node's ranks in it (a group's rendezvous scales with the nodes it spans,
-    :func:`rendezvous_s`); every other group is kept. The default group is new too, but a
-    sharded job's is created unbound and lazy (``train/devicegroups.py``, independent mode: no
-    NCCL communicator, no gloo connection): a store exchange, not charged. ``replica_nodes`` 0:
-    one data-parallel group of the whole job."""
-    if not replica_nodes:
-        return rendezvous_s(job.num_nodes)
-    require(
-        job.num_nodes % replica_nodes == 0,
-        f"--replica-nodes must divide the job's {job.num_nodes} nodes; got {replica_nodes}",
-    )
-    g = job.gpus_per_node
-    spec = MeshSpec.of({"replicate": job.num_nodes // replica_nodes, "shard": replica_nodes * g})
-    spans = [len({r // g for r in ranks}) for _, ranks in spec.changed_groups(range(g))]
-    return rendezvous_s(max(spans))
-
-
 class Nonstop:
     """Every-step snapshots in memory, peer replicas, hot spares, in-place rebuild, live migration.
 
@@ -208,7 +189,10 @@ class Nonstop:
         # what every step gives up: the snapshot's stall, and the worker's own per-step cost
         self.steady_fraction = (self.stall / p.snapshot_every + cal.nonstop_step_overhead_s) / job.step_s
         self.transfer = cal.peer_transfer_s(b)
-        self.replica_lag_steps = math.ceil(p.replicas * self.transfer / job.step_s) if p.replicas else 0
+        # a snapshot protects its step once its copy to host memory is done (overlapped with the
+        # next step), and against a lost node once every replica has reached its holder
+        self.capture = cal.capture_s(b)
+        self.replica_lag = p.replicas * self.transfer
         self.restore_local = cal.restore_local_s(b)
         self.durable_read = cal.durable_read_s(b, job.num_gpus, job.gpus_per_node)
         self.persist_write = cal.durable_write_s(b, job.num_gpus, job.gpus_per_node)
@@ -324,13 +308,16 @@ class Nonstop:
         return cause, Recovery(pause=pause, replacement=joined, resize="grow")
 
     def _lost(self, tier: Tier) -> float:
-        step, k = self.job.step_s, self.p.snapshot_every
-        committed = math.floor(self.work / step / k) * k * step
-        if tier is Tier.PEER:
-            committed = max(0.0, committed - self.replica_lag_steps * step)
-        elif tier is Tier.DURABLE:
-            every = self.p.persist_every_s
-            committed = max(0.0, math.floor((self.work - self.persist_write) / every) * every)
+        """Progress rolled back on a restore from ``tier``: back to the newest snapshot boundary
+        whose copy had landed where ``tier`` reads it (host memory ``capture`` after the boundary, a
+        peer's ``replica_lag`` later still), as the runtime restores the newest step every rank has
+        whole; a durable restore goes back to the newest persist that had finished writing."""
+        if tier is Tier.DURABLE:
+            every, lag = self.p.persist_every_s, self.persist_write
+        else:
+            every = self.job.step_s * self.p.snapshot_every
+            lag = self.capture + (self.replica_lag if tier is Tier.PEER else 0.0)
+        committed = max(0.0, math.floor((self.work - lag) / every) * every)
         return self.work - committed
 
     def on_failure(self, *, now: float, node: int, cause: Cause, recovering: bool) -> Recovery:
@@ -557,7 +544,8 @@ def describe_nonstop(s: Nonstop) -> dict[str, Any]:
         "step_overhead_s": s.cal.nonstop_step_overhead_s,
         "steady_fraction": s.steady_fraction,
         "replicas": s.p.replicas,
-        "replica_lag_steps": s.replica_lag_steps,
+        "capture_s": s.capture,
+        "replica_lag_s": s.replica_lag,
         "spares_per_node": s.p.spares_per_node,
         "spare_nodes": s.num_spare_nodes,
         "persist_every_s": s.p.persist_every_s,
@@ -582,13 +570,3 @@ def describe_nonstop(s: Nonstop) -> dict[str, Any]:
             "window_s": s.p.quarantine.window_s,
         },
     }
-
-
-def detect_s(cal: Calibration, kind: FailureKind) -> float:
-    """How long nonstop takes to notice a failure of ``kind``: a lost node's lease, a hang's
-    heartbeat timeout, else the agent's exit report."""
-    if kind is FailureKind.NODE_LOST:
-        return cal.node_lease_s
-    if kind is FailureKind.HANG:
-        return cal.heartbeat_timeout_s + cal.detect_exit_s
-    return cal.detect_exit_s

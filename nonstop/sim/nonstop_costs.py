@@ -1,0 +1,40 @@
+"""What nonstop's recoveries cost at a cluster's scale: the laws that
+:class:`~nonstop.sim.nonstop_strategy.Nonstop` times its detection and its rebuilds with."""
+
+from __future__ import annotations
+
+from nonstop.mesh import MeshSpec
+from nonstop.runtime.policy import FailureKind
+from nonstop.sim.api import JobSpec, require
+from nonstop.sim.calibrate import Calibration, rendezvous_s
+
+__all__ = ["detect_s", "swap_rebuild_s"]
+
+
+def swap_rebuild_s(job: JobSpec, replica_nodes: int) -> float:
+    """The rebuild a step-boundary swap of one node costs: the rendezvous of the widest group
+    with one of the node's ranks in it (a group's rendezvous scales with the nodes it spans,
+    :func:`rendezvous_s`); every other group is kept. The default group is new too, but a
+    sharded job's is created unbound and lazy (``train/devicegroups.py``, independent mode: no
+    NCCL communicator, no gloo connection): a store exchange, not charged. ``replica_nodes`` 0:
+    one data-parallel group of the whole job."""
+    if not replica_nodes:
+        return rendezvous_s(job.num_nodes)
+    require(
+        job.num_nodes % replica_nodes == 0,
+        f"--replica-nodes must divide the job's {job.num_nodes} nodes; got {replica_nodes}",
+    )
+    g = job.gpus_per_node
+    spec = MeshSpec.of({"replicate": job.num_nodes // replica_nodes, "shard": replica_nodes * g})
+    spans = [len({r // g for r in ranks}) for _, ranks in spec.changed_groups(range(g))]
+    return rendezvous_s(max(spans))
+
+
+def detect_s(cal: Calibration, kind: FailureKind) -> float:
+    """How long nonstop takes to notice a failure of ``kind``: a lost node's lease, a hang's
+    heartbeat timeout, else the agent's exit report."""
+    if kind is FailureKind.NODE_LOST:
+        return cal.node_lease_s
+    if kind is FailureKind.HANG:
+        return cal.heartbeat_timeout_s + cal.detect_exit_s
+    return cal.detect_exit_s
