@@ -46,7 +46,9 @@ def test_elastic_off_gives_the_results_of_before() -> None:
     replacement's peer fetch overlaps its launch, as in the runtime: 0.99762514 -> 0.99762707 and
     0.97634226 -> 0.97635390; the launch and replan figures are unchanged), and again when a
     rollback began to go back to the newest snapshot whose copy had landed, not a whole step per
-    replica (tests/test_sim_lost_work.py: 0.99762707 -> 0.99765600, 0.97635390 -> 0.97666640)."""
+    replica (tests/test_sim_lost_work.py: 0.99762707 -> 0.99765600, 0.97635390 -> 0.97666640);
+    torchft-like's re-pinned when each membership change began to reconfigure every group's
+    cross-group process group (tests/test_sim_torchft.py: 0.99978327 -> 0.99970719)."""
     ns = simulate(JOB, preset("meta-high"), Nonstop(job=JOB, calibration=CAL), seed=3)
     assert ns.ettr == pytest.approx(0.9976560041084057, rel=1e-12)
     assert ns.replacements == {"spare": 18, "pool": 3} and ns.tiers == {"peer": 17, "local": 4}
@@ -60,7 +62,7 @@ def test_elastic_off_gives_the_results_of_before() -> None:
     )
     tf = simulate(JOB, preset("meta-high"), TorchftLike(job=JOB, calibration=CAL), seed=3)
     assert cr.ettr == pytest.approx(0.9919409500003415, rel=1e-12)
-    assert tf.ettr == pytest.approx(0.9997832710651564, rel=1e-12)
+    assert tf.ettr == pytest.approx(0.9997071930934885, rel=1e-12)
     # elasticity off, spelled out: 0 or the full size (the runtime's ElasticPolicy.enabled is False)
     for off in (
         NonstopParams(spare_nodes=0, min_world_size=0, elastic_wait_s=600),

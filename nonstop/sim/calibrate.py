@@ -114,6 +114,7 @@ class Calibration:
     collective_timeout_s: float = 600.0
     torchft_heartbeat_s: float = 5.0
     quorum_s: float = 1.0
+    forward_share: float = 1 / 3
     node_provision_s: float = 300.0
     repair_s: float = 2 * 86_400.0
     sources: dict[str, str] = field(default_factory=dict)
@@ -177,7 +178,10 @@ _DEFAULT_SOURCES = {
     "node_lease_s": "assumption: a node agent's lease, like torchft's 5 s heartbeat",
     "collective_timeout_s": "PyTorch default NCCL process-group timeout (10 min)",
     "torchft_heartbeat_s": "torchft default heartbeat timeout (5 s), shared/brief/BENCH.md",
-    "quorum_s": "assumption: one torchft quorum round incl. process-group reconfiguration",
+    "quorum_s": "assumption: one torchft Lighthouse quorum round (its process-group "
+    "reconfiguration is charged by the rendezvous law, as nonstop's rebuild of the same group)",
+    "forward_share": "assumption: the forward pass is a third of a step (the backward costs twice "
+    "it); torchft's async quorum (its default) reconfigures while the forward runs",
     "node_provision_s": "assumption: the scheduler hands a fresh node from its free pool in 5 min",
     "repair_s": "assumption: a drained machine is repaired and back as a spare in 2 days",
 }

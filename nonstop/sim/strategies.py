@@ -237,11 +237,19 @@ class TorchftLike:
     The job is ``num_nodes / group_nodes`` data-parallel replica groups (default 16 nodes each,
     see :data:`DEFAULT_GROUP_NODES`). When a node fails, the
     surviving groups' allreduce fails after the heartbeat timeout; they discard the step in flight,
-    form a new quorum without the failed group and train on (one pause: heartbeat + quorum). The
+    form a new quorum without the failed group and train on. The
     failed group restarts its processes (Parcae's law on the group's nodes; a lost node first waits
     for a spare or the pool), fetches the weights from a live group over the network, and rejoins
     at the next quorum; meanwhile its GPUs are idle (booked per stage). If no other group is up, the
     job restarts from its periodic durable checkpoint, like checkpoint-restart.
+
+    Every quorum that changes the membership -- the failed group leaving, then rejoining -- makes
+    every replica reconfigure its cross-group process group with all the replicas in it (torchft's
+    ``Manager._async_quorum`` calls ``_pg.configure`` whenever the quorum id changes): a group over
+    one rank of each replica group, so over ``num_groups`` nodes, charged the same rendezvous law
+    as nonstop's rebuild of that group (:func:`rendezvous_s`). The quorum runs beside the step's
+    forward (torchft's async quorum), so each membership change stops the job for ``requorum`` =
+    quorum + reconfigure - forward (``Calibration.forward_share`` of the step), at least 0.
     """
 
     def __init__(
@@ -252,6 +260,7 @@ class TorchftLike:
         calibration: Calibration | None = None,
         heartbeat_s: float | None = None,
         quorum_s: float | None = None,
+        reconfigure_s: float | None = None,
         restart_s: float | None = None,
         ckpt_interval_s: float = 3600.0,
         spare_nodes: int | None = None,
@@ -274,6 +283,11 @@ class TorchftLike:
         self.num_groups = job.num_nodes // group_nodes
         self.heartbeat = cal.torchft_heartbeat_s if heartbeat_s is None else heartbeat_s
         self.quorum = cal.quorum_s if quorum_s is None else quorum_s
+        self.reconfigure = rendezvous_s(self.num_groups) if reconfigure_s is None else reconfigure_s
+        self.forward = cal.forward_share * job.step_s
+        # what each membership change stops the job for: the part of the quorum and the
+        # reconfiguration the step's forward does not hide
+        self.requorum = max(0.0, self.quorum + self.reconfigure - self.forward)
         self.group_restart = _restart_total(group_nodes) if restart_s is None else restart_s
         self.ckpt_interval = ckpt_interval_s
         self.spare_nodes = spare_nodes
@@ -286,6 +300,7 @@ class TorchftLike:
         for label, v in (
             ("heartbeat", self.heartbeat),
             ("quorum", self.quorum),
+            ("reconfigure", self.reconfigure),
             ("restart", self.group_restart),
         ):
             require(math.isfinite(v) and v >= 0, f"torchft {label} time must be >= 0 s; got {v}")
@@ -337,17 +352,19 @@ class TorchftLike:
                 pause=pause, lost_work_s=lost, action=action, tier=Tier.DURABLE, replacement=replacement
             )
         step = self.job.step_s
-        if action is RecoveryAction.MIGRATE:
-            pause = []
+        if action is RecoveryAction.MIGRATE:  # the group leaves at a step boundary
+            pause = [("rebuild", self.requorum)]
             lost = 0.0
         else:
-            pause = [("detect", self.heartbeat), ("rebuild", self.quorum)]
+            pause = [("detect", self.heartbeat), ("rebuild", self.requorum)]
             lost = 0.0 if recovering else math.fmod(self.work, step)  # the step in flight
             self.work -= lost
         heal = [
             Charge(stage="launch", seconds=wait + self.group_restart, gpus=gpus),
             Charge(stage="restore", seconds=self.fetch, gpus=gpus),
-            Charge(stage="rebuild", seconds=self.quorum, gpus=gpus),
+            # its rejoin: the group waits the whole quorum, which every group reconfigures for
+            Charge(stage="rebuild", seconds=self.quorum + self.reconfigure - self.requorum, gpus=gpus),
+            Charge(stage="rebuild", seconds=self.requorum, gpus=self.job.num_gpus),
         ]
         start = max(now + sum(s for _, s in pause), self.down_until.get(group, 0.0))
         self.down_until[group] = start + sum(c.seconds for c in heal)
@@ -368,6 +385,9 @@ class TorchftLike:
             "num_groups": self.num_groups,
             "heartbeat_s": self.heartbeat,
             "quorum_s": self.quorum,
+            "reconfigure_s": self.reconfigure,
+            "forward_s": self.forward,
+            "requorum_s": self.requorum,
             "group_restart_s": self.group_restart,
             "fetch_s": self.fetch,
             "ckpt_interval_s": self.ckpt_interval,
