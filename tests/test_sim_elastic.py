@@ -49,10 +49,11 @@ def test_elastic_off_gives_the_results_of_before() -> None:
     replica (tests/test_sim_lost_work.py: 0.99762707 -> 0.99765600, 0.97635390 -> 0.97666640);
     torchft-like's re-pinned when each membership change began to reconfigure every group's
     cross-group process group (tests/test_sim_torchft.py: 0.99978327 -> 0.99970719)."""
-    ns = simulate(JOB, preset("meta-high"), Nonstop(job=JOB, calibration=CAL), seed=3)
+    dp = NonstopParams(replica_nodes=0)  # the data-parallel job these figures were pinned on
+    ns = simulate(JOB, preset("meta-high"), Nonstop(job=JOB, params=dp, calibration=CAL), seed=3)
     assert ns.ettr == pytest.approx(0.9976560041084057, rel=1e-12)
     assert ns.replacements == {"spare": 18, "pool": 3} and ns.tiers == {"peer": 17, "local": 4}
-    pool = run(NonstopParams(spare_nodes=0), cal=CAL)
+    pool = run(NonstopParams(spare_nodes=0, replica_nodes=0), cal=CAL)
     assert pool.ettr == pytest.approx(0.9766663990821837, rel=1e-12) and pool.failures == 175
     assert pool.lost_gpu_s["node"]["launch"] == pytest.approx(53618595.83999273, rel=1e-12)
     assert pool.lost_gpu_s["node"]["replan"] == pytest.approx(302408.26335799694, rel=1e-12)
@@ -65,8 +66,8 @@ def test_elastic_off_gives_the_results_of_before() -> None:
     assert tf.ettr == pytest.approx(0.9997071930934885, rel=1e-12)
     # elasticity off, spelled out: 0 or the full size (the runtime's ElasticPolicy.enabled is False)
     for off in (
-        NonstopParams(spare_nodes=0, min_world_size=0, elastic_wait_s=600),
-        NonstopParams(spare_nodes=0, min_world_size=1024),
+        NonstopParams(spare_nodes=0, min_world_size=0, elastic_wait_s=600, replica_nodes=0),
+        NonstopParams(spare_nodes=0, min_world_size=1024, replica_nodes=0),
     ):
         same(run(off, cal=CAL), pool)
 

@@ -8,6 +8,7 @@ from nonstop.errors import UsageError
 from nonstop.sim.api import JobSpec
 from nonstop.sim.calibrate import rendezvous_s
 from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams, swap_rebuild_s
+from nonstop.sim.strategies import TorchftLike
 
 
 def test_a_data_parallel_swap_rebuilds_the_whole_job() -> None:
@@ -23,7 +24,7 @@ def test_an_hsdp_swap_rebuilds_its_widest_changed_group_only() -> None:
     assert swap_rebuild_s(job, 256) == rendezvous_s(256)  # 8 replica groups of 256 nodes
     ns = Nonstop(job=job, params=NonstopParams(replica_nodes=16, keep_on_failure=False))
     assert ns.swap_rebuild < ns.rebuild  # a failure that keeps nothing rebuilds every group
-    assert ns.migration < Nonstop(job=job).migration
+    assert ns.migration < Nonstop(job=job, params=NonstopParams(replica_nodes=0)).migration
 
 
 def test_replica_groups_must_divide_the_job() -> None:
@@ -40,4 +41,17 @@ def test_keeping_groups_on_failure_charges_a_failure_what_a_swap_changes() -> No
     keep = Nonstop(job=job, params=NonstopParams(replica_nodes=16))
     assert every.rebuild == rendezvous_s(2048) and keep.rebuild == keep.swap_rebuild == rendezvous_s(128)
     # data-parallel: one group of the whole job, whatever the setting
-    assert Nonstop(job=job, params=NonstopParams(keep_on_failure=True)).rebuild == rendezvous_s(2048)
+    dp = NonstopParams(replica_nodes=0, keep_on_failure=True)
+    assert Nonstop(job=job, params=dp).rebuild == rendezvous_s(2048)
+
+
+def test_by_default_the_job_is_the_one_torchft_like_models() -> None:
+    """Side by side, both strategies are charged for the same job: model copies of torchft-like's
+    replica groups (16 nodes, fewer where 16 does not divide the job), also through the CLI's
+    ``--group-nodes``."""
+    for gpus in (16_384, 1024, 64, 8):
+        job = JobSpec(num_gpus=gpus)
+        assert Nonstop(job=job).replica_nodes == TorchftLike(job=job).group_nodes == min(16, job.num_nodes)
+    big = JobSpec(num_gpus=16_384)
+    assert Nonstop(job=big).rebuild == rendezvous_s(128)  # one rank of each of the 128 model copies
+    assert Nonstop(job=big).describe()["replica_nodes"] == 16

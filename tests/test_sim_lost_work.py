@@ -27,7 +27,8 @@ CRASH = Cause(name="crash", weight=1, kind=FailureKind.KILLED)
 
 def lost_s(at: float, cause: Cause, *, snapshot_every: int = 1) -> tuple[float, Nonstop]:
     """Seconds of progress one failure at ``at`` rolls back, per GPU."""
-    strat = Nonstop(job=JOB, params=NonstopParams(stall_s=0.0, snapshot_every=snapshot_every), calibration=CAL)
+    params = NonstopParams(stall_s=0.0, snapshot_every=snapshot_every)
+    strat = Nonstop(job=JOB, params=params, calibration=CAL)
     r = simulate(JOB, Scripted((at, 3), cause=cause), strat)
     return sum(v.get("lost_work", 0.0) for v in r.lost_gpu_s.values()) / JOB.num_gpus, strat
 

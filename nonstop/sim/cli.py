@@ -167,11 +167,12 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument(
         "--replica-nodes",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
         help="nonstop: the job is HSDP over replica groups of N nodes, so a live migration or a "
         "grow rebuilds only the groups with the moved node's ranks in them; 0: data-parallel, one "
-        "group of the whole job (default %(default)s)",
+        "group of the whole job (default: torchft-like's replica groups, --group-nodes, 16: the "
+        "same job)",
     )
     sim.add_argument(
         "--keep-groups-on-failure",
@@ -275,7 +276,7 @@ def build_strategies(
                 elastic_wait_s=ns.elastic_wait,
                 shards_per_rank=ns.shards_per_rank,
                 survivors=SurvivorMode(ns.survivors),
-                replica_nodes=ns.replica_nodes,
+                replica_nodes=ns.group_nodes if ns.replica_nodes is None else ns.replica_nodes,
                 keep_on_failure=ns.keep_groups_on_failure,
             )
             out.append(Nonstop(job=job, params=params, calibration=cal))

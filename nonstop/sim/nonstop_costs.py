@@ -3,12 +3,22 @@
 
 from __future__ import annotations
 
+import math
+
 from nonstop.mesh import MeshSpec
 from nonstop.runtime.policy import FailureKind
 from nonstop.sim.api import JobSpec, require
 from nonstop.sim.calibrate import Calibration, rendezvous_s
+from nonstop.sim.strategies import DEFAULT_GROUP_NODES
 
-__all__ = ["detect_s", "swap_rebuild_s"]
+__all__ = ["default_replica_nodes", "detect_s", "swap_rebuild_s"]
+
+
+def default_replica_nodes(job: JobSpec) -> int:
+    """The nodes of one model copy when nobody says: the job torchft-like models (its replica
+    groups, :data:`DEFAULT_GROUP_NODES` nodes: Llama 3 405B's TP 8 x PP 16), so a side-by-side
+    run charges both strategies for the same job."""
+    return math.gcd(job.num_nodes, DEFAULT_GROUP_NODES)
 
 
 def swap_rebuild_s(job: JobSpec, replica_nodes: int) -> float:

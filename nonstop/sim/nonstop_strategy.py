@@ -71,7 +71,7 @@ from nonstop.sim.api import (
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s
 from nonstop.sim.elasticsim import ElasticWorld
 from nonstop.sim.failures import Cause
-from nonstop.sim.nonstop_costs import detect_s, swap_rebuild_s
+from nonstop.sim.nonstop_costs import default_replica_nodes, detect_s, swap_rebuild_s
 from nonstop.sim.proactivesim import PROACTIVE, ProactiveMoves
 from nonstop.sim.recoverysim import RecoveryCosts
 from nonstop.sim.strategies import SparePool
@@ -105,9 +105,11 @@ class NonstopParams:
     the runtime's ``train/meshgroups.py``), a failure the same with ``keep_on_failure`` (the
     default, as the runtime does: ``train/settle.py``, on NCCL ``train/devicegroups.py``, whose
     unbound world costs no communicator), else every group; 0: data-parallel, one group of the
-    whole job. straggler: the runtime's fail-slow and degraded-node settings (``mode`` migrate
-    and ``on_degraded`` drain: proactive moves; :data:`~nonstop.sim.proactivesim.NO_PROACTIVE`
-    detects only).
+    whole job; None (the default): the job torchft-like models, model copies of
+    :data:`~nonstop.sim.strategies.DEFAULT_GROUP_NODES` nodes (fewer where that does not divide
+    the job's nodes), so both strategies are charged for the same job. straggler: the runtime's
+    fail-slow and degraded-node settings (``mode`` migrate and ``on_degraded`` drain: proactive
+    moves; :data:`~nonstop.sim.proactivesim.NO_PROACTIVE` detects only).
     """
 
     snapshot_every: int = 1
@@ -122,7 +124,7 @@ class NonstopParams:
     elastic_wait_s: float = 0.0
     shards_per_rank: int = 1
     survivors: SurvivorMode = SurvivorMode.AUTO
-    replica_nodes: int = 0
+    replica_nodes: int | None = None
     keep_on_failure: bool = True
     straggler: StragglerConfig = PROACTIVE
 
@@ -142,7 +144,10 @@ class NonstopParams:
             f"--min-world-size must be >= 0 (0: never shrink); got {self.min_world_size}",
         )
         require(self.shards_per_rank >= 1, f"--shards-per-rank must be >= 1; got {self.shards_per_rank}")
-        require(self.replica_nodes >= 0, f"--replica-nodes must be >= 0; got {self.replica_nodes}")
+        require(
+            self.replica_nodes is None or self.replica_nodes >= 0,
+            f"--replica-nodes must be >= 0; got {self.replica_nodes}",
+        )
         require(
             math.isfinite(self.elastic_wait_s) and self.elastic_wait_s >= 0,
             f"--elastic-wait must be >= 0 s; got {self.elastic_wait_s}",
@@ -200,7 +205,8 @@ class Nonstop:
             self.persist_write <= p.persist_every_s,
             f"persisting takes {self.persist_write:.0f} s: use --persist-every-s >= that",
         )
-        self.swap_rebuild = swap_rebuild_s(job, p.replica_nodes)  # a boundary swap: what changed
+        self.replica_nodes = default_replica_nodes(job) if p.replica_nodes is None else p.replica_nodes
+        self.swap_rebuild = swap_rebuild_s(job, self.replica_nodes)  # a boundary swap: what changed
         # a failure: every group, or (keep_on_failure) what changed, as a swap
         self.rebuild = self.swap_rebuild if p.keep_on_failure else rendezvous_s(job.num_nodes)
         # live migrations and grows: the runtime's own boundary-swap machine, its actions timed at
@@ -554,7 +560,7 @@ def describe_nonstop(s: Nonstop) -> dict[str, Any]:
         "peer_transfer_s": s.transfer,
         "durable_read_s": s.durable_read,
         "rebuild_s": s.rebuild,
-        "replica_nodes": s.p.replica_nodes,
+        "replica_nodes": s.replica_nodes,
         "swap_rebuild_s": s.swap_rebuild,
         "keep_on_failure": s.p.keep_on_failure,
         "migration_pause_s": s.migration,
