@@ -73,6 +73,26 @@ def test_nonstop_run_refuses_an_oversubscribed_node_with_exit_2(tmp_path: Path) 
     assert len(lines) == 1 and "3 processes" in lines[0] and "2 cuda device(s)" in lines[0], p.stderr
 
 
+def test_nonstop_run_refuses_a_bad_device_groups_mode_before_anything_starts(tmp_path: Path) -> None:
+    """Read by every worker at its first join, and checked by the launcher first: a typo fails
+    the job at its start, in one line, not at the first generation."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    env = {**os.environ, "NONSTOP_DEVICE_GROUPS": "ring"}
+    cmd = [str(Path(".venv/bin/nonstop").resolve()), "run", "--nproc-per-node", "1"]
+    p = subprocess.run(
+        [*cmd, "--job-dir", str(tmp_path / "job"), str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "NONSTOP_DEVICE_GROUPS='ring'" in lines[0] and "'split'" in lines[0], p.stderr
+    assert not (tmp_path / "job").exists()
+
+
 def test_nproc_gpu_is_the_device_count_less_the_spares(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NONSTOP_FAKE_DEVICES", "8")
     assert _nproc("gpu") == 8 and _nproc("auto") == 8 and _nproc("gpu", spares=1) == 7

@@ -56,6 +56,7 @@ from nonstop.runtime.jobfiles import (
     write_job_info,
 )
 from nonstop.runtime.jobstore import JobStore
+from nonstop.runtime.ncclenv import device_groups_mode
 from nonstop.runtime.node import NodeAgent, NodeSpec
 from nonstop.runtime.notice import NoticePoller, parse_headers
 from nonstop.runtime.persistence import ClusterPersister
@@ -195,6 +196,7 @@ def _run_job(config: JobConfig, *, redirect_output: bool, stop: threading.Event 
     command = worker_command(config.script, config.script_args)
     faults = check_faults(config)
     _node_devices(config)  # an oversubscribed device node fails here, before anything starts
+    device_groups_mode({**os.environ, **dict(config.extra_env)})  # so does a bad group mode
     job_dir = config.job_dir.resolve()
     stop = stop or threading.Event()
     if config.node_rank != 0:

@@ -49,7 +49,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["NCCL_DEFAULTS", "nccl_env"]
+from nonstop.errors import UsageError
+
+__all__ = ["DEVICE_GROUPS", "INDEPENDENT", "NCCL_DEFAULTS", "SPLIT", "device_groups_mode", "nccl_env"]
+
+# how a device node builds a sharded job's mesh groups (nonstop/train/devicegroups.py)
+DEVICE_GROUPS = "NONSTOP_DEVICE_GROUPS"
+INDEPENDENT, SPLIT = "independent", "split"
 
 NCCL_DEFAULTS: dict[str, str] = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # CleanUpOnly: abort communicators, keep the process
@@ -77,3 +83,13 @@ def nccl_env(device_type: str, user_env: Mapping[str, str]) -> dict[str, str]:
         for name, value in NCCL_DEFAULTS.items()
         if name not in user_env and _ALIASES[name] not in user_env
     }
+
+
+def device_groups_mode(env: Mapping[str, str]) -> str:
+    """``$NONSTOP_DEVICE_GROUPS`` in ``env``: :data:`INDEPENDENT` (unset or empty: the default) or
+    :data:`SPLIT`, case and spaces ignored; anything else is a :class:`UsageError` naming the
+    choices. The launcher checks it before anything starts; every worker reads it again."""
+    value = env.get(DEVICE_GROUPS, INDEPENDENT).strip().lower() or INDEPENDENT
+    if value not in (INDEPENDENT, SPLIT):
+        raise UsageError(f"{DEVICE_GROUPS}={value!r}: must be {INDEPENDENT!r} (the default) or {SPLIT!r}")
+    return value

@@ -75,7 +75,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nonstop.errors import UsageError
+from nonstop.runtime.ncclenv import DEVICE_GROUPS as MODE
+from nonstop.runtime.ncclenv import INDEPENDENT, SPLIT, device_groups_mode
 
 __all__ = [
     "INDEPENDENT",
@@ -95,19 +96,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SHARE_RESOURCES = "NCCL_COMM_SPLIT_SHARE_RESOURCES"
-MODE = "NONSTOP_DEVICE_GROUPS"
-INDEPENDENT, SPLIT = "independent", "split"
 GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
 
 
 def mode(env: Mapping[str, str] | None = None) -> str:
     """How a device node builds a sharded job's mesh groups: :data:`INDEPENDENT` (default) or
-    :data:`SPLIT` (the module docstring). Anything else is refused, naming the choices."""
-    env = os.environ if env is None else env
-    value = env.get(MODE, INDEPENDENT).strip().lower() or INDEPENDENT
-    if value not in (INDEPENDENT, SPLIT):
-        raise UsageError(f"{MODE}={value!r}: must be {INDEPENDENT!r} (the default) or {SPLIT!r}")
-    return value
+    :data:`SPLIT` (the module docstring). Anything else is refused, naming the choices; the
+    launcher asks first, so a bad value fails the job at its start
+    (:func:`nonstop.runtime.ncclenv.device_groups_mode`)."""
+    return device_groups_mode(os.environ if env is None else env)
 
 
 @contextlib.contextmanager
