@@ -7,6 +7,8 @@ with the same failures (common random numbers), so the comparison is not drowned
 * replication factor r, under the host-memory budget: each node holds its own 2 snapshot slots
   and r other nodes' replicas, ``gpus_per_node x state_bytes x (2 + r)`` bytes;
 * snapshot interval (every k steps): stall / k against ~k/2 steps redone per in-memory restore;
+  1, 2, 4, 8 and Daly's optimum for one snapshot's stall and the job's MTBF, with its half and
+  its double (:func:`snapshot_intervals`: a job that rarely fails snapshots less often);
 * persist interval: at least ``10 x`` the time one persist takes (the durable tier stays <= 10%
   busy), and the multiples 2x, 4x of that;
 * spare nodes: 0 up to ~5% of the job's nodes;
@@ -35,8 +37,35 @@ from nonstop.sim.failslow import FailSlowModel, WithFailSlow
 from nonstop.sim.failures import FailureModel
 from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
 from nonstop.sim.proactivesim import NO_PROACTIVE
+from nonstop.sim.theory import daly_interval
 
-__all__ = ["Advice", "Candidate", "ProactiveWorth", "advise", "plot_frontier", "proactive_worth"]
+__all__ = [
+    "Advice",
+    "Candidate",
+    "ProactiveWorth",
+    "advise",
+    "plot_frontier",
+    "proactive_worth",
+    "snapshot_intervals",
+]
+
+MAX_SNAPSHOT_EVERY = 1024
+"""The longest snapshot interval the advisor tries, in steps."""
+
+
+def snapshot_intervals(job: JobSpec, model: FailureModel, calibration: Calibration) -> list[int]:
+    """The snapshot intervals (steps) the advisor tries: 1, 2, 4, 8, and Daly's optimum
+    (:func:`~nonstop.sim.theory.daly_interval`) for one snapshot's stall at this job's state and
+    step against the job's MTBF under ``model``, with its half and its double, at most
+    :data:`MAX_SNAPSHOT_EVERY`. The stall per snapshot plays the checkpoint's cost and a rollback
+    the lost work, as in Young's and Daly's derivation; the simulation then decides."""
+    out = {1, 2, 4, 8}
+    stall = calibration.snapshot_stall_s(job.state_bytes_per_gpu, job.step_s)
+    rate = model.job_rate_per_s(job.num_nodes)
+    if stall > 0 and rate > 0:
+        steps = daly_interval(ckpt_s=stall, mtbf_s=1.0 / rate) / job.step_s
+        out |= {min(MAX_SNAPSHOT_EVERY, max(1, round(steps * f))) for f in (0.5, 1.0, 2.0)}
+    return sorted(out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +169,7 @@ def advise(
     persists = [base_persist, 2 * base_persist, 4 * base_persist]
     top = max(1, math.ceil(0.05 * job.num_nodes))
     spares = sorted({0, 1, 2, 4, *(2**i for i in range(3, 16) if 2**i <= top), top})
-    snaps = [1, 2, 4, 8]
+    snaps = snapshot_intervals(job, model, calibration)
     evaluated: dict[tuple[int, int, float, int, int, int], Candidate] = {}
 
     def run(r: int, k: int, pe: float, s: int, floor: int = 0, m: int = 1) -> Candidate | None:
