@@ -15,7 +15,9 @@ What is measured.
   strategy, median [min-max] over ``--seeds`` failure draws (the same draws for every strategy),
   with the calibration used (every figure's source) in the JSON. Besides nonstop's defaults, two
   elastic variants (``--min-world-size`` 90% of the GPUs, ``--shards-per-rank`` 4): ``--survivors
-  auto`` (the runtime's policy chooses per failure) and ``continue`` (always shrink first).
+  auto`` (the runtime's policy chooses per failure) and ``continue`` (always shrink first); and
+  ``nonstop advised``: ``nonstop advise``'s settings for that job, chosen on two other failure
+  draws (its choice is in each row's ``params``).
 * **Fail-slow** (``--fail-slow``, alone, to its own file): the same projection with fail-slow
   ranks and degraded-before-failure signals (:mod:`nonstop.sim.failslow`, its default rates,
   each sourced or flagged as an assumption), nonstop with and without its proactive moves (the
@@ -55,7 +57,7 @@ import numpy as np  # noqa: E402
 from nonstop.runtime.policy import FailureKind  # noqa: E402
 from nonstop.runtime.survivors import SurvivorMode  # noqa: E402
 from nonstop.sim import theory  # noqa: E402
-from nonstop.sim.advisor import proactive_worth  # noqa: E402
+from nonstop.sim.advisor import advise, proactive_worth  # noqa: E402
 from nonstop.sim.api import JobSpec, SimResult, Strategy  # noqa: E402
 from nonstop.sim.calibrate import Calibration, load_calibration  # noqa: E402
 from nonstop.sim.engine import EventSource, simulate  # noqa: E402
@@ -67,6 +69,8 @@ from nonstop.sim.strategies import CheckpointRestart, TorchftLike  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "sim.json"
 FAILSLOW_OUT = REPO_ROOT / "benchmarks" / "results" / "sim-failslow.json"
+ADVISE_HOST_GB = 1024.0  # nonstop advise's default --host-mem-gb
+ADVISE_SEEDS = (100, 101)  # the advisor's draws: not the projection's 0 .. --seeds - 1
 
 
 def machine_info() -> dict[str, Any]:
@@ -113,7 +117,19 @@ def strategies(
             ns = Nonstop(job=job, params=params, calibration=cal)
             ns.name = f"nonstop elastic {mode.value}"
             out.append(ns)
+        out.append(advised(job, model, cal))
     return out
+
+
+def advised(job: JobSpec, model: FailureModel, cal: Calibration) -> Nonstop:
+    """nonstop with ``nonstop advise``'s settings for this job (its default host memory), chosen
+    on other failure draws (:data:`ADVISE_SEEDS`) than the ones the projection measures it on."""
+    adv = advise(
+        job=job, model=model, calibration=cal, host_budget_bytes=ADVISE_HOST_GB * 1e9, seeds=ADVISE_SEEDS
+    )
+    ns = Nonstop(job=job, params=adv.best.params(), calibration=cal)
+    ns.name = "nonstop advised"
+    return ns
 
 
 def bench_speed(cal: Calibration, runs: int, days: float) -> dict[str, Any]:
