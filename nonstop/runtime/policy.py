@@ -161,7 +161,8 @@ def find_hung_ranks(
       of their progress runs from when their step reports *arrived*, their own from when the
       step ended, and the last word before they entered the collective was a small ``idle_s``.
     * every rank stalled that way at once (two ranks or more), or a rank whose training thread is
-      still moving (``moving``: slow, on a starved CPU, rather than stuck): the limit is
+      still moving (``moving``: it ran or waited for a CPU since its last heartbeat,
+      ``train/threadprogress.py``: slow, on a starved CPU, rather than stuck): the limit is
       ``JOB_STALL_FACTOR`` times longer -- a starved machine or a shared stall, not one rank's
       hang. A rank that spins forever moves too: it is caught at the longer limit.
     """

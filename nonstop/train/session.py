@@ -76,6 +76,7 @@ from nonstop.train.prewarm import prepare_spare
 from nonstop.train.rejoin import Rejoin, TrainStep
 from nonstop.train.snapshots import LoopSnapshots
 from nonstop.train.steps import Step, check_objects
+from nonstop.train.threadprogress import ThreadProgress
 from nonstop.train.trainee import Build, Replicated, Sharded, Trainee
 from nonstop.train.waitclock import CollectiveClock
 
@@ -87,31 +88,6 @@ log = logging.getLogger(__name__)
 # imports torch._dynamo (~1 s on these machines), which a spare must not pay
 # after it has been given a rank.
 PREWARM_MODULES = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.algorithms")
-
-
-# CPU seconds the training thread must have used between two heartbeats to count as moving
-MOVING_CPU_S = 0.001
-
-
-def own_cpu_clock() -> int | None:
-    """The calling thread's CPU-time clock, for another thread to read (:func:`clock_s`); None
-    where the platform has none (``pthread_getcpuclockid`` is POSIX). Taken on the thread itself:
-    reading it later from elsewhere goes to the kernel, which refuses a clock whose thread is gone
-    (a ``pthread_t`` passed later could name freed memory)."""
-    try:
-        return time.pthread_getcpuclockid(threading.get_ident())
-    except (AttributeError, OSError):
-        return None
-
-
-def clock_s(clock: int | None) -> float | None:
-    """Seconds on ``clock`` (from :func:`own_cpu_clock`), None if it cannot be read."""
-    if clock is None:
-        return None
-    try:
-        return time.clock_gettime(clock)
-    except OSError:
-        return None
 
 
 USAGE_ABORT_WAIT_S = 10.0  # a worker that failed the job waits this long for the abort, then exits
@@ -160,8 +136,7 @@ class Session(Rejoin):
         self._clock: CollectiveClock | None = None  # a sharded model's waits (train/waitclock.py)
         self._frwatch: FlightRecorderWatch | None = None  # any collective's wait on a GPU (frwatch.py)
         self._last_step_s: float | None = None  # how long the last completed step took
-        self._train_cpu_s: float | None = None  # the training thread's CPU seconds, last heartbeat
-        self._train_clock: int | None = None  # the training thread's CPU clock (own_cpu_clock)
+        self._train_progress = ThreadProgress()  # the training thread's CPU and run-queue clocks
         self._group = GenerationGroup(keep_groups=env.keep_groups)
         self._step = 0
         self._progress_at = time.monotonic()  # when this rank last completed a step (heartbeat "idle")
@@ -251,12 +226,12 @@ class Session(Rejoin):
         )
         msg: Message = {"t": "hb", "coll": coll, "step": self._step, "idle": idle}
         if self._train_thread is not None:
-            # moving: the training thread used the CPU since the last heartbeat (slow, not stuck:
-            # the detector's longer limit; a thread asleep, blocked or waiting uses none)
-            cpu = clock_s(self._train_clock)
-            if cpu is not None:
-                msg["moving"] = self._train_cpu_s is not None and cpu - self._train_cpu_s > MOVING_CPU_S
-                self._train_cpu_s = cpu
+            # moving: the training thread ran, or waited for a CPU, since the last heartbeat
+            # (slow on a starved machine, not stuck: the detector's longer limit; a thread asleep
+            # or blocked does neither)
+            moved = self._train_progress.moved()
+            if moved is not None:
+                msg["moving"] = moved
             frame = sys._current_frames().get(self._train_thread)
             if frame is not None and not coll:  # where it is, for the failure's record if blamed
                 where = "/".join(frame.f_code.co_filename.split("/")[-2:])
@@ -353,7 +328,7 @@ class Session(Rejoin):
         wrap: bool,
     ) -> None:
         self._train_thread = threading.get_ident()
-        self._train_clock = own_cpu_clock()
+        self._train_progress = ThreadProgress.of_this_thread()
         fence = self._snaps.fence if self.env.snapshot == "overlapped" else None
         if (model is None) == (build is None):
             raise UsageError("give model= (and optimizer=) for DDP, or build= for a --mesh job")
