@@ -24,6 +24,7 @@ from nonstop.runtime.wire import Heartbeat, decode_worker
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.liveness import CollectiveWatch, device_event
 from nonstop.train.session import Session
+from nonstop.train.threadprogress import ThreadProgress
 
 CUDA0 = torch.device("cuda", 0)  # only a name: the fakes never touch a device
 
@@ -158,8 +159,8 @@ def _busy(stop: list[bool]) -> None:
 
 
 def test_the_heartbeat_says_whether_the_training_thread_moves_and_where_it_is() -> None:
-    """The detector gives a moving rank (its training thread uses the CPU: slow on a starved
-    machine, not stuck) the longer limit and records where a blamed rank's training thread was
+    """The detector gives a moving rank (its training thread uses the CPU or waits for one: slow
+    on a starved machine, not stuck) the longer limit and records where a blamed rank's training thread was
     (runtime/policy.py, runtime/detector.py)."""
     import threading
 
@@ -178,8 +179,7 @@ def test_the_heartbeat_says_whether_the_training_thread_moves_and_where_it_is() 
                 _sync=None,
                 _frwatch=None,
                 _last_step_s=None,
-                _train_cpu_s=None,
-                _train_clock=time.pthread_getcpuclockid(thread.ident),
+                _train_progress=ThreadProgress(time.pthread_getcpuclockid(thread.ident), thread.native_id),
                 _train_thread=thread.ident,
                 _progress_at=time.monotonic() - 5.0,
                 _step=3,
