@@ -46,12 +46,15 @@ def test_one_clock_is_enough_and_none_is_unknown() -> None:
     assert [wait_only.moved() for _ in range(2)] == [False, True]
 
 
-def test_no_schedstat_for_no_thread_or_a_gone_one() -> None:
+def test_no_schedstat_for_no_thread_or_one_not_of_this_process() -> None:
     assert run_queue_s(None) is None
-    t = threading.Thread(target=lambda: None)
-    t.start()
-    t.join()
-    assert t.native_id is not None and run_queue_s(t.native_id) is None
+    assert run_queue_s(2**22 + 1) is None  # above the kernel's largest pid_max: no such task anywhere
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert run_queue_s(child.pid) is None  # another process's thread is not one of ours
+    finally:
+        child.kill()
+        child.wait()
 
 
 @pytest.fixture
