@@ -96,7 +96,12 @@ def test_a_thread_asleep_does_not_move_and_one_sharing_a_busy_core_waits(one_cor
         t.start()
     ready.wait()
     try:
+        # past the barrier the sleeper still has to reach its wait (on a loaded machine that takes
+        # CPU and run-queue time): look until it stands still, then watch it for a second
         assert asleep.moved() is False and busy.moved() is False
+        deadline = time.monotonic() + 30.0
+        while asleep.moved() is not False and time.monotonic() < deadline:
+            time.sleep(0.1)
         waited = run_queue_s(busy._tid)
         time.sleep(1.0)
         assert asleep.moved() is False
