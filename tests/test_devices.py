@@ -56,40 +56,36 @@ def test_oversubscription_is_one_usage_error_except_on_cpu() -> None:
     assert "\n" not in str(e.value) and "5 processes" in str(e.value) and "4 cuda device(s)" in str(e.value)
 
 
-def test_nonstop_run_refuses_an_oversubscribed_node_with_exit_2(tmp_path: Path) -> None:
+def _refused_at_start(tmp_path: Path, env: dict[str, str], *args: str) -> str:
+    """``nonstop run ARGS`` of a script that must not run, with ``env`` added: its exit code is
+    2 (a usage error) and its stderr one line, returned."""
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('must not run')\n")
-    env = {**os.environ, "NONSTOP_FAKE_DEVICES": "2"}
-    cmd = [str(Path(".venv/bin/nonstop").resolve()), "run", "--nproc-per-node", "2", "--spares", "1"]
+    cmd = [str(Path(".venv/bin/nonstop").resolve()), "run", *args]
     p = subprocess.run(
         [*cmd, "--job-dir", str(tmp_path / "job"), str(script)],
-        env=env,
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert p.returncode == 2, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "3 processes" in lines[0] and "2 cuda device(s)" in lines[0], p.stderr
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+def test_nonstop_run_refuses_an_oversubscribed_node_with_exit_2(tmp_path: Path) -> None:
+    env = {"NONSTOP_FAKE_DEVICES": "2"}
+    line = _refused_at_start(tmp_path, env, "--nproc-per-node", "2", "--spares", "1")
+    assert "3 processes" in line and "2 cuda device(s)" in line, line
 
 
 def test_nonstop_run_refuses_a_bad_device_groups_mode_before_anything_starts(tmp_path: Path) -> None:
     """Read by every worker at its first join, and checked by the launcher first: a typo fails
     the job at its start, in one line, not at the first generation."""
-    script = tmp_path / "train.py"
-    script.write_text("raise SystemExit('must not run')\n")
-    env = {**os.environ, "NONSTOP_DEVICE_GROUPS": "ring"}
-    cmd = [str(Path(".venv/bin/nonstop").resolve()), "run", "--nproc-per-node", "1"]
-    p = subprocess.run(
-        [*cmd, "--job-dir", str(tmp_path / "job"), str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 2, p.stderr
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "NONSTOP_DEVICE_GROUPS='ring'" in lines[0] and "'split'" in lines[0], p.stderr
+    line = _refused_at_start(tmp_path, {"NONSTOP_DEVICE_GROUPS": "ring"}, "--nproc-per-node", "1")
+    assert "NONSTOP_DEVICE_GROUPS='ring'" in line and "'split'" in line, line
     assert not (tmp_path / "job").exists()
 
 
