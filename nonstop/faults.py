@@ -6,6 +6,11 @@ A fault spec is ``KIND:key=value,...``:
 * ``hang:rank=R,step=S``            SIGSTOP it (it stops sending heartbeats; the agent kills it)
 * ``stall:rank=R,step=S``           its training loop sleeps forever while its heartbeat thread
                                     goes on (caught by the no-progress rule, not by heartbeats)
+* ``spin:rank=R,step=S``            it wedges with the GIL held, burning CPU (a C call that never
+                                    returns: a runaway regular expression): its heartbeat goes
+                                    silent but the process moves, so its agent excuses it as
+                                    starved once (``runtime/silence.py``) and it is killed at the
+                                    longer limit, ``JOB_STALL_FACTOR`` x the heartbeat timeout
 * ``exit:rank=R,step=S,code=C``     the worker exits with status C
 * ``wipe:rank=R,step=S``            like ``kill``, and rank R's snapshot memory is deleted first
                                     (a host lost with its memory: recovery needs the durable tier)
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -57,7 +63,10 @@ from nonstop.errors import UsageError
 
 __all__ = ["FaultInjector", "FaultSpec", "fired_at", "parse_fault", "post_fault", "preempt_notice_path"]
 
-KINDS = ("kill", "hang", "stall", "exit", "slow", "wipe", "node", "migrate", "preempt", "slowdown", "degrade")
+KINDS = (
+    "kill", "hang", "stall", "spin", "exit", "slow", "wipe",
+    "node", "migrate", "preempt", "slowdown", "degrade",
+)  # fmt: skip
 NODE_KINDS = ("node", "preempt", "degrade")  # faults aimed at a node, not a rank
 PHASES = ("step", "recovery", "prepare")
 INBOX = "inbox.jsonl"  # faults posted to a running job, one JSON object a line
@@ -95,7 +104,8 @@ class FaultSpec:
 def parse_fault(text: str) -> FaultSpec:
     """Parse a fault spec; raise UsageError with the expected syntax if it is bad."""
     usage = (
-        "expected kill:rank=R,step=S | hang:rank=R,step=S | exit:rank=R,step=S,code=C | node:node=I,step=S "
+        "expected kill:rank=R,step=S | hang:rank=R,step=S | spin:rank=R,step=S | exit:rank=R,step=S,code=C "
+        "| node:node=I,step=S "
         "| migrate:rank=R,step=S[,to=I] | preempt:node=I,step=S,grace=G | slowdown:rank=R,step=S,factor=F "
         "| degrade:node=I,step=S (optionally ,at=recovery)"
     )
@@ -282,5 +292,8 @@ class FaultInjector:
         elif fault.kind == "stall":
             while True:
                 time.sleep(3600)
+        elif fault.kind == "spin":
+            while True:  # exponential backtracking: sre holds the GIL throughout
+                re.match(r"(x+x+)+y", "x" * 64)
         else:
             os._exit(fault.code)

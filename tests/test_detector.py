@@ -78,6 +78,26 @@ def test_a_progress_hang_says_where_the_rank_was_and_a_moving_rank_waits_longer(
     assert _scan(det, 100.0, [silent])[0] == {5: "no heartbeat for 1.50s"}  # its last word is stale
 
 
+def test_a_first_silence_asks_the_agent_and_an_excused_one_waits_longer_then_kills() -> None:
+    """Silent once: a kill its agent is to confirm (runtime/silence.py). Excused (the agent saw it
+    move): its silence is allowed JOB_STALL_FACTOR x the timeout, then it is killed outright."""
+    from nonstop.runtime.policy import JOB_STALL_FACTOR
+
+    det = FailureDetector(CFG)
+    det.record_step(0.1)
+    silent = _rec(9, 1, 98.5)
+    v = det.scan(now=100.0, members={1: silent}, everyone=[silent], alive=lambda _: True, in_training=True)
+    assert list(v.kill) == [9] and v.ask == {9}
+    excused = _rec(9, 1, 98.5, excused=True, coll=True)  # (in a collective: its progress is not judged)
+    members = {1: excused}
+    late = 98.5 + CFG.heartbeat_timeout_s * JOB_STALL_FACTOR
+    for now in (100.1, 100.3, 100.5, 100.7, 100.9, 101.1, 101.3, 101.45):  # (scans as often as the coordinator's)
+        v = det.scan(now=now, members=members, everyone=[excused], alive=lambda _: True, in_training=True)
+        assert v.kill == {} and v.ask == set()
+    v = det.scan(now=late + 0.1, members=members, everyone=[excused], alive=lambda _: True, in_training=True)
+    assert list(v.kill) == [9] and "no heartbeat for 3.10s" in v.kill[9] and v.ask == set()
+
+
 def test_closed_channel_of_a_live_process_is_killed_after_a_grace() -> None:
     det = FailureDetector(CFG)
     w = _rec(4, None, 100.0, chan_closed_at=100.0)

@@ -64,8 +64,27 @@ def test_hung_worker_is_detected_killed_and_replaced(tmp_path: Path, reference_h
     _check_recovered(run, reference_hash, 1)
     (f,) = run.result.failures
     assert f["kind"] == "hang" and "no heartbeat" in f["detail"]
+    assert "stopped (state T)" in f["detail"], f  # its agent saw the SIGSTOP, and killed it at once
     assert 0.9 <= f["detect_s"] < 3.0
     assert any(e["event"] == "hang_detected" and e["rank"] == 2 for e in run.events)
+    assert not [e for e in run.events if e["event"] == "silence_excused"]
+
+
+def test_a_silent_worker_that_burns_cpu_is_excused_once_then_killed(tmp_path: Path, reference_hash: str) -> None:
+    """Rank 2 wedges with the GIL held, spinning (``spin``): its heartbeat goes silent, but its
+    agent sees it move and spares it as starved (runtime/silence.py); still silent at
+    JOB_STALL_FACTOR x the timeout, it is killed and replaced like any hang."""
+    from nonstop.runtime.policy import JOB_STALL_FACTOR
+
+    run = run_demo_job(tmp_path, faults=("spin:rank=2,step=6",))
+    _check_recovered(run, reference_hash, 1)
+    (f,) = run.result.failures
+    assert f["kind"] == "hang" and "no heartbeat" in f["detail"], f
+    assert f["detect_s"] >= JOB_STALL_FACTOR - 0.1, f
+    excused = [e for e in run.events if e["event"] == "silence_excused"]
+    assert [e["rank"] for e in excused] == [2] and "ms on a CPU" in excused[0]["detail"], excused
+    (hang,) = [e for e in run.events if e["event"] == "hang_detected"]
+    assert hang["rank"] == 2 and hang["ts"] > excused[0]["ts"]
 
 
 def test_stalled_worker_is_caught_by_the_progress_rule(tmp_path: Path, reference_hash: str) -> None:

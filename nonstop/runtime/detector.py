@@ -39,6 +39,9 @@ def _exiting(w: WorkerRecord, now: float) -> bool:
 @dataclass
 class Verdicts:
     kill: dict[int, str] = field(default_factory=dict)  # spawn id -> reason
+    # of those, the ones silent for the first time since they last spoke: their agent is to kill
+    # them only if it sees them stuck, not moving (runtime/silence.py)
+    ask: set[int] = field(default_factory=set)
     reraise: list[int] = field(default_factory=list)  # spawn ids told to re-raise
 
 
@@ -98,6 +101,7 @@ class FailureDetector:
                 collective_pending=w.coll,
                 idle_s=w.idle_s,
                 moving=w.moving,
+                excused=w.excused,
                 stepped=w.stepped,
                 rebuilding=rank in rebuilding,
             )
@@ -109,6 +113,8 @@ class FailureDetector:
             at = members[rank].at  # where its training thread was (a progress hang only)
             silent = at is None or reason.startswith("no heartbeat")
             v.kill[members[rank].spawn_id] = reason if silent else f"{reason}, at {at}"
+            if reason.startswith("no heartbeat") and not members[rank].excused:
+                v.ask.add(members[rank].spawn_id)
         for w in everyone:
             if (
                 w.chan_closed_at is not None

@@ -77,10 +77,15 @@ class Executor:
         self.events.emit(ev.Spawn(spawn_id=sid, role=str(role), rank=rank, node=node))
         return sid
 
-    def kill(self, sid: int, sig: int = signal.SIGKILL) -> None:
+    def kill(self, sid: int, sig: int = signal.SIGKILL, *, unless_moving: bool = False) -> None:
+        """Have ``sid``'s agent send it ``sig``; ``unless_moving``: SIGKILL only if the agent sees
+        it stuck, and answer either way (``judged``: ``runtime/silence.py``)."""
         node = self.view.nodes.get(self.view.node_of(sid))
         if node is not None:
-            self.send_node(node, {"t": "kill", "spawn_id": sid, "sig": int(sig)})
+            msg: Message = {"t": "kill", "spawn_id": sid, "sig": int(sig)}
+            if unless_moving:
+                msg["unless_moving"] = True
+            self.send_node(node, msg)
 
     # -- requests to nodes -------------------------------------------------------------------------
     def request(self, node: NodeRecord, msg: Message) -> int:

@@ -26,7 +26,7 @@ from nonstop.faults import fired_at
 from nonstop.runtime import events as ev
 from nonstop.runtime.grading import Grade
 from nonstop.runtime.phase import JobPhase
-from nonstop.runtime.policy import FailureKind, classify_exit, describe_exit
+from nonstop.runtime.policy import JOB_STALL_FACTOR, FailureKind, classify_exit, describe_exit
 from nonstop.runtime.recovery import Failure, Stage
 from nonstop.runtime.view import Role
 
@@ -72,6 +72,8 @@ class Failures:
             if w is None:
                 continue
             node = w.node
+            if w.judging_since is not None:  # it exited before its agent's verdict came: hung all the same
+                self.on_judged(sid, hung=True, detail=f"it exited ({describe_exit(rc)}) before it was judged")
             self.c.events.emit(
                 ev.Exit(
                     spawn_id=sid, role=w.role, rank=w.rank, returncode=rc, how=describe_exit(rc), node=node
@@ -230,6 +232,32 @@ class Failures:
             )
         self.c.view.failures_total += len(failures)
 
+    def on_judged(self, sid: int, *, hung: bool, detail: str) -> None:
+        """A silent worker's agent judged it (``runtime/silence.py``): hung (it is being killed),
+        or moving -- starved, left alive, its silence allowed ``JOB_STALL_FACTOR`` x longer."""
+        w = self.c.view.workers.get(sid)
+        if w is None or w.judging_since is None or w.killed_for_hang is None:
+            return
+        w.judging_since = None
+        if hung:
+            w.killed_for_hang = f"{w.killed_for_hang}; {detail}"
+            self.c.events.emit(ev.HangDetected(rank=w.rank, spawn_id=sid, reason=w.killed_for_hang))
+            return
+        reason, w.killed_for_hang, w.excused = w.killed_for_hang, None, True
+        self.c.events.emit(ev.SilenceExcused(rank=w.rank, spawn_id=sid, reason=reason, detail=detail))
+
+    def _unanswered(self, now: float) -> None:
+        """A silent worker whose agent has not judged it within the excused silence (the agent is
+        itself starved, or gone: its lease decides that) is killed unconditionally."""
+        limit = self.c.detector.config.heartbeat_timeout_s * JOB_STALL_FACTOR
+        for w in self.c.view.workers.values():
+            if w.judging_since is not None and now - w.judging_since > limit and w.live:
+                w.judging_since = None
+                w.killed_for_hang = f"{w.killed_for_hang}; its agent did not judge it in {limit:.1f}s"
+                why = w.killed_for_hang
+                self.c.events.emit(ev.HangDetected(rank=w.rank, spawn_id=w.spawn_id, reason=why))
+                self.c.io.kill(w.spawn_id, signal.SIGKILL)
+
     def detect(self) -> None:
         if self.c.view.phase not in (JobPhase.RUNNING, JobPhase.RECONFIGURING):
             return
@@ -251,13 +279,19 @@ class Failures:
             rebuilding=rebuilding,
             recovering=self.c.view.phase is JobPhase.RECONFIGURING and not in_training,
         )
+        now = time.monotonic()
         for sid, reason in verdicts.kill.items():
             w = self.c.view.workers[sid]
             if w.killed_for_hang:
                 continue
             w.killed_for_hang = reason
+            if sid in verdicts.ask:  # silent: its agent kills it unless it moves (on_judged)
+                w.judging_since = now
+                self.c.io.kill(sid, signal.SIGKILL, unless_moving=True)
+                continue
             self.c.events.emit(ev.HangDetected(rank=w.rank, spawn_id=sid, reason=reason))
             self.c.io.kill(sid, signal.SIGKILL)
+        self._unanswered(now)
         for sid in verdicts.reraise:
             w = self.c.view.workers[sid]
             w.told_to_raise_at = time.monotonic()  # tell it once; its exit is its failure

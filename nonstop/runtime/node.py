@@ -83,6 +83,7 @@ from nonstop.replica.peer import (
     local_store_id,
     replica_store_id,
 )
+from nonstop.runtime import silence
 from nonstop.runtime.agent import Agent, remove_segments
 from nonstop.runtime.devices import DeviceInventory, Devices
 from nonstop.runtime.gc import hold_lock, release_lock
@@ -469,9 +470,10 @@ class NodeAgent(DeviceSpawner):
             self._spawn(msg)
         elif t == "kill":
             sid, sig = int(msg["spawn_id"]), int(msg.get("sig", signal.SIGKILL))
-            self.agent.kill(sid, sig)
-            if sig == signal.SIGKILL and sid in self.agent.procs:
-                self._killed.add(sid)  # certain to exit: a spawn may wait for its device
+            if msg.get("unless_moving"):
+                self._kill_unless_moving(sid)
+            else:
+                self._kill(sid, sig)
         elif t == "finish":
             self.agent.wait_all(10.0)
             return 1 if msg.get("failed") else 0
@@ -481,6 +483,26 @@ class NodeAgent(DeviceSpawner):
             assert self._data_work is not None
             self._data_work.submit(msg)
         return None
+
+    def _kill(self, sid: int, sig: int) -> None:
+        assert self.agent is not None
+        self.agent.kill(sid, sig)
+        if sig == signal.SIGKILL and sid in self.agent.procs:
+            self._killed.add(sid)  # certain to exit: a spawn may wait for its device
+
+    def _kill_unless_moving(self, sid: int) -> None:
+        """The coordinator found ``sid`` silent: watch it (on a thread of its own, for
+        ``silence.WINDOW_S``) and kill it unless it moves; say which (``runtime/silence.py``)."""
+        assert self.agent is not None
+        pid = self.agent.pid(sid)
+
+        def judge() -> None:
+            verdict = silence.judge(pid) if pid is not None else silence.Verdict("unknown", "not running")
+            self._send({"t": "judged", "spawn_id": sid, "hung": verdict.hung, "detail": verdict.detail})
+            if verdict.hung:  # (the verdict goes first: the coordinator hears it before the exit)
+                self._kill(sid, signal.SIGKILL)
+
+        threading.Thread(target=judge, name=f"nonstop-agent-judge-{sid}", daemon=True).start()
 
     def _fence(self, why: str) -> int:
         """Stop playing any rank (:func:`~nonstop.runtime.nodelease.fence_node`)."""

@@ -188,6 +188,8 @@ class NodeAgents:
             if w is not None and w.live:
                 w.live = False
                 self.c.failures.exits.append(Exit(sid=m.spawn_id, rc=m.rc, pid=m.pid, fault_at=m.fault_at))
+        elif isinstance(m, wire.Judged):
+            self.c.failures.on_judged(m.spawn_id, hung=m.hung, detail=m.detail)
         elif isinstance(m, wire.Spawned):
             w = self.c.view.workers.get(m.spawn_id)
             if w is not None and m.pid is not None:

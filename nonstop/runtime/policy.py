@@ -105,6 +105,9 @@ class RankObservation:
     # rank starved of CPU on its way to the collective its peers wait in moves; one stuck in a
     # sleep, a lock, a wait or a call blocked in the kernel does not.
     moving: bool = False
+    # silent past the timeout once already, and its node agent saw it move (runtime/silence.py):
+    # starved, not hung -- its silence is allowed JOB_STALL_FACTOR x the timeout
+    excused: bool = False
 
 
 def classify_exit(returncode: int, *, killed_for_hang: bool) -> FailureKind:
@@ -153,6 +156,9 @@ def find_hung_ranks(
     * heartbeat silent for ``heartbeat_timeout_s``: the process is stopped or
       wedged with the GIL held (a rank blocked in a collective still beats); 10x that while it
       joins a new group, 3x before its first step of the generation (lazy initialisation).
+      The coordinator has the rank's node agent confirm it (``runtime/silence.py``): a rank the
+      agent saw move is ``excused`` -- starved of CPU -- and allowed ``JOB_STALL_FACTOR`` x the
+      timeout, after which it is killed unconditionally.
     * no step progress for ``limit = max(hang_factor * median, hang_min_s)`` while no
       collective is pending on that rank, and the rank itself said (``idle_s``) that it has
       been out of any collective without completing a step for longer than ``limit``: it is
@@ -176,6 +182,8 @@ def find_hung_ranks(
             allowed = config.heartbeat_timeout_s * FIRST_STEP_SILENCE_FACTOR
         else:
             allowed = config.heartbeat_timeout_s
+        if obs.excused:
+            allowed = max(allowed, config.heartbeat_timeout_s * JOB_STALL_FACTOR)
         if silent > allowed:
             hung[rank] = f"no heartbeat for {silent:.2f}s"
             continue

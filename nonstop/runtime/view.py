@@ -53,6 +53,8 @@ class WorkerRecord:
     at: str | None = None  # its last heartbeat's word: where its training thread was
     stepped: bool = False  # completed a step in the current generation
     killed_for_hang: str | None = None  # why nonstop killed it, if it did
+    judging_since: float | None = None  # silent: its agent is asked to kill it unless it moves
+    excused: bool = False  # its agent saw it move while silent (runtime/silence.py); a heartbeat clears it
     fault_at: float | None = None  # wall time an injected fault fired on it
     fault_report: tuple[float, str] | None = None  # (when, error) of a reported exception
     told_to_raise_at: float | None = None  # when it was told to raise that exception (it exits)

@@ -32,6 +32,7 @@ __all__ = [
     "Injected",
     "Installed",
     "Inventory",
+    "Judged",
     "Lease",
     "Lost",
     "Migrate",
@@ -314,6 +315,16 @@ class Exit:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Judged:
+    """The agent's verdict on a worker the coordinator found silent (``runtime/silence.py``):
+    ``hung`` (it kills it now) or not (it moves: starved, left alive); ``detail``: what it saw."""
+
+    spawn_id: int
+    hung: bool
+    detail: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Spawned:
     """A spawn carried out (``device``: the node-local device index it holds, None on a CPU
     node), or refused (``error``; its ``exit`` follows)."""
@@ -393,6 +404,7 @@ class Fatal:
 AgentMessage = (
     Lease
     | Exit
+    | Judged
     | Spawned
     | Inventory
     | Installed
@@ -418,6 +430,9 @@ def decode_agent(m: Mapping[str, Any]) -> AgentMessage | None:
             pid=_opt_int(m, "pid"),
             fault_at=_opt_num(m, "fault_at"),
         )
+    if t == "judged":
+        hung = bool(m.get("hung", True))  # (a verdict without its word kills, as before)
+        return Judged(spawn_id=_int(m, "spawn_id"), hung=hung, detail=str(m.get("detail", "")))
     if t == "spawned":
         return Spawned(
             spawn_id=_int(m, "spawn_id"),

@@ -101,6 +101,7 @@ class WorkerProtocol:
         now = time.monotonic()
         if isinstance(m, wire.Heartbeat):
             w.last_hb, w.coll, w.idle_s, w.moving, w.at = now, m.coll, m.idle_s, m.moving, m.at
+            w.excused = False  # (it speaks again: a later silence is judged afresh)
             return
         if isinstance(m, wire.Injected):
             w.fault_at = m.ts

@@ -103,6 +103,7 @@ from nonstop.runtime.events.recovery import (
     Replicated,
     ReplicationFailed,
     RestoreFromDurable,
+    SilenceExcused,
     Stage,
 )
 
@@ -132,6 +133,7 @@ __all__ = [
     "GrowPause",
     "GrowStart",
     "HangDetected",
+    "SilenceExcused",
     "HealthVerdict",
     "JobDone",
     "JobEnd",

@@ -24,6 +24,7 @@ __all__ = [
     "Replicated",
     "ReplicationFailed",
     "RestoreFromDurable",
+    "SilenceExcused",
     "Stage",
 ]
 
@@ -70,6 +71,18 @@ class HangDetected(Event):
     rank: int | None
     spawn_id: int | None
     reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SilenceExcused(Event):
+    """A silent worker its node agent saw move (``runtime/silence.py``): starved, not hung. It is
+    left alive, and allowed ``JOB_STALL_FACTOR`` x the heartbeat timeout before it is killed."""
+
+    kind: ClassVar[str] = "silence_excused"
+    rank: int | None
+    spawn_id: int
+    reason: str
+    detail: str
 
 
 @dataclass(frozen=True, kw_only=True)
