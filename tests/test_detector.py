@@ -91,7 +91,7 @@ def test_a_first_silence_asks_the_agent_and_an_excused_one_waits_longer_then_kil
     excused = _rec(9, 1, 98.5, excused=True, coll=True)  # (in a collective: its progress is not judged)
     members = {1: excused}
     late = 98.5 + CFG.heartbeat_timeout_s * JOB_STALL_FACTOR
-    for now in (100.1, 100.3, 100.5, 100.7, 100.9, 101.1, 101.3, 101.45):  # (scans as often as the coordinator's)
+    for now in (100.1, 100.3, 100.5, 100.7, 100.9, 101.1, 101.3, 101.45):  # (as often as it scans)
         v = det.scan(now=now, members=members, everyone=[excused], alive=lambda _: True, in_training=True)
         assert v.kill == {} and v.ask == set()
     v = det.scan(now=late + 0.1, members=members, everyone=[excused], alive=lambda _: True, in_training=True)

@@ -70,7 +70,9 @@ def test_hung_worker_is_detected_killed_and_replaced(tmp_path: Path, reference_h
     assert not [e for e in run.events if e["event"] == "silence_excused"]
 
 
-def test_a_silent_worker_that_burns_cpu_is_excused_once_then_killed(tmp_path: Path, reference_hash: str) -> None:
+def test_a_silent_worker_that_burns_cpu_is_excused_once_then_killed(
+    tmp_path: Path, reference_hash: str
+) -> None:
     """Rank 2 wedges with the GIL held, spinning (``spin``): its heartbeat goes silent, but its
     agent sees it move and spares it as starved (runtime/silence.py); still silent at
     JOB_STALL_FACTOR x the timeout, it is killed and replaced like any hang."""

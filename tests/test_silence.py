@@ -73,7 +73,8 @@ def test_the_state_is_read_after_a_name_with_spaces_and_parentheses(tmp_path: Pa
     (tmp_path / "7" / "task" / "7").mkdir(parents=True)
     (tmp_path / "7" / "stat").write_text("7 (a (b) c) R 1 7 7 0 -1\n")
     (tmp_path / "7" / "task" / "7" / "schedstat").write_text("5000000 7000000 12\n")
-    assert silence.motion(7, proc=str(tmp_path)) == silence.Motion(state="R", cpu_ns=5_000_000, wait_ns=7_000_000)
+    seen = silence.motion(7, proc=str(tmp_path))
+    assert seen == silence.Motion(state="R", cpu_ns=5_000_000, wait_ns=7_000_000)
 
 
 def _state(pid: int) -> str:
