@@ -54,11 +54,21 @@ def detector_args(p: argparse.ArgumentParser) -> None:
         default=d.hang_min_s,
         help="floor of the progress-based hang timeout, seconds (default %(default)s)",
     )
+    p.add_argument(
+        "--no-confirm-silence",
+        dest="confirm_silence",
+        action="store_false",
+        help="kill a silent worker at once, without its node agent's look at whether it is starved "
+        "of CPU rather than stuck (by default one that moves is spared, for 3x the timeout)",
+    )
 
 
 def detector(ns: argparse.Namespace) -> DetectorConfig:
     return DetectorConfig(
-        heartbeat_timeout_s=ns.heartbeat_timeout, hang_factor=ns.hang_factor, hang_min_s=ns.hang_min_s
+        heartbeat_timeout_s=ns.heartbeat_timeout,
+        hang_factor=ns.hang_factor,
+        hang_min_s=ns.hang_min_s,
+        confirm_silence=ns.confirm_silence,
     )
 
 

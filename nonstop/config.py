@@ -87,6 +87,9 @@ class DetectorConfig:
     hang_min_s: floor for the progress-based hang timeout.
     startup_grace_s: before a rank's first step, only process exit and
         heartbeat silence count (the first step includes lazy init).
+    confirm_silence: a silent worker's node agent confirms the hang before the kill
+        (``runtime/silence.py``): one it sees move -- starved of CPU, not stuck -- is spared
+        and allowed ``JOB_STALL_FACTOR`` x the timeout. False: killed at the first silence.
     """
 
     heartbeat_interval_s: float = 0.1
@@ -94,6 +97,7 @@ class DetectorConfig:
     hang_factor: float = 10.0
     hang_min_s: float = 3.0
     startup_grace_s: float = 120.0
+    confirm_silence: bool = True
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_interval_s:

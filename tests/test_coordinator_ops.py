@@ -437,3 +437,70 @@ def test_status_of_a_member_planned_but_not_spawned_yet(tmp_path: Path) -> None:
         "connected": False,
         "step": h.coord.view.latest_step.get(1),
     }
+
+
+def _silent_until_asked(h: Harness, rank: int, timeout_s: float) -> int:
+    """Rank ``rank`` goes silent while the other beats, until its agent is asked to judge it."""
+    sid = h.coord.view.members[rank]
+    agent = h.agents[h.coord.view.node_of(sid)]
+    end = time.monotonic() + 20 * timeout_s
+    while "kill" not in agent.kinds():
+        assert time.monotonic() < end, "the silent rank was never judged"
+        for other in h.coord.view.members:
+            if other != rank:
+                h.worker_says(other, {"t": "hb", "coll": True, "step": 2, "idle": 0.0})
+        h.tick()
+        time.sleep(timeout_s / 10)
+    return sid
+
+
+def test_a_silent_rank_its_agent_saw_move_is_spared_then_killed_at_the_longer_limit(tmp_path: Path) -> None:
+    """The kill of a silent rank goes to its agent as 'unless_moving' (runtime/silence.py). The
+    agent says it moves: no hang, no kill, 'silence_excused'; still silent at JOB_STALL_FACTOR x
+    the timeout, it is killed outright; its exit is a hang like any other."""
+    from nonstop.config import DetectorConfig
+    from nonstop.runtime.policy import JOB_STALL_FACTOR
+
+    timeout = 0.3
+    h = two_nodes(tmp_path, detector=DetectorConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=timeout))
+    h.step_all(2)
+    sid = _silent_until_asked(h, 1, timeout)
+    agent = h.agents[h.coord.view.node_of(sid)]
+    asked_at = time.monotonic()
+    assert agent.last("kill") == {"t": "kill", "spawn_id": sid, "sig": 9, "unless_moving": True}
+    assert h.events("hang_detected") == []
+    h.put("msg", agent, {"t": "judged", "spawn_id": sid, "hung": False, "detail": "5.0 ms on a CPU"})
+    h.tick()
+    [excused] = h.events("silence_excused")
+    assert excused["spawn_id"] == sid and excused["rank"] == 1 and excused["detail"] == "5.0 ms on a CPU"
+    assert h.coord.view.workers[sid].killed_for_hang is None
+    while len([m for m in agent.sent if m.get("t") == "kill"]) < 2:
+        assert time.monotonic() - asked_at < 10 * JOB_STALL_FACTOR * timeout, "never killed"
+        h.worker_says(0, {"t": "hb", "coll": True, "step": 2, "idle": 0.0})
+        h.tick()
+        time.sleep(timeout / 10)
+    assert time.monotonic() - asked_at >= (JOB_STALL_FACTOR - 1) * timeout * 0.9
+    assert agent.last("kill") == {"t": "kill", "spawn_id": sid, "sig": 9}  # no second opinion now
+    [hang] = h.events("hang_detected")
+    assert hang["spawn_id"] == sid and "no heartbeat" in hang["reason"]
+    h.exit(sid)
+    [failure] = h.events("failure")
+    assert failure["kind"] == "hang" and failure["rank"] == 1
+
+
+def test_a_silent_rank_its_agent_found_stopped_is_a_hang_with_what_the_agent_saw(tmp_path: Path) -> None:
+    from nonstop.config import DetectorConfig
+
+    timeout = 0.3
+    h = two_nodes(tmp_path, detector=DetectorConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=timeout))
+    h.step_all(2)
+    sid = _silent_until_asked(h, 1, timeout)
+    agent = h.agents[h.coord.view.node_of(sid)]
+    h.put("msg", agent, {"t": "judged", "spawn_id": sid, "hung": True, "detail": "stopped (state T)"})
+    h.tick()
+    [hang] = h.events("hang_detected")
+    assert hang["spawn_id"] == sid and hang["reason"].endswith("; stopped (state T)"), hang
+    h.exit(sid)
+    [failure] = h.events("failure")
+    assert failure["kind"] == "hang" and "stopped (state T)" in failure["detail"]
+    assert h.events("silence_excused") == []

@@ -88,6 +88,11 @@ def test_a_first_silence_asks_the_agent_and_an_excused_one_waits_longer_then_kil
     silent = _rec(9, 1, 98.5)
     v = det.scan(now=100.0, members={1: silent}, everyone=[silent], alive=lambda _: True, in_training=True)
     assert list(v.kill) == [9] and v.ask == {9}
+    unconfirmed = FailureDetector(DetectorConfig(heartbeat_timeout_s=1.0, confirm_silence=False))
+    v = unconfirmed.scan(
+        now=100.0, members={1: silent}, everyone=[silent], alive=lambda _: True, in_training=True
+    )
+    assert list(v.kill) == [9] and v.ask == set()  # --no-confirm-silence: killed outright
     excused = _rec(9, 1, 98.5, excused=True, coll=True)  # (in a collective: its progress is not judged)
     members = {1: excused}
     late = 98.5 + CFG.heartbeat_timeout_s * JOB_STALL_FACTOR

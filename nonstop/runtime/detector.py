@@ -113,7 +113,11 @@ class FailureDetector:
             at = members[rank].at  # where its training thread was (a progress hang only)
             silent = at is None or reason.startswith("no heartbeat")
             v.kill[members[rank].spawn_id] = reason if silent else f"{reason}, at {at}"
-            if reason.startswith("no heartbeat") and not members[rank].excused:
+            if (
+                self.config.confirm_silence
+                and reason.startswith("no heartbeat")
+                and not members[rank].excused
+            ):
                 v.ask.add(members[rank].spawn_id)
         for w in everyone:
             if (

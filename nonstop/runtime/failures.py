@@ -28,7 +28,7 @@ from nonstop.runtime.grading import Grade
 from nonstop.runtime.phase import JobPhase
 from nonstop.runtime.policy import JOB_STALL_FACTOR, FailureKind, classify_exit, describe_exit
 from nonstop.runtime.recovery import Failure, Stage
-from nonstop.runtime.view import Role
+from nonstop.runtime.view import Role, WorkerRecord
 
 if TYPE_CHECKING:
     from nonstop.runtime.coordinator import Coordinator
@@ -72,8 +72,8 @@ class Failures:
             if w is None:
                 continue
             node = w.node
-            if w.judging_since is not None:  # it exited before its agent's verdict came: hung all the same
-                self.on_judged(sid, hung=True, detail=f"it exited ({describe_exit(rc)}) before it was judged")
+            if w.judging_since is not None and ex.node_lost is None:  # it exited before its verdict came
+                self._judged(w, hung=True, detail=f"it exited ({describe_exit(rc)}) before it was judged")
             self.c.events.emit(
                 ev.Exit(
                     spawn_id=sid, role=w.role, rank=w.rank, returncode=rc, how=describe_exit(rc), node=node
@@ -236,7 +236,12 @@ class Failures:
         """A silent worker's agent judged it (``runtime/silence.py``): hung (it is being killed),
         or moving -- starved, left alive, its silence allowed ``JOB_STALL_FACTOR`` x longer."""
         w = self.c.view.workers.get(sid)
-        if w is None or w.judging_since is None or w.killed_for_hang is None:
+        if w is not None:
+            self._judged(w, hung=hung, detail=detail)
+
+    def _judged(self, w: WorkerRecord, *, hung: bool, detail: str) -> None:
+        sid = w.spawn_id
+        if w.judging_since is None or w.killed_for_hang is None:
             return
         w.judging_since = None
         if hung:
