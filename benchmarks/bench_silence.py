@@ -99,15 +99,23 @@ def _run(args: argparse.Namespace, run_dir: Path, mode: str, fault: str | None) 
     out["wall_s"] = round(time.monotonic() - t0, 1)
     events = read_events(run_dir / "events.jsonl")
     hangs = [e for e in events if e["event"] == "hang_detected"]
-    true_hang = 1 if fault and any(e.get("rank") == 1 for e in hangs) else 0
+    # the injected hang: the first failure of a process the fault fired in (its detect_s is
+    # measured from the fault's own wall time; a process nothing was injected into has none)
+    injected = [f for f in result.failures if fault and f.get("kind") == "hang" and f.get("detect_s")]
     out.update(
-        false_kills=len(hangs) - true_hang,
+        false_kills=len(hangs) - min(1, len(injected)),
         excused=sum(1 for e in events if e["event"] == "silence_excused"),
         failures=len(result.failures),
-        hang_reasons=[e["reason"][:120] for e in hangs],
+        hang_reasons=[f"rank {e.get('rank')}: {e['reason'][:100]}" for e in hangs],
+        failure_list=[
+            [f.get("kind"), f.get("rank"), str(f.get("detail"))[:100], f.get("detect_s")]
+            for f in result.failures
+        ],
+        excused_detail=[
+            f"rank {e.get('rank')}: {e.get('detail')}" for e in events if e["event"] == "silence_excused"
+        ],
     )
-    first = next((f for f in result.failures if f.get("kind") == "hang" and f.get("rank") == 1), None)
-    out["detect_s"] = first.get("detect_s") if fault and first else None
+    out["detect_s"] = injected[0]["detect_s"] if injected else None
     result_file = run_dir / "result.json"
     if out["ok"] and result_file.exists():
         out["final_hash"] = json.loads(result_file.read_text())["final_hash"]
