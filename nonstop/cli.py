@@ -106,7 +106,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         action="append",
         default=[],
         metavar="SPEC",
-        help="kill:rank=R,step=S | hang:rank=R,step=S | stall:rank=R,step=S | exit:rank=R,step=S,code=C | "
+        help="kill:rank=R,step=S | hang:rank=R,step=S | stall:rank=R,step=S | spin:rank=R,step=S | "
+        "exit:rank=R,step=S,code=C | "
         "slow:rank=R,step=S,seconds=X | node:node=I,step=S "
         "(add ,at=recovery to fire during a recovery); repeatable",
     )
