@@ -80,3 +80,18 @@ def test_the_state_is_read_after_a_name_with_spaces_and_parentheses(tmp_path: Pa
 def _state(pid: int) -> str:
     m = silence.motion(pid)
     return m.state if m is not None else "?"
+
+
+def test_a_process_with_a_runnable_thread_moves_though_its_clocks_barely_did(tmp_path: Path) -> None:
+    """A thread in state R wants a CPU: not stuck, whatever its clocks did in the short look
+    (found in CI: a healthy rank killed as still with 1.4 ms on a CPU, state R)."""
+    task = tmp_path / "7" / "task"
+    for tid, state in (("7", "S"), ("8", "R")):
+        (task / tid).mkdir(parents=True)
+        (task / tid / "stat").write_text(f"{tid} (python) {state} 1 7 7 0 -1\n")
+        (task / tid / "schedstat").write_text("5000000 7000000 12\n")
+    (tmp_path / "7" / "stat").write_text("7 (python) S 1 7 7 0 -1\n")
+    verdict = silence.judge(7, window_s=0.01, proc=str(tmp_path))
+    assert verdict.kind == "moving" and not verdict.hung, verdict
+    (task / "8" / "stat").write_text("8 (python) S 1 7 7 0 -1\n")
+    assert silence.judge(7, window_s=0.01, proc=str(tmp_path)).kind == "still"
