@@ -61,6 +61,7 @@ feeds it the coordinator's messages. The commands that move snapshot bytes
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -470,8 +471,9 @@ class NodeAgent(DeviceSpawner):
             self._spawn(msg)
         elif t == "kill":
             sid, sig = int(msg["spawn_id"]), int(msg.get("sig", signal.SIGKILL))
-            if msg.get("unless_moving"):
-                self._kill_unless_moving(sid)
+            if msg.get("unless_moving"):  # silent: killed only if stuck (runtime/silence.py)
+                kill = functools.partial(self._kill, sig=signal.SIGKILL)
+                silence.kill_unless_moving(sid, self.agent.pid(sid), send=self._send, kill=kill)
             else:
                 self._kill(sid, sig)
         elif t == "finish":
@@ -489,20 +491,6 @@ class NodeAgent(DeviceSpawner):
         self.agent.kill(sid, sig)
         if sig == signal.SIGKILL and sid in self.agent.procs:
             self._killed.add(sid)  # certain to exit: a spawn may wait for its device
-
-    def _kill_unless_moving(self, sid: int) -> None:
-        """The coordinator found ``sid`` silent: watch it (on a thread of its own, for
-        ``silence.WINDOW_S``) and kill it unless it moves; say which (``runtime/silence.py``)."""
-        assert self.agent is not None
-        pid = self.agent.pid(sid)
-
-        def judge() -> None:
-            verdict = silence.judge(pid) if pid is not None else silence.Verdict("unknown", "not running")
-            self._send({"t": "judged", "spawn_id": sid, "hung": verdict.hung, "detail": verdict.detail})
-            if verdict.hung:  # (the verdict goes first: the coordinator hears it before the exit)
-                self._kill(sid, signal.SIGKILL)
-
-        threading.Thread(target=judge, name=f"nonstop-agent-judge-{sid}", daemon=True).start()
 
     def _fence(self, why: str) -> int:
         """Stop playing any rank (:func:`~nonstop.runtime.nodelease.fence_node`)."""

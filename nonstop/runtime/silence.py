@@ -25,10 +25,12 @@ agent kills: the judgement only ever spares a process it saw move.
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["MOVED_NS", "WINDOW_S", "Motion", "Verdict", "judge", "motion"]
+__all__ = ["MOVED_NS", "WINDOW_S", "Motion", "Verdict", "judge", "kill_unless_moving", "motion"]
 
 WINDOW_S = 0.2
 """How long the agent watches a silent process (two heartbeat intervals)."""
@@ -108,3 +110,19 @@ def judge(pid: int, *, window_s: float = WINDOW_S, proc: str = "/proc") -> Verdi
         # 1.4 ms on a CPU and 1.1 ms waiting for one in the look, state R)
         return Verdict("moving", seen)
     return Verdict("still", f"still: {seen} (state {second.state})")
+
+
+def kill_unless_moving(
+    sid: int, pid: int | None, *, send: Callable[[dict[str, object]], None], kill: Callable[[int], None]
+) -> None:
+    """The agent's side of ``kill ... unless_moving``: on a thread of its own, judge process ``sid``
+    (``pid``; None: not running here), ``send`` the verdict (``judged``), then ``kill(sid)`` if it
+    is hung -- the verdict first, so the coordinator hears it before the exit."""
+
+    def run() -> None:
+        verdict = judge(pid) if pid is not None else Verdict("unknown", "not running")
+        send({"t": "judged", "spawn_id": sid, "hung": verdict.hung, "detail": verdict.detail})
+        if verdict.hung:
+            kill(sid)
+
+    threading.Thread(target=run, name=f"nonstop-agent-judge-{sid}", daemon=True).start()
