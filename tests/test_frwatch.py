@@ -115,6 +115,8 @@ def test_the_heartbeat_says_coll_while_the_recorder_shows_a_started_collective()
         _last_step_s=0.5,
         _train_thread=None,
         _progress_at=time.monotonic() - 10.0,  # ten seconds without a step
+        _coll_at=0.0,
+        _clock=None,
         _step=3,
     )
     assert Session._heartbeat_msg(cast(Any, stub))["coll"] is True  # an FSDP2 reduce-scatter waits on a peer

@@ -102,6 +102,22 @@ def test_the_cpu_records_no_event() -> None:
     assert not watch.pending()
 
 
+CFG = DetectorConfig(heartbeat_timeout_s=1.0, hang_factor=10, hang_min_s=2.0)
+
+
+def _seen(now: float, hb: Heartbeat | None) -> RankObservation:
+    """A rank 100 s without a step report, as its heartbeat ``hb`` says (None: one out of any
+    collective for all of those 100 s, by its own word)."""
+    return RankObservation(
+        last_heartbeat=now,
+        last_progress=now - 100.0,
+        collective_pending=hb is not None and hb.coll,
+        stepped=True,
+        idle_s=100.0 if hb is None else hb.idle_s,
+        moving=hb is not None and hb.moving,
+    )
+
+
 def _sync_with_fakes() -> tuple[CanonicalGradSync, Factory]:
     sync = CanonicalGradSync(torch.nn.Linear(3, 2))
     make = Factory()
@@ -123,29 +139,68 @@ def test_a_pending_device_event_is_coll_in_the_heartbeat_and_spares_the_rank() -
         _last_step_s=None,
         _train_thread=None,
         _progress_at=time.monotonic() - 100.0,
+        _coll_at=0.0,
+        _clock=None,
         _step=7,
     )
     msg = Session._heartbeat_msg(cast(Any, stub))
-    assert msg["coll"] is True and msg["idle"] >= 100.0
+    assert msg["coll"] is True and msg["idle"] == 0.0  # waiting on a peer: not idle in its own code
     hb = decode_worker(msg)
     assert isinstance(hb, Heartbeat) and hb.coll
     # the coordinator: both ranks silent in progress for 100 s; only the one not waiting is blamed
     now = 1000.0
-    cfg = DetectorConfig(heartbeat_timeout_s=1.0, hang_factor=10, hang_min_s=2.0)
-
-    def seen(coll: bool) -> RankObservation:
-        return RankObservation(
-            last_heartbeat=now,
-            last_progress=now - 100.0,
-            collective_pending=coll,
-            stepped=True,
-            idle_s=hb.idle_s,
-        )
-
-    hung = find_hung_ranks({0: seen(hb.coll), 1: seen(False)}, now=now, median_step_s=0.1, config=cfg)
+    hung = find_hung_ranks({0: _seen(now, hb), 1: _seen(now, None)}, now=now, median_step_s=0.1, config=CFG)
     assert list(hung) == [1]
     make.made[1].done = True  # the allreduce completed
     assert not Session._heartbeat_msg(cast(Any, stub))["coll"]
+
+
+def _beat(stub: Any) -> Heartbeat:
+    hb = decode_worker(Session._heartbeat_msg(cast(Any, stub)))
+    assert isinstance(hb, Heartbeat)
+    return hb
+
+
+def test_a_rank_that_waited_long_for_a_slow_peer_is_not_blamed_as_it_leaves_the_collective() -> None:
+    """Found in the loaded CI (test_straggler_e2e, test_migration_e2e): a healthy rank that had
+    waited ~3 s in the gradient allreduce for a starved peer was killed as hung the moment it
+    left it -- asleep in the demo's pace, "no step progress for 3.4s (limit 3.00s)" -- because
+    its heartbeat's idle counted the wait as its own stall. Idle now runs from the later of its
+    last step and the last moment it was in a collective: exactly (a DDP rank: the allreduce's
+    return), from the sampler of a sharded model's waits, or as the heartbeat saw it."""
+    now = time.monotonic()
+    sync = CanonicalGradSync(torch.nn.Linear(3, 2))
+    stub = SimpleNamespace(
+        _sync=sync,
+        _frwatch=None,
+        _last_step_s=0.3,
+        _train_thread=None,
+        _progress_at=now - 100.0,
+        _coll_at=0.0,
+        _clock=None,
+        _step=7,
+    )
+    # out of any collective for all of the 100 s: blamed (the rule as before)
+    hb = _beat(stub)
+    assert not hb.coll and hb.idle_s is not None and hb.idle_s >= 100.0
+    assert list(find_hung_ranks({0: _seen(now, hb)}, now=now, median_step_s=0.1, config=CFG)) == [0]
+    # it waited in the allreduce until just now (the rank's step clock still says 100 s)
+    sync.left_at = time.monotonic()
+    hb = _beat(stub)
+    assert not hb.coll and hb.idle_s is not None and hb.idle_s < 1.0
+    assert find_hung_ranks({0: _seen(now, hb)}, now=now, median_step_s=0.1, config=CFG) == {}
+    # a sharded model: the sampler of its waits saw it inside a collective just now
+    stub._sync, stub._clock = None, SimpleNamespace(inside_at=time.monotonic())
+    hb = _beat(stub)
+    assert hb.idle_s is not None and hb.idle_s < 1.0
+    # with neither: the heartbeat itself saw it in one (an FSDP2 all-gather, a pending event)
+    stub._clock = None
+    sync.pending_since = time.monotonic()
+    stub._sync, sync.left_at = sync, None
+    assert _beat(stub).coll
+    sync.pending_since = None  # it returned; the next heartbeat counts idle from the last one
+    hb = _beat(stub)
+    assert not hb.coll and hb.idle_s is not None and hb.idle_s < 1.0
 
 
 def _asleep_in_a_lock(lock: Any) -> None:
@@ -182,6 +237,8 @@ def test_the_heartbeat_says_whether_the_training_thread_moves_and_where_it_is() 
                 _train_progress=ThreadProgress(time.pthread_getcpuclockid(thread.ident), thread.native_id),
                 _train_thread=thread.ident,
                 _progress_at=time.monotonic() - 5.0,
+                _coll_at=0.0,
+                _clock=None,
                 _step=3,
             )
 
@@ -204,7 +261,7 @@ def test_the_heartbeat_says_whether_the_training_thread_moves_and_where_it_is() 
 
 
 DDP = """
-import datetime, json, os, sys
+import datetime, json, os, sys, time
 import torch
 import torch.distributed as dist
 from nonstop.train.ddp import CanonicalGradSync, foreign_allreduce_pending, register_canonical_hook, wrap_ddp
@@ -235,7 +292,9 @@ for how in ("wrap", "foreign"):
     else:
         plain = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1.0)
         ddp, _ = plain, register_canonical_hook(plain, sync)
+    before = time.monotonic()
     ddp(torch.randn(3, 4)).sum().backward()
+    left = sync.left_at is not None and before <= sync.left_at <= time.monotonic()
     after_step = sync.in_collective()
     made[0].done = True  # ready reached, done not: a device allreduce waiting on a peer
     pending = sync.in_collective()
@@ -243,7 +302,7 @@ for how in ("wrap", "foreign"):
     made[1].done = True
     grad = model.weight.grad.abs().sum().item()
     out[how] = {"events": len(made), "grad_at_done": made[1].grad, "grad": grad,
-                "after_step": after_step, "pending": pending, "foreign": foreign,
+                "after_step": after_step, "pending": pending, "left": left, "foreign": foreign,
                 "done": sync.in_collective()}
     sync.hook(dist.group.WORLD)  # a new wrapper (generation) forgets the events
     made[0].done, made[1].done = True, False
@@ -263,6 +322,7 @@ def test_the_canonical_sync_records_ready_before_and_done_after_its_allreduce(tm
         s = seen[how]
         # one pair per allreduce; done recorded after the unpack (the gradients are already there)
         assert s["events"] == 2 and s["grad_at_done"] == s["grad"] > 0, (how, s)
+        assert s["left"] is True, (how, s)  # when the allreduce returned (the heartbeat's idle)
         assert s["after_step"] is False  # fakes start incomplete: ready pending = still computing
         assert s["pending"] is True and s["done"] is False and s["after_rewrap"] is False, (how, s)
     assert seen["wrap"]["foreign"] is False and seen["foreign"]["foreign"] is True

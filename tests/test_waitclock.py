@@ -34,7 +34,7 @@ def test_it_sees_a_thread_blocked_in_torch_distributed_and_not_one_computing() -
     """A thread waits ~0.4 s in torch.distributed's store barrier (the other party arrives late:
     the innermost Python frame is torch's, blocked in a C++ wait, as in a collective), then
     computes ~0.4 s: the clock charges the wait -- at most the wait plus two periods (a starved
-    machine may charge less, never the compute)."""
+    machine may charge less, never the compute) -- and remembers its last look inside."""
     store = dist.HashStore()
     timing: dict[str, float] = {}
     clocks: list[CollectiveClock] = []
@@ -44,6 +44,7 @@ def test_it_sees_a_thread_blocked_in_torch_distributed_and_not_one_computing() -
         t0 = time.monotonic()
         store_util.barrier(store, 2, "b", barrier_timeout=60)
         timing["wait"] = time.monotonic() - t0
+        timing["left"] = time.monotonic()
         end = time.monotonic() + 0.4
         x = torch.ones(64, 64)
         while time.monotonic() < end:
@@ -58,5 +59,7 @@ def test_it_sees_a_thread_blocked_in_torch_distributed_and_not_one_computing() -
     try:
         wait = clock.take_wait_s()
         assert 0.0 < wait <= timing["wait"] + 2 * clock.period_s, (wait, timing)
+        # the last look inside the barrier: the heartbeat's idle runs from there, not the compute
+        assert clock.inside_at is not None and clock.inside_at <= timing["left"], (clock.inside_at, timing)
     finally:
         clock.close()

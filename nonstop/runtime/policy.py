@@ -97,9 +97,10 @@ class RankObservation:
     # its heartbeats may pause; silence is judged with REBUILD_SILENCE_FACTOR x the timeout (the
     # stage's own rebuild_timeout_s bounds it too)
     rebuilding: bool = False
-    # the rank's own word (its latest heartbeat): seconds since it last completed a step, out of
-    # any collective (None: not reported). A healthy peer waiting on a stalled rank reports a
-    # collective before this grows past the limit, however late its heartbeats arrive under load.
+    # the rank's own word (its latest heartbeat): seconds out of any collective without completing
+    # a step (None: not reported). A healthy peer waiting on a stalled rank reports a collective
+    # before this grows past the limit, however late its heartbeats arrive under load; and one
+    # that waited long for a slow peer starts it afresh as it leaves the collective.
     idle_s: float | None = None
     # the rank's own word: its training thread used the CPU between its last two heartbeats. A
     # rank starved of CPU on its way to the collective its peers wait in moves; one stuck in a
@@ -161,11 +162,12 @@ def find_hung_ranks(
       timeout, after which it is killed unconditionally.
     * no step progress for ``limit = max(hang_factor * median, hang_min_s)`` while no
       collective is pending on that rank, and the rank itself said (``idle_s``) that it has
-      been out of any collective without completing a step for longer than ``limit``: it is
-      stuck in its own code. Its peers waiting in the allreduce for it are not blamed, even
-      when their heartbeat saying so arrives late (a busy machine): the coordinator's clock
-      of their progress runs from when their step reports *arrived*, their own from when the
-      step ended, and the last word before they entered the collective was a small ``idle_s``.
+      been out of any collective without completing a step for longer than ``limit`` (seconds
+      spent waiting in one for a slow peer do not count): it is stuck in its own code. Its
+      peers waiting in the allreduce for it are not blamed, even when their heartbeat saying so
+      arrives late (a busy machine): the coordinator's clock of their progress runs from when
+      their step reports *arrived*, their own from when they were last in a collective, and
+      the last word before they entered the collective was a small ``idle_s``.
     * every rank stalled that way at once (two ranks or more), or a rank whose training thread is
       still moving (``moving``: it ran or waited for a CPU since its last heartbeat,
       ``train/threadprogress.py``: slow, on a starved CPU, rather than stuck): the limit is

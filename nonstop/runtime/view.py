@@ -48,7 +48,8 @@ class WorkerRecord:
     last_progress: float = 0.0
     last_step_wall: float = 0.0  # wall time of its last step report (0: none yet)
     coll: bool = False  # a gradient allreduce is pending on this rank
-    idle_s: float | None = None  # its last heartbeat's word: seconds since its last step (wire.Heartbeat)
+    # its last heartbeat's word: seconds out of any collective without a step (wire.Heartbeat)
+    idle_s: float | None = None
     moving: bool = False  # its last heartbeat's word: its thread ran or waited for a CPU since the one before
     at: str | None = None  # its last heartbeat's word: where its training thread was
     stepped: bool = False  # completed a step in the current generation

@@ -113,9 +113,10 @@ def _steps_by_rank(m: Mapping[str, Any], key: str) -> dict[int, tuple[int, ...]]
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat:
     coll: bool  # a gradient allreduce is pending on this rank
-    # seconds since the rank last completed a step (or entered training), by its own clock: a
-    # rank is judged stuck in its own code only on its own word that it has been out of any
-    # collective for that long (None: an older worker that does not say)
+    # seconds the rank has been out of any collective without completing a step, by its own
+    # clock: since the later of its last step (or entering training) and the last moment it was
+    # seen in a collective. A rank is judged stuck in its own code only on its own word that it
+    # has been so for that long (None: an older worker that does not say)
     idle_s: float | None = None
     # its training thread used the CPU since the previous heartbeat: slow, not stuck -- the
     # detector gives such a rank longer (runtime/policy.py)

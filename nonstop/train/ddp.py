@@ -56,6 +56,10 @@ class CanonicalGradSync:
         device = params[0].device if params else torch.device("cpu")
         self.flat = torch.empty(total, dtype=params[0].dtype if params else torch.float32, device=device)
         self.pending_since: float | None = None  # read by the heartbeat thread
+        # when the gradient allreduce last returned (monotonic; read by the heartbeat thread: a
+        # rank's "idle" -- out of any collective without a step -- runs from the later of this
+        # and its last step, so a wait for a slow peer is not counted as its own stall)
+        self.left_at: float | None = None
         # issue 20: device events around each allreduce (an NCCL one returns at enqueue; the
         # heartbeat polls them: train/liveness.py). Records nothing on the CPU.
         self.watch = CollectiveWatch()
@@ -144,7 +148,8 @@ class CanonicalGradSync:
             return mean
         finally:
             self.pending_since = None
-            self.wait_s += time.monotonic() - started  # issue 21: the step's time in collectives
+            self.left_at = now = time.monotonic()
+            self.wait_s += now - started  # issue 21: the step's time in collectives
 
     def hook(
         self, process_group: dist.ProcessGroup
@@ -173,7 +178,8 @@ class CanonicalGradSync:
 
             def _unpack(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
                 self.pending_since = None
-                self.wait_s += time.monotonic() - started  # issue 21: the step's time in collectives
+                self.left_at = now = time.monotonic()
+                self.wait_s += now - started  # issue 21: the step's time in collectives
                 f.value()  # re-raise a communication error here
                 self._unpack(flat, params, grads)
                 # liveness: a CUDA future runs this on a stream made to wait for the allreduce,

@@ -140,6 +140,7 @@ class Session(Rejoin):
         self._group = GenerationGroup(keep_groups=env.keep_groups)
         self._step = 0
         self._progress_at = time.monotonic()  # when this rank last completed a step (heartbeat "idle")
+        self._coll_at = 0.0  # when the heartbeat last saw it in a collective (monotonic; its thread)
         self._done = False  # this rank reported its last step (a restarted coordinator asks)
         self._live_at: int | None = None  # paused after this step: the live state is that step's
         self.warming_up = False  # a joiner's sandboxed step (see _warm_up): skip side effects
@@ -217,13 +218,24 @@ class Session(Rejoin):
         # any other collective: blocked in torch.distributed's code (the CPU), or started on the
         # device and not completed (the flight recorder, train/frwatch.py)
         own = self._sync is not None and self._sync.in_collective()
-        idle = round(time.monotonic() - self._progress_at, 3)
+        now = time.monotonic()
+        since_step = now - self._progress_at
         watch = self._frwatch  # (asked last: its dump is the costly answer)
         coll = (
             own
             or in_collective(self._train_thread)
-            or (watch is not None and watch.pending(idle_s=idle, step_s=self._last_step_s))
+            or (watch is not None and watch.pending(idle_s=since_step, step_s=self._last_step_s))
         )
+        if coll:
+            self._coll_at = now
+        # idle: out of any collective without completing a step -- what the progress rule blames
+        # a rank for (policy.find_hung_ranks). It runs from the later of the last step and the
+        # last time the rank was in a collective, so seconds spent waiting there for a slow peer
+        # are not counted as this rank's own stall.
+        left = (self._sync.left_at if self._sync is not None else None) or (
+            self._clock.inside_at if self._clock is not None else None
+        )
+        idle = round(now - max(self._progress_at, self._coll_at, left or 0.0), 3)
         msg: Message = {"t": "hb", "coll": coll, "step": self._step, "idle": idle}
         if self._train_thread is not None:
             # moving: the training thread ran, or waited for a CPU, since the last heartbeat

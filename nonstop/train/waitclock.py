@@ -44,6 +44,9 @@ class CollectiveClock:
         self.period_s = period_s
         self._lock = threading.Lock()
         self._wait_s = 0.0
+        # the last look that found the thread inside a collective (monotonic; None: none yet),
+        # read by the heartbeat thread: a rank's "idle" runs from the later of this and its step
+        self.inside_at: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nonstop-waitclock", daemon=True)
         self._thread.start()
@@ -72,5 +75,8 @@ class CollectiveClock:
         last = time.monotonic()
         while not self._stop.wait(self.period_s):
             now = time.monotonic()
-            self.look(now - last, in_collective(self.thread_id))
+            inside = in_collective(self.thread_id)
+            if inside:
+                self.inside_at = now
+            self.look(now - last, inside)
             last = now
