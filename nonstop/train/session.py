@@ -65,10 +65,10 @@ from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
 from nonstop.train.backend import set_current_device, worker_device
-from nonstop.train.collectives import in_collective
 from nonstop.train.eventhooks import FLUSH_S, EventCallback, EventHooks
 from nonstop.train.frwatch import FlightRecorderWatch, flight_recorder_watch
 from nonstop.train.group import GenerationGroup
+from nonstop.train.heartbeat import HeartbeatWords
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
 from nonstop.train.link import CoordinatorLink, PeerFailed, uninterruptible
@@ -108,7 +108,7 @@ class _Reconfigure(Exception):
         self.msg = msg
 
 
-class Session(Rejoin):
+class Session(Rejoin, HeartbeatWords):
     """A worker's connection to its job. Create it with :func:`init`.
 
     The control connection and its threads are a :class:`~nonstop.train.link.CoordinatorLink`,
@@ -213,43 +213,6 @@ class Session(Rejoin):
         return self._hooks.dropped
 
     # -- what the link's threads report (read-only on the session) -----------------------
-    def _heartbeat_msg(self) -> Message:
-        # the sync's allreduce in flight: pending on the host, or on a device (train/liveness.py);
-        # any other collective: blocked in torch.distributed's code (the CPU), or started on the
-        # device and not completed (the flight recorder, train/frwatch.py)
-        own = self._sync is not None and self._sync.in_collective()
-        now = time.monotonic()
-        since_step = now - self._progress_at
-        watch = self._frwatch  # (asked last: its dump is the costly answer)
-        coll = (
-            own
-            or in_collective(self._train_thread)
-            or (watch is not None and watch.pending(idle_s=since_step, step_s=self._last_step_s))
-        )
-        if coll:
-            self._coll_at = now
-        # idle: out of any collective without completing a step -- what the progress rule blames
-        # a rank for (policy.find_hung_ranks). It runs from the later of the last step and the
-        # last time the rank was in a collective, so seconds spent waiting there for a slow peer
-        # are not counted as this rank's own stall.
-        left = (self._sync.left_at if self._sync is not None else None) or (
-            self._clock.inside_at if self._clock is not None else None
-        )
-        idle = round(now - max(self._progress_at, self._coll_at, left or 0.0), 3)
-        msg: Message = {"t": "hb", "coll": coll, "step": self._step, "idle": idle}
-        if self._train_thread is not None:
-            # moving: the training thread ran, or waited for a CPU, since the last heartbeat
-            # (slow on a starved machine, not stuck: the detector's longer limit; a thread asleep
-            # or blocked does neither)
-            moved = self._train_progress.moved()
-            if moved is not None:
-                msg["moving"] = moved
-            frame = sys._current_frames().get(self._train_thread)
-            if frame is not None and not coll:  # where it is, for the failure's record if blamed
-                where = "/".join(frame.f_code.co_filename.split("/")[-2:])
-                msg["at"] = f"{where}:{frame.f_lineno} {frame.f_code.co_name}"
-        return msg
-
     def _resume_point(self) -> Message:
         return {"gen": self.generation, "step": self._step, "done": self._done}
 
