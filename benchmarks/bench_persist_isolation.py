@@ -106,8 +106,9 @@ class Persisting:
     def close(self) -> None:
         self.encoder.close()
         for s in self.stores:
-            s.clear()
             s.close()
+        for seg in SHM.glob(f"nonstop-{self.job}-*"):  # the slots' segments (close keeps them)
+            seg.unlink(missing_ok=True)
 
 
 def measure(p: Persisting, mode: str, seconds: float) -> dict[str, float]:
