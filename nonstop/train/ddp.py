@@ -89,6 +89,13 @@ class CanonicalGradSync:
         event not reached while this rank's own inputs to it are (:mod:`nonstop.train.liveness`)."""
         return self.pending_since is not None or self.watch.pending()
 
+    def _returned(self, started: float) -> None:
+        """The gradient allreduce issued at ``started`` returned to the host: no longer pending,
+        when it left (``left_at``), and its wait added to the step's (issue 21)."""
+        self.pending_since = None
+        self.left_at = now = time.monotonic()
+        self.wait_s += now - started
+
     def set_shards(self, shards: tuple[int, ...], num_shards: int) -> None:
         """The generation's data shards: this rank's and the job's count (the divisor)."""
         self.shards, self.divisor = tuple(shards), num_shards
@@ -147,9 +154,7 @@ class CanonicalGradSync:
             self.watch.after(parts.device)  # ordered after its collectives (they were waited on)
             return mean
         finally:
-            self.pending_since = None
-            self.left_at = now = time.monotonic()
-            self.wait_s += now - started  # issue 21: the step's time in collectives
+            self._returned(started)
 
     def hook(
         self, process_group: dist.ProcessGroup
@@ -177,9 +182,7 @@ class CanonicalGradSync:
             fut = dist.all_reduce(flat, group=process_group, async_op=True).get_future()
 
             def _unpack(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-                self.pending_since = None
-                self.left_at = now = time.monotonic()
-                self.wait_s += now - started  # issue 21: the step's time in collectives
+                self._returned(started)
                 f.value()  # re-raise a communication error here
                 self._unpack(flat, params, grads)
                 # liveness: a CUDA future runs this on a stream made to wait for the allreduce,
