@@ -70,18 +70,30 @@ def one_core() -> Iterator[int]:
         hog.wait()
 
 
+def blocked_reading(tid: int, fd: int) -> bool | None:
+    """Whether thread ``tid`` of this process sits in a system call whose first argument is
+    ``fd`` (a read of it); None where the kernel does not say (no ``/proc/<pid>/task/<tid>/syscall``)."""
+    try:
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            fields = f.read().split()
+    except OSError:
+        return None
+    return len(fields) > 1 and fields[0] != "running" and int(fields[1], 16) == fd
+
+
 @needs_schedstat
 def test_a_thread_asleep_does_not_move_and_one_sharing_a_busy_core_waits(one_core: int) -> None:
     stop = threading.Event()
     asleep = ThreadProgress()
     busy = ThreadProgress()
     ready = threading.Barrier(3)
+    wake_r, wake_w = os.pipe()
 
     def sleeper() -> None:
         nonlocal asleep
         asleep = ThreadProgress.of_this_thread()
         ready.wait()
-        stop.wait()
+        os.read(wake_r, 1)  # blocked in the kernel, without the GIL, until the test ends
 
     def spinner() -> None:
         nonlocal busy
@@ -96,12 +108,18 @@ def test_a_thread_asleep_does_not_move_and_one_sharing_a_busy_core_waits(one_cor
         t.start()
     ready.wait()
     try:
-        # past the barrier the sleeper still has to reach its wait (on a loaded machine that takes
-        # CPU and run-queue time): look until it stands still, then watch it for a second
-        assert asleep.moved() is False and busy.moved() is False
-        deadline = time.monotonic() + 30.0
-        while asleep.moved() is not False and time.monotonic() < deadline:
-            time.sleep(0.1)
+        # past the barrier the sleeper still has to reach its read, which on a loaded machine (the
+        # GIL shared with the spinner, the cores with the hog) takes CPU and run-queue time: wait
+        # until the kernel says it is blocked there, then watch it for a second
+        assert asleep._tid is not None
+        deadline = time.monotonic() + 60.0
+        while not (there := blocked_reading(asleep._tid, wake_r)) and time.monotonic() < deadline:
+            if there is None:
+                pytest.skip("this kernel does not show a thread's system call")
+            time.sleep(0.05)
+        assert there, "the sleeper never reached its read"
+        assert busy.moved() is False  # the first looks: nothing to compare with
+        assert asleep.moved() is False
         waited = run_queue_s(busy._tid)
         time.sleep(1.0)
         assert asleep.moved() is False
@@ -112,5 +130,8 @@ def test_a_thread_asleep_does_not_move_and_one_sharing_a_busy_core_waits(one_cor
         )  # half its core's time, less
     finally:
         stop.set()
+        os.write(wake_w, b"x")
         for t in threads:
             t.join()
+        os.close(wake_r)
+        os.close(wake_w)
