@@ -17,7 +17,7 @@ What is measured.
   elastic variants (``--min-world-size`` 90% of the GPUs, ``--shards-per-rank`` 4): ``--survivors
   auto`` (the runtime's policy chooses per failure) and ``continue`` (always shrink first); and
   ``nonstop advised``: ``nonstop advise``'s settings for that job, chosen on two other failure
-  draws (its choice is in each row's ``params``).
+  draws (its choice is in each row's ``params``), and the same with ``--may-drop-batch``.
 * **Fail-slow** (``--fail-slow``, alone, to its own file): the same projection with fail-slow
   ranks and degraded-before-failure signals (:mod:`nonstop.sim.failslow`, its default rates,
   each sourced or flagged as an assumption), nonstop with and without its proactive moves (the
@@ -118,17 +118,25 @@ def strategies(
             ns.name = f"nonstop elastic {mode.value}"
             out.append(ns)
         out.append(advised(job, model, cal))
+        out.append(advised(job, model, cal, may_drop_batch=True))
     return out
 
 
-def advised(job: JobSpec, model: FailureModel, cal: Calibration) -> Nonstop:
+def advised(job: JobSpec, model: FailureModel, cal: Calibration, *, may_drop_batch: bool = False) -> Nonstop:
     """nonstop with ``nonstop advise``'s settings for this job (its default host memory), chosen
-    on other failure draws (:data:`ADVISE_SEEDS`) than the ones the projection measures it on."""
+    on other failure draws (:data:`ADVISE_SEEDS`) than the ones the projection measures it on;
+    ``may_drop_batch``: ``advise --may-drop-batch`` (a shrunk job may skip the lost shares of its
+    batch, torchft's semantics)."""
     adv = advise(
-        job=job, model=model, calibration=cal, host_budget_bytes=ADVISE_HOST_GB * 1e9, seeds=ADVISE_SEEDS
+        job=job,
+        model=model,
+        calibration=cal,
+        host_budget_bytes=ADVISE_HOST_GB * 1e9,
+        seeds=ADVISE_SEEDS,
+        may_drop_batch=may_drop_batch,
     )
     ns = Nonstop(job=job, params=adv.best.params(), calibration=cal)
-    ns.name = "nonstop advised"
+    ns.name = "nonstop advised, batch may drop" if may_drop_batch else "nonstop advised"
     return ns
 
 

@@ -23,11 +23,18 @@ With ``--exact`` the contenders are instead ``overlapped`` (the gradient allredu
 not depend on the world size (``nonstop/train/exactsum.py``: an all-to-all, an ordered sum and an
 all-gather); the ratio is then overlapped's interval / exact's.
 
+With ``--budget F`` the contenders are ``off``, ``overlapped`` (every step) and ``budget``: the same
+job with ``--snapshot-budget F`` (``nonstop/runtime/cadence.py``: the coordinator measures the stall
+over the first 20 steps and widens the interval to the smallest within F), run long enough (60 steps,
+the first 30 not counted) that the widened interval is what is measured; the job's
+``snapshot_cadence`` event (the interval chosen, the stall and step measured) is kept per round.
+
 Run it::
 
     .venv/bin/python benchmarks/bench_step_overhead.py             # -> results/step_overhead.json
     .venv/bin/python benchmarks/bench_step_overhead.py --quick     # tiny model, smoke run
     .venv/bin/python benchmarks/bench_step_overhead.py --exact --nproc 3   # -> step_overhead-exact.json
+    .venv/bin/python benchmarks/bench_step_overhead.py --budget 0.0001     # -> step_overhead-budget.json
 """
 
 from __future__ import annotations
@@ -52,10 +59,12 @@ import torch  # noqa: E402
 
 from nonstop.demo.runner import demo_job_config  # noqa: E402
 from nonstop.runtime.coordinator import JobState  # noqa: E402
+from nonstop.runtime.eventlog import read_events  # noqa: E402
 from nonstop.runtime.launcher import run_job  # noqa: E402
 
 MODES = ("off", "sync", "overlapped")
 EXACT_MODES = ("overlapped", "exact")  # --exact: the elastic job's world-size-independent mean
+BUDGET_MODES = ("off", "overlapped", "budget")  # --budget F: every step vs the interval tuned to F
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "step_overhead.json"
 
 
@@ -69,7 +78,8 @@ def one_job(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         batch=args.batch,
         nproc_per_node=args.nproc,
         job_dir=job_dir,
-        snapshot="overlapped" if mode == "exact" else mode,
+        snapshot="overlapped" if mode in ("exact", "budget") else mode,
+        snapshot_budget=args.budget if mode == "budget" else 0.0,
         min_world_size=args.nproc - 1 if mode == "exact" else 0,
         persist_every=0,
         persist_url=str(job_dir / "ckpt"),
@@ -79,8 +89,14 @@ def one_job(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         raise RuntimeError(f"{mode} job failed: {res.error}")
     out = json.loads(result_file.read_text())
     intervals = out["step_intervals_s"][args.skip :]
+    cadence = [e for e in read_events(job_dir / "events.jsonl") if e["event"] == "snapshot_cadence"]
     shutil.rmtree(job_dir, ignore_errors=True)
-    return {"median_interval_s": statistics.median(intervals), "intervals_s": intervals}
+    got: dict[str, Any] = {"median_interval_s": statistics.median(intervals), "intervals_s": intervals}
+    if mode == "budget":
+        if not cadence:
+            raise RuntimeError("the budget job never announced an interval: run more --steps")
+        got["cadence"] = cadence
+    return got
 
 
 def summarize(rounds: list[dict[str, dict[str, Any]]], modes: tuple[str, ...] = MODES) -> dict[str, Any]:
@@ -116,12 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke run")
     ap.add_argument("--exact", action="store_true", help="allreduce vs the elastic job's exact mean")
+    ap.add_argument("--budget", type=float, default=0.0, help="every step vs --snapshot-budget F")
     args = ap.parse_args(argv)
-    modes = EXACT_MODES if args.exact else MODES
+    modes = EXACT_MODES if args.exact else BUDGET_MODES if args.budget > 0 else MODES
     if args.exact and args.out == DEFAULT_OUT:
         args.out = DEFAULT_OUT.with_name("step_overhead-exact.json")
+    if args.budget > 0 and args.out == DEFAULT_OUT:
+        args.out = DEFAULT_OUT.with_name("step_overhead-budget.json")
+    if args.budget > 0:  # the tuner measures 20 steps, then announces a few steps ahead
+        args.steps, args.skip = max(args.steps, 60), max(args.skip, 30)
     if args.quick:
-        args.model, args.steps, args.runs, args.skip = "tiny", 8, 1, 2
+        args.model, args.runs = "tiny", 1
+        args.steps, args.skip = (80, 60) if args.budget > 0 else (8, 2)  # (tiny steps: a longer margin)
     rounds: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="nonstop-bench-overhead-", dir=REPO_ROOT / ".nonstop") as tmp:
         for i in range(args.runs + 1):

@@ -32,10 +32,10 @@ Summaries are median [min, max] over ``--runs`` runs (after ``--warmup`` rounds)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from benchcommon import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
+from benchcommon import against_reference, fmt, machine_info, run_stamp, summary_by  # noqa: E402  (a sibling)
 
 from nonstop.demo.runner import demo_job_config  # noqa: E402
 from nonstop.runtime.coordinator import JobState  # noqa: E402
@@ -126,19 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.model, args.steps, args.event_step, args.runs, args.warmup = "tiny", 24, 8, 1, 0
     info = machine_info()
-    work = Path(tempfile.mkdtemp(prefix="nonstop-bench-survivors-"))
-    try:
-        ref = _run(args, work / "reference", None)
-        runs = []
-        for i in range(args.warmup + args.runs):
-            for mode in MODES:
-                r = _run(args, work / f"{mode}-{i}", mode)
-                r["warmup"] = i < args.warmup
-                r["equal"] = r.get("final_hash") == ref.get("final_hash") if r["ok"] else False
-                runs.append(r)
-                print(json.dumps({k: v for k, v in r.items() if k != "final_hash"}), flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    ref, runs = against_reference(
+        functools.partial(_run, args), MODES, warmup=args.warmup, runs=args.runs, name="survivors"
+    )
     counted = [r for r in runs if not r["warmup"] and r["ok"]]
     keys = (
         "survivor_gap_steps",
@@ -148,14 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "grow_pause_steps",
         "lost_steps",
     )
-    summary = {
-        mode: {
-            k: summarize([r[k] for r in counted if r["mode"] == mode and r.get(k) is not None]) for k in keys
-        }
-        | {"equal": sum(r["equal"] for r in counted if r["mode"] == mode)}
-        | {"runs": sum(r["mode"] == mode for r in counted)}
-        for mode in MODES
-    }
+    summary = summary_by(runs, "mode", MODES, keys)
     report = {
         "settings": vars(args) | {"out": str(args.out)},
         "machine": info,

@@ -9,14 +9,25 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fmt", "machine_info", "ratio_summary", "read_jsonl", "run_stamp", "summarize"]
+__all__ = [
+    "against_reference",
+    "fmt",
+    "machine_info",
+    "ratio_summary",
+    "read_jsonl",
+    "run_stamp",
+    "summarize",
+    "summary_by",
+]
 
 
 def summarize(values: Sequence[float]) -> dict[str, float] | None:
@@ -79,3 +90,43 @@ def fmt(s: dict[str, float] | None, *, digits: int = 2) -> str:
     if s["min"] == s["max"]:
         return f"{s['median']:.{digits}f}"
     return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+
+Run = dict[str, Any]
+
+
+def against_reference(
+    run: Callable[[Path, str | None], Run], contenders: Sequence[str], *, warmup: int, runs: int, name: str
+) -> tuple[Run, list[Run]]:
+    """A job without faults (``run(dir, None)``: the reference), then ``warmup + runs`` rounds of
+    every contender in turn (``run(dir, contender)``), in a scratch directory removed after. Each
+    run is marked ``warmup`` and ``equal`` (ok, and its ``final_hash`` the reference's) and printed
+    as a JSON line without the hash."""
+    work = Path(tempfile.mkdtemp(prefix=f"nonstop-bench-{name}-"))
+    out: list[Run] = []
+    try:
+        ref = run(work / "reference", None)
+        for i in range(warmup + runs):
+            for c in contenders:
+                r = run(work / f"{c}-{i}", c)
+                r["warmup"] = i < warmup
+                r["equal"] = r.get("final_hash") == ref.get("final_hash") if r["ok"] else False
+                out.append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "final_hash"}), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return ref, out
+
+
+def summary_by(
+    runs: Sequence[Run], field: str, contenders: Sequence[str], keys: Sequence[str]
+) -> dict[str, Any]:
+    """For each contender (``run[field]``), over its counted runs (not warm-up, ok): every key's
+    :func:`summarize`, how many ended ``equal`` and how many there were."""
+    counted = [r for r in runs if not r["warmup"] and r["ok"]]
+    out: dict[str, Any] = {}
+    for c in contenders:
+        mine = [r for r in counted if r[field] == c]
+        out[c] = {k: summarize([r[k] for r in mine if r.get(k) is not None]) for k in keys}
+        out[c] |= {"equal": sum(r["equal"] for r in mine), "runs": len(mine)}
+    return out

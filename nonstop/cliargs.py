@@ -10,6 +10,7 @@ from pathlib import Path
 
 from nonstop.clienv import nnodes_value
 from nonstop.config import (
+    SHRINK_BATCHES,
     SNAPSHOT_COPIES,
     SNAPSHOT_MODES,
     SURVIVOR_MODES,
@@ -173,6 +174,25 @@ def snapshot_args(p: argparse.ArgumentParser) -> None:
         "a failure (`nonstop advise` weighs it; default %(default)s)",
     )
     p.add_argument(
+        "--snapshot-budget",
+        type=float,
+        default=c.snapshot_budget,
+        metavar="FRACTION",
+        help="tune the interval to a stall budget: the coordinator measures each snapshot's stall "
+        "and the step time and snapshots every K-th step (K >= --snapshot-every, at most 128), the "
+        "smallest K whose stall costs at most FRACTION of the training time, e.g. 0.002; failures "
+        "between snapshots are rescued (0: keep --snapshot-every; default %(default)s)",
+    )
+    p.add_argument(
+        "--rescue-wait",
+        type=float,
+        default=c.rescue_wait_s,
+        metavar="SECONDS",
+        help="with --snapshot-every > 1 or a --snapshot-budget, how long a recovery waits for the "
+        "survivors to write the state after their last completed step (redoing only the step in "
+        "flight); 0: roll back to the last snapshot (default %(default)s)",
+    )
+    p.add_argument(
         "--snapshot-copies",
         choices=SNAPSHOT_COPIES,
         default=c.snapshot_copies,
@@ -214,6 +234,8 @@ def snapshot_config(ns: argparse.Namespace) -> dict[str, object]:
     return {
         "snapshot": ns.snapshot,
         "snapshot_every": ns.snapshot_every,
+        "snapshot_budget": ns.snapshot_budget,
+        "rescue_wait_s": ns.rescue_wait,
         "snapshot_copies": ns.snapshot_copies,
         "persist_url": ns.persist,
         "persist_every": ns.persist_every,
@@ -341,6 +363,15 @@ def node_args(p: argparse.ArgumentParser) -> None:
         "and step times measured (default %(default)s)",
     )
     g.add_argument(
+        "--shrink-batch",
+        choices=SHRINK_BATCHES,
+        default=c.shrink_batch,
+        help="elastic, while the job is shrunk: 'keep' the global batch (the lost ranks' data shards "
+        "played by the others: same samples, bitwise an uninterrupted run's weights, slower steps) "
+        "or 'drop' the lost ranks' shares of it until the job grows back (as torchft does: steps "
+        "as fast as at full size, fewer samples each) (default %(default)s)",
+    )
+    g.add_argument(
         "--shards-per-rank",
         type=int,
         default=c.shards_per_rank,
@@ -396,6 +427,7 @@ def node_config(ns: argparse.Namespace) -> dict[str, object]:
         "min_world_size": ns.min_world_size,
         "elastic_wait_s": ns.elastic_wait,
         "survivors": ns.survivors,
+        "shrink_batch": ns.shrink_batch,
         "swap_transfer": ns.swap_transfer,
         "shards_per_rank": ns.shards_per_rank,
         "mesh": ns.mesh,

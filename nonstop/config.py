@@ -54,6 +54,7 @@ class ENV:
     AGENT_PID = "NONSTOP_AGENT_PID"
     SLOTS = "NONSTOP_SNAPSHOT_SLOTS"
     SNAPSHOT_EVERY = "NONSTOP_SNAPSHOT_EVERY"  # --snapshot-every: steps between in-memory snapshots
+    SNAPSHOT_BUDGET = "NONSTOP_SNAPSHOT_BUDGET"  # --snapshot-budget: > 0, the interval is tuned to it
     SECRET = "NONSTOP_SECRET"  # alternative to a secret file for node agents
     RECONNECT = "NONSTOP_RECONNECT_S"  # how long a worker retries a lost coordinator (0: exit at once)
     MESH = "NONSTOP_MESH"  # the job's device mesh (--mesh), for Session.run(build=...)
@@ -73,6 +74,7 @@ SNAPSHOT_MODES = ("overlapped", "sync", "off")
 SNAPSHOT_COPIES = ("node", "rank")
 SWAP_TRANSFERS = ("auto", "delta", "whole")  # runtime/migration.py: swap_as_delta
 SURVIVOR_MODES = ("auto", "wait", "continue")  # runtime/survivors.py: SurvivorMode
+SHRINK_BATCHES = ("keep", "drop")  # runtime/elastic.py: play_shards
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +132,13 @@ class JobConfig:
     # (1/K of it) for up to K - 1 steps redone after a failure; swaps' boundaries and the last
     # step are always snapshotted. `nonstop simulate --snapshot-every` and its advisor weigh it.
     snapshot_every: int = 1
+    # > 0: the fraction of the training time the snapshots' stall may cost; the coordinator
+    # measures it and snapshots every K-th step, K >= snapshot_every the smallest within it
+    # (runtime/cadence.py); failures are rescued meanwhile. 0: every snapshot_every-th step.
+    snapshot_budget: float = 0.0
+    # K > 1 (or a budget): how long a recovery's plan waits for the survivors' rescue reports (the state after
+    # their last completed step, written on the failure: runtime/rescue.py); 0: no rescues
+    rescue_wait_s: float = 2.0
     # where the state a node's ranks hold alike (a DDP job's, an HSDP job's replica groups') lives
     # in its memory tier: "node" (one copy per node, snapshot/nodecopy.py) or "rank" (every rank
     # its own whole copy)
@@ -168,6 +177,9 @@ class JobConfig:
     # a failure spares could replace: auto | wait (replace first) | continue (shrink first, then
     # grow with the spares): runtime/survivors.py
     survivors: str = "auto"
+    # a shrunk job: keep the global batch (the lost ranks' shards played by the others; bitwise)
+    # or drop the lost ranks' shares of it until it grows back (torchft's; full speed per rank)
+    shrink_batch: str = "keep"
     # -- control store -----------------------------------------------------------------
     store: str = "embedded://"  # or etcd://HOST:PORT[,...] (etcds://: TLS): the coordinator may restart
     reconnect_s: float = 30.0  # store mode: how long agents and workers wait for a new coordinator
@@ -234,6 +246,13 @@ class JobConfig:
             raise UsageError(
                 f"--snapshot-every must be >= 1 step (got {self.snapshot_every}); 1 snapshots every step"
             )
+        if not 0.0 <= self.snapshot_budget < 1.0:
+            raise UsageError(
+                f"--snapshot-budget must be a fraction in [0, 1) of the training time, e.g. 0.002 "
+                f"(got {self.snapshot_budget}); 0 keeps --snapshot-every fixed"
+            )
+        if not 0.0 <= self.rescue_wait_s <= 60.0:
+            raise UsageError(f"--rescue-wait must be between 0 and 60 seconds (got {self.rescue_wait_s})")
         if self.nproc_per_node < 1:
             raise UsageError(f"--nproc-per-node must be >= 1 (got {self.nproc_per_node})")
         if self.spares < 0:
@@ -331,6 +350,15 @@ class JobConfig:
                     f"--survivors continue needs replica groups to go on without (--mesh {self.mesh} "
                     "has none: a shrink reshards every rank); use --mesh replicate=R with R >= 2"
                 )
+        if self.shrink_batch not in SHRINK_BATCHES:
+            raise UsageError(
+                f"--shrink-batch must be one of {', '.join(SHRINK_BATCHES)} (got {self.shrink_batch!r})"
+            )
+        if self.shrink_batch == "drop" and self.min_world >= self.world_size:
+            raise UsageError(
+                "--shrink-batch drop says what a shrunk job trains on: set --min-world-size below the "
+                "world size too (the script must read its batches through session.shard_steps)"
+            )
         if self.swap_transfer not in SWAP_TRANSFERS:
             raise UsageError(
                 f"--swap-transfer must be one of {', '.join(SWAP_TRANSFERS)} (got {self.swap_transfer!r})"
@@ -380,6 +408,7 @@ class WorkerEnv:
     rebuild_timeout_s: float = 30.0
     snapshot: str = "overlapped"
     snapshot_every: int = 1  # the job's --snapshot-every
+    snapshot_budget: float = 0.0  # the job's --snapshot-budget (> 0: the coordinator tunes the interval)
     node: str = "0"
     agent_pid: int | None = None
     num_slots: int = 2
@@ -413,6 +442,7 @@ class WorkerEnv:
             rebuild_timeout_s=float(env.get(ENV.REBUILD_TIMEOUT, "30")),
             snapshot=env.get(ENV.SNAPSHOT, "overlapped"),
             snapshot_every=_snapshot_every(env.get(ENV.SNAPSHOT_EVERY, "1")),
+            snapshot_budget=float(env.get(ENV.SNAPSHOT_BUDGET, "0")),
             node=env.get(ENV.NODE, "0"),
             agent_pid=int(env[ENV.AGENT_PID]) if ENV.AGENT_PID in env else None,
             num_slots=int(env.get(ENV.SLOTS, "2")),

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from nonstop.errors import UsageError
-from nonstop.runtime.elastic import assign_shards
+from nonstop.runtime.elastic import play_shards
 
 __all__ = ["DIMS", "MeshSpec"]
 
@@ -209,17 +209,18 @@ class MeshSpec:
             )
         return MeshSpec(tuple((d, world_size // unit if d == dim else n) for d, n in self.dims))
 
-    def data_shards(self, world_size: int) -> tuple[tuple[int, ...], ...]:
+    def data_shards(self, world_size: int, *, drop: bool = False) -> tuple[tuple[int, ...], ...]:
         """The data shards (the full-size job's data-parallel indices) each rank of a generation
         of ``world_size`` ranks plays: one at full size (its ``dp_rank``); after a shrink the
         groups that stay play the dropped groups' batches too (contiguous, balanced): a replica
         group those of every group it stands for, at its own ``shard`` index; without replicas
         a shard index those of the shard indices it stands for. Ranks of one TP group play the
-        same shards."""
+        same shards. ``drop`` (``--shrink-batch drop``): each rank plays only the index at its own
+        coordinates; the dropped groups' batches are skipped while the job is shrunk."""
         now = self.with_world(world_size)
         shard = self.size("shard")
-        groups = assign_shards(self.size("replicate"), now.size("replicate"))
-        shards = assign_shards(shard, now.size("shard"))
+        groups = play_shards(self.size("replicate"), self.size("replicate"), now.size("replicate"), drop=drop)
+        shards = play_shards(shard, shard, now.size("shard"), drop=drop)
         out = []
         for r in range(world_size):
             c = now.coords(r)

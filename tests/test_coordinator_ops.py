@@ -292,7 +292,7 @@ def test_a_node_lost_while_the_nodes_answer_is_planned_with_the_first(tmp_path: 
     h.replicas["0"] = {1: {2}, 2: {2}}  # node 0 holds the replicas of ranks 1 and 2
     h.hold_inventories = True
     h.lose_node("1")
-    assert h.coord.gens.inventory_reqs and h.coord.gens.reconf is None  # planning waits for answers
+    assert h.coord.gens.asks.inventory_reqs and h.coord.gens.reconf is None  # planning waits for answers
     h.worker_says(0, {"t": "hb", "coll": True})  # served meanwhile
     h.lose_node("2")
     assert h.coord.generation == 3  # the first plan was never made
@@ -504,3 +504,62 @@ def test_a_silent_rank_its_agent_found_stopped_is_a_hang_with_what_the_agent_saw
     [failure] = h.events("failure")
     assert failure["kind"] == "hang" and "stopped (state T)" in failure["detail"]
     assert h.events("silence_excused") == []
+
+
+def _every_4_snapshotted(tmp_path: Path) -> Harness:
+    """3 nodes of one rank and one spare each, ``--snapshot-every 4``, step 4 snapshotted."""
+    h = Harness(
+        tmp_path, nnodes=3, nproc_per_node=1, spares=1, coordinator="127.0.0.1:0", lease_ttl_s=60.0,
+        snapshot_every=4,
+    )  # fmt: skip
+    for n in ("0", "1", "2"):
+        h.add_node(n, nproc=1, spares=1)
+    h.tick()
+    h.bring_up()
+    h.step_all(4)
+    return h
+
+
+def test_a_recovery_with_rescues_asks_the_survivors_to_leave_and_plans_their_step(tmp_path: Path) -> None:
+    """``--snapshot-every 4``: rank 2's node is lost after step 6 (the last snapshot: 4). The
+    survivors are asked to leave their step; each reports the step it rescued (6, its head's
+    digest alike); the plan restores 6, and rank 2's replacement takes rank 0's (its donor)."""
+    h = _every_4_snapshotted(tmp_path)
+    h.replicas["0"] = {2: {4}}  # node 0 holds rank 2's replica of step 4
+    h.lose_node("2")
+    assert h.coord.gens.reconf is None  # the plan waits for the survivors' reports
+    gen = h.coord.generation
+    for rank in (0, 1):
+        assert h.member(rank).last("leave") == {"t": "leave", "gen": gen, "recovery": True, "lost": [2]}
+    report = {"gen": gen - 1, "t": "fault", "step": 6, "error": "x", "rescued": 6, "rest": "d"}
+    h.put("msg", h.member(0), report)
+    h.tick()
+    assert h.coord.gens.reconf is None  # rank 1 has not reported
+    h.put("msg", h.member(1), report)
+    h.tick()
+    r = h.coord.gens.reconf
+    assert r is not None and r.restore_step == 6
+    node = h.coord.view.rank_node[2]
+    fetches = [m for m in h.agents[node].sent if m.get("t") == "fetch"]
+    if node == h.coord.view.rank_node[0]:  # beside its donor: it reads rank 0's slots there
+        assert r.from_rank == {2: 0} and not fetches
+    else:  # elsewhere: its node fetches rank 0's step 6 as rank 2's
+        (f,) = fetches
+        assert (f["rank"], f["step"], f["as_rank"]) == (0, 6, 2) and 2 not in r.from_rank
+    h.resume_all(7)
+    (rec,) = h.events("recovery")
+    assert rec["restore_step"] == 6 and rec["lost_steps"] == 0
+
+
+def test_a_failure_during_a_generations_setup_asks_no_rescue(tmp_path: Path) -> None:
+    """No survivor is in a step while a generation is set up: the plan does not wait for them."""
+    h = _every_4_snapshotted(tmp_path)
+    h.exit(h.coord.view.members[2])  # a kill: the spare on node 2 takes rank 2 once planned
+    gen = h.coord.generation
+    for rank in (0, 1):
+        h.put("msg", h.member(rank), {"gen": gen - 1, "t": "fault", "step": 4, "error": "x", "rescued": 4})
+    h.tick()
+    assert h.coord.gens.reconf is not None  # planned; its setup begins
+    h.exit(h.coord.view.members[1])  # rank 1 dies during the setup
+    assert h.coord.generation == gen + 1 and h.coord.gens.reconf is not None  # planned at once
+    assert not [m for m in h.member(0).sent if m.get("t") == "leave" and m.get("gen") == gen + 1]

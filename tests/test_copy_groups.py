@@ -169,7 +169,9 @@ def test_a_rank_joins_its_copy_group_only_when_its_model_replicates(fake_world: 
     from nonstop.train.snapshots import LoopSnapshots
 
     def loop(mesh: str | None, node_copy: bool = True) -> LoopSnapshots:
-        env = SimpleNamespace(node_copy=node_copy, mesh=mesh, shm_dir=Path("/nonexistent"), job_id="j")
+        env = SimpleNamespace(
+            node_copy=node_copy, mesh=mesh, shm_dir=Path("/nonexistent"), job_id="j", snapshot_every=1
+        )
         snaps = LoopSnapshots(env)  # type: ignore[arg-type]
         snaps._store = SimpleNamespace(rank=3)  # type: ignore[assignment]
         return snaps

@@ -8,7 +8,14 @@ import pytest
 
 from nonstop.config import JobConfig
 from nonstop.errors import UsageError
-from nonstop.runtime.elastic import ElasticAction, ElasticPolicy, assign_shards, renumber, resume_sources
+from nonstop.runtime.elastic import (
+    ElasticAction,
+    ElasticPolicy,
+    assign_shards,
+    play_shards,
+    renumber,
+    resume_sources,
+)
 from nonstop.runtime.policy import choose_replacements
 
 
@@ -30,6 +37,20 @@ def test_full_size_is_one_shard_per_rank_and_bad_sizes_are_refused() -> None:
         assign_shards(3, 4)
     with pytest.raises(ValueError):
         assign_shards(3, 0)
+
+
+def test_drop_plays_the_first_ranks_blocks_and_keep_every_shard() -> None:
+    # 4 ranks x 2 shards; 3 left: keep spreads all 8, drop plays ranks 0..2's own and skips 6, 7
+    assert play_shards(8, 4, 3) == assign_shards(8, 3) == ((0, 1), (2, 3, 4), (5, 6, 7))
+    assert play_shards(8, 4, 3, drop=True) == ((0, 1), (2, 3), (4, 5))
+    # what the exact gradient mean checks: rank r's block is assign_shards(played, world)'s
+    for world in range(1, 5):
+        dropped = play_shards(8, 4, world, drop=True)
+        played = sum(map(len, dropped))
+        assert played == 2 * world and dropped == assign_shards(played, world)
+    assert play_shards(8, 4, 4, drop=True) == assign_shards(8, 4)  # at full size: the same
+    with pytest.raises(ValueError):
+        play_shards(8, 4, 0, drop=True)
 
 
 def test_renumber_keeps_the_old_order() -> None:
@@ -79,6 +100,11 @@ def test_bad_policy_and_config_fail_at_start() -> None:
         JobConfig(script="x.py", nproc_per_node=2, min_world_size=3)
     with pytest.raises(UsageError, match="--elastic-wait"):
         JobConfig(script="x.py", elastic_wait_s=-1)
+    with pytest.raises(UsageError, match="--shrink-batch must be one of keep, drop"):
+        JobConfig(script="x.py", nproc_per_node=4, min_world_size=2, shrink_batch="halve")
+    with pytest.raises(UsageError, match=r"--shrink-batch drop .* --min-world-size"):
+        JobConfig(script="x.py", nproc_per_node=4, shrink_batch="drop")  # a job that never shrinks
+    assert JobConfig(script="x.py", nproc_per_node=4, min_world_size=2, shrink_batch="drop").min_world == 2
     assert JobConfig(script="x.py", nproc_per_node=4).min_world == 4  # 0: never shrink
     assert JobConfig(script="x.py", nproc_per_node=4, min_world_size=2).min_world == 2
 

@@ -99,6 +99,44 @@ def test_shrink_then_grow_reads_every_sample_once(tmp_path: Path) -> None:
     assert out["final_hash"] == ref.out["final_hash"]
 
 
+def test_drop_shrink_skips_the_lost_share_then_grows_back(tmp_path: Path) -> None:
+    """``--shrink-batch drop`` (torchft's semantics): shrunk, each survivor plays only its own
+    shard and the lost rank's is skipped -- every step of the shrunk generation trains shards 0
+    and 1 of its batch, each the samples it holds in an uninterrupted run, and the gradient mean
+    is over those 2 (the samples the script counts, ``batch x session.shards_played``, say so)."""
+    steps = 60
+    config = _config(
+        tmp_path / "job",
+        steps,
+        ("node:node=2,step=6",),
+        min_world_size=2,
+        shrink_batch="drop",
+        script_more=SHRUNK_STEP_DELAY,
+    )
+    events = _run_with_rejoin(config, "shrink")
+    (shrink,) = events_named(events, "shrink")
+    assert shrink["world_size"] == 2 and shrink["shards"] == {"0": [0], "1": [1]}
+    (grown,) = events_named(events, "grow_done")
+    assert grown["world_size"] == 3
+    shrunk_gen = next(g for g in events_named(events, "generation") if g["cause"] == [2])
+    grow_gen = next(g for g in events_named(events, "generation") if g.get("grow"))
+
+    records = read_log(config.job_dir / "samples")
+    assert check_sequence(records, steps=steps, num_shards=3, batch=BATCH, dropped=True) == []
+    seen = effective_samples(records)
+    short = [step for step, recs in seen.items() if len(recs) == 2]
+    # the steps trained shrunk (from the one in flight at the loss to the grow's boundary) skip
+    # shard 2; every other step trains all three
+    assert short == list(range(shrunk_gen["restore_step"], grow_gen["restore_step"])) != []
+    assert all(len(seen[step]) == 3 for step in seen if step not in short)
+    assert sorted(_shards_per_process(config.job_dir / "samples", shrunk_gen["generation"]).values()) == [
+        [0],
+        [1],
+    ]
+    out = json.loads((config.job_dir / "result.json").read_text())
+    assert out["world_size"] == 3 and out["samples_seen"] == (steps * 3 - len(short)) * BATCH
+
+
 def _shards_per_process(samples_dir: Path, gen: int) -> dict[str, list[int]]:
     """Log file (one per process) -> the shards that process trained on in generation ``gen``."""
     out: dict[str, set[int]] = {}

@@ -7,6 +7,7 @@ shards)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,6 +55,13 @@ def test_surviving_groups_play_the_dropped_groups_batches() -> None:
     assert two == ((0,), (0,), (1,), (1,), (2, 4), (2, 4), (3, 5), (3, 5))
     played = sorted(k for r in range(0, 8, 2) for k in two[r])  # one rank of each TP pair
     assert played == list(range(6))
+    # --shrink-batch drop: each rank its own coordinates' index, the third group's skipped
+    assert (
+        m.data_shards(8, drop=True)
+        == tuple((m.dp_rank(r),) for r in range(8))
+        == ((0,), (0,), (1,), (1,), (2,), (2,), (3,), (3,))
+    )
+    assert MeshSpec.parse("shard=3,tp=2").data_shards(4, drop=True) == ((0,), (0,), (1,), (1,))
 
 
 def test_elastic_meshes_are_checked_at_start() -> None:
@@ -107,11 +115,11 @@ def test_a_shard_restores_onto_a_mesh_with_fewer_replicas_only() -> None:
 
 
 # -- the coordinator, against fakes -----------------------------------------------------------------
-def _running(tmp_path: Path, mesh: str, *, nodes: int) -> Harness:
+def _running(tmp_path: Path, mesh: str, *, nodes: int, **kw: Any) -> Harness:
     """An elastic sharded job on ``nodes`` nodes of one rank and no spare, its first step done."""
     h = Harness(
         tmp_path, nnodes=nodes, nproc_per_node=1, spares=0, coordinator="127.0.0.1:0", lease_ttl_s=60.0,
-        mesh=mesh, min_world_size=2,
+        mesh=mesh, min_world_size=2, **kw,
     )  # fmt: skip
     for n in range(nodes):
         h.add_node(str(n), nproc=1)
@@ -173,6 +181,34 @@ def test_a_lost_node_drops_its_replica_group_and_the_group_grows_back(tmp_path: 
     assert h.coord.state is JobState.RUNNING and h.coord.swaps.active is None
     [grow] = h.events("grow")
     assert grow["shards"] == {"0": [0], "1": [1], "2": [2], "3": [3]}
+
+
+def test_a_job_that_drops_its_shrunk_batch_tells_each_rank_the_shards_it_plays_and_the_divisor(
+    tmp_path: Path,
+) -> None:
+    """``--shrink-batch drop``: the group that stays plays only its own data shards, and its ranks
+    divide the gradient sum by the 2 shards played (the job's 4 still number the samples); the
+    grow brings every shard and the divisor back."""
+    h = _running(tmp_path, "replicate=2,shard=2", nodes=4, shrink_batch="drop")
+    full = {"shards": [1], "num_shards": 4, "divisor": 4}
+    assert {k: h.member(1).last("reconfigure")[k] for k in full} == full
+    h.step_all(2)
+    h.lose_node("3")
+    [shrink] = h.events("shrink")
+    assert shrink["dropped"] == [2, 3] and shrink["shards"] == {"0": [0], "1": [1]}
+    shrunk = {"shards": [1], "num_shards": 4, "divisor": 2}
+    assert {k: h.member(1).last("reconfigure")[k] for k in shrunk} == shrunk
+    h.resume_all(3)
+    h.add_node("3", nproc=1)
+    h.connect_spawned()
+    h.tick()
+    z = h.coord.swaps.grow
+    assert z is not None
+    for j in z.joiners:
+        assert h.workers[j.sid].last("reconfigure")["divisor"] == 4
+        h.put("msg", h.workers[j.sid], {"t": "restored", "gen": h.coord.generation})
+    _all_pause(h, (0, 1))
+    assert h.coord.view.world_size == 4 and h.member(1).last("reconfigure")["divisor"] == 4
 
 
 def test_without_replicas_a_shrink_and_a_grow_gather_every_old_ranks_step_on_each_node(

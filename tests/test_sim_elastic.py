@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,13 +79,17 @@ def test_nonstop_is_a_resizing_strategy_and_the_baselines_are_not() -> None:
 
 
 def test_with_spares_left_elasticity_changes_nothing() -> None:
-    params = NonstopParams(spare_nodes=60)
-    same(run(NonstopParams(spare_nodes=60, min_world_size=512)), run(params))
+    params = NonstopParams(spare_nodes=60, replica_nodes=0)
+    same(run(NonstopParams(spare_nodes=60, min_world_size=512, replica_nodes=0)), run(params))
 
 
 def test_shrinking_beats_waiting_for_the_pool() -> None:
-    wait = run(NonstopParams(spare_nodes=0))
-    strat = Nonstop(job=JOB, params=NonstopParams(spare_nodes=0, min_world_size=512), calibration=SLOW_POOL)
+    wait = run(NonstopParams(spare_nodes=0, replica_nodes=0))
+    strat = Nonstop(
+        job=JOB,
+        params=NonstopParams(spare_nodes=0, min_world_size=512, replica_nodes=0),
+        calibration=SLOW_POOL,
+    )
     shrink = simulate(JOB, LOSSES, strat, seed=4)
     assert wait.failures == shrink.failures > 100  # the same failures
     assert wait.replacements == {"pool": wait.failures}
@@ -100,10 +105,48 @@ def test_shrinking_beats_waiting_for_the_pool() -> None:
     assert sum(shrink.lost_by_cause.values()) == pytest.approx(sum(shrink.lost_by_stage.values()))
 
 
+def test_dropping_the_lost_ranks_batch_costs_only_their_share() -> None:
+    """``--shrink-batch drop`` (torchft's semantics): a job shrunk by a node trains at full step
+    speed on 1016 of 1024 shards; keep plays the lost shards too, one rank two (half speed)."""
+    params = NonstopParams(spare_nodes=0, min_world_size=512, replica_nodes=0)
+    keep = run(params)
+    strat = Nonstop(job=JOB, params=replace(params, shrink_batch="drop"), calibration=SLOW_POOL)
+    drop = simulate(JOB, LOSSES, strat, seed=4)
+    assert drop.failures == keep.failures and drop.resizes == keep.resizes and drop.resizes["shrink"] > 100
+    assert strat.elastic.rate(1016) == 1016 / 1024 and keep.shrunk_throughput == pytest.approx(0.5, abs=0.01)
+    assert drop.shrunk_s == pytest.approx(keep.shrunk_s, rel=0.01)  # shrunk as long ...
+    assert drop.lost_by_stage["shrunk"] < keep.lost_by_stage["shrunk"] / 20  # ... at 1/64 of the cost
+    assert drop.ettr > keep.ettr + 0.05
+    assert drop.ettr * JOB.horizon_s == pytest.approx(strat.work, rel=1e-9)
+    with pytest.raises(UsageError, match="--shrink-batch must be one of keep, drop"):
+        NonstopParams(shrink_batch="halve")
+
+
+def test_an_hsdp_job_shrinks_by_whole_model_copies() -> None:
+    """With replica groups (the runtime's ``--mesh replicate=R``) a lost node takes its whole
+    model copy out, the copy's other nodes wait idle (a failure there touches nothing), and the
+    shrunk rate is over copies: keep, one copy plays two batches; drop, 2 of 3 are trained."""
+    job = JobSpec(num_gpus=384, days=1)  # 48 nodes: 3 copies of 16
+    src = Scripted((10_000.0, 3), (11_000.0, 5))  # node 3 lost; then node 5, of the same copy
+
+    def one(batch: str) -> tuple[Nonstop, SimResult]:
+        params = NonstopParams(spare_nodes=0, min_world_size=256, replica_nodes=16, shrink_batch=batch)
+        strat = Nonstop(job=job, params=params, calibration=SLOW_POOL)
+        return strat, simulate(job, src, strat)
+
+    (keep_s, keep), (drop_s, drop) = one("keep"), one("drop")
+    for r in (keep, drop):
+        assert r.resizes == {"shrink": 1, "grow": 1} and r.replacements == {"shrink": 1, "none": 1}
+    assert keep_s.elastic.unit == 128 and keep_s.elastic.rate(256) == 0.5
+    assert drop_s.elastic.rate(256) == 2 / 3
+    assert drop.shrunk_s == pytest.approx(keep.shrunk_s) and keep.shrunk_s > 0
+    assert drop.lost_by_stage["shrunk"] == pytest.approx(keep.lost_by_stage["shrunk"] * (1 / 3) / (1 / 2))
+
+
 def test_min_world_size_above_the_survivors_falls_back_to_ordinary_recovery() -> None:
-    wait = run(NonstopParams(spare_nodes=0))
+    wait = run(NonstopParams(spare_nodes=0, replica_nodes=0))
     # one lost node leaves 1016 ranks: below 1017 the runtime's policy says FAIL
-    r = run(NonstopParams(spare_nodes=0, min_world_size=1024 - 8 + 1))
+    r = run(NonstopParams(spare_nodes=0, min_world_size=1024 - 8 + 1, replica_nodes=0))
     same(r, wait)
     assert r.resizes == {"fail": r.failures} and r.shrunk_s == 0
 
@@ -114,14 +157,18 @@ def test_elastic_wait_then_shrink_books_the_wait_as_planning() -> None:
     plain = simulate(
         job,
         src,
-        Nonstop(job=job, params=NonstopParams(spare_nodes=0, min_world_size=8), calibration=SLOW_POOL),
+        Nonstop(
+            job=job,
+            params=NonstopParams(spare_nodes=0, min_world_size=8, replica_nodes=0),
+            calibration=SLOW_POOL,
+        ),
     )
     waited = simulate(
         job,
         src,
         Nonstop(
             job=job,
-            params=NonstopParams(spare_nodes=0, min_world_size=8, elastic_wait_s=600),
+            params=NonstopParams(spare_nodes=0, min_world_size=8, elastic_wait_s=600, replica_nodes=0),
             calibration=SLOW_POOL,
         ),
     )
@@ -130,8 +177,12 @@ def test_elastic_wait_then_shrink_books_the_wait_as_planning() -> None:
     assert extra == pytest.approx(600 * 64)
     assert plain.shrunk_s - waited.shrunk_s == pytest.approx(600)  # the pool node comes no sooner
     # a wait the pool node ends is a replacement as without elasticity
-    long_wait = NonstopParams(spare_nodes=0, min_world_size=8, elastic_wait_s=4000)
-    pool = simulate(job, src, Nonstop(job=job, params=NonstopParams(spare_nodes=0), calibration=SLOW_POOL))
+    long_wait = NonstopParams(spare_nodes=0, min_world_size=8, elastic_wait_s=4000, replica_nodes=0)
+    pool = simulate(
+        job,
+        src,
+        Nonstop(job=job, params=NonstopParams(spare_nodes=0, replica_nodes=0), calibration=SLOW_POOL),
+    )
     r = simulate(job, src, Nonstop(job=job, params=long_wait, calibration=SLOW_POOL))
     same(r, pool)
     assert r.resizes == {"wait": 1}
@@ -139,8 +190,8 @@ def test_elastic_wait_then_shrink_books_the_wait_as_planning() -> None:
 
 @pytest.mark.parametrize("action", [ElasticAction.WAIT, ElasticAction.FAIL])
 def test_the_runtime_on_unplaced_decides(monkeypatch: pytest.MonkeyPatch, action: ElasticAction) -> None:
-    params = NonstopParams(spare_nodes=0, min_world_size=512)
-    shrink, wait = run(params), run(NonstopParams(spare_nodes=0))
+    params = NonstopParams(spare_nodes=0, min_world_size=512, replica_nodes=0)
+    shrink, wait = run(params), run(NonstopParams(spare_nodes=0, replica_nodes=0))
     calls: list[tuple[int, int, float]] = []
 
     def decide(self: ElasticPolicy, *, world_size: int, unplaced: int, waited_s: float) -> ElasticDecision:
@@ -155,11 +206,15 @@ def test_the_runtime_on_unplaced_decides(monkeypatch: pytest.MonkeyPatch, action
     assert len(calls) == r.failures and all(c == (1024, 8, 0.0) for c in calls)
 
 
-def test_shrunk_throughput_is_what_assign_shards_implies(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shrunk_throughput_is_what_play_shards_implies(monkeypatch: pytest.MonkeyPatch) -> None:
     job = JobSpec(num_gpus=64, days=1)
     # node 3 is lost; a later failure of its position finds no machine there (shrunk away)
     src = Scripted((10_000.0, 3), (11_000.0, 3))
-    strat = Nonstop(job=job, params=NonstopParams(spare_nodes=0, min_world_size=56), calibration=SLOW_POOL)
+    strat = Nonstop(
+        job=job,
+        params=NonstopParams(spare_nodes=0, min_world_size=56, replica_nodes=0),
+        calibration=SLOW_POOL,
+    )
     r = simulate(job, src, strat)
     assert r.resizes == {"shrink": 1, "grow": 1} and r.failures == 2
     assert r.replacements == {"shrink": 1, "none": 1}
@@ -183,11 +238,16 @@ def test_shrunk_throughput_is_what_assign_shards_implies(monkeypatch: pytest.Mon
     assert strat.grow_pause == pytest.approx(sum(stages.values()))
     assert r.ettr * job.horizon_s == pytest.approx(strat.work, rel=1e-9)
 
-    # the rate follows the runtime's assign_shards: a rank playing 3 shards makes it a third
-    def lopsided(num_shards: int, world_size: int) -> tuple[tuple[int, ...], ...]:
-        return ((0, 1, 2), *((k,) for k in range(3, num_shards)))[:world_size]
+    # the rate follows the runtime's play_shards: a shrunk rank playing 3 shards makes it a third
+    def lopsided(
+        num_shards: int, full: int, world_size: int, *, drop: bool = False
+    ) -> tuple[tuple[int, ...], ...]:
+        if world_size >= full:
+            return elastic.assign_shards(num_shards, world_size)
+        rest = elastic.assign_shards(num_shards - 3, world_size - 1)
+        return ((0, 1, 2), *(tuple(k + 3 for k in ks) for ks in rest))
 
-    monkeypatch.setattr(elastic, "assign_shards", lopsided)
+    monkeypatch.setattr(elastic, "play_shards", lopsided)
     r3 = simulate(job, src, strat)
     assert r3.shrunk_throughput == pytest.approx((1 - frac) / 3, rel=1e-12)
     assert r3.shrunk_s == pytest.approx(r.shrunk_s) and r3.ettr < r.ettr
@@ -196,7 +256,7 @@ def test_shrunk_throughput_is_what_assign_shards_implies(monkeypatch: pytest.Mon
 def test_the_runtime_grow_to_decides_when_to_grow(monkeypatch: pytest.MonkeyPatch) -> None:
     job = JobSpec(num_gpus=64, days=1)
     src = Scripted((10_000.0, 3))
-    params = NonstopParams(spare_nodes=0, min_world_size=56)
+    params = NonstopParams(spare_nodes=0, min_world_size=56, replica_nodes=0)
     grows = simulate(job, src, Nonstop(job=job, params=params, calibration=SLOW_POOL))
     monkeypatch.setattr(elastic.ElasticPolicy, "grow_to", lambda self, *, world_size, idle_spares: world_size)
     stays = simulate(job, src, Nonstop(job=job, params=params, calibration=SLOW_POOL))
@@ -224,6 +284,8 @@ def test_simulate_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         "nonstop",
         "--spare-nodes",
         "0",
+        "--replica-nodes",
+        "0",
     )
     assert dispatch(parse(*argv, "--min-world-size", "900", "--elastic-wait", "30", "--json", str(out))) == 0
     text = capsys.readouterr().out
@@ -232,6 +294,15 @@ def test_simulate_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert run_doc["resizes"]["shrink"] > 0 and run_doc["shrunk_hours_per_day"] > 0
     assert 0 < run_doc["shrunk_throughput"] < 1
     assert run_doc["params"]["min_world_size"] == 900 and run_doc["params"]["elastic_wait_s"] == 30
+    assert run_doc["params"]["shrink_batch"] == "keep"
+    assert (
+        dispatch(parse(*argv, "--min-world-size", "900", "--shrink-batch", "drop", "--json", str(out))) == 0
+    )
+    dropped = json.loads(out.read_text())["median_runs"][0]
+    capsys.readouterr()
+    assert dropped["params"]["shrink_batch"] == "drop"
+    # 1016 of 1024 shards at full speed, not one rank playing 2: about twice the rate
+    assert dropped["shrunk_throughput"] > 1.9 * run_doc["shrunk_throughput"]
     assert dispatch(parse(*argv)) == 0
     assert "elastic" not in capsys.readouterr().out
 

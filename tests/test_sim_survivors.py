@@ -12,7 +12,7 @@ import pytest
 from nonstop.runtime import survivors
 from nonstop.runtime.policy import FailureKind
 from nonstop.runtime.survivors import SurvivorChoice, SurvivorMode
-from nonstop.sim.advisor import advise
+from nonstop.sim.advisor import Advice, advise
 from nonstop.sim.api import JobSpec, SimResult
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s
 from nonstop.sim.engine import simulate
@@ -35,7 +35,9 @@ def run(
     min_world_size: int = 56,
     cal: Calibration = SLOW_FETCH,
 ) -> tuple[SimResult, Nonstop]:
-    params = NonstopParams(spare_nodes=2, min_world_size=min_world_size, survivors=survivors_mode)
+    params = NonstopParams(
+        spare_nodes=2, min_world_size=min_world_size, survivors=survivors_mode, replica_nodes=0
+    )
     strat = Nonstop(job=JOB, params=params, calibration=cal)
     return simulate(JOB, Scripted((10_000.0, 3), cause=cause), strat), strat
 
@@ -153,17 +155,23 @@ def test_per_step_costs_are_read_from_the_side_by_side_benchmark(tmp_path: Path)
     assert "not found" in missing.source("torchft_step_overhead_s")
 
 
-def test_the_advisor_weighs_elasticity_against_spares() -> None:
+def _advise_node_losses(**kw: Any) -> Advice:
+    """The advisor on a data-parallel job of 256 GPUs losing nodes, the pool an hour away."""
     job = JobSpec(num_gpus=256, days=2)
-    model = FailureModel(rate_per_node_day=0.05, causes=(NODE_LOSS,))
-    adv = advise(
+    return advise(
         job=job,
-        model=model,
+        model=FailureModel(rate_per_node_day=0.05, causes=(NODE_LOSS,)),
         calibration=Calibration(node_provision_s=3600.0),
         host_budget_bytes=job.gpus_per_node * job.state_bytes_per_gpu * 3,
         seeds=(0,),
         max_replicas=1,
+        replica_nodes=0,
+        **kw,
     )
+
+
+def test_the_advisor_weighs_elasticity_against_spares() -> None:
+    adv = _advise_node_losses()
     elastic = [c for c in adv.candidates if c.min_world_size]
     assert {(c.min_world_size, c.shards_per_rank) for c in elastic} == {(230, 1), (230, 4)}
     assert {c.spare_nodes for c in elastic} >= {0, 1, 2}
@@ -177,3 +185,15 @@ def test_the_advisor_weighs_elasticity_against_spares() -> None:
     off = next(c for c in no_spare if c.spare_nodes == 0 and not c.min_world_size)
     assert by[(230, 1, 0)].ettr > off.ettr and by[(230, 4, 0)].ettr > by[(230, 1, 0)].ettr
     assert "shard(s)/rank" in adv.table() or best.elastic == "off"
+
+
+def test_the_advisor_tries_dropping_the_shrunk_batch_only_when_allowed() -> None:
+    assert {c.shrink_batch for c in _advise_node_losses().candidates} == {"keep"}
+    adv = _advise_node_losses(may_drop_batch=True)
+    drop = {c.spare_nodes: c for c in adv.candidates if c.shrink_batch == "drop"}
+    keep4 = {c.spare_nodes: c for c in adv.candidates if c.min_world_size and c.shards_per_rank == 4}
+    assert set(drop) == set(keep4) and {c.min_world_size for c in drop.values()} == {230}
+    # without a spare, a shrunk step at full speed on 248 of 256 shards beats 4 -> 5 micro-batches
+    assert drop[0].ettr > keep4[0].ettr
+    assert drop[0].params().shrink_batch == "drop" and "dropped" in drop[0].elastic
+    assert adv.best == max(adv.candidates, key=lambda c: c.goodput_per_provisioned_gpu)

@@ -7,7 +7,7 @@ import pytest
 
 from nonstop.config import JobConfig
 from nonstop.errors import UsageError
-from nonstop.runtime.elastic import assign_shards
+from nonstop.runtime.elastic import assign_shards, play_shards
 from nonstop.runtime.survivors import SurvivorCosts, SurvivorMode, choose, costs_from_reports, shrunk_rate
 
 
@@ -16,6 +16,11 @@ def test_shrunk_rate_is_the_slowest_ranks_micro_batches() -> None:
     assert shrunk_rate(assign_shards(16, 4), assign_shards(16, 3)) == pytest.approx(4 / 6)
     assert shrunk_rate(assign_shards(4096, 1024), assign_shards(4096, 1023)) == 0.8  # 4 -> 5 each
     assert shrunk_rate(assign_shards(4, 4), ()) == 0.0
+    # --shrink-batch drop: steps as fast, the samples of the shards played
+    assert shrunk_rate(play_shards(4, 4, 4), play_shards(4, 4, 3, drop=True)) == 0.75
+    assert shrunk_rate(play_shards(4096, 1024, 1024), play_shards(4096, 1024, 1016, drop=True)) == 1016 / 1024
+    # a TP pair plays the same shard: counted once
+    assert shrunk_rate(((0,), (0,), (1,), (1,)), ((0,), (0,))) == 0.5
 
 
 SLOW_RESTORE = SurvivorCosts(step_s=1.0, restore_s=8.0, rebuild_s=0.5, swap_s=1.0)

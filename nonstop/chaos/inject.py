@@ -147,7 +147,12 @@ class Injector:
         that rank's memory: the loader must find the checksum wrong and fall back to an older one."""
         steps = durable_steps(self.root)
         newest = steps[-1]
-        path = self.root / f"step-{newest:012d}" / rank_file(p.rank)
+        step = self.root / f"step-{newest:012d}"
+        path = step / rank_file(p.rank)
+        if path.stat().st_size == 0:
+            # every chunk of this rank is shared with another rank's file (ranks alike: a DDP
+            # job seeded alike): flip the bytes of the file that holds them
+            path = max(step.glob("rank-*.bin"), key=lambda f: f.stat().st_size)
         size = path.stat().st_size
         at = size // 2
         with path.open("r+b") as f:

@@ -19,10 +19,12 @@ import argparse
 import hashlib
 import itertools
 import json
+import random
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--seed-per-rank",
+        action="store_true",
+        help="reseed the torch RNG with seed + rank once the rank is known (as scripts that want "
+        "different dropout per rank do): ranks are then not alike, and a stall budget may not widen "
+        "the snapshot interval (nonstop/runtime/cadence.py)",
+    )
     ap.add_argument("--result", type=Path, default=None)
     ap.add_argument(
         "--samples-log",
@@ -69,12 +78,18 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     cfg = PRESETS[args.model]
+    # every RNG seeded alike on every rank ("seed everything"): a rank replaced after a failure
+    # between two snapshots may then take a survivor's state of the step (nonstop/train/rescue.py)
     torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
     # Everything that does not depend on the rank is built before joining, so a
     # hot spare has it ready when it is given a rank (on the CPU: the same weights everywhere).
     model = GPT(cfg)
     corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
     session = nonstop.init()  # a hot spare waits here
+    if args.seed_per_rank:
+        torch.manual_seed(args.seed + session.rank)
     device = session.device  # this process's own device (the CPU on a CPU node: nothing moves)
     deterministic_on(device)  # bitwise-comparable GPU runs (the module docstring)
     model.to(device)
@@ -111,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                 data["kv_probe"] = f"refused: {e}"
         opt.step()
         if not session.warming_up:
-            data["samples_seen"] += args.batch * session.num_shards
+            data["samples_seen"] += args.batch * session.shards_played
         return sum(losses) / len(losses)
 
     def load_extras(extras: dict[str, Any]) -> None:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import random
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -84,6 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = PRESETS[args.model]
     corpus = MarkovCorpus(vocab=cfg.vocab, seed=1234 + args.seed)
     built: dict[str, Any] = {}
+    # the other RNGs alike on every rank too: a rank replaced between two snapshots may then take
+    # the rescued state of a rank holding its shards (nonstop/train/rescue.py)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
 
     def build(mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(args.seed)  # every generation builds the same initial weights
@@ -117,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             losses.append(float(loss.item()))
         pace(args, session)
         opt.step()
-        data["samples_seen"] += args.batch * session.num_shards
+        data["samples_seen"] += args.batch * session.shards_played
         return sum(losses) / len(losses)
 
     t0 = time.time()

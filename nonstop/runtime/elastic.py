@@ -10,6 +10,13 @@ plays several shards by gradient accumulation (one micro-batch per shard, the gr
 locally, allreduced once, and divided by ``num_shards``), so the global batch, the learning
 dynamics and the sample order stay those of the full-size job. No sample is skipped or read twice.
 
+``--shrink-batch drop`` trades that for speed, as torchft does: a shrunk job of ``W'`` ranks plays
+only the first ``W'`` blocks of the full job's shards (each rank its own M micro-batches) and the
+gradient mean is over the shards played, so a step takes as long as at full size and the job
+trains at ``W' / W0`` of its samples per step until it grows back; the shards of the blocks beyond
+``W'`` are skipped in those steps (:func:`play_shards`). Keep (the default) is the one whose
+final weights an uninterrupted run's equal bit for bit.
+
 How the coordinator uses this module (``Coordinator._begin_generation``, ``_grow_tick``):
 
 * **shrink** -- a failed rank that no hot spare can take (its node is lost, and cold processes
@@ -38,6 +45,8 @@ __all__ = [
     "ElasticDecision",
     "ElasticPolicy",
     "assign_shards",
+    "play_shards",
+    "played",
     "renumber",
     "resume_sources",
 ]
@@ -54,6 +63,30 @@ def assign_shards(num_shards: int, world_size: int) -> tuple[tuple[int, ...], ..
         tuple(range(r * num_shards // world_size, (r + 1) * num_shards // world_size))
         for r in range(world_size)
     )
+
+
+def play_shards(
+    num_shards: int, full_world_size: int, world_size: int, *, drop: bool = False
+) -> tuple[tuple[int, ...], ...]:
+    """The shards each rank of a generation of ``world_size`` ranks plays, in a job of
+    ``num_shards`` shards started with ``full_world_size`` ranks. Keep (``drop`` False): every
+    shard, spread over the ranks (:func:`assign_shards`). Drop (``--shrink-batch drop``): rank
+    ``r`` plays the full job's rank ``r``'s block and the blocks beyond ``world_size`` are not
+    played -- a step's batch is ``world_size / full_world_size`` of the full one. Either way the
+    ranks' blocks are contiguous and in rank order, from shard 0 (what the exact gradient mean
+    needs: its shard count is the shards played, ``sum(map(len, ...))``)."""
+    if not drop or world_size >= full_world_size:
+        return assign_shards(num_shards, world_size)
+    if world_size < 1:
+        raise ValueError(f"world size must be in 1..{full_world_size} (got {world_size})")
+    return assign_shards(num_shards, full_world_size)[:world_size]
+
+
+def played(shards: Sequence[Sequence[int]]) -> int:
+    """The distinct data shards a generation plays, from each rank's (``play_shards``,
+    ``MeshSpec.data_shards``; the ranks of a TP group play the same ones): the gradient mean's
+    divisor, and what a step trains."""
+    return len({k for mine in shards for k in mine})
 
 
 def resume_sources(checkpoint_world: int, world_size: int) -> dict[int, int]:

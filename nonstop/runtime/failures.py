@@ -206,7 +206,10 @@ class Failures:
         if pending is not None:  # a generation not planned yet: plan it for these failures too
             self.c.gens.pending = None
             self.c.gens.begin(
-                pending.failures + failures, replans=pending.replans + 1, replacements=pending.replacements
+                pending.failures + failures,
+                replans=pending.replans + 1,
+                replacements=pending.replacements,
+                rescue=pending.rescue,  # (the survivors left their steps for the first failure)
             )
             return
         previous = self.c.gens.reconf if self.c.view.phase is JobPhase.RECONFIGURING else None

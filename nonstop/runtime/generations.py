@@ -3,8 +3,9 @@ is a new generation, planned, launched and timed here. This module is the execut
 pure pieces; it feeds them events (with the time) and carries their actions out:
 
 * **wait** (:class:`~nonstop.runtime.planning.Pending`): the generation waits for the live
-  nodes' inventories when a restore is needed (their answers are events), or, after an elastic
-  ``WAIT`` plan, for a spare; a failure meanwhile merges into it;
+  nodes' inventories when a restore is needed (their answers are events; the survivors' rescue
+  reports too, with ``--snapshot-every`` > 1: :mod:`nonstop.runtime.planwait` asks them), or,
+  after an elastic ``WAIT`` plan, for a spare; a failure meanwhile merges into it;
 * **plan** (:func:`~nonstop.runtime.planning.plan_generation`): who plays each missing rank,
   which step every rank restores (memory first, then the durable tier), a shrink or a wait;
 * **launch**: spares take ranks, cold processes start, nodes that lack a rank's restore step
@@ -21,25 +22,23 @@ Threading: the coordinator's thread only. I/O goes through the coordinator's exe
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from nonstop.errors import ControlError
 from nonstop.runtime import events as ev
-from nonstop.runtime import wire
 from nonstop.runtime.phase import JobPhase
 from nonstop.runtime.planning import (
-    Answered,
     Inventory,
-    NodeGone,
     Pending,
     Plan,
     PlanAction,
     PlanNow,
-    Replan,
     SpareIdle,
     Waited,
     plan_generation,
 )
+from nonstop.runtime.planwait import PlanAsks
 from nonstop.runtime.recovery import (
     Action,
     Failure,
@@ -53,6 +52,7 @@ from nonstop.runtime.recovery import (
     StageEnded,
     Tick,
 )
+from nonstop.runtime.rescue import Report
 from nonstop.runtime.torchenv import rank_env
 from nonstop.runtime.view import Role
 
@@ -60,8 +60,6 @@ if TYPE_CHECKING:
     from nonstop.runtime.coordinator import Coordinator
 
 __all__ = ["Generations"]
-
-PLAN_WAIT_S = 3.0  # longest planning waits for the nodes' inventories
 
 
 class Generations:
@@ -73,8 +71,8 @@ class Generations:
         self.reconf: Reconfiguration | None = None
         # a generation not planned yet: what it waits for (inventories, a spare, an install)
         self.pending: Pending | None = None
-        # the nodes' inventories asked for the generation being planned: request id -> node
-        self.inventory_reqs: dict[int, str] = {}
+        # what the generation being planned asked the nodes and the survivors (planwait.py)
+        self.asks = PlanAsks(c)
         self._deferral_logged = 0  # the generation whose plan was last deferred for exits
         # a sharded job resumed from a checkpoint of another size: {url, step, world}, which the
         # first generation's workers reshard (nothing is installed on the nodes), and any later
@@ -90,27 +88,16 @@ class Generations:
         ev = SpareIdle(now) if self.c.view.idle_spares() else Waited(now)
         if p.on_event(ev):  # [Replan]
             self.pending = None
-            self.begin(p.failures, replans=p.replans + 1, replacements=p.replacements)
+            self.begin(p.failures, replans=p.replans + 1, replacements=p.replacements, rescue=p.rescue)
 
     def check_timeouts(self) -> None:
         """A stage that overran ``rebuild_timeout_s`` has its laggards killed (the machine says who)."""
         if self.c.view.phase is JobPhase.RECONFIGURING:
             self.report(Tick(time.time()))
 
-    def _ask_inventories(self, nodes: list[str]) -> None:
-        """Ask ``nodes`` what their memory holds; the answers arrive as events and
-        :meth:`inventory_tick` feeds them to the pending plan."""
-        self.inventory_reqs = {self.c.io.request(self.c.view.nodes[n], {"t": "inventory"}): n for n in nodes}
-
-    def _drop_inventories(self) -> None:
-        for req in self.inventory_reqs:
-            self.c.io.replies.pop(req, None)
-            self.c.io.done(req)
-        self.inventory_reqs = {}
-
     def inventory_tick(self) -> None:
         """Feed the nodes' inventory answers (and lost nodes, and the time) to the pending plan;
-        plan once it says so (every node answered, or ``PLAN_WAIT_S`` passed). Exits not handled
+        plan once it says so (every node answered, or ``planwait.PLAN_WAIT_S`` passed). Exits not handled
         yet are handled first: a second node lost while the nodes answered is planned together
         with the first (``on_failures`` merges them into the pending plan)."""
         p = self.pending
@@ -122,23 +109,12 @@ class Generations:
                 self._deferral_logged = self.c.view.generation
                 self.c.events.emit(ev.ReplanDeferred(generation=self.c.view.generation))
             return
-        now = time.monotonic()
-        out: list[PlanNow | Replan] = []
-        replies = self.c.io.replies
-        for req, node in self.inventory_reqs.items():
-            msg = replies.get(req)
-            if not self.c.view.nodes[node].alive:
-                out += p.on_event(NodeGone(node, now))
-            elif isinstance(msg, wire.Inventory):
-                out += p.on_event(Answered(node, msg.local, msg.replicas, now))
-            elif msg is not None:  # an error reply: plan without this node's memory
-                out += p.on_event(NodeGone(node, now))
-        out += p.on_event(Waited(now))
+        out = self.asks.events(p, time.monotonic())
         for a in out:
             if isinstance(a, PlanNow):
-                self._drop_inventories()
+                self.asks.drop()
                 self.initial_step = None
-                self._plan(a.inventory)
+                self._plan(a.inventory, a.rescues)
                 return
 
     def begin(
@@ -148,6 +124,7 @@ class Generations:
         replans: int = 0,
         replacements: dict[int, str] | None = None,
         inventory_needed: bool = False,
+        rescue: bool | None = None,
     ) -> None:
         """Open generation + 1 and plan it. Every rank restores the newest step all ranks hold
         (memory first, then durable) when there are ``failures``, a resumed checkpoint to
@@ -155,19 +132,23 @@ class Generations:
         recovery): the nodes' inventories are asked for first, and the plan waits for them as
         events (:class:`~nonstop.runtime.planning.Pending`; the coordinator serves everything
         else meanwhile; a failure meanwhile merges into this plan). The decision is
-        :func:`~nonstop.runtime.planning.plan_generation`'s."""
+        :func:`~nonstop.runtime.planning.plan_generation`'s. ``rescue``: whether the survivors
+        may report rescues (:mod:`nonstop.runtime.rescue`); None: if the job was training (a
+        failure during a generation's setup finds no survivor in a step)."""
+        if rescue is None:
+            rescue = self.c.view.phase is JobPhase.RUNNING
         self.open_generation()
-        self.pending = p = Pending(failures=failures, replans=replans, replacements=dict(replacements or {}))
+        self.pending = p = Pending(
+            failures=failures, replans=replans, replacements=dict(replacements or {}), rescue=rescue
+        )
         if failures or self.initial_step is not None or inventory_needed:
-            nodes = self.c.view.alive_nodes()
-            self._ask_inventories(nodes)
-            out = p.ask(set(nodes), deadline=time.monotonic() + PLAN_WAIT_S)
+            out = self.asks.ask(p, time.monotonic())
         else:
             out = [PlanNow(None)]
         for a in out:
-            self._plan(a.inventory)
+            self._plan(a.inventory, a.rescues)
 
-    def _plan(self, inventory: Inventory | None) -> None:
+    def _plan(self, inventory: Inventory | None, rescues: Mapping[int, Report]) -> None:
         """Decide (pure ``plan_generation``) for the pending generation and carry it out."""
         p = self.pending
         assert p is not None
@@ -198,6 +179,7 @@ class Generations:
             reshard=self.c.resize.reshards,
             shrink_first=choice is not None and choice.shrink_first,
             avoid={f.rank: f.avoid_node for f in failures if f.avoid_node is not None},
+            rescue=self.asks.rescue(rescues),
         )
         if plan.action is PlanAction.FAIL:
             self.pending = None
@@ -216,6 +198,7 @@ class Generations:
             why = choice.reason if plan.shrink_first and choice is not None else plan.reason
             from_rank = self.c.resize.shrink(plan.shrink, why, shrink_first=plan.shrink_first)
         placements, avail, restore_step = plan.placements, plan.inventory, plan.restore_step
+        from_rank.update(plan.donors)  # they restore a survivor's rescued step (runtime/rescue.py)
         for rank, pl in placements.items():
             self.c.view.rank_node[rank] = pl.node
         if plan.reshard:  # every rank cuts its new shards out of all the old ranks'
@@ -334,7 +317,7 @@ class Generations:
         self.c.view.generation += 1
         self.c.set_phase(JobPhase.RECONFIGURING)
         self.reconf = None
-        self._drop_inventories()  # asked for a generation that will not be planned any more
+        self.asks.drop()  # asked for a generation that will not be planned any more
         self.c.sources.cancel_install()
         for req in [
             q for q, (_, gen) in self.c.sources.waiting_fetch.items() if gen < self.c.view.generation
@@ -408,7 +391,7 @@ class Generations:
         if w is None or w.chan is None:
             return
         w.stepped, w.coll, w.idle_s, w.fault_report = False, False, None, None
-        w.told_to_raise_at = None
+        w.told_to_raise_at, w.rescue, w.told_gen = None, None, r.generation
         self.c.io.send(
             w,
             {

@@ -265,6 +265,7 @@ def serve_coordinator(
         ENV.REBUILD_TIMEOUT: str(config.rebuild_timeout_s),
         ENV.SNAPSHOT: config.snapshot,
         ENV.SNAPSHOT_EVERY: str(config.snapshot_every),
+        ENV.SNAPSHOT_BUDGET: str(config.snapshot_budget),
         ENV.RECONNECT: str(config.reconnect_s if jobs is not None else 0),
         **({ENV.MESH: config.mesh} if config.mesh is not None else {}),
         ENV.ELASTIC: "1" if config.min_world < config.world_size else "0",

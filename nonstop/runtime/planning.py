@@ -39,6 +39,7 @@ from typing import TypeAlias
 from nonstop.runtime.elastic import ElasticAction, ElasticPolicy, renumber
 from nonstop.runtime.policy import Placement, choose_replacements, committed_step
 from nonstop.runtime.recovery import Failure
+from nonstop.runtime.rescue import Inventory, Report, Rescue, with_rescue
 
 __all__ = [
     "Answered",
@@ -49,6 +50,7 @@ __all__ = [
     "PlanAction",
     "PlanNow",
     "Replan",
+    "Reported",
     "Shrink",
     "SpareIdle",
     "Waited",
@@ -56,9 +58,6 @@ __all__ = [
     "may_shrink",
     "plan_generation",
 ]
-
-# rank -> step -> [(node, "local" | "replica")]: where each rank's snapshots are in memory
-Inventory = Mapping[int, Mapping[int, Sequence[tuple[str, str]]]]
 
 
 class PlanAction(enum.StrEnum):
@@ -96,6 +95,8 @@ class Plan:
     # the survivors go on without the missing ranks although spares could take them (they join
     # by a grow): runtime/survivors.py
     shrink_first: bool = False
+    # missing rank -> the survivor whose rescued ``restore_step`` it restores (runtime/rescue.py)
+    donors: Mapping[int, int] = field(default_factory=dict)
     wait_s: float = 0.0
     unplaced: tuple[int, ...] = ()
     reason: str = ""
@@ -116,6 +117,7 @@ def plan_generation(
     reshard: bool = False,
     shrink_first: bool = False,
     avoid: Mapping[int, str] | None = None,
+    rescue: Rescue | None = None,
 ) -> Plan:
     """Plan generation + 1 (pure, deterministic).
 
@@ -127,15 +129,19 @@ def plan_generation(
     shrink without the missing ranks even where spares could take them, at once (no elastic
     wait), unless that would go below the minimum world size (then they are replaced);
     ``avoid``: missing rank -> the node its failure's grade says to leave (``replace_elsewhere``),
-    placed elsewhere where a spare or room allows (:func:`~nonstop.runtime.policy.choose_replacements`).
+    placed elsewhere where a spare or room allows (:func:`~nonstop.runtime.policy.choose_replacements`);
+    ``rescue``: the step the present ranks rescued (:mod:`.rescue`), held beside ``inventory``.
     """
     if not live_nodes:
         return Plan(
             action=PlanAction.FAIL, reason="every node is lost or quarantined; nothing left to run on"
         )
     avail: Inventory = inventory or {}
-    restore_step = None if inventory is None else committed_step(_steps(avail), world_size)
     missing = [r for r in range(world_size) if r not in present]
+    donors: dict[int, int] = {}
+    if rescue is not None and inventory is not None:
+        avail, donors = with_rescue(inventory, rescue, missing, donors=True)
+    restore_step = None if inventory is None else committed_step(_steps(avail), world_size)
     placements = choose_replacements(
         failed={r: last_node.get(r) for r in missing},
         spares=idle_spares,
@@ -170,6 +176,8 @@ def plan_generation(
         shrink = Shrink(dropped=dropped, new_of=new_of)
         placements = {new_of[r]: p for r, p in placements.items() if r in new_of}
         resharded = reshard  # every old rank's shards are cut anew: the old numbering's step, held anywhere
+        if rescue is not None and inventory is not None:  # renumbered: no rank takes a donor's state
+            avail, donors = with_rescue(inventory, rescue, missing, donors=False)
         if not resharded:
             avail = {new_of[r]: st for r, st in avail.items() if r in new_of}
             if avail:
@@ -193,6 +201,7 @@ def plan_generation(
         shrink=shrink,
         reshard=resharded,
         shrink_first=first,
+        donors=donors if rescue is not None and restore_step == rescue.step else {},
         unplaced=unplaced,
         reason=why,
     )
@@ -237,6 +246,17 @@ class NodeGone:
 
 
 @dataclass(frozen=True)
+class Reported:
+    """Present rank ``rank`` reported its fault: the step it rescued (None: none), its digest
+    (:mod:`.rescue`); or it is no longer present (``step`` None)."""
+
+    rank: int
+    step: int | None
+    digest: str | None
+    t: float
+
+
+@dataclass(frozen=True)
 class SpareIdle:
     """A hot spare is idle (a WAIT for one is over)."""
 
@@ -250,14 +270,16 @@ class Waited:
     t: float
 
 
-PendingEvent: TypeAlias = Answered | NodeGone | SpareIdle | Waited
+PendingEvent: TypeAlias = Answered | NodeGone | Reported | SpareIdle | Waited
 
 
 @dataclass(frozen=True)
 class PlanNow:
-    """Plan with ``inventory`` (None: the nodes were not asked; no restore is needed)."""
+    """Plan with ``inventory`` (None: the nodes were not asked; no restore is needed) and the
+    present ranks' rescue reports (rank -> (step or None, digest); :mod:`.rescue`)."""
 
     inventory: Inventory | None
+    rescues: Mapping[int, Report] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -271,7 +293,9 @@ class Pending:
 
     ``asked``: the nodes whose inventories are awaited until ``deadline`` (then the plan goes
     with the answers in); ``replan_at``: an elastic WAIT, until then or until a spare is idle.
-    ``installing``: a durable install runs for it (the install's own machine answers)."""
+    ``installing``: a durable install runs for it (the install's own machine answers).
+    ``rescuing``: the present ranks whose fault reports (their rescues) are awaited too, until
+    ``rescue_deadline`` (the job's ``--rescue-wait`` after the ask; :mod:`.rescue`)."""
 
     failures: list[Failure]
     replans: int = 0
@@ -281,14 +305,27 @@ class Pending:
     deadline: float = 0.0
     replan_at: float | None = None
     installing: bool = False
+    rescue: bool = True  # the survivors may report rescues: they were training when it failed
+    rescuing: set[int] = field(default_factory=set)
+    rescues: dict[int, Report] = field(default_factory=dict)
+    rescue_deadline: float = 0.0
 
     @property
     def inventory_wait(self) -> bool:
         return bool(self.asked) or bool(self.answers)
 
-    def ask(self, nodes: Set[str], *, deadline: float) -> list[PlanNow]:
-        """Wait for ``nodes``' inventories until ``deadline`` (no node: plan at once, with none)."""
+    def ask(
+        self,
+        nodes: Set[str],
+        *,
+        deadline: float,
+        rescuing: Set[int] = frozenset(),
+        rescue_deadline: float = 0.0,
+    ) -> list[PlanNow]:
+        """Wait for ``nodes``' inventories until ``deadline`` (no node: plan at once, with none),
+        and for the fault reports of ``rescuing`` until ``rescue_deadline``."""
         self.asked, self.answers, self.deadline = set(nodes), {}, deadline
+        self.rescuing, self.rescues, self.rescue_deadline = set(rescuing), {}, rescue_deadline
         return [] if self.asked else [PlanNow(None)]
 
     def wait_for_spare(self, until: float) -> None:
@@ -301,6 +338,9 @@ class Pending:
         elif isinstance(ev, NodeGone):
             self.asked.discard(ev.node)
             self.answers.pop(ev.node, None)
+        elif isinstance(ev, Reported) and ev.rank in self.rescuing:
+            self.rescuing.discard(ev.rank)
+            self.rescues[ev.rank] = (ev.step, ev.digest)
         elif isinstance(ev, SpareIdle | Waited) and self.replan_at is not None:
             if isinstance(ev, SpareIdle) or ev.t >= self.replan_at:
                 self.replan_at = None
@@ -310,7 +350,10 @@ class Pending:
             return []
         if self.asked and ev.t < self.deadline:
             return []
-        return [PlanNow(self._inventory())]
+        if self.rescuing and ev.t < self.rescue_deadline:
+            return []
+        rescues, self.rescuing, self.rescues = self.rescues, set(), {}
+        return [PlanNow(self._inventory(), rescues)]
 
     def _inventory(self) -> Inventory:
         """rank -> step -> [(node, "local" | "replica")] from the answers in (node order)."""

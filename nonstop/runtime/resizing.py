@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from nonstop.reshardplan import TensorLayout, needed_old_ranks
 from nonstop.runtime import events as ev
-from nonstop.runtime.elastic import assign_shards
+from nonstop.runtime.elastic import play_shards, played
 from nonstop.runtime.planning import Shrink, dropped_with, may_shrink
 from nonstop.runtime.recovery import Reconfiguration
 from nonstop.runtime.survivors import SurvivorChoice, choose, costs_from_reports, shrunk_rate
@@ -64,10 +64,13 @@ class Resizing:
         return self.c.mesh is not None and self.c.mesh.reshards
 
     def data_shards(self, world_size: int) -> tuple[tuple[int, ...], ...]:
-        """The data shards each rank of a generation of ``world_size`` ranks plays."""
+        """The data shards each rank of a generation of ``world_size`` ranks plays (all of the
+        job's, or with ``--shrink-batch drop`` those of the ranks at the same places in the
+        full job: :func:`~nonstop.runtime.elastic.play_shards`)."""
+        drop = self.c.config.shrink_batch == "drop"
         if self.c.mesh is not None:
-            return self.c.mesh.data_shards(world_size)
-        return assign_shards(self.c.num_shards, world_size)
+            return self.c.mesh.data_shards(world_size, drop=drop)
+        return play_shards(self.c.num_shards, self.c.config.world_size, world_size, drop=drop)
 
     def survivor_choice(self, missing: Sequence[int]) -> SurvivorChoice:
         """Shrink first or replace first, for a generation without the ``missing`` ranks
@@ -89,7 +92,10 @@ class Resizing:
     def shards_of(self, rank: int, world_size: int | None = None) -> dict[str, Any]:
         """What ``rank`` is told of its data shards in ``world_size`` (default: the current one)."""
         world = self.c.view.world_size if world_size is None else world_size
-        return {"shards": list(self.data_shards(world)[rank]), "num_shards": self.c.num_shards}
+        shards = self.data_shards(world)
+        # num_shards: the job's (what a step's samples are numbered by); divisor: the gradient
+        # mean's, the shards played (fewer when a shrink drops some: --shrink-batch drop)
+        return {"shards": list(shards[rank]), "num_shards": self.c.num_shards, "divisor": played(shards)}
 
     def shrink(self, shrink: Shrink, why: str, *, shrink_first: bool = False) -> dict[int, int]:
         """Drop ``shrink.dropped``: the ranks that stay are renumbered ``0..W'-1`` in their old

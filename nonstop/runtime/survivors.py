@@ -7,7 +7,9 @@ Two ways to recover a rank that a hot spare can take:
   restore, then one rebuild;
 * **shrink first**: the survivors go on at once without the lost rank -- its data shards are
   played by the others (same global batch, same samples, same order: :mod:`.elastic`), the
-  gradient mean bitwise that of the full job (:mod:`nonstop.train.exactsum`) -- while the spare
+  gradient mean bitwise that of the full job (:mod:`nonstop.train.exactsum`); or with
+  ``--shrink-batch drop`` skipped while the job is shrunk (steps at full speed, fewer samples
+  each) -- while the spare
   prepares in the background as a grow's joiner does (restores a survivor's committed step, warms
   up) and joins at a step boundary (:mod:`.swap`). The survivors pause for one rebuild at the
   shrink and a step-boundary swap at the grow; meanwhile the job runs at the shrunk rate.
@@ -33,6 +35,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from nonstop.runtime.elastic import played
 
 __all__ = [
     "SurvivorChoice",
@@ -69,12 +73,13 @@ class SurvivorChoice:
 
 
 def shrunk_rate(full: Sequence[Sequence[int]], shrunk: Sequence[Sequence[int]]) -> float:
-    """The shrunk job's speed over the full job's, from the data shards each rank plays in each
-    (``assign_shards``, ``MeshSpec.data_shards``): a step takes as long as its slowest rank's
-    micro-batches."""
+    """The shrunk job's speed over the full job's, in samples trained per second, from the data
+    shards each rank plays in each (``play_shards``, ``MeshSpec.data_shards``): a step takes as
+    long as its slowest rank's micro-batches, and trains the distinct shards played (all of the
+    job's, unless ``--shrink-batch drop`` skips the lost ranks' shares)."""
     if not shrunk:
         return 0.0
-    return max(map(len, full)) / max(map(len, shrunk))
+    return (played(shrunk) / played(full)) * (max(map(len, full)) / max(map(len, shrunk)))
 
 
 def choose(

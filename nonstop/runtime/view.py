@@ -22,6 +22,7 @@ from typing import Any
 
 from nonstop.control.channel import Channel
 from nonstop.runtime.phase import JobPhase
+from nonstop.runtime.rescue import Report
 
 __all__ = ["JobView", "NodeRecord", "Role", "WorkerRecord", "node_order"]
 
@@ -59,6 +60,10 @@ class WorkerRecord:
     fault_at: float | None = None  # wall time an injected fault fired on it
     fault_report: tuple[float, str] | None = None  # (when, error) of a reported exception
     told_to_raise_at: float | None = None  # when it was told to raise that exception (it exits)
+    # its fault report's rescue (train/rescue.py): (step or None, digest), until it is reconfigured;
+    # ``told_gen``: the generation it was last told to join (an older generation's report is stale)
+    rescue: Report | None = None
+    told_gen: int = 0
     chan_closed_at: float | None = None
     # its LOCAL_RANK on its node, once it plays a rank (runtime/torchenv.py); on a node with
     # devices, the device its agent gave it at spawn (runtime/devices.py), from its spawned report

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nonstop.reshardplan import TensorLayout, decode_layouts
+from nonstop.runtime.rescue import Report
 
 __all__ = [
     "AgentMessage",
@@ -159,6 +160,9 @@ class Step:
     # False: --snapshot-every skipped this step's snapshot; it is progress, not a committed step
     snapped: bool = True
     again: bool = False  # a step reported before, now snapshotted after all (a late swap boundary)
+    # --snapshot-budget, once a generation (runtime/cadence.py): the digest of what the rank holds
+    # outside the replicated tensors after this step; alike ranks may stand in for each other
+    rest: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,6 +182,9 @@ class Fault:
     gen: int
     error: str
     usage: bool = False  # the script's mistake (a UsageError): the job fails, exit 2
+    # --snapshot-every K > 1: the step after which the survivor wrote a rescue snapshot
+    # (train/rescue.py; None: it could not), and its head's digest; absent when K = 1
+    rescue: Report | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -280,13 +287,16 @@ def decode_worker(m: Mapping[str, Any]) -> WorkerMessage | None:
             of=_opt_int(m, "of"),
             snapped=m.get("snapped") is not False,
             again=m.get("again") is True,
+            rest=(_opt_str(m, "rest") or "")[:64] or None,
         )
     if t == "done":
         return Done(gen=gen, step=_int(m, "step"))
     if t == "paused":
         return Paused(gen=gen, step=_int(m, "step"))
     if t == "fault":
-        return Fault(gen=gen, error=str(m.get("error", "")), usage=m.get("usage") is True)
+        rest = _opt_str(m, "rest")
+        rescue = (_opt_int(m, "rescued"), rest[:64] if rest else None) if "rescued" in m else None
+        return Fault(gen=gen, error=str(m.get("error", "")), usage=m.get("usage") is True, rescue=rescue)
     if t == "migrate":
         return Migrate(gen=gen, rank=_opt_int(m, "rank"), to=_opt_str(m, "to"))
     if t == "kv":

@@ -19,6 +19,7 @@ from nonstop.control.channel import Channel, Message
 from nonstop.errors import ControlError
 from nonstop.runtime import events as ev
 from nonstop.runtime import recovery, wire
+from nonstop.runtime.cadence import Cadence, CadenceTuner
 from nonstop.runtime.phase import JobPhase
 from nonstop.runtime.view import Role, WorkerRecord
 from nonstop.runtime.wire import decode_worker
@@ -34,6 +35,25 @@ class WorkerProtocol:
 
     def __init__(self, c: Coordinator) -> None:
         self.c = c
+        cfg = c.config
+        # --snapshot-budget: the snapshot interval tuned to the stall measured (runtime/cadence.py)
+        self.cadence = (
+            CadenceTuner(
+                budget=cfg.snapshot_budget,
+                floor=cfg.snapshot_every,
+                copy_group=c.mesh.copy_group if c.mesh is not None else None,
+            )
+            if cfg.snapshot_budget > 0 and cfg.snapshot != "off"
+            else None
+        )
+
+    @property
+    def rescues(self) -> bool:
+        """Whether steps go unsnapshotted now, so a failure's survivors rescue the state after
+        their last completed step (runtime/rescue.py): ``--snapshot-every`` above 1, or an
+        interval a ``--snapshot-budget`` widened (announced: the ranks rescue from then on)."""
+        tuned = self.cadence is not None and self.cadence.current.every > 1
+        return self.c.config.snapshot_every > 1 or tuned
 
     def on_event(self, kind: str, chan: Channel, msg: Message | None) -> None:
         """A worker's connection opened, sent ``msg`` or closed."""
@@ -127,6 +147,8 @@ class WorkerProtocol:
             return  # a joiner prepared its rank
         if m is None:
             return  # a kind this coordinator does not know
+        if isinstance(m, wire.Fault) and m.rescue is not None and c.view.is_member(w) and m.gen >= w.told_gen:
+            w.rescue = m.rescue  # (reported from the generation the plan being made is leaving)
         if m.gen != c.view.generation or w.rank is None or not c.view.is_member(w):
             if isinstance(m, wire.Raw):  # a rendezvous request: the caller must hear why
                 c.io.send(
@@ -157,6 +179,7 @@ class WorkerProtocol:
             c.gens.report(recovery.Stepped(rank, time.time()))
             if c.monitor is not None:
                 c.monitor.on_step(rank, m.step_s, m.snap_s, m.nbytes)
+            self._tune(m, rank)
         elif isinstance(m, wire.Restored):
             c.gens.report(recovery.Restored(rank, time.time()))
         elif isinstance(m, wire.Ready) and r is not None:
@@ -164,6 +187,8 @@ class WorkerProtocol:
             if r.restore_step is None:  # a fresh start: step 0 is snapshotted (replicable)
                 c.view.latest_step.setdefault(rank, 0)
             c.gens.report(recovery.Joined(rank, time.time()))
+            if self.cadence is not None and self.cadence.current.since > 0:  # (one it has not heard)
+                c.io.send(w, self.cadence.current.message())
             if m.groups is not None:
                 c.events.emit(groups_joined(m, rank, m.groups))
 
@@ -182,6 +207,45 @@ class WorkerProtocol:
         elif isinstance(m, wire.Fault):
             w.fault_report = (now, m.error)
             c.events.emit(ev.FaultReport(rank=rank, spawn_id=w.spawn_id, error=m.error))
+
+    def _tune(self, m: wire.Step, rank: int) -> None:
+        """A step report, to the cadence tuner; a new interval goes to every member."""
+        tuner = self.cadence
+        if tuner is None:
+            return
+        c = self.c
+        refused = tuner.refusal
+        new = tuner.on_step(
+            step=m.step,
+            step_s=m.step_s,
+            snap_s=m.snap_s,
+            snapped=m.snapped,
+            world_size=c.view.world_size,
+            rank=rank,
+            rest=m.rest,
+        )
+        if tuner.refusal is not None and refused is None:  # (said once)
+            self._announced(tuner.current, refused=tuner.refusal)
+        if new is not None:
+            c.io.send_members(new.message())
+            self._announced(new)
+
+    def _announced(self, cadence: Cadence, *, refused: str | None = None) -> None:
+        """Log the interval from ``cadence.since`` on, with what it was measured on (``refused``:
+        kept although a wider one was called for, and why)."""
+        tuner = self.cadence
+        assert tuner is not None
+        stall_s, step_s = tuner.measured or (None, None)
+        self.c.events.emit(
+            ev.SnapshotCadence(
+                every=cadence.every,
+                since=cadence.since,
+                stall_s=stall_s,
+                step_s=step_s,
+                budget=tuner.budget,
+                refused=refused,
+            )
+        )
 
 
 def groups_joined(m: wire.Ready, rank: int, groups: tuple[int, int, float]) -> ev.GroupsJoined:

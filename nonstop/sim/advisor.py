@@ -8,14 +8,17 @@ with the same failures (common random numbers), so the comparison is not drowned
   and r other nodes' replicas, ``gpus_per_node x state_bytes x (2 + r)`` bytes;
 * snapshot interval (every k steps): stall / k against ~k/2 steps redone per in-memory restore;
   1, 2, 4, 8 and Daly's optimum for one snapshot's stall and the job's MTBF, with its half and
-  its double (:func:`snapshot_intervals`: a job that rarely fails snapshots less often);
+  its double (:func:`snapshot_intervals`: a job that rarely fails snapshots less often), and
+  with rescue snapshots (on by default: a failure redoes only the step in flight) 16, 32, 64;
 * persist interval: at least ``10 x`` the time one persist takes (the durable tier stays <= 10%
   busy), and the multiples 2x, 4x of that;
 * spare nodes: 0 up to ~5% of the job's nodes;
 * elasticity (a third stage, on the best setting so far, with the spare scan again): off, or
   ``--min-world-size`` at 90% of the GPUs with ``--shards-per-rank`` 1 or 4 (a lost node no hot
   spare can take is dropped and the job trains on shrunk instead of waiting for the scheduler's
-  pool; the runtime's ``--survivors auto`` decides per failure whether to shrink first).
+  pool; the runtime's ``--survivors auto`` decides per failure whether to shrink first), and
+  where the user accepts it (``--may-drop-batch``) ``--shrink-batch drop``: the shrunk job skips
+  the lost ranks' shares of the batch, torchft's semantics, instead of playing them slower.
 
 The objective is goodput per *provisioned* GPU (spares cost GPUs). The frontier is, for each host
 memory level (each r), the best goodput reachable.
@@ -50,16 +53,22 @@ __all__ = [
 ]
 
 MAX_SNAPSHOT_EVERY = 1024
+RESCUE_INTERVALS = (16, 32, 64)
 """The longest snapshot interval the advisor tries, in steps."""
 
 
-def snapshot_intervals(job: JobSpec, model: FailureModel, calibration: Calibration) -> list[int]:
+def snapshot_intervals(
+    job: JobSpec, model: FailureModel, calibration: Calibration, *, rescue: bool = False
+) -> list[int]:
     """The snapshot intervals (steps) the advisor tries: 1, 2, 4, 8, and Daly's optimum
     (:func:`~nonstop.sim.theory.daly_interval`) for one snapshot's stall at this job's state and
     step against the job's MTBF under ``model``, with its half and its double, at most
     :data:`MAX_SNAPSHOT_EVERY`. The stall per snapshot plays the checkpoint's cost and a rollback
-    the lost work, as in Young's and Daly's derivation; the simulation then decides."""
-    out = {1, 2, 4, 8}
+    the lost work, as in Young's and Daly's derivation; the simulation then decides. ``rescue``
+    (the runtime's rescue snapshots, runtime/rescue.py): a failure in memory rolls back only the
+    step in flight whatever the interval, so longer ones are tried too (:data:`RESCUE_INTERVALS`;
+    longer still saves a stall already under 0.1 % of a step at the defaults)."""
+    out = {1, 2, 4, 8, *(RESCUE_INTERVALS if rescue else ())}
     stall = calibration.snapshot_stall_s(job.state_bytes_per_gpu, job.step_s)
     rate = model.job_rate_per_s(job.num_nodes)
     if stall > 0 and rate > 0:
@@ -79,6 +88,8 @@ class Candidate:
     goodput_per_provisioned_gpu: float
     min_world_size: int = 0  # 0: not elastic
     shards_per_rank: int = 1
+    shrink_batch: str = "keep"
+    replica_nodes: int | None = None  # the job's layout (NonstopParams.replica_nodes), not searched
 
     def params(self) -> NonstopParams:
         """nonstop's settings this candidate stands for."""
@@ -89,12 +100,16 @@ class Candidate:
             spare_nodes=self.spare_nodes,
             min_world_size=self.min_world_size,
             shards_per_rank=self.shards_per_rank,
+            shrink_batch=self.shrink_batch,
+            replica_nodes=self.replica_nodes,
         )
 
     @property
     def elastic(self) -> str:
         if not self.min_world_size:
             return "off"
+        if self.shrink_batch == "drop":
+            return f">= {self.min_world_size:,} GPUs, shrunk batch dropped"
         return f">= {self.min_world_size:,} GPUs, {self.shards_per_rank} shard(s)/rank"
 
     def to_json(self) -> dict[str, Any]:
@@ -105,6 +120,7 @@ class Candidate:
             "spare_nodes": self.spare_nodes,
             "min_world_size": self.min_world_size,
             "shards_per_rank": self.shards_per_rank,
+            "shrink_batch": self.shrink_batch,
             "host_gb_per_node": self.host_bytes_per_node / 1e9,
             "ettr": self.ettr,
             "goodput_per_provisioned_gpu": self.goodput_per_provisioned_gpu,
@@ -154,8 +170,13 @@ def advise(
     host_budget_bytes: float,
     seeds: tuple[int, ...] = (0, 1),
     max_replicas: int = 3,
+    may_drop_batch: bool = False,
+    replica_nodes: int | None = None,
 ) -> Advice:
-    """Evaluate the grid (see module docstring) and return the best setting and the frontier."""
+    """Evaluate the grid (see module docstring) and return the best setting and the frontier.
+    ``may_drop_batch``: the user accepts ``--shrink-batch drop`` (a shrunk job trains fewer samples
+    per step until it grows back, as torchft's does), so stage 3 tries it too. ``replica_nodes``:
+    the job's layout (:class:`~nonstop.sim.nonstop_params.NonstopParams`; None: torchft-like's)."""
     require(host_budget_bytes > 0, "--host-mem-gb must be > 0")
     feasible = [r for r in range(max_replicas + 1) if host_bytes(job, r) <= host_budget_bytes]
     require(
@@ -169,11 +190,13 @@ def advise(
     persists = [base_persist, 2 * base_persist, 4 * base_persist]
     top = max(1, math.ceil(0.05 * job.num_nodes))
     spares = sorted({0, 1, 2, 4, *(2**i for i in range(3, 16) if 2**i <= top), top})
-    snaps = snapshot_intervals(job, model, calibration)
-    evaluated: dict[tuple[int, int, float, int, int, int], Candidate] = {}
+    snaps = snapshot_intervals(job, model, calibration, rescue=NonstopParams().rescue)
+    evaluated: dict[tuple[int, int, float, int, int, int, str], Candidate] = {}
 
-    def run(r: int, k: int, pe: float, s: int, floor: int = 0, m: int = 1) -> Candidate | None:
-        key = (r, k, pe, s, floor, m)
+    def run(
+        r: int, k: int, pe: float, s: int, floor: int = 0, m: int = 1, batch: str = "keep"
+    ) -> Candidate | None:
+        key = (r, k, pe, s, floor, m, batch)
         if key not in evaluated:
             params = NonstopParams(
                 replicas=r,
@@ -182,6 +205,8 @@ def advise(
                 spare_nodes=s,
                 min_world_size=floor,
                 shards_per_rank=m,
+                shrink_batch=batch,
+                replica_nodes=replica_nodes,
             )
             try:
                 strat = Nonstop(job=job, params=params, calibration=calibration)
@@ -198,6 +223,8 @@ def advise(
                 goodput_per_provisioned_gpu=sum(x.goodput_per_provisioned_gpu for x in runs) / len(runs),
                 min_world_size=floor,
                 shards_per_rank=m,
+                shrink_batch=batch,
+                replica_nodes=replica_nodes,
             )
         return evaluated[key]
 
@@ -217,8 +244,10 @@ def advise(
     so_far = max(evaluated.values(), key=lambda c: c.goodput_per_provisioned_gpu, default=None)
     floor = int(0.9 * job.num_gpus)
     if so_far is not None and 0 < floor < job.num_gpus:
-        for m, s in itertools.product((1, 4), spares):
-            run(so_far.replicas, so_far.snapshot_every, so_far.persist_every_s, s, floor, m)
+        # drop: a shrunk step is as fast whatever the shards per rank; keep: more spread thinner
+        shapes = [(1, "keep"), (4, "keep"), *([(1, "drop")] if may_drop_batch else [])]
+        for (m, batch), s in itertools.product(shapes, spares):
+            run(so_far.replicas, so_far.snapshot_every, so_far.persist_every_s, s, floor, m, batch)
     out = list(evaluated.values())
     require(bool(out), "no feasible setting: the snapshot stall exceeds the step time at every interval")
     frontier = []

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from nonstop.config import SHRINK_BATCHES
 from nonstop.errors import UsageError
 from nonstop.plotting import require_plots
 from nonstop.runtime.policy import QuarantinePolicy
@@ -121,6 +122,14 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument("--group-nodes", type=int, default=None, help="torchft replica-group size in nodes")
     sim.add_argument("--replicas", type=int, default=1, help="nonstop peer replicas (default %(default)s)")
     sim.add_argument("--snapshot-every", type=int, default=1, help="nonstop snapshot interval, steps")
+    sim.add_argument(
+        "--snapshot-budget",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="nonstop: the interval tuned to this stall budget, as the runtime's --snapshot-budget "
+        "(the smallest K >= --snapshot-every whose stall costs at most FRACTION of a step; default 0: fixed)",
+    )
     sim.add_argument("--spares-per-node", type=int, default=1, help="nonstop process spares per node")
     sim.add_argument(
         "--spare-nodes", type=int, default=None, help="spare nodes, every strategy (default 1%%)"
@@ -150,6 +159,14 @@ def add_parsers(sub: Any) -> None:
         "spreads a lost rank's over more ranks (default %(default)s)",
     )
     sim.add_argument(
+        "--shrink-batch",
+        choices=SHRINK_BATCHES,
+        default="keep",
+        help="nonstop elastic, while shrunk: keep the global batch (the lost ranks' shards played by "
+        "the others: slower steps) or drop the lost ranks' shares (torchft's semantics: full-speed "
+        "steps, fewer samples) (default %(default)s)",
+    )
+    sim.add_argument(
         "--elastic-wait",
         type=float,
         default=0.0,
@@ -170,9 +187,9 @@ def add_parsers(sub: Any) -> None:
         default=None,
         metavar="N",
         help="nonstop: the job is HSDP over replica groups of N nodes, so a live migration or a "
-        "grow rebuilds only the groups with the moved node's ranks in them; 0: data-parallel, one "
-        "group of the whole job (default: torchft-like's replica groups, --group-nodes, 16: the "
-        "same job)",
+        "grow rebuilds only the groups with the moved node's ranks in them, and an elastic job "
+        "shrinks by whole groups; 0: data-parallel, one group of the whole job, shrinking by "
+        "nodes (default: torchft-like's replica groups, --group-nodes, 16: the same job)",
     )
     sim.add_argument(
         "--keep-groups-on-failure",
@@ -181,6 +198,14 @@ def add_parsers(sub: Any) -> None:
         help="nonstop: a failure also rebuilds only the groups with a replaced rank in them, as "
         "the runtime does (train/settle.py; on NCCL train/devicegroups.py, untested on a GPU); "
         "--no-keep-groups-on-failure charges every group (default: keep; docs/simulator.md)",
+    )
+    sim.add_argument(
+        "--rescue",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="nonstop: with --snapshot-every > 1 the survivors write the state after their last "
+        "completed step on a failure and a lost rank takes another model copy's, as the runtime "
+        "does (runtime/rescue.py): only the step in flight is lost (default: on)",
     )
     progress = sim.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None)
@@ -200,6 +225,19 @@ def add_parsers(sub: Any) -> None:
         "--threshold", type=float, default=0.5, help="predicted drop (nodes) that triggers a move"
     )
     adv.add_argument("--ar-order", type=int, default=3, help="AR order on differenced availability")
+    adv.add_argument(
+        "--replica-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the job's layout, as for simulate (default: model copies of 16 nodes)",
+    )
+    adv.add_argument(
+        "--may-drop-batch",
+        action="store_true",
+        help="the job may train a smaller batch while shrunk (--shrink-batch drop, torchft's "
+        "semantics): the advisor tries it too; without, every step keeps the global batch",
+    )
 
 
 def _job(ns: argparse.Namespace) -> JobSpec:
@@ -266,6 +304,7 @@ def build_strategies(
         else:
             params = NonstopParams(
                 snapshot_every=ns.snapshot_every,
+                snapshot_budget=ns.snapshot_budget,
                 stall_s=ns.stall_s,
                 replicas=ns.replicas,
                 spares_per_node=ns.spares_per_node,
@@ -275,9 +314,11 @@ def build_strategies(
                 min_world_size=ns.min_world_size,
                 elastic_wait_s=ns.elastic_wait,
                 shards_per_rank=ns.shards_per_rank,
+                shrink_batch=ns.shrink_batch,
                 survivors=SurvivorMode(ns.survivors),
                 replica_nodes=ns.group_nodes if ns.replica_nodes is None else ns.replica_nodes,
                 keep_on_failure=ns.keep_groups_on_failure,
+                rescue=ns.rescue,
             )
             out.append(Nonstop(job=job, params=params, calibration=cal))
     return out
@@ -371,6 +412,8 @@ def _advise(ns: argparse.Namespace) -> int:
         calibration=cal,
         host_budget_bytes=ns.host_mem_gb * 1e9,
         seeds=tuple(range(ns.seed, ns.seed + ns.seeds)),
+        may_drop_batch=ns.may_drop_batch,
+        replica_nodes=ns.replica_nodes,
     )
     b = adv.best
     print(

@@ -11,10 +11,12 @@ monkeypatch them and see the simulation change):
   the node;
 * :meth:`ElasticWorld.grow` -- :meth:`~nonstop.runtime.elastic.ElasticPolicy.grow_to` when
   prepared machines are ready to join;
-* :meth:`ElasticWorld.slowest_rank_shards` -- :func:`~nonstop.runtime.elastic.assign_shards`: the
-  shrunk job's rate.
+* :meth:`ElasticWorld.rate` -- :func:`~nonstop.runtime.elastic.play_shards` and
+  :func:`~nonstop.runtime.survivors.shrunk_rate`: the shrunk job's rate (``--shrink-batch``).
 
-Granularity: positions are nodes; a node's ``gpus_per_node`` ranks leave and join together.
+Granularity: a unit of ``unit_nodes`` nodes leaves and joins together: a node's ``gpus_per_node``
+ranks in a data-parallel job, a model copy's in an HSDP job (the runtime drops whole replica
+groups); a failure of a node in a unit already out touches nothing (:meth:`ElasticWorld.gone`).
 """
 
 from __future__ import annotations
@@ -34,19 +36,36 @@ class ElasticWorld:
     that will join them, for one simulated run."""
 
     def __init__(
-        self, *, num_gpus: int, gpus_per_node: int, min_world_size: int, wait_s: float, shards_per_rank: int
+        self,
+        *,
+        num_gpus: int,
+        gpus_per_node: int,
+        min_world_size: int,
+        wait_s: float,
+        shards_per_rank: int,
+        drop: bool = False,
+        replica_nodes: int = 0,
     ) -> None:
         self.num_gpus = num_gpus
         self.gpus_per_node = gpus_per_node
+        # the nodes that leave and join together: one in a data-parallel job (replica_nodes 0;
+        # its ranks are its GPUs), a model copy's in an HSDP job (the runtime shrinks by whole
+        # replica groups: MeshSpec.with_world; the copy's other nodes wait idle for the grow)
+        self.unit_nodes = replica_nodes or 1
+        self.unit = self.unit_nodes * gpus_per_node  # GPUs per unit
+        # GPUs per data-parallel rank, the unit of the data shards: one GPU, or a model copy
+        self.rank_gpus = replica_nodes * gpus_per_node or 1
         self.shards_per_rank = shards_per_rank
+        self.drops_batch = drop  # --shrink-batch drop: a shrunk job skips the lost ranks' shards
         self.policy = elastic.ElasticPolicy(
             full_world_size=num_gpus, min_world_size=min_world_size or num_gpus, wait_s=wait_s
         )
         self.world = num_gpus  # data-parallel ranks playing now
-        self.absent: dict[int, str] = {}  # position dropped by a shrink -> its cause, until it joins
-        self._joins: list[tuple[float, int]] = []  # (when a machine is ready to join, its position)
-        self._joiner: dict[int, str] = {}  # position -> what joins it ("pool" or a hot "spare")
-        self._slowest: dict[int, int] = {}  # world size -> most shards one rank plays
+        self.absent: dict[int, str] = {}  # unit dropped by a shrink -> its cause, until it joins
+        self._joins: list[tuple[float, int]] = []  # (when a machine is ready to join, its unit)
+        self._joiner: dict[int, str] = {}  # unit -> what joins it ("pool" or a hot "spare")
+        self._lost: dict[int, int] = {}  # unit -> the node whose loss dropped it
+        self._rates: dict[int, float] = {}  # world size -> rate
 
     @property
     def full(self) -> bool:
@@ -57,18 +76,20 @@ class ElasticWorld:
         """The cause of the newest shrink still in effect (what shrunk time is booked to)."""
         return next(reversed(self.absent.values()), STEADY)
 
-    def slowest_rank_shards(self, world_size: int) -> int:
-        """The shards the busiest of ``world_size`` ranks plays (``elastic.assign_shards`` of the
-        job's ``num_gpus x shards_per_rank`` shards); over ``shards_per_rank``, the factor by which
-        a step of the shrunk job is longer than the full job's."""
-        if world_size not in self._slowest:
-            shards = elastic.assign_shards(self.num_gpus * self.shards_per_rank, world_size)
-            self._slowest[world_size] = max(len(s) for s in shards)
-        return self._slowest[world_size]
-
     def rate(self, world_size: int) -> float:
-        """A job of ``world_size`` ranks' speed over the full job's (0 without ranks)."""
-        return self.shards_per_rank / self.slowest_rank_shards(world_size) if world_size > 0 else 0.0
+        """A job of ``world_size`` ranks' speed over the full job's, in samples per second (0
+        without ranks): :func:`~nonstop.runtime.survivors.shrunk_rate` of the shards each plays
+        (:func:`~nonstop.runtime.elastic.play_shards` of the job's ``num_gpus x shards_per_rank``:
+        keep, the slowest rank plays the most; drop, every rank its own, fewer in all)."""
+        if world_size <= 0:
+            return 0.0
+        if world_size not in self._rates:
+            g = self.num_gpus // self.rank_gpus  # data-parallel ranks (model copies in HSDP)
+            n = g * self.shards_per_rank
+            full = elastic.play_shards(n, g, g)
+            now = elastic.play_shards(n, g, max(1, world_size // self.rank_gpus), drop=self.drops_batch)
+            self._rates[world_size] = survivors.shrunk_rate(full, now)
+        return self._rates[world_size]
 
     def unplaced(self, provision_s: float) -> tuple[ElasticDecision, float]:
         """What the runtime's policy does with a node's ranks no spare can take, asked again after
@@ -77,7 +98,7 @@ class ElasticWorld:
         wait. Returns the last decision and the seconds waited before it."""
         waited = 0.0
         while True:
-            d = self.policy.on_unplaced(world_size=self.world, unplaced=self.gpus_per_node, waited_s=waited)
+            d = self.policy.on_unplaced(world_size=self.world, unplaced=self.unit, waited_s=waited)
             if d.action is not ElasticAction.WAIT:
                 return d, waited
             if d.wait_s <= 0 or waited + d.wait_s >= provision_s:
@@ -87,35 +108,44 @@ class ElasticWorld:
     def survivor_choice(self, mode: SurvivorMode, costs: SurvivorCosts) -> SurvivorChoice:
         """The runtime's choice for a node a hot spare could replace: may the job go on without
         its ranks (elastic, not below the minimum), and at what rate, with ``costs``."""
-        missing = range(self.world - self.gpus_per_node, self.world)
+        missing = range(self.world - self.unit, self.world)
         can = self.policy.enabled and planning.may_shrink(self.policy, self.world, missing)
-        rate = min(1.0, self.rate(self.world - self.gpus_per_node))
+        rate = min(1.0, self.rate(self.world - self.unit))
         return survivors.choose(mode, can_shrink=can, costs=costs, rate=rate)
 
+    def gone(self, node: int) -> bool:
+        """Whether ``node``'s unit is out of the job (dropped by a shrink, not joined again)."""
+        return node // self.unit_nodes in self.absent
+
     def drop(self, node: int, *, cause: str, world_size: int, join_at: float, joiner: str) -> None:
-        """Node ``node`` is out (a shrink to ``world_size``); ``joiner`` is ready to take its
-        place at ``join_at``."""
+        """Node ``node``'s unit is out (a shrink to ``world_size``); ``joiner`` is ready to take
+        the node's place at ``join_at``."""
+        unit = node // self.unit_nodes
         self.world = world_size
-        self.absent[node] = cause
-        self._joiner[node] = joiner
-        heapq.heappush(self._joins, (join_at, node))
+        self.absent[unit] = cause
+        self._joiner[unit] = joiner
+        self._lost[unit] = node
+        heapq.heappush(self._joins, (join_at, unit))
 
     def next_join(self) -> float | None:
         return self._joins[0][0] if self._joins else None
 
     def grow(self, now: float) -> tuple[list[int], str, str | None]:
         """The machines ready by ``now`` join if the runtime's ``grow_to`` grows the world.
-        Returns the positions that were ready, the cause of the shrink the first undoes, and what
-        joined (``"pool"`` or ``"spare"``; None: the policy does not grow, they stay out)."""
+        Returns the lost nodes whose machines were ready, the cause of the shrink the first
+        undoes, and what joined (``"pool"`` or ``"spare"``; None: the policy does not grow, they
+        stay out)."""
         ready: list[int] = []
         while self._joins and self._joins[0][0] <= now:
             ready.append(heapq.heappop(self._joins)[1])
         cause = self.absent.get(ready[0], STEADY) if ready else STEADY
-        target = self.policy.grow_to(world_size=self.world, idle_spares=len(ready) * self.gpus_per_node)
+        nodes = [self._lost[u] for u in ready]
+        target = self.policy.grow_to(world_size=self.world, idle_spares=len(ready) * self.unit)
         if target <= self.world:
-            return ready, cause, None
+            return nodes, cause, None
         self.world = target
-        sources = {self._joiner.pop(pos) for pos in ready}
-        for pos in ready:
-            self.absent.pop(pos, None)
-        return ready, cause, min(sources)
+        sources = {self._joiner.pop(u) for u in ready}
+        for u in ready:
+            self.absent.pop(u, None)
+            self._lost.pop(u, None)
+        return nodes, cause, min(sources)

@@ -35,28 +35,30 @@ detector, grading and proactive policy say so (:mod:`nonstop.sim.proactivesim`).
 
 Granularity: one call per failed node; the node's ranks move together (a node's GPUs share its
 snapshot memory and its spare), so ``failed`` holds one entry for the node's rank group. Ranks are
-GPUs (one data-parallel rank per GPU, as the runtime starts them): an elastic job has
-``num_gpus`` shards and loses ``gpus_per_node`` ranks per node.
+GPUs (one data-parallel rank per GPU, as the runtime starts them): an elastic data-parallel job
+(``replica_nodes`` 0) has ``num_gpus`` shards and loses ``gpus_per_node`` ranks per node; an HSDP
+job has one shard per model copy and loses the lost node's whole copy (the runtime shrinks by
+replica groups), its other nodes idle until the copy grows back.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from nonstop.runtime import policy
+from nonstop.runtime.cadence import choose_every
 from nonstop.runtime.elastic import ElasticAction, ElasticDecision
 from nonstop.runtime.policy import (
     FailureKind,
     Placement,
-    QuarantinePolicy,
     RecoveryAction,
     ReplacementSource,
     Tier,
 )
-from nonstop.runtime.straggler import StragglerConfig
-from nonstop.runtime.survivors import SurvivorChoice, SurvivorCosts, SurvivorMode
+from nonstop.runtime.rescue import has_donors
+from nonstop.runtime.survivors import SurvivorChoice, SurvivorCosts
 from nonstop.runtime.swap import SwapKind
 from nonstop.sim import recoverysim, swapsim
 from nonstop.sim.api import (
@@ -72,7 +74,8 @@ from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s
 from nonstop.sim.elasticsim import ElasticWorld
 from nonstop.sim.failures import Cause
 from nonstop.sim.nonstop_costs import default_replica_nodes, detect_s, swap_rebuild_s
-from nonstop.sim.proactivesim import PROACTIVE, ProactiveMoves
+from nonstop.sim.nonstop_params import NonstopParams
+from nonstop.sim.proactivesim import ProactiveMoves
 from nonstop.sim.recoverysim import RecoveryCosts
 from nonstop.sim.strategies import SparePool
 from nonstop.sim.swapsim import SwapCosts
@@ -80,78 +83,6 @@ from nonstop.sim.swapsim import SwapCosts
 __all__ = ["Nonstop", "NonstopParams", "swap_rebuild_s"]
 
 POOL = "pool"  # a fresh node from the scheduler (cold, pays node_provision_s)
-
-
-@dataclass(frozen=True, kw_only=True)
-class NonstopParams:
-    """nonstop's knobs. ``None`` = derived from the calibration (see ``Nonstop.describe()``).
-
-    snapshot_every: steps between in-memory snapshots. stall_s: loop stall per snapshot.
-    replicas: peer replicas of each node's snapshots (r). spares_per_node: pre-warmed process
-    spares on every node. spare_nodes: hot spare nodes (None: 1% of the job's nodes, at least 1).
-    persist_every_s: seconds of training between durable checkpoints. quarantine: the runtime's
-    policy. migration_pause_s: the pause of a live migration. min_world_size: elastic (the
-    runtime's ``--min-world-size``): when a lost node's ranks have no hot spare, go on with fewer
-    data-parallel ranks (GPUs), never fewer than this, until a fresh node joins; 0 (or the job's
-    GPU count) never shrinks: the job waits for the pool node. elastic_wait_s: the runtime's
-    ``--elastic-wait``: wait this long for the pool node before shrinking. shards_per_rank: the
-    runtime's ``--shards-per-rank`` M (micro-batches per rank and step at full size): a shrunk
-    step takes ``max(len(shards)) / M`` of a full one. survivors: the runtime's ``--survivors``
-    (``auto``: :func:`~nonstop.runtime.survivors.choose` decides per failure; ``wait``: replace
-    first; ``continue``: shrink first wherever the job may shrink); only an elastic job shrinks.
-    replica_nodes: the job is HSDP over replica groups of this many nodes (the runtime's ``--mesh
-    replicate=R,shard=S``, a shard group per replica group); a live migration or a grow then
-    builds only the groups with the moved node's ranks in them (:meth:`MeshSpec.changed_groups`,
-    the runtime's ``train/meshgroups.py``), a failure the same with ``keep_on_failure`` (the
-    default, as the runtime does: ``train/settle.py``, on NCCL ``train/devicegroups.py``, whose
-    unbound world costs no communicator), else every group; 0: data-parallel, one group of the
-    whole job; None (the default): the job torchft-like models, model copies of
-    :data:`~nonstop.sim.strategies.DEFAULT_GROUP_NODES` nodes (fewer where that does not divide
-    the job's nodes), so both strategies are charged for the same job. straggler: the runtime's
-    fail-slow and degraded-node settings (``mode`` migrate and ``on_degraded`` drain: proactive
-    moves; :data:`~nonstop.sim.proactivesim.NO_PROACTIVE` detects only).
-    """
-
-    snapshot_every: int = 1
-    stall_s: float | None = None
-    replicas: int = 1
-    spares_per_node: int = 1
-    spare_nodes: int | None = None
-    persist_every_s: float = 1800.0
-    quarantine: QuarantinePolicy = field(default_factory=QuarantinePolicy)
-    migration_pause_s: float | None = None
-    min_world_size: int = 0
-    elastic_wait_s: float = 0.0
-    shards_per_rank: int = 1
-    survivors: SurvivorMode = SurvivorMode.AUTO
-    replica_nodes: int | None = None
-    keep_on_failure: bool = True
-    straggler: StragglerConfig = PROACTIVE
-
-    def __post_init__(self) -> None:
-        require(self.snapshot_every >= 1, f"--snapshot-every must be >= 1 step; got {self.snapshot_every}")
-        require(self.replicas >= 0, f"--replicas must be >= 0; got {self.replicas}")
-        require(self.spares_per_node >= 0, f"--spares-per-node must be >= 0; got {self.spares_per_node}")
-        require(
-            self.spare_nodes is None or self.spare_nodes >= 0,
-            f"--spare-nodes must be >= 0; got {self.spare_nodes}",
-        )
-        require(self.persist_every_s > 0, f"--persist-every-s must be > 0; got {self.persist_every_s}")
-        for label, v in (("stall", self.stall_s), ("migration pause", self.migration_pause_s)):
-            require(v is None or (math.isfinite(v) and v >= 0), f"nonstop {label} must be >= 0 s; got {v}")
-        require(
-            self.min_world_size >= 0,
-            f"--min-world-size must be >= 0 (0: never shrink); got {self.min_world_size}",
-        )
-        require(self.shards_per_rank >= 1, f"--shards-per-rank must be >= 1; got {self.shards_per_rank}")
-        require(
-            self.replica_nodes is None or self.replica_nodes >= 0,
-            f"--replica-nodes must be >= 0; got {self.replica_nodes}",
-        )
-        require(
-            math.isfinite(self.elastic_wait_s) and self.elastic_wait_s >= 0,
-            f"--elastic-wait must be >= 0 s; got {self.elastic_wait_s}",
-        )
 
 
 class Nonstop:
@@ -186,13 +117,23 @@ class Nonstop:
         self.num_spare_nodes = default_spare_nodes(job.num_nodes) if p.spare_nodes is None else p.spare_nodes
         self.spare_gpus = self.num_spare_nodes * job.gpus_per_node
         self.stall = cal.snapshot_stall_s(b, job.step_s) if p.stall_s is None else p.stall_s
+        self.replica_nodes = default_replica_nodes(job) if p.replica_nodes is None else p.replica_nodes
+        copies = job.num_nodes // self.replica_nodes if self.replica_nodes else job.num_gpus
+        # the interval: fixed, or the one the runtime's coordinator tunes to the stall budget
+        # where a lost rank has a stand-in: another model copy (runtime/cadence.py; ranks seeded
+        # alike, as here)
+        self.every = (
+            choose_every(self.stall, job.step_s, budget=p.snapshot_budget, floor=p.snapshot_every)
+            if p.snapshot_budget > 0 and copies >= 2
+            else p.snapshot_every
+        )
         require(
-            self.stall < job.step_s * p.snapshot_every,
-            f"a snapshot stall of {self.stall:.2f} s does not fit in {p.snapshot_every} step(s) of "
+            self.stall < job.step_s * self.every,
+            f"a snapshot stall of {self.stall:.2f} s does not fit in {self.every} step(s) of "
             f"{job.step_s} s: snapshot less often (--snapshot-every)",
         )
         # what every step gives up: the snapshot's stall, and the worker's own per-step cost
-        self.steady_fraction = (self.stall / p.snapshot_every + cal.nonstop_step_overhead_s) / job.step_s
+        self.steady_fraction = (self.stall / self.every + cal.nonstop_step_overhead_s) / job.step_s
         self.transfer = cal.peer_transfer_s(b)
         # a snapshot protects its step once its copy to host memory is done (overlapped with the
         # next step), and against a lost node once every replica has reached its holder
@@ -205,8 +146,8 @@ class Nonstop:
             self.persist_write <= p.persist_every_s,
             f"persisting takes {self.persist_write:.0f} s: use --persist-every-s >= that",
         )
-        self.replica_nodes = default_replica_nodes(job) if p.replica_nodes is None else p.replica_nodes
         self.swap_rebuild = swap_rebuild_s(job, self.replica_nodes)  # a boundary swap: what changed
+        self.rescues = p.rescue and has_donors(self.every, copies)
         # a failure: every group, or (keep_on_failure) what changed, as a swap
         self.rebuild = self.swap_rebuild if p.keep_on_failure else rendezvous_s(job.num_nodes)
         # live migrations and grows: the runtime's own boundary-swap machine, its actions timed at
@@ -269,6 +210,8 @@ class Nonstop:
             min_world_size=self.p.min_world_size,
             wait_s=self.p.elastic_wait_s,
             shards_per_rank=self.p.shards_per_rank,
+            drop=self.p.shrink_batch == "drop",
+            replica_nodes=self.replica_nodes,
         )
 
     def advance(self, dt: float) -> float:
@@ -280,9 +223,10 @@ class Nonstop:
         """``dt`` of training: the snapshot stall and the worker's per-step cost (``steady_fraction``),
         and while shrunk the rate given up.
 
-        At full size the job progresses ``dt x (1 - steady_fraction)``; with ``W'`` ranks a step
-        takes ``max(len(shards))`` times as long (``elastic.assign_shards``), so it progresses that
-        much less, and the difference is booked as ``shrunk`` to the cause of the newest shrink.
+        At full size the job progresses ``dt x (1 - steady_fraction)``; with ``W'`` ranks it
+        trains :meth:`ElasticWorld.rate` of that (keep: a step takes ``max(len(shards)) / M``
+        times as long; drop: each step trains ``W' / W`` of the samples), and the difference is
+        booked as ``shrunk`` to the cause of the newest shrink.
         """
         frac = self.steady_fraction
         if self.elastic.full:
@@ -320,15 +264,17 @@ class Nonstop:
         whole; a durable restore goes back to the newest persist that had finished writing."""
         if tier is Tier.DURABLE:
             every, lag = self.p.persist_every_s, self.persist_write
+        elif self.rescues:  # the survivors' state of the last completed step is rescued
+            every, lag = self.job.step_s, 0.0
         else:
-            every = self.job.step_s * self.p.snapshot_every
+            every = self.job.step_s * self.every
             lag = self.capture + (self.replica_lag if tier is Tier.PEER else 0.0)
         committed = max(0.0, math.floor((self.work - lag) / every) * every)
         return self.work - committed
 
     def on_failure(self, *, now: float, node: int, cause: Cause, recovering: bool) -> Recovery:
         cal = self.cal
-        if node in self.elastic.absent:  # dropped by a shrink: no machine plays this position until one joins
+        if self.elastic.gone(node):  # dropped by a shrink: no machine plays its unit until one joins
             return Recovery()
         name = f"n{node}"
         hist = self.history.setdefault(node, [])
@@ -368,7 +314,7 @@ class Nonstop:
                 if self.survivor_choice(prepare).shrink_first:
                     self._take(node, placement, healthy=action is RecoveryAction.RESTART_IN_PLACE, now=now)
                     shrunk = ElasticDecision(
-                        action=ElasticAction.SHRINK, world_size=self.elastic.world - self.job.gpus_per_node
+                        action=ElasticAction.SHRINK, world_size=self.elastic.world - self.elastic.unit
                     )
                     return self._shrink(
                         now,
@@ -436,7 +382,7 @@ class Nonstop:
 
     def on_warning(self, *, now: float, node: int, cause: Cause, lead_s: float) -> bool:
         """``Proactive.on_warning`` (a position a shrink dropped has no machine to drain)."""
-        absent = node in self.elastic.absent
+        absent = self.elastic.gone(node)
         return not absent and self.moves.on_warning(
             cause=cause, lead_s=lead_s, has_target=self._has_target(now)
         )
@@ -525,6 +471,8 @@ class Nonstop:
         plans FROM_DURABLE: every node installs, then the generation starts); ``launch_s`` None:
         nothing is replaced (a shrink)."""
         plan = self.cal.plan_s + waited_s + (self.durable_read if tier is Tier.DURABLE else 0.0)
+        if self.rescues:  # the plan waits for the survivors' rescue writes (runtime/rescue.py)
+            plan += self.capture
         timing = recoverysim.time_recovery(
             RecoveryCosts(
                 launch_s=launch_s,
@@ -544,9 +492,10 @@ def describe_nonstop(s: Nonstop) -> dict[str, Any]:
     """Every setting and derived cost of a nonstop strategy, for the report."""
     return {
         "strategy": s.name,
-        "snapshot_every": s.p.snapshot_every,
+        "snapshot_every": s.every,
+        "snapshot_budget": s.p.snapshot_budget,
         "stall_s": s.stall,
-        "stall_fraction": s.stall / (s.job.step_s * s.p.snapshot_every),
+        "stall_fraction": s.stall / (s.job.step_s * s.every),
         "step_overhead_s": s.cal.nonstop_step_overhead_s,
         "steady_fraction": s.steady_fraction,
         "replicas": s.p.replicas,
@@ -563,10 +512,12 @@ def describe_nonstop(s: Nonstop) -> dict[str, Any]:
         "replica_nodes": s.replica_nodes,
         "swap_rebuild_s": s.swap_rebuild,
         "keep_on_failure": s.p.keep_on_failure,
+        "rescue": s.rescues,
         "migration_pause_s": s.migration,
         "min_world_size": s.p.min_world_size,
         "elastic_wait_s": s.p.elastic_wait_s,
         "shards_per_rank": s.p.shards_per_rank,
+        "shrink_batch": s.p.shrink_batch,
         "survivors": s.p.survivors.value,
         "proactive": s.moves.describe(),
         "grow_prepare_s": s.grow_prepare,

@@ -102,6 +102,33 @@ class StateCapture:
             "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
         }
 
+    def head(self) -> dict[str, Any]:
+        """What a step may change outside the tensors ``optimizer.step()`` and the model's forward
+        write in place -- RNGs, extras, ``objects``, the optimizer's hyperparameters -- copied
+        out now, at the start of a step (:mod:`nonstop.train.rescue` pairs it with the live
+        tensors should the step fail before changing them)."""
+        opt = self.optimizer  # its hyperparameters (a scheduler may set them in the step)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if opt else None
+        head: dict[str, Any] = _clone_tensors(
+            {
+                "rng": _rng_state(),
+                "extras": self._extras() if self._extras is not None else {},
+                "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
+                "param_groups": groups,
+            }
+        )
+        return head
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the state a step writes in place: the model's parameters and buffers,
+        the optimizer's state (their ``_version`` counters say whether a step touched them)."""
+        out = list(self.model.state_dict(keep_vars=True).values())
+        if self.optimizer is not None:
+            for held in self.optimizer.state.values():
+                out += list(held.values())
+        # a DTensor's writes land in its local tensor, whose counter moves
+        return [local_of(t) if is_dtensor(t) else t for t in out if isinstance(t, torch.Tensor)]
+
     def deferrable(self) -> Callable[[torch.Tensor], bool]:
         """Predicate for :meth:`RankSnapshotStore.begin`: true for the tensors only
         ``optimizer.step()`` changes (parameters the optimizer owns, and its state), so

@@ -61,6 +61,7 @@ from nonstop.config import WorkerEnv
 from nonstop.control.channel import Channel, Message, connect
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import ControlError, JobFailedError
+from nonstop.runtime.cadence import Cadence
 from nonstop.train.meshgroups import GroupClaim, OpenGroup
 from nonstop.train.settle import Settling, lost_ranks, post
 
@@ -128,6 +129,9 @@ class CoordinatorLink:
         self.closing = False
         self.rdzv: ChannelStore | None = None  # this generation's rendezvous store, if any
         self.pause_at: int | None = None  # live migration: stop after this step, wait for the swap
+        # a new snapshot cadence (--snapshot-budget) arrived: handed here between steps
+        self.on_cadence: Callable[[Cadence], None] | None = None
+        self.leave_gen: int | None = None  # a ``leave`` for this generation arrived (_on_leave)
         self.in_step = False
         # Session.on_event: the reader hands each ``event`` message here (it must not block),
         # and a reconnect to a restarted coordinator repeats the subscription
@@ -194,6 +198,8 @@ class CoordinatorLink:
                 for store in (rdzv, settle) if msg.get("t") in ("reconfigure", "abort") else ():
                     if store is not None:
                         store.abort("a newer generation started")  # unblock a rendezvous in progress
+                if msg.get("t") == "leave":
+                    self._on_leave(msg)  # (and to the inbox: a rank paused at a swap's boundary leaves too)
                 self._inbox.put(msg)
                 if msg.get("t") == "reconfigure":
                     self._arrived += 1  # before in_step is read: see enter_step
@@ -228,6 +234,28 @@ class CoordinatorLink:
                 self.settling = Settling(self._settling_store(int(msg["gen"])), left, lambda: self.in_step)
         if self._can_interrupt:
             signal.pthread_kill(self._main_ident, signal.SIGUSR1)
+
+    def _on_leave(self, msg: Message) -> None:
+        """Reader thread: the coordinator plans generation ``msg["gen"]`` after a failure and
+        asks the survivors to leave their step now, so that each reports what it rescued
+        (:mod:`nonstop.train.rescue`) before the plan: one still in a step is severed and
+        interrupted as a recovery's reconfigure would (a sharded job's groups without a lost rank
+        settled); one between steps leaves before its next (``leave_gen``, read by
+        :meth:`enter_step` and the loop). A leave for a generation this rank is in already is
+        stale: ignored."""
+        try:
+            gen = int(msg["gen"])
+        except (KeyError, TypeError, ValueError):
+            return
+        if gen <= int(self._resume()["gen"]):
+            return
+        self.leave_gen = gen  # before in_step is read: see enter_step
+        if self.in_step:
+            self._leave_step_now(msg)
+
+    def leaving(self, generation: int) -> bool:
+        """Main thread: whether the coordinator asked this rank, in ``generation``, to leave."""
+        return self.leave_gen is not None and self.leave_gen > generation
 
     def post_settled(self, claims: Sequence[GroupClaim], gen: int | None = None) -> None:
         """Main thread, its step left: post the final sequence numbers of the mesh groups it
@@ -364,7 +392,8 @@ class CoordinatorLink:
         reader counts a reconfigure before it reads ``in_step``, this sets ``in_step`` before it
         reads the count: one of the two sees the other.)"""
         self.in_step = True
-        if self._arrived > self._taken and self._can_interrupt:
+        left = self.leaving(int(self._resume()["gen"]))
+        if (self._arrived > self._taken or left) and self._can_interrupt:
             _thread.interrupt_main(signal.SIGUSR1)  # raised in the step's body (see uninterruptible)
 
     def wait_for(self, *kinds: str) -> Message:
@@ -372,10 +401,7 @@ class CoordinatorLink:
             msg = self._take(self._inbox.get())
             if msg["t"] in kinds:
                 return msg
-            if msg["t"] == "pause":
-                self.pause_at = int(msg["at"])
-            elif msg["t"] == "continue":
-                self.pause_at = None
+            self._note(msg)
             if msg["t"] == "abort":
                 raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
 
@@ -391,6 +417,15 @@ class CoordinatorLink:
             if msg["t"] == "abort":
                 return
 
+    def _note(self, msg: Message) -> None:
+        """What a message between steps changes: a swap's pause, its end, the snapshot cadence."""
+        if msg["t"] == "pause":
+            self.pause_at = int(msg["at"])
+        elif msg["t"] == "continue":
+            self.pause_at = None
+        elif msg["t"] == "cadence" and self.on_cadence is not None:
+            self.on_cadence(Cadence(every=int(msg["every"]), since=int(msg["since"])))
+
     def poll_reconfigure(self) -> Message | None:
         """A reconfigure that arrived between steps, if any (newest wins)."""
         found = None
@@ -401,11 +436,8 @@ class CoordinatorLink:
                 return found
             if msg["t"] == "reconfigure":
                 found = msg
-            elif msg["t"] == "pause":
-                self.pause_at = int(msg["at"])
-            elif msg["t"] == "continue":
-                self.pause_at = None
-            elif msg["t"] == "abort":
+            self._note(msg)
+            if msg["t"] == "abort":
                 raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
 
     # -- the rendezvous store --------------------------------------------------------------

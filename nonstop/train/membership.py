@@ -40,9 +40,13 @@ class Membership:
         self.rank = int(msg["rank"])
         self.world_size = int(msg["world_size"])
         self.shards: tuple[int, ...] = tuple(int(k) for k in msg.get("shards", (self.rank,)))
-        self.num_shards: int = int(msg.get("num_shards", self.world_size))
+        self.num_shards: int = int(msg.get("num_shards", self.world_size))  # the job's
+        # the shards the generation plays, the gradient mean's divisor: the job's, or fewer while
+        # a shrink drops the lost ranks' shares (--shrink-batch drop); a step trains
+        # shards_played micro-batches of the global batch
+        self.shards_played: int = int(msg.get("divisor", self.num_shards))
         if self._sync is not None:
-            self._sync.set_shards(self.shards, self.num_shards)
+            self._sync.set_shards(self.shards, self.shards_played)
         # torchrun's variables as the coordinator computed them (runtime/torchenv.py); a message
         # without them (an older coordinator) still sets the rank and the world size
         env = {str(k): str(v) for k, v in dict(msg.get("env", {})).items()}
@@ -65,9 +69,11 @@ class Membership:
         ``dp_rank``). After an elastic shrink a rank plays several: the gradients of all but the
         last are accumulated locally (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``),
         the last backward reduces, and the sum is divided by the number of shards, so the global
-        batch and its samples are those of the full-size job. In an elastic data-parallel job
-        the mean is bitwise the same at every world size (:mod:`nonstop.train.exactsum`): each
-        shard's gradient is kept apart and the shards are summed in their order."""
+        batch and its samples are those of the full-size job (with ``--shrink-batch drop`` a
+        shrunk rank plays its own shards only, the sum divided by the shards played). In an
+        elastic data-parallel job the mean is bitwise the same at every world size
+        (:mod:`nonstop.train.exactsum`): each shard's gradient is kept apart and the shards are
+        summed in their order."""
         if self._sync is not None and self._sync.exact and isinstance(model, DistributedDataParallel):
             return self._sync.accumulate(model)
         return accumulate(model, self.shards)

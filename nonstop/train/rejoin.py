@@ -23,8 +23,9 @@ from nonstop.control.rdzv import ChannelStore
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
-from nonstop.train.link import CoordinatorLink
+from nonstop.train.link import CoordinatorLink, PeerFailed
 from nonstop.train.membership import Membership
+from nonstop.train.rescue import StepHead, now
 from nonstop.train.restore import read_restore
 from nonstop.train.settle import lost_ranks
 from nonstop.train.snapshots import LoopSnapshots
@@ -49,6 +50,7 @@ class Rejoin(Membership):
     _faults: WorkerFaults
     _step: int
     _live_at: int | None
+    _head: StepHead
 
     def _warm_up(self, train_step: TrainStep, model: torch.nn.Module) -> None:
         """A migration's joiner, while the others train: one sandboxed step on the bare model (no
@@ -82,7 +84,11 @@ class Rejoin(Membership):
         self._link.pause_at = None
         self._live_at = self._step  # until the next step starts, the live state is that of this step
         self._link.send({"t": "paused", "gen": self.generation, "step": self._step})
-        reply = self._link.wait_for("reconfigure", "continue")
+        reply = self._link.wait_for("reconfigure", "continue", "leave")
+        while reply["t"] == "leave" and not self._link.leaving(self.generation):  # (a stale one)
+            reply = self._link.wait_for("reconfigure", "continue", "leave")
+        if reply["t"] == "leave":  # a failure while paused: report the boundary (train/rescue.py)
+            raise PeerFailed("the coordinator asked the survivors to leave")
         if reply["t"] == "reconfigure":
             return reply
         self._live_at = None
@@ -104,6 +110,7 @@ class Rejoin(Membership):
                 "gen": self.generation,
                 "step": self._step,
                 "error": f"{type(err).__name__}: {err}"[:500],
+                **self._rescue(),
             }
         )
         reply = self._link.wait_for("reconfigure", "raise")
@@ -112,6 +119,47 @@ class Rejoin(Membership):
         # mesh groups parked unsevered: keep those without a lost rank (nonstop/train/settle.py)
         self._link.post_settled(self._group.settle(lost_ranks(reply)), int(reply["gen"]))
         return reply
+
+    @property
+    def _rescues(self) -> bool:
+        """Whether this job's failures are rescued: steps go unsnapshotted (``--snapshot-every``
+        K > 1, or an interval a ``--snapshot-budget`` widened: from its announcement on, as the
+        coordinator's ``WorkerProtocol.rescues``), snapshots on."""
+        return self._snaps.may_skip and self.env.snapshot != "off"
+
+    def _arm_rescue(self) -> None:
+        """A step begins: note its start for a rescue."""
+        if self._rescues:
+            self._head.arm(self._capture(), self._step)
+        else:
+            self._head.disarm()
+
+    def _rescue(self) -> dict[str, Any]:
+        """A step failed, or the coordinator asked this rank to leave (a ``leave``, before or
+        in a step): have the state after the last completed step in this rank's slots -- the
+        live tensors with the step's head if the failed step left them untouched, or as they are
+        if no step began (:mod:`nonstop.train.rescue`) -- written unless that step was
+        snapshotted; what the fault report says of it. A rescue that fails costs nothing but
+        the rescue."""
+        if not self._rescues or self.trainee.capture is None:
+            return {}
+        try:
+            capture = self._capture()
+            found = self._head.rescue(capture, self._step) if self._head.armed else now(capture, self._step)
+            if found is None:
+                return {"rescued": None}
+            t0 = time.monotonic()
+            self._snaps.live.drain()
+            if self._snaps.taken != found.step:
+                self._snaps.live.write(found.step, found.state)
+                self._snaps.taken = found.step
+                log.info("rescued step %d into memory in %.3fs", found.step, time.monotonic() - t0)
+            return {"rescued": found.step, "rest": found.digest}
+        except Exception:
+            log.warning("the rescue snapshot failed; recovery restores the last snapshot", exc_info=True)
+            return {"rescued": None}
+        finally:
+            self._head.disarm()
 
     def _maybe_inject(self, phase: str, step: int) -> None:
         self._faults.maybe_fire(phase, rank=self.rank, step=step, generation=self.generation)
@@ -229,7 +277,7 @@ class Rejoin(Membership):
             world_size=self.world_size,
             timeout_s=self.env.rebuild_timeout_s,
             restored=restored,
-            divisor=self.num_shards,
+            divisor=self.shards_played,
             generation=gen,
         )
 

@@ -64,6 +64,7 @@ from nonstop.control.channel import Message
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
+from nonstop.runtime import cadence
 from nonstop.train.backend import set_current_device, worker_device
 from nonstop.train.eventhooks import FLUSH_S, EventCallback, EventHooks
 from nonstop.train.frwatch import FlightRecorderWatch, flight_recorder_watch
@@ -74,6 +75,7 @@ from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
 from nonstop.train.link import CoordinatorLink, PeerFailed, uninterruptible
 from nonstop.train.prewarm import prepare_spare
 from nonstop.train.rejoin import Rejoin, TrainStep
+from nonstop.train.rescue import StepHead, rest_digest
 from nonstop.train.snapshots import LoopSnapshots
 from nonstop.train.steps import Step, check_objects
 from nonstop.train.threadprogress import ThreadProgress
@@ -168,6 +170,9 @@ class Session(Rejoin, HeartbeatWords):
         self.rank: int = int(first["rank"])
         self._set_membership(first)
         self._snaps = LoopSnapshots(env)
+        self._link.on_cadence = self._snaps.schedule  # (--snapshot-budget: runtime/cadence.py)
+        self._rest_gen: int | None = None  # the generation whose digest this rank reported
+        self._head = StepHead()  # the step in flight's start, for a rescue (train/rescue.py)
 
     @property
     def store(self) -> ChannelStore:
@@ -346,7 +351,7 @@ class Session(Rejoin, HeartbeatWords):
             self._clock = CollectiveClock(self._train_thread)
         if self._sync is not None:
             self._sync.exact = self.env.elastic
-            self._sync.set_shards(self.shards, self.num_shards)
+            self._sync.set_shards(self.shards, self.shards_played)
         self._snaps.open(self.rank)
         self._progress_at = time.monotonic()
 
@@ -371,6 +376,8 @@ class Session(Rejoin, HeartbeatWords):
                             pending = self._pause(self._snaps.live)
                         if pending is not None:
                             raise _Reconfigure(pending)
+                        if self._link.leaving(self.generation):  # (train/rescue.py)
+                            raise PeerFailed("the coordinator asked the survivors to leave their step")
                         assert module is not None
                         step = Step(
                             self._step,
@@ -386,6 +393,7 @@ class Session(Rejoin, HeartbeatWords):
                         self._maybe_inject("step", self._step)
                         self._faults.stretch()  # issue 21: a slowdown fault's longer compute
                         self._link.in_step = False
+                        self._arm_rescue()
                         yield step
                         error = step.outcome()
                         if error is not None:
@@ -440,6 +448,7 @@ class Session(Rejoin, HeartbeatWords):
         (when due: ``--snapshot-every``) and report it (a snapshotted step once its snapshot is
         complete: a step counts as committed only then)."""
         self._step += 1
+        self._head.disarm()
         t1 = self._progress_at = time.monotonic()
         self._last_step_s = step_s
         wait_s = self._take_wait_s()  # issue 21
@@ -465,6 +474,9 @@ class Session(Rejoin, HeartbeatWords):
         }
         if not due:
             report["snapped"] = False  # progress only: the committed step stays where it is
+        if self.env.snapshot_budget > 0 and self._step >= cadence.SKIP and self._rest_gen != self.generation:
+            report["rest"] = rest_digest(self._capture().head())  # once a generation (runtime/cadence.py)
+            self._rest_gen = self.generation
         # with overlapped capture the snapshot is complete when the background copy finishes
         if snap is None:
             self._link.send(report)

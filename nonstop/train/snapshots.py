@@ -15,6 +15,7 @@ import logging
 
 from nonstop.config import WorkerEnv
 from nonstop.mesh import MeshSpec
+from nonstop.runtime.cadence import Cadence
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.snapshot.nodecopy import NodeCopy, node_slots
 from nonstop.snapshot.sharded import replicated_along
@@ -41,13 +42,26 @@ class LoopSnapshots:
         self._node: NodeCopy | None = None
         self._alike: tuple[int, bool] | None = None  # (id(optimizer), replicated along "replicate")
         self._mesh = MeshSpec.parse(env.mesh) if env.mesh is not None else None
+        self.cadence = Cadence(every=env.snapshot_every)  # (runtime/cadence.py)
+        self._next: Cadence | None = None  # announced, from its step on
+
+    @property
+    def may_skip(self) -> bool:
+        """Whether some steps go unsnapshotted: the interval is above 1, or a new one is announced."""
+        return self.cadence.every > 1 or self._next is not None
+
+    def schedule(self, cadence: Cadence) -> None:
+        """The coordinator's new interval (``--snapshot-budget``), from step ``cadence.since`` on."""
+        self._next = cadence
 
     def due(self, step: int, *, final: bool, pause_at: int | None) -> bool:
-        """Whether the state after ``step`` is snapshotted: every ``--snapshot-every`` K-th step,
-        the run's last step, and a swap's boundary (``pause_at``: the coordinator asked this rank
-        to stop after that step) -- each of those must be restorable."""
-        k = self._env.snapshot_every
-        return k == 1 or step % k == 0 or final or (pause_at is not None and step >= pause_at)
+        """Whether the state after ``step`` is snapshotted: the job's cadence (every
+        ``--snapshot-every`` K-th step, or the interval a budget tuned), the run's last step, and
+        a swap's boundary (``pause_at``: the coordinator asked this rank to stop after that step)
+        -- each of those must be restorable."""
+        if self._next is not None and step >= self._next.since:
+            self.cadence, self._next = self._next, None
+        return self.cadence.due(step) or final or (pause_at is not None and step >= pause_at)
 
     def open(self, rank: int) -> None:
         """Open the slots of ``rank``, closing the ones open under another number."""

@@ -225,8 +225,8 @@ class Sharded:
         if clash:
             raise UsageError(f"build(mesh) returned state objects named like state= ones: {clash}")
         self.model = model
-        if spec.dp_size < self.spec.dp_size:
-            average_over(model, self.spec.dp_size)
+        if divisor != spec.dp_size:  # shrunk, its groups playing the lost ones' batches too
+            average_over(model, divisor)
         self._capture = StateCapture(
             model=model,
             optimizer=optimizer,

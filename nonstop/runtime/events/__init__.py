@@ -67,7 +67,7 @@ from nonstop.runtime.events.job import (
     Spawn,
     Spawned,
 )
-from nonstop.runtime.events.memory import MemoryDegraded
+from nonstop.runtime.events.memory import MemoryDegraded, SnapshotCadence
 from nonstop.runtime.events.moves import (
     Catchup,
     ElasticWait,
@@ -170,6 +170,7 @@ __all__ = [
     "RestoreFromDurable",
     "Resume",
     "Shrink",
+    "SnapshotCadence",
     "SpareTakesOver",
     "Spawn",
     "Spawned",

@@ -1,14 +1,15 @@
 """Events of the memory tier: a node's snapshot memory that could not grow
-(:mod:`nonstop.snapshot.space`)."""
+(:mod:`nonstop.snapshot.space`), and the snapshot interval a stall budget tuned
+(:mod:`nonstop.runtime.cadence`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from nonstop.runtime.events.base import Event
+from nonstop.runtime.events.base import OPTIONAL, Event
 
-__all__ = ["MemoryDegraded"]
+__all__ = ["MemoryDegraded", "SnapshotCadence"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,3 +28,20 @@ class MemoryDegraded(Event):
     slots_left: int | None
     free: int | None
     error: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotCadence(Event):
+    """``--snapshot-budget``: from step ``since`` on the job snapshots every ``every``-th step,
+    for a measured stall of ``stall_s`` per snapshot and a median step of ``step_s`` (the
+    smallest interval whose stall costs at most ``budget`` of the training time). ``refused``:
+    the interval stays ``every`` although the stall calls for a wider one, and why (a rank lost
+    between two snapshots could not take a survivor's rescued state)."""
+
+    kind: ClassVar[str] = "snapshot_cadence"
+    every: int | None
+    since: int | None
+    stall_s: float | None
+    step_s: float | None
+    budget: float | None
+    refused: str | None = field(default=None, metadata=OPTIONAL)
