@@ -32,7 +32,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from nonstop.errors import SnapshotCorruptError, SnapshotMissingError
+from nonstop.errors import NonstopError, SnapshotCorruptError, SnapshotMissingError
 from nonstop.snapshot import RankSnapshotStore
 from nonstop.snapshot.api import HEADER_FMT, HEADER_SIZE, TensorEntry
 from nonstop.snapshot.codec import (
@@ -405,6 +405,30 @@ def test_fuzz_durable_load_falls_back(data: st.DataObject) -> None:
         ck = only_corrupt(lambda: DurableStore(root).load(), SnapshotMissingError)
         assert ck is not None, "checkpoint 10 is intact: load() must fall back to it"
         assert ck.step in (10, 20) and bytes(ck.data(0)) == _data(len(RAW), ck.step)
+
+
+def test_stored_strings_are_quoted_escaped_in_what_load_says(caplog: pytest.LogCaptureFixture) -> None:
+    """A manifest string replaced by a lone surrogate (JSON's ``"\\ud800"``, which json.loads
+    gives back as is) never reaches a message unescaped: such a message cannot be written to a
+    UTF-8 log, and once broke the test runner's report (an xdist INTERNALERROR)."""
+    good = json.loads((_pristine_checkpoints() / step_dir(20) / MANIFEST).read_bytes())
+    said = []
+    for path in _paths(good):
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp) / "ckpt"
+            shutil.copytree(_pristine_checkpoints(), root)
+            doc = _set(copy.deepcopy(good), path, "\ud800")
+            (root / step_dir(20) / MANIFEST).write_bytes(_resigned(doc))
+            caplog.clear()
+            try:
+                ck = DurableStore(root).load()
+                said.append(f"step {ck.step if ck else None}")
+            except NonstopError as e:
+                said.append(str(e))
+            said += [r.getMessage() for r in caplog.records]
+    assert any("ud800" in m for m in said), "no mutation was quoted: the test reaches nothing"
+    for m in said:
+        m.encode("utf-8")  # raises on a lone surrogate
 
 
 # ---------------------------------------------------------------------------- raw snapshots

@@ -375,12 +375,15 @@ def _u8(buf: Buffer, what: str, *, writable: bool = False) -> _U8:
 
 
 def _corrupt(info: ChunkInfo, what: str) -> SnapshotCorruptError:
-    codec = info.codec if len(info.codec) <= 40 else info.codec[:40] + "..."
-    return SnapshotCorruptError(f"chunk at offset {info.offset} (+{info.length} bytes, {codec}): {what}")
+    return SnapshotCorruptError(
+        f"chunk at offset {info.offset} (+{info.length} bytes, {_brief(info.codec)}): {what}"
+    )
 
 
 def _brief(v: object) -> str:
-    """``repr(v)``, cut short: error messages quote stored values, which may be huge."""
+    """``repr(v)``, cut short: error messages quote stored values, which may be huge, and any
+    string read from a file escaped (a lone surrogate from JSON's ``"\\ud800"`` cannot be
+    written to a UTF-8 log or sent to a test runner)."""
     r = repr(v[:81] if isinstance(v, str) else v)
     return r if len(r) <= 80 else r[:80] + "..."
 

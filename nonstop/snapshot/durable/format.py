@@ -286,7 +286,7 @@ def _decode_manifest(raw: bytes, where: str) -> Manifest:
     version = doc.get("version")
     if isinstance(version, bool) or version not in READ_VERSIONS:
         raise SnapshotCorruptError(
-            f"{where}: manifest format version {str(version)[:40]}, "
+            f"{where}: manifest format version {ascii(version)[:40]}, "
             f"this nonstop reads versions {', '.join(map(str, READ_VERSIONS))}"
         )
     try:
