@@ -184,6 +184,15 @@ def snapshot_args(p: argparse.ArgumentParser) -> None:
         "between snapshots are rescued (0: keep --snapshot-every; default %(default)s)",
     )
     p.add_argument(
+        "--snapshot-max-age",
+        type=float,
+        default=c.snapshot_max_age_s,
+        metavar="SECONDS",
+        help="with --snapshot-budget: the interval's steps take at most this long, so the newest "
+        "step every rank snapshotted (what persists and peer replicas follow) is never older "
+        "(default %(default)s)",
+    )
+    p.add_argument(
         "--rescue-wait",
         type=float,
         default=c.rescue_wait_s,
@@ -235,6 +244,7 @@ def snapshot_config(ns: argparse.Namespace) -> dict[str, object]:
         "snapshot": ns.snapshot,
         "snapshot_every": ns.snapshot_every,
         "snapshot_budget": ns.snapshot_budget,
+        "snapshot_max_age_s": ns.snapshot_max_age,
         "rescue_wait_s": ns.rescue_wait,
         "snapshot_copies": ns.snapshot_copies,
         "persist_url": ns.persist,

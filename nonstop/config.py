@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
@@ -136,6 +137,9 @@ class JobConfig:
     # measures it and snapshots every K-th step, K >= snapshot_every the smallest within it
     # (runtime/cadence.py); failures are rescued meanwhile. 0: every snapshot_every-th step.
     snapshot_budget: float = 0.0
+    # with a budget: the widest interval's steps take at most this long, so the committed step
+    # (what persists, peer replicas and a failure no rescue saves go back to) is never older
+    snapshot_max_age_s: float = 600.0
     # K > 1 (or a budget): how long a recovery's plan waits for the survivors' rescue reports (the state after
     # their last completed step, written on the failure: runtime/rescue.py); 0: no rescues
     rescue_wait_s: float = 2.0
@@ -250,6 +254,11 @@ class JobConfig:
             raise UsageError(
                 f"--snapshot-budget must be a fraction in [0, 1) of the training time, e.g. 0.002 "
                 f"(got {self.snapshot_budget}); 0 keeps --snapshot-every fixed"
+            )
+        if not (math.isfinite(self.snapshot_max_age_s) and self.snapshot_max_age_s > 0):
+            raise UsageError(
+                f"--snapshot-max-age must be > 0 seconds (got {self.snapshot_max_age_s}), e.g. 300: "
+                f"with --snapshot-budget the interval's steps never take longer"
             )
         if not 0.0 <= self.rescue_wait_s <= 60.0:
             raise UsageError(f"--rescue-wait must be between 0 and 60 seconds (got {self.rescue_wait_s})")

@@ -24,6 +24,10 @@ def test_the_interval_is_the_smallest_within_the_budget() -> None:
     assert choose_every(0.04, 5.0, budget=0.01, floor=4) == 4  # never below --snapshot-every
     assert choose_every(10.0, 0.1, budget=0.001) == MAX_EVERY  # never beyond the cap
     assert choose_every(0.0, 1.0, budget=0.001) == 1
+    # at most max_age_s of steps between two snapshots: 5 s steps, 30 s -> 6, though 8 fit the budget
+    assert choose_every(0.04, 5.0, budget=0.001, max_age_s=30.0) == 6
+    assert choose_every(0.04, 5.0, budget=0.001, max_age_s=60.0) == 8  # a bound not reached
+    assert choose_every(0.04, 5.0, budget=0.001, max_age_s=1.0, floor=4) == 4  # --snapshot-every wins
     with pytest.raises(ValueError):
         choose_every(0.04, 5.0, budget=0.0)
 
@@ -76,6 +80,13 @@ def test_the_tuner_measures_a_window_of_whole_steps_then_announces_ahead() -> No
     assert c.since > at + 1  # ahead of the newest step reported, for every rank to hear it first
     # measured again under the new interval: the same stall per snapshot, no new announcement
     assert all(_report(tuner, s) is None for s in range(at + 1, c.since + 2 * WINDOW + 8 * WINDOW))
+
+
+def test_the_tuner_keeps_the_committed_step_within_its_max_age() -> None:
+    # a budget no stall fits would take the widest interval; 0.5 s of 110 ms steps allow 4
+    tuner = CadenceTuner(budget=1e-6, max_age_s=0.5)
+    (c,) = [c for s in range(1, SKIP + WINDOW + 2) if (c := _report(tuner, s)) is not None]
+    assert c.every == 4 and c.every * tuner.measured[1] <= 0.5 < (c.every + 1) * tuner.measured[1]
 
 
 def test_a_step_not_every_rank_reported_is_not_measured() -> None:
@@ -139,6 +150,40 @@ def test_a_small_change_is_not_announced() -> None:
     assert tuner.current == Cadence(every=8)
 
 
+def test_a_restarted_coordinator_takes_up_the_interval_its_ranks_run() -> None:
+    tuner = CadenceTuner(budget=0.05, floor=2, most=64)
+    assert not tuner.adopt(Cadence(every=2, since=0))  # what it runs already
+    assert not tuner.adopt(Cadence(every=128, since=30))  # beyond this job's bounds: not its own
+    assert tuner.adopt(Cadence(every=8, since=30)) and tuner.current == Cadence(every=8, since=30)
+    assert not tuner.adopt(Cadence(every=4, since=40))  # a narrower one arms no rescue
+    # measured from there on as if it had announced it: the same stall, nothing new to announce
+    assert all(_report(tuner, s) is None for s in range(31, 31 + 4 * WINDOW))
+    assert tuner.current == Cadence(every=8, since=30)
+
+
+def test_what_a_reconnecting_rank_says_is_checked_before_it_is_taken_up() -> None:
+    from types import SimpleNamespace
+
+    from nonstop.runtime.workers import WorkerProtocol
+
+    emitted: list[object] = []
+    c = SimpleNamespace(
+        config=JobConfig(script="x", snapshot_budget=0.01),
+        mesh=None,
+        events=SimpleNamespace(emit=emitted.append),
+    )
+    workers = WorkerProtocol(c)  # type: ignore[arg-type]
+    assert workers.cadence is not None and not workers.rescues
+    for bad in (None, "8", {"every": "8", "since": 3}, {"every": 0, "since": 3}, {"every": True, "since": 3},
+                {"every": 8, "since": -1}, {"every": 8}, {"every": 10**6, "since": 3}):  # fmt: skip
+        workers.resumed_cadence(bad)
+    assert workers.cadence.current == Cadence(every=1) and emitted == []
+    workers.resumed_cadence({"every": 8, "since": 3})
+    assert workers.rescues and workers.cadence.current == Cadence(every=8, since=3)
+    (said,) = emitted
+    assert (said.every, said.since, said.stall_s) == (8, 3, None)  # type: ignore[attr-defined]
+
+
 def test_the_worker_switches_at_the_announced_step(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("s")
@@ -151,8 +196,10 @@ def test_the_worker_switches_at_the_announced_step(tmp_path: Path) -> None:
     snaps = LoopSnapshots(WorkerEnv.from_environ(env))
     assert all(snaps.due(s, final=False, pause_at=None) for s in range(1, 10))
     assert not snaps.may_skip  # every step snapshotted: nothing to rescue on a failure
+    assert snaps.announced() == Cadence(every=1)
     snaps.schedule(Cadence(every=4, since=12))
     assert snaps.may_skip  # announced: rescued from now on
+    assert snaps.announced() == Cadence(every=4, since=12)  # what a reconnect tells a new coordinator
     due = [s for s in range(10, 30) if snaps.due(s, final=False, pause_at=None)]
     assert due == [10, 11, 12, 16, 20, 24, 28]
     assert snaps.due(29, final=True, pause_at=None)
@@ -162,7 +209,12 @@ def test_a_budget_reaches_the_config_and_a_bad_one_fails_at_start() -> None:
     p = argparse.ArgumentParser()
     snapshot_args(p)
     cfg = JobConfig(script="x", **snapshot_config(p.parse_args(["--snapshot-budget", "0.002"])))  # type: ignore[arg-type]
-    assert cfg.snapshot_budget == 0.002
+    assert cfg.snapshot_budget == 0.002 and cfg.snapshot_max_age_s == 600.0
+    aged = snapshot_config(p.parse_args(["--snapshot-budget", "0.002", "--snapshot-max-age", "60"]))
+    assert JobConfig(script="x", **aged).snapshot_max_age_s == 60.0  # type: ignore[arg-type]
+    for age in (0.0, -1.0, float("inf")):
+        with pytest.raises(UsageError, match="--snapshot-max-age must be > 0 seconds"):
+            JobConfig(script="x", snapshot_max_age_s=age)
     for bad in (-0.1, 1.0):
         with pytest.raises(UsageError, match="--snapshot-budget must be a fraction"):
             JobConfig(script="x", snapshot_budget=bad)
@@ -190,7 +242,11 @@ def test_a_budget_widens_the_interval_and_a_kill_after_it_is_rescued_bitwise(tmp
     assert run.out["final_hash"] == reference.out["final_hash"]
     (cadence,) = events_named(run.events, "snapshot_cadence")
     since = int(cadence["since"])
-    assert cadence["every"] == MAX_EVERY and SKIP + WINDOW <= since < 34, cadence
+    # the widest interval whose steps take at most the default --snapshot-max-age (600 s)
+    widest = choose_every(
+        cadence["stall_s"], cadence["step_s"], budget=1e-6, max_age_s=JobConfig(script="x").snapshot_max_age_s
+    )
+    assert cadence["every"] == widest > 34 and SKIP + WINDOW <= since < 34, cadence
     assert cadence["stall_s"] > 0 and cadence["step_s"] > 0
     (failure,) = run.result.failures
     assert failure["restore_step"] == 34 and failure["lost_steps"] == 0 and failure["redone_steps"] <= 1
@@ -208,6 +264,8 @@ def test_the_simulator_takes_the_interval_the_runtime_would_tune() -> None:
     tuned = Nonstop(job=job, params=NonstopParams(stall_s=0.04, snapshot_budget=0.001))
     assert fixed.every == 1 and tuned.every == choose_every(0.04, 5.0, budget=0.001) == 8
     assert tuned.rescues and not fixed.rescues  # between two snapshots, failures are rescued
+    aged = Nonstop(job=job, params=NonstopParams(stall_s=0.04, snapshot_budget=0.001, snapshot_max_age_s=30))
+    assert aged.every == 6  # 30 s of 5 s steps, as the runtime's --snapshot-max-age bounds it
     assert tuned.steady_fraction < fixed.steady_fraction / 4
     # FSDP without replicas: nothing could stand in for a lost rank, the runtime keeps the interval
     fsdp = Nonstop(job=job, params=NonstopParams(stall_s=0.04, snapshot_budget=0.001, replica_nodes=128))

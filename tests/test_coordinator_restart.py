@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from nonstop.demo.runner import demo_job_config
 from nonstop.runtime.coordinator import JobState
 from nonstop.runtime.jobfiles import JOB_INFO
 from nonstop.runtime.jobstore import JobStore
-from tests.conftest import STEPS, EtcdServer, NodesInBackground, free_port
+from tests.conftest import STEPS, EtcdServer, NodesInBackground, free_port, run_demo_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -142,3 +143,51 @@ def test_coordinator_restart_mid_grow_ends_it_and_the_job_grows_again(
     out = json.loads((job_dir / "result.json").read_text())
     assert out["world_size"] == 3 and out["samples_seen"] == steps * 3 * batch
     assert check_sequence(read_log(job_dir / "samples"), steps=steps, num_shards=3, batch=batch) == []
+
+
+def _wait(job: NodesInBackground, what: str, ok: Callable[[], bool], timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert job.running and time.monotonic() < deadline, f"the job never got to: {what}"
+        time.sleep(0.05)
+
+
+def test_a_restarted_coordinator_takes_up_the_tuned_interval_and_still_rescues(
+    tmp_path: Path, etcd_server: EtcdServer
+) -> None:
+    """``--snapshot-budget`` widened the interval, then the coordinator is SIGKILLed: the new one
+    takes the interval up from its ranks' resume points (a fresh tuner would run at K = 1 and ask
+    for no rescue while the ranks skip their snapshots), so a rank killed after the restart is
+    replaced by a spare that takes a survivor's rescued step -- nothing lost, only the step in
+    flight redone -- and the job ends bitwise equal to an uninterrupted run."""
+    # the restart (a 3 s lease, then a new process: ~50 s on a saturated 2-core machine, past the
+    # default --reconnect of 30 s) and the kill all fit, loaded too
+    steps = 120
+    ref = run_demo_job(tmp_path / "reference", spares=0, steps=steps)  # (3 ranks, as below)
+    assert ref.out is not None, ref.result.error
+    reference = ref.out["final_hash"]
+
+    job_dir = tmp_path / "job"
+    job = NodesInBackground(
+        _on_etcd(
+            job_dir, etcd_server, steps=steps, snapshot_budget=1e-6, rescue_wait_s=30.0, reconnect_s=120.0
+        )
+    )
+    tuned = job.wait_event("snapshot_cadence", timeout=300)
+    since = int(tuned["since"])
+    _wait(job, "the first snapshot under the new interval", lambda: any(
+        e["step"] >= since for e in job.events("replicated")
+    ))  # fmt: skip
+    os.kill(json.loads((job_dir / JOB_INFO).read_text())["pid"], signal.SIGKILL)
+    _wait(job, "the new coordinator taking the interval up", lambda: len(job.events("snapshot_cadence")) >= 2)
+    (taken,) = job.events("snapshot_cadence")[1:]
+    assert (taken["every"], taken["since"], taken["stall_s"]) == (tuned["every"], since, None)
+    gen = job.events("generation")[-1]
+    pid = next(e["pid"] for e in job.events("spawned") if e["spawn_id"] == gen["members"]["1"])
+    os.kill(pid, signal.SIGKILL)
+    result = job.result(timeout=400)
+    assert result.state is JobState.DONE, result.error
+    assert json.loads((job_dir / "result.json").read_text())["final_hash"] == reference
+    (failure,) = result.failures
+    assert failure["restore_step"] > since, failure  # not the last snapshot: a survivor's rescue
+    assert failure["lost_steps"] == 0 and failure["redone_steps"] <= 1, failure

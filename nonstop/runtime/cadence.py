@@ -6,10 +6,12 @@ overlapped copy before the next optimizer step: ``snap_s`` in each step's report
 the coordinator (:class:`CadenceTuner`) measures the stall per snapshot and the step time over
 every rank's reports, and snapshots every K-th step, K the smallest that keeps the stall within
 the budget (:func:`choose_every`; never below ``--snapshot-every``, never above
-:data:`MAX_EVERY`). Failures between two snapshots are rescued (:mod:`nonstop.runtime.rescue`: the
-survivors write the state after their last completed step), so a larger K costs only where a
-rescue cannot be made (the failed step had already written the state), as CheckFreq tunes its
-checkpoint frequency to an overhead budget.
+:data:`MAX_EVERY`, nor wider than ``--snapshot-max-age`` seconds of training: the committed step,
+which persists, peer replicas and ``nonstop persist`` follow, and the step a failure no rescue
+saves goes back to, is never older than that). Failures between two snapshots are rescued
+(:mod:`nonstop.runtime.rescue`: the survivors write the state after their last completed step), so
+a larger K costs only where a rescue cannot be made (the failed step had already written the
+state), as CheckFreq tunes its checkpoint frequency to an overhead budget.
 
 Every rank must snapshot the same steps (a recovery restores the newest step *every* rank holds),
 so the interval changes only at a step announced ahead: a :class:`Cadence` says "from step
@@ -71,12 +73,21 @@ class Cadence:
 
 
 def choose_every(
-    stall_s: float, step_s: float, *, budget: float, floor: int = 1, most: int = MAX_EVERY
+    stall_s: float,
+    step_s: float,
+    *,
+    budget: float,
+    floor: int = 1,
+    most: int = MAX_EVERY,
+    max_age_s: float | None = None,
 ) -> int:
     """The smallest interval K in ``floor..most`` whose stall, ``stall_s`` per snapshot, costs at
-    most ``budget`` of the training time (``stall_s / K <= budget * step_s``)."""
+    most ``budget`` of the training time (``stall_s / K <= budget * step_s``), and whose K steps
+    take at most ``max_age_s`` (None: no bound); ``floor`` wins over both bounds."""
     if budget <= 0 or step_s <= 0:
         raise ValueError(f"choose_every needs budget > 0 and step_s > 0 (got {budget}, {step_s})")
+    if max_age_s is not None:
+        most = min(most, math.floor(max_age_s / step_s + 1e-9))
     if stall_s <= 0:
         return floor
     return max(floor, min(most, math.ceil(stall_s / (budget * step_s) - 1e-9)))
@@ -93,13 +104,15 @@ class CadenceTuner:
         budget: float,
         floor: int = 1,
         most: int = MAX_EVERY,
+        max_age_s: float | None = None,
         copy_group: Callable[[int], int] | None = None,
     ) -> None:
-        """``copy_group``: rank -> the ranks holding the same shards (an HSDP job's
+        """``max_age_s``: the interval's steps take at most this long (:func:`choose_every`).
+        ``copy_group``: rank -> the ranks holding the same shards (an HSDP job's
         :meth:`~nonstop.mesh.MeshSpec.copy_group`); None: every rank holds the same state."""
         if budget <= 0:
             raise ValueError(f"a snapshot budget must be > 0 (got {budget})")
-        self.budget, self.floor, self.most = budget, floor, most
+        self.budget, self.floor, self.most, self.max_age_s = budget, floor, most, max_age_s
         self._copy_group = copy_group or (lambda rank: 0)
         self._rests: dict[int, tuple[int, str]] = {}  # rank -> (step, its digest): Step.rest
         self.refusal: str | None = None  # why the interval may not widen, once known
@@ -140,6 +153,20 @@ class CadenceTuner:
             return None
         return self._decide(world_size)
 
+    def adopt(self, running: Cadence) -> bool:
+        """A restarted coordinator's fresh tuner takes the interval a reconnecting rank says it
+        runs (``cadence`` in its hello's ``resume``: heard from the coordinator before, whose
+        tuner had checked the ranks could stand in for each other). Only a wider one is taken --
+        it arms the rescues (a failure before the next announcement would otherwise go back to
+        the last snapshot, up to K - 1 steps) -- and only within this job's bounds. True when
+        taken."""
+        if running.every <= self.current.every or running.every > self.most:
+            return False
+        self.current = running
+        self._open.clear()
+        self._closed.clear()
+        return True
+
     def _alike(self, world_size: int) -> str | None:
         """None when every rank has a stand-in for a rescue, else why not (module docstring);
         ``""``: not known yet (a rank has not reported this generation's digest)."""
@@ -172,7 +199,9 @@ class CadenceTuner:
         if step_s <= 0:
             return None
         self.measured = (stall, step_s)
-        every = choose_every(stall, step_s, budget=self.budget, floor=self.floor, most=self.most)
+        every = choose_every(
+            stall, step_s, budget=self.budget, floor=self.floor, most=self.most, max_age_s=self.max_age_s
+        )
         cur = self.current.every
         if every > cur and self.refusal is None:
             why = self._alike(world_size)

@@ -278,6 +278,7 @@ class StoreSync:
             self.c.view.latest_step[rank] = max(self.c.view.latest_step.get(rank, 0), step)
             if resume.get("done"):
                 self.c.view.done_ranks.add(rank)
+            self.c.workers.resumed_cadence(resume.get("cadence"))
         if w.spawn_id in self.continue_on_resume:  # paused for an operation that was aborted
             self.continue_on_resume.discard(w.spawn_id)
             self.c.io.send(w, {"t": "continue"})

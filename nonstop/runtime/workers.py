@@ -41,6 +41,7 @@ class WorkerProtocol:
             CadenceTuner(
                 budget=cfg.snapshot_budget,
                 floor=cfg.snapshot_every,
+                max_age_s=cfg.snapshot_max_age_s,
                 copy_group=c.mesh.copy_group if c.mesh is not None else None,
             )
             if cfg.snapshot_budget > 0 and cfg.snapshot != "off"
@@ -54,6 +55,18 @@ class WorkerProtocol:
         interval a ``--snapshot-budget`` widened (announced: the ranks rescue from then on)."""
         tuned = self.cadence is not None and self.cadence.current.every > 1
         return self.c.config.snapshot_every > 1 or tuned
+
+    def resumed_cadence(self, said: object) -> None:
+        """A member reconnected to this restarted coordinator saying the interval it snapshots
+        at (``{every, since}``, its resume point): the tuner takes it up, arming the rescues
+        (:meth:`~nonstop.runtime.cadence.CadenceTuner.adopt`). Malformed: ignored."""
+        if self.cadence is None or not isinstance(said, dict):
+            return
+        every, since = said.get("every"), said.get("since")
+        if not (type(every) is int and type(since) is int and every >= 1 and since >= 0):
+            return
+        if self.cadence.adopt(Cadence(every=every, since=since)):
+            self._announced(self.cadence.current)  # (not measured here: stall_s and step_s None)
 
     def on_event(self, kind: str, chan: Channel, msg: Message | None) -> None:
         """A worker's connection opened, sent ``msg`` or closed."""

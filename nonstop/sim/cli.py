@@ -130,6 +130,14 @@ def add_parsers(sub: Any) -> None:
         help="nonstop: the interval tuned to this stall budget, as the runtime's --snapshot-budget "
         "(the smallest K >= --snapshot-every whose stall costs at most FRACTION of a step; default 0: fixed)",
     )
+    sim.add_argument(
+        "--snapshot-max-age",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="nonstop, with a budget: the interval's steps take at most this long, as the runtime's "
+        "(default %(default)s)",
+    )
     sim.add_argument("--spares-per-node", type=int, default=1, help="nonstop process spares per node")
     sim.add_argument(
         "--spare-nodes", type=int, default=None, help="spare nodes, every strategy (default 1%%)"
@@ -305,6 +313,7 @@ def build_strategies(
             params = NonstopParams(
                 snapshot_every=ns.snapshot_every,
                 snapshot_budget=ns.snapshot_budget,
+                snapshot_max_age_s=ns.snapshot_max_age,
                 stall_s=ns.stall_s,
                 replicas=ns.replicas,
                 spares_per_node=ns.spares_per_node,

@@ -23,7 +23,8 @@ class NonstopParams:
     snapshot_every: steps between in-memory snapshots. snapshot_budget: the runtime's
     ``--snapshot-budget`` (> 0: the interval is the smallest K >= snapshot_every whose stall costs
     at most this fraction of the step, :func:`~nonstop.runtime.cadence.choose_every`, as the
-    runtime's coordinator tunes it). stall_s: loop stall per snapshot.
+    runtime's coordinator tunes it; never more steps than take ``snapshot_max_age_s``, the runtime's
+    ``--snapshot-max-age``). stall_s: loop stall per snapshot.
     replicas: peer replicas of each node's snapshots (r). spares_per_node: pre-warmed process
     spares on every node. spare_nodes: hot spare nodes (None: 1% of the job's nodes, at least 1).
     persist_every_s: seconds of training between durable checkpoints. quarantine: the runtime's
@@ -57,6 +58,7 @@ class NonstopParams:
 
     snapshot_every: int = 1
     snapshot_budget: float = 0.0
+    snapshot_max_age_s: float = 600.0
     stall_s: float | None = None
     replicas: int = 1
     spares_per_node: int = 1
@@ -79,6 +81,10 @@ class NonstopParams:
         require(
             0.0 <= self.snapshot_budget < 1.0,
             f"--snapshot-budget must be a fraction in [0, 1); got {self.snapshot_budget}",
+        )
+        require(
+            math.isfinite(self.snapshot_max_age_s) and self.snapshot_max_age_s > 0,
+            f"--snapshot-max-age must be > 0 s; got {self.snapshot_max_age_s}",
         )
         require(self.replicas >= 0, f"--replicas must be >= 0; got {self.replicas}")
         require(self.spares_per_node >= 0, f"--spares-per-node must be >= 0; got {self.spares_per_node}")

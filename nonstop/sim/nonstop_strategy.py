@@ -123,7 +123,13 @@ class Nonstop:
         # where a lost rank has a stand-in: another model copy (runtime/cadence.py; ranks seeded
         # alike, as here)
         self.every = (
-            choose_every(self.stall, job.step_s, budget=p.snapshot_budget, floor=p.snapshot_every)
+            choose_every(
+                self.stall,
+                job.step_s,
+                budget=p.snapshot_budget,
+                floor=p.snapshot_every,
+                max_age_s=p.snapshot_max_age_s,
+            )
             if p.snapshot_budget > 0 and copies >= 2
             else p.snapshot_every
         )
@@ -494,6 +500,7 @@ def describe_nonstop(s: Nonstop) -> dict[str, Any]:
         "strategy": s.name,
         "snapshot_every": s.every,
         "snapshot_budget": s.p.snapshot_budget,
+        "snapshot_max_age_s": s.p.snapshot_max_age_s,
         "stall_s": s.stall,
         "stall_fraction": s.stall / (s.job.step_s * s.every),
         "step_overhead_s": s.cal.nonstop_step_overhead_s,

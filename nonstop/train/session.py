@@ -148,6 +148,7 @@ class Session(Rejoin, HeartbeatWords):
         self.warming_up = False  # a joiner's sandboxed step (see _warm_up): skip side effects
         self._train_thread: int | None = None  # the thread in run(): its collectives are watched
         self.result: RunResult | None = None  # once the job finished (run() returns it too)
+        self._snaps = LoopSnapshots(env)  # (before the link: a reconnect's resume point reads it)
         self._link = CoordinatorLink(
             env,
             timeout=connect_timeout,
@@ -155,6 +156,7 @@ class Session(Rejoin, HeartbeatWords):
             resume=self._resume_point,
             sever=self._group.sever,
         )
+        self._link.on_cadence = self._snaps.schedule  # (--snapshot-budget: runtime/cadence.py)
         self._faults = WorkerFaults(env, self._link)
         self._hooks = EventHooks()  # on_event's callbacks (train/eventhooks.py)
         # A spare waits here, imported, connected and (a sharded job's) warmed up, until it is
@@ -169,8 +171,6 @@ class Session(Rejoin, HeartbeatWords):
         self._pending_reconfigure: Message | None = first
         self.rank: int = int(first["rank"])
         self._set_membership(first)
-        self._snaps = LoopSnapshots(env)
-        self._link.on_cadence = self._snaps.schedule  # (--snapshot-budget: runtime/cadence.py)
         self._rest_gen: int | None = None  # the generation whose digest this rank reported
         self._head = StepHead()  # the step in flight's start, for a rescue (train/rescue.py)
 
@@ -219,7 +219,10 @@ class Session(Rejoin, HeartbeatWords):
 
     # -- what the link's threads report (read-only on the session) -----------------------
     def _resume_point(self) -> Message:
-        return {"gen": self.generation, "step": self._step, "done": self._done}
+        # the interval this rank snapshots at: a restarted coordinator's tuner takes it up
+        heard = self._snaps.announced()
+        cadence = {"every": heard.every, "since": heard.since}
+        return {"gen": self.generation, "step": self._step, "done": self._done, "cadence": cadence}
 
     # -- the training loop -----------------------------------------------------------------
     def run(

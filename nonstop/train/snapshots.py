@@ -54,6 +54,10 @@ class LoopSnapshots:
         """The coordinator's new interval (``--snapshot-budget``), from step ``cadence.since`` on."""
         self._next = cadence
 
+    def announced(self) -> Cadence:
+        """The newest interval heard: the one announced and not reached yet, else the one run."""
+        return self._next or self.cadence
+
     def due(self, step: int, *, final: bool, pause_at: int | None) -> bool:
         """Whether the state after ``step`` is snapshotted: the job's cadence (every
         ``--snapshot-every`` K-th step, or the interval a budget tuned), the run's last step, and

@@ -36,7 +36,8 @@ class SnapshotCadence(Event):
     for a measured stall of ``stall_s`` per snapshot and a median step of ``step_s`` (the
     smallest interval whose stall costs at most ``budget`` of the training time). ``refused``:
     the interval stays ``every`` although the stall calls for a wider one, and why (a rank lost
-    between two snapshots could not take a survivor's rescued state)."""
+    between two snapshots could not take a survivor's rescued state). ``stall_s`` and ``step_s``
+    None: a restarted coordinator took the interval up from its reconnecting ranks."""
 
     kind: ClassVar[str] = "snapshot_cadence"
     every: int | None
