@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from nonstop.config import SHRINK_BATCHES
+from nonstop.runtime.cadence import choose_every
 from nonstop.runtime.policy import QuarantinePolicy
 from nonstop.runtime.straggler import StragglerConfig
 from nonstop.runtime.survivors import SurvivorMode
@@ -75,6 +76,20 @@ class NonstopParams:
     keep_on_failure: bool = True
     straggler: StragglerConfig = PROACTIVE
     rescue: bool = True
+
+    def interval(self, stall_s: float, step_s: float, *, copies: int) -> int:
+        """Steps between two snapshots: ``snapshot_every``, or with a budget the one the runtime's
+        coordinator tunes (:func:`~nonstop.runtime.cadence.choose_every`) where a lost rank has a
+        stand-in, another of the job's ``copies`` of the model (ranks seeded alike, as here)."""
+        if self.snapshot_budget <= 0 or copies < 2:
+            return self.snapshot_every
+        return choose_every(
+            stall_s,
+            step_s,
+            budget=self.snapshot_budget,
+            floor=self.snapshot_every,
+            max_age_s=self.snapshot_max_age_s,
+        )
 
     def __post_init__(self) -> None:
         require(self.snapshot_every >= 1, f"--snapshot-every must be >= 1 step; got {self.snapshot_every}")

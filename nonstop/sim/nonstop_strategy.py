@@ -48,7 +48,6 @@ from dataclasses import replace
 from typing import Any
 
 from nonstop.runtime import policy
-from nonstop.runtime.cadence import choose_every
 from nonstop.runtime.elastic import ElasticAction, ElasticDecision
 from nonstop.runtime.policy import (
     FailureKind,
@@ -119,20 +118,7 @@ class Nonstop:
         self.stall = cal.snapshot_stall_s(b, job.step_s) if p.stall_s is None else p.stall_s
         self.replica_nodes = default_replica_nodes(job) if p.replica_nodes is None else p.replica_nodes
         copies = job.num_nodes // self.replica_nodes if self.replica_nodes else job.num_gpus
-        # the interval: fixed, or the one the runtime's coordinator tunes to the stall budget
-        # where a lost rank has a stand-in: another model copy (runtime/cadence.py; ranks seeded
-        # alike, as here)
-        self.every = (
-            choose_every(
-                self.stall,
-                job.step_s,
-                budget=p.snapshot_budget,
-                floor=p.snapshot_every,
-                max_age_s=p.snapshot_max_age_s,
-            )
-            if p.snapshot_budget > 0 and copies >= 2
-            else p.snapshot_every
-        )
+        self.every = p.interval(self.stall, job.step_s, copies=copies)
         require(
             self.stall < job.step_s * self.every,
             f"a snapshot stall of {self.stall:.2f} s does not fit in {self.every} step(s) of "
