@@ -17,6 +17,7 @@ from pathlib import Path
 
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
+from nonstop.runtime.cadence import MAX_AGE_S
 from nonstop.runtime.probing import ProbeConfig  # issue 21: each agent's health probes
 from nonstop.runtime.straggler import StragglerConfig  # issue 21: fail-slow detection and action
 
@@ -139,7 +140,7 @@ class JobConfig:
     snapshot_budget: float = 0.0
     # with a budget: the widest interval's steps take at most this long, so the committed step
     # (what persists, peer replicas and a failure no rescue saves go back to) is never older
-    snapshot_max_age_s: float = 600.0
+    snapshot_max_age_s: float = MAX_AGE_S
     # K > 1 (or a budget): how long a recovery's plan waits for the survivors' rescue reports (the state after
     # their last completed step, written on the failure: runtime/rescue.py); 0: no rescues
     rescue_wait_s: float = 2.0

@@ -43,11 +43,13 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["MAX_EVERY", "Cadence", "CadenceTuner", "choose_every"]
+__all__ = ["MAX_AGE_S", "MAX_EVERY", "Cadence", "CadenceTuner", "choose_every"]
 
 # the widest interval a budget may choose: a failure a rescue cannot save redoes at most this many
 # steps less one
 MAX_EVERY = 128
+# the default --snapshot-max-age: at most this many seconds of steps between two snapshots
+MAX_AGE_S = 600.0
 WINDOW = 16  # complete steps (every rank reported) per measurement
 SKIP = 4  # the job's first steps (slot allocation, warm-up) are not measured
 CHANGE = 0.25  # a new interval is announced when it differs by more than this fraction (or 1 step)

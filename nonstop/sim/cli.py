@@ -18,6 +18,7 @@ from typing import Any
 from nonstop.config import SHRINK_BATCHES
 from nonstop.errors import UsageError
 from nonstop.plotting import require_plots
+from nonstop.runtime.cadence import MAX_AGE_S
 from nonstop.runtime.policy import QuarantinePolicy
 from nonstop.runtime.survivors import SurvivorMode
 from nonstop.sim.advisor import advise, plot_frontier, proactive_worth
@@ -133,7 +134,7 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument(
         "--snapshot-max-age",
         type=float,
-        default=600.0,
+        default=MAX_AGE_S,
         metavar="SECONDS",
         help="nonstop, with a budget: the interval's steps take at most this long, as the runtime's "
         "(default %(default)s)",
