@@ -272,6 +272,39 @@ def test_a_reconnecting_worker_reports_its_newest_step_not_the_one_when_the_link
     assert hellos[-1]["resume"] == {"gen": 1, "step": 16, "done": True}
 
 
+def test_a_worker_that_finishes_while_its_hello_is_on_the_way_says_done_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hello's resume point said "not done"; the last step ended during the connect, and its
+    done went to the dead connection: the link sends it on the new one (seen in a loaded CI: a
+    job whose ranks all finished around a coordinator restart waited 6 minutes for the hang
+    detector)."""
+    from types import SimpleNamespace
+
+    from nonstop.train import link as link_mod
+
+    state = {"step": 15, "done": False}
+    sent: list[dict[str, Any]] = []
+
+    def connect(addr: Any, secret: Any, hello: dict[str, Any], timeout: float) -> object:
+        state.update(step=16, done=True)  # the main thread finished meanwhile
+        return SimpleNamespace(send=sent.append)
+
+    monkeypatch.setattr(link_mod, "connect", connect)
+    link = link_mod.CoordinatorLink.__new__(link_mod.CoordinatorLink)
+    link.env = SimpleNamespace(
+        reconnect_s=30.0, control_addr=("127.0.0.1", 1), secret=b"x", role="worker", spawn_id=3
+    )  # type: ignore[assignment]
+    link._resume = lambda: {"gen": 2, **state}
+    link._subscription = None
+    link.closing = False
+    assert link._reconnect()
+    assert sent == [{"t": "done", "gen": 2, "step": 16}]
+    # one that had said done in its hello is not repeated
+    sent.clear()
+    assert link._reconnect() and sent == []
+
+
 def test_process_age_counts_from_the_process_start() -> None:
     code = (
         "import time; time.sleep(1.0); from nonstop.runtime import storesync as s; print(s.process_age_s())"

@@ -168,12 +168,17 @@ class CoordinatorLink:
             # sends meanwhile (steps, done) is lost -- a resume point taken when the connection
             # broke would leave the new coordinator waiting for steps already taken
             hello = self._hello()
-            hello["resume"] = self._resume()
+            hello["resume"] = said = self._resume()
             try:
                 self.chan = connect(self.env.control_addr, self.env.secret, hello, timeout=1.0)
                 log.info("reconnected to the coordinator")
                 if self._subscription is not None:
                     self.send_quietly(self._subscription)
+                now = self._resume()
+                if now.get("done") and not said.get("done"):
+                    # it finished while the hello was on its way, and sent its done to the dead
+                    # connection: the coordinator would wait for it forever (a repeat is harmless)
+                    self.send_quietly({"t": "done", "gen": now["gen"], "step": now["step"]})
                 return True
             except (ControlError, OSError):
                 time.sleep(0.2)
