@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,12 +37,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from benchcommon import against_reference, fmt, machine_info, run_stamp, summary_by  # noqa: E402  (a sibling)
+from benchcommon import against_reference, fmt, machine_info, run_stamp, summary_by, two_node_job  # noqa: E402  (a sibling)
 
-from nonstop.demo.runner import demo_job_config  # noqa: E402
-from nonstop.runtime.coordinator import JobState  # noqa: E402
 from nonstop.runtime.eventlog import read_events  # noqa: E402
-from nonstop.runtime.localnodes import run_local_nodes  # noqa: E402
 
 CONTENDERS = ("every-step", "rescue", "rollback")
 KEYS = ("redone_steps", "restore_step", "survivor_gap_steps", "plan_s", "training_again_s", "step_s")
@@ -57,28 +53,16 @@ def _settings(args: argparse.Namespace, contender: str | None) -> dict[str, Any]
 
 
 def _run(args: argparse.Namespace, run_dir: Path, contender: str | None) -> dict[str, Any]:
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
     faults = (f"kill:rank=1,step={args.event_step}",) if contender is not None else ()
-    config = demo_job_config(
-        result=run_dir / "result.json",
-        steps=args.steps,
-        model=args.model,
-        nproc_per_node=2,
-        nnodes=2,
-        spares=1,
-        job_dir=run_dir,
-        faults=faults,
-        coordinator="127.0.0.1:0",
-        lease_ttl_s=3.0,
-        **_settings(args, contender or "every-step"),
+    settings = _settings(args, contender or "every-step")
+    _, result, final_hash = two_node_job(
+        run_dir, steps=args.steps, model=args.model, faults=faults, **settings
     )
-    result = run_local_nodes(config, redirect_output=True)
-    out: dict[str, Any] = {"contender": contender, "ok": result.state is JobState.DONE}
-    if not out["ok"]:
+    out: dict[str, Any] = {"contender": contender, "ok": final_hash is not None}
+    if final_hash is None:
         out["error"] = result.error
         return out
-    out["final_hash"] = json.loads((run_dir / "result.json").read_text())["final_hash"]
+    out["final_hash"] = final_hash
     out["step_s"] = result.median_step_s
     if contender is None:
         return out

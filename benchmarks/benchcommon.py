@@ -27,6 +27,7 @@ __all__ = [
     "run_stamp",
     "summarize",
     "summary_by",
+    "two_node_job",
 ]
 
 
@@ -130,3 +131,34 @@ def summary_by(
         out[c] = {k: summarize([r[k] for r in mine if r.get(k) is not None]) for k in keys}
         out[c] |= {"equal": sum(r["equal"] for r in mine), "runs": len(mine)}
     return out
+
+
+def two_node_job(
+    run_dir: Path, *, steps: int, model: str, faults: tuple[str, ...], **settings: Any
+) -> tuple[Any, Any, str | None]:
+    """Run, in a fresh ``run_dir``, a demo job of 2 local nodes x 2 ranks with a hot spare each
+    (``settings``: more of its config): its JobConfig, its JobResult, and its final weights' hash
+    once it is done (else None). For the recovery benchmarks (bench_rescue, bench_survivors)."""
+    from nonstop.demo.runner import demo_job_config
+    from nonstop.runtime.coordinator import JobState
+    from nonstop.runtime.localnodes import run_local_nodes
+
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    config = demo_job_config(
+        result=run_dir / "result.json",
+        steps=steps,
+        model=model,
+        nproc_per_node=2,
+        nnodes=2,
+        spares=1,
+        job_dir=run_dir,
+        faults=faults,
+        coordinator="127.0.0.1:0",
+        lease_ttl_s=3.0,
+        **settings,
+    )
+    result = run_local_nodes(config, redirect_output=True)
+    if result.state is not JobState.DONE:
+        return config, result, None
+    return config, result, json.loads((run_dir / "result.json").read_text())["final_hash"]
