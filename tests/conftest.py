@@ -23,6 +23,7 @@ from nonstop.runtime.eventlog import read_events
 from nonstop.runtime.gc import processes_of_job
 from nonstop.runtime.launcher import default_shm_dir, run_job
 from nonstop.runtime.localnodes import LocalNodesJob, run_local_nodes
+from tests.tiers import EXTENDED
 
 STEPS = 16
 
@@ -197,6 +198,14 @@ def reference_hash(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the end-to-end variants ``make test`` leaves to ``make test-extended`` (tests/tiers.py)."""
+    for item in items:
+        name = item.nodeid.split("[", 1)[0].removeprefix("tests/")
+        if name in EXTENDED:
+            item.add_marker(pytest.mark.extended)
 
 
 # ---------------------------------------------------------------- a real etcd (scripts/etcd.sh)
