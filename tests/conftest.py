@@ -26,6 +26,11 @@ from nonstop.runtime.localnodes import LocalNodesJob, run_local_nodes
 from tests.tiers import EXTENDED
 
 STEPS = 16
+# The lease of a test job's node agents. A loaded 2-core machine can starve a process for seconds:
+# 3 s leases fenced two nodes of one job at once beside a dense run of end-to-end tests (stop 44).
+# A test's lost node is its agent SIGKILLed, seen at once by the closed connection, not by the
+# lease; the tests of fencing itself (partitions, store stalls) set their own.
+LEASE_TTL_S = 10.0
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +120,7 @@ def sampled_nodes_config(
     it trains on to ``job_dir/samples`` (``nonstop.demo.samples``); ``script_more``: more script
     flags; ``kw`` goes to the config."""
     kw.setdefault("coordinator", "127.0.0.1:0")
-    kw.setdefault("lease_ttl_s", 3.0)  # no spurious fencing on a loaded machine
+    kw.setdefault("lease_ttl_s", LEASE_TTL_S)
     return demo_job_config(
         result=job_dir / "result.json",
         steps=steps,
@@ -134,8 +139,7 @@ def run_nodes_job(job_dir: Path, **kw: Any) -> DemoRun:
     # steps long enough that replication rounds (tens of ms each) keep up, as with real steps
     kw.setdefault("script_extra", ("--step-delay", "0.1"))
     kw.setdefault("coordinator", "127.0.0.1:0")
-    # a loaded 2-core CI machine can starve a process for over a second: no spurious fencing
-    kw.setdefault("lease_ttl_s", 3.0)
+    kw.setdefault("lease_ttl_s", LEASE_TTL_S)
     return run_demo_job(job_dir, **kw)
 
 

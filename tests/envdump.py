@@ -11,6 +11,7 @@ from pathlib import Path
 from nonstop.config import JobConfig
 from nonstop.runtime.coordinator import JobState
 from nonstop.runtime.localnodes import run_local_nodes
+from tests.conftest import LEASE_TTL_S
 
 Dumps = dict[int, dict[str, str]]  # spawn id -> variable -> value (plus node, role and extras)
 
@@ -64,7 +65,7 @@ def run_env_dump_job(tmp_path: Path, keys: tuple[str, ...]) -> tuple[Dumps, Dump
         job_dir=tmp_path / "job",
         faults=("kill:rank=1,step=4",),
         coordinator="127.0.0.1:0",
-        lease_ttl_s=3.0,
+        lease_ttl_s=LEASE_TTL_S,
     )
     result = run_local_nodes(config, redirect_output=True)
     assert result.state is JobState.DONE, result.error

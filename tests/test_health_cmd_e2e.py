@@ -18,7 +18,7 @@ from nonstop.config import DetectorConfig
 from nonstop.demo.runner import demo_job_config
 from nonstop.runtime.probing import ProbeConfig
 from nonstop.runtime.straggler import StragglerConfig
-from tests.conftest import NodesInBackground, events_named, run_nodes_job
+from tests.conftest import LEASE_TTL_S, NodesInBackground, events_named, run_nodes_job
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ def test_a_failing_health_cmd_drains_its_node(
         spares=1,
         job_dir=job_dir,
         coordinator="127.0.0.1:0",
-        lease_ttl_s=3.0,  # no spurious fencing on a loaded machine
+        lease_ttl_s=LEASE_TTL_S,
         straggler=StragglerConfig(on_degraded="drain"),
         probes=_probes(tmp_path),
         detector=CALM,

@@ -17,7 +17,7 @@ from nonstop.config import JobConfig
 from nonstop.demo.runner import demo_job_config
 from nonstop.errors import UsageError
 from nonstop.runtime.notice import NoticePoller, parse_headers, parse_notice
-from tests.conftest import NodesInBackground, events_named
+from tests.conftest import LEASE_TTL_S, NodesInBackground, events_named
 
 NOW = 1_800_000_000.0
 
@@ -135,7 +135,7 @@ def test_http_notice_drains_the_node(tmp_path: Path, endpoint: _Endpoint, refere
         nnodes=3,
         job_dir=job_dir,
         coordinator="127.0.0.1:0",
-        lease_ttl_s=3.0,
+        lease_ttl_s=LEASE_TTL_S,
         preempt_url=endpoint.url + "/latest/meta-data/spot/instance-action/{node}",
         preempt_poll_s=0.2,
     )

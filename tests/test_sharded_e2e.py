@@ -19,7 +19,7 @@ from nonstop.config import DetectorConfig
 from nonstop.runtime.coordinator import JobState
 from nonstop.runtime.gc import collect_garbage
 from nonstop.runtime.launcher import default_shm_dir
-from tests.conftest import DemoRun, events_named, leftovers, run_demo_job, stuck_stacks
+from tests.conftest import LEASE_TTL_S, DemoRun, events_named, leftovers, run_demo_job, stuck_stacks
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ HSDP = {
     "nproc": 2,
     "nnodes": 2,
     "coordinator": "127.0.0.1:0",
-    "lease_ttl_s": 3.0,
+    "lease_ttl_s": LEASE_TTL_S,
 }
 DPTP = {"mesh": "shard=2,tp=2", "nproc": 4}
 
@@ -179,7 +179,7 @@ def test_an_fsdp2_rank_migrates_live_bitwise(tmp_path: Path, reference: Any) -> 
     """Rank 1 of FSDP2 moves to node 0's spare at a step boundary: the joiner prepares from the
     fetched snapshot (no warm-up: a sharded step is collective), every rank rebuilds its model on
     the new mesh and restores the boundary step from its own memory; nothing is lost."""
-    cfg = {**FSDP, "nproc": 1, "nnodes": 2, "coordinator": "127.0.0.1:0", "lease_ttl_s": 3.0}
+    cfg = {**FSDP, "nproc": 1, "nnodes": 2, "coordinator": "127.0.0.1:0", "lease_ttl_s": LEASE_TTL_S}
     run = run_demo_job(
         tmp_path, steps=STEPS, faults=("migrate:rank=1,step=5",), script_extra=MIGRATION_PACE, **cfg
     )
@@ -325,7 +325,7 @@ def _shrink_then_grow(
         job_dir=job_dir,
         faults=(f"node:node={lost},step={at}",),
         coordinator="127.0.0.1:0",
-        lease_ttl_s=3.0,
+        lease_ttl_s=LEASE_TTL_S,
         mesh=cfg["mesh"],
         min_world_size=2,
         shrink_batch=shrink_batch,
@@ -364,7 +364,9 @@ def test_a_rank_renumbered_by_a_shrink_records_its_own_shards_after_the_grow(tmp
     from nonstop.snapshot.sharded import LocalShard
     from nonstop.snapshot.store import decode_raw
 
-    three = {"mesh": "shard=3", "nproc": 1, "nnodes": 3, "coordinator": "127.0.0.1:0", "lease_ttl_s": 3.0}
+    three = {
+        "mesh": "shard=3", "nproc": 1, "nnodes": 3, "coordinator": "127.0.0.1:0", "lease_ttl_s": LEASE_TTL_S,
+    }  # fmt: skip
     events = _shrink_then_grow(tmp_path / "job", three, lost=1, at=8)
     (shrink,) = events_named(events, "shrink")
     assert shrink["dropped"] == [1]
@@ -417,7 +419,9 @@ def test_fsdp2_without_replicas_reshards_in_memory_to_shrink_and_to_grow(tmp_pat
     Node 2 joins again: at a step boundary every rank, the joiner too, reshards the 2 ranks'
     state over 3. The samples are read once each in order, the loss is the uninterrupted run's up
     to float rounding."""
-    three = {"mesh": "shard=3", "nproc": 1, "nnodes": 3, "coordinator": "127.0.0.1:0", "lease_ttl_s": 3.0}
+    three = {
+        "mesh": "shard=3", "nproc": 1, "nnodes": 3, "coordinator": "127.0.0.1:0", "lease_ttl_s": LEASE_TTL_S,
+    }  # fmt: skip
     events = _shrink_then_grow(tmp_path / "job", three, lost=2, at=8)
     (shrink,) = events_named(events, "shrink")
     assert shrink["world_size"] == 2 and shrink["dropped"] == [2]
