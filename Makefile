@@ -34,17 +34,18 @@ demo:
 # has a core real-process test in make test) to make test-extended: the whole suite took 79 of
 # CI's 90 minutes at stop 43. make test-all runs both; run it before a stop.
 TEST_WORKERS ?= 2
+SUITE = .venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 test:
 	scripts/setup.sh dev
-	.venv/bin/python -m pytest -q -m "not bench and not extended" -n $(TEST_WORKERS) --dist worksteal --durations=25
+	$(SUITE) -m "not bench and not extended"
 
 test-extended:
-	.venv/bin/python -m pytest -q -m "extended" -n $(TEST_WORKERS) --dist worksteal --durations=25
+	$(SUITE) -m "extended"
 
 test-all:
 	scripts/setup.sh dev
-	.venv/bin/python -m pytest -q -m "not bench" -n $(TEST_WORKERS) --dist worksteal --durations=25
+	$(SUITE) -m "not bench"
 
 test-quick:
 	.venv/bin/python -m pytest -q -m "not slow and not bench"

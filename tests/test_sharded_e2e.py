@@ -38,6 +38,10 @@ HSDP = {
     "lease_ttl_s": LEASE_TTL_S,
 }
 DPTP = {"mesh": "shard=2,tp=2", "nproc": 4}
+# elastic FSDP2 over three nodes of one rank each (the shrink-then-grow tests and their reference)
+FSDP_3_NODES = {
+    "mesh": "shard=3", "nproc": 1, "nnodes": 3, "coordinator": "127.0.0.1:0", "lease_ttl_s": LEASE_TTL_S,
+}  # fmt: skip
 
 
 def shards(run: DemoRun) -> list[str]:
@@ -364,10 +368,7 @@ def test_a_rank_renumbered_by_a_shrink_records_its_own_shards_after_the_grow(tmp
     from nonstop.snapshot.sharded import LocalShard
     from nonstop.snapshot.store import decode_raw
 
-    three = {
-        "mesh": "shard=3", "nproc": 1, "nnodes": 3, "coordinator": "127.0.0.1:0", "lease_ttl_s": LEASE_TTL_S,
-    }  # fmt: skip
-    events = _shrink_then_grow(tmp_path / "job", three, lost=1, at=8)
+    events = _shrink_then_grow(tmp_path / "job", FSDP_3_NODES, lost=1, at=8)
     (shrink,) = events_named(events, "shrink")
     assert shrink["dropped"] == [1]
     store = DurableStore(str(tmp_path / "job" / "checkpoints"))
@@ -419,10 +420,7 @@ def test_fsdp2_without_replicas_reshards_in_memory_to_shrink_and_to_grow(tmp_pat
     Node 2 joins again: at a step boundary every rank, the joiner too, reshards the 2 ranks'
     state over 3. The samples are read once each in order, the loss is the uninterrupted run's up
     to float rounding."""
-    three = {
-        "mesh": "shard=3", "nproc": 1, "nnodes": 3, "coordinator": "127.0.0.1:0", "lease_ttl_s": LEASE_TTL_S,
-    }  # fmt: skip
-    events = _shrink_then_grow(tmp_path / "job", three, lost=2, at=8)
+    events = _shrink_then_grow(tmp_path / "job", FSDP_3_NODES, lost=2, at=8)
     (shrink,) = events_named(events, "shrink")
     assert shrink["world_size"] == 2 and shrink["dropped"] == [2]
     assert shrink["shards"] == {"0": [0], "1": [1, 2]}
