@@ -63,6 +63,7 @@ def _run(args: argparse.Namespace, etcd: Etcd, run_dir: Path, stall_s: float) ->
     if run_dir.exists():
         shutil.rmtree(run_dir)
     config = demo_job_config(
+        snapshot_budget=0.0,  # a fixed interval, as its BENCHMARKS.md figures were measured
         result=run_dir / "result.json", model="tiny", batch=4, job_dir=run_dir, steps=args.steps,
         script_extra=("--step-delay", str(args.step_delay)), nnodes=3, nproc_per_node=1, spares=1,
         coordinator=f"127.0.0.1:{free_port()}", store=etcd.url, secret_file=etcd.secret_file,

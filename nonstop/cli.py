@@ -32,6 +32,7 @@ from nonstop.clisecurity import add_security_args, security_config
 from nonstop.config import SURVIVOR_MODES, JobConfig
 from nonstop.errors import JobFailedError, NonstopError, UsageError
 from nonstop.progress import add_progress_args
+from nonstop.runtime.cadence import DEFAULT_BUDGET
 from nonstop.runtime.workerlog import setup_logging
 from nonstop.slurm import slurm_defaults
 
@@ -144,6 +145,14 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="K",
         help="snapshot every K steps: a failure redoes up to K-1 steps past the last snapshot "
         "(--verify still compares bitwise; default %(default)s)",
+    )
+    demo.add_argument(
+        "--snapshot-budget",
+        type=float,
+        default=DEFAULT_BUDGET,
+        metavar="FRACTION",
+        help="tune the interval to this stall budget, as `nonstop run --snapshot-budget` (0: keep "
+        "--snapshot-every; default %(default)s)",
     )
     demo.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     demo.add_argument("--job-dir", type=Path, default=Path(".nonstop/demo"))
@@ -315,6 +324,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
             min_world_size=ns.min_world_size,
             survivors=ns.survivors,
             snapshot_every=ns.snapshot_every,
+            snapshot_budget=ns.snapshot_budget,
             tls=ns.tls,
             metrics_port=ns.metrics_port,
         )

@@ -181,7 +181,9 @@ def snapshot_args(p: argparse.ArgumentParser) -> None:
         help="tune the interval to a stall budget: the coordinator measures each snapshot's stall "
         "and the step time and snapshots every K-th step (K >= --snapshot-every, at most 128), the "
         "smallest K whose stall costs at most FRACTION of the training time, e.g. 0.002; failures "
-        "between snapshots are rescued (0: keep --snapshot-every; default %(default)s)",
+        "between snapshots are rescued; it widens only where a rescue can replace a lost rank (ranks "
+        "alike, two model copies or more) (0: keep --snapshot-every, every step unless it is set; "
+        "default %(default)s)",
     )
     p.add_argument(
         "--snapshot-max-age",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
-from nonstop.runtime.cadence import MAX_AGE_S
+from nonstop.runtime.cadence import DEFAULT_BUDGET, MAX_AGE_S
 from nonstop.runtime.probing import ProbeConfig  # issue 21: each agent's health probes
 from nonstop.runtime.straggler import StragglerConfig  # issue 21: fail-slow detection and action
 
@@ -137,7 +137,7 @@ class JobConfig:
     # > 0: the fraction of the training time the snapshots' stall may cost; the coordinator
     # measures it and snapshots every K-th step, K >= snapshot_every the smallest within it
     # (runtime/cadence.py); failures are rescued meanwhile. 0: every snapshot_every-th step.
-    snapshot_budget: float = 0.0
+    snapshot_budget: float = DEFAULT_BUDGET
     # with a budget: the widest interval's steps take at most this long, so the committed step
     # (what persists, peer replicas and a failure no rescue saves go back to) is never older
     snapshot_max_age_s: float = MAX_AGE_S

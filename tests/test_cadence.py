@@ -11,7 +11,15 @@ import pytest
 from nonstop.cliargs import snapshot_args, snapshot_config
 from nonstop.config import ENV, JobConfig, WorkerEnv
 from nonstop.errors import UsageError
-from nonstop.runtime.cadence import MAX_EVERY, SKIP, WINDOW, Cadence, CadenceTuner, choose_every
+from nonstop.runtime.cadence import (
+    DEFAULT_BUDGET,
+    MAX_EVERY,
+    SKIP,
+    WINDOW,
+    Cadence,
+    CadenceTuner,
+    choose_every,
+)
 from nonstop.train.snapshots import LoopSnapshots
 from tests.conftest import events_named, run_nodes_job
 
@@ -260,9 +268,11 @@ def test_the_simulator_takes_the_interval_the_runtime_would_tune() -> None:
     from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
 
     job = JobSpec(num_gpus=1024, days=1)  # 128 nodes, 5 s steps
-    fixed = Nonstop(job=job, params=NonstopParams(stall_s=0.04))
+    fixed = Nonstop(job=job, params=NonstopParams(stall_s=0.04, snapshot_budget=0.0))
     tuned = Nonstop(job=job, params=NonstopParams(stall_s=0.04, snapshot_budget=0.001))
     assert fixed.every == 1 and tuned.every == choose_every(0.04, 5.0, budget=0.001) == 8
+    default = Nonstop(job=job, params=NonstopParams(stall_s=0.04))  # the runtime's default budget
+    assert default.every == choose_every(0.04, 5.0, budget=DEFAULT_BUDGET) == 80 and default.rescues
     assert tuned.rescues and not fixed.rescues  # between two snapshots, failures are rescued
     aged = Nonstop(job=job, params=NonstopParams(stall_s=0.04, snapshot_budget=0.001, snapshot_max_age_s=30))
     assert aged.every == 6  # 30 s of 5 s steps, as the runtime's --snapshot-max-age bounds it

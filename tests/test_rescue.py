@@ -176,7 +176,9 @@ def test_the_simulator_rescues_where_the_runtime_finds_a_donor() -> None:
     assert (
         Nonstop(job=job, params=NonstopParams(snapshot_every=8, rescue=False)).describe()["rescue"] is False
     )
-    assert Nonstop(job=job).describe()["rescue"] is False  # every step snapshotted: nothing to rescue
+    every_step = NonstopParams(snapshot_budget=0.0)  # every step snapshotted: nothing to rescue
+    assert Nonstop(job=job, params=every_step).describe()["rescue"] is False
+    assert Nonstop(job=job).describe()["rescue"] is True  # the default budget widens the interval
 
 
 def _leaving_link(gen: int, *, in_step: bool) -> tuple[object, list[object]]:

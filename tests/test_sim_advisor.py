@@ -42,7 +42,7 @@ def test_where_failures_are_rare_dalys_interval_beats_the_fixed_few() -> None:
     tried = snapshot_intervals(job, model, cal)
 
     def mean_ettr(k: int) -> float:  # without rescues: a failure rolls back to the last snapshot
-        params = NonstopParams(snapshot_every=k, rescue=False)
+        params = NonstopParams(snapshot_every=k, snapshot_budget=0.0, rescue=False)
         runs = [
             simulate(job, model, Nonstop(job=job, params=params, calibration=cal), seed=s) for s in range(30)
         ]

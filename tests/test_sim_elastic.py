@@ -50,11 +50,12 @@ def test_elastic_off_gives_the_results_of_before() -> None:
     replica (tests/test_sim_lost_work.py: 0.99762707 -> 0.99765600, 0.97635390 -> 0.97666640);
     torchft-like's re-pinned when each membership change began to reconfigure every group's
     cross-group process group (tests/test_sim_torchft.py: 0.99978327 -> 0.99970719)."""
-    dp = NonstopParams(replica_nodes=0)  # the data-parallel job these figures were pinned on
+    dp = NonstopParams(replica_nodes=0, snapshot_budget=0.0)  # the data-parallel job, every step, as pinned
     ns = simulate(JOB, preset("meta-high"), Nonstop(job=JOB, params=dp, calibration=CAL), seed=3)
     assert ns.ettr == pytest.approx(0.9976560041084057, rel=1e-12)
     assert ns.replacements == {"spare": 18, "pool": 3} and ns.tiers == {"peer": 17, "local": 4}
-    pool = run(NonstopParams(spare_nodes=0, replica_nodes=0), cal=CAL)
+    pool_params = NonstopParams(spare_nodes=0, replica_nodes=0, snapshot_budget=0.0)
+    pool = run(pool_params, cal=CAL)
     assert pool.ettr == pytest.approx(0.9766663990821837, rel=1e-12) and pool.failures == 175
     assert pool.lost_gpu_s["node"]["launch"] == pytest.approx(53618595.83999273, rel=1e-12)
     assert pool.lost_gpu_s["node"]["replan"] == pytest.approx(302408.26335799694, rel=1e-12)
@@ -67,8 +68,8 @@ def test_elastic_off_gives_the_results_of_before() -> None:
     assert tf.ettr == pytest.approx(0.9997071930934885, rel=1e-12)
     # elasticity off, spelled out: 0 or the full size (the runtime's ElasticPolicy.enabled is False)
     for off in (
-        NonstopParams(spare_nodes=0, min_world_size=0, elastic_wait_s=600, replica_nodes=0),
-        NonstopParams(spare_nodes=0, min_world_size=1024, replica_nodes=0),
+        replace(pool_params, min_world_size=0, elastic_wait_s=600),
+        replace(pool_params, min_world_size=1024),
     ):
         same(run(off, cal=CAL), pool)
 
@@ -218,14 +219,17 @@ def test_shrunk_throughput_is_what_play_shards_implies(monkeypatch: pytest.Monke
     r = simulate(job, src, strat)
     assert r.resizes == {"shrink": 1, "grow": 1} and r.failures == 2
     assert r.replacements == {"shrink": 1, "none": 1}
-    frac = strat.stall / job.step_s
+    frac = strat.steady_fraction  # the stall per step (the default budget's interval)
     slowest = max(len(s) for s in elastic.assign_shards(64, 56))
     assert slowest == math.ceil(64 / 56) == 2
     assert r.shrunk_throughput == pytest.approx((1 - frac) / slowest, rel=1e-12)
-    # shrunk from the end of the shrink's pause (lease, plan, restore from memory, rebuild) until
-    # the pool node, asked for at the plan, has arrived and prepared
+    # shrunk from the end of the shrink's pause (lease, plan -- with the default budget's interval,
+    # the survivors' rescue writes -- restore from memory, rebuild) until the pool node, asked for
+    # at the plan, has arrived and prepared
     cal = SLOW_POOL
-    pause = cal.node_lease_s + cal.plan_s + strat.restore_local + rendezvous_s(job.num_nodes)
+    assert strat.rescues
+    plan = cal.plan_s + strat.capture
+    pause = cal.node_lease_s + plan + strat.restore_local + rendezvous_s(job.num_nodes)
     ready = 10_000 + cal.node_lease_s + cal.plan_s + cal.node_provision_s + strat.grow_prepare
     assert r.shrunk_s == pytest.approx(ready - (10_000 + pause), rel=1e-12)
     assert r.lost_by_stage["shrunk"] == pytest.approx(64 * r.shrunk_s * (1 - frac) * (1 - 1 / slowest))

@@ -48,10 +48,14 @@ def test_shrink_first_goes_on_while_the_spare_prepares() -> None:
     first, strat = run(SurvivorMode.CONTINUE)
     assert first.resizes == {"shrink_first": 1, "grow": 1}
     assert first.replacements == {"spare": 1} and first.failures == 1
-    # the survivors pause for detection, the plan, their own restore and one rebuild -- not for
-    # the spare node's launch and fetch -- then train shrunk until the spare has prepared
+    # the survivors pause for detection, the plan (with the default budget's interval, waiting for
+    # their rescue writes), their own restore and one rebuild -- not for the spare node's launch
+    # and fetch, which starts beside the rescue writes -- then train shrunk until the spare has
+    # prepared
     cal = SLOW_FETCH
-    pause = cal.node_lease_s + cal.plan_s + strat.restore_local + rendezvous_s(JOB.num_nodes)
+    assert strat.every > 1 and strat.rescues
+    plan = cal.plan_s + strat.capture
+    pause = cal.node_lease_s + plan + strat.restore_local + rendezvous_s(JOB.num_nodes)
     prepare = strat._spare_prepare_s(in_place=False)
     assert prepare == pytest.approx(strat.transfer + strat.restore_local + JOB.step_s)
     assert first.shrunk_s == pytest.approx(cal.node_lease_s + cal.plan_s + prepare - pause, rel=1e-9)

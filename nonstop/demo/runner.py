@@ -18,6 +18,7 @@ from typing import Any
 from nonstop.config import DetectorConfig, JobConfig
 from nonstop.errors import JobFailedError, UsageError
 from nonstop.faults import parse_fault
+from nonstop.runtime.cadence import DEFAULT_BUDGET
 from nonstop.runtime.coordinator import JobResult, JobState
 from nonstop.runtime.eventlog import read_events
 from nonstop.runtime.jobdir import hold_dir
@@ -42,6 +43,7 @@ class DemoOptions:
     min_world_size: int = 0  # elastic: the job may shrink to this many ranks
     survivors: str = "auto"  # elastic: shrink first or replace first (runtime/survivors.py)
     snapshot_every: int = 1  # --snapshot-every: steps between in-memory snapshots
+    snapshot_budget: float = DEFAULT_BUDGET  # --snapshot-budget: the interval tuned to a stall budget
     tls: bool = False  # TLS on the control channel and the data plane (--tls)
     metrics_port: int | None = None  # Prometheus /metrics and /status (--metrics-port)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)  # --straggler, --on-degraded
@@ -55,6 +57,8 @@ class DemoOptions:
             raise UsageError(f"--steps must be >= 1 (got {self.steps})")
         if self.snapshot_every < 1:
             raise UsageError(f"--snapshot-every must be >= 1 (got {self.snapshot_every})")
+        if not 0.0 <= self.snapshot_budget < 1.0:
+            raise UsageError(f"--snapshot-budget must be a fraction in [0, 1) (got {self.snapshot_budget})")
         for f in self.faults:
             spec = parse_fault(f)
             if spec.step >= self.steps:
@@ -104,6 +108,7 @@ def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple
         min_world_size=opts.min_world_size,
         survivors=opts.survivors,
         snapshot_every=opts.snapshot_every,
+        snapshot_budget=opts.snapshot_budget,
         tls=opts.tls,
         metrics_port=opts.metrics_port,
         straggler=opts.straggler,

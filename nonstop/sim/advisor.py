@@ -10,6 +10,8 @@ with the same failures (common random numbers), so the comparison is not drowned
   1, 2, 4, 8 and Daly's optimum for one snapshot's stall and the job's MTBF, with its half and
   its double (:func:`snapshot_intervals`: a job that rarely fails snapshots less often), and
   with rescue snapshots (on by default: a failure redoes only the step in flight) 16, 32, 64;
+  and the runtime's default, the interval tuned to ``--snapshot-budget``
+  (:data:`~nonstop.runtime.cadence.DEFAULT_BUDGET`);
 * persist interval: at least ``10 x`` the time one persist takes (the durable tier stays <= 10%
   busy), and the multiples 2x, 4x of that;
 * spare nodes: 0 up to ~5% of the job's nodes;
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.plotting import pyplot, save_figure
+from nonstop.runtime.cadence import DEFAULT_BUDGET
 from nonstop.sim.api import JobSpec, SimResult, default_spare_nodes, require
 from nonstop.sim.calibrate import Calibration
 from nonstop.sim.engine import simulate
@@ -80,7 +83,7 @@ def snapshot_intervals(
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
     replicas: int
-    snapshot_every: int
+    snapshot_every: int  # the interval, steps: fixed, or the one the budget chose
     persist_every_s: float
     spare_nodes: int
     host_bytes_per_node: float
@@ -90,12 +93,27 @@ class Candidate:
     shards_per_rank: int = 1
     shrink_batch: str = "keep"
     replica_nodes: int | None = None  # the job's layout (NonstopParams.replica_nodes), not searched
+    snapshot_budget: float = 0.0  # > 0: the interval tuned to this stall budget; 0: fixed
+
+    @property
+    def interval(self) -> tuple[int, float]:
+        """(``--snapshot-every``, ``--snapshot-budget``): a budget's floor is 1."""
+        return (1, self.snapshot_budget) if self.snapshot_budget > 0 else (self.snapshot_every, 0.0)
+
+    @property
+    def snapshots(self) -> str:
+        """The interval, as the table and the advice print it."""
+        if self.snapshot_budget > 0:
+            return f"{self.snapshot_every} steps (--snapshot-budget {self.snapshot_budget:g})"
+        return f"{self.snapshot_every} steps"
 
     def params(self) -> NonstopParams:
         """nonstop's settings this candidate stands for."""
+        every, budget = self.interval
         return NonstopParams(
             replicas=self.replicas,
-            snapshot_every=self.snapshot_every,
+            snapshot_every=every,
+            snapshot_budget=budget,
             persist_every_s=self.persist_every_s,
             spare_nodes=self.spare_nodes,
             min_world_size=self.min_world_size,
@@ -116,6 +134,7 @@ class Candidate:
         return {
             "replicas": self.replicas,
             "snapshot_every": self.snapshot_every,
+            "snapshot_budget": self.snapshot_budget,
             "persist_every_s": self.persist_every_s,
             "spare_nodes": self.spare_nodes,
             "min_world_size": self.min_world_size,
@@ -151,7 +170,7 @@ class Advice:
         for c in self.frontier:
             mark = " **(chosen)**" if c == self.best else ""
             rows.append(
-                f"| {c.replicas} | {c.host_bytes_per_node / 1e9:,.0f} | {c.snapshot_every} steps | "
+                f"| {c.replicas} | {c.host_bytes_per_node / 1e9:,.0f} | {c.snapshots} | "
                 f"{c.persist_every_s:,.0f} s | {c.spare_nodes} | {c.elastic} | {c.ettr:.4f} | "
                 f"{c.goodput_per_provisioned_gpu:.4f}{mark} |"
             )
@@ -190,17 +209,20 @@ def advise(
     persists = [base_persist, 2 * base_persist, 4 * base_persist]
     top = max(1, math.ceil(0.05 * job.num_nodes))
     spares = sorted({0, 1, 2, 4, *(2**i for i in range(3, 16) if 2**i <= top), top})
-    snaps = snapshot_intervals(job, model, calibration, rescue=NonstopParams().rescue)
-    evaluated: dict[tuple[int, int, float, int, int, int, str], Candidate] = {}
+    # fixed intervals, and the runtime's default: tuned to its stall budget
+    fixed = snapshot_intervals(job, model, calibration, rescue=NonstopParams().rescue)
+    snaps = [*((k, 0.0) for k in fixed), (1, DEFAULT_BUDGET)]
+    evaluated: dict[tuple[int, tuple[int, float], float, int, int, int, str], Candidate] = {}
 
     def run(
-        r: int, k: int, pe: float, s: int, floor: int = 0, m: int = 1, batch: str = "keep"
+        r: int, k: tuple[int, float], pe: float, s: int, floor: int = 0, m: int = 1, batch: str = "keep"
     ) -> Candidate | None:
         key = (r, k, pe, s, floor, m, batch)
         if key not in evaluated:
             params = NonstopParams(
                 replicas=r,
-                snapshot_every=k,
+                snapshot_every=k[0],
+                snapshot_budget=k[1],
                 persist_every_s=pe,
                 spare_nodes=s,
                 min_world_size=floor,
@@ -215,7 +237,8 @@ def advise(
             runs: list[SimResult] = [simulate(job, model, strat, seed=seed) for seed in seeds]
             evaluated[key] = Candidate(
                 replicas=r,
-                snapshot_every=k,
+                snapshot_every=strat.every,
+                snapshot_budget=k[1],
                 persist_every_s=pe,
                 spare_nodes=s,
                 host_bytes_per_node=host_bytes(job, r),
@@ -238,7 +261,7 @@ def advise(
         if mine:
             b = max(mine, key=lambda c: c.goodput_per_provisioned_gpu)
             for s in spares:
-                run(r, b.snapshot_every, b.persist_every_s, s)
+                run(r, b.interval, b.persist_every_s, s)
     # stage 3: elasticity on the best so far, the spare count scanned again (shrinking instead of
     # waiting for the pool may need fewer spares)
     so_far = max(evaluated.values(), key=lambda c: c.goodput_per_provisioned_gpu, default=None)
@@ -247,7 +270,7 @@ def advise(
         # drop: a shrunk step is as fast whatever the shards per rank; keep: more spread thinner
         shapes = [(1, "keep"), (4, "keep"), *([(1, "drop")] if may_drop_batch else [])]
         for (m, batch), s in itertools.product(shapes, spares):
-            run(so_far.replicas, so_far.snapshot_every, so_far.persist_every_s, s, floor, m, batch)
+            run(so_far.replicas, so_far.interval, so_far.persist_every_s, s, floor, m, batch)
     out = list(evaluated.values())
     require(bool(out), "no feasible setting: the snapshot stall exceeds the step time at every interval")
     frontier = []

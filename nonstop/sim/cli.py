@@ -18,7 +18,7 @@ from typing import Any
 from nonstop.config import SHRINK_BATCHES
 from nonstop.errors import UsageError
 from nonstop.plotting import require_plots
-from nonstop.runtime.cadence import MAX_AGE_S
+from nonstop.runtime.cadence import DEFAULT_BUDGET, MAX_AGE_S
 from nonstop.runtime.policy import QuarantinePolicy
 from nonstop.runtime.survivors import SurvivorMode
 from nonstop.sim.advisor import advise, plot_frontier, proactive_worth
@@ -126,10 +126,11 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument(
         "--snapshot-budget",
         type=float,
-        default=0.0,
+        default=DEFAULT_BUDGET,
         metavar="FRACTION",
         help="nonstop: the interval tuned to this stall budget, as the runtime's --snapshot-budget "
-        "(the smallest K >= --snapshot-every whose stall costs at most FRACTION of a step; default 0: fixed)",
+        "(the smallest K >= --snapshot-every whose stall costs at most FRACTION of a step; 0: fixed; "
+        "default %(default)s, the runtime's)",
     )
     sim.add_argument(
         "--snapshot-max-age",
@@ -428,8 +429,8 @@ def _advise(ns: argparse.Namespace) -> int:
     b = adv.best
     print(
         f"advice for {job.num_gpus:,} GPUs, {job.state_bytes_per_gpu / 1e9:g} GB/GPU, preset {model.name}, "
-        f"{ns.host_mem_gb:g} GB host memory/node: replicas {b.replicas}, snapshot every {b.snapshot_every} "
-        f"step(s), persist every {b.persist_every_s:,.0f} s, {b.spare_nodes} spare node(s), elastic "
+        f"{ns.host_mem_gb:g} GB host memory/node: replicas {b.replicas}, snapshot every {b.snapshots}, "
+        f"persist every {b.persist_every_s:,.0f} s, {b.spare_nodes} spare node(s), elastic "
         f"{b.elastic} -> "
         f"ETTR {b.ettr:.4f}, goodput/provisioned GPU {b.goodput_per_provisioned_gpu:.4f}"
     )

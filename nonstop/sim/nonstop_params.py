@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from nonstop.config import SHRINK_BATCHES
-from nonstop.runtime.cadence import MAX_AGE_S, choose_every
+from nonstop.runtime.cadence import DEFAULT_BUDGET, MAX_AGE_S, choose_every
 from nonstop.runtime.policy import QuarantinePolicy
 from nonstop.runtime.straggler import StragglerConfig
 from nonstop.runtime.survivors import SurvivorMode
@@ -58,7 +58,7 @@ class NonstopParams:
     """
 
     snapshot_every: int = 1
-    snapshot_budget: float = 0.0
+    snapshot_budget: float = DEFAULT_BUDGET
     snapshot_max_age_s: float = MAX_AGE_S
     stall_s: float | None = None
     replicas: int = 1
