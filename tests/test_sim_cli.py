@@ -136,3 +136,32 @@ def test_predictor_on_a_real_trace_reports_honest_figures() -> None:
 def test_skypilot_trace_is_resampled_to_60s() -> None:
     series = load_availability(find_trace("sky-us-east-2b"))
     assert series.interval_s == 60 and len(series.counts) == 3247 * 5
+
+
+def test_advise_with_an_ettr_goal_takes_the_cheapest_setting_that_reaches_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a goal the advisor maximises goodput per provisioned GPU; with one it takes the best
+    of that among the settings whose ETTR reaches the goal, and says when none does (exit 3),
+    choosing then the highest ETTR."""
+    base = ("advise", "--gpus", "1024", "--days", "7", "--seeds", "1", "--preset", "meta-high")
+    free = tmp_path / "free.json"
+    assert dispatch(parse(*base, "--json", str(free))) == 0
+    doc = json.loads(free.read_text())
+    assert doc["ettr_goal"] is None and doc["goal_met"] is None
+    cheapest = doc["best"]
+    assert cheapest["ettr"] < 0.998  # (no spare node: the goodput per provisioned GPU is the best)
+    met = tmp_path / "met.json"
+    assert dispatch(parse(*base, "--ettr-goal", "0.998", "--json", str(met))) == 0
+    doc = json.loads(met.read_text())
+    best = doc["best"]
+    assert doc["goal_met"] is True and best["ettr"] >= 0.998 and best["spare_nodes"] > 0
+    assert best["goodput_per_provisioned_gpu"] < cheapest["goodput_per_provisioned_gpu"]
+    unreachable = tmp_path / "none.json"
+    assert dispatch(parse(*base, "--ettr-goal", "0.9999999", "--json", str(unreachable))) == 3
+    doc = json.loads(unreachable.read_text())
+    assert doc["goal_met"] is False
+    assert doc["best"]["ettr"] == max(f["ettr"] for f in doc["frontier"])
+    assert "not reached by any setting tried" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="--ettr-goal"):
+        dispatch(parse(*base, "--ettr-goal", "1.5"))

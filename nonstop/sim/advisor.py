@@ -22,14 +22,17 @@ with the same failures (common random numbers), so the comparison is not drowned
   where the user accepts it (``--may-drop-batch``) ``--shrink-batch drop``: the shrunk job skips
   the lost ranks' shares of the batch, torchft's semantics, instead of playing them slower.
 
-The objective is goodput per *provisioned* GPU (spares cost GPUs). The frontier is, for each host
-memory level (each r), the best goodput reachable.
+The objective is goodput per *provisioned* GPU (spares cost GPUs). With an ETTR goal
+(``--ettr-goal``) it is the best goodput per provisioned GPU among the settings that reach the
+goal, and where none does, the highest ETTR (:func:`ranking`). The frontier is, for each host
+memory level (each r), the best setting so ranked.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,7 @@ __all__ = [
     "advise",
     "plot_frontier",
     "proactive_worth",
+    "ranking",
     "snapshot_intervals",
 ]
 
@@ -146,15 +150,37 @@ class Candidate:
         }
 
 
+def ranking(goal: float | None) -> Callable[[Candidate], tuple[bool, float]]:
+    """The advisor's order of candidates, highest best: goodput per provisioned GPU; with an ETTR
+    ``goal``, the candidates that reach it first (by goodput per provisioned GPU), then the others
+    by ETTR (the closest to the goal)."""
+
+    def key(c: Candidate) -> tuple[bool, float]:
+        if goal is None:
+            return (True, c.goodput_per_provisioned_gpu)
+        met = c.ettr >= goal
+        return (met, c.goodput_per_provisioned_gpu if met else c.ettr)
+
+    return key
+
+
 @dataclass(frozen=True, kw_only=True)
 class Advice:
     best: Candidate
     frontier: list[Candidate]
     candidates: list[Candidate]
     rejected_for_memory: list[int]
+    goal: float | None = None  # the ETTR goal asked for (--ettr-goal), if any
+
+    @property
+    def goal_met(self) -> bool | None:
+        """Whether the chosen setting reaches the ETTR goal (None: no goal)."""
+        return None if self.goal is None else self.best.ettr >= self.goal
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "ettr_goal": self.goal,
+            "goal_met": self.goal_met,
             "best": self.best.to_json(),
             "frontier": [c.to_json() for c in self.frontier],
             "rejected_replicas_for_memory": self.rejected_for_memory,
@@ -191,12 +217,16 @@ def advise(
     max_replicas: int = 3,
     may_drop_batch: bool = False,
     replica_nodes: int | None = None,
+    goal: float | None = None,
 ) -> Advice:
-    """Evaluate the grid (see module docstring) and return the best setting and the frontier.
+    """Evaluate the grid (see module docstring) and return the best setting and the frontier
+    (``goal``: an ETTR to reach, :func:`ranking`).
     ``may_drop_batch``: the user accepts ``--shrink-batch drop`` (a shrunk job trains fewer samples
     per step until it grows back, as torchft's does), so stage 3 tries it too. ``replica_nodes``:
     the job's layout (:class:`~nonstop.sim.nonstop_params.NonstopParams`; None: torchft-like's)."""
     require(host_budget_bytes > 0, "--host-mem-gb must be > 0")
+    require(goal is None or 0.0 < goal < 1.0, f"--ettr-goal must be a fraction in (0, 1) (got {goal})")
+    rank = ranking(goal)
     feasible = [r for r in range(max_replicas + 1) if host_bytes(job, r) <= host_budget_bytes]
     require(
         bool(feasible),
@@ -259,12 +289,12 @@ def advise(
     for r in feasible:
         mine = [c for c in evaluated.values() if c.replicas == r]
         if mine:
-            b = max(mine, key=lambda c: c.goodput_per_provisioned_gpu)
+            b = max(mine, key=rank)
             for s in spares:
                 run(r, b.interval, b.persist_every_s, s)
     # stage 3: elasticity on the best so far, the spare count scanned again (shrinking instead of
     # waiting for the pool may need fewer spares)
-    so_far = max(evaluated.values(), key=lambda c: c.goodput_per_provisioned_gpu, default=None)
+    so_far = max(evaluated.values(), key=rank, default=None)
     floor = int(0.9 * job.num_gpus)
     if so_far is not None and 0 < floor < job.num_gpus:
         # drop: a shrunk step is as fast whatever the shards per rank; keep: more spread thinner
@@ -277,9 +307,9 @@ def advise(
     for r in feasible:
         mine = [c for c in out if c.replicas == r]
         if mine:
-            frontier.append(max(mine, key=lambda c: c.goodput_per_provisioned_gpu))
-    best = max(frontier, key=lambda c: (c.goodput_per_provisioned_gpu, -c.host_bytes_per_node))
-    return Advice(best=best, frontier=frontier, candidates=out, rejected_for_memory=rejected)
+            frontier.append(max(mine, key=rank))
+    best = max(frontier, key=lambda c: (*rank(c), -c.host_bytes_per_node))
+    return Advice(best=best, frontier=frontier, candidates=out, rejected_for_memory=rejected, goal=goal)
 
 
 @dataclass(frozen=True, kw_only=True)

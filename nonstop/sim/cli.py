@@ -248,6 +248,14 @@ def add_parsers(sub: Any) -> None:
         help="the job may train a smaller batch while shrunk (--shrink-batch drop, torchft's "
         "semantics): the advisor tries it too; without, every step keeps the global batch",
     )
+    adv.add_argument(
+        "--ettr-goal",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="choose the setting with the best goodput per provisioned GPU among those whose ETTR "
+        "reaches this, e.g. 0.998 (none does: the highest ETTR, and the exit status is 3)",
+    )
 
 
 def _job(ns: argparse.Namespace) -> JobSpec:
@@ -425,6 +433,7 @@ def _advise(ns: argparse.Namespace) -> int:
         seeds=tuple(range(ns.seed, ns.seed + ns.seeds)),
         may_drop_batch=ns.may_drop_batch,
         replica_nodes=ns.replica_nodes,
+        goal=ns.ettr_goal,
     )
     b = adv.best
     print(
@@ -434,6 +443,11 @@ def _advise(ns: argparse.Namespace) -> int:
         f"{b.elastic} -> "
         f"ETTR {b.ettr:.4f}, goodput/provisioned GPU {b.goodput_per_provisioned_gpu:.4f}"
     )
+    if adv.goal_met is not None:
+        print(
+            f"ETTR goal {adv.goal:g}: "
+            + ("met" if adv.goal_met else "not reached by any setting tried; the closest is above")
+        )
     if adv.rejected_for_memory:
         print(f"replication factors over the memory budget: {adv.rejected_for_memory}")
     print(adv.table())
@@ -478,7 +492,7 @@ def _advise(ns: argparse.Namespace) -> int:
     if ns.plot is not None:
         plot_frontier(adv, ns.plot, title=f"{job.num_gpus:,} GPUs, preset {model.name}")
         print(f"wrote {ns.plot}")
-    return 0
+    return 3 if adv.goal_met is False else 0
 
 
 def dispatch(ns: argparse.Namespace) -> int:
