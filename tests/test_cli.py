@@ -48,6 +48,15 @@ def test_bad_fault_spec(tmp_path: Path) -> None:
     _one_line_error(_run("demo", "--job-dir", str(tmp_path), "--fail", "kill:rank=one"), "bad fault spec")
 
 
+@pytest.mark.parametrize("cmd", ["run", "demo"])
+def test_a_snapshot_budget_outside_0_to_1_fails_at_start(tmp_path: Path, cmd: str) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    args = [cmd, "--job-dir", str(tmp_path / "job"), "--snapshot-budget", "1.5"]
+    _one_line_error(_run(*args, *([str(script)] if cmd == "run" else [])), "--snapshot-budget")
+    assert not (tmp_path / "job" / "events.jsonl").exists()  # (nothing started)
+
+
 def test_fault_on_a_rank_that_does_not_exist(tmp_path: Path) -> None:
     script = tmp_path / "t.py"
     script.write_text("")
