@@ -143,6 +143,24 @@ def test_a_peers_symptom_waits_while_the_rank_that_raised_the_cause_is_told_to_r
     assert v.reraise == []
 
 
+def test_a_peers_symptom_waits_while_a_peer_judged_lost_awaits_its_nodes_lease() -> None:
+    """Found in the chaos soak: a partitioned node's workers closed their control channels, the
+    survivor reported the reset connection, and the node's lease (3 s) outlived two heartbeat
+    timeouts: the survivor was told to raise, and was replaced cold, its rescue lost. A peer
+    already judged lost explains the symptom: the survivor waits for the recovery."""
+    det = FailureDetector(CFG)
+    det.record_step(0.1)
+    survivor = _rec(0, 0, 103.0, fault_report=(100.0, GLOO_PEER))
+    closed = _rec(1, 1, 103.0, chan_closed_at=100.1, chan=None)  # (its channel is gone)
+    killed = _rec(2, 2, 103.0, killed_for_hang="control channel closed")
+    assert _scan(det, 103.0, [survivor, closed])[1] == []
+    assert _scan(det, 103.0, [survivor, killed])[1] == []
+    silent = _rec(3, 1, 103.0, last_hb=100.0)  # judged in this very scan: killed as hung
+    kill, reraise = _scan(det, 103.0, [survivor, silent])
+    assert list(kill) == [3] and reraise == []
+    assert _scan(det, 103.0, [survivor, _rec(1, 1, 103.0)])[1] == [0]  # the peers all well: raised
+
+
 def test_a_rank_told_to_raise_is_not_killed_as_silent_while_it_exits() -> None:
     """Found under a saturated CPU: a rank told to raise its ValueError stopped beating while
     its interpreter unwound, and was killed as hung -- its failure recorded as a hang."""

@@ -134,8 +134,19 @@ class FailureDetector:
         # recovery's reconfigure, and survives (told to raise too, a survivor exited beside the
         # rank that raised -- found in a job whose script raised a ValueError on one rank: each
         # failure cost a second, cold replacement).
+        # A peer already judged lost -- killed as hung, or its control channel closed (its node
+        # partitioned: the recovery starts when the node's lease ends, which may be after two
+        # heartbeat timeouts) -- explains it too (found in the chaos soak: a survivor told to
+        # raise before a partitioned node's lease ended was replaced cold, and its rescue lost).
         reports = [w for w in members.values() if w.fault_report is not None]
-        caused = recovering or any(not is_peer_symptom(w.fault_report[1]) for w in reports if w.fault_report)
+        judged = bool(v.kill) or any(
+            w.killed_for_hang or w.chan_closed_at is not None for w in members.values()
+        )
+        caused = (
+            recovering
+            or judged
+            or any(not is_peer_symptom(w.fault_report[1]) for w in reports if w.fault_report)
+        )
         for w in reports:
             assert w.fault_report is not None
             if caused and is_peer_symptom(w.fault_report[1]):
