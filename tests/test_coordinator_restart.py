@@ -57,8 +57,12 @@ def test_coordinator_restart_on_etcd_does_not_stop_the_job(
     assert back == {0, 1, 2}
     assert job.events("failure") == [] and result.failures == [] and result.generation == 1
     assert not job.events("node_lost")
-    # training went on while no coordinator ran: replication resumed past the kill's step
-    assert max(e["step"] for e in job.events("replicated")) > 4
+    # training went on while no coordinator ran: replication resumed past the kill's step, or --
+    # the restart slower than the job's last steps (6 s under CI's load, 12 steps of 0.4 s) --
+    # the ranks came back to the new coordinator done, and the job finished at once
+    (finish,) = job.events("finish")
+    went_on = max(e["step"] for e in job.events("replicated")) > 4
+    assert went_on or finish["ts"] - resumed["ts"] < 1.0, (finish, resumed)
 
 
 def test_coordinator_restart_mid_migration_ends_it_cleanly(
