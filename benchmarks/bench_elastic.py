@@ -47,14 +47,14 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from benchcommon import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
 
+from nonstop.agent.gc import collect_garbage  # noqa: E402
 from nonstop.config import JobConfig  # noqa: E402
+from nonstop.coordinator.loop import JobResult  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402
 from nonstop.demo.samples import MicroBatch, check_sequence, read_log  # noqa: E402
-from nonstop.runtime.coordinator import JobResult  # noqa: E402
-from nonstop.runtime.eventlog import read_events  # noqa: E402
-from nonstop.runtime.gc import collect_garbage  # noqa: E402
-from nonstop.runtime.launcher import default_shm_dir  # noqa: E402
-from nonstop.runtime.localnodes import LocalNodesJob  # noqa: E402
+from nonstop.events.log import read_events  # noqa: E402
+from nonstop.launch.launcher import default_shm_dir  # noqa: E402
+from nonstop.launch.local_nodes import LocalNodesJob  # noqa: E402
 
 SKIP = 2  # steps at the start of each phase left out (lazy initialisation, the restore)
 

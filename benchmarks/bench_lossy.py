@@ -39,8 +39,8 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from nonstop.demo.runner import demo_job_config  # noqa: E402
-from nonstop.runtime.eventlog import read_events  # noqa: E402
-from nonstop.runtime.launcher import run_job  # noqa: E402
+from nonstop.events.log import read_events  # noqa: E402
+from nonstop.launch.launcher import run_job  # noqa: E402
 from nonstop.snapshot.durable import DurableStore  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "lossy.json"

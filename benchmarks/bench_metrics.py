@@ -44,11 +44,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from benchcommon import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
 
+from nonstop.coordinator import metrics as metrics_mod  # noqa: E402
+from nonstop.coordinator import status_server as statusserver  # noqa: E402
+from nonstop.coordinator.loop import JobState  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402
-from nonstop.runtime import metrics as metrics_mod  # noqa: E402
-from nonstop.runtime import statusserver  # noqa: E402
-from nonstop.runtime.coordinator import JobState  # noqa: E402
-from nonstop.runtime.launcher import run_job  # noqa: E402
+from nonstop.launch.launcher import run_job  # noqa: E402
 
 MODES = ("off", "scraped")
 

@@ -54,11 +54,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from benchcommon import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
 
+from nonstop.agent.gc import collect_garbage  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402
-from nonstop.runtime.eventlog import read_events  # noqa: E402
-from nonstop.runtime.gc import collect_garbage  # noqa: E402
-from nonstop.runtime.launcher import default_shm_dir  # noqa: E402
-from nonstop.runtime.localnodes import run_local_nodes  # noqa: E402
+from nonstop.events.log import read_events  # noqa: E402
+from nonstop.launch.launcher import default_shm_dir  # noqa: E402
+from nonstop.launch.local_nodes import run_local_nodes  # noqa: E402
 
 DCP_SCRIPT = REPO / "benchmarks" / "baseline_torchrun_dcp_train.py"
 SKIP = 2  # first step intervals left out: lazy initialisation

@@ -6,7 +6,7 @@ parameters by default) on the demo's generated data (``--batch`` x seq per rank,
 SIGKILLed when it starts step ``K`` (``--fault-step``). Three contenders run the same workload,
 alternating run by run (A B C A B C ...; one warm-up round is not counted):
 
-* ``nonstop_hot``:  ``nonstop.runtime.launcher.run_job`` with one hot spare
+* ``nonstop_hot``:  ``nonstop.launch.launcher.run_job`` with one hot spare
   (``nonstop.demo.train``; the fault is nonstop's own ``kill:rank=1,step=K``);
 * ``nonstop_cold``: the same with no spare (a cold replacement process is started);
 * ``torchrun_ckpt``: the baseline most users have: ``benchmarks/baseline_torchrun_train.py``
@@ -77,9 +77,9 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: import nonstop f
 
 from benchcommon import fmt, machine_info, ratio_summary, read_jsonl, summarize  # noqa: E402
 
+from nonstop.coordinator.loop import JobState  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402
-from nonstop.runtime.coordinator import JobState  # noqa: E402
-from nonstop.runtime.launcher import run_job  # noqa: E402
+from nonstop.launch.launcher import run_job  # noqa: E402
 
 BASELINE_SCRIPT = REPO / "benchmarks" / "baseline_torchrun_train.py"
 DCP_SCRIPT = REPO / "benchmarks" / "baseline_torchrun_dcp_train.py"  # --mesh: sharded state needs DCP

@@ -50,10 +50,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.benchcommon import machine_info, run_stamp, summarize  # noqa: E402
+from nonstop.coordinator.loop import JobState  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402
-from nonstop.runtime.coordinator import JobState  # noqa: E402
-from nonstop.runtime.launcher import run_job  # noqa: E402
-from nonstop.runtime.localnodes import run_local_nodes  # noqa: E402
+from nonstop.launch.launcher import run_job  # noqa: E402
+from nonstop.launch.local_nodes import run_local_nodes  # noqa: E402
 
 COPIES = ("rank", "node")
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "node_copy.json"

@@ -118,8 +118,8 @@ from peers_procs import NNODES, NPROC, Options, wait_gone  # noqa: E402
 from peers_torchft import LIGHTHOUSE_FLAGS, run_torchft  # noqa: E402
 from peers_torchrun import run_torchrun_dcp  # noqa: E402
 
-from nonstop.runtime.gc import processes_of_job  # noqa: E402
-from nonstop.runtime.launcher import default_shm_dir  # noqa: E402
+from nonstop.agent.gc import processes_of_job  # noqa: E402
+from nonstop.launch.launcher import default_shm_dir  # noqa: E402
 
 DEFAULT_OUT = BENCH / "results" / "node_loss_peers.json"
 CONTENDERS: dict[str, str] = {

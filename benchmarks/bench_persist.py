@@ -45,7 +45,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.stallworkload import build_workload  # noqa: E402
-from nonstop.runtime.agent import remove_segments  # noqa: E402
+from nonstop.agent.processes import remove_segments  # noqa: E402
 from nonstop.snapshot import RankSnapshotStore, StateCapture  # noqa: E402
 from nonstop.snapshot.codec import CodecConfig  # noqa: E402
 from nonstop.snapshot.durable import DurableStore  # noqa: E402

@@ -8,7 +8,7 @@ fault (the reference):
 
 * ``every-step``: ``--snapshot-every 1`` (nonstop's default): every step snapshotted;
 * ``rescue``: ``--snapshot-every K`` -- the survivors write the state after their last completed
-  step when the failure interrupts the next, the spare takes a survivor's (runtime/rescue.py);
+  step when the failure interrupts the next, the spare takes a survivor's (policy/rescue.py);
 * ``rollback``: ``--snapshot-every K --rescue-wait 0``: every rank goes back to the last snapshot.
 
 Per run, from the job's event log and result: ``redone_steps`` (steps trained again after the
@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from benchcommon import against_reference, fmt, machine_info, run_stamp, summary_by, two_node_job  # noqa: E402  (a sibling)
 
-from nonstop.runtime.eventlog import read_events  # noqa: E402
+from nonstop.events.log import read_events  # noqa: E402
 
 CONTENDERS = ("every-step", "rescue", "rollback")
 KEYS = ("redone_steps", "restore_step", "survivor_gap_steps", "plan_s", "training_again_s", "step_s")

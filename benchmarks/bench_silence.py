@@ -8,7 +8,7 @@ different judgement, does not end a run; this benchmark is about the heartbeat's
 modes alternate run by run:
 
 * ``confirm`` (the default): a silent worker's node agent watches it for 0.2 s in ``/proc`` and
-  kills it only if it is stopped or still (``runtime/silence.py``); one that moves is spared
+  kills it only if it is stopped or still (``agent/silence.py``); one that moves is spared
   (``silence_excused``) and allowed 3x the timeout;
 * ``kill`` (``--no-confirm-silence``): the coordinator kills a worker at its first second of
   silence, as nonstop did before.
@@ -52,10 +52,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from benchcommon import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
 
 from nonstop.config import DetectorConfig  # noqa: E402
+from nonstop.coordinator.loop import JobState  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402
-from nonstop.runtime.coordinator import JobState  # noqa: E402
-from nonstop.runtime.eventlog import read_events  # noqa: E402
-from nonstop.runtime.localnodes import run_local_nodes  # noqa: E402
+from nonstop.events.log import read_events  # noqa: E402
+from nonstop.launch.local_nodes import run_local_nodes  # noqa: E402
 
 MODES = ("confirm", "kill")
 HANG = "hang:rank=1,step=12"

@@ -54,8 +54,8 @@ if str(REPO_ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from nonstop.runtime.policy import FailureKind  # noqa: E402
-from nonstop.runtime.survivors import SurvivorMode  # noqa: E402
+from nonstop.policy.decisions import FailureKind  # noqa: E402
+from nonstop.policy.survivors import SurvivorMode  # noqa: E402
 from nonstop.sim import theory  # noqa: E402
 from nonstop.sim.advisor import advise, proactive_worth  # noqa: E402
 from nonstop.sim.api import JobSpec, SimResult, Strategy  # noqa: E402

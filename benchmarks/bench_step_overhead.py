@@ -24,7 +24,7 @@ not depend on the world size (``nonstop/train/exactsum.py``: an all-to-all, an o
 all-gather); the ratio is then overlapped's interval / exact's.
 
 With ``--budget F`` the contenders are ``off``, ``overlapped`` (every step) and ``budget``: the same
-job with ``--snapshot-budget F`` (``nonstop/runtime/cadence.py``: the coordinator measures the stall
+job with ``--snapshot-budget F`` (``nonstop/policy/cadence.py``: the coordinator measures the stall
 over the first 20 steps and widens the interval to the smallest within F), run long enough (60 steps,
 the first 30 not counted) that the widened interval is what is measured; the job's
 ``snapshot_cadence`` event (the interval chosen, the stall and step measured) is kept per round.
@@ -57,10 +57,10 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from nonstop.coordinator.loop import JobState  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402
-from nonstop.runtime.coordinator import JobState  # noqa: E402
-from nonstop.runtime.eventlog import read_events  # noqa: E402
-from nonstop.runtime.launcher import run_job  # noqa: E402
+from nonstop.events.log import read_events  # noqa: E402
+from nonstop.launch.launcher import run_job  # noqa: E402
 
 MODES = ("off", "sync", "overlapped")
 EXACT_MODES = ("overlapped", "exact")  # --exact: the elastic job's world-size-independent mean

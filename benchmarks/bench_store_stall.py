@@ -44,10 +44,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from benchcommon import machine_info, run_stamp  # noqa: E402  (a sibling script)
 
 from nonstop.chaos.cluster import Etcd, free_port  # noqa: E402
+from nonstop.coordinator.loop import JobResult, JobState  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402
-from nonstop.runtime.coordinator import JobResult, JobState  # noqa: E402
-from nonstop.runtime.eventlog import read_events  # noqa: E402
-from nonstop.runtime.localnodes import run_local_nodes  # noqa: E402
+from nonstop.events.log import read_events  # noqa: E402
+from nonstop.launch.local_nodes import run_local_nodes  # noqa: E402
 
 START_STEP = 2  # the stall begins once this step is replicated
 

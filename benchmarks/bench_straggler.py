@@ -52,11 +52,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from benchcommon import fmt, machine_info, run_stamp, summarize  # noqa: E402  (a sibling script)
 
 from nonstop.config import DetectorConfig  # noqa: E402
+from nonstop.coordinator.loop import JobState  # noqa: E402
 from nonstop.demo.runner import demo_job_config  # noqa: E402
-from nonstop.runtime.coordinator import JobState  # noqa: E402
-from nonstop.runtime.eventlog import read_events  # noqa: E402
-from nonstop.runtime.localnodes import run_local_nodes  # noqa: E402
-from nonstop.runtime.straggler import StragglerConfig  # noqa: E402
+from nonstop.events.log import read_events  # noqa: E402
+from nonstop.launch.local_nodes import run_local_nodes  # noqa: E402
+from nonstop.policy.straggler import StragglerConfig  # noqa: E402
 
 MODES = ("undisturbed", "warn", "migrate")
 SLOW_RANK = 1

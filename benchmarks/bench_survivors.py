@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from benchcommon import against_reference, fmt, machine_info, run_stamp, summary_by, two_node_job  # noqa: E402  (a sibling)
 
-from nonstop.runtime.eventlog import read_events  # noqa: E402
+from nonstop.events.log import read_events  # noqa: E402
 
 MODES = ("wait", "continue")
 

@@ -139,9 +139,9 @@ def two_node_job(
     """Run, in a fresh ``run_dir``, a demo job of 2 local nodes x 2 ranks with a hot spare each
     (``settings``: more of its config): its JobConfig, its JobResult, and its final weights' hash
     once it is done (else None). For the recovery benchmarks (bench_rescue, bench_survivors)."""
+    from nonstop.coordinator.loop import JobState
     from nonstop.demo.runner import demo_job_config
-    from nonstop.runtime.coordinator import JobState
-    from nonstop.runtime.localnodes import run_local_nodes
+    from nonstop.launch.local_nodes import run_local_nodes
 
     if run_dir.exists():
         shutil.rmtree(run_dir)

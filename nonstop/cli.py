@@ -31,10 +31,10 @@ from nonstop.climetrics import add_metrics_args, add_watch_args, watch_status
 from nonstop.clisecurity import add_security_args, security_config
 from nonstop.config import SURVIVOR_MODES, JobConfig
 from nonstop.errors import JobFailedError, NonstopError, UsageError
+from nonstop.policy.cadence import DEFAULT_BUDGET
 from nonstop.progress import add_progress_args
-from nonstop.runtime.cadence import DEFAULT_BUDGET
-from nonstop.runtime.workerlog import setup_logging
 from nonstop.slurm import slurm_defaults
+from nonstop.workerlog import setup_logging
 
 __all__ = ["main"]
 
@@ -270,8 +270,8 @@ def _dispatch(ns: argparse.Namespace) -> int:
 
         return chaos_dispatch(ns)
     if ns.cmd == "run":
-        from nonstop.runtime.coordinator import JobState
-        from nonstop.runtime.launcher import run_job
+        from nonstop.coordinator.loop import JobState
+        from nonstop.launch.launcher import run_job
 
         cfg = JobConfig(
             script=f"-m {ns.script}" if ns.module else ns.script,
@@ -334,8 +334,8 @@ def _dispatch(ns: argparse.Namespace) -> int:
             ns.json.write_text(json.dumps(report, indent=2))
         return 0 if report["equal"] in (None, True) else 1
     if ns.cmd == "persist":
+        from nonstop.launch.job_client import request_persist
         from nonstop.progress import wait_with_status, wanted
-        from nonstop.runtime.client import request_persist
 
         reply = wait_with_status(
             lambda: request_persist(ns.job_dir, timeout=ns.timeout),
@@ -348,7 +348,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
         )
         return 0
     if ns.cmd == "status":
-        from nonstop.runtime.client import request_status
+        from nonstop.launch.job_client import request_status
 
         if ns.watch:
             return watch_status(ns.job_dir, _format_status, interval_s=ns.interval)
@@ -356,7 +356,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
         print(json.dumps(st, indent=2) if ns.json else _format_status(st))
         return 0
     if ns.cmd in ("migrate", "drain"):
-        from nonstop.runtime.client import request_migration
+        from nonstop.launch.job_client import request_migration
 
         req: dict[str, object] = (
             {"t": "migrate", "rank": ns.rank, "to": ns.to}
@@ -404,8 +404,8 @@ def _dispatch(ns: argparse.Namespace) -> int:
 
         return run_export(ns)
     if ns.cmd == "gc":
-        from nonstop.runtime.gc import collect_garbage
-        from nonstop.runtime.launcher import default_shm_dir
+        from nonstop.agent.gc import collect_garbage
+        from nonstop.launch.launcher import default_shm_dir
 
         rep = collect_garbage(default_shm_dir(), dry_run=ns.dry_run)
         verb = "would remove" if ns.dry_run else "removed"

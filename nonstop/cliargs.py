@@ -17,9 +17,9 @@ from nonstop.config import (
     SWAP_TRANSFERS,
     DetectorConfig,
     JobConfig,
+    ProbeConfig,
 )
-from nonstop.runtime.probing import ProbeConfig
-from nonstop.runtime.straggler import DEGRADED_ACTIONS, STRAGGLER_MODES, StragglerConfig
+from nonstop.policy.straggler import DEGRADED_ACTIONS, STRAGGLER_MODES, StragglerConfig
 
 __all__ = [
     "detector",
@@ -74,7 +74,7 @@ def detector(ns: argparse.Namespace) -> DetectorConfig:
 
 
 def health_args(p: argparse.ArgumentParser) -> None:
-    """Issue 21: fail-slow ranks and degraded nodes (runtime/straggler.py, runtime/healthops.py)."""
+    """Issue 21: fail-slow ranks and degraded nodes (policy/straggler.py, coordinator/health.py)."""
     s = StragglerConfig()
     p.add_argument(
         "--straggler",
@@ -125,8 +125,8 @@ def health(ns: argparse.Namespace) -> StragglerConfig:
 
 
 def probe_args(p: argparse.ArgumentParser) -> None:
-    """Issue 21: every node agent's health probes (runtime/probing.py); validated by
-    :class:`~nonstop.runtime.probing.ProbeConfig` (a bad value: one line, exit 2)."""
+    """Issue 21: every node agent's health probes (agent/probes.py); validated by
+    :class:`~nonstop.config.ProbeConfig` (a bad value: one line, exit 2)."""
     c = ProbeConfig()
     p.add_argument(
         "--probe-period",

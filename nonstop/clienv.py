@@ -9,7 +9,7 @@ Aliases (same meaning, same value):
   ``--master-addr``/``--master-port`` (static rendezvous): ``--coordinator ADDR:PORT`` (29500)
   when no coordinator is given;
 * ``--nproc-per-node gpu``: the node's accelerator device count (``torch.accelerator``, or
-  ``$NONSTOP_FAKE_DEVICES``: :func:`nonstop.runtime.devices.detect_devices`; an error with none);
+  ``$NONSTOP_FAKE_DEVICES``: :func:`nonstop.devices.inventory.detect_devices`; an error with none);
   ``auto``: that, or the CPU count with no accelerator. With ``--spares K`` on a device node
   every process needs a device of its own: ``gpu`` leaves K devices for the spares (8 GPUs,
   ``--spares 1``: 7 ranks), and the launcher refuses more processes than devices;
@@ -173,7 +173,7 @@ def _nproc(value: int | str, spares: int = 0) -> int:
     device of its own), or with no accelerator the CPU count (``auto``) or an error (``gpu``)."""
     if isinstance(value, int):
         return value
-    from nonstop.runtime.devices import detect_devices  # imports torch: only for gpu / auto
+    from nonstop.devices.inventory import detect_devices  # imports torch: only for gpu / auto
 
     devices = detect_devices()
     if devices.count is None:

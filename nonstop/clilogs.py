@@ -1,13 +1,13 @@
 """The log flags of the CLI: how workers' output reaches the console and files (``nonstop run``:
 ``--log-prefix``, ``--log-dir``, ``--local-ranks-filter``) and how much nonstop itself says
-(``--log-level``, every command). What the options do: :mod:`nonstop.runtime.workerlog`."""
+(``--log-level``, every command). What the options do: :mod:`nonstop.workerlog`."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from nonstop.runtime.workerlog import LOG_LEVELS, PREFIXES, LogConfig, parse_ranks
+from nonstop.workerlog import LOG_LEVELS, PREFIXES, LogConfig, parse_ranks
 
 __all__ = ["add_level_arg", "add_log_args", "log_config", "log_level"]
 

@@ -45,7 +45,7 @@ def watch_status(
     """Redraw ``render(status)`` of the job in ``job_dir`` every ``interval_s`` until Ctrl-C (or
     ``rounds`` redraws), then 0. The job ending while watched ends the watch with a line saying
     so; a job that cannot be reached at the first look raises (the usual one-line error)."""
-    from nonstop.runtime.client import request_status
+    from nonstop.launch.job_client import request_status
 
     seen = 0
     try:

@@ -11,19 +11,21 @@ import contextlib
 import json
 import math
 import os
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
-from nonstop.runtime.cadence import DEFAULT_BUDGET, MAX_AGE_S
-from nonstop.runtime.probing import ProbeConfig  # issue 21: each agent's health probes
-from nonstop.runtime.straggler import StragglerConfig  # issue 21: fail-slow detection and action
+from nonstop.policy.cadence import DEFAULT_BUDGET, MAX_AGE_S
+from nonstop.policy.decisions import DetectorConfig  # the detection policy's own config
+from nonstop.policy.straggler import StragglerConfig  # issue 21: fail-slow detection and action
 
 __all__ = [
     "DetectorConfig",
     "JobConfig",
+    "ProbeConfig",
     "WorkerEnv",
     "ENV",
     "SNAPSHOT_COPIES",
@@ -74,43 +76,39 @@ class ENV:
 
 SNAPSHOT_MODES = ("overlapped", "sync", "off")
 SNAPSHOT_COPIES = ("node", "rank")
-SWAP_TRANSFERS = ("auto", "delta", "whole")  # runtime/migration.py: swap_as_delta
-SURVIVOR_MODES = ("auto", "wait", "continue")  # runtime/survivors.py: SurvivorMode
-SHRINK_BATCHES = ("keep", "drop")  # runtime/elastic.py: play_shards
+SWAP_TRANSFERS = ("auto", "delta", "whole")  # policy/migration.py: swap_as_delta
+SURVIVOR_MODES = ("auto", "wait", "continue")  # policy/survivors.py: SurvivorMode
+SHRINK_BATCHES = ("keep", "drop")  # policy/elastic.py: play_shards
 
 
 @dataclass(frozen=True, kw_only=True)
-class DetectorConfig:
-    """How failures are detected.
+class ProbeConfig:
+    """``period_s``: seconds between two rounds of probes (0: no probes at all); ``command``:
+    the ``--health-cmd`` (None: none), run at most ``timeout_s`` seconds. A bad value raises
+    :class:`~nonstop.errors.UsageError` with one line."""
 
-    heartbeat_interval_s: how often a worker's heartbeat thread reports.
-    heartbeat_timeout_s: silence after which a live process counts as hung
-        (a SIGSTOPped or GIL-deadlocked worker sends nothing).
-    hang_factor: no step progress for ``hang_factor`` x the median step time
-        (and no collective pending on that rank) counts as a hang.
-    hang_min_s: floor for the progress-based hang timeout.
-    startup_grace_s: before a rank's first step, only process exit and
-        heartbeat silence count (the first step includes lazy init).
-    confirm_silence: a silent worker's node agent confirms the hang before the kill
-        (``runtime/silence.py``): one it sees move -- starved of CPU, not stuck -- is spared
-        and allowed ``JOB_STALL_FACTOR`` x the timeout. False: killed at the first silence.
-    """
-
-    heartbeat_interval_s: float = 0.1
-    heartbeat_timeout_s: float = 1.0
-    hang_factor: float = 10.0
-    hang_min_s: float = 3.0
-    startup_grace_s: float = 120.0
-    confirm_silence: bool = True
+    period_s: float = 10.0
+    command: str | None = None
+    timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.heartbeat_interval_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise UsageError(
-                "heartbeat timeout must be greater than the heartbeat interval (both > 0); "
-                f"got interval={self.heartbeat_interval_s}, timeout={self.heartbeat_timeout_s}"
-            )
-        if self.hang_factor <= 1 or self.hang_min_s <= 0:
-            raise UsageError("--hang-factor must be > 1 and --hang-min-s > 0")
+        if not (math.isfinite(self.period_s) and self.period_s >= 0):
+            raise UsageError(f"--probe-period must be >= 0 seconds (got {self.period_s}); 0 turns probes off")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise UsageError(f"--health-timeout must be > 0 seconds (got {self.timeout_s})")
+        if self.command is not None:
+            try:
+                argv = shlex.split(self.command)
+            except ValueError as e:
+                raise UsageError(f"--health-cmd {self.command!r}: {e}") from None
+            if not argv:
+                raise UsageError("--health-cmd is empty: give the command to run (e.g. /usr/local/bin/check)")
+            if self.period_s == 0:
+                raise UsageError("--health-cmd needs --probe-period > 0 (0 turns probes off)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.period_s > 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,13 +134,13 @@ class JobConfig:
     snapshot_every: int = 1
     # > 0: the fraction of the training time the snapshots' stall may cost; the coordinator
     # measures it and snapshots every K-th step, K >= snapshot_every the smallest within it
-    # (runtime/cadence.py); failures are rescued meanwhile. 0: every snapshot_every-th step.
+    # (policy/cadence.py); failures are rescued meanwhile. 0: every snapshot_every-th step.
     snapshot_budget: float = DEFAULT_BUDGET
     # with a budget: the widest interval's steps take at most this long, so the committed step
     # (what persists, peer replicas and a failure no rescue saves go back to) is never older
     snapshot_max_age_s: float = MAX_AGE_S
     # K > 1 (or a budget): how long a recovery's plan waits for the survivors' rescue reports (the state after
-    # their last completed step, written on the failure: runtime/rescue.py); 0: no rescues
+    # their last completed step, written on the failure: policy/rescue.py); 0: no rescues
     rescue_wait_s: float = 2.0
     # where the state a node's ranks hold alike (a DDP job's, an HSDP job's replica groups') lives
     # in its memory tier: "node" (one copy per node, snapshot/nodecopy.py) or "rank" (every rank
@@ -176,11 +174,11 @@ class JobConfig:
     swap_transfer: str = "auto"  # a migration's swap fetches the boundary: auto | delta | whole
     mesh: str | None = None  # replicate=R,shard=S,tp=T (nonstop/mesh.py); None: data-parallel DDP
     keep_groups: bool = True  # a new generation keeps the mesh groups nothing changed (train/meshgroups.py)
-    # -- elasticity (runtime/elastic.py) ---------------------------------------------------
+    # -- elasticity (policy/elastic.py) ---------------------------------------------------
     min_world_size: int = 0  # shrink down to this many ranks when no spare is left (0: never shrink)
     elastic_wait_s: float = 0.0  # wait this long for a spare before shrinking
     # a failure spares could replace: auto | wait (replace first) | continue (shrink first, then
-    # grow with the spares): runtime/survivors.py
+    # grow with the spares): policy/survivors.py
     survivors: str = "auto"
     # a shrunk job: keep the global batch (the lost ranks' shards played by the others; bitwise)
     # or drop the lost ranks' shares of it until it grows back (torchft's; full speed per rank)
@@ -197,9 +195,9 @@ class JobConfig:
     metrics_port: int | None = None  # Prometheus /metrics and /status on the control host (0: any free port)
     shm_dir: Path | None = None  # this node's snapshot memory (--shm-dir); None: /dev/shm
     # -- health (issue 21) -------------------------------------------------------------------
-    # fail-slow detection and the proactive migration of a straggler (runtime/straggler.py)
+    # fail-slow detection and the proactive migration of a straggler (policy/straggler.py)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
-    # every node agent's health probes: --probe-period, --health-cmd (runtime/probing.py)
+    # every node agent's health probes: --probe-period, --health-cmd (agent/probes.py)
     probes: ProbeConfig = field(default_factory=ProbeConfig)
 
     @property

@@ -9,7 +9,7 @@ A fault spec is ``KIND:key=value,...``:
 * ``spin:rank=R,step=S``            it wedges with the GIL held, burning CPU (a C call that never
                                     returns: a runaway regular expression): its heartbeat goes
                                     silent but the process moves, so its agent excuses it as
-                                    starved once (``runtime/silence.py``) and it is killed at the
+                                    starved once (``agent/silence.py``) and it is killed at the
                                     longer limit, ``JOB_STALL_FACTOR`` x the heartbeat timeout
 * ``exit:rank=R,step=S,code=C``     the worker exits with status C
 * ``wipe:rank=R,step=S``            like ``kill``, and rank R's snapshot memory is deleted first

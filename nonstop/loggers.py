@@ -39,9 +39,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from nonstop import events as ev
 from nonstop.errors import UsageError
-from nonstop.runtime import events as ev
-from nonstop.runtime.events.feed import Committed
+from nonstop.events.hook import Committed
 
 __all__ = ["EventRecord", "EventTally", "TensorBoardHook", "WandbHook", "event_record"]
 

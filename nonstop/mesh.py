@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from nonstop.errors import UsageError
-from nonstop.runtime.elastic import play_shards
+from nonstop.policy.elastic import play_shards
 
 __all__ = ["DIMS", "MeshSpec"]
 

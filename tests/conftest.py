@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
+from nonstop.agent.gc import processes_of_job
 from nonstop.config import DetectorConfig
+from nonstop.coordinator.loop import JobResult, JobState
 from nonstop.demo.runner import demo_job_config
-from nonstop.runtime.coordinator import JobResult, JobState
-from nonstop.runtime.eventlog import read_events
-from nonstop.runtime.gc import processes_of_job
-from nonstop.runtime.launcher import default_shm_dir, run_job
-from nonstop.runtime.localnodes import LocalNodesJob, run_local_nodes
+from nonstop.events.log import read_events
+from nonstop.launch.launcher import default_shm_dir, run_job
+from nonstop.launch.local_nodes import LocalNodesJob, run_local_nodes
 from tests.tiers import EXTENDED
 
 STEPS = 16

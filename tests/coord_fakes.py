@@ -1,4 +1,4 @@
-"""Fakes that drive a real :class:`~nonstop.runtime.coordinator.Coordinator` tick by tick with no
+"""Fakes that drive a real :class:`~nonstop.coordinator.loop.Coordinator` tick by tick with no
 process, socket or thread: the control server is a queue the test fills, every peer (agent,
 worker, client) is a :class:`FakeChannel` that records what the coordinator sent it."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.config import JobConfig
+from nonstop.control.jobstore import JobStore
+from nonstop.coordinator.loop import Coordinator
 from nonstop.errors import ControlError
-from nonstop.runtime.coordinator import Coordinator
-from nonstop.runtime.eventlog import EventLog, read_events
-from nonstop.runtime.jobstore import JobStore
+from nonstop.events.log import EventLog, read_events
 
 Message = dict[str, Any]
 

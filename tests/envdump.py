@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 from nonstop.config import JobConfig
-from nonstop.runtime.coordinator import JobState
-from nonstop.runtime.localnodes import run_local_nodes
+from nonstop.coordinator.loop import JobState
+from nonstop.launch.local_nodes import run_local_nodes
 from tests.conftest import LEASE_TTL_S
 
 Dumps = dict[int, dict[str, str]]  # spawn id -> variable -> value (plus node, role and extras)

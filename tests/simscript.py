@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nonstop.runtime.policy import FailureKind
+from nonstop.policy.decisions import FailureKind
 from nonstop.sim.api import FailureEvents, JobSpec
 from nonstop.sim.failures import Cause
 

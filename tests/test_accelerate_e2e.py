@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from nonstop.config import JobConfig
-from nonstop.runtime.coordinator import JobResult, JobState
-from nonstop.runtime.launcher import run_job
+from nonstop.coordinator.loop import JobResult, JobState
+from nonstop.launch.launcher import run_job
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("accelerate")

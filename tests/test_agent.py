@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.runtime.agent import Agent
-from nonstop.runtime.gc import collect_garbage
+from nonstop.agent.gc import collect_garbage
+from nonstop.agent.processes import Agent
 from nonstop.snapshot import RankSnapshotStore
 
 

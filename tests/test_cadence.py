@@ -1,5 +1,5 @@
 """``--snapshot-budget``: the interval a measured stall calls for, announced ahead to every rank
-(runtime/cadence.py); the worker's schedule switches at the announced step."""
+(policy/cadence.py); the worker's schedule switches at the announced step."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from nonstop.cliargs import snapshot_args, snapshot_config
 from nonstop.config import ENV, JobConfig, WorkerEnv
 from nonstop.errors import UsageError
-from nonstop.runtime.cadence import (
+from nonstop.policy.cadence import (
     DEFAULT_BUDGET,
     MAX_EVERY,
     SKIP,
@@ -172,7 +172,7 @@ def test_a_restarted_coordinator_takes_up_the_interval_its_ranks_run() -> None:
 def test_what_a_reconnecting_rank_says_is_checked_before_it_is_taken_up() -> None:
     from types import SimpleNamespace
 
-    from nonstop.runtime.workers import WorkerProtocol
+    from nonstop.coordinator.workers import WorkerProtocol
 
     emitted: list[object] = []
     c = SimpleNamespace(

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.runtime.gc import processes_of_job
-from nonstop.runtime.launcher import default_shm_dir
+from nonstop.agent.gc import processes_of_job
+from nonstop.launch.launcher import default_shm_dir
 
 NONSTOP = [sys.executable, "-m", "nonstop.cli"]
 

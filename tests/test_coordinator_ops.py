@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from nonstop.control.embedded import EmbeddedStore
+from nonstop.control.jobstore import JobStore
 from nonstop.control.rdzv import KeyValueTable
-from nonstop.runtime.coordinator import JobState
-from nonstop.runtime.failures import MAX_ERROR_DETAIL
-from nonstop.runtime.jobstore import JobStore
+from nonstop.coordinator.failures import MAX_ERROR_DETAIL
+from nonstop.coordinator.loop import JobState
 from tests.coord_fakes import FakeChannel, Harness
 
 
@@ -268,7 +268,7 @@ def test_typed_decoding_names_the_bad_field(tmp_path: Path, msg: dict[str, objec
 
 
 def test_agent_and_client_messages_are_typed() -> None:
-    from nonstop.runtime import wire
+    from nonstop.protocol import wire
 
     inv = wire.decode_agent({"t": "inventory", "id": 3, "local": {"0": [4, 5]}, "replicas": {}})
     assert inv == wire.Inventory(id=3, local={0: (4, 5)}, replicas={})
@@ -455,11 +455,11 @@ def _silent_until_asked(h: Harness, rank: int, timeout_s: float) -> int:
 
 
 def test_a_silent_rank_its_agent_saw_move_is_spared_then_killed_at_the_longer_limit(tmp_path: Path) -> None:
-    """The kill of a silent rank goes to its agent as 'unless_moving' (runtime/silence.py). The
+    """The kill of a silent rank goes to its agent as 'unless_moving' (agent/silence.py). The
     agent says it moves: no hang, no kill, 'silence_excused'; still silent at JOB_STALL_FACTOR x
     the timeout, it is killed outright; its exit is a hang like any other."""
     from nonstop.config import DetectorConfig
-    from nonstop.runtime.policy import JOB_STALL_FACTOR
+    from nonstop.policy.decisions import JOB_STALL_FACTOR
 
     timeout = 0.3
     h = two_nodes(tmp_path, detector=DetectorConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=timeout))

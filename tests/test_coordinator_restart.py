@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from nonstop.config import JobConfig
+from nonstop.control.jobstore import JobStore
 from nonstop.control.store import open_store
+from nonstop.coordinator.loop import JobState
 from nonstop.demo.runner import demo_job_config
-from nonstop.runtime.coordinator import JobState
-from nonstop.runtime.jobfiles import JOB_INFO
-from nonstop.runtime.jobstore import JobStore
+from nonstop.launch.jobfiles import JOB_INFO
 from tests.conftest import STEPS, EtcdServer, NodesInBackground, free_port, run_demo_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nonstop.config import DetectorConfig
-from nonstop.runtime.detector import CLOSE_GRACE_S, RAISE_EXIT_GRACE_S, FailureDetector, WorkerRecord
+from nonstop.coordinator.detector import CLOSE_GRACE_S, RAISE_EXIT_GRACE_S, FailureDetector, WorkerRecord
 
 CFG = DetectorConfig(heartbeat_timeout_s=1.0, hang_factor=10, hang_min_s=2.0)
 
@@ -79,9 +79,9 @@ def test_a_progress_hang_says_where_the_rank_was_and_a_moving_rank_waits_longer(
 
 
 def test_a_first_silence_asks_the_agent_and_an_excused_one_waits_longer_then_kills() -> None:
-    """Silent once: a kill its agent is to confirm (runtime/silence.py). Excused (the agent saw it
+    """Silent once: a kill its agent is to confirm (agent/silence.py). Excused (the agent saw it
     move): its silence is allowed JOB_STALL_FACTOR x the timeout, then it is killed outright."""
-    from nonstop.runtime.policy import JOB_STALL_FACTOR
+    from nonstop.policy.decisions import JOB_STALL_FACTOR
 
     det = FailureDetector(CFG)
     det.record_step(0.1)

@@ -17,10 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from nonstop.agent.node import EXIT_NO_DEVICE, NodeAgent, NodeSpec
 from nonstop.clienv import _nproc
 from nonstop.control.channel import Message
-from nonstop.errors import UsageError
-from nonstop.runtime.devices import (
+from nonstop.coordinator.view import JobView, NodeRecord, Role
+from nonstop.devices.inventory import (
     DeviceInventory,
     Devices,
     NoFreeDeviceError,
@@ -28,10 +29,9 @@ from nonstop.runtime.devices import (
     detect_devices,
     worker_device_env,
 )
-from nonstop.runtime.ncclenv import nccl_env
-from nonstop.runtime.node import EXIT_NO_DEVICE, NodeAgent, NodeSpec
-from nonstop.runtime.view import JobView, NodeRecord, Role
-from nonstop.runtime.wire import Spawned, decode_agent
+from nonstop.devices.nccl import nccl_env
+from nonstop.errors import UsageError
+from nonstop.protocol.wire import Spawned, decode_agent
 from nonstop.train.backend import BackendChoice, choose_backend, collective_timeout_s, worker_device
 from nonstop.train.ddp import CanonicalGradSync
 
@@ -130,7 +130,7 @@ class _Proc:
 
 
 class FakeAgent:
-    """The process table (runtime/agent.py) without processes."""
+    """The process table (agent/processes.py) without processes."""
 
     def __init__(self) -> None:
         self.procs: dict[int, _Proc] = {}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.runtime.coordinator import JobState
+from nonstop.coordinator.loop import JobState
 from tests.conftest import DemoRun, leftovers, run_demo_job
 
 pytestmark = pytest.mark.slow
@@ -74,9 +74,9 @@ def test_a_silent_worker_that_burns_cpu_is_excused_once_then_killed(
     tmp_path: Path, reference_hash: str
 ) -> None:
     """Rank 2 wedges with the GIL held, spinning (``spin``): its heartbeat goes silent, but its
-    agent sees it move and spares it as starved (runtime/silence.py); still silent at
+    agent sees it move and spares it as starved (agent/silence.py); still silent at
     JOB_STALL_FACTOR x the timeout, it is killed and replaced like any hang."""
-    from nonstop.runtime.policy import JOB_STALL_FACTOR
+    from nonstop.policy.decisions import JOB_STALL_FACTOR
 
     run = run_demo_job(tmp_path, faults=("spin:rank=2,step=6",))
     _check_recovered(run, reference_hash, 1)

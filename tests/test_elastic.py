@@ -1,4 +1,4 @@
-"""The pure elastic decisions (runtime/elastic.py) and the placement rule they rely on."""
+"""The pure elastic decisions (policy/elastic.py) and the placement rule they rely on."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 
 from nonstop.config import JobConfig
 from nonstop.errors import UsageError
-from nonstop.runtime.elastic import (
+from nonstop.policy.decisions import choose_replacements
+from nonstop.policy.elastic import (
     ElasticAction,
     ElasticPolicy,
     assign_shards,
@@ -16,7 +17,6 @@ from nonstop.runtime.elastic import (
     renumber,
     resume_sources,
 )
-from nonstop.runtime.policy import choose_replacements
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 7, 8])

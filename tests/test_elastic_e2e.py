@@ -19,7 +19,7 @@ import pytest
 
 from nonstop.demo.samples import check_sequence, effective_samples, read_log
 from nonstop.errors import UsageError
-from nonstop.runtime.jobfiles import load_resume
+from nonstop.launch.jobfiles import load_resume
 from nonstop.snapshot.durable import DurableStore
 from tests.conftest import (
     SHRUNK_STEP_DELAY,

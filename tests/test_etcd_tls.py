@@ -19,10 +19,10 @@ from nonstop.config import JobConfig
 from nonstop.control.etcd import EtcdStore
 from nonstop.control.store import open_store
 from nonstop.control.tls import EtcdTLS
+from nonstop.coordinator.loop import JobState
 from nonstop.demo.runner import demo_job_config
 from nonstop.errors import ControlError, UsageError
-from nonstop.runtime.coordinator import JobState
-from nonstop.runtime.localnodes import run_local_nodes
+from nonstop.launch.local_nodes import run_local_nodes
 from tests.conftest import ETCD_SH, free_port
 from tests.tlscerts import Relay, make_ca, make_etcd_tls_dir, make_leaf
 

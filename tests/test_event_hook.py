@@ -1,4 +1,4 @@
-"""The event hook (``Session.on_event``): the coordinator's feed (runtime/eventfeed.py), the worker's
+"""The event hook (``Session.on_event``): the coordinator's feed (coordinator/event_feed.py), the worker's
 queue and delivery (train/eventhooks.py), the subscribe message, and the logger adapters
 (nonstop/loggers.py) against fakes. The real job with the real TensorBoard writer is in
 tests/test_event_hook_e2e.py."""
@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
+from nonstop import events as ev
 from nonstop.control.channel import Message
+from nonstop.coordinator.event_feed import EventFeed
 from nonstop.errors import ControlError, UsageError
+from nonstop.events.hook import Committed
 from nonstop.loggers import EventTally, TensorBoardHook, WandbHook, event_record
-from nonstop.runtime import events as ev
-from nonstop.runtime import wire
-from nonstop.runtime.eventfeed import EventFeed
-from nonstop.runtime.events.feed import Committed
+from nonstop.protocol import wire
 from nonstop.train.eventhooks import EventHooks
 
 RECOVERY = ev.Recovery(

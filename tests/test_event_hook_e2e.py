@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from nonstop.config import DetectorConfig, JobConfig
-from nonstop.runtime.eventlog import read_events
-from nonstop.runtime.launcher import run_job
+from nonstop.events.log import read_events
+from nonstop.launch.launcher import run_job
 
 pytest.importorskip("tensorboard")
 

@@ -1,4 +1,4 @@
-"""Typed events (runtime/events.py): the log's lines as they were, read back tolerantly, and every
+"""Typed events (events.py): the log's lines as they were, read back tolerantly, and every
 kind a writer logs has its class."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 import nonstop
-from nonstop.runtime import events as ev
-from nonstop.runtime.eventlog import EventLog, read_events
+from nonstop import events as ev
+from nonstop.events.log import EventLog, read_events
 from nonstop.timeline import build_timeline, load_timeline
 
 SOURCE = Path(nonstop.__file__).parent
@@ -185,7 +185,7 @@ def test_every_kind_logged_in_the_source_is_registered() -> None:
     assert typed >= 40, "the coordinator's modules log typed events"
     assert len(found) >= 6, "the scan finds the by-name kinds"
     unregistered = {k: v for k, v in found.items() if k not in ev.REGISTRY}
-    assert unregistered == {}, f"kinds logged but not in runtime/events.py: {unregistered}"
+    assert unregistered == {}, f"kinds logged but not in events.py: {unregistered}"
     assert _emit_kinds('self._emit(\n    "persist_failed", error=x)') == ["persist_failed"]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nonstop.runtime.elastic import assign_shards
+from nonstop.policy.elastic import assign_shards
 
 NUM_SHARDS = 4
 
@@ -21,7 +21,7 @@ _WORKER = r"""
 import hashlib, json, os, sys
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from nonstop.runtime.elastic import assign_shards
+from nonstop.policy.elastic import assign_shards
 from nonstop.train.ddp import CanonicalGradSync, wrap_ddp
 from nonstop.train.exactsum import exact_mean
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from nonstop.coordinator.loop import JobState
 from nonstop.demo.model import GPT, PRESETS
 from nonstop.demo.train import weights_hash
-from nonstop.runtime.coordinator import JobState
 from nonstop.snapshot.durable import DurableStore, rank_file, step_dir
 from nonstop.snapshot.sharded import shard_layout
 from tests.conftest import STEPS, run_demo_job

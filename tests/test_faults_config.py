@@ -9,7 +9,7 @@ import pytest
 from nonstop.config import DetectorConfig, JobConfig, WorkerEnv
 from nonstop.errors import UsageError
 from nonstop.faults import FaultInjector, FaultSpec, parse_fault
-from nonstop.runtime.policy import (
+from nonstop.policy.decisions import (
     FailureKind,
     RankObservation,
     ReplacementSource,
@@ -18,7 +18,7 @@ from nonstop.runtime.policy import (
     find_hung_ranks,
     plan_recovery,
 )
-from nonstop.runtime.recovery import Failure, Reconfiguration, Stage, next_stage
+from nonstop.policy.reconfiguration import Failure, Reconfiguration, Stage, next_stage
 
 
 @pytest.mark.parametrize(

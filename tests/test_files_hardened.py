@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.runtime import gc
-from nonstop.runtime.gc import collect_garbage, hold_lock, lock_path
+from nonstop.agent import gc
+from nonstop.agent.gc import collect_garbage, hold_lock, lock_path
 from nonstop.snapshot.durable import DurableStore
 from tests.durable_fakes import full_ckpt, persist
 
@@ -173,7 +173,7 @@ def _gc_as_another_user(shm: Path) -> dict[str, list[str]]:
             logged: list[str] = []
             handler = logging.Handler()
             handler.emit = lambda rec: logged.append(rec.getMessage())  # type: ignore[method-assign]
-            logging.getLogger("nonstop.runtime.gc").addHandler(handler)
+            logging.getLogger("nonstop.agent.gc").addHandler(handler)
             rep = collect_garbage(shm)
             out = {"jobs": rep.jobs, "live": rep.live_jobs, "skipped": [str(p) for p in rep.skipped]}
             os.write(w, json.dumps({**out, "logged": logged}).encode())
@@ -219,7 +219,7 @@ def test_nonstop_gc_says_what_it_skipped(
 GC_CODE = """
 import json, sys
 from pathlib import Path
-from nonstop.runtime.gc import collect_garbage
+from nonstop.agent.gc import collect_garbage
 r = collect_garbage(Path(sys.argv[1]))
 print(json.dumps({"jobs": r.jobs, "live": r.live_jobs}))
 """

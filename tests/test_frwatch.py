@@ -182,9 +182,9 @@ NCCL = textwrap.dedent(
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_on_nccl_completed_collectives_leave_no_started_entry(tmp_path: Path) -> None:
-    """The environment nonstop gives a CUDA worker (runtime/ncclenv.py), one rank: after its
+    """The environment nonstop gives a CUDA worker (devices/nccl.py), one rank: after its
     collectives have completed, the watch sees no wait."""
-    from nonstop.runtime.ncclenv import nccl_env
+    from nonstop.devices.nccl import nccl_env
 
     env = {**os.environ, **nccl_env("cuda", {})}
     assert _run_rank(NCCL, tmp_path, env, timeout=300) == {"started": 0}

@@ -110,7 +110,7 @@ def test_a_rank_waiting_on_a_stuck_peer_under_nccl_is_in_a_collective(tmp_path: 
 def test_a_rank_killed_under_nccl_recovers_with_the_survivor_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nonstop.runtime.coordinator import JobState
+    from nonstop.coordinator.loop import JobState
     from tests.conftest import run_demo_job
 
     monkeypatch.delenv("NONSTOP_FAKE_DEVICES", raising=False)  # the node's real GPUs
@@ -133,7 +133,7 @@ def test_a_rank_killed_under_nccl_recovers_with_the_survivor_in_place(
 def test_a_one_gpu_job_survives_a_kill_and_a_hang_bitwise(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nonstop.runtime.coordinator import JobState
+    from nonstop.coordinator.loop import JobState
     from tests.conftest import run_demo_job
 
     monkeypatch.delenv("NONSTOP_FAKE_DEVICES", raising=False)  # the node's real GPU
@@ -154,7 +154,7 @@ def test_a_one_gpu_job_survives_a_kill_and_a_hang_bitwise(
 def test_a_one_gpu_fsdp2_job_survives_a_kill_bitwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The sharded demo on a one-rank mesh (FSDP2: DTensor parameters on ``cuda:0``, snapshots of
     the local shards) through a SIGKILL: its shards equal those of the run without the fault."""
-    from nonstop.runtime.coordinator import JobState
+    from nonstop.coordinator.loop import JobState
     from tests.conftest import run_demo_job
 
     monkeypatch.delenv("NONSTOP_FAKE_DEVICES", raising=False)

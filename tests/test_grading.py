@@ -1,5 +1,5 @@
-"""Failure grading (runtime/grading.py) over a table of cases, and the proactive policy
-(runtime/proactive.py)."""
+"""Failure grading (policy/grading.py) over a table of cases, and the proactive policy
+(policy/proactive.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import signal
 
 import pytest
 
-from nonstop.runtime.grading import (
+from nonstop.policy.decisions import FailureKind, QuarantinePolicy
+from nonstop.policy.grading import (
     REPEATS_TO_FAIL,
     FailureSignal,
     Grade,
@@ -15,8 +16,7 @@ from nonstop.runtime.grading import (
     exception_type,
     grade_failure,
 )
-from nonstop.runtime.policy import FailureKind, QuarantinePolicy
-from nonstop.runtime.proactive import decide_migration, measured_migration_cost
+from nonstop.policy.proactive import decide_migration, measured_migration_cost
 
 Q = QuarantinePolicy(max_failures=3, window_s=600.0)
 K = FailureKind

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.config import DetectorConfig
+from nonstop.config import DetectorConfig, ProbeConfig
 from nonstop.demo.runner import demo_job_config
-from nonstop.runtime.probing import ProbeConfig
-from nonstop.runtime.straggler import StragglerConfig
+from nonstop.policy.straggler import StragglerConfig
 from tests.conftest import LEASE_TTL_S, NodesInBackground, events_named, run_nodes_job
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ import pytest
 from nonstop.config import JobConfig, job_config_from_json, job_config_to_json
 from nonstop.errors import UsageError
 from nonstop.faults import FaultInjector, parse_fault
-from nonstop.runtime import wire
-from nonstop.runtime.straggler import StragglerConfig
+from nonstop.policy.straggler import StragglerConfig
+from nonstop.protocol import wire
 from nonstop.train.injection import WorkerFaults
 
 

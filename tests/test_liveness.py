@@ -19,8 +19,8 @@ from typing import Any, cast
 import torch
 
 from nonstop.config import DetectorConfig
-from nonstop.runtime.policy import RankObservation, find_hung_ranks
-from nonstop.runtime.wire import Heartbeat, decode_worker
+from nonstop.policy.decisions import RankObservation, find_hung_ranks
+from nonstop.protocol.wire import Heartbeat, decode_worker
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.liveness import CollectiveWatch, device_event
 from nonstop.train.session import Session
@@ -216,7 +216,7 @@ def _busy(stop: list[bool]) -> None:
 def test_the_heartbeat_says_whether_the_training_thread_moves_and_where_it_is() -> None:
     """The detector gives a moving rank (its training thread uses the CPU or waits for one: slow
     on a starved machine, not stuck) the longer limit and records where a blamed rank's training thread was
-    (runtime/policy.py, runtime/detector.py)."""
+    (policy/decisions.py, coordinator/detector.py)."""
     import threading
 
     lock = threading.Lock()

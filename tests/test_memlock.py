@@ -1,4 +1,4 @@
-"""The locked-memory preflight (issue 20; runtime/shmspace.py): on a node whose ranks page-lock
+"""The locked-memory preflight (issue 20; agent/memory.py): on a node whose ranks page-lock
 their snapshot slots, slots that do not fit in ``RLIMIT_MEMLOCK`` fail the job with one line and
 exit code 2. Unit tests use a fake limit and fake slot files; the process test lowers the real
 soft limit of a CPU job and forces the check on (a CPU node pins nothing)."""
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from nonstop.agent.memory import CAP_IPC_LOCK, NodeMemory, has_ipc_lock, memlock_shortfall, pins_slots
+from nonstop.devices.inventory import Devices
 from nonstop.replica.peer import local_store_id
-from nonstop.runtime.devices import Devices
-from nonstop.runtime.shmspace import CAP_IPC_LOCK, NodeMemory, has_ipc_lock, memlock_shortfall, pins_slots
 from nonstop.snapshot.nodecopy import shared_slot_path
 from nonstop.snapshot.slot import slot_path
 
@@ -125,7 +125,7 @@ def test_a_process_with_cap_ipc_lock_is_not_held_to_the_limit(tmp_path: Path) ->
     """The limit as the agent sees it: the soft limit, or None (unlimited) where the kernel does
     not enforce it -- checked in a child that lowered its limit, with and without the capability."""
     code = (
-        "import resource; from nonstop.runtime.shmspace import soft_memlock_limit as f; "
+        "import resource; from nonstop.agent.memory import soft_memlock_limit as f; "
         "print(f(), resource.getrlimit(resource.RLIMIT_MEMLOCK)[0])"
     )
     done = subprocess.run(

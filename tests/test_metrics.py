@@ -1,4 +1,4 @@
-"""The job's Prometheus metrics (runtime/metrics.py) and their server (runtime/statusserver.py):
+"""The job's Prometheus metrics (coordinator/metrics.py) and their server (coordinator/status_server.py):
 events and step reports to metrics, the view's gauges, the snapshot handoff, authentication and
 the server's bounds. No job runs here (tests/test_metrics_e2e.py runs one)."""
 
@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nonstop.runtime import events as ev
-from nonstop.runtime.eventlog import EventLog
-from nonstop.runtime.metrics import JobMetrics, JobMonitor, StatusBoard
-from nonstop.runtime.statusserver import Limits, StatusServer, metrics_token
+from nonstop import events as ev
+from nonstop.coordinator.metrics import JobMetrics, JobMonitor, StatusBoard
+from nonstop.coordinator.status_server import Limits, StatusServer, metrics_token
+from nonstop.events.log import EventLog
 
 SECRET = b"0123456789abcdef" * 4
 
@@ -291,7 +291,7 @@ def test_start_writes_a_private_token_file_and_hooks_the_coordinator(tmp_path: P
     from types import SimpleNamespace
 
     from nonstop.config import JobConfig
-    from nonstop.runtime.statusserver import TOKEN_FILE, start_status_server
+    from nonstop.coordinator.status_server import TOKEN_FILE, start_status_server
 
     events = EventLog(tmp_path / "events.jsonl")
     c = SimpleNamespace(
@@ -327,7 +327,7 @@ def test_watch_redraws_until_the_job_is_gone(monkeypatch: pytest.MonkeyPatch, tm
 
     from nonstop.climetrics import CLEAR, watch_status
     from nonstop.errors import UsageError
-    from nonstop.runtime import client
+    from nonstop.launch import job_client as client
 
     answers: list[dict[str, Any] | None] = [{"committed_step": 3}, {"committed_step": 4}, None]
 

@@ -107,7 +107,7 @@ def test_status_and_drain_of_a_running_job(tmp_path: Path, reference_hash: str) 
     import time
 
     from nonstop.cli import main
-    from nonstop.runtime.client import request_migration, request_status
+    from nonstop.launch.job_client import request_migration, request_status
 
     job_dir = tmp_path / "job"
     box: list[DemoRun] = []

@@ -6,7 +6,7 @@ import pytest
 
 from nonstop.config import JobConfig
 from nonstop.errors import UsageError
-from nonstop.runtime.migration import (
+from nonstop.policy.migration import (
     CATCHUP_ROUNDS,
     CatchUp,
     Transfer,

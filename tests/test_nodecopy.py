@@ -220,7 +220,7 @@ def test_a_split_meta_that_lies_is_corrupt_not_a_crash(tmp_path: Path) -> None:
 
 
 def test_shared_slots_are_named_apart_from_rank_slots(tmp_path: Path) -> None:
-    from nonstop.runtime.agent import ranks_with_segments
+    from nonstop.agent.processes import ranks_with_segments
 
     model = _model(9)
     a = _store(tmp_path, 3)

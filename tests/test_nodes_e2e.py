@@ -28,8 +28,8 @@ def test_node_loss_is_recovered_from_a_peer_replica_bitwise(tmp_path: Path, refe
     assert "2" in gen["fetches"] and gen["fetches"]["2"].endswith(":replica")
     assert run.result.replication["rounds"] > 0
     # the surviving nodes freed their memory; the lost node (SIGKILLed) could not: gc does
-    from nonstop.runtime.gc import collect_garbage
-    from nonstop.runtime.launcher import default_shm_dir
+    from nonstop.agent.gc import collect_garbage
+    from nonstop.launch.launcher import default_shm_dir
 
     left = list(default_shm_dir().glob(f"nonstop-{run.job_id}*"))
     assert left and all(p.name.startswith(f"nonstop-{run.job_id}.2") for p in left), left
@@ -64,9 +64,9 @@ def test_nodes_must_agree_on_ranks_per_node(tmp_path: Path) -> None:
     from dataclasses import replace
 
     from nonstop.demo.runner import demo_job_config
-    from nonstop.runtime.jobfiles import JOB_INFO
-    from nonstop.runtime.launcher import run_job
-    from nonstop.runtime.localnodes import node_command
+    from nonstop.launch.jobfiles import JOB_INFO
+    from nonstop.launch.launcher import run_job
+    from nonstop.launch.local_nodes import node_command
 
     job_dir = tmp_path / "job"
     cfg = demo_job_config(

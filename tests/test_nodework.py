@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from nonstop.runtime.nodework import NodeWork
+from nonstop.agent.data_path import NodeWork
 
 
 def test_an_inventory_is_answered_while_a_replication_round_waits_on_a_silent_holder(

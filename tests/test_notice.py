@@ -1,4 +1,4 @@
-"""Preemption notices from an HTTP endpoint (runtime/notice.py): what counts as a notice, the
+"""Preemption notices from an HTTP endpoint (agent/notice.py): what counts as a notice, the
 poller against a real HTTP server, and a node drained on such a notice with real processes."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from nonstop.agent.notice import NoticePoller, parse_headers, parse_notice
 from nonstop.config import JobConfig
 from nonstop.demo.runner import demo_job_config
 from nonstop.errors import UsageError
-from nonstop.runtime.notice import NoticePoller, parse_headers, parse_notice
 from tests.conftest import LEASE_TTL_S, NodesInBackground, events_named
 
 NOW = 1_800_000_000.0

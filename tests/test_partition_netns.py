@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from nonstop.coordinator.loop import JobState
 from nonstop.demo.runner import demo_job_config
-from nonstop.runtime.coordinator import JobState
 from tests.conftest import STEPS, NodesInBackground
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -1,4 +1,4 @@
-"""Persist rounds across nodes (runtime/persistence.py), with fake nodes answering in-process."""
+"""Persist rounds across nodes (coordinator/persistence.py), with fake nodes answering in-process."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from nonstop.control.channel import Message
-from nonstop.runtime import persistence
-from nonstop.runtime.persistence import ClusterPersister
+from nonstop.coordinator import persistence
+from nonstop.coordinator.persistence import ClusterPersister
 from nonstop.snapshot.codec import CodecConfig, Encoder, segments_for
 from nonstop.snapshot.durable import DurableStore, step_dir
 from tests.durable_fakes import WORLD, RankData, full_ckpt

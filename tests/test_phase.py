@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from nonstop.runtime.phase import BLOCKED_BY, Busy, JobPhase, Op, legal, may_start
+from nonstop.policy.phase import BLOCKED_BY, Busy, JobPhase, Op, legal, may_start
 
 
 def test_terminal_phases_go_nowhere_and_every_live_phase_can_fail() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from nonstop.runtime.elastic import ElasticPolicy
-from nonstop.runtime.planning import (
+from nonstop.policy.elastic import ElasticPolicy
+from nonstop.policy.planning import (
     Answered,
     NodeGone,
     Pending,

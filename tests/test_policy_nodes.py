@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nonstop.runtime.policy import (
+from nonstop.policy.decisions import (
     FailureKind,
     Placement,
     QuarantinePolicy,

@@ -1,4 +1,4 @@
-"""Health probes (runtime/probes.py): the verdict logic, --health-cmd failing and passing, and
+"""Health probes (agent/probes.py): the verdict logic, --health-cmd failing and passing, and
 NVML only where pynvml exists."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.runtime.probes import (
+from nonstop.agent.probes import (
     CommandProbe,
     ProbeResult,
     _Clock,

@@ -1,4 +1,4 @@
-"""A node agent's probe thread (runtime/probing.py): verdict changes sent once, a hanging health
+"""A node agent's probe thread (agent/probes.py): verdict changes sent once, a hanging health
 command timed out as failing, the flags validated at start, and the agent's health message
 decoded and acted on by the coordinator's side (wire.py, healthops.py)."""
 
@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
+from nonstop.agent.probe_thread import MAX_DETAIL, ProbeThread, health_message, node_probes
+from nonstop.agent.probes import OUTPUT_TAIL, CommandProbe, ProbeResult
+from nonstop.config import ProbeConfig
 from nonstop.errors import UsageError
-from nonstop.runtime import wire
-from nonstop.runtime.probes import OUTPUT_TAIL, CommandProbe, ProbeResult
-from nonstop.runtime.probing import MAX_DETAIL, ProbeConfig, ProbeThread, health_message, node_probes
+from nonstop.protocol import wire
 
 
 class FakeClock:
@@ -192,7 +193,7 @@ def test_job_config_cli_and_node_command_carry_the_probes(tmp_path: Path) -> Non
 
     from nonstop.cliargs import probe_args, probes
     from nonstop.config import JobConfig, job_config_from_json, job_config_to_json
-    from nonstop.runtime.localnodes import node_command
+    from nonstop.launch.local_nodes import node_command
 
     ap = argparse.ArgumentParser()
     probe_args(ap)

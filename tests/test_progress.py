@@ -66,12 +66,12 @@ def test_cli_inspect_json_has_no_progress(tmp_path: Path, capsys: pytest.Capture
 def test_resume_shows_a_spinner_while_it_loads_on_a_terminal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``--resume`` (runtime/jobfiles.py ``load_resume``) loads and verifies the newest checkpoint
+    """``--resume`` (launch/jobfiles.py ``load_resume``) loads and verifies the newest checkpoint
     before the job starts: on a terminal a spinner says so; the checkpoint is the same either way."""
     import sys
 
     from nonstop.config import JobConfig
-    from nonstop.runtime.jobfiles import load_resume
+    from nonstop.launch.jobfiles import load_resume
 
     persist(DurableStore(tmp_path / "ck"), 10, [make_rank(1), make_rank(2)])
     config = JobConfig(script="train.py", nproc_per_node=2, resume=str(tmp_path / "ck"))

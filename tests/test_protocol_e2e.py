@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.runtime.coordinator import JobState
+from nonstop.coordinator.loop import JobState
 from tests.conftest import events_named, run_demo_job
 
 pytestmark = pytest.mark.slow

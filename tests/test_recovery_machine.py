@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from nonstop.runtime import recovery
-from nonstop.runtime.generations import Generations
-from nonstop.runtime.recovery import (
+from nonstop.coordinator.generations import Generations
+from nonstop.policy import reconfiguration as recovery
+from nonstop.policy.reconfiguration import (
     Failure,
     FetchDone,
     Finished,

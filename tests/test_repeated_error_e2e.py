@@ -2,7 +2,7 @@
 
 A real 2-rank job with a hot spare runs a script whose rank 1 raises the same ``ValueError`` at
 step 4 each time it runs it. Each generation restores step 3 and raises again. The third time,
-the grading (:class:`~nonstop.runtime.grading.RepeatedErrors`) fails the job: its error names
+the grading (:class:`~nonstop.policy.grading.RepeatedErrors`) fails the job: its error names
 the exception and says why it was not restarted, and the job spent 3 failures, not the 11 the
 restart budget (10) allows. Rank 0, whose step failed each time with the closed connection rank
 1 left behind, survives every recovery (the detector does not tell a peer's symptom to raise)."""
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from nonstop.config import DetectorConfig, JobConfig
-from nonstop.runtime.coordinator import JobState
-from nonstop.runtime.eventlog import read_events
-from nonstop.runtime.grading import REPEATS_TO_FAIL
-from nonstop.runtime.launcher import run_job
+from nonstop.coordinator.loop import JobState
+from nonstop.events.log import read_events
+from nonstop.launch.launcher import run_job
+from nonstop.policy.grading import REPEATS_TO_FAIL
 
 pytestmark = pytest.mark.slow
 

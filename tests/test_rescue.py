@@ -1,6 +1,6 @@
 """Rescue snapshots (``--snapshot-every K`` > 1): a survivor writes the state after its last
 completed step when the failed step left it untouched, and the plan restores it -- the pure
-pieces (runtime/rescue.py, the plan, the wait) and the worker's head (train/rescue.py)."""
+pieces (policy/rescue.py, the plan, the wait) and the worker's head (train/rescue.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from nonstop.runtime import wire
-from nonstop.runtime.elastic import ElasticPolicy
-from nonstop.runtime.planning import Answered, Pending, PlanAction, PlanNow, Reported, Waited, plan_generation
-from nonstop.runtime.rescue import Rescue, gather, with_rescue
+from nonstop.policy.elastic import ElasticPolicy
+from nonstop.policy.planning import Answered, Pending, PlanAction, PlanNow, Reported, Waited, plan_generation
+from nonstop.policy.rescue import Rescue, gather, with_rescue
+from nonstop.protocol import wire
 from nonstop.snapshot import StateCapture
 from nonstop.train.rescue import StepHead, digest
 
@@ -163,7 +163,7 @@ def test_digest_is_equal_for_equal_states_only() -> None:
 
 
 def test_the_simulator_rescues_where_the_runtime_finds_a_donor() -> None:
-    from nonstop.runtime.rescue import has_donors
+    from nonstop.policy.rescue import has_donors
     from nonstop.sim.api import JobSpec
     from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
 

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
+from nonstop.agent.gc import collect_garbage
 from nonstop.config import DetectorConfig
-from nonstop.runtime.coordinator import JobState
-from nonstop.runtime.gc import collect_garbage
-from nonstop.runtime.launcher import default_shm_dir
+from nonstop.coordinator.loop import JobState
+from nonstop.launch.launcher import default_shm_dir
 from tests.conftest import LEASE_TTL_S, DemoRun, events_named, leftovers, run_demo_job, stuck_stacks
 
 pytestmark = pytest.mark.slow

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from nonstop.config import JobConfig
+from nonstop.coordinator.loop import JobState
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
-from nonstop.runtime.coordinator import JobState
-from nonstop.runtime.elastic import ElasticPolicy
-from nonstop.runtime.planning import PlanAction, plan_generation
+from nonstop.policy.elastic import ElasticPolicy
+from nonstop.policy.planning import PlanAction, plan_generation
 from nonstop.snapshot.sharded import same_mesh
 from tests.coord_fakes import Harness
 

@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 
 from nonstop.config import DetectorConfig
-from nonstop.runtime.coordinator import JobState
+from nonstop.coordinator.loop import JobState
 from nonstop.snapshot.api import SlotState
 from nonstop.snapshot.slot import Slot
 from nonstop.snapshot.space import free_bytes

@@ -1,4 +1,4 @@
-"""The memory tier on a small memory filesystem (snapshot/space.py, runtime/shmspace.py).
+"""The memory tier on a small memory filesystem (snapshot/space.py, agent/memory.py).
 
 Each test mounts its own small tmpfs (root only; skipped otherwise), as a container's 64 MiB
 ``/dev/shm`` would be: a job whose slots cannot fit fails at start with one line and exit code 2;
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nonstop.runtime.eventlog import read_events
+from nonstop.events.log import read_events
 from nonstop.snapshot.nodecopy import shared_slot_path
 from nonstop.snapshot.slot import ShmFullError, Slot
 from nonstop.snapshot.space import (

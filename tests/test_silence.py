@@ -1,4 +1,4 @@
-"""The agent's second opinion on a silent worker (runtime/silence.py), on real processes."""
+"""The agent's second opinion on a silent worker (agent/silence.py), on real processes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.runtime import silence
+from nonstop.agent import silence
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux procfs")
 

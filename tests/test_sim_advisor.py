@@ -55,7 +55,7 @@ def test_where_failures_are_rare_dalys_interval_beats_the_fixed_few() -> None:
 
 
 def test_with_rescues_a_longer_interval_costs_no_rollback() -> None:
-    """Rescue snapshots (runtime/rescue.py): a failure in memory redoes only the step in flight
+    """Rescue snapshots (policy/rescue.py): a failure in memory redoes only the step in flight
     whatever the interval, so every 64 steps beats every 8 -- less stall, the same lost work --
     and the advisor tries it; without rescues the lost work grows with the interval."""
     job = JobSpec(num_gpus=16384, days=10)

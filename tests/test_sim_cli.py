@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from nonstop.errors import UsageError
-from nonstop.runtime.policy import FailureKind
+from nonstop.policy.decisions import FailureKind
 from nonstop.sim.api import JobSpec
 from nonstop.sim.calibrate import load_calibration
 from nonstop.sim.cli import add_parsers, dispatch

@@ -1,4 +1,4 @@
-"""The simulator's elastic data parallelism, driven by the runtime's own `nonstop.runtime.elastic`."""
+"""The simulator's elastic data parallelism, driven by the runtime's own `nonstop.policy.elastic`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from nonstop.errors import UsageError
-from nonstop.runtime import elastic
-from nonstop.runtime.elastic import ElasticAction, ElasticDecision, ElasticPolicy
+from nonstop.policy import elastic
+from nonstop.policy.elastic import ElasticAction, ElasticDecision, ElasticPolicy
 from nonstop.sim.api import JobSpec, Resizing, SimResult
 from nonstop.sim.calibrate import Calibration, rendezvous_s
 from nonstop.sim.cli import add_parsers, dispatch

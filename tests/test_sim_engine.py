@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from nonstop.runtime import policy
-from nonstop.runtime.policy import FailureKind, Placement, QuarantinePolicy, RecoveryAction, Tier
+from nonstop.policy import decisions as policy
+from nonstop.policy.decisions import FailureKind, Placement, QuarantinePolicy, RecoveryAction, Tier
 from nonstop.sim.api import DAY_S, STAGES, JobSpec
 from nonstop.sim.calibrate import load_calibration, rendezvous_s, restart_s
 from nonstop.sim.engine import simulate

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nonstop.runtime import grading, proactive, straggler
-from nonstop.runtime.grading import Grade, Graded
-from nonstop.runtime.policy import FailureKind
-from nonstop.runtime.proactive import MigrationDecision
-from nonstop.runtime.straggler import StragglerConfig
+from nonstop.policy import grading, proactive, straggler
+from nonstop.policy.decisions import FailureKind
+from nonstop.policy.grading import Grade, Graded
+from nonstop.policy.proactive import MigrationDecision
+from nonstop.policy.straggler import StragglerConfig
 from nonstop.sim.advisor import proactive_worth
 from nonstop.sim.api import FailureEvents, JobSpec, SimResult, SlowEvents
 from nonstop.sim.calibrate import load_calibration

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from nonstop.runtime.policy import FailureKind, Tier
+from nonstop.policy.decisions import FailureKind, Tier
 from nonstop.sim.api import JobSpec
 from nonstop.sim.calibrate import Calibration
 from nonstop.sim.engine import simulate

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from nonstop.runtime import survivors
-from nonstop.runtime.policy import FailureKind
-from nonstop.runtime.survivors import SurvivorChoice, SurvivorMode
+from nonstop.policy import survivors
+from nonstop.policy.decisions import FailureKind
+from nonstop.policy.survivors import SurvivorChoice, SurvivorMode
 from nonstop.sim.advisor import Advice, advise
 from nonstop.sim.api import JobSpec, SimResult
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from nonstop.runtime import swap as swap_machine
-from nonstop.runtime.migration import BOUNDARY_MARGIN, CATCHUP_ROUNDS
-from nonstop.runtime.swap import SwapKind
+from nonstop.policy import boundary_swap as swap_machine
+from nonstop.policy.boundary_swap import SwapKind
+from nonstop.policy.migration import BOUNDARY_MARGIN, CATCHUP_ROUNDS
 from nonstop.sim.api import JobSpec
 from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
 from nonstop.sim.swapsim import SwapCosts, time_swap

@@ -8,7 +8,7 @@ import statistics
 import numpy as np
 import pytest
 
-from nonstop.runtime.policy import FailureKind
+from nonstop.policy.decisions import FailureKind
 from nonstop.sim import theory
 from nonstop.sim.api import DAY_S, JobSpec
 from nonstop.sim.calibrate import load_calibration

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from nonstop.runtime.policy import FailureKind
+from nonstop.policy.decisions import FailureKind
 from nonstop.sim.api import JobSpec
 from nonstop.sim.calibrate import Calibration, rendezvous_s
 from nonstop.sim.engine import simulate

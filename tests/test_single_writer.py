@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nonstop.errors import SnapshotMissingError, UsageError
-from nonstop.runtime.jobdir import LOCK_FILE, hold_job
+from nonstop.launch.jobdir import LOCK_FILE, hold_job
 from nonstop.snapshot.durable import MANIFEST, DurableStore, LocalStorage, step_dir
 from tests.durable_fakes import assert_loaded, delta_ckpt, full_ckpt, persist
 
@@ -288,7 +288,7 @@ def test_an_abandoned_directory_older_than_current_still_goes(tmp_path: Path) ->
 def test_a_second_demo_on_a_held_demo_dir_is_refused_before_it_clears_anything(tmp_path: Path) -> None:
     """Was: ``nonstop demo`` deleted JOB_DIR/run before the job inside could take its lock, so
     a second demo on the same --job-dir destroyed a running one."""
-    from nonstop.runtime.jobdir import hold_dir
+    from nonstop.launch.jobdir import hold_dir
 
     demo_dir = tmp_path / "demo"
     (demo_dir / "run").mkdir(parents=True)

@@ -11,9 +11,9 @@ import pytest
 
 from nonstop.cliargs import snapshot_args, snapshot_config
 from nonstop.config import ENV, JobConfig, WorkerEnv
+from nonstop.coordinator.view import JobView
 from nonstop.errors import UsageError
-from nonstop.runtime import wire
-from nonstop.runtime.view import JobView
+from nonstop.protocol import wire
 from nonstop.train.snapshots import LoopSnapshots
 from tests.conftest import events_named, run_nodes_job
 

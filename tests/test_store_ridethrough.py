@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
+from nonstop.agent.lease import NodeLease
 from nonstop.control.embedded import EmbeddedStore
+from nonstop.control.jobstore import JobStore, RecordWriter
 from nonstop.control.store import Lease, LeaseKeeper
+from nonstop.coordinator.store_sync import leader_ttl
 from nonstop.errors import ControlError
-from nonstop.runtime.jobstore import JobStore, RecordWriter
-from nonstop.runtime.nodelease import NodeLease
-from nonstop.runtime.storesync import leader_ttl
 from tests.coord_fakes import Harness
 
 TTL = 0.4
@@ -307,7 +307,8 @@ def test_a_worker_that_finishes_while_its_hello_is_on_the_way_says_done_again(
 
 def test_process_age_counts_from_the_process_start() -> None:
     code = (
-        "import time; time.sleep(1.0); from nonstop.runtime import storesync as s; print(s.process_age_s())"
+        "import time; time.sleep(1.0); "
+        "from nonstop.coordinator import store_sync as s; print(s.process_age_s())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert 1.0 <= float(out) < 60.0

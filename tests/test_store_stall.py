@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from nonstop.config import JobConfig
+from nonstop.coordinator.loop import JobState
 from nonstop.demo.runner import demo_job_config
-from nonstop.runtime.coordinator import JobState
 from tests.conftest import STEPS, EtcdServer, NodesInBackground, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -1,4 +1,4 @@
-"""The fail-slow policy (runtime/straggler.py) over generated step timings: a persistent straggler
+"""The fail-slow policy (policy/straggler.py) over generated step timings: a persistent straggler
 is flagged after k of W steps; a whole-job slowdown, a one-off slow step, noisy timings (+-30%
 jitter, a loaded machine) and a hang are not."""
 
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from nonstop.errors import UsageError
-from nonstop.runtime.straggler import StragglerConfig, StragglerTracker, _medians_of_others
+from nonstop.policy.straggler import StragglerConfig, StragglerTracker, _medians_of_others
 
 BASE = 0.05  # seconds of compute per step
 

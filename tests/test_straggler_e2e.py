@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.runtime.coordinator import JobState
-from nonstop.runtime.straggler import StragglerConfig
+from nonstop.coordinator.loop import JobState
+from nonstop.policy.straggler import StragglerConfig
 from tests.conftest import DemoRun, events_named, run_demo_job, run_nodes_job
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The survivors' policy (runtime/survivors.py): shrink first or replace first, over a table of
+"""The survivors' policy (policy/survivors.py): shrink first or replace first, over a table of
 cases, and the costs it reads from the job's recovery reports."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from nonstop.config import JobConfig
 from nonstop.errors import UsageError
-from nonstop.runtime.elastic import assign_shards, play_shards
-from nonstop.runtime.survivors import SurvivorCosts, SurvivorMode, choose, costs_from_reports, shrunk_rate
+from nonstop.policy.elastic import assign_shards, play_shards
+from nonstop.policy.survivors import SurvivorCosts, SurvivorMode, choose, costs_from_reports, shrunk_rate
 
 
 def test_shrunk_rate_is_the_slowest_ranks_micro_batches() -> None:

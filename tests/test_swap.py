@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from nonstop.runtime.migration import CATCHUP_ROUNDS, CatchUp, Transfer
-from nonstop.runtime.swap import (
+from nonstop.policy.boundary_swap import (
     Action,
     BoundarySwap,
     Continue,
@@ -19,6 +18,7 @@ from nonstop.runtime.swap import (
     SwapNow,
     SwapPhase,
 )
+from nonstop.policy.migration import CATCHUP_ROUNDS, CatchUp, Transfer
 
 LATEST = {0: 10, 1: 11}
 

@@ -1,8 +1,8 @@
-"""The base environment a node's agent gives the processes it starts (runtime/torchenv.py)."""
+"""The base environment a node's agent gives the processes it starts (coordinator/torch_env.py)."""
 
 from __future__ import annotations
 
-from nonstop.runtime.torchenv import RANK_VARS, without_rank_vars
+from nonstop.protocol.torchrun import RANK_VARS, without_rank_vars
 
 
 def test_an_agent_passes_on_none_of_torchruns_rank_variables_it_inherited() -> None:

@@ -1,4 +1,4 @@
-"""Worker output through the node agent (runtime/workerlog.py): rank prefixes, a spare's label
+"""Worker output through the node agent (workerlog.py): rank prefixes, a spare's label
 once it takes a rank, --log-dir files, the console filter, a SIGKILLed worker's last line, a
 slow console that must not block a worker. Real child processes, no torch."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from nonstop.agent.processes import Agent
 from nonstop.errors import UsageError
-from nonstop.runtime.agent import Agent
-from nonstop.runtime.workerlog import Console, Label, LogConfig, parse_ranks
+from nonstop.workerlog import Console, Label, LogConfig, parse_ranks
 
 
 class Captured(io.BytesIO):
@@ -92,7 +92,7 @@ def test_log_config_travels_in_the_environment(tmp_path: Path) -> None:
 
 SPARE_TAKES_RANK = """
 import sys
-from nonstop.runtime.workerlog import announce_rank
+from nonstop.workerlog import announce_rank
 print("waiting as a spare")
 announce_rank(3)
 print("playing rank 3")
@@ -191,12 +191,12 @@ def test_nonstops_own_lines_are_timestamped(capsys: pytest.CaptureFixture[str]) 
     import logging
     import re
 
-    from nonstop.runtime.workerlog import setup_logging
+    from nonstop.workerlog import setup_logging
 
     try:
         setup_logging("info")
-        logging.getLogger("nonstop.runtime.x").info("a line")
-        logging.getLogger("nonstop.runtime.x").debug("not shown")
+        logging.getLogger("nonstop.coordinator.x").info("a line")
+        logging.getLogger("nonstop.coordinator.x").debug("not shown")
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and re.fullmatch(
             r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} nonstop: INFO a line", err[0]

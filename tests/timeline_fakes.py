@@ -12,7 +12,7 @@ STAGES = {"plan": 0.01, "launch": 0.02, "restore": 0.2, "rebuild": 0.05, "resume
 
 
 class Log:
-    """Synthetic event logs shaped like the coordinator's (runtime/coordinator.py)."""
+    """Synthetic event logs shaped like the coordinator's (coordinator/loop.py)."""
 
     def __init__(self, nodes: int = 1, per_node: int = 3, spares: int = 1, start: float = 5.0) -> None:
         self.events: list[dict[str, Any]] = []

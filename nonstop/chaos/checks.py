@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nonstop.agent.gc import processes_of_job
 from nonstop.chaos.cluster import Episode, proc_state
 from nonstop.chaos.invariants import Invariants, Observation
-from nonstop.runtime.gc import processes_of_job
-from nonstop.runtime.launcher import default_shm_dir
+from nonstop.launch.launcher import default_shm_dir
 
 __all__ = ["Checks", "running"]
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import nonstop
 from nonstop.config import JobConfig
 from nonstop.errors import JobFailedError
-from nonstop.runtime.jobfiles import JOB_INFO
-from nonstop.runtime.localnodes import node_command
+from nonstop.launch.jobfiles import JOB_INFO
+from nonstop.launch.local_nodes import node_command
 
 __all__ = ["Episode", "Etcd", "Netns", "free_port"]
 

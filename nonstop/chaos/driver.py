@@ -30,7 +30,7 @@ from nonstop.chaos.watch import JobWatch, Timeout
 from nonstop.config import DetectorConfig
 from nonstop.demo.runner import demo_job_config
 from nonstop.errors import UsageError
-from nonstop.runtime.jobdir import hold_dir
+from nonstop.launch.jobdir import hold_dir
 
 __all__ = ["ChaosOptions", "run_chaos"]
 

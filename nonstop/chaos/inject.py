@@ -27,7 +27,7 @@ from nonstop.chaos.cluster import Episode, Etcd, Netns
 from nonstop.chaos.schedule import Planned
 from nonstop.chaos.watch import JobWatch, Timeout
 from nonstop.faults import FaultSpec, post_fault, preempt_notice_path
-from nonstop.runtime.launcher import default_shm_dir
+from nonstop.launch.launcher import default_shm_dir
 from nonstop.snapshot.durable.format import parse_step_dir, rank_file
 
 __all__ = ["Injected", "Injector", "durable_steps"]

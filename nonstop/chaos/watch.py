@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.errors import NonstopError
-from nonstop.runtime.client import request_status
+from nonstop.launch.job_client import request_status
 
 __all__ = ["JobEnded", "JobWatch", "Timeout"]
 

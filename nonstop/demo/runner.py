@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.config import DetectorConfig, JobConfig
+from nonstop.coordinator.loop import JobResult, JobState
 from nonstop.errors import JobFailedError, UsageError
+from nonstop.events.log import read_events
 from nonstop.faults import parse_fault
-from nonstop.runtime.cadence import DEFAULT_BUDGET
-from nonstop.runtime.coordinator import JobResult, JobState
-from nonstop.runtime.eventlog import read_events
-from nonstop.runtime.jobdir import hold_dir
-from nonstop.runtime.localnodes import run_local_nodes
-from nonstop.runtime.straggler import StragglerConfig
+from nonstop.launch.jobdir import hold_dir
+from nonstop.launch.local_nodes import run_local_nodes
+from nonstop.policy.cadence import DEFAULT_BUDGET
+from nonstop.policy.straggler import StragglerConfig
 
 __all__ = ["DemoOptions", "run_demo"]
 
@@ -41,7 +41,7 @@ class DemoOptions:
     detector: DetectorConfig = field(default_factory=DetectorConfig)
     mesh: str | None = None  # the sharded demo (nonstop.demo.train_sharded) on this mesh
     min_world_size: int = 0  # elastic: the job may shrink to this many ranks
-    survivors: str = "auto"  # elastic: shrink first or replace first (runtime/survivors.py)
+    survivors: str = "auto"  # elastic: shrink first or replace first (policy/survivors.py)
     snapshot_every: int = 1  # --snapshot-every: steps between in-memory snapshots
     snapshot_budget: float = DEFAULT_BUDGET  # --snapshot-budget: the interval tuned to a stall budget
     tls: bool = False  # TLS on the control channel and the data plane (--tls)

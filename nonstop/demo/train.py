@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="reseed the torch RNG with seed + rank once the rank is known (as scripts that want "
         "different dropout per rank do): ranks are then not alike, and a stall budget may not widen "
-        "the snapshot interval (nonstop/runtime/cadence.py)",
+        "the snapshot interval (nonstop/policy/cadence.py)",
     )
     ap.add_argument("--result", type=Path, default=None)
     ap.add_argument(

@@ -44,7 +44,7 @@ Why each piece (Accelerate 1.x):
   ``DistributedDataParallelKwargs`` and a ``bucket_cap_mb`` below the gradients' size.
 * On a machine without CUDA ``cpu`` defaults to True (nonstop's group is gloo): Accelerate then
   runs its ``MULTI_CPU`` mode, which reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
-  ``LOCAL_WORLD_SIZE`` (nonstop sets them each generation, :mod:`nonstop.runtime.torchenv`).
+  ``LOCAL_WORLD_SIZE`` (nonstop sets them each generation, :mod:`nonstop.coordinator.torch_env`).
 
 Limits: a data loader prepared by Accelerate starts its epoch again when prepared again; derive
 the batch from the step (and ``accelerator.process_index``) or iterate a

@@ -11,14 +11,14 @@ Concepts (each in its own module):
 * :mod:`~nonstop.sim.failslow` — fail-slow ranks (a synchronous job runs at its slowest rank's
   pace) and degraded signals before failures, with their sources; :mod:`~nonstop.sim.proactivesim`
   — nonstop's moves ahead of trouble, decided by the runtime's detector, grading and proactive
-  policy (:mod:`nonstop.runtime.straggler`, :mod:`~nonstop.runtime.grading`,
-  :mod:`~nonstop.runtime.proactive`).
+  policy (:mod:`nonstop.policy.straggler`, :mod:`~nonstop.policy.grading`,
+  :mod:`~nonstop.policy.proactive`).
 * :mod:`~nonstop.sim.engine` — the discrete-event engine (:func:`simulate`).
 * :mod:`~nonstop.sim.strategies` — :class:`CheckpointRestart` (DCP + torchrun) and
   :class:`TorchftLike`; :mod:`~nonstop.sim.nonstop_strategy` — :class:`Nonstop`, which decides
-  through the runtime's own policies (:mod:`nonstop.runtime.policy`, :mod:`nonstop.runtime.elastic`);
+  through the runtime's own policies (:mod:`nonstop.policy.decisions`, :mod:`nonstop.policy.elastic`);
   its elastic world (who is out, who joins, the shrunk rate, shrink first or replace first:
-  :mod:`nonstop.runtime.survivors`) is :mod:`~nonstop.sim.elasticsim`; grows, migrations and
+  :mod:`nonstop.policy.survivors`) is :mod:`~nonstop.sim.elasticsim`; grows, migrations and
   recoveries are timed through the runtime's machines (:mod:`~nonstop.sim.swapsim`,
   :mod:`~nonstop.sim.recoverysim`).
 * :mod:`~nonstop.sim.calibrate` — costs read from ``benchmarks/results`` and the scaling laws.

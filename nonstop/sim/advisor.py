@@ -11,7 +11,7 @@ with the same failures (common random numbers), so the comparison is not drowned
   its double (:func:`snapshot_intervals`: a job that rarely fails snapshots less often), and
   with rescue snapshots (on by default: a failure redoes only the step in flight) 16, 32, 64;
   and the runtime's default, the interval tuned to ``--snapshot-budget``
-  (:data:`~nonstop.runtime.cadence.DEFAULT_BUDGET`);
+  (:data:`~nonstop.policy.cadence.DEFAULT_BUDGET`);
 * persist interval: at least ``10 x`` the time one persist takes (the durable tier stays <= 10%
   busy), and the multiples 2x, 4x of that;
 * spare nodes: 0 up to ~5% of the job's nodes;
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.plotting import pyplot, save_figure
-from nonstop.runtime.cadence import DEFAULT_BUDGET
+from nonstop.policy.cadence import DEFAULT_BUDGET
 from nonstop.sim.api import JobSpec, SimResult, default_spare_nodes, require
 from nonstop.sim.calibrate import Calibration
 from nonstop.sim.engine import simulate
@@ -72,7 +72,7 @@ def snapshot_intervals(
     step against the job's MTBF under ``model``, with its half and its double, at most
     :data:`MAX_SNAPSHOT_EVERY`. The stall per snapshot plays the checkpoint's cost and a rollback
     the lost work, as in Young's and Daly's derivation; the simulation then decides. ``rescue``
-    (the runtime's rescue snapshots, runtime/rescue.py): a failure in memory rolls back only the
+    (the runtime's rescue snapshots, policy/rescue.py): a failure in memory rolls back only the
     step in flight whatever the interval, so longer ones are tried too (:data:`RESCUE_INTERVALS`;
     longer still saves a stall already under 0.1 % of a step at the defaults)."""
     out = {1, 2, 4, 8, *(RESCUE_INTERVALS if rescue else ())}

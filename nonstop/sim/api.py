@@ -4,7 +4,7 @@ Units: seconds of wall time, bytes, GPUs. Every loss is booked in **GPU-seconds*
 (cause, stage) pair, so ETTR = 1 - lost GPU-seconds / (job GPUs x wall seconds), and the
 breakdowns by cause and by stage add up to the total by construction.
 
-Stages are the runtime's recovery stages (:class:`nonstop.runtime.recovery.Stage`: detect, plan,
+Stages are the runtime's recovery stages (:class:`nonstop.policy.reconfiguration.Stage`: detect, plan,
 launch, restore, rebuild, resume) plus the simulator's own: ``replan`` (a recovery cut short by
 another failure), ``lost_work`` (committed progress redone), ``overhead`` (checkpoint blocking or
 per-step snapshot stall, charged to the cause ``steady``), ``shrunk`` (the throughput an elastic
@@ -26,8 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 from nonstop.errors import UsageError
-from nonstop.runtime.policy import RecoveryAction, Tier
-from nonstop.runtime.recovery import Stage
+from nonstop.policy.decisions import RecoveryAction, Tier
+from nonstop.policy.reconfiguration import Stage
 
 __all__ = [
     "DAY_S",

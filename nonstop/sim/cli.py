@@ -18,9 +18,9 @@ from typing import Any
 from nonstop.config import SHRINK_BATCHES
 from nonstop.errors import UsageError
 from nonstop.plotting import require_plots
-from nonstop.runtime.cadence import DEFAULT_BUDGET, MAX_AGE_S
-from nonstop.runtime.policy import QuarantinePolicy
-from nonstop.runtime.survivors import SurvivorMode
+from nonstop.policy.cadence import DEFAULT_BUDGET, MAX_AGE_S
+from nonstop.policy.decisions import QuarantinePolicy
+from nonstop.policy.survivors import SurvivorMode
 from nonstop.sim.advisor import advise, plot_frontier, proactive_worth
 from nonstop.sim.api import JobSpec, SimResult, Strategy, require
 from nonstop.sim.calibrate import DEFAULT_RESULTS, Calibration, load_calibration
@@ -215,7 +215,7 @@ def add_parsers(sub: Any) -> None:
         default=True,
         help="nonstop: with --snapshot-every > 1 the survivors write the state after their last "
         "completed step on a failure and a lost rank takes another model copy's, as the runtime "
-        "does (runtime/rescue.py): only the step in flight is lost (default: on)",
+        "does (policy/rescue.py): only the step in flight is lost (default: on)",
     )
     progress = sim.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None)

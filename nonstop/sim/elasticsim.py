@@ -4,15 +4,15 @@
 runtime's questions it asks on that state, each through the runtime's own module (tests
 monkeypatch them and see the simulation change):
 
-* :meth:`ElasticWorld.unplaced` -- :meth:`~nonstop.runtime.elastic.ElasticPolicy.on_unplaced` for
+* :meth:`ElasticWorld.unplaced` -- :meth:`~nonstop.policy.elastic.ElasticPolicy.on_unplaced` for
   a node's ranks that no hot spare can take (wait for the pool node, shrink, or fail);
-* :meth:`ElasticWorld.survivor_choice` -- :func:`~nonstop.runtime.survivors.choose` (shrink first
-  or replace first), when :func:`~nonstop.runtime.planning.may_shrink` lets the job go on without
+* :meth:`ElasticWorld.survivor_choice` -- :func:`~nonstop.policy.survivors.choose` (shrink first
+  or replace first), when :func:`~nonstop.policy.planning.may_shrink` lets the job go on without
   the node;
-* :meth:`ElasticWorld.grow` -- :meth:`~nonstop.runtime.elastic.ElasticPolicy.grow_to` when
+* :meth:`ElasticWorld.grow` -- :meth:`~nonstop.policy.elastic.ElasticPolicy.grow_to` when
   prepared machines are ready to join;
-* :meth:`ElasticWorld.rate` -- :func:`~nonstop.runtime.elastic.play_shards` and
-  :func:`~nonstop.runtime.survivors.shrunk_rate`: the shrunk job's rate (``--shrink-batch``).
+* :meth:`ElasticWorld.rate` -- :func:`~nonstop.policy.elastic.play_shards` and
+  :func:`~nonstop.policy.survivors.shrunk_rate`: the shrunk job's rate (``--shrink-batch``).
 
 Granularity: a unit of ``unit_nodes`` nodes leaves and joins together: a node's ``gpus_per_node``
 ranks in a data-parallel job, a model copy's in an HSDP job (the runtime drops whole replica
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import heapq
 
-from nonstop.runtime import elastic, planning, survivors
-from nonstop.runtime.elastic import ElasticAction, ElasticDecision
-from nonstop.runtime.survivors import SurvivorChoice, SurvivorCosts, SurvivorMode
+from nonstop.policy import elastic, planning, survivors
+from nonstop.policy.elastic import ElasticAction, ElasticDecision
+from nonstop.policy.survivors import SurvivorChoice, SurvivorCosts, SurvivorMode
 from nonstop.sim.api import STEADY
 
 __all__ = ["ElasticWorld"]
@@ -78,8 +78,8 @@ class ElasticWorld:
 
     def rate(self, world_size: int) -> float:
         """A job of ``world_size`` ranks' speed over the full job's, in samples per second (0
-        without ranks): :func:`~nonstop.runtime.survivors.shrunk_rate` of the shards each plays
-        (:func:`~nonstop.runtime.elastic.play_shards` of the job's ``num_gpus x shards_per_rank``:
+        without ranks): :func:`~nonstop.policy.survivors.shrunk_rate` of the shards each plays
+        (:func:`~nonstop.policy.elastic.play_shards` of the job's ``num_gpus x shards_per_rank``:
         keep, the slowest rank plays the most; drop, every rank its own, fewer in all)."""
         if world_size <= 0:
             return 0.0

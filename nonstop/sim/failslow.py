@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from nonstop.runtime import straggler
-from nonstop.runtime.policy import FailureKind
-from nonstop.runtime.straggler import StragglerConfig, StragglerVerdict
+from nonstop.policy import straggler
+from nonstop.policy.decisions import FailureKind
+from nonstop.policy.straggler import StragglerConfig, StragglerVerdict
 from nonstop.sim.api import FailureEvents, JobSpec, SlowEvents, require
 from nonstop.sim.failures import SPOT_PREEMPTION
 
@@ -170,7 +170,7 @@ def detection_steps(
 ) -> tuple[int, StragglerVerdict] | None:
     """Slow steps after which the runtime's detector flags a rank computing ``factor`` x
     ``step_s`` where its peers compute ``step_s``, and its verdict (None: never flagged), replayed
-    through the runtime's own tracker (:class:`~nonstop.runtime.straggler.StragglerTracker`,
+    through the runtime's own tracker (:class:`~nonstop.policy.straggler.StragglerTracker`,
     called through its module): a window of ordinary steps, then slow ones until ``judge`` flags
     the rank. Three peers stand for the job (a rank is judged against the median of the others,
     which a job's thousands of healthy peers give the same)."""

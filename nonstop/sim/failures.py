@@ -1,9 +1,9 @@
 """Failure processes: rates, causes, and the event streams the engine replays.
 
 A **cause** is what broke (a faulty GPU, a software bug, ...). Each cause carries the runtime's
-:class:`~nonstop.runtime.policy.FailureKind` (how the control plane sees it: a process exit, a
+:class:`~nonstop.policy.decisions.FailureKind` (how the control plane sees it: a process exit, a
 hang, a lost node) and whether it is **planned** (maintenance with notice). The strategy then asks
-:func:`nonstop.runtime.policy.recovery_action` what to do about it, exactly as the runtime does.
+:func:`nonstop.policy.decisions.recovery_action` what to do about it, exactly as the runtime does.
 
 Sources of the numbers (see docs/simulator.md):
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nonstop.runtime.policy import FailureKind
+from nonstop.policy.decisions import FailureKind
 from nonstop.sim.api import DAY_S, FailureEvents, JobSpec, require
 from nonstop.sim.traces import NodeTrace
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from nonstop.mesh import MeshSpec
-from nonstop.runtime.policy import FailureKind
+from nonstop.policy.decisions import FailureKind
 from nonstop.sim.api import JobSpec, require
 from nonstop.sim.calibrate import Calibration, rendezvous_s
 from nonstop.sim.strategies import DEFAULT_GROUP_NODES

@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass, field
 
 from nonstop.config import SHRINK_BATCHES
-from nonstop.runtime.cadence import DEFAULT_BUDGET, MAX_AGE_S, choose_every
-from nonstop.runtime.policy import QuarantinePolicy
-from nonstop.runtime.straggler import StragglerConfig
-from nonstop.runtime.survivors import SurvivorMode
+from nonstop.policy.cadence import DEFAULT_BUDGET, MAX_AGE_S, choose_every
+from nonstop.policy.decisions import QuarantinePolicy
+from nonstop.policy.straggler import StragglerConfig
+from nonstop.policy.survivors import SurvivorMode
 from nonstop.sim.api import require
 from nonstop.sim.proactivesim import PROACTIVE
 
@@ -23,7 +23,7 @@ class NonstopParams:
 
     snapshot_every: steps between in-memory snapshots. snapshot_budget: the runtime's
     ``--snapshot-budget`` (> 0: the interval is the smallest K >= snapshot_every whose stall costs
-    at most this fraction of the step, :func:`~nonstop.runtime.cadence.choose_every`, as the
+    at most this fraction of the step, :func:`~nonstop.policy.cadence.choose_every`, as the
     runtime's coordinator tunes it; never more steps than take ``snapshot_max_age_s``, the runtime's
     ``--snapshot-max-age``). stall_s: loop stall per snapshot.
     replicas: peer replicas of each node's snapshots (r). spares_per_node: pre-warmed process
@@ -39,7 +39,7 @@ class NonstopParams:
     ``--shrink-batch``: ``keep`` (the lost ranks' shards played by the others) or ``drop`` (they
     are skipped: a shrunk step is as fast as a full one and trains ``W' / W`` of the samples,
     torchft's semantics). survivors: the runtime's ``--survivors``
-    (``auto``: :func:`~nonstop.runtime.survivors.choose` decides per failure; ``wait``: replace
+    (``auto``: :func:`~nonstop.policy.survivors.choose` decides per failure; ``wait``: replace
     first; ``continue``: shrink first wherever the job may shrink); only an elastic job shrinks.
     replica_nodes: the job is HSDP over replica groups of this many nodes (the runtime's ``--mesh
     replicate=R,shard=S``, a shard group per replica group); a live migration or a grow then
@@ -52,7 +52,7 @@ class NonstopParams:
     the job's nodes), so both strategies are charged for the same job. straggler: the runtime's
     fail-slow and degraded-node settings (``mode`` migrate and ``on_degraded`` drain: proactive
     moves; :data:`~nonstop.sim.proactivesim.NO_PROACTIVE` detects only). rescue: the runtime's
-    rescue snapshots (``--rescue-wait`` > 0, runtime/rescue.py): with ``snapshot_every`` > 1 and
+    rescue snapshots (``--rescue-wait`` > 0, policy/rescue.py): with ``snapshot_every`` > 1 and
     a model copy to take a lost rank's state from, a failure in memory loses only the step in
     flight, and the plan waits for the survivors' write of their state (one device-to-host copy).
     """
@@ -79,7 +79,7 @@ class NonstopParams:
 
     def interval(self, stall_s: float, step_s: float, *, copies: int) -> int:
         """Steps between two snapshots: ``snapshot_every``, or with a budget the one the runtime's
-        coordinator tunes (:func:`~nonstop.runtime.cadence.choose_every`) where a lost rank has a
+        coordinator tunes (:func:`~nonstop.policy.cadence.choose_every`) where a lost rank has a
         stand-in, another of the job's ``copies`` of the model (ranks seeded alike, as here)."""
         if self.snapshot_budget <= 0 or copies < 2:
             return self.snapshot_every

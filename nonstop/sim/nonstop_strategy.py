@@ -1,29 +1,29 @@
 """nonstop's strategy, driven by the runtime's own pure policies.
 
-Every decision goes through :mod:`nonstop.runtime.policy`, called through the module so that the
+Every decision goes through :mod:`nonstop.policy.decisions`, called through the module so that the
 simulator and the runtime cannot disagree (a test monkeypatches them and sees the result change):
 
-* :func:`~nonstop.runtime.policy.recovery_action` — restart in place, replace the node, quarantine
+* :func:`~nonstop.policy.decisions.recovery_action` — restart in place, replace the node, quarantine
   it, or migrate (planned events);
-* :class:`~nonstop.runtime.policy.QuarantinePolicy` — a node failing too often is vacated;
-* :func:`~nonstop.runtime.policy.place_replicas` — which nodes hold each node's snapshot replicas
+* :class:`~nonstop.policy.decisions.QuarantinePolicy` — a node failing too often is vacated;
+* :func:`~nonstop.policy.decisions.place_replicas` — which nodes hold each node's snapshot replicas
   (asked on a window of the ring around the node: the same answer as on the whole ring, see
   :meth:`Nonstop.holders`, at O(window) cost instead of O(nodes^2));
-* :func:`~nonstop.runtime.policy.choose_replacements` — a hot spare (process spare on the node, or
+* :func:`~nonstop.policy.decisions.choose_replacements` — a hot spare (process spare on the node, or
   a spare node), a cold process in place, or a fresh node from the scheduler's pool;
-* :func:`~nonstop.runtime.policy.choose_tier` — restore from local memory, a peer's replica, or
+* :func:`~nonstop.policy.decisions.choose_tier` — restore from local memory, a peer's replica, or
   the durable tier (then every rank rolls back to the newest persisted step).
 
-Elasticity (``NonstopParams.min_world_size``) goes through :mod:`nonstop.runtime.elastic` the same
+Elasticity (``NonstopParams.min_world_size``) goes through :mod:`nonstop.policy.elastic` the same
 way: a lost node whose ranks no hot spare can take (they would wait for a fresh node from the
-scheduler's pool) is handed to :meth:`~nonstop.runtime.elastic.ElasticPolicy.on_unplaced` — wait
+scheduler's pool) is handed to :meth:`~nonstop.policy.elastic.ElasticPolicy.on_unplaced` — wait
 for that node, shrink to fewer data-parallel ranks, or fail (then it waits for the pool node, as
 without elasticity); the shrunk job's rate comes from
-:func:`~nonstop.runtime.elastic.assign_shards` (the slowest rank plays the most shards), and it
-grows back through :meth:`~nonstop.runtime.elastic.ElasticPolicy.grow_to` when the pool node joins.
+:func:`~nonstop.policy.elastic.assign_shards` (the slowest rank plays the most shards), and it
+grows back through :meth:`~nonstop.policy.elastic.ElasticPolicy.grow_to` when the pool node joins.
 
 Survivors (``NonstopParams.survivors``, the runtime's ``--survivors``): a failure a hot spare could
-take goes to :func:`~nonstop.runtime.survivors.choose` when :func:`~nonstop.runtime.planning.may_shrink`
+take goes to :func:`~nonstop.policy.survivors.choose` when :func:`~nonstop.policy.planning.may_shrink`
 lets the job go on without the node -- shrink first (the survivors pause for one rebuild and train
 shrunk while the spare prepares: launch, fetch, restore, a warm-up step; it then joins by a grow)
 or replace first (everyone waits for the spare), with this job's costs at scale as the runtime
@@ -47,18 +47,18 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from nonstop.runtime import policy
-from nonstop.runtime.elastic import ElasticAction, ElasticDecision
-from nonstop.runtime.policy import (
+from nonstop.policy import decisions as policy
+from nonstop.policy.boundary_swap import SwapKind
+from nonstop.policy.decisions import (
     FailureKind,
     Placement,
     RecoveryAction,
     ReplacementSource,
     Tier,
 )
-from nonstop.runtime.rescue import has_donors
-from nonstop.runtime.survivors import SurvivorChoice, SurvivorCosts
-from nonstop.runtime.swap import SwapKind
+from nonstop.policy.elastic import ElasticAction, ElasticDecision
+from nonstop.policy.rescue import has_donors
+from nonstop.policy.survivors import SurvivorChoice, SurvivorCosts
 from nonstop.sim import recoverysim, swapsim
 from nonstop.sim.api import (
     JobSpec,
@@ -463,7 +463,7 @@ class Nonstop:
         plans FROM_DURABLE: every node installs, then the generation starts); ``launch_s`` None:
         nothing is replaced (a shrink)."""
         plan = self.cal.plan_s + waited_s + (self.durable_read if tier is Tier.DURABLE else 0.0)
-        if self.rescues:  # the plan waits for the survivors' rescue writes (runtime/rescue.py)
+        if self.rescues:  # the plan waits for the survivors' rescue writes (policy/rescue.py)
             plan += self.capture
         timing = recoverysim.time_recovery(
             RecoveryCosts(

@@ -2,14 +2,14 @@
 
 Two kinds of move ahead of trouble, each a live migration (the boundary-swap machine's pause,
 timed at the job's scale by :mod:`nonstop.sim.swapsim`: what the simulator charges a planned
-swap), each decided as the coordinator decides it (:mod:`nonstop.runtime.healthops`), through
+swap), each decided as the coordinator decides it (:mod:`nonstop.coordinator.health`), through
 the runtime's modules so that a test that monkeypatches them sees the simulation change:
 
 * **a fail-slow rank** (:meth:`ProactiveMoves.on_slow`): the runtime's detector
-  (:class:`~nonstop.runtime.straggler.StragglerTracker`, replayed by
+  (:class:`~nonstop.policy.straggler.StragglerTracker`, replayed by
   :func:`~nonstop.sim.failslow.detection_steps`) says after how many slow steps it flags the
   rank, and its verdict (the rank's and its peers' compute times) goes to
-  :func:`~nonstop.runtime.proactive.decide_migration` with the run's remaining steps (what the
+  :func:`~nonstop.policy.proactive.decide_migration` with the run's remaining steps (what the
   coordinator passes: the workers' announced length less the steps done; the runtime does not
   know how long a slowdown will last), the migration's cost (the planned swap's pause) and
   whether another node has an idle hot spare. ``StragglerConfig.mode``: ``off`` never detects,
@@ -17,7 +17,7 @@ the runtime's modules so that a test that monkeypatches them sees the simulation
 * **a degraded node before its failure** (:meth:`ProactiveMoves.on_warning`): with
   ``StragglerConfig.on_degraded == "drain"``, the coordinator drains a node whose probe says
   degraded when another node has an idle hot spare; the failure that would have followed is
-  graded by :func:`~nonstop.runtime.grading.grade_failure` with the degraded verdict, and a node
+  graded by :func:`~nonstop.policy.grading.grade_failure` with the degraded verdict, and a node
   it would send elsewhere (``replace_elsewhere`` / ``quarantine_node``) is drained -- in time if
   the signal's lead covers the plan and the joiner's preparation. A drained node's failure is a
   planned live migration: nothing rolled back, no restart.
@@ -28,11 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nonstop.runtime import grading
-from nonstop.runtime import proactive as proactive_policy
-from nonstop.runtime.grading import FailureSignal, Grade
-from nonstop.runtime.policy import QuarantinePolicy
-from nonstop.runtime.straggler import StragglerConfig, StragglerVerdict
+from nonstop.policy import grading
+from nonstop.policy import proactive as proactive_policy
+from nonstop.policy.decisions import QuarantinePolicy
+from nonstop.policy.grading import FailureSignal, Grade
+from nonstop.policy.straggler import StragglerConfig, StragglerVerdict
 from nonstop.sim import failslow
 from nonstop.sim.api import JobSpec, SlowResponse
 from nonstop.sim.swapsim import SwapTiming

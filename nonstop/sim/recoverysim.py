@@ -1,5 +1,5 @@
 """Recoveries in the simulator: the runtime's own generation machine
-(:class:`~nonstop.runtime.recovery.Reconfiguration`), driven by a simulated executor.
+(:class:`~nonstop.policy.reconfiguration.Reconfiguration`), driven by a simulated executor.
 
 The runtime feeds the machine what the ranks report and carries its actions out over the network;
 here each report comes after a calibrated duration instead, in simulated time, for a job of two
@@ -30,8 +30,8 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-from nonstop.runtime import recovery
-from nonstop.runtime.recovery import Action, Reconfiguration, RecoveryEvent
+from nonstop.policy import reconfiguration as recovery
+from nonstop.policy.reconfiguration import Action, Reconfiguration, RecoveryEvent
 
 __all__ = ["RecoveryCosts", "RecoveryTiming", "time_recovery"]
 

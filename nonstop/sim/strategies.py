@@ -1,6 +1,6 @@
 """Baseline strategies: periodic checkpoint + full restart, and torchft-like replica healing.
 
-Both classify each failure with the runtime's :func:`nonstop.runtime.policy.recovery_action`
+Both classify each failure with the runtime's :func:`nonstop.policy.decisions.recovery_action`
 (called through the module, so the simulator follows whatever the runtime's policy says), then
 apply their own mechanics. :mod:`nonstop.sim.nonstop_strategy` holds nonstop's own strategy.
 
@@ -15,8 +15,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from nonstop.runtime import policy
-from nonstop.runtime.policy import FailureKind, RecoveryAction, Tier
+from nonstop.policy import decisions as policy
+from nonstop.policy.decisions import FailureKind, RecoveryAction, Tier
 from nonstop.sim.api import Charge, JobSpec, Recovery, RunContext, default_spare_nodes, require
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s, restart_s
 from nonstop.sim.failures import Cause

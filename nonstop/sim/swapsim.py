@@ -1,5 +1,5 @@
 """Live migrations and elastic grows in the simulator: the runtime's own boundary-swap machine
-(:class:`~nonstop.runtime.swap.BoundarySwap`), driven by a simulated executor.
+(:class:`~nonstop.policy.boundary_swap.BoundarySwap`), driven by a simulated executor.
 
 The runtime feeds the machine real events and carries its actions out over the network; here
 each action takes a calibrated duration instead, in simulated time:
@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nonstop.runtime import swap as swap_machine
-from nonstop.runtime.migration import CatchUp, Transfer
-from nonstop.runtime.swap import Action, BoundarySwap, Joiner, SwapKind
+from nonstop.policy import boundary_swap as swap_machine
+from nonstop.policy.boundary_swap import Action, BoundarySwap, Joiner, SwapKind
+from nonstop.policy.migration import CatchUp, Transfer
 
 __all__ = ["SwapCosts", "SwapTiming", "time_swap"]
 

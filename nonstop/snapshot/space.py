@@ -20,7 +20,7 @@ which kills the writer mid-step. Three things keep that from happening:
   (:class:`ShmFullError`), never a SIGBUS later. The store then degrades: fewer slots for that
   rank (down to one), and with none a write that fails like any failed snapshot (the replica or
   durable tier covers it). Each degradation is logged and, when the plan names the job dir, an
-  event (:class:`~nonstop.runtime.events.memory.MemoryDegraded`) in ``events.jsonl``.
+  event (:class:`~nonstop.events.memory.MemoryDegraded`) in ``events.jsonl``.
 """
 
 from __future__ import annotations
@@ -194,8 +194,8 @@ def report_degraded(plan: NodePlan | None, *, rank: int, store: str, slots_left:
     )  # fmt: skip
     if plan is None:
         return
-    from nonstop.runtime.eventlog import EventLog
-    from nonstop.runtime.events.memory import MemoryDegraded
+    from nonstop.events.log import EventLog
+    from nonstop.events.memory import MemoryDegraded
 
     try:
         events = EventLog(Path(plan.job_dir) / "events.jsonl")

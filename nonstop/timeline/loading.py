@@ -2,7 +2,7 @@
 
 * :func:`load_events` reads and checks a log (a file, or a job dir that holds one); a missing,
   unreadable or non-event file is a :class:`~nonstop.errors.UsageError`.
-* :func:`build_timeline` decodes the lines into typed events (:func:`nonstop.runtime.events.decode`)
+* :func:`build_timeline` decodes the lines into typed events (:func:`nonstop.events.decode`)
   and reads them in time order: ranks (:mod:`.ranks`), failures and recoveries, generations and
   their stages, nodes, the coordinator, the tiers, waits and shrinks (:mod:`.shrinks`), migrations
   and grows (:mod:`.swaps`), and every event with no row of its own.
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nonstop import events as ev
 from nonstop.errors import UsageError
-from nonstop.runtime import events as ev
-from nonstop.runtime.eventlog import read_events
+from nonstop.events.log import read_events
 from nonstop.timeline.model import (
     STAGE_ORDER,
     FailureMark,

@@ -31,7 +31,7 @@ __all__ = [
     "prepare_then_swap",
 ]
 
-# The stages of a recovery in the order they happen (runtime/recovery.py); a recovery record's
+# The stages of a recovery in the order they happen (policy/reconfiguration.py); a recovery record's
 # stages that are not listed here (a future stage) follow in the record's own order.
 STAGE_ORDER = ("detect", "replan", "plan", "launch", "restore", "rebuild", "resume")
 
@@ -202,7 +202,7 @@ class CatchupMark:
 
 @dataclass(frozen=True)
 class MigrationSpan:
-    """A live migration of ``rank`` from node ``source`` to ``target`` (runtime/migration.py), from
+    """A live migration of ``rank`` from node ``source`` to ``target`` (policy/migration.py), from
     ``migration_start`` (``start``) to ``migration_done`` or ``migration_aborted`` (``end``).
 
     ``outcome``: ``"done"``, ``"aborted"`` (``phase``: the phase it was aborted in, ``error``) or
@@ -270,7 +270,7 @@ class ElasticWait:
 
 @dataclass(frozen=True)
 class ElasticResize:
-    """A change of the world size from ``old_world_size`` to ``world_size`` (runtime/elastic.py).
+    """A change of the world size from ``old_world_size`` to ``world_size`` (policy/elastic.py).
 
     ``kind`` ``"shrink"``: failed ranks had no spare; ``t`` is the ``shrink`` event, ``start`` the
     start of the :class:`ElasticWait` it ended (``t`` when there was none), ``end`` when the smaller

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from nonstop.runtime import events as ev
+from nonstop import events as ev
 from nonstop.timeline.model import ElasticResize, ElasticWait, Generation
 from nonstop.timeline.swaps import first_generation
 

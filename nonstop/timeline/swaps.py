@@ -11,7 +11,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from nonstop.runtime import events as ev
+from nonstop import events as ev
 from nonstop.timeline.model import CatchupMark, ElasticResize, Generation, MigrationSpan
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The device a worker computes on and the process-group backend that goes with it.
 
-The node agent gave the process its device at spawn (:mod:`nonstop.runtime.devices`:
+The node agent gave the process its device at spawn (:mod:`nonstop.devices.inventory`:
 ``NONSTOP_DEVICE`` = ``LOCAL_RANK``, ``NONSTOP_DEVICE_TYPE``); :func:`worker_device` reads it
 back as a ``torch.device`` -- ``cuda:LOCAL_RANK`` on a GPU node, ``cpu`` on a CPU node or with
 fake devices -- and :func:`set_current_device` makes it the process's current device. ``nonstop.init()``
@@ -27,7 +27,7 @@ bookkeeping needs a device copy.
 :func:`collective_timeout_s`: the process group's collective timeout. On CPU it is the
 rebuild timeout, as before. On a device node NCCL's watchdog enforces it (with
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` it aborts the communicators and fails the collective
-instead of killing the process, :mod:`nonstop.runtime.ncclenv`), so it is a backstop behind
+instead of killing the process, :mod:`nonstop.devices.nccl`), so it is a backstop behind
 nonstop's own hang detection, separate from how long a rebuild may take:
 ``$NONSTOP_COLLECTIVE_TIMEOUT_S``, default 600 s (NCCL's default).
 """
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nonstop.devices.inventory import DEVICE, DEVICE_FAKE, DEVICE_TYPE
 from nonstop.errors import UsageError
-from nonstop.runtime.devices import DEVICE, DEVICE_FAKE, DEVICE_TYPE
 
 __all__ = [
     "BackendChoice",

@@ -75,8 +75,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nonstop.runtime.ncclenv import DEVICE_GROUPS as MODE
-from nonstop.runtime.ncclenv import INDEPENDENT, SPLIT, device_groups_mode
+from nonstop.devices.nccl import DEVICE_GROUPS as MODE
+from nonstop.devices.nccl import INDEPENDENT, SPLIT, device_groups_mode
 
 __all__ = [
     "INDEPENDENT",
@@ -103,7 +103,7 @@ def mode(env: Mapping[str, str] | None = None) -> str:
     """How a device node builds a sharded job's mesh groups: :data:`INDEPENDENT` (default) or
     :data:`SPLIT` (the module docstring). Anything else is refused, naming the choices; the
     launcher asks first, so a bad value fails the job at its start
-    (:func:`nonstop.runtime.ncclenv.device_groups_mode`)."""
+    (:func:`nonstop.devices.nccl.device_groups_mode`)."""
     return device_groups_mode(os.environ if env is None else env)
 
 

@@ -3,10 +3,10 @@
 A training script hands a callback (a logger's: :mod:`nonstop.loggers`) the job's events -- the
 lines the coordinator writes to ``events.jsonl`` (failures, recoveries with their MTTR and
 stages, generations, shrinks and grows, migrations, persists ...) as typed
-:class:`~nonstop.runtime.events.Event` objects, plus ``committed``
-(:class:`~nonstop.runtime.events.feed.Committed`) when the committed step moves. Only a process
+:class:`~nonstop.events.Event` objects, plus ``committed``
+(:class:`~nonstop.events.hook.Committed`) when the committed step moves. Only a process
 that subscribed receives them (typically rank 0's); they come over its authenticated control
-channel (:mod:`nonstop.runtime.eventfeed` sends them).
+channel (:mod:`nonstop.coordinator.event_feed` sends them).
 
 Delivery contract (:class:`EventHooks`):
 
@@ -34,10 +34,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from nonstop import events as ev
 from nonstop.control.channel import Message
 from nonstop.errors import UsageError
-from nonstop.runtime import events as ev
-from nonstop.runtime.events import feed as _feed  # noqa: F401  (registers the feed's kinds)
+from nonstop.events import hook as _hook  # noqa: F401  (registers the hook's kinds)
 
 __all__ = ["DELIVERY", "FLUSH_S", "EventCallback", "EventHooks"]
 

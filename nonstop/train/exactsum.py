@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nonstop.runtime.elastic import assign_shards
+from nonstop.policy.elastic import assign_shards
 
 __all__ = ["exact_mean"]
 

@@ -11,7 +11,7 @@ look stuck to the coordinator's no-progress rule and be killed with it.
 each process group issued, whatever library issued it, and NCCL's watchdog updates each entry from
 the work's CUDA events: ``scheduled`` (enqueued), ``started`` (its kernel runs: the rank's own work
 that feeds it is done) and ``completed``. ``started`` needs a start event, which NCCL records only
-with ``TORCH_NCCL_ENABLE_TIMING=1``; :mod:`nonstop.runtime.ncclenv` sets both on a CUDA node. The
+with ``TORCH_NCCL_ENABLE_TIMING=1``; :mod:`nonstop.devices.nccl` sets both on a CUDA node. The
 heartbeat thread asks for the active entries (``onlyActive``: not completed) and the rank is in a
 collective while one of them has started: exactly the ``ready`` and not ``done`` of
 :class:`~nonstop.train.liveness.CollectiveWatch`, for every collective. A rank stuck in its own

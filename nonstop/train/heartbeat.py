@@ -12,7 +12,7 @@ coordinator one message composed here, read-only on the session:
   allreduce's return, :attr:`~nonstop.train.ddp.CanonicalGradSync.left_at`; the sampler of a
   sharded model's waits, :attr:`~nonstop.train.waitclock.CollectiveClock.inside_at`), else as
   this thread saw it. The progress rule blames a rank only on this word
-  (:func:`nonstop.runtime.policy.find_hung_ranks`): a rank that waited seconds for a slow peer
+  (:func:`nonstop.policy.decisions.find_hung_ranks`): a rank that waited seconds for a slow peer
   is not stuck in its own code when it leaves the collective;
 * ``moving``: its training thread ran or waited for a CPU since the last heartbeat
   (:mod:`nonstop.train.threadprogress`): slow on a starved machine, not stuck;

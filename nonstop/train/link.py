@@ -61,7 +61,7 @@ from nonstop.config import WorkerEnv
 from nonstop.control.channel import Channel, Message, connect
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import ControlError, JobFailedError
-from nonstop.runtime.cadence import Cadence
+from nonstop.policy.cadence import Cadence
 from nonstop.train.meshgroups import GroupClaim, OpenGroup
 from nonstop.train.settle import Settling, lost_ranks, post
 

@@ -4,7 +4,7 @@ script reads every step).
 
 A generation's ``reconfigure`` message sets them (:meth:`Membership._set_membership`), and the
 worker's environment follows: torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ... as :mod:`nonstop.runtime.torchenv` defines them), as
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ... as :mod:`nonstop.coordinator.torch_env` defines them), as
 does the label the node agent puts on its output lines. Main thread only.
 """
 
@@ -18,11 +18,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.config import WorkerEnv
 from nonstop.control.channel import Message
+from nonstop.devices.inventory import DEVICE
 from nonstop.mesh import MeshSpec
-from nonstop.runtime.devices import DEVICE
-from nonstop.runtime.workerlog import announce_rank
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.trainee import accumulate
+from nonstop.workerlog import announce_rank
 
 __all__ = ["Membership"]
 
@@ -47,13 +47,13 @@ class Membership:
         self.shards_played: int = int(msg.get("divisor", self.num_shards))
         if self._sync is not None:
             self._sync.set_shards(self.shards, self.shards_played)
-        # torchrun's variables as the coordinator computed them (runtime/torchenv.py); a message
+        # torchrun's variables as the coordinator computed them (coordinator/torch_env.py); a message
         # without them (an older coordinator) still sets the rank and the world size
         env = {str(k): str(v) for k, v in dict(msg.get("env", {})).items()}
         env.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size))
         device = os.environ.get(DEVICE)
         if device is not None:  # a device node: LOCAL_RANK is this process's device, for life
-            env["LOCAL_RANK"] = device  # (runtime/devices.py), whatever the message says
+            env["LOCAL_RANK"] = device  # (devices/inventory.py), whatever the message says
         env.update(ROLE_RANK=env["RANK"], ROLE_WORLD_SIZE=env["WORLD_SIZE"])
         os.environ.update(env)
         announce_rank(self.rank)  # the agent labels this process's output lines with it from here

@@ -11,7 +11,7 @@ outside them -- RNGs, extras, ``state=`` objects, the optimizer's hyperparameter
 :meth:`StepHead.rescue` gives the state after ``s`` if no counter moved: the live tensors with the
 head copied at the start. The survivor writes it to its slots before it reports the fault
 (``rescued: s``), and the coordinator plans the newest step every rank holds with it
-(:mod:`nonstop.runtime.rescue`).
+(:mod:`nonstop.policy.rescue`).
 
 ``digest`` fingerprints the head: when every survivor's is the same, the ranks' state outside the
 replicated tensors is alike (seeded alike, no per-rank state), so a replaced rank may take the

@@ -64,7 +64,7 @@ from nonstop.control.channel import Message
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
-from nonstop.runtime import cadence
+from nonstop.policy import cadence
 from nonstop.train.backend import set_current_device, worker_device
 from nonstop.train.eventhooks import FLUSH_S, EventCallback, EventHooks
 from nonstop.train.frwatch import FlightRecorderWatch, flight_recorder_watch
@@ -156,7 +156,7 @@ class Session(Rejoin, HeartbeatWords):
             resume=self._resume_point,
             sever=self._group.sever,
         )
-        self._link.on_cadence = self._snaps.schedule  # (--snapshot-budget: runtime/cadence.py)
+        self._link.on_cadence = self._snaps.schedule  # (--snapshot-budget: policy/cadence.py)
         self._faults = WorkerFaults(env, self._link)
         self._hooks = EventHooks()  # on_event's callbacks (train/eventhooks.py)
         # A spare waits here, imported, connected and (a sharded job's) warmed up, until it is
@@ -196,7 +196,7 @@ class Session(Rejoin, HeartbeatWords):
         max_pending: int = 1024,
     ) -> None:
         """Call ``callback(event)`` with each of the job's events from now on (a typed
-        :class:`~nonstop.runtime.events.Event`: ``event.kind``, its fields, ``event.to_json()``):
+        :class:`~nonstop.events.Event`: ``event.kind``, its fields, ``event.to_json()``):
         what the coordinator logs to ``events.jsonl`` -- ``failure``, ``recovery`` (MTTR, stages,
         lost steps), ``generation``, ``shrink``, ``grow``, ``migration_done``, ``persist``, ... --
         and ``committed`` (the committed step, at most once a second). ``kinds``: only these.
@@ -478,7 +478,7 @@ class Session(Rejoin, HeartbeatWords):
         if not due:
             report["snapped"] = False  # progress only: the committed step stays where it is
         if self.env.snapshot_budget > 0 and self._step >= cadence.SKIP and self._rest_gen != self.generation:
-            report["rest"] = rest_digest(self._capture().head())  # once a generation (runtime/cadence.py)
+            report["rest"] = rest_digest(self._capture().head())  # once a generation (policy/cadence.py)
             self._rest_gen = self.generation
         # with overlapped capture the snapshot is complete when the background copy finishes
         if snap is None:

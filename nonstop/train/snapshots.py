@@ -15,7 +15,7 @@ import logging
 
 from nonstop.config import WorkerEnv
 from nonstop.mesh import MeshSpec
-from nonstop.runtime.cadence import Cadence
+from nonstop.policy.cadence import Cadence
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.snapshot.nodecopy import NodeCopy, node_slots
 from nonstop.snapshot.sharded import replicated_along
@@ -42,7 +42,7 @@ class LoopSnapshots:
         self._node: NodeCopy | None = None
         self._alike: tuple[int, bool] | None = None  # (id(optimizer), replicated along "replicate")
         self._mesh = MeshSpec.parse(env.mesh) if env.mesh is not None else None
-        self.cadence = Cadence(every=env.snapshot_every)  # (runtime/cadence.py)
+        self.cadence = Cadence(every=env.snapshot_every)  # (policy/cadence.py)
         self._next: Cadence | None = None  # announced, from its step on
 
     @property

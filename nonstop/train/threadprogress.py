@@ -3,7 +3,7 @@
 The heartbeat thread asks this of the training thread (:class:`ThreadProgress`), and says
 ``moving`` when the thread either ran or waited on the kernel's run queue since the heartbeat
 before: slow, on a starved machine, rather than stuck. The detector then gives a rank with no
-step progress its longer limit (:func:`nonstop.runtime.policy.find_hung_ranks`).
+step progress its longer limit (:func:`nonstop.policy.decisions.find_hung_ranks`).
 
 * **Ran**: its CPU-time clock (``pthread_getcpuclockid``) advanced by more than
   :data:`MOVING_CPU_S`.

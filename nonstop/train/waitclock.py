@@ -1,7 +1,7 @@
 """How long a sharded model's step waits in collectives, measured by sampling (issue 21).
 
 The coordinator's fail-slow detection compares each rank's own **compute time**, ``step_s -
-wait_s`` (:mod:`nonstop.runtime.straggler`): in a synchronous job every rank's step takes as
+wait_s`` (:mod:`nonstop.policy.straggler`): in a synchronous job every rank's step takes as
 long as the slowest one's, and only the time outside collectives tells the straggler (computes
 long, waits little) from its peers (compute as usual, wait for it). A data-parallel model's wait
 is stamped exactly around nonstop's gradient allreduce (:class:`~nonstop.train.ddp.CanonicalGradSync`).

@@ -12,7 +12,7 @@ probes, one before and one right before the deletion, find no manifest; a newer 
 only when :meth:`Catalog.resumed_from` declared it part of the timeline the writer left.
 A catalog instance remembers what it saw (it is used by one writer, one thread at a time);
 retention assumes one writer per root at a time (see the format; the launcher locks a local
-root, :mod:`nonstop.runtime.jobdir`).
+root, :mod:`nonstop.launch.jobdir`).
 """
 
 from __future__ import annotations

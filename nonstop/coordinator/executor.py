@@ -1,0 +1,146 @@
+"""The coordinator's I/O: the one place that sends on channels, spawns and kills through node
+agents, and asks nodes for work whose answer comes back later (a request id).
+
+Operations (recovery, swaps, replication, the store) decide; they act only through an
+:class:`Executor`, so a test can drive them with fake channels and read what was sent.
+
+Threading: the coordinator's thread only. A send on a channel that broke is dropped (the
+peer's loss is detected on its own: an exit, a lease, a closed channel).
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import time
+
+from nonstop import events as ev
+from nonstop.control.channel import Message
+from nonstop.coordinator.torch_env import rank_env
+from nonstop.coordinator.view import JobView, NodeRecord, Role, WorkerRecord
+from nonstop.errors import ControlError
+from nonstop.events.log import EventLog
+from nonstop.protocol.wire import Installed, Inventory, Lost
+
+__all__ = ["Executor"]
+
+
+class Executor:
+    """Sends, spawns, kills and requests on behalf of the coordinator (see the module docstring).
+
+    ``replies`` holds the answers to requests that arrived (``inventory``, ``installed``, a
+    node's loss); ``pending`` maps a request in flight to the node asked."""
+
+    def __init__(self, view: JobView, events: EventLog) -> None:
+        self.view = view
+        self.events = events
+        self._req = itertools.count()
+        self.replies: dict[int, Inventory | Installed | Lost] = {}
+        self.pending: dict[int, str] = {}
+
+    # -- channels ----------------------------------------------------------------------------------
+    def send(self, w: WorkerRecord, msg: Message) -> None:
+        if w.chan is not None and not w.chan.closed:
+            try:
+                w.chan.send(msg)
+            except ControlError:
+                pass
+
+    def send_node(self, node: NodeRecord, msg: Message) -> None:
+        if node.alive and node.chan is not None and not node.chan.closed:
+            try:
+                node.chan.send(msg)
+            except ControlError:
+                pass
+
+    def send_to(self, name: str, msg: Message) -> bool:
+        """Send to node ``name``'s agent; whether it is there to receive it."""
+        node = self.view.nodes.get(name)
+        if node is None or not node.alive or node.chan is None or node.chan.closed:
+            return False
+        self.send_node(node, msg)
+        return True
+
+    def send_members(self, msg: Message) -> None:
+        for sid in self.view.members.values():
+            self.send(self.view.workers[sid], msg)
+
+    # -- processes ---------------------------------------------------------------------------------
+    def spawn(self, node: str, role: Role, rank: int | None) -> int:
+        """Have ``node``'s agent start a process (``rank``: it plays that rank); its spawn id."""
+        sid = self.view.add_worker(node, role, rank, time.monotonic()).spawn_id
+        msg: Message = {"t": "spawn", "spawn_id": sid, "role": str(role)}
+        if rank is not None:
+            msg["rank"] = rank  # the agent labels the process's output with it (workerlog.py)
+            msg["env"] = rank_env(self.view, sid, rank)  # torchrun's, before the script starts
+        self.send_node(self.view.nodes[node], msg)
+        self.events.emit(ev.Spawn(spawn_id=sid, role=str(role), rank=rank, node=node))
+        return sid
+
+    def kill(self, sid: int, sig: int = signal.SIGKILL, *, unless_moving: bool = False) -> None:
+        """Have ``sid``'s agent send it ``sig``; ``unless_moving``: SIGKILL only if the agent sees
+        it stuck, and answer either way (``judged``: ``agent/silence.py``)."""
+        node = self.view.nodes.get(self.view.node_of(sid))
+        if node is not None:
+            msg: Message = {"t": "kill", "spawn_id": sid, "sig": int(sig)}
+            if unless_moving:
+                msg["unless_moving"] = True
+            self.send_node(node, msg)
+
+    # -- requests to nodes -------------------------------------------------------------------------
+    def request(self, node: NodeRecord, msg: Message) -> int:
+        """Send ``msg`` with a fresh request id; a node already lost is answered at once."""
+        req = next(self._req)
+        if not node.alive:  # nobody is there to answer
+            self.replies[req] = Lost(id=req, error=f"node {node.name} lost")
+            return req
+        self.pending[req] = node.name
+        self.send_node(node, {**msg, "id": req})
+        return req
+
+    def fetch(
+        self,
+        target: str,
+        rank: int,
+        step: int,
+        source: str,
+        kind: str,
+        *,
+        as_rank: int | None = None,
+        base: int | None = None,
+        track: bool = False,
+        into: str = "local",
+    ) -> int:
+        """Ask ``target``'s agent to copy ``rank``'s snapshot of ``step`` from ``source``'s memory
+        (``kind``: its own ranks' ``local`` slots or the ``replica`` s it holds) into its slots of
+        ``as_rank`` (default ``rank``); a request id, answered by a ``fetched`` message.
+        ``track`` / ``base``: a catch-up (the step comes as a delta against ``base``, which the
+        last tracked fetch brought). ``into="replica"``: into the replica slots it keeps of
+        ``rank`` instead (an old rank's step for a reshard, read there by the new ranks)."""
+        msg: Message = {
+            "t": "fetch",
+            "rank": rank,
+            "step": step,
+            "addr": self.view.nodes[source].data_addr,
+            "kind": kind,
+        }
+        if as_rank is not None and as_rank != rank:
+            msg["as_rank"] = as_rank
+        if base is not None:
+            msg["base"] = base
+        if track:
+            msg["track"] = True
+        if into != "local":
+            msg["into"] = into
+        return self.request(self.view.nodes[target], msg)
+
+    def node_lost(self, name: str, *, keep: set[int]) -> None:
+        """Node ``name`` is gone: its requests in flight are answered as lost, except ``keep``
+        (fetches, which end with their generation)."""
+        for req, n in list(self.pending.items()):
+            if n == name and req not in keep:
+                self.replies.setdefault(req, Lost(id=req, error=f"node {name} lost"))
+
+    def done(self, req: int) -> None:
+        """Request ``req`` is answered or abandoned."""
+        self.pending.pop(req, None)

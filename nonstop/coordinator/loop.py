@@ -1,0 +1,393 @@
+"""The coordinator: one per job. It routes every event to the operation that owns it.
+
+Threading: one thread (the caller of :meth:`Coordinator.run`) owns all state; the control
+server's threads only put events on a queue, and :meth:`Coordinator.tick` handles them.
+
+State: a :class:`~nonstop.coordinator.view.JobView` (nodes, processes and their roles, membership,
+progress) in a :class:`~nonstop.policy.phase.JobPhase`, which decides which background operation
+may start. I/O goes through one :class:`~nonstop.coordinator.executor.Executor`. The operations:
+
+=================================  ==========================================================
+``agents`` (coordinator/node_agents.py)      nodes join, renew leases, are lost or quarantined; spares
+``failures`` (coordinator/failures.py) exits and hangs become failures, failures a new generation
+``gens`` (coordinator/generations.py)  plan (pure ``plan_generation``), launch and time generations
+``swaps`` (coordinator/swaps.py)     live migrations and grows: the pure ``BoundarySwap`` machine
+``replication`` (replication.py)   replication rounds to the peers' memory
+``store`` (coordinator/store_sync.py)   store mode: lead, save the record, resume from it
+``clients`` (coordinator/client_requests.py)   ``nonstop status / persist / migrate / drain``
+``workers`` (coordinator/workers.py)   the workers' protocol: connections, heartbeats, step reports,
+                                   rendezvous ``kv``, stage reports (fenced by generation)
+=================================  ==========================================================
+
+This module keeps the loop, the routing of the control server's events, the committed step and
+the job's end.
+
+Fencing: every message from a worker carries the generation it was sent in;
+``restored``/``ready``/``step``/``done``/``fault``/``kv`` from an older generation, from a
+process that is no longer a member, or from a lost node are ignored or refused, so two
+processes never play one rank in one generation. A message its authenticated sender built wrong
+fails that sender only (:meth:`Coordinator._dispatch`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nonstop import events as ev
+from nonstop.config import JobConfig
+from nonstop.control.channel import Channel, Message
+from nonstop.control.jobstore import JobStore
+from nonstop.control.listener import ControlServer
+from nonstop.control.rdzv import KeyValueTable
+from nonstop.coordinator.client_requests import ClientRequests
+from nonstop.coordinator.detector import FailureDetector
+from nonstop.coordinator.event_feed import EventFeed
+from nonstop.coordinator.executor import Executor
+from nonstop.coordinator.failures import Failures
+from nonstop.coordinator.generations import Generations
+from nonstop.coordinator.health import Health
+from nonstop.coordinator.metrics import JobMonitor
+from nonstop.coordinator.node_agents import NodeAgents
+from nonstop.coordinator.persistence import ClusterPersister, PersistOps
+from nonstop.coordinator.replication import ReplicationRounds
+from nonstop.coordinator.resizing import Resizing
+from nonstop.coordinator.restore_sources import RestoreSources
+from nonstop.coordinator.store_sync import StoreSync
+from nonstop.coordinator.swaps import Swaps
+from nonstop.coordinator.view import JobView, NodeRecord
+from nonstop.coordinator.workers import WorkerProtocol
+from nonstop.errors import ControlError
+from nonstop.events.log import EventLog
+from nonstop.mesh import MeshSpec
+from nonstop.policy.decisions import QuarantinePolicy
+from nonstop.policy.elastic import ElasticPolicy
+from nonstop.policy.phase import TICK_S, Busy, JobPhase, Op, legal, may_start
+from nonstop.policy.survivors import SurvivorMode
+from nonstop.snapshot.persist import Persister
+
+__all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
+
+log = logging.getLogger(__name__)
+
+
+JobState = JobPhase  # the name the launcher, the CLI and the tests know
+
+
+@dataclass
+class JobResult:
+    state: JobState
+    generation: int
+    final_step: int
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    usage_error: bool = False  # error is the training script's mistake (nonstop run exits 2)
+    median_step_s: float | None = None
+    replication: dict[str, Any] = field(default_factory=dict)
+
+
+class Coordinator:
+    """One job's coordinator (see the module docstring). ``persister``: one node's
+    :class:`~nonstop.snapshot.persist.Persister`, or a job of several nodes' persist rounds;
+    ``initial_step``: a resumed durable checkpoint to install first; ``jobs``: store mode."""
+
+    def __init__(
+        self,
+        *,
+        config: JobConfig,
+        server: ControlServer,
+        events: EventLog,
+        job_id: str,
+        worker_env: dict[str, str],
+        persister: Persister | ClusterPersister | None = None,
+        durable_url: str | None = None,
+        initial_step: int | None = None,
+        jobs: JobStore | None = None,
+    ) -> None:
+        self.config = config
+        self.job_id = job_id
+        self.worker_env = worker_env
+        # one node: a Persister over the node's memory; several: rounds across the nodes
+        self.persister = persister
+        self.rounds = persister if isinstance(persister, ClusterPersister) else None
+        self.durable_url = durable_url
+        self.server = server
+        self.events = events
+        self.view = JobView(job_id=job_id, world_size=config.world_size)
+        self.io = Executor(self.view, events)
+        if self.rounds is not None:
+            self.rounds.attach(self.io.send_to)
+        # elastic (policy/elastic.py): the data-parallel shards stay those of the full-size job;
+        # a sharded job comes and goes by whole replica groups (nonstop/mesh.py)
+        self.mesh = MeshSpec.parse(config.mesh) if config.mesh is not None else None
+        mesh = self.mesh
+        self.num_shards = mesh.dp_size if mesh else config.world_size * config.shards_per_rank
+        self.survivor_mode = SurvivorMode(config.survivors)  # policy/survivors.py
+        self.elastic = ElasticPolicy(
+            full_world_size=config.world_size,
+            min_world_size=config.min_world,
+            wait_s=config.elastic_wait_s,
+            unit=mesh.group_size if mesh else 1,
+        )
+        # replicating: the held replicated step, the one a round is sending, the newest, one to write
+        self.num_slots = 4 if config.replicas > 0 and config.nnodes > 1 else 2
+        self.detector = FailureDetector(config.detector)
+        self.quarantine = QuarantinePolicy(
+            max_failures=config.quarantine_failures, window_s=config.quarantine_window_s
+        )
+        self.error: str | None = None
+        self.usage_error = False
+        self.kv = KeyValueTable()
+        self.replication = ReplicationRounds(
+            view=self.view,
+            io=self.io,
+            events=events,
+            replicas=config.replicas,
+            mesh=self.mesh,
+        )
+        # store mode (--store etcd://): state saved in and restored from the control store
+        self.store = StoreSync(self, jobs)
+        # generations: planning, launching and timing every membership change
+        self.gens = Generations(self, initial_step=initial_step)
+        # where restore steps come from: peers' memory (fetches) or the durable tier
+        self.sources = RestoreSources(self)
+        # persist rounds of a job of several nodes
+        self.persists = PersistOps(self)
+        # clients (nonstop status / persist / migrate / drain)
+        self.clients = ClientRequests(self)
+        # node agents: joins, leases, losses, quarantine, spares
+        self.agents = NodeAgents(self)
+        # process exits and hangs become failures, failures become a recovery
+        self.failures = Failures(self)
+        # live migrations and elastic grows: boundary swaps (policy/boundary_swap.py, coordinator/swaps.py)
+        self.swaps = Swaps(self)
+        # issue 21: fail-slow ranks, graded failures, probe verdicts, proactive moves (healthops.py)
+        self.health = Health(self)
+        # the job's size: data shards, shrinks, where a resharded generation reads
+        self.resize = Resizing(self)
+        # --metrics-port: step reports and status snapshots for the metrics server (metrics.py)
+        self.monitor: JobMonitor | None = None
+        # Session.on_event: the job's events to the workers that subscribed (eventfeed.py)
+        self.feed = EventFeed()
+        events.subscribe(self.feed.on_event)
+        # the workers' protocol: connections, heartbeats, step reports, rendezvous, stage reports
+        self.workers = WorkerProtocol(self)
+
+    def status(self) -> dict[str, Any]:
+        """What ``nonstop status`` shows (JSON types)."""
+        return self.clients.status()
+
+    def adopt_view(self, view: JobView) -> None:
+        """Replace the view (a coordinator restarted from its record): every operation sees it."""
+        self.view = self.io.view = self.replication.view = view
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def state(self) -> JobPhase:
+        return self.view.phase
+
+    @property
+    def generation(self) -> int:
+        return self.view.generation
+
+    @property
+    def replication_on(self) -> bool:
+        return self.config.replicas > 0 and self.config.nnodes > 1
+
+    def run(self, stop: threading.Event) -> JobResult:
+        if self.store.jobs is not None:
+            self.store.open()
+        while self.view.phase not in (JobState.DONE, JobState.FAILED):
+            if stop.is_set():
+                self.fail("stopped by signal")
+                break
+            self.tick(TICK_S)
+        while not self.persists.final_tick():  # the job ended: its last step is made durable
+            self.pump_events(TICK_S)
+        return self._close()
+
+    def tick(self, wait_s: float = 0.0) -> None:
+        """One turn of the loop: handle the events that arrived (waiting up to ``wait_s`` for
+        the first), then every periodic check. Tests drive a coordinator through this."""
+        self.pump_events(wait_s)
+        self.agents.check_leases()
+        self.store.tick()
+        self.agents.check_join()
+        self.failures.handle_exits()
+        self.pump_events(0)
+        self.failures.detect()
+        self.gens.check_timeouts()
+        if self.replication_on and self.may_start(Op.REPLICATE):
+            self.replication.maybe_start(now=time.monotonic())
+        self.persists.tick()
+        self.swaps.tick()
+        self.health.tick()  # issue 21: stragglers judged, a proactive move asked
+        self.gens.inventory_tick()
+        self.sources.install_tick()
+        self.gens.replan_tick()
+        self.clients.answer_persists()
+        if self.monitor is not None:
+            self.monitor.tick()
+        self.feed.tick(
+            committed=self.committed(), generation=self.generation, world_size=self.view.world_size
+        )
+
+    def _close(self) -> JobResult:
+        """The job ended (and its last step is persisted): release the nodes, the result."""
+        for node in self.view.nodes.values():
+            self.io.send_node(node, {"t": "finish", "failed": self.view.phase is JobState.FAILED})
+        self.store.close()
+        self.feed.close()
+        final = min(self.view.latest_step.values()) if self.view.latest_step else 0
+        return JobResult(
+            state=self.view.phase,
+            generation=self.view.generation,
+            final_step=final,
+            failures=self.view.reports,
+            error=self.error,
+            usage_error=self.usage_error,
+            median_step_s=self.detector.median_step_s,
+            replication=self.replication_stats(),
+        )
+
+    def replication_stats(self) -> dict[str, Any]:
+        return self.replication.stats()
+
+    def set_phase(self, new: JobPhase) -> None:
+        assert legal(self.view.phase, new), f"the job cannot go from {self.view.phase} to {new}"
+        self.view.phase = new
+
+    def _busy(self) -> set[Busy]:
+        """What is under way now that may block a background operation (``phase.may_start``)."""
+        busy: set[Busy] = set()
+        if self.gens.reconf is not None:
+            busy.add(Busy.RESUMING)
+        if self.swaps.swapping:
+            busy.add(Busy.SWAPPING)
+        if self.swaps.migration is not None or self.swaps.queue:
+            busy.add(Busy.MIGRATING)
+        if self.swaps.grow is not None:
+            busy.add(Busy.GROWING)
+        if self.store.awaiting:
+            busy.add(Busy.RESYNCING)
+        if self.view.done_ranks:
+            busy.add(Busy.ENDING)
+        return busy
+
+    def may_start(self, op: Op) -> bool:
+        return may_start(op, self.view.phase, self._busy())
+
+    def fail(self, error: str, *, usage: bool = False) -> None:
+        """End the job as failed with ``error`` (``usage``: the script's mistake, exit 2)."""
+        if self.view.phase.is_terminal:
+            return  # the first cause stands
+        self.error = error
+        self.usage_error = usage
+        self.set_phase(JobState.FAILED)
+        self.events.emit(ev.JobFailed(error=error))
+        for w in self.view.workers.values():
+            self.io.send(w, {"t": "abort", "error": error})
+
+    # -- events ------------------------------------------------------------------------------
+    def pump_events(self, timeout: float) -> None:
+        try:
+            kind, chan, msg = self.server.events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
+            self._dispatch(kind, chan, msg)
+            try:
+                kind, chan, msg = self.server.events.get_nowait()
+            except queue.Empty:
+                return
+
+    def _dispatch(self, kind: str, chan: Channel, msg: Message | None) -> None:
+        """Handle one event from the control server. A message its (authenticated) sender built
+        wrong -- a missing or mistyped field -- fails that sender only: a client gets an error, a
+        worker's channel is closed (the detector then recovers its rank), an agent's node is lost.
+        The coordinator goes on either way."""
+        try:
+            self._on_event(kind, chan, msg)
+        except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
+            self._protocol_error(chan, msg, e)
+
+    def _protocol_error(self, chan: Channel, msg: Message | None, e: Exception) -> None:
+        what = f"{type(e).__name__}: {e}"
+        t = msg.get("t") if isinstance(msg, dict) else None
+        log.warning("malformed %r message from %s: %s", t, chan.peer, what, exc_info=True)
+        tag = chan.tag
+        who: dict[str, Any] = {"peer": chan.peer, "message": t, "error": what}
+        if isinstance(tag, tuple) and tag[0] == "node" and tag[1] in self.view.nodes:
+            who["node"] = tag[1]
+            self.events.emit(ev.ProtocolError(**who))
+            node = self.view.nodes[tag[1]]
+            if node.alive and node.chan is chan:
+                self.agents.lose_node(node, f"its agent broke the protocol ({what})")
+            return
+        if isinstance(tag, int) and tag in self.view.workers:
+            w = self.view.workers[tag]
+            who.update(spawn_id=tag, rank=w.rank)
+            self.events.emit(ev.ProtocolError(**who))
+            if w.chan is chan:  # the detector fails it once the channel has been closed a moment
+                w.chan_closed_at = time.monotonic()
+            chan.close()
+            return
+        self.events.emit(ev.ProtocolError(**who))
+        if isinstance(tag, tuple) and tag[0] == "client":
+            try:
+                chan.send({"t": "error", "error": f"malformed request: {what}"})
+            except ControlError:
+                pass
+        chan.close()
+
+    def _on_event(self, kind: str, chan: Channel, msg: Message | None) -> None:
+        role = chan.hello.get("role")
+        if kind == "open" and role == "client":
+            chan.tag = ("client", len(self.clients.channels))
+            self.clients.channels[len(self.clients.channels)] = chan
+            self.events.emit(ev.Client(peer=chan.peer))
+            return
+        if kind == "open" and role == "agent":
+            self.agents.on_open(chan)
+            return
+        tag = chan.tag
+        if isinstance(tag, tuple) and tag[0] == "client":
+            if kind == "msg" and msg is not None:
+                self.clients.on_request(chan, msg)
+            return
+        if isinstance(tag, tuple) and tag[0] == "node":
+            node = self.view.nodes.get(tag[1])
+            if node is None or node.chan is not chan:
+                return
+            if kind == "msg" and msg is not None:
+                self.agents.on_message(node, msg)
+            elif kind == "close" and node.alive:
+                if self.store.jobs is None:
+                    self.agents.lose_node(node, "its agent's connection closed")
+                else:  # lost when its lease in the store ends; until then it may reconnect
+                    node.disconnected_at = time.monotonic()
+                    self.events.emit(ev.NodeDisconnected(node=node.name))
+            return
+        self.workers.on_event(kind, chan, msg)
+
+    # -- requests to nodes, the committed step ---------------------------------------------------
+    def committed(self) -> int:
+        """The committed step: what is replicated to peers (with replication), else in memory."""
+        if self.replication_on and self.view.replicated_step is not None:
+            return self.view.replicated_step
+        return min((self.view.latest_step.get(rank, 0) for rank in range(self.view.world_size)), default=0)
+
+    # -- the end -----------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Every rank has the final step snapshotted: release members and spares."""
+        self.swaps.finish()
+        self.set_phase(JobState.FINISHING)
+        self.events.emit(
+            ev.Finish(step=min(self.view.latest_step.values(), default=0), generation=self.view.generation)
+        )
+        for w in self.view.workers.values():
+            self.io.send(w, {"t": "finish"})

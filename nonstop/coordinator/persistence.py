@@ -1,0 +1,319 @@
+"""Durable persistence of a job spread over several nodes, driven by the coordinator.
+
+No node holds the whole job's memory, so no node can write a checkpoint alone. A
+**persist round** of step ``S`` (the committed step, which every node keeps in memory
+until a newer round of replication commits):
+
+1. the coordinator opens checkpoint ``S`` (:meth:`DurableStore.begin`: clears leftovers);
+2. it sends each live node ``persist {id, step, url, ranks}`` for the ranks it plays;
+3. each node encodes those ranks (delta against its own last FULL copy of the rank, see
+   :class:`~nonstop.snapshot.persist.RankEncoder`) into its own rank files
+   (:meth:`DurableStore.contribute`) on a background thread, and answers
+   ``persisted {id, ok, records}`` with each rank's manifest entry;
+4. the coordinator adopts every entry (validated, file sizes checked) and commits: the
+   manifest, then ``latest``, then retention. Until then the checkpoint does not exist.
+
+A round fails as a whole (nothing committed, its directory removed) when a node answers
+with an error, is lost, or the round outlives ``timeout_s``; the next round is retried a
+moment later. Rounds are sequential. Late answers of an ended round are ignored (by id).
+
+The durable URL must name storage every node reaches (a shared file system or an object
+store): nodes write their own files there.
+
+The ticket interface (:meth:`request`, :meth:`wait`, :attr:`last`, :attr:`last_error`,
+:attr:`durable`) is :class:`~nonstop.snapshot.persist.Persister`'s, so ``nonstop persist``
+is served the same way on one node or many. Not thread-safe: the coordinator's loop only.
+
+:class:`PersistOps` is the coordinator's operation over the rounds: it starts the next round
+when one is due, watches the one in flight, and makes the final step durable before the nodes
+are released -- :meth:`PersistOps.final_tick` starts the final persist and watches it, turn by
+turn of the coordinator's loop, like any other operation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from nonstop.control.channel import Message
+from nonstop.errors import NonstopError
+from nonstop.events import Event, Persist, PersistFailed
+from nonstop.policy.phase import JobPhase, Op
+from nonstop.snapshot.codec import CodecConfig
+from nonstop.snapshot.durable import CheckpointWriter, DurableStore
+from nonstop.snapshot.persist import PersistResult
+
+if TYPE_CHECKING:
+    from nonstop.coordinator.loop import Coordinator
+
+__all__ = ["ClusterPersister", "PersistOps", "PersistRound"]
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 0.5  # after a failed round
+
+
+@dataclass
+class PersistRound:
+    """One round in flight: step ``step`` of every rank, written by the nodes in ``pending``."""
+
+    id: int
+    step: int
+    writer: CheckpointWriter
+    pending: set[str]
+    started: float
+    tickets: int  # requests made before this round started (it serves them)
+    raw: int = 0
+    stored: int = 0
+    full: bool = False
+    nodes: dict[str, list[int]] = field(default_factory=dict)
+
+
+class ClusterPersister:
+    """Persist rounds across nodes (see the module docstring).
+
+    ``emit(event)`` writes a typed event to the log; the coordinator :meth:`attach` es the way
+    to reach a node's agent before the first round."""
+
+    def __init__(
+        self,
+        *,
+        durable: DurableStore,
+        codec: CodecConfig,
+        every: int,
+        timeout_s: float,
+        emit: Callable[[Event], None],
+    ) -> None:
+        if every < 0:
+            raise ValueError("every must be >= 0 (0: only on demand)")
+        self.durable = durable
+        self.codec = codec
+        self.every = every
+        self.timeout_s = timeout_s
+        self._send: Callable[[str, Message], bool] = lambda _node, _msg: False
+        self._emit = emit
+        self._ids = itertools.count(1)
+        self.round: PersistRound | None = None
+        self._requested = 0
+        self._served = 0
+        self._retry_at = 0.0
+        self.last: PersistResult | None = None
+        self.last_error: str | None = None
+        self.last_step: int | None = durable.latest_step() if durable.steps() else None
+
+    def attach(self, send: Callable[[str, Message], bool]) -> None:
+        """``send(node, msg)`` delivers a message to a node's agent (False: it is gone)."""
+        self._send = send
+
+    # -- the Persister ticket interface ------------------------------------------------------
+    def request(self) -> int:
+        """Ask for a persist of the newest committed step; returns a ticket for :meth:`wait`."""
+        self._requested += 1
+        return self._requested
+
+    def wait(self, ticket: int, timeout: float) -> bool:
+        """True once a round that started after ``ticket`` was asked has ended (or nothing was
+        left to persist). Never blocks: the coordinator's loop drives the rounds."""
+        del timeout
+        return self._served >= ticket
+
+    # -- driving -------------------------------------------------------------------------------
+    def wanted(self, committed: int | None) -> bool:
+        """Whether a round of ``committed`` should start now."""
+        if self.round is not None or committed is None or time.monotonic() < self._retry_at:
+            return False
+        if self.last_step is not None and committed <= self.last_step:
+            self._served = self._requested  # nothing newer to persist: requests are answered
+            return False
+        if self._requested > self._served:
+            return True
+        return self.every > 0 and committed >= (self.last_step or 0) + self.every
+
+    def start(self, step: int, placement: dict[str, list[int]]) -> bool:
+        """Open checkpoint ``step`` and ask each node of ``placement`` (node -> its ranks) for
+        its ranks. False (and the error recorded) when the checkpoint cannot be opened."""
+        tickets = self._requested
+        # the ranks playing now: fewer than the job's full size while an elastic job is shrunk
+        world_size = len({r for ranks in placement.values() for r in ranks})
+        try:
+            writer = self.durable.begin(step, world_size, self.codec.describe())
+        except (NonstopError, OSError, ValueError) as e:  # ValueError: e.g. step already committed
+            self._failed(f"cannot open checkpoint step {step}: {e}", tickets)
+            return False
+        rd = PersistRound(
+            id=next(self._ids),
+            step=step,
+            writer=writer,
+            pending=set(placement),
+            started=time.monotonic(),
+            tickets=tickets,
+            nodes={n: sorted(r) for n, r in placement.items()},
+        )
+        self.round = rd
+        for node, ranks in rd.nodes.items():
+            msg: Message = {
+                "t": "persist",
+                "id": rd.id,
+                "step": step,
+                "url": self.durable.url,
+                "world_size": world_size,
+                "ranks": ranks,
+                "lossy": self.codec.lossy,
+                "lossy_bits": self.codec.lossy_bits,
+            }
+            if not self._send(node, msg):
+                self.abort(f"node {node} is gone")
+                return False
+        return True
+
+    def on_reply(self, node: str, msg: Message) -> None:
+        """A node's ``persisted`` answer."""
+        rd = self.round
+        if rd is None or msg.get("id") != rd.id or node not in rd.pending:
+            return
+        if not msg.get("ok"):
+            self.abort(f"node {node}: {msg.get('error')}")
+            return
+        try:
+            adopted = {rd.writer.adopt(doc) for doc in list(msg.get("records", []))}
+        except (NonstopError, OSError, TypeError, ValueError) as e:
+            self.abort(f"node {node}: {e}")
+            return
+        if adopted != set(rd.nodes[node]):
+            self.abort(f"node {node} wrote ranks {sorted(adopted)}, not {rd.nodes[node]}")
+            return
+        rd.pending.discard(node)
+        rd.raw += int(msg.get("raw", 0))
+        rd.stored += int(msg.get("stored", 0))
+        rd.full = rd.full or bool(msg.get("full"))
+        if not rd.pending:
+            self._commit(rd)
+
+    def check(self, alive: set[str]) -> None:
+        """End the round when one of its nodes is lost or it outlived ``timeout_s``."""
+        rd = self.round
+        if rd is None:
+            return
+        lost = sorted(rd.pending - alive)
+        if lost:
+            self.abort(f"node(s) {', '.join(lost)} lost during the persist")
+        elif time.monotonic() - rd.started > self.timeout_s:
+            self.abort(f"no answer from node(s) {', '.join(sorted(rd.pending))} in {self.timeout_s:g}s")
+
+    def abort(self, why: str) -> None:
+        """Fail the round in flight (if any): nothing of it is committed."""
+        rd = self.round
+        if rd is None:
+            return
+        self.round = None
+        try:
+            rd.writer.abort()
+        except (NonstopError, OSError) as e:
+            log.warning("removing the aborted checkpoint step %d: %s", rd.step, e)
+        self._failed(f"step {rd.step}: {why}", rd.tickets)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _commit(self, rd: PersistRound) -> None:
+        try:
+            rd.writer.commit()
+        except (NonstopError, OSError, ValueError) as e:  # ValueError: the writer refused (misuse)
+            self.abort(f"committing it: {e}")  # still the round in flight
+            return
+        self.round = None
+        seconds = time.monotonic() - rd.started
+        self.last_step = rd.step
+        self.last = PersistResult(
+            step=rd.step, raw_bytes=rd.raw, stored_bytes=rd.stored, seconds=seconds, full=rd.full
+        )
+        self.last_error = None
+        self._served = max(self._served, rd.tickets)
+        self._emit(
+            Persist(
+                step=rd.step,
+                raw_bytes=rd.raw,
+                stored_bytes=rd.stored,
+                seconds=round(seconds, 4),
+                full=rd.full,
+                url=self.durable.url,
+                nodes=sorted(rd.nodes),
+            )
+        )
+
+    def _failed(self, error: str, tickets: int) -> None:
+        self.last_error = error
+        self._served = max(self._served, tickets)
+        self._retry_at = time.monotonic() + RETRY_S
+        log.warning("persist failed: %s", error)
+        self._emit(PersistFailed(error=error))
+
+
+class PersistOps:
+    """Persist rounds as the job runs and as it ends (see the module docstring)."""
+
+    def __init__(self, c: Coordinator) -> None:
+        self.c = c
+        self._final_step: int | None = None  # the final persist's step, once started
+        self._final_deadline = 0.0
+        self._final_over = False
+
+    def tick(self) -> None:
+        """Check the persist round in flight; start the next one when due (RUNNING only)."""
+        rounds = self.c.rounds
+        if rounds is None or self.c.store.awaiting:
+            return
+        rounds.check(set(self.c.view.alive_nodes()))
+        if self.c.may_start(Op.PERSIST) and len(self.c.view.latest_step) == self.c.view.world_size:
+            if rounds.wanted(self.c.committed()):
+                rounds.start(self.c.committed(), self.c.view.placement())
+
+    def final_tick(self) -> bool:
+        """After the job ended, before the nodes are released: make the newest step every rank
+        holds durable (the final step of a finished job, else the committed step), waiting at
+        most ``persist_timeout_s``. Called once per loop turn; True once nothing is left to wait
+        for (persisted, failed, timed out, or nothing to persist)."""
+        rounds = self.c.rounds
+        if self._final_over:
+            return True
+        if self._final_step is None:
+            step = self._start_final()
+            if step is None:
+                return self._end_final()
+            self._final_step = step
+            self._final_deadline = time.monotonic() + self.c.config.persist_timeout_s
+        assert rounds is not None
+        rounds.check(set(self.c.view.alive_nodes()))
+        if rounds.round is not None and time.monotonic() < self._final_deadline:
+            return False
+        if rounds.round is not None:
+            rounds.abort(f"the final persist did not finish in {self.c.config.persist_timeout_s:g}s")
+        if rounds.last_step != self._final_step:
+            log.warning("final persist of step %d failed: %s", self._final_step, rounds.last_error)
+        return self._end_final()
+
+    def _start_final(self) -> int | None:
+        """Start the final persist round; its step, or None when there is nothing to persist."""
+        rounds = self.c.rounds
+        if rounds is None or len(self.c.view.latest_step) < self.c.view.world_size:
+            return None
+        if any(not self.c.view.nodes[n].alive for n in self.c.view.placement()):
+            return None  # a rank's memory is gone with its node: the last committed checkpoint stands
+        step = (
+            min(self.c.view.latest_step.values())
+            if self.c.view.phase is JobPhase.DONE
+            else self.c.committed()
+        )
+        if rounds.round is not None and rounds.round.step != step:
+            rounds.abort(f"superseded by the final persist of step {step}")
+        if rounds.round is None and rounds.last_step != step:
+            rounds.request()
+            rounds.start(step, self.c.view.placement())
+        return step
+
+    def _end_final(self) -> bool:
+        self._final_over = True
+        self.c.clients.answer_persists()
+        return True

@@ -1,0 +1,113 @@
+"""What a generation asks before its plan, and the answers as the pending plan's events.
+
+:class:`PlanAsks` is the I/O side of :class:`~nonstop.policy.planning.Pending` (the pure wait):
+it asks every live node for its inventory, and -- a recovery with ``--snapshot-every`` > 1 and
+``--rescue-wait`` > 0 -- asks every present rank to leave its step (``leave``), so that each
+reports what it rescued (:mod:`nonstop.policy.rescue`); then it turns what has come in (inventory
+replies, lost nodes, fault reports, the time) into ``Pending`` events, and the reports into a
+:class:`~nonstop.policy.rescue.Rescue` for the plan.
+
+Threading: the coordinator's thread only (replies arrive through its executor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from nonstop.policy.planning import (
+    Answered,
+    NodeGone,
+    Pending,
+    PlanNow,
+    Replan,
+    Reported,
+    Waited,
+)
+from nonstop.policy.rescue import Report, Rescue, gather
+from nonstop.protocol import wire
+
+if TYPE_CHECKING:
+    from nonstop.coordinator.loop import Coordinator
+
+__all__ = ["PLAN_WAIT_S", "PlanAsks"]
+
+PLAN_WAIT_S = 3.0  # longest planning waits for the nodes' inventories
+
+
+class PlanAsks:
+    """The questions of the generation being planned (see the module docstring)."""
+
+    def __init__(self, c: Coordinator) -> None:
+        self.c = c
+        self.inventory_reqs: dict[int, str] = {}  # request id -> node
+
+    def ask(self, p: Pending, now: float) -> list[PlanNow]:
+        """Ask the live nodes' inventories (and the present ranks' rescues) for ``p``."""
+        view, cfg = self.c.view, self.c.config
+        nodes = view.alive_nodes()
+        self.inventory_reqs = {self.c.io.request(view.nodes[n], {"t": "inventory"}): n for n in nodes}
+        rescues = p.rescue and bool(p.failures) and self.c.workers.rescues and cfg.rescue_wait_s > 0
+        out = p.ask(
+            set(nodes),
+            deadline=now + PLAN_WAIT_S,
+            rescuing=set(view.members) if rescues else set(),
+            rescue_deadline=now + cfg.rescue_wait_s,
+        )
+        if rescues:
+            self._ask_to_leave(p)
+        return out
+
+    def _ask_to_leave(self, p: Pending) -> None:
+        """Ask every present rank that has not reported its fault to leave its step now and
+        report what it rescued: one blocked in a collective on a survivor (a sharded job's group
+        that a survivor parked, train/settle.py) would otherwise never report."""
+        msg = {
+            "t": "leave",
+            "gen": self.c.view.generation,
+            "recovery": True,
+            "lost": sorted({f.rank for f in p.failures}),
+        }
+        for sid in self.c.view.members.values():
+            w = self.c.view.workers.get(sid)
+            if w is not None and w.chan is not None and w.rescue is None:
+                self.c.io.send(w, msg)
+
+    def events(self, p: Pending, now: float) -> list[PlanNow | Replan]:
+        """Feed ``p`` what came in: the nodes' answers (an error reply or a lost node: planned
+        without its memory), the present ranks' reports (a dead one's: nothing), the time."""
+        view = self.c.view
+        out: list[PlanNow | Replan] = []
+        replies = self.c.io.replies
+        for req, node in self.inventory_reqs.items():
+            msg = replies.get(req)
+            if not view.nodes[node].alive:
+                out += p.on_event(NodeGone(node, now))
+            elif isinstance(msg, wire.Inventory):
+                out += p.on_event(Answered(node, msg.local, msg.replicas, now))
+            elif msg is not None:
+                out += p.on_event(NodeGone(node, now))
+        for rank in sorted(p.rescuing):
+            sid = view.members.get(rank)
+            w = view.workers.get(sid) if sid is not None else None
+            if w is None or not w.live:
+                out += p.on_event(Reported(rank, None, None, now))
+            elif w.rescue is not None:
+                out += p.on_event(Reported(rank, w.rescue[0], w.rescue[1], now))
+        return out + p.on_event(Waited(now))
+
+    def drop(self) -> None:
+        """Forget the inventory requests (answered, or asked for a generation not planned now)."""
+        for req in self.inventory_reqs:
+            self.c.io.replies.pop(req, None)
+            self.c.io.done(req)
+        self.inventory_reqs = {}
+
+    def rescue(self, reports: Mapping[int, Report]) -> Rescue | None:
+        """What the present ranks rescued together, with a sharded job's copy groups: a
+        replaced rank takes the rescue of a survivor holding its shards."""
+        if not reports:
+            return None
+        v, mesh = self.c.view, self.c.mesh
+        groups = {r: mesh.copy_group(r) for r in range(v.world_size)} if mesh is not None else None
+        return gather(reports, set(v.members), v.rank_node, groups)

@@ -1,0 +1,543 @@
+"""``nonstop run``: start one single-node job and see it through.
+
+Order of events: validate input (fail before anything starts), take the job
+dir's and the checkpoint root's locks (one job per dir: :mod:`.jobdir`; a
+second job is refused before anything is touched), create the job dir, the
+per-job secret (0600 file) and a lock file in shared memory that the
+launcher holds for its lifetime (``nonstop gc`` uses it to tell live jobs
+from orphans), start the control server on the given address, spawn the
+workers and spares, and run the coordinator until the job is done or fails.
+Whatever happens — normal end, SIGINT/SIGTERM, an exception — every child is
+stopped and every shared-memory segment of the job is deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from nonstop import events as ev
+from nonstop.agent.gc import hold_lock, release_lock
+from nonstop.agent.node import NodeAgent, NodeSpec
+from nonstop.agent.notice import NoticePoller, parse_headers
+from nonstop.config import ENV, JobConfig, job_config_to_json, security_environ
+from nonstop.control.jobstore import JobStore
+from nonstop.control.listener import ControlServer
+from nonstop.control.secret import SECRET_FILE, coordinator_secret, node_secret, write_secret
+from nonstop.control.store import open_store
+from nonstop.coordinator.loop import Coordinator, JobResult, JobState
+from nonstop.coordinator.persistence import ClusterPersister
+from nonstop.coordinator.status_server import start_status_server
+from nonstop.devices.inventory import Devices, check_fits, detect_devices
+from nonstop.devices.nccl import device_groups_mode
+from nonstop.errors import ControlError, JobFailedError, UsageError
+from nonstop.events.log import EventLog
+from nonstop.faults import NODE_KINDS, FaultSpec, faults_to_json, parse_fault
+from nonstop.launch.jobdir import hold_job
+from nonstop.launch.jobfiles import (
+    COORDINATOR_RESULT,
+    COORDINATOR_SPEC,
+    JOB_INFO,
+    declare_resume,
+    load_resume,
+    result_from_json,
+    write_job_info,
+)
+from nonstop.policy.decisions import describe_exit
+from nonstop.replica.peer import local_store_id
+from nonstop.snapshot.codec import CodecConfig
+from nonstop.snapshot.durable import DurableStore
+from nonstop.snapshot.persist import Persister
+
+log = logging.getLogger(__name__)
+
+__all__ = ["default_shm_dir", "run_job", "worker_command"]
+
+
+def default_shm_dir() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path("/tmp")
+
+
+def worker_command(script: str, args: tuple[str, ...]) -> list[str]:
+    """The command line of a worker: ``-m module`` or a script path."""
+    if script.startswith("-m "):
+        return [sys.executable, "-u", "-m", script[3:].strip(), *args]
+    path = Path(script)
+    if not path.is_file():
+        raise UsageError(f"training script {script!r} not found: give the path of a Python file")
+    return [sys.executable, "-u", str(path), *args]
+
+
+def _prepare_job_dir(job_dir: Path, *, owner: bool) -> None:
+    """Create (0700) and check the job dir; the owner (node 0), holding the job dir's lock, also
+    clears the fault markers."""
+    try:
+        job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        probe = job_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(
+            f"job dir {str(job_dir)!r} is not writable ({e.strerror or e}): choose another with --job-dir"
+        ) from None
+    if owner:
+        shutil.rmtree(job_dir / "faults", ignore_errors=True)
+        (job_dir / "faults").mkdir()
+    else:
+        (job_dir / "faults").mkdir(exist_ok=True)
+
+
+def check_faults(config: JobConfig) -> list[FaultSpec]:
+    faults = [parse_fault(f) for f in config.faults]
+    for f in faults:
+        if f.kind in NODE_KINDS:  # node, preempt, degrade (issue 21)
+            if f.node >= config.nnodes:
+                raise UsageError(
+                    f"fault {f.to_text()!r} names node {f.node}, but the job has nodes 0..{config.nnodes - 1}"
+                )
+            if f.node == 0:
+                raise UsageError(f"fault {f.to_text()!r}: node 0 hosts the coordinator; name another node")
+        elif f.rank >= config.world_size:
+            raise UsageError(
+                f"fault {f.to_text()!r} names rank {f.rank}, but the job has ranks 0..{config.world_size - 1}"
+            )
+    return faults
+
+
+def _route_to(addr: tuple[str, int]) -> str:
+    """The local address this machine uses to reach ``addr`` (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except OSError as e:
+        raise UsageError(
+            f"no route to the coordinator {addr[0]}:{addr[1]} ({e}); pass --data-host ADDRESS"
+        ) from None
+
+
+def _node_devices(config: JobConfig) -> Devices:
+    """This node's accelerators (devices/inventory.py); UsageError (exit 2, one line) when its ranks
+    and spares are more processes than it has devices."""
+    devices = detect_devices({**os.environ, **dict(config.extra_env)})
+    check_fits(nproc=config.nproc_per_node, spares=config.spares, devices=devices)
+    return devices
+
+
+def _node_spec(config: JobConfig) -> NodeSpec:
+    name = str(config.node_rank)
+    if config.data_host is not None:
+        host = config.data_host
+    elif config.nnodes == 1:
+        host = config.host
+    elif config.node_rank == 0:
+        host = config.coordinator_addr[0]
+    else:
+        host = _route_to(config.coordinator_addr)
+    return NodeSpec(
+        node=name,
+        nproc=config.nproc_per_node,
+        spares=config.spares,
+        domain=config.domain or name,
+        data_host=host,
+        replica_bandwidth_mb_s=config.replica_bandwidth_mb_s,
+        devices=_node_devices(config),
+        probes=config.probes,  # issue 21: the agent's health probes
+    )
+
+
+def _node_env(config: JobConfig, host: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(dict(config.extra_env))
+    if host in ("127.0.0.1", "localhost", "::1"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def run_job(
+    config: JobConfig, *, redirect_output: bool = False, stop: threading.Event | None = None
+) -> JobResult:
+    """Run this process's part of the job described by ``config`` to the end; always cleans up.
+
+    Node 0 (every single-node job) hosts the coordinator and runs its own node
+    agent on a thread, holding the job dir's and checkpoint root's locks throughout; any
+    other node runs only its agent. Raises UsageError for bad input, or a job dir or
+    checkpoint root another job holds, before starting anything; and when a training script
+    reported its own mistake (a :class:`UsageError` in ``Session.steps``/``run``: a bad
+    ``state=`` object, a loop body outside ``with step:``), with that script's line.
+    """
+    with security_environ(config):  # --tls, --etcd-*: every process and thread of the job inherits them
+        result = _run_job(config, redirect_output=redirect_output, stop=stop)
+    if result.usage_error and result.error:
+        raise UsageError(result.error)  # the training script's mistake: exit 2 with its line
+    return result
+
+
+def _run_job(config: JobConfig, *, redirect_output: bool, stop: threading.Event | None) -> JobResult:
+    command = worker_command(config.script, config.script_args)
+    faults = check_faults(config)
+    _node_devices(config)  # an oversubscribed device node fails here, before anything starts
+    device_groups_mode({**os.environ, **dict(config.extra_env)})  # so does a bad group mode
+    job_dir = config.job_dir.resolve()
+    stop = stop or threading.Event()
+    if config.node_rank != 0:
+        return _run_node(config, command=command, job_dir=job_dir, stop=stop, redirect_output=redirect_output)
+    with hold_job(job_dir, config.checkpoint_url):
+        _prepare_job_dir(job_dir, owner=True)
+        if config.uses_store:
+            return run_store_node0(
+                config, command=command, job_dir=job_dir, stop=stop, redirect_output=redirect_output
+            )
+        return serve_coordinator(
+            config,
+            job_id=uuid.uuid4().hex[:12],
+            command=command,
+            faults=faults,
+            stop=stop,
+            redirect_output=redirect_output,
+        )
+
+
+def serve_coordinator(
+    config: JobConfig,
+    *,
+    job_id: str,
+    command: list[str],
+    faults: list[FaultSpec],
+    stop: threading.Event,
+    redirect_output: bool = False,
+    jobs: JobStore | None = None,
+) -> JobResult:
+    """Run the job's coordinator to the end: in this process with node 0's agent on a thread
+    (embedded store), or alone (``jobs``: the control store holds the job's state, node 0's agent
+    runs in the launcher and this process may be restarted)."""
+    job_dir = config.job_dir.resolve()
+    durable = DurableStore(config.checkpoint_url, keep=config.keep)  # a bad URL fails here
+    resume = load_resume(config) if config.resume else None
+    if resume is not None and config.resume is not None:
+        declare_resume(durable, config.resume, resume.step)
+    shm_dir = config.shm_dir or default_shm_dir()
+    secret = coordinator_secret(config)
+    events = EventLog(job_dir / "events.jsonl")
+    host, port = config.coordinator_addr
+    try:  # bind first: a busy port must leave no secret file behind
+        server = ControlServer(
+            host=host,
+            port=port,
+            secret=secret,
+            on_refused=lambda peer, why: events.emit(ev.Refused(peer=peer, reason=why)),
+        )
+    except BaseException:
+        events.close()
+        raise
+    secret_file = config.secret_file or job_dir / SECRET_FILE
+    if config.secret_file is None:
+        try:
+            write_secret(secret_file, secret)
+        except BaseException:
+            server.close()
+            events.close()
+            raise
+    lock_fd, lock = hold_lock(shm_dir, job_id, job_dir)
+    control = f"{server.address[0]}:{server.address[1]}"
+    worker_env = {
+        ENV.FAULTS: faults_to_json(faults),
+        ENV.HEARTBEAT_INTERVAL: str(config.detector.heartbeat_interval_s),
+        ENV.REBUILD_TIMEOUT: str(config.rebuild_timeout_s),
+        ENV.SNAPSHOT: config.snapshot,
+        ENV.SNAPSHOT_EVERY: str(config.snapshot_every),
+        ENV.SNAPSHOT_BUDGET: str(config.snapshot_budget),
+        ENV.RECONNECT: str(config.reconnect_s if jobs is not None else 0),
+        **({ENV.MESH: config.mesh} if config.mesh is not None else {}),
+        ENV.ELASTIC: "1" if config.min_world < config.world_size else "0",
+        ENV.KEEP_GROUPS: "1" if config.keep_groups else "0",
+        ENV.NODE_COPY: str(config.node_copy_groups),  # (WorkerEnv.node_copy: not "0")
+    }
+    codec = CodecConfig(lossy=config.lossy, lossy_bits=config.lossy_bits)
+    persister: Persister | None = None
+    if config.nnodes == 1 and jobs is None:  # the whole job's memory is in this process's node
+        persister = Persister(
+            durable=durable,
+            shm_dir=shm_dir,
+            job_id=local_store_id(job_id, "0"),
+            world_size=config.nproc_per_node,
+            codec=codec,
+            every=config.persist_every,
+            emit=events.emit,
+        )
+    coordinator = Coordinator(
+        config=config,
+        server=server,
+        events=events,
+        job_id=job_id,
+        worker_env=worker_env,
+        persister=persister if persister is not None else _cluster_persister(config, durable, codec, events),
+        durable_url=durable.url,
+        initial_step=resume.step if resume is not None else None,
+        jobs=jobs,
+    )
+    if resume is not None:
+        events.emit(
+            ev.Resume(
+                url=config.resume,
+                step=resume.step,
+                world_size=config.world_size,
+                checkpoint_world_size=resume.world_size,
+            )
+        )
+    node_stop = threading.Event()
+    keep_memory = threading.Event()  # the local node frees its memory after the final persist
+    node_thread: threading.Thread | None = None
+    if jobs is None:  # node 0's agent lives here; in store mode it is the launcher's
+        node = NodeAgent(
+            spec=_node_spec(config),
+            coordinator=server.address,
+            secret=secret,
+            secret_file=secret_file,
+            command=command,
+            env=_node_env(config, host),
+            job_dir=job_dir,
+            shm_dir=shm_dir,
+            redirect_output=redirect_output,
+            in_process=True,
+        )
+        node.release = keep_memory
+        node_thread = threading.Thread(target=node.run, args=(node_stop,), name="nonstop-node", daemon=True)
+    try:
+        metrics = start_status_server(coordinator, events=events, secret=secret, job_dir=job_dir)
+    except BaseException:  # a busy --metrics-port: nothing of the job stays behind
+        server.close()
+        events.close()
+        release_lock(lock_fd, lock)
+        if config.secret_file is None:
+            secret_file.unlink(missing_ok=True)
+        raise
+    write_job_info(
+        job_dir,
+        job_id=job_id,
+        control=server.address,
+        checkpoints=durable.url,
+        secret_file=secret_file,
+        metrics=metrics,
+    )
+    restore_handlers = _install_signal_handlers(stop)
+    events.emit(
+        ev.JobStart(
+            job_id=job_id,
+            nnodes=config.nnodes,
+            nproc=config.nproc_per_node,
+            spares=config.spares,
+            control=control,
+            command=command,
+            faults=[f.to_text() for f in faults],
+        )
+    )
+    t0 = time.monotonic()
+    if persister is not None:
+        persister.start()
+    if node_thread is not None:
+        node_thread.start()
+    try:
+        result = coordinator.run(stop)
+    finally:
+        try:
+            # Before exit (done, failed, SIGTERM): make the committed step durable while the
+            # snapshot memory still exists.
+            if persister is not None:
+                done = persister.flush(config.persist_timeout_s)
+                if done is None and persister.last_error:
+                    log.warning("final persist failed: %s", persister.last_error)
+                persister.stop()
+        finally:
+            keep_memory.set()
+            node_stop.set()
+            if node_thread is not None:
+                node_thread.join(timeout=30.0)
+            server.close()
+            if metrics is not None:
+                metrics.close(job_dir)
+            events.emit(
+                ev.JobEnd(
+                    state=str(coordinator.state),
+                    seconds=time.monotonic() - t0,
+                    generation=coordinator.generation,
+                    error=coordinator.error,
+                    replication=coordinator.replication_stats(),
+                )
+            )
+            events.close()
+            restore_handlers()
+            release_lock(lock_fd, lock)
+            if config.secret_file is None:
+                secret_file.unlink(missing_ok=True)
+            (job_dir / JOB_INFO).unlink(missing_ok=True)
+    if node_thread is not None and node.memory is not None and node.memory.error is not None:
+        raise UsageError(node.memory.error)  # its memory tier is too small: exit 2 with the line
+    return result
+
+
+MAX_COORDINATOR_RESTARTS = 20
+
+
+def run_store_node0(
+    config: JobConfig, *, command: list[str], job_dir: Path, stop: threading.Event, redirect_output: bool
+) -> JobResult:
+    """Node 0 with ``--store etcd://``: the coordinator runs as its own process (restarted here
+    when it dies, resuming from the store), node 0's agent runs in this process like any
+    other node's. Returns the coordinator's result."""
+    DurableStore(config.checkpoint_url, keep=config.keep)  # a bad URL fails here
+    if config.resume:
+        load_resume(config)
+    secret = coordinator_secret(config)
+    try:
+        open_store(config.store, secret=secret.decode()).close()  # reachable, credentials good
+    except ControlError as e:
+        raise UsageError(f"--store {config.store}: {e}") from None
+    job_id = uuid.uuid4().hex[:12]
+    spec = job_dir / COORDINATOR_SPEC
+    spec.write_text(json.dumps({"job_id": job_id, "config": job_config_to_json(config)}))
+    result_file = job_dir / COORDINATOR_RESULT
+    result_file.unlink(missing_ok=True)
+    (job_dir / JOB_INFO).unlink(missing_ok=True)
+    (job_dir / "logs").mkdir(exist_ok=True)
+    supervisor = threading.Thread(
+        target=_supervise_coordinator,
+        args=(spec, job_dir / "logs" / "coordinator.log", result_file, stop),
+        name="nonstop-coordinator-supervisor",
+        daemon=True,
+    )
+    supervisor.start()
+    deadline = time.monotonic() + 60.0
+    while not (job_dir / JOB_INFO).exists():
+        if not supervisor.is_alive() or time.monotonic() > deadline:
+            raise JobFailedError(f"the coordinator did not start; see {job_dir / 'logs' / 'coordinator.log'}")
+        time.sleep(0.02)
+    node = _run_node(
+        config,
+        command=command,
+        job_dir=job_dir,
+        stop=stop,
+        redirect_output=redirect_output,
+    )
+    supervisor.join(timeout=config.persist_timeout_s + 60.0)
+    try:
+        return result_from_json(result_file.read_text())
+    except (OSError, ValueError, KeyError) as e:
+        return JobResult(
+            state=JobState.FAILED, generation=0, final_step=0, error=node.error or f"no result: {e}"
+        )
+
+
+def _supervise_coordinator(spec: Path, log_path: Path, result_file: Path, stop: threading.Event) -> None:
+    """Run the coordinator process; start it again (it resumes from the store) until the job ended."""
+    for restart in range(MAX_COORDINATOR_RESTARTS + 1):
+        cmd = [sys.executable, "-m", "nonstop.launch.coordproc", str(spec), str(restart)]
+        with log_path.open("ab") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        signalled = False
+        while proc.poll() is None:
+            if stop.is_set() and not signalled:
+                proc.send_signal(signal.SIGTERM)  # it persists and ends the job
+                signalled = True
+            time.sleep(0.05)
+        if result_file.exists() or stop.is_set():
+            return
+        log.warning("the coordinator exited (%s); starting it again", describe_exit(proc.returncode))
+        time.sleep(0.1)
+    log.error("the coordinator died %d times; giving up", MAX_COORDINATOR_RESTARTS + 1)
+
+
+def _cluster_persister(
+    config: JobConfig, durable: DurableStore, codec: CodecConfig, events: EventLog
+) -> ClusterPersister:
+    """Persist rounds across the nodes (the coordinator attaches itself to send them)."""
+    return ClusterPersister(
+        durable=durable,
+        codec=codec,
+        every=config.persist_every,
+        timeout_s=config.persist_timeout_s,
+        emit=events.emit,
+    )
+
+
+def _run_node(
+    config: JobConfig, *, command: list[str], job_dir: Path, stop: threading.Event, redirect_output: bool
+) -> JobResult:
+    """A node other than 0: run its agent until the job ends or the node is fenced."""
+    _prepare_job_dir(job_dir, owner=False)
+    secret, secret_file = node_secret(config, job_dir)  # from $NONSTOP_SECRET: a private file
+    shm_dir = config.shm_dir or default_shm_dir()
+    spec = _node_spec(config)
+    node = NodeAgent(
+        spec=spec,
+        coordinator=config.coordinator_addr,
+        secret=secret,
+        secret_file=secret_file,
+        command=command,
+        env=_node_env(config, spec.data_host),
+        job_dir=job_dir,
+        shm_dir=shm_dir,
+        redirect_output=redirect_output,
+    )
+    node.preempt_grace_s = config.preempt_grace_s
+    if config.preempt_url is not None and config.node_rank != 0:
+        node.notice = NoticePoller(
+            config.preempt_url.replace("{node}", str(config.node_rank)),
+            headers=parse_headers(config.preempt_headers),
+            interval_s=config.preempt_poll_s,
+            default_grace_s=config.preempt_grace_s,
+        )
+    on_term = node.preempt_signal.set if config.node_rank != 0 else None  # node 0 hosts the coordinator
+    restore_handlers = _install_signal_handlers(stop, on_term=on_term)
+    try:
+        rc = node.run(stop)
+    except (ControlError, OSError) as e:
+        raise UsageError(
+            f"node {config.node_rank}: cannot join the job at {config.coordinator}: {e}"
+        ) from None
+    finally:
+        restore_handlers()
+    if node.memory is not None and node.memory.error is not None:
+        raise UsageError(node.memory.error)  # its memory tier is too small: exit 2 with the line
+    state = JobState.DONE if rc == 0 else JobState.FAILED
+    error = None if rc == 0 else (node.fenced or "the job failed (see node 0's events)")
+    return JobResult(state=state, generation=0, final_step=0, error=error)
+
+
+def _install_signal_handlers(
+    stop: threading.Event, *, on_term: Callable[[], None] | None = None
+) -> Callable[[], None]:
+    """SIGINT and SIGTERM stop (``on_term``: what the first SIGTERM does instead, e.g. a node's
+    preemption notice; a second one stops)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    terms = [0]
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGTERM and on_term is not None and terms[0] == 0:
+            terms[0] += 1
+            on_term()
+            return
+        stop.set()
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    return restore
