@@ -30,7 +30,7 @@ from nonstop.coordinator.plan_asks import PlanAsks
 from nonstop.coordinator.torch_env import rank_env
 from nonstop.coordinator.view import Role
 from nonstop.errors import ControlError
-from nonstop.policy.phase import JobPhase
+from nonstop.policy.phase import Busy, JobPhase
 from nonstop.policy.planning import (
     Inventory,
     Pending,
@@ -78,6 +78,10 @@ class Generations:
         # first generation's workers reshard (nothing is installed on the nodes), and any later
         # one's when memory is lost before a checkpoint of the job's own size exists
         self.reshard: dict[str, Any] | None = None
+
+    def busy(self) -> set[Busy]:
+        """A generation being set up holds back the background operations."""
+        return {Busy.RESUMING} if self.reconf is not None else set()
 
     def replan_tick(self) -> None:
         """Re-plan a generation waiting for a spare (one appeared, or the wait is over)."""

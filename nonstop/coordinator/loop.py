@@ -51,6 +51,7 @@ from nonstop.coordinator.executor import Executor
 from nonstop.coordinator.failures import Failures
 from nonstop.coordinator.generations import Generations
 from nonstop.coordinator.health import Health
+from nonstop.coordinator.job import JobLife
 from nonstop.coordinator.metrics import JobMonitor
 from nonstop.coordinator.node_agents import NodeAgents
 from nonstop.coordinator.persistence import ClusterPersister, PersistOps
@@ -66,7 +67,7 @@ from nonstop.events.log import EventLog
 from nonstop.mesh import MeshSpec
 from nonstop.policy.decisions import QuarantinePolicy
 from nonstop.policy.elastic import ElasticPolicy
-from nonstop.policy.phase import TICK_S, Busy, JobPhase, Op, legal, may_start
+from nonstop.policy.phase import TICK_S, JobPhase, Op
 from nonstop.policy.survivors import SurvivorMode
 from nonstop.snapshot.persist import Persister
 
@@ -119,6 +120,8 @@ class Coordinator:
         self.events = events
         self.view = JobView(job_id=job_id, world_size=config.world_size)
         self.io = Executor(self.view, events)
+        # the phase, what may start, the committed step, failing and finishing (coordinator/job.py)
+        self.life = JobLife(view=self.view, events=events, io=self.io, replicating=self.replication_on)
         if self.rounds is not None:
             self.rounds.attach(self.io.send_to)
         # elastic (policy/elastic.py): the data-parallel shards stay those of the full-size job;
@@ -139,8 +142,6 @@ class Coordinator:
         self.quarantine = QuarantinePolicy(
             max_failures=config.quarantine_failures, window_s=config.quarantine_window_s
         )
-        self.error: str | None = None
-        self.usage_error = False
         self.kv = KeyValueTable()
         self.replication = ReplicationRounds(
             view=self.view,
@@ -176,14 +177,25 @@ class Coordinator:
         events.subscribe(self.feed.on_event)
         # the workers' protocol: connections, heartbeats, step reports, rendezvous, stage reports
         self.workers = WorkerProtocol(self)
+        self.life.busy_from(self.gens.busy, self.swaps.busy, self.store.busy)
+        self.life.before_finish(self.swaps.finish)
 
     def status(self) -> dict[str, Any]:
         """What ``nonstop status`` shows (JSON types)."""
         return self.clients.status()
 
     def adopt_view(self, view: JobView) -> None:
-        """Replace the view (a coordinator restarted from its record): every operation sees it."""
-        self.view = self.io.view = self.replication.view = view
+        """Take the state of ``view`` (a coordinator restarted from its record): every operation
+        holds the one view, which adopts it in place."""
+        self.view.adopt(view)
+
+    @property
+    def error(self) -> str | None:
+        return self.life.error
+
+    @property
+    def usage_error(self) -> bool:
+        return self.life.usage_error
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -258,39 +270,14 @@ class Coordinator:
         return self.replication.stats()
 
     def set_phase(self, new: JobPhase) -> None:
-        assert legal(self.view.phase, new), f"the job cannot go from {self.view.phase} to {new}"
-        self.view.phase = new
-
-    def _busy(self) -> set[Busy]:
-        """What is under way now that may block a background operation (``phase.may_start``)."""
-        busy: set[Busy] = set()
-        if self.gens.reconf is not None:
-            busy.add(Busy.RESUMING)
-        if self.swaps.swapping:
-            busy.add(Busy.SWAPPING)
-        if self.swaps.migration is not None or self.swaps.queue:
-            busy.add(Busy.MIGRATING)
-        if self.swaps.grow is not None:
-            busy.add(Busy.GROWING)
-        if self.store.awaiting:
-            busy.add(Busy.RESYNCING)
-        if self.view.done_ranks:
-            busy.add(Busy.ENDING)
-        return busy
+        self.life.set_phase(new)
 
     def may_start(self, op: Op) -> bool:
-        return may_start(op, self.view.phase, self._busy())
+        return self.life.may_start(op)
 
     def fail(self, error: str, *, usage: bool = False) -> None:
         """End the job as failed with ``error`` (``usage``: the script's mistake, exit 2)."""
-        if self.view.phase.is_terminal:
-            return  # the first cause stands
-        self.error = error
-        self.usage_error = usage
-        self.set_phase(JobState.FAILED)
-        self.events.emit(ev.JobFailed(error=error))
-        for w in self.view.workers.values():
-            self.io.send(w, {"t": "abort", "error": error})
+        self.life.fail(error, usage=usage)
 
     # -- events ------------------------------------------------------------------------------
     def pump_events(self, timeout: float) -> None:
@@ -377,17 +364,9 @@ class Coordinator:
     # -- requests to nodes, the committed step ---------------------------------------------------
     def committed(self) -> int:
         """The committed step: what is replicated to peers (with replication), else in memory."""
-        if self.replication_on and self.view.replicated_step is not None:
-            return self.view.replicated_step
-        return min((self.view.latest_step.get(rank, 0) for rank in range(self.view.world_size)), default=0)
+        return self.life.committed()
 
     # -- the end -----------------------------------------------------------------------------------
     def finish(self) -> None:
         """Every rank has the final step snapshotted: release members and spares."""
-        self.swaps.finish()
-        self.set_phase(JobState.FINISHING)
-        self.events.emit(
-            ev.Finish(step=min(self.view.latest_step.values(), default=0), generation=self.view.generation)
-        )
-        for w in self.view.workers.values():
-            self.io.send(w, {"t": "finish"})
+        self.life.finish()

@@ -35,7 +35,7 @@ from nonstop.control.jobstore import JobStore, RecordWriter
 from nonstop.control.store import LeaseKeeper, Watch
 from nonstop.coordinator.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.errors import ControlError
-from nonstop.policy.phase import JobPhase
+from nonstop.policy.phase import Busy, JobPhase
 
 if TYPE_CHECKING:
     from nonstop.coordinator.loop import Coordinator
@@ -84,6 +84,10 @@ class StoreSync:
         # to go on once they reconnect (they may be paused at a boundary)
         self.interrupted: dict[str, dict[str, Any]] = {}
         self.continue_on_resume: set[int] = set()
+
+    def busy(self) -> set[Busy]:
+        """Restored nodes not reconnected yet hold back what needs every node."""
+        return {Busy.RESYNCING} if self.awaiting else set()
 
     def open(self) -> None:
         """Lead the job (waiting out a dead predecessor's lease), restore its record if there is

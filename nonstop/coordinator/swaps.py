@@ -42,7 +42,7 @@ from nonstop.policy.boundary_swap import (
     SwapPhase,
 )
 from nonstop.policy.migration import CatchUp, Transfer, choose_joiner, choose_target
-from nonstop.policy.phase import Op
+from nonstop.policy.phase import Busy, Op
 from nonstop.protocol.wire import Fetched
 
 if TYPE_CHECKING:
@@ -83,6 +83,23 @@ class Swaps:
     def swapping(self) -> bool:
         """Ranks pause at a boundary or swap."""
         return self.active is not None and self.active.phase in (SwapPhase.PAUSE, SwapPhase.SWAP)
+
+    @property
+    def moving(self) -> bool:
+        """A migration or a grow is under way or queued: one move at a time."""
+        return self.active is not None or bool(self.queue)
+
+    def busy(self) -> set[Busy]:
+        """What the swaps have under way, for what may start (:meth:`JobLife.may_start
+        <nonstop.coordinator.job.JobLife.may_start>`)."""
+        out: set[Busy] = set()
+        if self.swapping:
+            out.add(Busy.SWAPPING)
+        if self.migration is not None or self.queue:
+            out.add(Busy.MIGRATING)
+        if self.grow is not None:
+            out.add(Busy.GROWING)
+        return out
 
     def owns(self, req: int) -> bool:
         return req in self._reqs

@@ -118,6 +118,11 @@ class JobView:
     failures_total: int = 0
     reports: list[dict[str, Any]] = field(default_factory=list)
 
+    def adopt(self, other: JobView) -> None:
+        """Become ``other`` in place (a coordinator restarted from its record): every operation
+        holding this view sees the adopted state, as a whole, not field by field."""
+        vars(self).update(vars(other))
+
     # -- queries --------------------------------------------------------------------------------
     def alive_nodes(self) -> list[str]:
         """Live, unquarantined nodes in node order."""
