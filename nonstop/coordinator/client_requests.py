@@ -10,23 +10,80 @@ Threading: the coordinator's thread only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nonstop.control.channel import Channel, Message
 from nonstop.errors import ControlError
 from nonstop.protocol.wire import Drain, Migrate, PersistRequest, StatusRequest, decode_client
 
 if TYPE_CHECKING:
-    from nonstop.coordinator.loop import Coordinator
+    from nonstop.coordinator.executor import Executor
+    from nonstop.coordinator.job import JobLife
+    from nonstop.coordinator.persistence import ClusterPersister
+    from nonstop.coordinator.view import JobView
+    from nonstop.snapshot.persist import Persister
 
-__all__ = ["ClientRequests"]
+__all__ = ["ClientRequests", "JobFacts"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobFacts:
+    """What ``nonstop status`` shows of the job that does not change while it runs."""
+
+    job_id: str
+    durable_url: str | None
+    num_shards: int
+    full_world_size: int
+    min_world_size: int
+    store: str | None
+
+
+class MigrationDesk(Protocol):
+    """The swaps as clients see them: a move asked for, who waits for its end, their status."""
+
+    clients: dict[int, list[Channel]]
+
+    def request_migration(self, rank: int, target: str | None, reason: str) -> str | None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class StatusPart(Protocol):
+    def status(self) -> dict[str, Any]: ...
+
+
+class DataShards(Protocol):
+    def data_shards(self, world_size: int) -> tuple[tuple[int, ...], ...]: ...
 
 
 class ClientRequests:
-    """Connected clients and the persist requests they wait on (see the module docstring)."""
+    """Connected clients and the persist requests they wait on (see the module docstring).
+    ``persister``: the job's persists (one node's, or the rounds across several); ``rounds``:
+    the latter, whose last step is the durable step shown."""
 
-    def __init__(self, c: Coordinator) -> None:
-        self.c = c
+    def __init__(
+        self,
+        *,
+        view: JobView,
+        io: Executor,
+        life: JobLife,
+        facts: JobFacts,
+        persister: Persister | ClusterPersister | None,
+        rounds: ClusterPersister | None,
+        swaps: MigrationDesk,
+        health: StatusPart,
+        resize: DataShards,
+    ) -> None:
+        self.view = view
+        self.io = io
+        self.life = life
+        self.facts = facts
+        self.persister = persister
+        self.rounds = rounds
+        self.swaps = swaps
+        self.health = health
+        self.resize = resize
         self.channels: dict[int, Channel] = {}
         self.tickets: list[tuple[Channel, int]] = []  # a client waiting for a persist, its ticket
 
@@ -38,92 +95,94 @@ class ClientRequests:
                 assert req.rank is not None
                 moves = [(req.rank, req.to)]
             else:
-                if req.node not in self.c.view.nodes:
-                    chan.send({"t": "migrated", "ok": False, "error": f"no node {req.node} in the job"})
+                if req.node not in self.view.nodes:
+                    self.io.answer(
+                        chan, {"t": "migrated", "ok": False, "error": f"no node {req.node} in the job"}
+                    )
                     return
-                moves = [(r, None) for r, n in sorted(self.c.view.rank_node.items()) if n == req.node]
+                moves = [(r, None) for r, n in sorted(self.view.rank_node.items()) if n == req.node]
             reason = "migrate" if isinstance(req, Migrate) else "drain"
             for rank, target in moves:
-                error = self.c.swaps.request_migration(rank, target, reason)
+                error = self.swaps.request_migration(rank, target, reason)
                 if error is not None:
-                    chan.send({"t": "migrated", "rank": rank, "ok": False, "error": error})
+                    self.io.answer(chan, {"t": "migrated", "rank": rank, "ok": False, "error": error})
                 else:
-                    self.c.swaps.clients.setdefault(rank, []).append(chan)
-            chan.send({"t": "accepted", "ranks": [r for r, _ in moves]})
+                    self.swaps.clients.setdefault(rank, []).append(chan)
+            self.io.answer(chan, {"t": "accepted", "ranks": [r for r, _ in moves]})
         elif isinstance(req, StatusRequest):
-            chan.send({"t": "status", **self.status()})
+            self.io.answer(chan, {"t": "status", **self.status()})
         elif isinstance(req, PersistRequest):
-            if self.c.persister is None:
-                chan.send({"t": "persisted", "error": "this job has no durable tier on this node"})
+            if self.persister is None:
+                self.io.answer(chan, {"t": "persisted", "error": "this job has no durable tier on this node"})
                 return
-            self.tickets.append((chan, self.c.persister.request()))
+            self.tickets.append((chan, self.persister.request()))
         else:
-            chan.send({"t": "error", "error": f"unknown request {msg.get('t')!r}"})
+            self.io.answer(chan, {"t": "error", "error": f"unknown request {msg.get('t')!r}"})
 
     def status(self) -> dict[str, Any]:
         """What ``nonstop status`` shows (JSON types)."""
         spares: dict[str, int] = {}
-        for node in self.c.view.idle_spares().values():
+        for node in self.view.idle_spares().values():
             spares[node] = spares.get(node, 0) + 1
         return {
-            "job_id": self.c.job_id,
-            "state": str(self.c.view.phase),
-            "generation": self.c.view.generation,
-            "world_size": self.c.view.world_size,
+            "job_id": self.facts.job_id,
+            "state": str(self.view.phase),
+            "generation": self.view.generation,
+            "world_size": self.view.world_size,
             "ranks": {
                 str(r): {
-                    "node": self.c.view.rank_node.get(r),
+                    "node": self.view.rank_node.get(r),
                     "spawn_id": sid,
                     # a member planned but not spawned yet has no process record
-                    "pid": w.pid if (w := self.c.view.workers.get(sid)) is not None else None,
+                    "pid": w.pid if (w := self.view.workers.get(sid)) is not None else None,
                     # its process has connected (a cold one a spare took over from never does as
                     # this rank: it waits as a spare)
                     "connected": w is not None and w.chan is not None,
-                    "step": self.c.view.latest_step.get(r),
+                    "step": self.view.latest_step.get(r),
                 }
-                for r, sid in sorted(self.c.view.members.items())
+                for r, sid in sorted(self.view.members.items())
             },
             "nodes": {
                 n: {
                     "alive": rec.alive,
                     "quarantined": rec.quarantined,
                     "domain": rec.domain,
-                    "ranks": sorted(r for r, nn in self.c.view.rank_node.items() if nn == n),
+                    "ranks": sorted(r for r, nn in self.view.rank_node.items() if nn == n),
                     "idle_spares": spares.get(n, 0),
                     "failures": len(rec.failure_times),
                 }
-                for n, rec in sorted(self.c.view.nodes.items())
+                for n, rec in sorted(self.view.nodes.items())
             },
-            "committed_step": self.c.committed(),
-            "replicated_step": self.c.view.replicated_step,
-            "durable_step": self.c.rounds.last_step if self.c.rounds is not None else None,
-            "durable_url": self.c.durable_url,
-            "failures": self.c.view.failures_total,
-            **self.c.swaps.status(),
-            **self.c.health.status(),  # issue 21: stragglers, graded failures, probe verdicts
-            "num_shards": self.c.num_shards,
-            "full_world_size": self.c.config.world_size,
-            "min_world_size": self.c.elastic.min_world_size,
+            "committed_step": self.life.committed(),
+            "replicated_step": self.view.replicated_step,
+            "durable_step": self.rounds.last_step if self.rounds is not None else None,
+            "durable_url": self.facts.durable_url,
+            "failures": self.view.failures_total,
+            **self.swaps.status(),
+            **self.health.status(),  # issue 21: stragglers, graded failures, probe verdicts
+            "num_shards": self.facts.num_shards,
+            "full_world_size": self.facts.full_world_size,
+            "min_world_size": self.facts.min_world_size,
             "shards": {
-                str(r): list(sh) for r, sh in enumerate(self.c.resize.data_shards(self.c.view.world_size))
+                str(r): list(sh) for r, sh in enumerate(self.resize.data_shards(self.view.world_size))
             },
-            "store": self.c.config.store,
+            "store": self.facts.store,
         }
 
     def answer_persists(self) -> None:
-        if not self.tickets or self.c.persister is None:
+        if not self.tickets or self.persister is None:
             return
         pending = []
         for chan, ticket in self.tickets:
-            if not self.c.persister.wait(ticket, 0):
+            if not self.persister.wait(ticket, 0):
                 pending.append((chan, ticket))
                 continue
-            last = self.c.persister.last
-            reply: Message = {"t": "persisted", "error": self.c.persister.last_error}
+            last = self.persister.last
+            reply: Message = {"t": "persisted", "error": self.persister.last_error}
             if last is not None:
-                reply.update(step=last.step, url=self.c.persister.durable.url, stored_bytes=last.stored_bytes)
+                reply.update(step=last.step, url=self.persister.durable.url, stored_bytes=last.stored_bytes)
             try:
-                chan.send(reply)
+                self.io.answer(chan, reply)
             except ControlError:
                 pass
         self.tickets = pending

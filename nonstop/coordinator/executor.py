@@ -15,7 +15,7 @@ import signal
 import time
 
 from nonstop import events as ev
-from nonstop.control.channel import Message
+from nonstop.control.channel import Channel, Message
 from nonstop.coordinator.torch_env import rank_env
 from nonstop.coordinator.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.errors import ControlError
@@ -60,6 +60,16 @@ class Executor:
             return False
         self.send_node(node, msg)
         return True
+
+    def answer(self, chan: Channel, msg: Message) -> None:
+        """Send ``msg`` on ``chan``, a channel no worker or node record holds (a client's, or a
+        peer's not admitted yet). Unlike the sends above, a broken channel raises
+        :class:`~nonstop.errors.ControlError`: the caller decides what that costs."""
+        chan.send(msg)
+
+    def close(self, chan: Channel) -> None:
+        """Close ``chan`` (its peer's loss then follows as its close event)."""
+        chan.close()
 
     def send_members(self, msg: Message) -> None:
         for sid in self.view.members.values():

@@ -65,14 +65,14 @@ __all__ = ["Generations"]
 class Generations:
     """The current generation's setup (``reconf``) and what it waits for (see the module docstring)."""
 
-    def __init__(self, c: Coordinator, *, initial_step: int | None) -> None:
+    def __init__(self, c: Coordinator, *, initial_step: int | None, asks: PlanAsks) -> None:
         self.c = c
         self.initial_step = initial_step  # resumed from the durable tier: install this first
         self.reconf: Reconfiguration | None = None
         # a generation not planned yet: what it waits for (inventories, a spare, an install)
         self.pending: Pending | None = None
         # what the generation being planned asked the nodes and the survivors (planwait.py)
-        self.asks = PlanAsks(c)
+        self.asks = asks
         self._deferral_logged = 0  # the generation whose plan was last deferred for exits
         # a sharded job resumed from a checkpoint of another size: {url, step, world}, which the
         # first generation's workers reshard (nothing is installed on the nodes), and any later

@@ -40,7 +40,11 @@ from nonstop.policy.straggler import StragglerTracker, StragglerVerdict
 from nonstop.protocol import wire
 
 if TYPE_CHECKING:
-    from nonstop.coordinator.loop import Coordinator
+    from nonstop.coordinator.peers import Mover
+    from nonstop.coordinator.view import JobView
+    from nonstop.events.log import EventLog
+    from nonstop.policy.decisions import QuarantinePolicy
+    from nonstop.policy.straggler import StragglerConfig
 
 __all__ = ["Health"]
 
@@ -50,9 +54,22 @@ GRADES_KEPT = 10  # graded failures shown in status
 class Health:
     """See the module docstring."""
 
-    def __init__(self, c: Coordinator) -> None:
-        self.c = c
-        self.config = c.config.straggler
+    def __init__(
+        self,
+        *,
+        view: JobView,
+        events: EventLog,
+        config: StragglerConfig,
+        quarantine: QuarantinePolicy,
+        mover: Mover,
+    ) -> None:
+        """``config``: ``--straggler-*``; ``quarantine``: the nodes' failure history policy a
+        grade weighs; ``mover``: where a proactive migration is asked for."""
+        self.view = view
+        self.events = events
+        self.config = config
+        self.quarantine = quarantine
+        self.mover = mover
         self.tracker = StragglerTracker(self.config)
         self.flagged: dict[int, StragglerVerdict] = {}
         self._dirty = False
@@ -63,7 +80,7 @@ class Health:
         self.grades: collections.deque[dict[str, Any]] = collections.deque(maxlen=GRADES_KEPT)
         self.repeated = RepeatedErrors()
         self.probes: dict[str, str] = {}  # node -> its latest probe verdict
-        c.events.subscribe(self._on_event)
+        events.subscribe(self._on_event)
 
     # -- steps and stragglers -----------------------------------------------------------------
     def on_step(self, w: WorkerRecord, rank: int, m: wire.Step) -> None:
@@ -77,18 +94,18 @@ class Health:
 
     def tick(self) -> None:
         """Judge the members once per tick with new steps, while the job runs."""
-        if not self._dirty or self.c.view.phase is not JobPhase.RUNNING:
+        if not self._dirty or self.view.phase is not JobPhase.RUNNING:
             return
         self._dirty = False
-        v = self.c.view
+        v = self.view
         verdicts = self.tracker.judge(list(v.members))
         for rank in sorted(set(self.flagged) - set(verdicts)):
             del self.flagged[rank]
-            self.c.events.emit(ev.StragglerCleared(rank=rank, step=v.latest_step.get(rank)))
+            self.events.emit(ev.StragglerCleared(rank=rank, step=v.latest_step.get(rank)))
         for rank, verdict in sorted(verdicts.items()):
             sid = v.members[rank]
             if rank not in self.flagged:
-                self.c.events.emit(
+                self.events.emit(
                     ev.Straggler(
                         rank=rank,
                         factor=verdict.factor,
@@ -106,8 +123,8 @@ class Health:
                 self._maybe_migrate(rank, sid, verdict)
 
     def _maybe_migrate(self, rank: int, sid: int, verdict: StragglerVerdict) -> None:
-        v, swaps = self.c.view, self.c.swaps
-        if swaps.migration is not None or swaps.queue or swaps.grow is not None:
+        v = self.view
+        if self.mover.moving:
             return  # one move at a time: judged again once it is over
         alive = v.alive_nodes()
         leaver = v.rank_node.get(rank)
@@ -126,7 +143,7 @@ class Health:
         )
         if self._said.get(rank) != decision.reason:  # each distinct reason once, not every tick
             self._said[rank] = decision.reason
-            self.c.events.emit(
+            self.events.emit(
                 ev.ProactiveDecision(
                     rank=rank,
                     migrate=decision.migrate,
@@ -138,9 +155,9 @@ class Health:
         if not decision.migrate:
             return
         self._moved.add(sid)
-        error = swaps.request_migration(rank, target, "straggler")
+        error = self.mover.request_migration(rank, target, "straggler")
         if error is not None:
-            self.c.events.emit(ev.MigrationRefused(rank=rank, target=target, reason=error))
+            self.events.emit(ev.MigrationRefused(rank=rank, target=target, reason=error))
 
     def _on_event(self, event: ev.Event) -> None:
         if isinstance(event, ev.MigrationDone):
@@ -162,14 +179,14 @@ class Health:
         self.probes[node] = verdict
         if prev is None and verdict == "healthy":
             return
-        self.c.events.emit(ev.HealthVerdict(node=node, verdict=verdict, probe=probe, detail=detail))
+        self.events.emit(ev.HealthVerdict(node=node, verdict=verdict, probe=probe, detail=detail))
         if verdict != "healthy" and self.config.on_degraded == "drain":
             self._drain(node)
 
     def _drain(self, node: str) -> None:
         """Move every rank off ``node`` live (reason ``degraded``) and release it once empty, as a
         preemption notice does -- only when some other node has an idle spare to go to."""
-        v = self.c.view
+        v = self.view
         rec = v.nodes.get(node)
         if rec is None or not rec.alive or rec.draining or v.phase.is_ending:
             return
@@ -180,7 +197,7 @@ class Health:
         ranks = v.ranks_on(node)
         if target is None or not ranks:
             why = "no other node has an idle hot spare" if ranks else "the node plays no rank"
-            self.c.events.emit(
+            self.events.emit(
                 ev.ProactiveDecision(
                     rank=None,
                     migrate=False,
@@ -192,9 +209,9 @@ class Health:
             return
         rec.draining = True  # no spare is started there again; released once it plays no rank
         for rank in ranks:
-            error = self.c.swaps.request_migration(rank, None, "degraded")
+            error = self.mover.request_migration(rank, None, "degraded")
             if error is not None:
-                self.c.events.emit(ev.MigrationRefused(rank=rank, target=None, reason=error))
+                self.events.emit(ev.MigrationRefused(rank=rank, target=None, reason=error))
 
     def grade(
         self,
@@ -214,10 +231,10 @@ class Health:
         now = time.monotonic()
         same = 1
         if exception is not None and step is not None:
-            same = self.repeated.count(exception=exception, step=step, generation=self.c.view.generation)
-        rec = self.c.view.nodes.get(node)
+            same = self.repeated.count(exception=exception, step=step, generation=self.view.generation)
+        rec = self.view.nodes.get(node)
         history = [*(rec.failure_times if rec is not None else ()), now]
-        others = len([n for n in self.c.view.alive_nodes() if n != node])
+        others = len([n for n in self.view.alive_nodes() if n != node])
         graded = grade_failure(
             FailureSignal(
                 kind=kind,
@@ -229,9 +246,9 @@ class Health:
                 others_usable=others,
                 same_error_generations=same,
             ),
-            self.c.quarantine,
+            self.quarantine,
         )
-        self.c.events.emit(
+        self.events.emit(
             ev.FailureGraded(
                 rank=rank, spawn_id=spawn_id, node=node, grade=graded.grade, reason=graded.reason
             )

@@ -44,7 +44,7 @@ from nonstop.control.channel import Channel, Message
 from nonstop.control.jobstore import JobStore
 from nonstop.control.listener import ControlServer
 from nonstop.control.rdzv import KeyValueTable
-from nonstop.coordinator.client_requests import ClientRequests
+from nonstop.coordinator.client_requests import ClientRequests, JobFacts
 from nonstop.coordinator.detector import FailureDetector
 from nonstop.coordinator.event_feed import EventFeed
 from nonstop.coordinator.executor import Executor
@@ -55,6 +55,7 @@ from nonstop.coordinator.job import JobLife
 from nonstop.coordinator.metrics import JobMonitor
 from nonstop.coordinator.node_agents import NodeAgents
 from nonstop.coordinator.persistence import ClusterPersister, PersistOps
+from nonstop.coordinator.plan_asks import PlanAsks
 from nonstop.coordinator.replication import ReplicationRounds
 from nonstop.coordinator.resizing import Resizing
 from nonstop.coordinator.restore_sources import RestoreSources
@@ -153,13 +154,19 @@ class Coordinator:
         # store mode (--store etcd://): state saved in and restored from the control store
         self.store = StoreSync(self, jobs)
         # generations: planning, launching and timing every membership change
-        self.gens = Generations(self, initial_step=initial_step)
+        self.gens = Generations(
+            self,
+            initial_step=initial_step,
+            asks=PlanAsks(
+                view=self.view,
+                io=self.io,
+                rescue_wait_s=config.rescue_wait_s,
+                mesh=self.mesh,
+                rescues=lambda: self.workers.rescues,
+            ),
+        )
         # where restore steps come from: peers' memory (fetches) or the durable tier
         self.sources = RestoreSources(self)
-        # persist rounds of a job of several nodes
-        self.persists = PersistOps(self)
-        # clients (nonstop status / persist / migrate / drain)
-        self.clients = ClientRequests(self)
         # node agents: joins, leases, losses, quarantine, spares
         self.agents = NodeAgents(self)
         # process exits and hangs become failures, failures become a recovery
@@ -167,9 +174,43 @@ class Coordinator:
         # live migrations and elastic grows: boundary swaps (policy/boundary_swap.py, coordinator/swaps.py)
         self.swaps = Swaps(self)
         # issue 21: fail-slow ranks, graded failures, probe verdicts, proactive moves (healthops.py)
-        self.health = Health(self)
+        self.health = Health(
+            view=self.view,
+            events=events,
+            config=config.straggler,
+            quarantine=self.quarantine,
+            mover=self.swaps,
+        )
         # the job's size: data shards, shrinks, where a resharded generation reads
         self.resize = Resizing(self)
+        # clients (nonstop status / persist / migrate / drain)
+        self.clients = ClientRequests(
+            view=self.view,
+            io=self.io,
+            life=self.life,
+            facts=JobFacts(
+                job_id=job_id,
+                durable_url=durable_url,
+                num_shards=self.num_shards,
+                full_world_size=config.world_size,
+                min_world_size=self.elastic.min_world_size,
+                store=config.store,
+            ),
+            persister=persister,
+            rounds=self.rounds,
+            swaps=self.swaps,
+            health=self.health,
+            resize=self.resize,
+        )
+        # persist rounds of a job of several nodes
+        self.persists = PersistOps(
+            view=self.view,
+            life=self.life,
+            rounds=self.rounds,
+            timeout_s=config.persist_timeout_s,
+            store=self.store,
+            clients=self.clients,
+        )
         # --metrics-port: step reports and status snapshots for the metrics server (metrics.py)
         self.monitor: JobMonitor | None = None
         # Session.on_event: the job's events to the workers that subscribed (eventfeed.py)

@@ -42,13 +42,15 @@ from typing import TYPE_CHECKING
 from nonstop.control.channel import Message
 from nonstop.errors import NonstopError
 from nonstop.events import Event, Persist, PersistFailed
-from nonstop.policy.phase import JobPhase, Op
+from nonstop.policy.phase import Busy, JobPhase, Op
 from nonstop.snapshot.codec import CodecConfig
 from nonstop.snapshot.durable import CheckpointWriter, DurableStore
 from nonstop.snapshot.persist import PersistResult
 
 if TYPE_CHECKING:
-    from nonstop.coordinator.loop import Coordinator
+    from nonstop.coordinator.job import JobLife
+    from nonstop.coordinator.peers import PersistAnswers, UnderWay
+    from nonstop.coordinator.view import JobView
 
 __all__ = ["ClusterPersister", "PersistOps", "PersistRound"]
 
@@ -254,28 +256,42 @@ class ClusterPersister:
 class PersistOps:
     """Persist rounds as the job runs and as it ends (see the module docstring)."""
 
-    def __init__(self, c: Coordinator) -> None:
-        self.c = c
+    def __init__(
+        self,
+        *,
+        view: JobView,
+        life: JobLife,
+        rounds: ClusterPersister | None,
+        timeout_s: float,
+        store: UnderWay,
+        clients: PersistAnswers,
+    ) -> None:
+        self.view = view
+        self.life = life
+        self.rounds = rounds
+        self.timeout_s = timeout_s  # --persist-timeout: the final persist waits at most this long
+        self.store = store
+        self.clients = clients
         self._final_step: int | None = None  # the final persist's step, once started
         self._final_deadline = 0.0
         self._final_over = False
 
     def tick(self) -> None:
         """Check the persist round in flight; start the next one when due (RUNNING only)."""
-        rounds = self.c.rounds
-        if rounds is None or self.c.store.awaiting:
+        rounds = self.rounds
+        if rounds is None or Busy.RESYNCING in self.store.busy():
             return
-        rounds.check(set(self.c.view.alive_nodes()))
-        if self.c.may_start(Op.PERSIST) and len(self.c.view.latest_step) == self.c.view.world_size:
-            if rounds.wanted(self.c.committed()):
-                rounds.start(self.c.committed(), self.c.view.placement())
+        rounds.check(set(self.view.alive_nodes()))
+        if self.life.may_start(Op.PERSIST) and len(self.view.latest_step) == self.view.world_size:
+            if rounds.wanted(self.life.committed()):
+                rounds.start(self.life.committed(), self.view.placement())
 
     def final_tick(self) -> bool:
         """After the job ended, before the nodes are released: make the newest step every rank
         holds durable (the final step of a finished job, else the committed step), waiting at
         most ``persist_timeout_s``. Called once per loop turn; True once nothing is left to wait
         for (persisted, failed, timed out, or nothing to persist)."""
-        rounds = self.c.rounds
+        rounds = self.rounds
         if self._final_over:
             return True
         if self._final_step is None:
@@ -283,37 +299,35 @@ class PersistOps:
             if step is None:
                 return self._end_final()
             self._final_step = step
-            self._final_deadline = time.monotonic() + self.c.config.persist_timeout_s
+            self._final_deadline = time.monotonic() + self.timeout_s
         assert rounds is not None
-        rounds.check(set(self.c.view.alive_nodes()))
+        rounds.check(set(self.view.alive_nodes()))
         if rounds.round is not None and time.monotonic() < self._final_deadline:
             return False
         if rounds.round is not None:
-            rounds.abort(f"the final persist did not finish in {self.c.config.persist_timeout_s:g}s")
+            rounds.abort(f"the final persist did not finish in {self.timeout_s:g}s")
         if rounds.last_step != self._final_step:
             log.warning("final persist of step %d failed: %s", self._final_step, rounds.last_error)
         return self._end_final()
 
     def _start_final(self) -> int | None:
         """Start the final persist round; its step, or None when there is nothing to persist."""
-        rounds = self.c.rounds
-        if rounds is None or len(self.c.view.latest_step) < self.c.view.world_size:
+        rounds = self.rounds
+        if rounds is None or len(self.view.latest_step) < self.view.world_size:
             return None
-        if any(not self.c.view.nodes[n].alive for n in self.c.view.placement()):
+        if any(not self.view.nodes[n].alive for n in self.view.placement()):
             return None  # a rank's memory is gone with its node: the last committed checkpoint stands
         step = (
-            min(self.c.view.latest_step.values())
-            if self.c.view.phase is JobPhase.DONE
-            else self.c.committed()
+            min(self.view.latest_step.values()) if self.view.phase is JobPhase.DONE else self.life.committed()
         )
         if rounds.round is not None and rounds.round.step != step:
             rounds.abort(f"superseded by the final persist of step {step}")
         if rounds.round is None and rounds.last_step != step:
             rounds.request()
-            rounds.start(step, self.c.view.placement())
+            rounds.start(step, self.view.placement())
         return step
 
     def _end_final(self) -> bool:
         self._final_over = True
-        self.c.clients.answer_persists()
+        self.clients.answer_persists()
         return True

@@ -12,7 +12,7 @@ Threading: the coordinator's thread only (replies arrive through its executor).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from nonstop.policy.planning import (
@@ -28,7 +28,9 @@ from nonstop.policy.rescue import Report, Rescue, gather
 from nonstop.protocol import wire
 
 if TYPE_CHECKING:
-    from nonstop.coordinator.loop import Coordinator
+    from nonstop.coordinator.executor import Executor
+    from nonstop.coordinator.view import JobView
+    from nonstop.mesh import MeshSpec
 
 __all__ = ["PLAN_WAIT_S", "PlanAsks"]
 
@@ -38,21 +40,36 @@ PLAN_WAIT_S = 3.0  # longest planning waits for the nodes' inventories
 class PlanAsks:
     """The questions of the generation being planned (see the module docstring)."""
 
-    def __init__(self, c: Coordinator) -> None:
-        self.c = c
+    def __init__(
+        self,
+        *,
+        view: JobView,
+        io: Executor,
+        rescue_wait_s: float,
+        mesh: MeshSpec | None,
+        rescues: Callable[[], bool],
+    ) -> None:
+        """``rescue_wait_s``: how long a plan waits for the survivors' rescues (``--rescue-wait``);
+        ``rescues``: whether steps go unsnapshotted now, so the survivors have rescues to report
+        (:attr:`WorkerProtocol.rescues <nonstop.coordinator.workers.WorkerProtocol.rescues>`)."""
+        self.view = view
+        self.io = io
+        self.rescue_wait_s = rescue_wait_s
+        self.mesh = mesh
+        self.rescues_on = rescues
         self.inventory_reqs: dict[int, str] = {}  # request id -> node
 
     def ask(self, p: Pending, now: float) -> list[PlanNow]:
         """Ask the live nodes' inventories (and the present ranks' rescues) for ``p``."""
-        view, cfg = self.c.view, self.c.config
+        view = self.view
         nodes = view.alive_nodes()
-        self.inventory_reqs = {self.c.io.request(view.nodes[n], {"t": "inventory"}): n for n in nodes}
-        rescues = p.rescue and bool(p.failures) and self.c.workers.rescues and cfg.rescue_wait_s > 0
+        self.inventory_reqs = {self.io.request(view.nodes[n], {"t": "inventory"}): n for n in nodes}
+        rescues = p.rescue and bool(p.failures) and self.rescues_on() and self.rescue_wait_s > 0
         out = p.ask(
             set(nodes),
             deadline=now + PLAN_WAIT_S,
             rescuing=set(view.members) if rescues else set(),
-            rescue_deadline=now + cfg.rescue_wait_s,
+            rescue_deadline=now + self.rescue_wait_s,
         )
         if rescues:
             self._ask_to_leave(p)
@@ -64,21 +81,21 @@ class PlanAsks:
         that a survivor parked, train/settle.py) would otherwise never report."""
         msg = {
             "t": "leave",
-            "gen": self.c.view.generation,
+            "gen": self.view.generation,
             "recovery": True,
             "lost": sorted({f.rank for f in p.failures}),
         }
-        for sid in self.c.view.members.values():
-            w = self.c.view.workers.get(sid)
+        for sid in self.view.members.values():
+            w = self.view.workers.get(sid)
             if w is not None and w.chan is not None and w.rescue is None:
-                self.c.io.send(w, msg)
+                self.io.send(w, msg)
 
     def events(self, p: Pending, now: float) -> list[PlanNow | Replan]:
         """Feed ``p`` what came in: the nodes' answers (an error reply or a lost node: planned
         without its memory), the present ranks' reports (a dead one's: nothing), the time."""
-        view = self.c.view
+        view = self.view
         out: list[PlanNow | Replan] = []
-        replies = self.c.io.replies
+        replies = self.io.replies
         for req, node in self.inventory_reqs.items():
             msg = replies.get(req)
             if not view.nodes[node].alive:
@@ -99,8 +116,8 @@ class PlanAsks:
     def drop(self) -> None:
         """Forget the inventory requests (answered, or asked for a generation not planned now)."""
         for req in self.inventory_reqs:
-            self.c.io.replies.pop(req, None)
-            self.c.io.done(req)
+            self.io.replies.pop(req, None)
+            self.io.done(req)
         self.inventory_reqs = {}
 
     def rescue(self, reports: Mapping[int, Report]) -> Rescue | None:
@@ -108,6 +125,6 @@ class PlanAsks:
         replaced rank takes the rescue of a survivor holding its shards."""
         if not reports:
             return None
-        v, mesh = self.c.view, self.c.mesh
+        v, mesh = self.view, self.mesh
         groups = {r: mesh.copy_group(r) for r in range(v.world_size)} if mesh is not None else None
         return gather(reports, set(v.members), v.rank_node, groups)
