@@ -28,10 +28,17 @@ from nonstop.faults import fired_at
 from nonstop.policy.decisions import JOB_STALL_FACTOR, FailureKind, classify_exit, describe_exit
 from nonstop.policy.grading import Grade
 from nonstop.policy.phase import JobPhase
-from nonstop.policy.reconfiguration import Failure, Stage
+from nonstop.policy.reconfiguration import Failure
 
 if TYPE_CHECKING:
-    from nonstop.coordinator.loop import Coordinator
+    from pathlib import Path
+
+    from nonstop.coordinator.detector import FailureDetector
+    from nonstop.coordinator.executor import Executor
+    from nonstop.coordinator.job import JobLife
+    from nonstop.coordinator.peers import FailureGrader, NodeHistory, Recovery, SwapGuard
+    from nonstop.coordinator.view import JobView
+    from nonstop.events.log import EventLog
 
 __all__ = ["Exit", "Failures"]
 
@@ -56,9 +63,43 @@ class Exit:
 class Failures:
     """Exits waiting to be handled (``exits``), and what they lead to (see the module docstring)."""
 
-    def __init__(self, c: Coordinator) -> None:
-        self.c = c
+    def __init__(
+        self,
+        *,
+        view: JobView,
+        io: Executor,
+        events: EventLog,
+        life: JobLife,
+        detector: FailureDetector,
+        max_restarts: int,
+        faults_dir: Path,
+        swaps: SwapGuard,
+        grader: FailureGrader,
+        nodes: NodeHistory,
+        recovery: Recovery,
+    ) -> None:
+        """``max_restarts``: the restart budget (``--max-restarts``); ``faults_dir``: where
+        injected faults record when they fired (a failure's detection time counts from there)."""
+        self.view = view
+        self.io = io
+        self.events = events
+        self.life = life
+        self.detector = detector
+        self.max_restarts = max_restarts
+        self.faults_dir = faults_dir
+        self.swaps = swaps
+        self.grader = grader
+        self.nodes = nodes
+        self.recovery = recovery
         self.exits: list[Exit] = []
+
+    def on_exit(self, ex: Exit) -> None:
+        """A process's end, reported: handled at the next :meth:`handle_exits`."""
+        self.exits.append(ex)
+
+    def waiting(self, sids: set[int]) -> bool:
+        """Whether any of ``sids`` has exited and its exit is not handled yet."""
+        return any(ex.sid in sids for ex in self.exits)
 
     def handle_exits(self) -> None:
         failures = []
@@ -68,23 +109,23 @@ class Failures:
         exits, self.exits = self.exits, []
         for ex in exits:
             sid, rc = ex.sid, ex.rc
-            w = self.c.view.workers.pop(sid, None)
+            w = self.view.workers.pop(sid, None)
             if w is None:
                 continue
             node = w.node
             if w.judging_since is not None and ex.node_lost is None:  # it exited before its verdict came
                 self._judged(w, hung=True, detail=f"it exited ({describe_exit(rc)}) before it was judged")
-            self.c.events.emit(
+            self.events.emit(
                 ev.Exit(
                     spawn_id=sid, role=w.role, rank=w.rank, returncode=rc, how=describe_exit(rc), node=node
                 )
             )
-            is_member = w.rank is not None and self.c.view.members.get(w.rank) == sid
-            self.c.swaps.on_exit(sid, member=is_member, how=describe_exit(rc))
+            is_member = w.rank is not None and self.view.members.get(w.rank) == sid
+            self.swaps.on_exit(sid, member=is_member, how=describe_exit(rc))
             if (
                 ex.node_lost is None
                 and w.chan is None
-                and (self.c.view.phase is JobPhase.STARTING or w.role is Role.SPARE)
+                and (self.view.phase is JobPhase.STARTING or w.role is Role.SPARE)
             ):
                 # It died before reaching nonstop.init(): the script itself cannot start, and
                 # starting it again would fail the same way.
@@ -94,21 +135,21 @@ class Failures:
                     if rc == 0
                     else f"see its output (logs under the job dir of node {node})"
                 )
-                self.c.fail(f"{who} exited with {describe_exit(rc)} before joining the job: {hint}")
+                self.life.fail(f"{who} exited with {describe_exit(rc)} before joining the job: {hint}")
                 continue
-            if self.c.view.phase.is_ending:
-                if is_member and rc != 0 and self.c.view.phase is JobPhase.FINISHING:
+            if self.view.phase.is_ending:
+                if is_member and rc != 0 and self.view.phase is JobPhase.FINISHING:
                     log.warning("rank %s exited with %s after finishing", w.rank, describe_exit(rc))
                 continue
             if not is_member:
                 if (
                     w.role is Role.SPARE
                     and ex.node_lost is None
-                    and node in self.c.view.nodes
-                    and self.c.view.nodes[node].alive
-                    and self.c.view.room_on(node) != 0  # a device node with no free device: not here
+                    and node in self.view.nodes
+                    and self.view.nodes[node].alive
+                    and self.view.room_on(node) != 0  # a device node with no free device: not here
                 ):
-                    self.c.io.spawn(node, Role.SPARE, None)  # keep K spares; a lost spare costs nothing else
+                    self.io.spawn(node, Role.SPARE, None)  # keep K spares; a lost spare costs nothing else
                 continue
             assert w.rank is not None
             if ex.node_lost is not None:
@@ -124,24 +165,24 @@ class Failures:
             # quarantines it, replace_elsewhere has the plan place the rank on another node
             # where a spare or room allows; restart_in_place is today's path
             exception = w.fault_report[1] if w.fault_report is not None else None
-            graded = self.c.health.grade(
+            graded = self.grader.grade(
                 rank=w.rank,
                 spawn_id=sid,
                 node=node,
                 kind=kind,
                 returncode=None if ex.node_lost is not None else rc,
                 exception=exception,
-                step=self.c.view.reached(w.rank),
+                step=self.view.reached(w.rank),
             )
             if graded.grade is Grade.FAIL_JOB:
                 fatal.append(f"rank {w.rank} {detail}: {graded.reason} ({exception})")
             if ex.node_lost is None:
-                self.c.agents.node_failed(node)  # the history-based quarantine, as before
+                self.nodes.node_failed(node)  # the history-based quarantine, as before
                 if graded.grade is Grade.QUARANTINE_NODE:
                     to_quarantine[node] = graded.reason
             fault_at = w.fault_at if w.fault_at is not None else ex.fault_at
             if fault_at is None and w.pid is not None:  # its 'injected' message may be lost with it
-                fault_at = fired_at(self.c.config.job_dir.resolve() / "faults", w.pid)
+                fault_at = fired_at(self.faults_dir, w.pid)
             failures.append(
                 Failure(
                     kind=kind.value,
@@ -150,7 +191,7 @@ class Failures:
                     detail=detail,
                     detected_at=time.time(),
                     fault_at=fault_at,
-                    step=self.c.view.reached(w.rank),  # snapshotted or not (--snapshot-every)
+                    step=self.view.reached(w.rank),  # snapshotted or not (--snapshot-every)
                     # the grade points at the node (not lost): its spare is the last choice
                     avoid_node=node
                     if graded.grade is Grade.REPLACE_ELSEWHERE and ex.node_lost is None
@@ -158,7 +199,7 @@ class Failures:
                 )
             )
             failed_on[sid] = node
-            del self.c.view.members[w.rank]
+            del self.view.members[w.rank]
         # the ranks of one lost node failed at one instant: the fault time one of them recorded
         by_node: dict[str, float] = {}
         for f in failures:
@@ -169,61 +210,45 @@ class Failures:
             if f.kind == FailureKind.NODE_LOST.value and f.fault_at is None:
                 f.fault_at = by_node.get(failed_on[f.spawn_id])
         for node, why in to_quarantine.items():
-            rec = self.c.view.nodes.get(node)
+            rec = self.view.nodes.get(node)
             if rec is not None and rec.alive and not rec.quarantined:  # node_failed may have done it
-                self.c.agents.lose_node(rec, f"quarantined: {why}", quarantine=True)
-        if fatal and not self.c.view.phase.is_terminal:
+                self.nodes.lose_node(rec, f"quarantined: {why}", quarantine=True)
+        if fatal and not self.view.phase.is_terminal:
             self._record(failures)  # the failures that end the job are failures too
-            self.c.fail(f"{fatal[0]}: not restarted")
+            self.life.fail(f"{fatal[0]}: not restarted")
             return
-        if self.c.view.phase is JobPhase.FINISHING and not self.c.view.members_alive():
-            self.c.set_phase(JobPhase.DONE)
-            self.c.events.emit(ev.JobDone(generation=self.c.view.generation))
-        if failures and not self.c.view.phase.is_terminal:
+        if self.view.phase is JobPhase.FINISHING and not self.view.members_alive():
+            self.life.set_phase(JobPhase.DONE)
+            self.events.emit(ev.JobDone(generation=self.view.generation))
+        if failures and not self.view.phase.is_terminal:
             self.on_failures(failures)
 
     def on_failures(self, failures: list[Failure]) -> None:
-        self.c.swaps.abort(
+        self.swaps.abort(
             f"rank {failures[0].rank} failed: {failures[0].detail}", failed=[f.spawn_id for f in failures]
         )
         self._record(failures)
-        if self.c.view.phase is JobPhase.STARTING:  # died before the job formed: just start it again
-            if self.c.view.failures_total <= self.c.config.max_restarts:
+        if self.view.phase is JobPhase.STARTING:  # died before the job formed: just start it again
+            if self.view.failures_total <= self.max_restarts:
                 for f in failures:
-                    node = self.c.view.rank_node.get(f.rank)
-                    alive = self.c.view.alive_nodes()
+                    node = self.view.rank_node.get(f.rank)
+                    alive = self.view.alive_nodes()
                     if not alive:
                         break
-                    self.c.io.spawn(node if node in alive else alive[0], Role.WORKER, f.rank)
+                    self.io.spawn(node if node in alive else alive[0], Role.WORKER, f.rank)
                 return
-        if self.c.view.failures_total > self.c.config.max_restarts:
-            self.c.fail(
-                f"restart budget exhausted ({self.c.config.max_restarts} restarts); last failure: "
+        if self.view.failures_total > self.max_restarts:
+            self.life.fail(
+                f"restart budget exhausted ({self.max_restarts} restarts); last failure: "
                 f"rank {failures[-1].rank} {failures[-1].detail}"
             )
             return
-        pending = self.c.gens.pending
-        if pending is not None:  # a generation not planned yet: plan it for these failures too
-            self.c.gens.pending = None
-            self.c.gens.begin(
-                pending.failures + failures,
-                replans=pending.replans + 1,
-                replacements=pending.replacements,
-                rescue=pending.rescue,  # (the survivors left their steps for the first failure)
-            )
-            return
-        previous = self.c.gens.reconf if self.c.view.phase is JobPhase.RECONFIGURING else None
-        if previous is None:
-            self.c.gens.begin(failures)
-        else:  # a failure during a recovery: re-plan, keeping what the interrupted plan did
-            self.c.gens.begin(
-                previous.failures + failures, replans=previous.replans + 1, replacements=previous.replacements
-            )
+        self.recovery.recover(failures)
 
     def _record(self, failures: list[Failure]) -> None:
         """Log each failure (``failure`` events) and count it against the restart budget."""
         for f in failures:
-            self.c.events.emit(
+            self.events.emit(
                 ev.Failure(
                     failure_kind=f.kind,
                     rank=f.rank,
@@ -233,12 +258,12 @@ class Failures:
                     detect_s=(f.detected_at - f.fault_at) if f.fault_at else None,
                 )
             )
-        self.c.view.failures_total += len(failures)
+        self.view.failures_total += len(failures)
 
     def on_judged(self, sid: int, *, hung: bool, detail: str) -> None:
         """A silent worker's agent judged it (``agent/silence.py``): hung (it is being killed),
         or moving -- starved, left alive, its silence allowed ``JOB_STALL_FACTOR`` x longer."""
-        w = self.c.view.workers.get(sid)
+        w = self.view.workers.get(sid)
         if w is not None:
             self._judged(w, hung=hung, detail=detail)
 
@@ -249,58 +274,51 @@ class Failures:
         w.judging_since = None
         if hung:
             w.killed_for_hang = f"{w.killed_for_hang}; {detail}"
-            self.c.events.emit(ev.HangDetected(rank=w.rank, spawn_id=sid, reason=w.killed_for_hang))
+            self.events.emit(ev.HangDetected(rank=w.rank, spawn_id=sid, reason=w.killed_for_hang))
             return
         reason, w.killed_for_hang, w.excused = w.killed_for_hang, None, True
-        self.c.events.emit(ev.SilenceExcused(rank=w.rank, spawn_id=sid, reason=reason, detail=detail))
+        self.events.emit(ev.SilenceExcused(rank=w.rank, spawn_id=sid, reason=reason, detail=detail))
 
     def _unanswered(self, now: float) -> None:
         """A silent worker whose agent has not judged it within the excused silence (the agent is
         itself starved, or gone: its lease decides that) is killed unconditionally."""
-        limit = self.c.detector.config.heartbeat_timeout_s * JOB_STALL_FACTOR
-        for w in self.c.view.workers.values():
+        limit = self.detector.config.heartbeat_timeout_s * JOB_STALL_FACTOR
+        for w in self.view.workers.values():
             if w.judging_since is not None and now - w.judging_since > limit and w.live:
                 w.judging_since = None
                 w.killed_for_hang = f"{w.killed_for_hang}; its agent did not judge it in {limit:.1f}s"
                 why = w.killed_for_hang
-                self.c.events.emit(ev.HangDetected(rank=w.rank, spawn_id=w.spawn_id, reason=why))
-                self.c.io.kill(w.spawn_id, signal.SIGKILL)
+                self.events.emit(ev.HangDetected(rank=w.rank, spawn_id=w.spawn_id, reason=why))
+                self.io.kill(w.spawn_id, signal.SIGKILL)
 
     def detect(self) -> None:
-        if self.c.view.phase not in (JobPhase.RUNNING, JobPhase.RECONFIGURING):
+        if self.view.phase not in (JobPhase.RUNNING, JobPhase.RECONFIGURING):
             return
-        in_training = self.c.view.phase is JobPhase.RUNNING or (
-            self.c.gens.reconf is not None and self.c.gens.reconf.stage is Stage.RESUME
-        )
-        r = self.c.gens.reconf
-        rebuilding = (
-            set(range(self.c.view.world_size)) - r.ready
-            if r is not None and r.stage is Stage.REBUILD
-            else set()
-        )
-        verdicts = self.c.detector.scan(
+        in_training = self.recovery.in_training()
+        rebuilding = self.recovery.rebuilding()
+        verdicts = self.detector.scan(
             now=time.monotonic(),
-            members={rank: self.c.view.workers[sid] for rank, sid in self.c.view.members.items()},
-            everyone=list(self.c.view.workers.values()),
-            alive=self.c.view.live,
+            members={rank: self.view.workers[sid] for rank, sid in self.view.members.items()},
+            everyone=list(self.view.workers.values()),
+            alive=self.view.live,
             in_training=in_training,
             rebuilding=rebuilding,
-            recovering=self.c.view.phase is JobPhase.RECONFIGURING and not in_training,
+            recovering=self.view.phase is JobPhase.RECONFIGURING and not in_training,
         )
         now = time.monotonic()
         for sid, reason in verdicts.kill.items():
-            w = self.c.view.workers[sid]
+            w = self.view.workers[sid]
             if w.killed_for_hang:
                 continue
             w.killed_for_hang = reason
             if sid in verdicts.ask:  # silent: its agent kills it unless it moves (on_judged)
                 w.judging_since = now
-                self.c.io.kill(sid, signal.SIGKILL, unless_moving=True)
+                self.io.kill(sid, signal.SIGKILL, unless_moving=True)
                 continue
-            self.c.events.emit(ev.HangDetected(rank=w.rank, spawn_id=sid, reason=reason))
-            self.c.io.kill(sid, signal.SIGKILL)
+            self.events.emit(ev.HangDetected(rank=w.rank, spawn_id=sid, reason=reason))
+            self.io.kill(sid, signal.SIGKILL)
         self._unanswered(now)
         for sid in verdicts.reraise:
-            w = self.c.view.workers[sid]
+            w = self.view.workers[sid]
             w.told_to_raise_at = time.monotonic()  # tell it once; its exit is its failure
-            self.c.io.send(w, {"t": "raise"})
+            self.io.send(w, {"t": "raise"})

@@ -22,7 +22,7 @@ Threading: the coordinator's thread only. I/O goes through the coordinator's exe
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from nonstop import events as ev
@@ -51,6 +51,7 @@ from nonstop.policy.reconfiguration import (
     Reconfigure,
     RecoveryEvent,
     Resumed,
+    Stage,
     StageEnded,
     Tick,
 )
@@ -65,8 +66,18 @@ __all__ = ["Generations"]
 class Generations:
     """The current generation's setup (``reconf``) and what it waits for (see the module docstring)."""
 
-    def __init__(self, c: Coordinator, *, initial_step: int | None, asks: PlanAsks) -> None:
+    def __init__(
+        self,
+        c: Coordinator,
+        *,
+        initial_step: int | None,
+        asks: PlanAsks,
+        exits_waiting: Callable[[set[int]], bool],
+    ) -> None:
+        """``exits_waiting``: whether any of these spawn ids' exits is reported but not handled
+        yet (:meth:`Failures.waiting <nonstop.coordinator.failures.Failures.waiting>`)."""
         self.c = c
+        self.exits_waiting = exits_waiting
         self.initial_step = initial_step  # resumed from the durable tier: install this first
         self.reconf: Reconfiguration | None = None
         # a generation not planned yet: what it waits for (inventories, a spare, an install)
@@ -78,6 +89,40 @@ class Generations:
         # first generation's workers reshard (nothing is installed on the nodes), and any later
         # one's when memory is lost before a checkpoint of the job's own size exists
         self.reshard: dict[str, Any] | None = None
+
+    def recover(self, failures: list[Failure]) -> None:
+        """Start the generation that recovers ``failures``. A generation not planned yet is
+        planned for these failures too; one being set up is re-planned, keeping what the
+        interrupted plan did (its replacements, its count of re-plans)."""
+        pending = self.pending
+        if pending is not None:  # a generation not planned yet: plan it for these failures too
+            self.pending = None
+            self.begin(
+                pending.failures + failures,
+                replans=pending.replans + 1,
+                replacements=pending.replacements,
+                rescue=pending.rescue,  # (the survivors left their steps for the first failure)
+            )
+            return
+        previous = self.reconf if self.c.view.phase is JobPhase.RECONFIGURING else None
+        if previous is None:
+            self.begin(failures)
+        else:  # a failure during a recovery: re-plan, keeping what the interrupted plan did
+            self.begin(
+                previous.failures + failures, replans=previous.replans + 1, replacements=previous.replacements
+            )
+
+    def in_training(self) -> bool:
+        """The members train: the job runs, or the generation being set up has resumed."""
+        r = self.reconf
+        return self.c.view.phase is JobPhase.RUNNING or (r is not None and r.stage is Stage.RESUME)
+
+    def rebuilding(self) -> set[int]:
+        """The ranks not yet ready in the rebuild stage of the generation being set up."""
+        r = self.reconf
+        if r is None or r.stage is not Stage.REBUILD:
+            return set()
+        return set(range(self.c.view.world_size)) - r.ready
 
     def busy(self) -> set[Busy]:
         """A generation being set up holds back the background operations."""
@@ -108,7 +153,7 @@ class Generations:
         if p is None or not p.inventory_wait:
             return
         members = set(self.c.view.members.values())
-        if any(ex.sid in members for ex in self.c.failures.exits):
+        if self.exits_waiting(members):
             if self._deferral_logged != self.c.view.generation:
                 self._deferral_logged = self.c.view.generation
                 self.c.events.emit(ev.ReplanDeferred(generation=self.c.view.generation))

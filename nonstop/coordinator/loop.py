@@ -164,13 +164,12 @@ class Coordinator:
                 mesh=self.mesh,
                 rescues=lambda: self.workers.rescues,
             ),
+            exits_waiting=lambda sids: self.failures.waiting(sids),
         )
         # where restore steps come from: peers' memory (fetches) or the durable tier
         self.sources = RestoreSources(self)
         # node agents: joins, leases, losses, quarantine, spares
         self.agents = NodeAgents(self)
-        # process exits and hangs become failures, failures become a recovery
-        self.failures = Failures(self)
         # live migrations and elastic grows: boundary swaps (policy/boundary_swap.py, coordinator/swaps.py)
         self.swaps = Swaps(self)
         # issue 21: fail-slow ranks, graded failures, probe verdicts, proactive moves (healthops.py)
@@ -180,6 +179,20 @@ class Coordinator:
             config=config.straggler,
             quarantine=self.quarantine,
             mover=self.swaps,
+        )
+        # process exits and hangs become failures, failures become a recovery
+        self.failures = Failures(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            detector=self.detector,
+            max_restarts=config.max_restarts,
+            faults_dir=config.job_dir.resolve() / "faults",
+            swaps=self.swaps,
+            grader=self.health,
+            nodes=self.agents,
+            recovery=self.gens,
         )
         # the job's size: data shards, shrinks, where a resharded generation reads
         self.resize = Resizing(self)

@@ -187,7 +187,7 @@ class NodeAgents:
             w = self.c.view.workers.get(m.spawn_id)
             if w is not None and w.live:
                 w.live = False
-                self.c.failures.exits.append(Exit(sid=m.spawn_id, rc=m.rc, pid=m.pid, fault_at=m.fault_at))
+                self.c.failures.on_exit(Exit(sid=m.spawn_id, rc=m.rc, pid=m.pid, fault_at=m.fault_at))
         elif isinstance(m, wire.Judged):
             self.c.failures.on_judged(m.spawn_id, hung=m.hung, detail=m.detail)
         elif isinstance(m, wire.Spawned):
@@ -252,9 +252,7 @@ class NodeAgents:
             w.live = False
             if w.chan is not None:
                 w.chan.close()
-            self.c.failures.exits.append(
-                Exit(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why)
-            )
+            self.c.failures.on_exit(Exit(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why))
         self.c.io.node_lost(
             node.name, keep=set(self.c.sources.waiting_fetch)
         )  # fetches end with the generation

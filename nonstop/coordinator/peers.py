@@ -8,11 +8,18 @@ Threading: the coordinator's thread only, like the operations.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Protocol
 
 from nonstop.policy.phase import Busy
 
-__all__ = ["Mover", "PersistAnswers", "UnderWay"]
+if TYPE_CHECKING:
+    from nonstop.coordinator.view import NodeRecord
+    from nonstop.policy.decisions import FailureKind
+    from nonstop.policy.grading import Graded
+    from nonstop.policy.reconfiguration import Failure
+
+__all__ = ["FailureGrader", "Mover", "NodeHistory", "PersistAnswers", "Recovery", "SwapGuard", "UnderWay"]
 
 
 class UnderWay(Protocol):
@@ -38,4 +45,55 @@ class Mover(Protocol):
     def request_migration(self, rank: int, target: str | None, reason: str) -> str | None:
         """Queue moving ``rank`` to ``target`` (None: the policy picks); an error message when the
         request cannot be honoured."""
+        ...
+
+
+class SwapGuard(Protocol):
+    """A boundary swap as a failure sees it: a joiner's exit, or any failure, may end it."""
+
+    def on_exit(self, sid: int, *, member: bool, how: str) -> None: ...
+
+    def abort(self, why: str, *, failed: Collection[int] = ()) -> None: ...
+
+
+class FailureGrader(Protocol):
+    """Grades a failure (:mod:`nonstop.coordinator.health`)."""
+
+    def grade(
+        self,
+        *,
+        rank: int | None,
+        spawn_id: int | None,
+        node: str,
+        kind: FailureKind,
+        returncode: int | None,
+        exception: str | None,
+        step: int | None = None,
+    ) -> Graded: ...
+
+
+class NodeHistory(Protocol):
+    """The nodes as a failure sees them (:mod:`nonstop.coordinator.node_agents`): a process
+    failure counts against its node; a node graded bad is quarantined."""
+
+    def node_failed(self, name: str) -> None: ...
+
+    def lose_node(
+        self, node: NodeRecord, why: str, *, quarantine: bool = False, failure: bool = True
+    ) -> None: ...
+
+
+class Recovery(Protocol):
+    """The generations as failures see them (:mod:`nonstop.coordinator.generations`)."""
+
+    def recover(self, failures: list[Failure]) -> None:
+        """Recover ``failures``: the next generation, or the one being planned or set up re-planned."""
+        ...
+
+    def in_training(self) -> bool:
+        """The members train: the job runs, or its new generation has resumed."""
+        ...
+
+    def rebuilding(self) -> set[int]:
+        """The ranks still rebuilding their groups in the generation being set up."""
         ...
