@@ -259,12 +259,11 @@ def test_membership_keeps_the_device_as_local_rank(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setenv("NONSTOP_DEVICE", "2")
     monkeypatch.setenv("LOCAL_RANK", "2")
-    m = Membership()
-    m._sync = None
-    m._set_membership({"rank": 1, "world_size": 4, "env": {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}})
+    m = Membership(None)
+    m.apply({"rank": 1, "world_size": 4, "env": {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}})
     assert os.environ["LOCAL_RANK"] == "2" and os.environ["RANK"] == "1"
     monkeypatch.delenv("NONSTOP_DEVICE")
-    m._set_membership({"rank": 1, "world_size": 4, "env": {"LOCAL_RANK": "1"}})
+    m.apply({"rank": 1, "world_size": 4, "env": {"LOCAL_RANK": "1"}})
     assert os.environ["LOCAL_RANK"] == "1"  # a CPU node: the coordinator's number, as before
 
 

@@ -11,13 +11,13 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
 from nonstop.train.frwatch import MIN_IDLE_S, FlightRecorderWatch, flight_recorder_watch, started_entries
-from nonstop.train.session import Session
+from nonstop.train.heartbeat import HeartbeatWords
+from nonstop.train.position import Position
 
 
 def _dump(*states: str, completed: bool = False) -> bytes:
@@ -109,20 +109,13 @@ def test_only_a_cuda_rank_with_the_recorder_on_gets_a_watch() -> None:
 
 def test_the_heartbeat_says_coll_while_the_recorder_shows_a_started_collective() -> None:
     dumps = [_dump("scheduled", "started"), _dump("scheduled")]
-    stub = SimpleNamespace(
-        _sync=None,
-        _frwatch=FlightRecorderWatch(dump=lambda: dumps.pop(0)),
-        _last_step_s=0.5,
-        _train_thread=None,
-        _progress_at=time.monotonic() - 10.0,  # ten seconds without a step
-        _coll_at=0.0,
-        _clock=None,
-        _step=3,
-    )
-    assert Session._heartbeat_msg(cast(Any, stub))["coll"] is True  # an FSDP2 reduce-scatter waits on a peer
-    assert Session._heartbeat_msg(cast(Any, stub))["coll"] is False  # only its own kernels queued: blamed
-    stub._progress_at = time.monotonic()  # a step just completed: no dump (the fake has none left)
-    assert Session._heartbeat_msg(cast(Any, stub))["coll"] is False
+    beat = HeartbeatWords(Position(step=3))
+    beat.watch_collectives(sync=None, clock=None, frwatch=FlightRecorderWatch(dump=lambda: dumps.pop(0)))
+    beat.stepped(time.monotonic() - 10.0, 0.5)  # ten seconds without a step
+    assert beat.message()["coll"] is True  # an FSDP2 reduce-scatter waits on a peer
+    assert beat.message()["coll"] is False  # only its own kernels queued: blamed
+    beat.progressed()  # a step just completed: no dump (the fake has none left)
+    assert beat.message()["coll"] is False
 
 
 REAL = textwrap.dedent(

@@ -22,8 +22,9 @@ from nonstop.config import DetectorConfig
 from nonstop.policy.decisions import RankObservation, find_hung_ranks
 from nonstop.protocol.wire import Heartbeat, decode_worker
 from nonstop.train.ddp import CanonicalGradSync
+from nonstop.train.heartbeat import HeartbeatWords
 from nonstop.train.liveness import CollectiveWatch, device_event
-from nonstop.train.session import Session
+from nonstop.train.position import Position
 from nonstop.train.threadprogress import ThreadProgress
 
 CUDA0 = torch.device("cuda", 0)  # only a name: the fakes never touch a device
@@ -133,17 +134,8 @@ def test_a_pending_device_event_is_coll_in_the_heartbeat_and_spares_the_rank() -
     make.made[0].done = True  # its backward is done; the allreduce waits on a stalled peer
     assert sync.in_collective()
     # the heartbeat of a rank whose host has run ahead (it sits in loss.item(), in its own frames)
-    stub = SimpleNamespace(
-        _sync=sync,
-        _frwatch=None,
-        _last_step_s=None,
-        _train_thread=None,
-        _progress_at=time.monotonic() - 100.0,
-        _coll_at=0.0,
-        _clock=None,
-        _step=7,
-    )
-    msg = Session._heartbeat_msg(cast(Any, stub))
+    stub = _words(sync=sync, step=7, since_step_s=100.0)
+    msg = stub.message()
     assert msg["coll"] is True and msg["idle"] == 0.0  # waiting on a peer: not idle in its own code
     hb = decode_worker(msg)
     assert isinstance(hb, Heartbeat) and hb.coll
@@ -152,11 +144,23 @@ def test_a_pending_device_event_is_coll_in_the_heartbeat_and_spares_the_rank() -
     hung = find_hung_ranks({0: _seen(now, hb), 1: _seen(now, None)}, now=now, median_step_s=0.1, config=CFG)
     assert list(hung) == [1]
     make.made[1].done = True  # the allreduce completed
-    assert not Session._heartbeat_msg(cast(Any, stub))["coll"]
+    assert not stub.message()["coll"]
 
 
-def _beat(stub: Any) -> Heartbeat:
-    hb = decode_worker(Session._heartbeat_msg(cast(Any, stub)))
+def _words(
+    *, sync: CanonicalGradSync | None, step: int, since_step_s: float, step_s: float | None = None
+) -> HeartbeatWords:
+    """The heartbeat of a rank at ``step`` whose last step (``step_s`` long) completed
+    ``since_step_s`` ago, watching ``sync``."""
+    words = HeartbeatWords(Position(step=step))
+    words.watch_collectives(sync=sync, clock=None, frwatch=None)
+    words.progressed(time.monotonic() - since_step_s)
+    words.last_step_s = step_s
+    return words
+
+
+def _beat(stub: HeartbeatWords) -> Heartbeat:
+    hb = decode_worker(stub.message())
     assert isinstance(hb, Heartbeat)
     return hb
 
@@ -170,16 +174,7 @@ def test_a_rank_that_waited_long_for_a_slow_peer_is_not_blamed_as_it_leaves_the_
     return), from the sampler of a sharded model's waits, or as the heartbeat saw it."""
     now = time.monotonic()
     sync = CanonicalGradSync(torch.nn.Linear(3, 2))
-    stub = SimpleNamespace(
-        _sync=sync,
-        _frwatch=None,
-        _last_step_s=0.3,
-        _train_thread=None,
-        _progress_at=now - 100.0,
-        _coll_at=0.0,
-        _clock=None,
-        _step=7,
-    )
+    stub = _words(sync=sync, step=7, since_step_s=time.monotonic() - (now - 100.0), step_s=0.3)
     # out of any collective for all of the 100 s: blamed (the rule as before)
     hb = _beat(stub)
     assert not hb.coll and hb.idle_s is not None and hb.idle_s >= 100.0
@@ -190,13 +185,13 @@ def test_a_rank_that_waited_long_for_a_slow_peer_is_not_blamed_as_it_leaves_the_
     assert not hb.coll and hb.idle_s is not None and hb.idle_s < 1.0
     assert find_hung_ranks({0: _seen(now, hb)}, now=now, median_step_s=0.1, config=CFG) == {}
     # a sharded model: the sampler of its waits saw it inside a collective just now
-    stub._sync, stub._clock = None, SimpleNamespace(inside_at=time.monotonic())
+    stub.sync, stub.clock = None, cast(Any, SimpleNamespace(inside_at=time.monotonic()))
     hb = _beat(stub)
     assert hb.idle_s is not None and hb.idle_s < 1.0
     # with neither: the heartbeat itself saw it in one (an FSDP2 all-gather, a pending event)
-    stub._clock = None
+    stub.clock = None
     sync.pending_since = time.monotonic()
-    stub._sync, sync.left_at = sync, None
+    stub.sync, sync.left_at = sync, None
     assert _beat(stub).coll
     sync.pending_since = None  # it returned; the next heartbeat counts idle from the last one
     hb = _beat(stub)
@@ -229,28 +224,22 @@ def test_the_heartbeat_says_whether_the_training_thread_moves_and_where_it_is() 
     try:
         time.sleep(0.1)
 
-        def stub(thread: threading.Thread) -> Any:
-            return SimpleNamespace(
-                _sync=None,
-                _frwatch=None,
-                _last_step_s=None,
-                _train_progress=ThreadProgress(time.pthread_getcpuclockid(thread.ident), thread.native_id),
-                _train_thread=thread.ident,
-                _progress_at=time.monotonic() - 5.0,
-                _coll_at=0.0,
-                _clock=None,
-                _step=3,
-            )
+        def stub(thread: threading.Thread) -> HeartbeatWords:
+            assert thread.ident is not None
+            words = _words(sync=None, step=3, since_step_s=5.0)
+            clock = time.pthread_getcpuclockid(thread.ident)
+            words.watch_thread(thread.ident, ThreadProgress(clock, thread.native_id))
+            return words
 
         s = stub(stuck)
-        Session._heartbeat_msg(cast(Any, s))
+        s.message()
         time.sleep(0.05)
-        msg = Session._heartbeat_msg(cast(Any, s))
+        msg = s.message()
         assert msg["moving"] is False and msg["at"].endswith("_asleep_in_a_lock"), msg
         b = stub(busy)
-        Session._heartbeat_msg(cast(Any, b))
+        b.message()
         time.sleep(0.05)
-        assert Session._heartbeat_msg(cast(Any, b))["moving"] is True
+        assert b.message()["moving"] is True
         hb = decode_worker({**msg, "moving": True, "at": "x" * 1000})
         assert isinstance(hb, Heartbeat) and hb.moving and hb.at == "x" * 200
     finally:

@@ -220,3 +220,60 @@ def test_the_rescue_keeps_the_hyperparameters_of_the_steps_start() -> None:
     assert found is not None
     (group,) = found.state["optimizer"]["param_groups"]
     assert group["lr"] == 0.1 and group["params"] == [0, 1]
+
+
+class _Slots:
+    """LoopSnapshots as StepRescue uses it: whether steps go unsnapshotted, the newest begun,
+    and the live store's writes."""
+
+    def __init__(self, *, may_skip: bool, taken: int | None) -> None:
+        self.may_skip, self.taken = may_skip, taken
+        self.written: list[tuple[int, dict[str, object]]] = []
+        self.drained = 0
+        self.live = self
+
+    def drain(self) -> None:
+        self.drained += 1
+
+    def write(self, step: int, state: dict[str, object]) -> None:
+        self.written.append((step, state))
+
+
+def test_the_loops_rescue_writes_the_step_its_failed_successor_left_untouched() -> None:
+    from typing import Any, cast
+
+    from nonstop.train.rescue import StepRescue
+
+    model = torch.nn.Linear(3, 2)
+    opt, capture = _trained(model)
+    slots = _Slots(may_skip=True, taken=0)
+    rescue = StepRescue(cast(Any, slots), snapshot="overlapped")
+    assert rescue.enabled
+    rescue.arm(capture, 1)  # step 2 begins; step 1 went unsnapshotted
+    model(torch.randn(4, 3)).sum().backward()  # it failed after its backward
+    report = rescue.rescue(capture, 1)
+    assert report == {"rescued": 1, "rest": report["rest"]} and len(report["rest"]) == 32
+    assert slots.drained == 1 and [s for s, _ in slots.written] == [1] and slots.taken == 1
+    assert rescue.rescue(capture, 1)["rescued"] == 1  # disarmed: the live state as it is, now
+    assert len(slots.written) == 1  # already in the slots: not written again
+    rescue.arm(capture, 1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()  # this time the step wrote the state
+    assert rescue.rescue(capture, 1) == {"rescued": None}
+
+
+def test_no_rescue_when_every_step_is_snapshotted_snapshots_are_off_or_no_model_is_built() -> None:
+    from typing import Any, cast
+
+    from nonstop.train.rescue import StepRescue
+
+    model = torch.nn.Linear(3, 2)
+    _, capture = _trained(model)
+    every = _Slots(may_skip=False, taken=1)
+    rescue = StepRescue(cast(Any, every), snapshot="overlapped")
+    rescue.arm(None, 1)  # (not asked for a capture: a sharded model may have none yet)
+    assert not rescue.enabled and rescue.rescue(capture, 1) == {} and every.written == []
+    off = StepRescue(cast(Any, _Slots(may_skip=True, taken=None)), snapshot="off")
+    assert not off.enabled and off.rescue(capture, 1) == {}
+    built_later = StepRescue(cast(Any, _Slots(may_skip=True, taken=None)), snapshot="sync")
+    assert built_later.rescue(None, 1) == {}

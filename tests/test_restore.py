@@ -57,7 +57,7 @@ def test_old_ranks_are_read_as_views_of_the_slots_until_closed(tmp_path: Path) -
         for st, store in zip(states, out.stores, strict=True):
             at = st["w"].data_ptr()
             inside = []
-            for inf in store._holding(7):
+            for inf in store._reads._holding(7):
                 data = store._slots[inf.slot].data_view()
                 inside.append(data.data_ptr() <= at < data.data_ptr() + data.numel())
             assert any(inside)

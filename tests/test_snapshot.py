@@ -19,6 +19,7 @@ from nonstop.errors import SnapshotError, SnapshotMissingError
 from nonstop.snapshot import RankSnapshotStore, StateCapture, flatten_state, unflatten_state
 from nonstop.snapshot.api import HEADER_FMT, SlotState
 from nonstop.snapshot.pending import Copier
+from nonstop.snapshot.reads import SlotReads
 from nonstop.snapshot.store import slot_path
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool, torch.float64]
@@ -371,9 +372,9 @@ def test_copy_out_detects_a_racing_write(store: RankSnapshotStore, tmp_path: Pat
     raw = reader.copy_out(2)
     assert raw.step == 2 and bytes(raw.data) == (torch.arange(1000.0) + 1).numpy().tobytes()
     assert not any(reader.info(i).pinned for i in range(2))  # type: ignore[union-attr]
-    real_info = RankSnapshotStore.info
+    real_info = SlotReads.info
 
-    def info_racing_a_writer(self: RankSnapshotStore, i: int) -> object:
+    def info_racing_a_writer(self: SlotReads, i: int) -> object:
         inf = real_info(self, i)
         if inf is not None and inf.pinned:
             # A writer that chose this slot just before the pin became visible starts now.
@@ -381,7 +382,8 @@ def test_copy_out_detects_a_racing_write(store: RankSnapshotStore, tmp_path: Pat
             return real_info(self, i)
         return inf
 
-    reader.info = info_racing_a_writer.__get__(reader)  # type: ignore[method-assign]
+    reads = reader._reads  # the store's reader (snapshot/reads.py)
+    reads.info = info_racing_a_writer.__get__(reads)  # type: ignore[method-assign]
     with pytest.raises(SnapshotMissingError, match="no complete snapshot of step 2"):
         reader.copy_out(2)
     reader.close()
@@ -483,3 +485,15 @@ def test_equal_states_give_equal_bytes_whatever_a_slot_held_before(tmp_path: Pat
     finally:
         rank0.close()
         rank1.close()
+
+
+def test_the_stores_reader_is_an_object_of_its_own(store: RankSnapshotStore, tmp_path: Path) -> None:
+    """A SlotReads alone (no writer) reads what a store wrote; forgetting the rank's snapshots
+    is the writer's (``clear``), and the reader sees it."""
+    store.write(4, {"w": torch.arange(3.0)})
+    reads = SlotReads(shm_dir=tmp_path, job_id="t", rank=3, num_slots=2)
+    assert reads.complete_steps() == [4] and torch.equal(reads.read(4)["w"], torch.arange(3.0))
+    assert reads.copy_out(4).step == 4 and not hasattr(reads, "clear")
+    store.clear()
+    assert reads.complete_steps() == [] and store.complete_steps() == []
+    reads.close()

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.elastic.utils.store as store_util
 
-from nonstop.train.waitclock import CollectiveClock
+from nonstop.train.waitclock import CollectiveClock, CollectiveWaits
 
 
 def test_a_look_charges_the_time_since_the_last_only_inside_and_at_most_two_periods() -> None:
@@ -63,3 +65,16 @@ def test_it_sees_a_thread_blocked_in_torch_distributed_and_not_one_computing() -
         assert clock.inside_at is not None and clock.inside_at <= timing["left"], (clock.inside_at, timing)
     finally:
         clock.close()
+
+
+def test_the_loops_waits_come_from_the_stamped_allreduce_else_a_clock_of_its_own() -> None:
+    stamped = SimpleNamespace(take_wait_s=lambda: 0.75)
+    ddp = CollectiveWaits(cast(Any, stamped), threading.get_ident())
+    assert ddp.clock is None and ddp.take_wait_s() == 0.75  # no sampler thread for a DDP model
+    sharded = CollectiveWaits(None, threading.get_ident())
+    clock = sharded.clock
+    assert clock is not None and clock._thread.is_alive()
+    clock.look(0.001, True)
+    assert sharded.take_wait_s() == 0.001 and sharded.take_wait_s() == 0.0
+    sharded.close()
+    assert sharded.clock is None and not clock._thread.is_alive() and sharded.take_wait_s() == 0.0

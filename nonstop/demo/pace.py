@@ -12,9 +12,16 @@ __all__ = ["add_pace_args", "pace"]
 
 
 class _Shards(Protocol):
-    shards: tuple[int, ...]
-    num_shards: int
-    shards_played: int
+    """What the pace reads of a session (read-only)."""
+
+    @property
+    def shards(self) -> tuple[int, ...]: ...
+
+    @property
+    def num_shards(self) -> int: ...
+
+    @property
+    def shards_played(self) -> int: ...
 
 
 def add_pace_args(ap: argparse.ArgumentParser) -> None:

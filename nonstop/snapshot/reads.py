@@ -1,7 +1,8 @@
 """Reading a rank's snapshot slots: which steps they hold, a step's state, a stable copy of it.
 
-:class:`SlotReads` is the reading half of :class:`~nonstop.snapshot.store.RankSnapshotStore`
-(the store adds the writing half); every reader of a rank's slots -- the worker restoring, the
+:class:`SlotReads` is the reader of one rank's slots; a
+:class:`~nonstop.snapshot.store.RankSnapshotStore` holds one (its reading API is this object's)
+and writes into the same slots; every reader of a rank's slots -- the worker restoring, the
 agent's persister, replicator and data plane -- goes through it. A slot holds either a whole
 snapshot or, with a node copy (:mod:`nonstop.snapshot.nodecopy`), the rank's own part and a
 reference to the node's shared write; such a snapshot counts only while both are complete, and
@@ -34,7 +35,9 @@ SETTLE_POLL_S = 0.02  # copy_out(settle_s=...): how often a missing step is look
 
 
 class SlotReads:
-    """The reading half of a rank's snapshot store (see the module docstring).
+    """The reader of a rank's snapshot slots (see the module docstring). It owns the slots'
+    mappings (:attr:`slots`, which the store's writer writes into), the node copies it opened
+    as a reader, and the cache of which shared write each slot refers to.
 
     Threading contract: reads may come from several threads at once through one store (the
     node agent's persister, replicator and data plane do): a thread that maps a grown or
@@ -49,10 +52,15 @@ class SlotReads:
         # Split snapshots: a writer is given the node copy (share_with); a reader opens the
         # node's when it first meets a slot that refers to it.
         self._shm_dir, self._job_id = shm_dir, job_id
-        self._node: NodeCopy | None = None  # the writer's (share_with)
+        self._node: NodeCopy | None = None  # the writer's (writer_node)
         self._groups: dict[int, NodeCopy] = {}  # a reader's, by copy group
         self._opening = threading.Lock()
         self._refs: dict[int, tuple[float, SharedRef | None]] = {}
+
+    @property
+    def slots(self) -> list[Slot]:
+        """The rank's slots (mapped by this reader; the store's writer writes into them)."""
+        return self._slots
 
     @property
     def shm_dir(self) -> Path:
@@ -89,11 +97,26 @@ class SlotReads:
                 self._groups[group] = node
             return node
 
+    def writer_node(self, node: NodeCopy | None) -> None:
+        """Read the shared writes of ``node``'s group through the writer's own node copy (the
+        store's, :meth:`~nonstop.snapshot.store.RankSnapshotStore.share_with`), closing a
+        reader's copy of that group opened before."""
+        if node is not None and self._node is not node:
+            self._close_readers(node.group)
+        self._node = node
+
     def _close_readers(self, group: int | None = None) -> None:
         """Close the reader's node copies (of ``group`` only, when given)."""
         with self._opening:
             for g in [g for g in self._groups if group is None or g == group]:
                 self._groups.pop(g).close()
+
+    def close(self) -> None:
+        """Unmap the slots and close the node copies opened as a reader (the writer's own node
+        copy is the writer's to close)."""
+        for s in self.slots:
+            s.close()
+        self._close_readers()
 
     def _ref(self, inf: SnapshotInfo) -> SharedRef | None:
         """The shared write slot ``inf`` refers to (None: it holds its whole snapshot)."""
@@ -227,17 +250,6 @@ class SlotReads:
         for group in sorted(groups):
             self.node_copy(group).keep_only(steps)  # the node's shared writes of the same steps
         return held
-
-    def clear(self) -> None:
-        """Forget every snapshot of this rank (headers to EMPTY, holds released). For a worker that
-        starts playing this rank after a world-size change: what the slots hold was written by
-        another process for another numbering and must never be restored as this rank's."""
-        for i in range(self.num_slots):
-            slot = self._slots[i]
-            if not slot.open_existing():
-                continue
-            slot.set_pinned(False, KEEP_PIN)
-            slot.write_header(SlotState.EMPTY, -1, 0, 0, 0.0)
 
     def _copy(
         self,

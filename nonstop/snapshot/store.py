@@ -34,8 +34,9 @@ One slot file (its naming, mapping, header encoding and pin word) is
 :class:`nonstop.snapshot.slot.Slot`; the write in flight and the background copier are
 :mod:`nonstop.snapshot.pending`; a slot copied out, and decoding, :mod:`nonstop.snapshot.raw`.
 This module decides which slot to write (and, with a node copy, which tensors go to the node's
-shared write: :mod:`nonstop.snapshot.nodecopy`); :mod:`nonstop.snapshot.reads` decides when a read
-is valid.
+shared write: :mod:`nonstop.snapshot.nodecopy`); the store's reader, a
+:class:`~nonstop.snapshot.reads.SlotReads` it holds and whose reading API it offers, decides when a
+read is valid.
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from nonstop.errors import SnapshotError
@@ -106,8 +108,9 @@ __all__ = [
 ]
 
 
-class RankSnapshotStore(SlotReads):
-    """The snapshot slots of one rank (the reading half is :class:`~.reads.SlotReads`).
+class RankSnapshotStore:
+    """The snapshot slots of one rank: their writer, and (through the :class:`~.reads.SlotReads`
+    it holds) their reader.
 
     ``write(step, state)`` copies ``state`` (any nested structure accepted by
     :func:`~nonstop.snapshot.flatten.flatten_state`) into a free slot. When it
@@ -138,7 +141,11 @@ class RankSnapshotStore(SlotReads):
             raise SnapshotError(f"device_depth={device_depth}: a device needs at least one batch in flight")
         if num_slots < 2:
             raise SnapshotError("a rank needs at least 2 snapshot slots (one to read while one is written)")
-        super().__init__(shm_dir=shm_dir, job_id=job_id, rank=rank, num_slots=num_slots)
+        self.rank = rank
+        self.num_slots = num_slots
+        self._reads = SlotReads(shm_dir=shm_dir, job_id=job_id, rank=rank, num_slots=num_slots)
+        self._slots = self._reads.slots  # the reader's mappings, which the writer writes into
+        self._node: NodeCopy | None = None  # the node's shared write (share_with)
         self._room = StoreRoom(shm_dir=shm_dir, store_id=job_id, rank=rank, num_slots=num_slots)
         self._whole = LayoutCache()  # a whole state's layout (no node copy, or refused)
         self._own = LayoutCache()  # with a node copy: the rank's own tensors'
@@ -147,12 +154,60 @@ class RankSnapshotStore(SlotReads):
         self._copier = Copier(rank, device_chunk=device_chunk, device_depth=device_depth)
         self._node_gen = 0  # the generation of the node copy's shared writes (share_with)
 
+    # -- reading: the store's SlotReads (snapshot/reads.py) ------------------------------------
+    @property
+    def shm_dir(self) -> Path:
+        return self._reads.shm_dir
+
+    @property
+    def store_id(self) -> str:
+        """The id the slot files are named under (``<job>.<node>``, ``.rep`` for a holder's)."""
+        return self._reads.store_id
+
+    def info(self, slot_index: int) -> SnapshotInfo | None:
+        return self._reads.info(slot_index)
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a complete snapshot in this rank's slots, ascending."""
+        return self._reads.complete_steps()
+
+    def writing_step(self, live_pids: Collection[int]) -> int | None:
+        """:meth:`SlotReads.writing_step <.reads.SlotReads.writing_step>`."""
+        return self._reads.writing_step(live_pids)
+
+    def behind_shared(self, live_pids: Collection[int]) -> bool:
+        """:meth:`SlotReads.behind_shared <.reads.SlotReads.behind_shared>`."""
+        return self._reads.behind_shared(live_pids)
+
+    def read(self, step: int, *, copy: bool = True) -> Any:
+        """The state of ``step`` (see the class docstring; :meth:`.reads.SlotReads.read`)."""
+        return self._reads.read(step, copy=copy)
+
+    def copy_out(
+        self,
+        step: int,
+        *,
+        out: np.ndarray | None = None,
+        keep: bool = False,
+        split: bool = False,
+        settle_s: float = 0.0,
+    ) -> RawSnapshot:
+        """A private copy of the snapshot of ``step`` (:meth:`.reads.SlotReads.copy_out`)."""
+        return self._reads.copy_out(step, out=out, keep=keep, split=split, settle_s=settle_s)
+
+    def keep_only(self, steps: Collection[int]) -> list[int]:
+        """Hold the complete snapshots of ``steps`` only (:meth:`.reads.SlotReads.keep_only`)."""
+        return self._reads.keep_only(steps)
+
+    def node_copy(self, group: int = 0) -> NodeCopy:
+        """The node's shared slots of copy ``group`` (:meth:`.reads.SlotReads.node_copy`)."""
+        return self._reads.node_copy(group)
+
     # -- writing ---------------------------------------------------------------
     def share_with(self, node: NodeCopy | None, gen: int) -> None:
         """Write the tensors a ``begin``'s ``share`` predicate names into ``node``'s shared slots
         (one copy per node, :mod:`nonstop.snapshot.nodecopy`), as part of generation ``gen``."""
-        if node is not None and self._node is not node:
-            self._close_readers(node.group)  # a reader's, opened before this store was given the writer's
+        self._reads.writer_node(node)  # (its shared writes are read through it too)
         self._node, self._node_gen = node, gen
 
     def _choose_slot(self) -> Slot:
@@ -368,6 +423,17 @@ class RankSnapshotStore(SlotReads):
             self._pending = None
         return self._pending
 
+    def clear(self) -> None:
+        """Forget every snapshot of this rank (headers to EMPTY, holds released). For a worker that
+        starts playing this rank after a world-size change: what the slots hold was written by
+        another process for another numbering and must never be restored as this rank's."""
+        for i in range(self.num_slots):
+            slot = self._slots[i]
+            if not slot.open_existing():
+                continue
+            slot.set_pinned(False, KEEP_PIN)
+            slot.write_header(SlotState.EMPTY, -1, 0, 0, 0.0)
+
     def write_raw(self, step: int, meta: bytes, data: bytes | bytearray | memoryview) -> None:
         """Install a snapshot given as its serialized form (e.g. loaded from the durable tier)."""
         slot = self._sized_slot(len(data), len(meta))
@@ -395,11 +461,9 @@ class RankSnapshotStore(SlotReads):
                 pass
             self._pending = None
         self._copier.close()
-        for s in self._slots:
-            s.close()
+        self._reads.close()
         if self._node is not None:
             self._node.close()
-        self._close_readers()
 
 
 def _age_key(inf: SnapshotInfo | None) -> tuple[int, float]:

@@ -1,52 +1,53 @@
 """What a worker plays in the current generation: its rank, the world size, its data shards and
-its coordinates on the mesh (the part of :class:`~nonstop.train.session.Session` a training
-script reads every step).
+its coordinates on the mesh (what a training script reads every step, through
+:class:`~nonstop.train.session.Session`'s properties).
 
-A generation's ``reconfigure`` message sets them (:meth:`Membership._set_membership`), and the
-worker's environment follows: torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+A generation's ``reconfigure`` message sets them (:meth:`Membership.apply`), and the worker's
+environment follows: torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ... as :mod:`nonstop.coordinator.torch_env` defines them), as
-does the label the node agent puts on its output lines. Main thread only.
+does the label the node agent puts on its output lines.
+
+Threading contract: :meth:`Membership.apply` on the main thread only (the training loop's, between
+steps); the attributes may be read from any thread.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
-import torch
-from torch.nn.parallel import DistributedDataParallel
-
-from nonstop.config import WorkerEnv
 from nonstop.control.channel import Message
 from nonstop.devices.inventory import DEVICE
 from nonstop.mesh import MeshSpec
-from nonstop.train.ddp import CanonicalGradSync
-from nonstop.train.trainee import accumulate
 from nonstop.workerlog import announce_rank
 
 __all__ = ["Membership"]
 
 
 class Membership:
-    """Rank, world size, shards and mesh coordinates of this process in its generation."""
+    """Rank, world size, shards and mesh coordinates of this process in its generation.
 
-    env: WorkerEnv
-    rank: int
-    world_size: int
-    _sync: CanonicalGradSync | None
+    ``mesh``: the job's ``--mesh`` (None: a data-parallel job). Until the first :meth:`apply` the
+    process is a spare: rank 0 of a world of size 0, playing no shard."""
 
-    def _set_membership(self, msg: Message) -> None:
-        """Rank, world size and data shards of the generation ``msg`` (a reconfigure) starts."""
-        self.rank = int(msg["rank"])
-        self.world_size = int(msg["world_size"])
-        self.shards: tuple[int, ...] = tuple(int(k) for k in msg.get("shards", (self.rank,)))
-        self.num_shards: int = int(msg.get("num_shards", self.world_size))  # the job's
+    def __init__(self, mesh: str | None) -> None:
+        self._mesh = MeshSpec.parse(mesh) if mesh is not None else None
+        self.rank = 0
+        self.world_size = 0
+        self.shards: tuple[int, ...] = ()
+        self.num_shards = 0  # the job's
         # the shards the generation plays, the gradient mean's divisor: the job's, or fewer while
         # a shrink drops the lost ranks' shares (--shrink-batch drop); a step trains
         # shards_played micro-batches of the global batch
-        self.shards_played: int = int(msg.get("divisor", self.num_shards))
-        if self._sync is not None:
-            self._sync.set_shards(self.shards, self.shards_played)
+        self.shards_played = 0
+
+    def apply(self, msg: Message) -> None:
+        """Take the rank, world size and data shards of the generation ``msg`` (a reconfigure)
+        starts, and set this process's environment to match."""
+        self.rank = int(msg["rank"])
+        self.world_size = int(msg["world_size"])
+        self.shards = tuple(int(k) for k in msg.get("shards", (self.rank,)))
+        self.num_shards = int(msg.get("num_shards", self.world_size))
+        self.shards_played = int(msg.get("divisor", self.num_shards))
         # torchrun's variables as the coordinator computed them (coordinator/torch_env.py); a message
         # without them (an older coordinator) still sets the rank and the world size
         env = {str(k): str(v) for k, v in dict(msg.get("env", {})).items()}
@@ -58,34 +59,13 @@ class Membership:
         os.environ.update(env)
         announce_rank(self.rank)  # the agent labels this process's output lines with it from here
 
-    def shard_steps(self, model: torch.nn.Module) -> Iterator[int]:
-        """The data shards this rank plays in this step, for gradient accumulation::
-
-            for shard in session.shard_steps(model):
-                x, y = batch_for(step, shard)          # shard k: what rank k of the full job reads
-                loss_fn(model(x), y).backward()
-
-        In a job at its full size each rank plays one shard (its rank; a sharded job's: its
-        ``dp_rank``). After an elastic shrink a rank plays several: the gradients of all but the
-        last are accumulated locally (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``),
-        the last backward reduces, and the sum is divided by the number of shards, so the global
-        batch and its samples are those of the full-size job (with ``--shrink-batch drop`` a
-        shrunk rank plays its own shards only, the sum divided by the shards played). In an
-        elastic data-parallel job the mean is bitwise the same at every world size
-        (:mod:`nonstop.train.exactsum`): each shard's gradient is kept apart and the shards are
-        summed in their order."""
-        if self._sync is not None and self._sync.exact and isinstance(model, DistributedDataParallel):
-            return self._sync.accumulate(model)
-        return accumulate(model, self.shards)
-
     @property
     def mesh(self) -> MeshSpec | None:
         """This generation's mesh: the job's ``--mesh``, with fewer replica groups after an
         elastic shrink (None: a data-parallel job)."""
-        if self.env.mesh is None:
+        if self._mesh is None:
             return None
-        spec = MeshSpec.parse(self.env.mesh)
-        return spec.with_world(self.world_size) if self.world_size else spec
+        return self._mesh.with_world(self.world_size) if self.world_size else self._mesh
 
     @property
     def dp_rank(self) -> int:

@@ -1,10 +1,17 @@
 """The worker's side of a generation change: restore the committed step, rejoin the process group.
 
-:class:`Rejoin` is the part of :class:`~nonstop.train.session.Session` that runs between two
-steps of the training loop when the coordinator starts a generation (a recovery, a resize, a
-migration's swap) or a step failed: tear the old group down, restore from this node's memory (or
-the durable tier), report ``restored``, wait for ``rebuild``, join the new group and report
-``ready``; a migration's boundary pause and a joiner's sandboxed warm-up step. Main thread only.
+:class:`Rejoin` runs between two steps of the training loop when the coordinator starts a
+generation (a recovery, a resize, a migration's swap) or a step failed: tear the old group down,
+restore from this node's memory (or the durable tier), report ``restored``, wait for ``rebuild``,
+join the new group and report ``ready``; a migration's boundary pause and a joiner's sandboxed
+warm-up step. It moves the rank's :class:`~nonstop.train.position.Position` (the generation, the
+restored step) and :class:`~nonstop.train.membership.Membership` as it goes: the heartbeat and a
+reconnect's resume point report them meanwhile.
+
+Its own state: the step whose live state a boundary pause left standing (``live_at``, which the
+next restore takes instead of reading a snapshot) and ``warming_up`` (a joiner's sandboxed step).
+
+Threading contract: main thread only (the training loop's).
 """
 
 from __future__ import annotations
@@ -18,41 +25,75 @@ from typing import Any
 
 import torch
 
+from nonstop.config import WorkerEnv
 from nonstop.control.channel import Message
 from nonstop.control.rdzv import ChannelStore
-from nonstop.snapshot import RankSnapshotStore, StateCapture
+from nonstop.snapshot import StateCapture
 from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import CoordinatorLink, PeerFailed
 from nonstop.train.membership import Membership
-from nonstop.train.rescue import StepHead, now
+from nonstop.train.position import Position
+from nonstop.train.rescue import StepRescue
 from nonstop.train.restore import read_restore
 from nonstop.train.settle import lost_ranks
 from nonstop.train.snapshots import LoopSnapshots
 from nonstop.train.trainee import Trainee
 
-__all__ = ["Rejoin", "TrainStep"]
+__all__ = ["Rejoin", "TrainStep", "destroy_group"]
 
 log = logging.getLogger(__name__)
 
 TrainStep = Callable[[torch.nn.Module, int], float | None]
 
 
-class Rejoin(Membership):
-    """Restore and rejoin for a new generation (see the module docstring)."""
+class Rejoin:
+    """Restore and rejoin for a new generation (see the module docstring), for ``trainee`` (the
+    model side of the session) in ``group``, talking to the coordinator over ``link``.
 
-    generation: int
-    trainee: Trainee
-    warming_up: bool
-    _link: CoordinatorLink
-    _group: GenerationGroup
-    _snaps: LoopSnapshots
-    _faults: WorkerFaults
-    _step: int
-    _live_at: int | None
-    _head: StepHead
+    ``snaps``: the rank's snapshot slots (restored from, written at a generation's start);
+    ``rescue``: the rescue a fault report carries; ``faults``: the injected faults due at a
+    restore; ``members`` and ``position``: what the generation sets (the session's own)."""
 
-    def _warm_up(self, train_step: TrainStep, model: torch.nn.Module) -> None:
+    def __init__(
+        self,
+        env: WorkerEnv,
+        *,
+        trainee: Trainee,
+        link: CoordinatorLink,
+        group: GenerationGroup,
+        snaps: LoopSnapshots,
+        rescue: StepRescue,
+        faults: WorkerFaults,
+        members: Membership,
+        position: Position,
+    ) -> None:
+        self._env = env
+        self._trainee = trainee
+        self._link = link
+        self._group = group
+        self._snaps = snaps
+        self._rescue = rescue
+        self._faults = faults
+        self._members = members
+        self._pos = position
+        self.live_at: int | None = None  # paused after this step: the live state is that step's
+        self.warming_up = False  # a joiner's sandboxed step (see warm_up): skip side effects
+
+    def _capture(self) -> StateCapture:
+        capture = self._trainee.capture
+        assert capture is not None, "the model is built once the generation's group is joined"
+        return capture
+
+    def take_membership(self, msg: Message) -> None:
+        """The rank, world size and shards of the generation ``msg`` starts; the gradient sync
+        divides by the shards played."""
+        self._members.apply(msg)
+        sync = self._trainee.sync
+        if sync is not None:
+            sync.set_shards(self._members.shards, self._members.shards_played)
+
+    def warm_up(self, train_step: TrainStep, model: torch.nn.Module) -> None:
         """A migration's joiner, while the others train: one sandboxed step on the bare model (no
         DDP, so no collective), so that its first real step does not pay for allocating
         activations and gradients, autograd's and the optimizer's lazy initialisation (its
@@ -62,7 +103,7 @@ class Rejoin(Membership):
         self.warming_up = True
         t0 = time.monotonic()
         try:
-            train_step(model, self._step)
+            train_step(model, self._pos.step)
         except Exception as e:  # a warm-up is an optimisation: never fail the migration for it
             log.warning("warm-up step failed (the first real step will be slower): %s", e)
         finally:
@@ -70,47 +111,61 @@ class Rejoin(Membership):
             model.zero_grad(set_to_none=True)
         log.info("warm-up step took %.3fs", time.monotonic() - t0)
 
-    def _pause(self, store: RankSnapshotStore) -> Message | None:
+    def between_steps(self) -> Message | None:
+        """Before a step: the reconfigure that ends this generation -- sent by the coordinator,
+        or the one a migration's boundary pause ended with (:meth:`pause`) -- or None (train on).
+        :class:`~nonstop.train.link.PeerFailed` when the coordinator asked the survivors to
+        leave their step (:mod:`nonstop.train.rescue`)."""
+        link, pos = self._link, self._pos
+        pending = link.poll_reconfigure()
+        pause_at = link.pause_at
+        if pending is None and pause_at is not None and pos.step >= pause_at:
+            pending = self.pause()
+        if pending is None and link.leaving(pos.generation):
+            raise PeerFailed("the coordinator asked the survivors to leave their step")
+        return pending
+
+    def pause(self) -> Message | None:
         """Live migration: stop after the boundary step (its snapshot complete, for the joiner to
-        fetch) until the coordinator swaps the rank (a reconfigure) or gives up (continue)."""
-        if self._snaps.taken != self._step:
+        fetch) until the coordinator swaps the rank (a reconfigure, returned) or gives up
+        (continue: None)."""
+        pos, link = self._pos, self._link
+        if self._snaps.taken != pos.step:
             # the boundary came after this step was reported unsnapshotted (--snapshot-every):
             # snapshot it now, for the joiner to fetch; the report says only that much
-            snap = self._snaps.take(self._step, self._capture(), self.generation)
-            again = {"t": "step", "gen": self.generation, "step": self._step, "step_s": 0.0, "again": True}
+            snap = self._snaps.take(pos.step, self._capture(), pos.generation)
+            again = {"t": "step", "gen": pos.generation, "step": pos.step, "step_s": 0.0, "again": True}
             if snap is not None:
-                snap.on_complete(functools.partial(self._link.send_quietly, again))
-        store.drain()
-        self._link.pause_at = None
-        self._live_at = self._step  # until the next step starts, the live state is that of this step
-        self._link.send({"t": "paused", "gen": self.generation, "step": self._step})
-        reply = self._link.wait_for("reconfigure", "continue", "leave")
-        while reply["t"] == "leave" and not self._link.leaving(self.generation):  # (a stale one)
-            reply = self._link.wait_for("reconfigure", "continue", "leave")
+                snap.on_complete(functools.partial(link.send_quietly, again))
+        self._snaps.live.drain()
+        link.pause_at = None
+        self.live_at = pos.step  # until the next step starts, the live state is that of this step
+        link.send({"t": "paused", "gen": pos.generation, "step": pos.step})
+        reply = link.wait_for("reconfigure", "continue", "leave")
+        while reply["t"] == "leave" and not link.leaving(pos.generation):  # (a stale one)
+            reply = link.wait_for("reconfigure", "continue", "leave")
         if reply["t"] == "leave":  # a failure while paused: report the boundary (train/rescue.py)
             raise PeerFailed("the coordinator asked the survivors to leave")
         if reply["t"] == "reconfigure":
             return reply
-        self._live_at = None
+        self.live_at = None
         return None
 
-    def _capture(self) -> StateCapture:
-        capture = self.trainee.capture
-        assert capture is not None, "the model is built once the generation's group is joined"
-        return capture
-
-    def _on_step_error(self, err: BaseException) -> Message:
-        """Tear down the group at once (so blocked peers fail fast), then ask what to do."""
+    def on_step_error(self, err: BaseException) -> Message:
+        """Tear down the group at once (so blocked peers fail fast), report the fault (with its
+        rescue) and return the reconfigure the coordinator answers; re-raise ``err`` when it
+        answers ``raise`` (a failure no recovery can fix)."""
         if err.__traceback__ is not None:
             traceback.clear_frames(err.__traceback__)  # frames hold the old DDP and its group
-        self._destroy_group()
+        destroy_group(self._link, self._group)
+        pos = self._pos
         self._link.send(
             {
                 "t": "fault",
-                "gen": self.generation,
-                "step": self._step,
+                "gen": pos.generation,
+                "step": pos.step,
                 "error": f"{type(err).__name__}: {err}"[:500],
-                **self._rescue(),
+                **self._rescue.rescue(self._trainee.capture, pos.step),
             }
         )
         reply = self._link.wait_for("reconfigure", "raise")
@@ -120,100 +175,51 @@ class Rejoin(Membership):
         self._link.post_settled(self._group.settle(lost_ranks(reply)), int(reply["gen"]))
         return reply
 
-    @property
-    def _rescues(self) -> bool:
-        """Whether this job's failures are rescued: steps go unsnapshotted (``--snapshot-every``
-        K > 1, or an interval a ``--snapshot-budget`` widened: from its announcement on, as the
-        coordinator's ``WorkerProtocol.rescues``), snapshots on."""
-        return self._snaps.may_skip and self.env.snapshot != "off"
+    def _inject(self, phase: str, step: int) -> None:
+        self._faults.maybe_fire(phase, rank=self._members.rank, step=step, generation=self._pos.generation)
 
-    def _arm_rescue(self) -> None:
-        """A step begins: note its start for a rescue."""
-        if self._rescues:
-            self._head.arm(self._capture(), self._step)
-        else:
-            self._head.disarm()
-
-    def _rescue(self) -> dict[str, Any]:
-        """A step failed, or the coordinator asked this rank to leave (a ``leave``, before or
-        in a step): have the state after the last completed step in this rank's slots -- the
-        live tensors with the step's head if the failed step left them untouched, or as they are
-        if no step began (:mod:`nonstop.train.rescue`) -- written unless that step was
-        snapshotted; what the fault report says of it. A rescue that fails costs nothing but
-        the rescue."""
-        if not self._rescues or self.trainee.capture is None:
-            return {}
-        try:
-            capture = self._capture()
-            found = self._head.rescue(capture, self._step) if self._head.armed else now(capture, self._step)
-            if found is None:
-                return {"rescued": None}
-            t0 = time.monotonic()
-            self._snaps.live.drain()
-            if self._snaps.taken != found.step:
-                self._snaps.live.write(found.step, found.state)
-                self._snaps.taken = found.step
-                log.info("rescued step %d into memory in %.3fs", found.step, time.monotonic() - t0)
-            return {"rescued": found.step, "rest": found.digest}
-        except Exception:
-            log.warning("the rescue snapshot failed; recovery restores the last snapshot", exc_info=True)
-            return {"rescued": None}
-        finally:
-            self._head.disarm()
-
-    def _maybe_inject(self, phase: str, step: int) -> None:
-        self._faults.maybe_fire(phase, rank=self.rank, step=step, generation=self.generation)
-
-    def _destroy_group(self, *, at_boundary: bool = False) -> None:
-        """Drop this generation's rendezvous store, DDP wrapper and groups (GenerationGroup.destroy);
-        the mesh groups a recovery left open are parked, and their sequence numbers posted for
-        the peers still settling them (:mod:`nonstop.train.settle`)."""
-        self._link.drop_rdzv("the process group was torn down")
-        self._link.post_settled(self._group.destroy(at_boundary=at_boundary))
-
-    def _reconfigure(self, msg: Message, warm_up: TrainStep | None) -> torch.nn.Module:
-        """Restore the committed step, then rebuild the process group for a new generation.
+    def reconfigure(self, msg: Message, warm_up: TrainStep | None) -> torch.nn.Module:
+        """Restore the committed step, then rebuild the process group for a new generation;
+        return the module the steps of the generation train.
 
         A data-parallel model restores before the group is joined; a sharded one is built in
         the new group (:mod:`nonstop.train.trainee`), so its snapshot is read (and checked) at the
         restore stage and copied into the fresh model once it is built."""
-        trainee = self.trainee
+        trainee, link, snaps, pos, members = self._trainee, self._link, self._snaps, self._pos, self._members
         while True:
             gen = int(msg["gen"])
             restore_step = msg.get("restore_step")
-            self.generation = gen
-            self._link.pause_at = None  # a new generation ends any migration's pause
+            pos.generation = gen
+            link.pause_at = None  # a new generation ends any migration's pause
             # here the last step is complete (a failed one tore its groups down already)
-            self._destroy_group(at_boundary=True)
+            destroy_group(link, self._group, at_boundary=True)
             if restore_step is not None and msg.get("recovery"):
-                self._maybe_inject("recovery", int(restore_step))
+                self._inject("recovery", int(restore_step))
             elif restore_step is not None and msg.get("prepare"):
-                self._maybe_inject("prepare", int(restore_step))
-            self._snaps.live.drain()  # never restore under a copy still writing into the slots
-            if int(msg["rank"]) != self.rank:  # renumbered (elastic): snapshot under the new number
-                self._snaps.open(int(msg["rank"]))
-            self._set_membership(msg)
-            store = self._snaps.live
+                self._inject("prepare", int(restore_step))
+            snaps.live.drain()  # never restore under a copy still writing into the slots
+            if int(msg["rank"]) != members.rank:  # renumbered (elastic): snapshot under the new number
+                snaps.open(int(msg["rank"]))
+            self.take_membership(msg)
+            store = snaps.live
             t0 = time.monotonic()
-            self._step, pending = read_restore(
+            pos.step, pending = read_restore(
                 msg,
-                env=self.env,
+                env=self._env,
                 store=store,
                 in_group=trainee.restore_in_group,
                 capture=self._capture,
-                step=self._step,
-                live_at=self._live_at,
-                mesh=self.mesh,
+                step=pos.step,
+                live_at=self.live_at,
+                mesh=members.mesh,
             )
-            self._live_at = None
+            self.live_at = None
             bare = trainee.bare
             if msg.get("prepare") and restore_step is not None and bare is not None and warm_up is not None:
-                self._snaps.prefault(self._capture(), self._step)  # before the warm-up changes the state
-                self._warm_up(warm_up, bare)
-            self._link.send(
-                {"t": "restored", "gen": gen, "step": self._step, "restore_s": time.monotonic() - t0}
-            )
-            reply = self._link.wait_for("rebuild", "reconfigure")
+                snaps.prefault(self._capture(), pos.step)  # before the warm-up changes the state
+                self.warm_up(warm_up, bare)
+            link.send({"t": "restored", "gen": gen, "step": pos.step, "restore_s": time.monotonic() - t0})
+            reply = link.wait_for("rebuild", "reconfigure")
             if reply["t"] == "reconfigure" or int(reply["gen"]) != gen:
                 if pending is not None:
                     pending.close()  # (the next generation reads its own)
@@ -225,31 +231,31 @@ class Rejoin(Membership):
                 # Every rank has restored (the rebuild says so): what this rank number's slots hold
                 # was written under another numbering. Start them over with the restored step.
                 store.clear()
-                self._snaps.write(self._step, self._capture(), gen)
+                snaps.write(pos.step, self._capture(), gen)
             t1 = time.monotonic()
             try:
                 module = self._join_group(gen, restored=restore_step is not None)
                 if pending is not None:
-                    pending.apply(self._capture(), self.rank)
+                    pending.apply(self._capture(), members.rank)
                     if pending.reads_slots:
-                        _resharded_everywhere(self._link.rdzv, self.world_size)
+                        _resharded_everywhere(link.rdzv, members.world_size)
             except Exception as e:
                 if pending is not None:
                     pending.close()
                 pending = None
-                msg = self._on_step_error(e)
+                msg = self.on_step_error(e)
                 continue
             if pending is not None:
                 pending.close()
             pending = None
             if fresh and trainee.restore_in_group:  # (a sharded model exists only now)
                 store.clear()
-                self._snaps.write(self._step, self._capture(), gen)
+                snaps.write(pos.step, self._capture(), gen)
             if restore_step is None:
-                self._snaps.write(0, self._capture(), gen)
+                snaps.write(0, self._capture(), gen)
             sharded = trainee.restore_in_group
-            layouts = self._layouts() if sharded and self.rank == 0 else None
-            self._link.send(_ready(gen, time.monotonic() - t1, self._group if sharded else None, layouts))
+            layouts = self._layouts() if sharded and members.rank == 0 else None
+            link.send(_ready(gen, time.monotonic() - t1, self._group if sharded else None, layouts))
             return module
 
     def _layouts(self) -> list[Any] | None:
@@ -269,17 +275,27 @@ class Rejoin(Membership):
     def _join_group(self, gen: int, *, restored: bool) -> torch.nn.Module:
         # Rendezvous through the coordinator (authenticated, fenced by generation, abortable).
         # A generation that is already stale fails at once: the coordinator refuses its keys.
-        store = self._link.open_rdzv(gen, self.env.rebuild_timeout_s)
-        return self.trainee.join(
+        timeout_s = self._env.rebuild_timeout_s
+        store = self._link.open_rdzv(gen, timeout_s)
+        members = self._members
+        return self._trainee.join(
             self._group,
             store,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout_s=self.env.rebuild_timeout_s,
+            rank=members.rank,
+            world_size=members.world_size,
+            timeout_s=timeout_s,
             restored=restored,
-            divisor=self.shards_played,
+            divisor=members.shards_played,
             generation=gen,
         )
+
+
+def destroy_group(link: CoordinatorLink, group: GenerationGroup, *, at_boundary: bool = False) -> None:
+    """Drop this generation's rendezvous store (``link``'s), DDP wrapper and groups
+    (:meth:`GenerationGroup.destroy`); the mesh groups a recovery left open are parked, and their
+    sequence numbers posted for the peers still settling them (:mod:`nonstop.train.settle`)."""
+    link.drop_rdzv("the process group was torn down")
+    link.post_settled(group.destroy(at_boundary=at_boundary))
 
 
 def _resharded_everywhere(store: ChannelStore | None, world_size: int) -> None:

@@ -18,6 +18,10 @@ replicated tensors is alike (seeded alike, no per-rank state), so a replaced ran
 state of ``s`` of a survivor holding the same shards (any, data-parallel; one of its copy group,
 HSDP) as a grow's joiner takes rank 0's.
 
+:class:`StepRescue` is the training loop's side: it arms the head as a step begins (when this job's
+failures are rescued at all) and, when the step fails, writes the rescued state to the rank's slots
+and says what the fault report carries of it.
+
 Cost per step, only where the previous step was not snapshotted: one pass over the state's tensors
 and the head's copy.
 Threading: main thread only.
@@ -27,15 +31,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from nonstop.snapshot import StateCapture
 
-__all__ = ["Rescued", "StepHead", "digest", "now", "rest_digest"]
+if TYPE_CHECKING:
+    from nonstop.train.snapshots import LoopSnapshots
+
+__all__ = ["Rescued", "StepHead", "StepRescue", "digest", "now", "rest_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +92,63 @@ class StepHead:
             log.info("no rescue of step %d: the failed step had written the state", step)
             return None
         return _with_head(capture, step, self._head)
+
+
+class StepRescue:
+    """A rank's rescues (see the module docstring): ``snaps``, the loop's snapshot slots, which
+    say whether steps go unsnapshotted and take the rescued state; ``snapshot``, the job's
+    snapshot mode (``"off"``: nothing to rescue into)."""
+
+    def __init__(self, snaps: LoopSnapshots, *, snapshot: str) -> None:
+        self._snaps = snaps
+        self._off = snapshot == "off"
+        self._head = StepHead()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this job's failures are rescued: steps go unsnapshotted (``--snapshot-every``
+        K > 1, or an interval a ``--snapshot-budget`` widened: from its announcement on, as the
+        coordinator's ``WorkerProtocol.rescues``), snapshots on."""
+        return self._snaps.may_skip and not self._off
+
+    def arm(self, capture: StateCapture | None, step: int) -> None:
+        """Step ``step + 1`` begins on ``capture`` (built: the generation's group is joined):
+        note its start for a rescue."""
+        if self.enabled:
+            assert capture is not None, "the model is built once the generation's group is joined"
+            self._head.arm(capture, step)
+        else:
+            self._head.disarm()
+
+    def disarm(self) -> None:
+        """The step completed: nothing to rescue from its start."""
+        self._head.disarm()
+
+    def rescue(self, capture: StateCapture | None, step: int) -> dict[str, Any]:
+        """A step failed, or the coordinator asked this rank to leave (a ``leave``, before or
+        in a step): have the state after the last completed step (``step``) in this rank's slots
+        -- the live tensors with the step's head if the failed step left them untouched, or as
+        they are if no step began (:func:`now`) -- written unless that step was snapshotted;
+        what the fault report says of it (nothing when rescues are off or no model is built
+        yet). A rescue that fails costs nothing but the rescue."""
+        if not self.enabled or capture is None:
+            return {}
+        try:
+            found = self._head.rescue(capture, step) if self._head.armed else now(capture, step)
+            if found is None:
+                return {"rescued": None}
+            t0 = time.monotonic()
+            self._snaps.live.drain()
+            if self._snaps.taken != found.step:
+                self._snaps.live.write(found.step, found.state)
+                self._snaps.taken = found.step
+                log.info("rescued step %d into memory in %.3fs", found.step, time.monotonic() - t0)
+            return {"rescued": found.step, "rest": found.digest}
+        except Exception:
+            log.warning("the rescue snapshot failed; recovery restores the last snapshot", exc_info=True)
+            return {"rescued": None}
+        finally:
+            self._head.disarm()
 
 
 def now(capture: StateCapture, step: int) -> Rescued:

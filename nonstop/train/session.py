@@ -47,7 +47,6 @@ Contract of :meth:`Session.run`:
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import threading
@@ -58,29 +57,33 @@ from types import TracebackType
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.config import WorkerEnv
 from nonstop.control.channel import Message
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
-from nonstop.policy import cadence
 from nonstop.train.backend import set_current_device, worker_device
+from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.eventhooks import FLUSH_S, EventCallback, EventHooks
-from nonstop.train.frwatch import FlightRecorderWatch, flight_recorder_watch
+from nonstop.train.frwatch import flight_recorder_watch
 from nonstop.train.group import GenerationGroup
 from nonstop.train.heartbeat import HeartbeatWords
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
 from nonstop.train.link import CoordinatorLink, PeerFailed, uninterruptible
-from nonstop.train.prewarm import prepare_spare
-from nonstop.train.rejoin import Rejoin, TrainStep
-from nonstop.train.rescue import StepHead, rest_digest
+from nonstop.train.membership import Membership
+from nonstop.train.position import Position
+from nonstop.train.prewarm import Warmed, prepare_spare
+from nonstop.train.rejoin import Rejoin, TrainStep, destroy_group
+from nonstop.train.reports import StepReports
+from nonstop.train.rescue import StepRescue
 from nonstop.train.snapshots import LoopSnapshots
-from nonstop.train.steps import Step, check_objects
+from nonstop.train.steps import Step
 from nonstop.train.threadprogress import ThreadProgress
-from nonstop.train.trainee import Build, Replicated, Sharded, Trainee
-from nonstop.train.waitclock import CollectiveClock
+from nonstop.train.trainee import Build, Sharded, Trainee, accumulate, trainee_for
+from nonstop.train.waitclock import CollectiveWaits
 
 __all__ = ["RunResult", "Session", "init"]
 
@@ -110,12 +113,22 @@ class _Reconfigure(Exception):
         self.msg = msg
 
 
-class Session(Rejoin, HeartbeatWords):
+class Session:
     """A worker's connection to its job. Create it with :func:`init`.
 
-    The control connection and its threads are a :class:`~nonstop.train.link.CoordinatorLink`,
-    the process group of the current generation a :class:`~nonstop.train.group.GenerationGroup`;
-    the session runs the training loop and the worker's side of recovery on the main thread.
+    The session runs the training loop on the main thread and holds its collaborators, each an
+    object of its own: the control connection and its threads
+    (:class:`~nonstop.train.link.CoordinatorLink`), the process group of the current generation
+    (:class:`~nonstop.train.group.GenerationGroup`), the rank's place in the generation
+    (:class:`~nonstop.train.membership.Membership`) and in the job
+    (:class:`~nonstop.train.position.Position`), the heartbeat's words
+    (:class:`~nonstop.train.heartbeat.HeartbeatWords`), the snapshot slots and their schedule
+    (:class:`~nonstop.train.snapshots.LoopSnapshots`), rescues
+    (:class:`~nonstop.train.rescue.StepRescue`), injected faults
+    (:class:`~nonstop.train.injection.WorkerFaults`), the event hook
+    (:class:`~nonstop.train.eventhooks.EventHooks`) and, once :meth:`steps` has started, the
+    model side (:class:`~nonstop.train.trainee.Trainee`) and the generation change
+    (:class:`~nonstop.train.rejoin.Rejoin`).
     """
 
     def __init__(
@@ -132,47 +145,116 @@ class Session(Rejoin, HeartbeatWords):
         # A script moves its model there: ``model.to(session.device)`` (train/backend.py).
         self.device: torch.device = worker_device()
         set_current_device(self.device)
-        self.world_size = 0
-        self.generation = 0
-        self._sync = None
-        self._clock: CollectiveClock | None = None  # a sharded model's waits (train/waitclock.py)
-        self._frwatch: FlightRecorderWatch | None = None  # any collective's wait on a GPU (frwatch.py)
-        self._last_step_s: float | None = None  # how long the last completed step took
-        self._train_progress = ThreadProgress()  # the training thread's CPU and run-queue clocks
+        self._members = Membership(env.mesh)
+        self._pos = Position()
+        self._beat = HeartbeatWords(self._pos)
+        self._sync: CanonicalGradSync | None = None  # the trainee's (train/ddp.py)
+        self._waits: CollectiveWaits | None = None  # from the loop's start (train/waitclock.py)
         self._group = GenerationGroup(keep_groups=env.keep_groups)
-        self._step = 0
-        self._progress_at = time.monotonic()  # when this rank last completed a step (heartbeat "idle")
-        self._coll_at = 0.0  # when the heartbeat last saw it in a collective (monotonic; its thread)
-        self._done = False  # this rank reported its last step (a restarted coordinator asks)
-        self._live_at: int | None = None  # paused after this step: the live state is that step's
-        self.warming_up = False  # a joiner's sandboxed step (see _warm_up): skip side effects
-        self._train_thread: int | None = None  # the thread in run(): its collectives are watched
         self.result: RunResult | None = None  # once the job finished (run() returns it too)
         self._snaps = LoopSnapshots(env)  # (before the link: a reconnect's resume point reads it)
         self._link = CoordinatorLink(
             env,
             timeout=connect_timeout,
-            heartbeat=self._heartbeat_msg,
+            heartbeat=self._beat.message,
             resume=self._resume_point,
             sever=self._group.sever,
         )
         self._link.on_cadence = self._snaps.schedule  # (--snapshot-budget: policy/cadence.py)
         self._faults = WorkerFaults(env, self._link)
         self._hooks = EventHooks()  # on_event's callbacks (train/eventhooks.py)
+        self._rescue = StepRescue(self._snaps, snapshot=env.snapshot)
+        self._reports = StepReports(link=self._link, snaps=self._snaps, snapshot_budget=env.snapshot_budget)
+        self._rejoin: Rejoin | None = None  # from the loop's start (it needs the trainee)
         # A spare waits here, imported, connected and (a sharded job's) warmed up, until it is
         # given a rank (its warm-up is adopted at its first join); ``prewarm_s``: seconds the
         # warm-up took (None: none, it failed or was interrupted)
-        self._warmed = prepare_spare(env, prewarm, warm_build, device_type=self.device.type, link=self._link)
+        self._warmed: Warmed | None = prepare_spare(
+            env, prewarm, warm_build, device_type=self.device.type, link=self._link
+        )
         self.prewarm_s: float | None = self._warmed.took_s if self._warmed is not None else None
         first = self._link.wait_for("reconfigure", "finish")
         if first["t"] == "finish":  # the job ended while this process waited as a spare
             self._link.close()
             raise SystemExit(0)
         self._pending_reconfigure: Message | None = first
-        self.rank: int = int(first["rank"])
-        self._set_membership(first)
-        self._rest_gen: int | None = None  # the generation whose digest this rank reported
-        self._head = StepHead()  # the step in flight's start, for a rescue (train/rescue.py)
+        self._members.apply(first)
+
+    # -- what a script reads: the rank's place in its generation (train/membership.py) --------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current generation."""
+        return self._members.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks of the current generation (0 before the first)."""
+        return self._members.world_size
+
+    @property
+    def generation(self) -> int:
+        """The generation this rank plays (a new one after every recovery or resize)."""
+        return self._pos.generation
+
+    @property
+    def shards(self) -> tuple[int, ...]:
+        """The data shards this rank plays (its rank at full size; more after a shrink)."""
+        return self._members.shards
+
+    @property
+    def num_shards(self) -> int:
+        """The job's data shards: the full-size job's world size."""
+        return self._members.num_shards
+
+    @property
+    def shards_played(self) -> int:
+        """The shards the generation plays: the gradient mean's divisor (``num_shards``, or
+        fewer while ``--shrink-batch drop`` drops the lost ranks' shares)."""
+        return self._members.shards_played
+
+    @property
+    def mesh(self) -> MeshSpec | None:
+        """This generation's mesh: the job's ``--mesh``, with fewer replica groups after an
+        elastic shrink (None: a data-parallel job)."""
+        return self._members.mesh
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the batch it reads (ranks of one TP group read the
+        same); the rank itself in a data-parallel job."""
+        return self._members.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """How many different batches the job reads per step (its data-parallel degree)."""
+        return self._members.dp_size
+
+    @property
+    def warming_up(self) -> bool:
+        """True during a migration's joiner's sandboxed warm-up step: a script skips its side
+        effects (logs, counters) then (:meth:`Rejoin.warm_up <nonstop.train.rejoin.Rejoin.warm_up>`)."""
+        return self._rejoin is not None and self._rejoin.warming_up
+
+    def shard_steps(self, model: torch.nn.Module) -> Iterator[int]:
+        """The data shards this rank plays in this step, for gradient accumulation::
+
+            for shard in session.shard_steps(model):
+                x, y = batch_for(step, shard)          # shard k: what rank k of the full job reads
+                loss_fn(model(x), y).backward()
+
+        In a job at its full size each rank plays one shard (its rank; a sharded job's: its
+        ``dp_rank``). After an elastic shrink a rank plays several: the gradients of all but the
+        last are accumulated locally (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``),
+        the last backward reduces, and the sum is divided by the number of shards, so the global
+        batch and its samples are those of the full-size job (with ``--shrink-batch drop`` a
+        shrunk rank plays its own shards only, the sum divided by the shards played). In an
+        elastic data-parallel job the mean is bitwise the same at every world size
+        (:mod:`nonstop.train.exactsum`): each shard's gradient is kept apart and the shards are
+        summed in their order."""
+        sync = self._sync
+        if sync is not None and sync.exact and isinstance(model, DistributedDataParallel):
+            return sync.accumulate(model)
+        return accumulate(model, self._members.shards)
 
     @property
     def store(self) -> ChannelStore:
@@ -217,12 +299,13 @@ class Session(Rejoin, HeartbeatWords):
         """Events this process's :meth:`on_event` queue dropped because it was full."""
         return self._hooks.dropped
 
-    # -- what the link's threads report (read-only on the session) -----------------------
+    # -- what the link's reader thread reports (read-only on the session) ---------------------
     def _resume_point(self) -> Message:
         # the interval this rank snapshots at: a restarted coordinator's tuner takes it up
         heard = self._snaps.announced()
         cadence = {"every": heard.every, "since": heard.since}
-        return {"gen": self.generation, "step": self._step, "done": self._done, "cadence": cadence}
+        pos = self._pos
+        return {"gen": pos.generation, "step": pos.step, "done": pos.done, "cadence": cadence}
 
     # -- the training loop -----------------------------------------------------------------
     def run(
@@ -293,70 +376,54 @@ class Session(Rejoin, HeartbeatWords):
         a migration's joiner runs on the bare model (``run`` passes its ``train_step``). Arguments
         are checked here, before the first step: a mistake fails the job at once (exit 2)."""
         try:
-            self._start(model, optimizer, build, state, extras, load_extras, deterministic, wrap)
+            self._beat.watch_thread(threading.get_ident(), ThreadProgress.of_this_thread())
+            trainee = trainee_for(
+                model=model,
+                optimizer=optimizer,
+                build=build,
+                state=state,
+                extras=extras,
+                load_extras=load_extras,
+                deterministic=deterministic,
+                wrap=wrap,
+                mesh=self.env.mesh,
+                fence=self._snaps.fence if self.env.snapshot == "overlapped" else None,
+                device_type=self.device.type,
+                warmed=self._warmed,
+            )
+            self._start(trainee)
         except UsageError as e:
             self._fail_usage(e)
             raise
         return self._loop(num_steps, warm_up)
 
-    def _start(
-        self,
-        model: torch.nn.Module | None,
-        optimizer: torch.optim.Optimizer | None,
-        build: Build | None,
-        state: Mapping[str, Any] | None,
-        extras: Callable[[], dict[str, Any]] | None,
-        load_extras: Callable[[dict[str, Any]], None] | None,
-        deterministic: bool,
-        wrap: bool,
-    ) -> None:
-        self._train_thread = threading.get_ident()
-        self._train_progress = ThreadProgress.of_this_thread()
-        fence = self._snaps.fence if self.env.snapshot == "overlapped" else None
-        if (model is None) == (build is None):
-            raise UsageError("give model= (and optimizer=) for DDP, or build= for a --mesh job")
-        if (extras is None) != (load_extras is None):
-            raise UsageError("give both extras= and load_extras=, or neither")
-        objects = check_objects(state)
-        if build is not None:
-            if self.env.mesh is None:
-                raise UsageError("build=... trains a sharded model: start the job with --mesh")
-            if not wrap:
-                raise UsageError("wrap=False is for a data-parallel model= (a --mesh job's build wraps it)")
-            self.trainee: Trainee = Sharded(
-                build,
-                MeshSpec.parse(self.env.mesh),
-                extras=extras,
-                load_extras=load_extras,
-                fence=fence,
-                objects=objects,
-                device_type=self.device.type,  # the mesh on the rank's device (cuda on a GPU node)
-                warmed=self._warmed,
-            )
-            self._warmed = None
-        else:
-            assert model is not None
-            if self.env.mesh is not None:
-                raise UsageError(f"this job has --mesh {self.env.mesh}: train through build=...")
-            self.trainee = Replicated(
-                model,
-                optimizer,
-                extras=extras,
-                load_extras=load_extras,
-                deterministic=deterministic,
-                fence=fence if optimizer is not None else None,
-                objects=objects,
-                wrap=wrap,
-            )
-        self._sync = self.trainee.sync
-        self._frwatch = flight_recorder_watch(self.device.type)  # None on the CPU
-        if self._sync is None and self._clock is None:  # issue 21: a sharded model's waits, sampled
-            self._clock = CollectiveClock(self._train_thread)
+    def _start(self, trainee: Trainee) -> None:
+        """Train ``trainee`` from here (the loop's thread: this one)."""
+        self.trainee = trainee
+        if isinstance(trainee, Sharded):
+            self._warmed = None  # (adopted at its first join)
+        self._sync = trainee.sync
+        if self._waits is not None:
+            self._waits.close()
+        self._waits = waits = CollectiveWaits(self._sync, threading.get_ident())  # issue 21
+        frwatch = flight_recorder_watch(self.device.type)  # None on the CPU
+        self._beat.watch_collectives(sync=self._sync, clock=waits.clock, frwatch=frwatch)
         if self._sync is not None:
             self._sync.exact = self.env.elastic
             self._sync.set_shards(self.shards, self.shards_played)
+        self._rejoin = Rejoin(
+            self.env,
+            trainee=self.trainee,
+            link=self._link,
+            group=self._group,
+            snaps=self._snaps,
+            rescue=self._rescue,
+            faults=self._faults,
+            members=self._members,
+            position=self._pos,
+        )
         self._snaps.open(self.rank)
-        self._progress_at = time.monotonic()
+        self._beat.progressed()
 
     def _loop(self, num_steps: int, warm_up: TrainStep | None) -> Iterator[Step]:
         loss: float | None = None
@@ -364,39 +431,38 @@ class Session(Rejoin, HeartbeatWords):
         new_generation = False
         msg = self._pending_reconfigure
         self._pending_reconfigure = None
+        rejoin, link, pos = self._rejoin, self._link, self._pos
+        assert rejoin is not None, "_start made it"
         try:
             while True:
                 if msg is not None:
-                    module = self._reconfigure(msg, warm_up)
+                    module = rejoin.reconfigure(msg, warm_up)
                     msg, new_generation = None, True
-                    self._progress_at = time.monotonic()
+                    self._beat.progressed()
                 try:
-                    while self._step < num_steps:
+                    while pos.step < num_steps:
                         self._hooks.deliver_pending()  # on_event(deliver="step")
-                        pending = self._link.poll_reconfigure()
-                        pause_at = self._link.pause_at
-                        if pending is None and pause_at is not None and self._step >= pause_at:
-                            pending = self._pause(self._snaps.live)
+                        pending = rejoin.between_steps()
                         if pending is not None:
                             raise _Reconfigure(pending)
-                        if self._link.leaving(self.generation):  # (train/rescue.py)
-                            raise PeerFailed("the coordinator asked the survivors to leave their step")
                         assert module is not None
                         step = Step(
-                            self._step,
+                            pos.step,
                             model=module,
-                            generation=self.generation,
+                            generation=pos.generation,
                             new_generation=new_generation,
                             enter=self._enter_step,
                             leave=self._leave_step,
                         )
                         t0 = time.monotonic()
                         self._take_wait_s()  # issue 21: this step's wait starts at 0
-                        self._link.enter_step()  # a recovery interrupts a fault injected here
-                        self._maybe_inject("step", self._step)
+                        link.enter_step()  # a recovery interrupts a fault injected here
+                        self._faults.maybe_fire(
+                            "step", rank=self.rank, step=pos.step, generation=pos.generation
+                        )
                         self._faults.stretch()  # issue 21: a slowdown fault's longer compute
-                        self._link.in_step = False
-                        self._arm_rescue()
+                        link.in_step = False
+                        self._rescue.arm(self.trainee.capture, pos.step)
                         yield step
                         error = step.outcome()
                         if error is not None:
@@ -406,37 +472,35 @@ class Session(Rejoin, HeartbeatWords):
                         new_generation, loss = False, step.loss
                         self._stepped(time.monotonic() - t0, loss, num_steps)
                     self._snaps.live.drain()  # the last snapshot is complete before we report done
-                    self._done = True
-                    self._link.send({"t": "done", "gen": self.generation, "step": self._step})
-                    reply = self._link.wait_for("finish", "reconfigure")
+                    pos.done = True
+                    link.send({"t": "done", "gen": pos.generation, "step": pos.step})
+                    reply = link.wait_for("finish", "reconfigure")
                     if reply["t"] == "finish":
-                        self._link.closing = True
+                        link.closing = True
                         if self._hooks.active:
                             self._hooks.flush(FLUSH_S)
-                        self.result = RunResult(step=self._step, last_loss=loss, generation=self.generation)
+                        self.result = RunResult(step=pos.step, last_loss=loss, generation=pos.generation)
                         return
                     msg = reply
                 except _Reconfigure as r:
                     msg = r.msg
                 except PeerFailed as e:
-                    msg = self._on_step_error(e)
+                    msg = rejoin.on_step_error(e)
                 except UsageError as e:  # the script's mistake: no recovery can fix it
                     self._fail_usage(e)
                     raise
                 except Exception as e:  # a collective failed, or the user's code raised
-                    self._link.in_step = False
-                    msg = self._on_step_error(e)
+                    link.in_step = False
+                    msg = rejoin.on_step_error(e)
         finally:
             self.trainee.close()
             self._snaps.live.close()
-            if self._clock is not None:
-                self._clock.close()
-                self._clock = None
+            if self._waits is not None:
+                self._waits.close()
+                self._waits = self._beat.clock = None
 
     def _take_wait_s(self) -> float:
-        """Seconds in collectives since the last call: DDP's stamped allreduce, else sampled."""
-        src = self._sync if self._sync is not None else self._clock
-        return src.take_wait_s() if src is not None else 0.0
+        return self._waits.take_wait_s() if self._waits is not None else 0.0
 
     @uninterruptible
     def _enter_step(self) -> None:
@@ -447,55 +511,45 @@ class Session(Rejoin, HeartbeatWords):
         self._link.in_step = False
 
     def _stepped(self, step_s: float, loss: float | None, num_steps: int | None = None) -> None:
-        """Step ``self._step`` completed in ``step_s``: count it, snapshot the state after it
-        (when due: ``--snapshot-every``) and report it (a snapshotted step once its snapshot is
-        complete: a step counts as committed only then)."""
-        self._step += 1
-        self._head.disarm()
-        t1 = self._progress_at = time.monotonic()
-        self._last_step_s = step_s
+        """The step in flight completed in ``step_s``: count it, then snapshot the state after it
+        when due and report it (:class:`~nonstop.train.reports.StepReports`)."""
+        pos = self._pos
+        pos.step += 1
+        self._rescue.disarm()
+        t1 = time.monotonic()
+        self._beat.stepped(t1, step_s)
         wait_s = self._take_wait_s()  # issue 21
         self._faults.observe(step_s - wait_s)  # a slowdown fault stretches the own compute
-        final = num_steps is not None and self._step >= num_steps
-        due = self._snaps.due(self._step, final=final, pause_at=self._link.pause_at)
-        snap = self._snaps.take(self._step, self._capture(), self.generation) if due else None
-        # Stall: time the loop spent on this snapshot now, plus what the step just run
-        # waited for the previous snapshot's background copy.
-        stall_s = time.monotonic() - t1 + self._snaps.waited_s()
-        report = {
-            "t": "step",
-            "gen": self.generation,
-            "step": self._step,
-            "step_s": step_s,
-            # issue 21: seconds of the step spent waiting in the gradient allreduce (step_s minus
-            # this is the rank's own compute: the coordinator's fail-slow detection compares it)
-            "wait_s": round(wait_s, 6),
-            "snap_s": stall_s,
-            "of": num_steps,  # issue 21: the run's length (the proactive policy's remaining steps)
-            "bytes": snap.nbytes if snap is not None else 0,
-            "loss": loss,
-        }
-        if not due:
-            report["snapped"] = False  # progress only: the committed step stays where it is
-        if self.env.snapshot_budget > 0 and self._step >= cadence.SKIP and self._rest_gen != self.generation:
-            report["rest"] = rest_digest(self._capture().head())  # once a generation (policy/cadence.py)
-            self._rest_gen = self.generation
-        # with overlapped capture the snapshot is complete when the background copy finishes
-        if snap is None:
-            self._link.send(report)
-        else:
-            snap.on_complete(functools.partial(self._link.send_quietly, report))
+        capture = self.trainee.capture
+        assert capture is not None, "the model is built once the generation's group is joined"
+        self._reports.completed(
+            pos.step,
+            generation=pos.generation,
+            capture=capture,
+            step_s=step_s,
+            wait_s=wait_s,
+            loss=loss,
+            num_steps=num_steps,
+            since=t1,
+        )
 
     def _fail_usage(self, err: UsageError) -> None:
         """Fail the job for the script's mistake ``err``: ``nonstop run`` exits 2 with its line."""
         self._link.send_quietly(
-            {"t": "fault", "gen": self.generation, "step": self._step, "error": str(err)[:500], "usage": True}
+            {
+                "t": "fault",
+                "gen": self.generation,
+                "step": self._pos.step,
+                "error": str(err)[:500],
+                "usage": True,
+            }
         )
         self._link.await_abort(USAGE_ABORT_WAIT_S)
 
     def close(self) -> None:
+        """Leave the job: tear this generation's group down and close the control connection."""
         self._link.closing = True
-        self._destroy_group()
+        destroy_group(self._link, self._group)
         self._link.close()
 
 

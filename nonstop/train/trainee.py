@@ -19,7 +19,7 @@ Threading contract: main thread only (the training loop's).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -34,7 +34,7 @@ from nonstop.train.group import GenerationGroup
 from nonstop.train.prewarm import MeshHistory, Warmed
 from nonstop.train.steps import check_objects
 
-__all__ = ["Build", "Replicated", "Sharded", "Trainee", "accumulate", "average_over"]
+__all__ = ["Build", "Replicated", "Sharded", "Trainee", "accumulate", "average_over", "trainee_for"]
 
 # build(mesh) -> (model, optimizer) or (model, optimizer, objects): collective-free; called on
 # every rank of every generation; objects: more state= objects, built on this optimizer
@@ -244,6 +244,60 @@ class Sharded:
             self._hook.remove()
             self._hook = None
         self.model, self._capture = None, None
+
+
+def trainee_for(
+    *,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    build: Build | None,
+    state: Mapping[str, Any] | None,
+    extras: Extras,
+    load_extras: LoadExtras,
+    deterministic: bool,
+    wrap: bool,
+    mesh: str | None,
+    fence: Fence | None,
+    device_type: str,
+    warmed: Warmed | None,
+) -> Trainee:
+    """What ``Session.steps``'s arguments train, checked against the job (``mesh``: its
+    ``--mesh``): a :class:`Sharded` model for ``build``, else :class:`Replicated`. A mistake is a
+    :class:`~nonstop.errors.UsageError` (it fails the job). ``fence``: an overlapped snapshot's,
+    held before each optimizer step; ``warmed``: a spare's warm-up, which a sharded model adopts."""
+    if (model is None) == (build is None):
+        raise UsageError("give model= (and optimizer=) for DDP, or build= for a --mesh job")
+    if (extras is None) != (load_extras is None):
+        raise UsageError("give both extras= and load_extras=, or neither")
+    objects = check_objects(state)
+    if build is not None:
+        if mesh is None:
+            raise UsageError("build=... trains a sharded model: start the job with --mesh")
+        if not wrap:
+            raise UsageError("wrap=False is for a data-parallel model= (a --mesh job's build wraps it)")
+        return Sharded(
+            build,
+            MeshSpec.parse(mesh),
+            extras=extras,
+            load_extras=load_extras,
+            fence=fence,
+            objects=objects,
+            device_type=device_type,  # the mesh on the rank's device (cuda on a GPU node)
+            warmed=warmed,
+        )
+    assert model is not None
+    if mesh is not None:
+        raise UsageError(f"this job has --mesh {mesh}: train through build=...")
+    return Replicated(
+        model,
+        optimizer,
+        extras=extras,
+        load_extras=load_extras,
+        deterministic=deterministic,
+        fence=fence if optimizer is not None else None,
+        objects=objects,
+        wrap=wrap,
+    )
 
 
 def _built(built: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:

@@ -12,6 +12,9 @@ looks every ``period_s`` at the training thread's innermost frame
 (:func:`~nonstop.train.collectives.in_collective`, the test the hang detection already uses)
 and charges the time since its previous look to "in a collective" when it is there.
 
+:class:`CollectiveWaits` is what the training loop asks: the stamped wait of a DDP model, else a
+clock's.
+
 Contract: :meth:`CollectiveClock.take_wait_s` returns the seconds charged since its previous
 call (the session calls it as a step starts and as it ends). The estimate's error per step is
 about ``period_s`` per collective the sample grid straddles, far below the seconds a fail-slow
@@ -26,10 +29,14 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from nonstop.train.collectives import in_collective
 
-__all__ = ["PERIOD_S", "CollectiveClock"]
+if TYPE_CHECKING:
+    from nonstop.train.ddp import CanonicalGradSync
+
+__all__ = ["PERIOD_S", "CollectiveClock", "CollectiveWaits"]
 
 PERIOD_S = 0.005
 
@@ -80,3 +87,24 @@ class CollectiveClock:
                 self.inside_at = now
             self.look(now - last, inside)
             last = now
+
+
+class CollectiveWaits:
+    """The training thread's seconds in collectives, from its model's source: a data-parallel
+    model's allreduce, stamped (``sync``), else a :class:`CollectiveClock` sampling ``thread``
+    (started here, stopped by :meth:`close`). Main thread only; the heartbeat thread reads
+    ``sync`` and ``clock`` (:mod:`nonstop.train.heartbeat`)."""
+
+    def __init__(self, sync: CanonicalGradSync | None, thread: int) -> None:
+        self.sync = sync
+        self.clock = CollectiveClock(thread) if sync is None else None
+
+    def take_wait_s(self) -> float:
+        """Seconds in collectives since the last call."""
+        src = self.sync if self.sync is not None else self.clock
+        return src.take_wait_s() if src is not None else 0.0
+
+    def close(self) -> None:
+        if self.clock is not None:
+            self.clock.close()
+            self.clock = None
