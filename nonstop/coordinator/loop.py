@@ -195,7 +195,22 @@ class Coordinator:
             recovery=self.gens,
         )
         # the job's size: data shards, shrinks, where a resharded generation reads
-        self.resize = Resizing(self)
+        self.resize = Resizing(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            mesh=self.mesh,
+            elastic=self.elastic,
+            survivor_mode=self.survivor_mode,
+            detector=self.detector,
+            num_shards=self.num_shards,
+            full_world_size=config.world_size,
+            drop_batch=config.shrink_batch == "drop",
+            durable_url=durable_url,
+            swaps=self.swaps,
+            sources=self.sources,
+        )
         # clients (nonstop status / persist / migrate / drain)
         self.clients = ClientRequests(
             view=self.view,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nonstop import events as ev
 from nonstop.coordinator.view import Role
@@ -35,16 +35,74 @@ from nonstop.policy.survivors import SurvivorChoice, choose, costs_from_reports,
 from nonstop.reshardplan import TensorLayout, needed_old_ranks
 
 if TYPE_CHECKING:
-    from nonstop.coordinator.loop import Coordinator
+    from nonstop.coordinator.detector import FailureDetector
+    from nonstop.coordinator.executor import Executor
+    from nonstop.coordinator.job import JobLife
+    from nonstop.coordinator.view import JobView
+    from nonstop.events.log import EventLog
+    from nonstop.mesh import MeshSpec
+    from nonstop.policy.elastic import ElasticPolicy
+    from nonstop.policy.planning import Inventory
+    from nonstop.policy.survivors import SurvivorMode
 
 __all__ = ["Resizing"]
 
 
-class Resizing:
-    """The coordinator's view of the job's size (see the module docstring)."""
+class StepTimings(Protocol):
+    """The swaps' record of when each rank reported its steps (:mod:`nonstop.coordinator.swaps`)."""
 
-    def __init__(self, c: Coordinator) -> None:
-        self.c = c
+    pause_ratios: list[float]
+
+    def forget_steps(self) -> None: ...
+
+
+class ReshardSources(Protocol):
+    """Where a reshard reads the old ranks' state (:mod:`nonstop.coordinator.restore_sources`)."""
+
+    def newest_durable(self) -> tuple[int, int] | None: ...
+
+    def plan_reshard(
+        self, r: Reconfiguration, step: int, avail: Inventory, old_world: int
+    ) -> dict[str, dict[int, str]]: ...
+
+
+class Resizing:
+    """The coordinator's view of the job's size (see the module docstring). ``num_shards``: the
+    job's data shards; ``full_world_size``: its ranks at full size; ``drop_batch``: ``--shrink-batch
+    drop``; ``durable_url``: the durable tier a reshard may read; ``detector``: for the median step."""
+
+    def __init__(
+        self,
+        *,
+        view: JobView,
+        io: Executor,
+        events: EventLog,
+        life: JobLife,
+        mesh: MeshSpec | None,
+        elastic: ElasticPolicy,
+        survivor_mode: SurvivorMode,
+        detector: FailureDetector,
+        num_shards: int,
+        full_world_size: int,
+        drop_batch: bool,
+        durable_url: str | None,
+        swaps: StepTimings,
+        sources: ReshardSources,
+    ) -> None:
+        self.view = view
+        self.io = io
+        self.events = events
+        self.life = life
+        self.mesh = mesh
+        self.elastic = elastic
+        self.survivor_mode = survivor_mode
+        self.detector = detector
+        self.num_shards = num_shards
+        self.full_world_size = full_world_size
+        self.drop_batch = drop_batch
+        self.durable_url = durable_url
+        self.swaps = swaps
+        self.sources = sources
         # how a sharded job's tensors are laid out (rank 0's ``ready``): a reshard's fetches are
         # planned by it (nonstop/reshardplan.py); None: every node gathers every old rank
         self.layouts: tuple[TensorLayout, ...] | None = None
@@ -52,7 +110,7 @@ class Resizing:
     def needed_on(self, node: str, old_world: int) -> set[int]:
         """The old ranks (of ``old_world``) whose step ``node``'s ranks of the current view cut
         their shards out of in a reshard: by the reported layouts, else all."""
-        mesh, v = self.c.mesh, self.c.view
+        mesh, v = self.mesh, self.view
         if mesh is None or not self.layouts:
             return set(range(old_world))
         mine = [r for r in range(v.world_size) if v.rank_node.get(r) == node]
@@ -61,41 +119,40 @@ class Resizing:
     @property
     def reshards(self) -> bool:
         """Whether a resize cuts every rank's shards anew (a sharded job without replicas)."""
-        return self.c.mesh is not None and self.c.mesh.reshards
+        return self.mesh is not None and self.mesh.reshards
 
     def data_shards(self, world_size: int) -> tuple[tuple[int, ...], ...]:
         """The data shards each rank of a generation of ``world_size`` ranks plays (all of the
         job's, or with ``--shrink-batch drop`` those of the ranks at the same places in the
         full job: :func:`~nonstop.policy.elastic.play_shards`)."""
-        drop = self.c.config.shrink_batch == "drop"
-        if self.c.mesh is not None:
-            return self.c.mesh.data_shards(world_size, drop=drop)
-        return play_shards(self.c.num_shards, self.c.config.world_size, world_size, drop=drop)
+        drop = self.drop_batch
+        if self.mesh is not None:
+            return self.mesh.data_shards(world_size, drop=drop)
+        return play_shards(self.num_shards, self.full_world_size, world_size, drop=drop)
 
     def survivor_choice(self, missing: Sequence[int]) -> SurvivorChoice:
         """Shrink first or replace first, for a generation without the ``missing`` ranks
         (:func:`~nonstop.policy.survivors.choose`, with what the job measured so far)."""
-        c = self.c
-        world = c.view.world_size
+        world = self.view.world_size
         can = (
             not self.reshards
-            and bool(c.view.idle_spares())
-            and may_shrink(c.elastic, world, missing)  # elastic, and not below its minimum
+            and bool(self.view.idle_spares())
+            and may_shrink(self.elastic, world, missing)  # elastic, and not below its minimum
         )
-        lost = len(dropped_with(c.elastic, world, missing))
+        lost = len(dropped_with(self.elastic, world, missing))
         rate = shrunk_rate(self.data_shards(world), self.data_shards(world - lost)) if can else 0.0
         costs = costs_from_reports(
-            c.view.reports, step_s=c.detector.median_step_s, swap_ratios=c.swaps.pause_ratios
+            self.view.reports, step_s=self.detector.median_step_s, swap_ratios=self.swaps.pause_ratios
         )
-        return choose(c.survivor_mode, can_shrink=can, costs=costs, rate=rate)
+        return choose(self.survivor_mode, can_shrink=can, costs=costs, rate=rate)
 
     def shards_of(self, rank: int, world_size: int | None = None) -> dict[str, Any]:
         """What ``rank`` is told of its data shards in ``world_size`` (default: the current one)."""
-        world = self.c.view.world_size if world_size is None else world_size
+        world = self.view.world_size if world_size is None else world_size
         shards = self.data_shards(world)
         # num_shards: the job's (what a step's samples are numbered by); divisor: the gradient
         # mean's, the shards played (fewer when a shrink drops some: --shrink-batch drop)
-        return {"shards": list(shards[rank]), "num_shards": self.c.num_shards, "divisor": played(shards)}
+        return {"shards": list(shards[rank]), "num_shards": self.num_shards, "divisor": played(shards)}
 
     def shrink(self, shrink: Shrink, why: str, *, shrink_first: bool = False) -> dict[int, int]:
         """Drop ``shrink.dropped``: the ranks that stay are renumbered ``0..W'-1`` in their old
@@ -103,19 +160,19 @@ class Resizing:
         whole groups) is retired and a spare takes its place on its node. Returns new rank ->
         old rank for every rank renumbered. ``shrink_first``: spares could have taken the ranks;
         the survivors go on first and the spares join by a grow."""
-        v = self.c.view
+        v = self.view
         old_world = v.world_size
         for rank in shrink.dropped:
             sid = v.members.get(rank)
             w = v.workers.get(sid) if sid is not None else None
             if w is not None and w.live:
                 w.role, w.rank = Role.RETIRED, None  # its exit is no failure
-                self.c.io.kill(w.spawn_id, signal.SIGKILL)
+                self.io.kill(w.spawn_id, signal.SIGKILL)
                 if v.nodes[w.node].alive:  # its place on the node waits as a spare for a grow
-                    self.c.io.spawn(w.node, Role.SPARE, None)
+                    self.io.spawn(w.node, Role.SPARE, None)
         v.renumber(dict(shrink.new_of), shrink.world_size)
-        self.c.swaps.forget_steps()
-        self.c.events.emit(
+        self.swaps.forget_steps()
+        self.events.emit(
             ev.Shrink(
                 world_size=v.world_size,
                 old_world_size=old_world,
@@ -134,22 +191,22 @@ class Resizing:
         newest durable checkpoint (``url``); None when there is neither (the job has failed)."""
         if step is not None:
             return {"step": step, "world": old_world, "memory": {}}
-        ck = self.c.sources.newest_durable()
+        ck = self.sources.newest_durable()
         if ck is None:
-            self.c.fail(
+            self.life.fail(
                 "no step is snapshotted for every rank in memory or in the durable tier "
-                f"({self.c.durable_url or 'none configured'}); cannot reshard the job to "
-                f"{self.c.view.world_size} ranks (persist more often with --persist-every)"
+                f"({self.durable_url or 'none configured'}); cannot reshard the job to "
+                f"{self.view.world_size} ranks (persist more often with --persist-every)"
             )
             return None
-        return {"url": self.c.durable_url, "step": ck[0], "world": ck[1]}
+        return {"url": self.durable_url, "step": ck[0], "world": ck[1]}
 
     def joiners(self, idle: Mapping[int, str], target: int) -> list[Joiner]:
         """The idle spares (spawn id -> node) a grow to ``target`` ranks brings in, as ranks
         ``W..target-1``. A sharded job with replicas: each restores the shards of the rank with
         its coordinates in group 0 (a grow without replicas reshards every rank instead)."""
-        v, unit = self.c.view, self.c.elastic.unit
-        by_source = self.c.mesh is not None and not self.reshards
+        v, unit = self.view, self.elastic.unit
+        by_source = self.mesh is not None and not self.reshards
         return [
             Joiner(
                 sid=sid,
@@ -165,8 +222,8 @@ class Resizing:
         """A grow of a job without replicas: every rank of generation ``r`` (the old ones paused
         after ``step``, the joiners) cuts its shards out of the old ranks' ``step``, which each
         old rank holds in its own node's memory; each node gathers them (fetches planned)."""
-        held = {o: {step: [(self.c.view.rank_node[o], "local")]} for o in range(old_world)}
-        where = self.c.sources.plan_reshard(r, step, held, old_world)
+        held = {o: {step: [(self.view.rank_node[o], "local")]} for o in range(old_world)}
+        where = self.sources.plan_reshard(r, step, held, old_world)
         r.reshard = {"step": step, "world": old_world, "memory": where}
         r.fresh = set(range(r.world_size))
 
@@ -175,5 +232,5 @@ class Resizing:
         every old rank's step: ``{old rank: "local" | "replica"}``."""
         if "memory" not in reshard:
             return reshard
-        where = reshard["memory"].get(self.c.view.rank_node.get(rank), {})
+        where = reshard["memory"].get(self.view.rank_node.get(rank), {})
         return {**reshard, "memory": {str(o): kind for o, kind in where.items()}}
