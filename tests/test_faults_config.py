@@ -12,11 +12,9 @@ from nonstop.faults import FaultInjector, FaultSpec, parse_fault
 from nonstop.policy.decisions import (
     FailureKind,
     RankObservation,
-    ReplacementSource,
     classify_exit,
     committed_step,
     find_hung_ranks,
-    plan_recovery,
 )
 from nonstop.policy.reconfiguration import Failure, Reconfiguration, Stage, next_stage
 
@@ -178,15 +176,6 @@ def test_progress_limit_scales_with_median_and_has_a_floor() -> None:
     assert not find_hung_ranks(obs, now=100.0, median_step_s=0.5, config=cfg)  # 4s < 5s
     # before its first step only the (long) startup grace applies
     assert not find_hung_ranks({0: _obs(99.9, 50.0, stepped=False)}, now=100.0, median_step_s=0.1, config=cfg)
-
-
-def test_plan_prefers_spares_then_cold_and_restores_committed_step() -> None:
-    plan = plan_recovery(
-        failed_ranks=[2, 0], idle_spares=[7], complete_steps={0: [3, 4], 1: [4, 5], 2: [4]}, world_size=3
-    )
-    assert plan.restore_step == 4
-    assert plan.replacements == {0: ReplacementSource.SPARE, 2: ReplacementSource.COLD}
-    assert plan.spares_used == (7,)
 
 
 def test_classify_exit() -> None:

@@ -1,29 +1,19 @@
-"""Node-level pure policies: recovery action, quarantine, replica placement, tiers, spare choice."""
+"""Node-level pure policies: quarantine, replica placement, restore sources, spare choice."""
 
 from __future__ import annotations
 
 import pytest
 
 from nonstop.policy.decisions import (
-    FailureKind,
     Placement,
     QuarantinePolicy,
-    RecoveryAction,
     ReplacementSource,
+    RestoreSource,
     Tier,
     choose_replacements,
-    choose_tier,
     place_replicas,
-    recovery_action,
+    restore_source,
 )
-
-
-def test_recovery_action_by_kind() -> None:
-    assert recovery_action(FailureKind.KILLED) is RecoveryAction.RESTART_IN_PLACE
-    assert recovery_action(FailureKind.HANG) is RecoveryAction.RESTART_IN_PLACE
-    assert recovery_action(FailureKind.NODE_LOST) is RecoveryAction.REPLACE_NODE
-    assert recovery_action(FailureKind.KILLED, quarantined=True) is RecoveryAction.QUARANTINE
-    assert recovery_action(FailureKind.NODE_LOST, planned=True) is RecoveryAction.MIGRATE
 
 
 def test_quarantine_counts_only_the_window() -> None:
@@ -48,11 +38,40 @@ def test_replicas_go_to_another_failure_domain() -> None:
     assert place_replicas(["x"], {}, 1) == {"x": []}
 
 
-def test_tier_order() -> None:
-    assert choose_tier(local_alive=True, has_local=True, peer_has=True, durable_has=True) is Tier.LOCAL
-    assert choose_tier(local_alive=False, has_local=True, peer_has=True, durable_has=True) is Tier.PEER
-    assert choose_tier(local_alive=False, has_local=False, peer_has=False, durable_has=True) is Tier.DURABLE
-    assert choose_tier(local_alive=False, has_local=False, peer_has=False, durable_has=False) is None
+def test_restore_source_local_memory_first() -> None:
+    """The rank's own slots on the node that plays it (a restart in place): nothing fetched."""
+    held = [("a", "local"), ("b", "replica")]
+    src = restore_source(target="a", holders=held, durable=True)
+    assert src == RestoreSource(tier=Tier.LOCAL, node="a", kind="local") and not src.fetch
+    # a survivor's donor on the node itself (a rescued step): read there too
+    assert restore_source(target="b", holders=[("b", "local")]) == RestoreSource(
+        tier=Tier.LOCAL, node="b", kind="local"
+    )
+
+
+def test_restore_source_fetches_a_peer_replica() -> None:
+    """Only replicas hold the step (the rank's node is lost): fetched, the target's own first."""
+    held = [("b", "replica"), ("c", "replica")]
+    src = restore_source(target="spare", holders=held)
+    assert src == RestoreSource(tier=Tier.PEER, node="b", kind="replica") and src.fetch
+    assert restore_source(target="c", holders=held) == RestoreSource(tier=Tier.PEER, node="c", kind="replica")
+    # another node's replica before a live node's own slots (the rank's node is alive, replaced elsewhere)
+    assert restore_source(target="spare", holders=[("a", "local"), ("z", "replica")]) == RestoreSource(
+        tier=Tier.PEER, node="z", kind="replica"
+    )
+
+
+def test_restore_source_fetches_a_survivors_rescue() -> None:
+    """A missing rank given a donor (``with_rescue``): the donor's own slots, fetched."""
+    src = restore_source(target="a", holders=[("b", "local")], durable=True)
+    assert src == RestoreSource(tier=Tier.PEER, node="b", kind="local") and src.fetch
+
+
+def test_restore_source_durable_or_nothing() -> None:
+    """Held nowhere in memory: the durable tier when there is one, else nothing."""
+    src = restore_source(target="a", holders=[], durable=True)
+    assert src == RestoreSource(tier=Tier.DURABLE) and not src.fetch
+    assert restore_source(target="a", holders=[]) is None
 
 
 def test_spare_on_own_node_first_then_replica_holder() -> None:

@@ -163,8 +163,8 @@ def test_digest_is_equal_for_equal_states_only() -> None:
 
 
 def test_the_simulator_rescues_where_the_runtime_finds_a_donor() -> None:
-    from nonstop.policy.rescue import has_donors
     from nonstop.sim.api import JobSpec
+    from nonstop.sim.nonstop_costs import has_donors
     from nonstop.sim.nonstop_strategy import Nonstop, NonstopParams
 
     assert has_donors(5, 2) and not has_donors(1, 8) and not has_donors(5, 1)

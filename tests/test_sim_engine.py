@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from nonstop.policy import decisions as policy
-from nonstop.policy.decisions import FailureKind, Placement, QuarantinePolicy, RecoveryAction, Tier
+from nonstop.policy.decisions import FailureKind, Placement, QuarantinePolicy, RestoreSource, Tier
+from nonstop.sim import actions
+from nonstop.sim.actions import RecoveryAction, recovery_action
 from nonstop.sim.api import DAY_S, STAGES, JobSpec
 from nonstop.sim.calibrate import load_calibration, rendezvous_s, restart_s
 from nonstop.sim.engine import simulate
@@ -95,12 +97,20 @@ def test_holders_window_equals_the_whole_ring() -> None:
         assert [f"n{h}" for h in strat.holders(i)] == full[f"n{i}"]
 
 
-def test_nonstop_follows_the_runtime_recovery_action(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recovery_action_by_kind() -> None:
+    assert recovery_action(FailureKind.KILLED) is RecoveryAction.RESTART_IN_PLACE
+    assert recovery_action(FailureKind.HANG) is RecoveryAction.RESTART_IN_PLACE
+    assert recovery_action(FailureKind.NODE_LOST) is RecoveryAction.REPLACE_NODE
+    assert recovery_action(FailureKind.KILLED, quarantined=True) is RecoveryAction.QUARANTINE
+    assert recovery_action(FailureKind.NODE_LOST, planned=True) is RecoveryAction.MIGRATE
+
+
+def test_nonstop_follows_its_recovery_action(monkeypatch: pytest.MonkeyPatch) -> None:
     model = FailureModel(rate_per_node_day=0.05, causes=NODE_LOSS)
     strat = Nonstop(job=JOB, calibration=CAL)
     before = simulate(JOB, model, strat, seed=3)
     assert before.actions == {"replace_node": before.failures}
-    monkeypatch.setattr(policy, "recovery_action", lambda *a, **k: RecoveryAction.MIGRATE)
+    monkeypatch.setattr(actions, "recovery_action", lambda *a, **k: RecoveryAction.MIGRATE)
     after = simulate(JOB, model, strat, seed=3)
     assert after.actions == {"migrate": after.failures}
     assert after.lost_by_stage["lost_work"] == 0 and after.ettr > before.ettr
@@ -124,28 +134,51 @@ def test_nonstop_uses_the_runtime_spare_choice(monkeypatch: pytest.MonkeyPatch) 
     assert after.lost_by_stage["launch"] > 10 * before.lost_by_stage["launch"]
 
 
-def test_tier_follows_the_runtime_choose_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tier_follows_the_runtime_restore_source(monkeypatch: pytest.MonkeyPatch) -> None:
     model = FailureModel(rate_per_node_day=0.05, causes=NODE_LOSS)
     strat = Nonstop(job=JOB, calibration=CAL)
-    monkeypatch.setattr(policy, "choose_tier", lambda **kw: Tier.DURABLE)
+    monkeypatch.setattr(policy, "restore_source", lambda **kw: RestoreSource(tier=Tier.DURABLE))
     r = simulate(JOB, model, strat, seed=5)
     assert r.tiers == {"durable": r.failures}
 
 
 def test_without_replicas_a_lost_node_falls_back_to_durable() -> None:
+    """Every step snapshotted (no budget: nothing between two snapshots to rescue): without
+    replicas no memory holds the lost node's step."""
     model = FailureModel(rate_per_node_day=0.05, causes=NODE_LOSS)
-    r0 = simulate(JOB, model, Nonstop(job=JOB, params=NonstopParams(replicas=0), calibration=CAL), seed=6)
-    r1 = simulate(JOB, model, Nonstop(job=JOB, params=NonstopParams(replicas=1), calibration=CAL), seed=6)
+    p0, p1 = (NonstopParams(replicas=r, snapshot_budget=0) for r in (0, 1))
+    r0 = simulate(JOB, model, Nonstop(job=JOB, params=p0, calibration=CAL), seed=6)
+    r1 = simulate(JOB, model, Nonstop(job=JOB, params=p1, calibration=CAL), seed=6)
     assert r0.tiers == {"durable": r0.failures}
     assert r1.tiers.get("peer", 0) >= 0.95 * r1.failures
     assert r0.lost_by_stage["lost_work"] > 20 * r1.lost_by_stage["lost_work"]
 
 
+def test_without_replicas_a_rescue_serves_a_lost_node() -> None:
+    """With rescues (the default, a tuned interval), as the runtime's planner: the lost node's
+    ranks restore a survivor's rescued step (fetched, ``peer``), not the durable tier -- only a
+    failure during a recovery, which nobody rescues, goes back to the durable tier."""
+    model = FailureModel(rate_per_node_day=0.05, causes=NODE_LOSS)
+    strat = Nonstop(job=JOB, params=NonstopParams(replicas=0), calibration=CAL)
+    assert strat.rescues
+    r = simulate(JOB, model, strat, seed=6)
+    assert r.tiers.get("peer", 0) >= 0.95 * r.failures and set(r.tiers) <= {"peer", "durable"}
+
+
 def test_process_failures_restart_in_place_from_local_memory() -> None:
+    model = FailureModel(rate_per_node_day=0.05, causes=CRASH)
+    r = simulate(JOB, model, Nonstop(job=JOB, params=NonstopParams(rescue=False), calibration=CAL), seed=7)
+    assert r.actions == {"restart_in_place": r.failures}
+    assert r.tiers.get("local", 0) >= 0.95 * r.failures
+
+
+def test_a_rescued_restart_in_place_fetches_the_donors_step() -> None:
+    """With rescues, as the runtime's planner: the restarted ranks restore the survivors' rescued
+    step, newer than their own snapshot, from a donor on another node (fetched: ``peer``)."""
     model = FailureModel(rate_per_node_day=0.05, causes=CRASH)
     r = simulate(JOB, model, Nonstop(job=JOB, calibration=CAL), seed=7)
     assert r.actions == {"restart_in_place": r.failures}
-    assert r.tiers.get("local", 0) >= 0.95 * r.failures
+    assert r.tiers.get("peer", 0) >= 0.95 * r.failures
 
 
 def test_lemon_nodes_get_quarantined() -> None:

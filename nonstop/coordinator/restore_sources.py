@@ -24,6 +24,7 @@ from nonstop import events as ev
 from nonstop.control.channel import Message
 from nonstop.coordinator.view import NodeRecord
 from nonstop.errors import NonstopError
+from nonstop.policy.decisions import restore_source
 from nonstop.policy.elastic import resume_sources
 from nonstop.policy.planning import Inventory
 from nonstop.policy.reconfiguration import FetchDone, Reconfiguration
@@ -93,16 +94,17 @@ class RestoreSources:
         return req
 
     def plan_fetches(self, r: Reconfiguration, step: int, avail: Inventory) -> dict[int, str]:
-        """Have each node that will play a rank without holding ``step`` of it fetch it from a peer."""
+        """Have each node that will play a rank without holding ``step`` of it fetch it from the
+        holder :func:`~nonstop.policy.decisions.restore_source` names (the simulator's choice too)."""
         out: dict[int, str] = {}
         for rank in range(self.c.view.world_size):
             target = self.c.view.rank_node[rank]
-            sources = avail.get(rank, {}).get(step, [])
-            if any(n == target and k == "local" for n, k in sources):
+            src = restore_source(target=target, holders=avail.get(rank, {}).get(step, []))
+            assert src is not None, f"rank {rank} holds step {step} nowhere in memory"  # the plan's step
+            if not src.fetch:
                 continue
-            # prefer the target's own replica (a copy within the node), then any other holder
-            src = sorted(sources, key=lambda s: (s[0] != target, s[1] != "replica", s[0]))[0]
-            out[rank] = self.fetch_for(r, rank, step, src[0], src[1], src_rank=r.from_rank.get(rank))
+            assert src.node is not None and src.kind is not None
+            out[rank] = self.fetch_for(r, rank, step, src.node, src.kind, src_rank=r.from_rank.get(rank))
         return out
 
     def plan_reshard(

@@ -6,7 +6,7 @@ decisions from here, so the two cannot disagree.
   stages), :mod:`.boundary_swap` (a live migration or an elastic grow), :mod:`.phase` (the job's
   phase and which background operation may start).
 * policies (inputs in, a decision out): :mod:`.decisions` (committed step, hangs, failure kinds,
-  tiers, replacements, replica placement), :mod:`.planning` (what the next generation does about
-  missing ranks), :mod:`.rescue`, :mod:`.survivors`, :mod:`.elastic`, :mod:`.migration`,
+  where a rank restores from, replacements, replica placement), :mod:`.planning` (what the next
+  generation does about missing ranks), :mod:`.rescue`, :mod:`.survivors`, :mod:`.elastic`, :mod:`.migration`,
   :mod:`.cadence` (the snapshot interval), :mod:`.straggler`, :mod:`.grading`, :mod:`.proactive`.
 """

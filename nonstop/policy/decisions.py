@@ -1,8 +1,9 @@
 """Pure decision policies of the control plane.
 
 Nothing here does I/O or reads a clock: callers pass ``now`` and observations,
-and get decisions back. The runtime and (later) the simulator call the same
-functions, so they cannot disagree.
+and get decisions back. The runtime and the simulator call the same
+functions, so they cannot disagree (``tests/test_policy_callers.py``: every name
+exported here has a caller in the runtime).
 """
 
 from __future__ import annotations
@@ -20,20 +21,17 @@ __all__ = [
     "FailureKind",
     "Placement",
     "QuarantinePolicy",
-    "RecoveryAction",
+    "RestoreSource",
     "Tier",
     "choose_replacements",
-    "choose_tier",
     "place_replicas",
-    "recovery_action",
+    "restore_source",
     "RankObservation",
-    "RecoveryPlan",
     "ReplacementSource",
     "classify_exit",
     "committed_step",
     "find_hung_ranks",
     "median_step_time",
-    "plan_recovery",
 ]
 
 
@@ -82,21 +80,14 @@ class FailureKind(enum.StrEnum):
     NODE_LOST = "node"  # the node's agent vanished (lease expired or its channel died)
 
 
-class RecoveryAction(enum.StrEnum):
-    """What the control plane does about a failure (see :func:`recovery_action`)."""
-
-    RESTART_IN_PLACE = "restart_in_place"  # process died, node healthy: same node, local memory
-    REPLACE_NODE = "replace_node"  # node lost: another node, restore from a peer replica
-    QUARANTINE = "quarantine"  # node failed too often: move its ranks off, place nothing there
-    MIGRATE = "migrate"  # a planned event (maintenance, preemption notice): move live
-
-
 class Tier(enum.StrEnum):
-    """Where a rank's restore step is read from, fastest first."""
+    """Where a rank's restore step is read from, fastest first (:func:`restore_source`)."""
 
-    LOCAL = "local"  # the rank's own node's snapshot memory
-    PEER = "peer"  # a replica in another node's memory
-    DURABLE = "durable"  # the durable tier (disk / object store)
+    LOCAL = "local"  # the rank's own slots in the memory of the node that plays it: nothing fetched
+    # fetched into that node's memory from a copy elsewhere in memory: a replica (another node's,
+    # or one this node keeps for a peer: a copy within the node) or a survivor's rescued step
+    PEER = "peer"
+    DURABLE = "durable"  # the durable tier (disk / object store): every rank rolls back to it
 
 
 class ReplacementSource(enum.StrEnum):
@@ -246,56 +237,6 @@ def find_hung_ranks(
 
 
 @dataclass(frozen=True, kw_only=True)
-class RecoveryPlan:
-    """Who plays each failed rank and which step every rank returns to."""
-
-    restore_step: int | None
-    replacements: dict[int, ReplacementSource]
-    spares_used: tuple[int, ...]
-
-
-def plan_recovery(
-    *,
-    failed_ranks: Sequence[int],
-    idle_spares: Sequence[int],
-    complete_steps: Mapping[int, Sequence[int]],
-    world_size: int,
-) -> RecoveryPlan:
-    """Give each failed rank a hot spare (in order) or a cold process, and pick
-    the committed step as the restore point for every rank."""
-    replacements: dict[int, ReplacementSource] = {}
-    used: list[int] = []
-    spares = list(idle_spares)
-    for rank in sorted(set(failed_ranks)):
-        if spares:
-            used.append(spares.pop(0))
-            replacements[rank] = ReplacementSource.SPARE
-        else:
-            replacements[rank] = ReplacementSource.COLD
-    return RecoveryPlan(
-        restore_step=committed_step(complete_steps, world_size),
-        replacements=replacements,
-        spares_used=tuple(used),
-    )
-
-
-def recovery_action(kind: FailureKind, *, quarantined: bool = False, planned: bool = False) -> RecoveryAction:
-    """The recovery path for one failure.
-
-    A planned event migrates; a node that the quarantine policy has flagged is
-    vacated; a lost node is replaced; any process-level failure (crash, hang,
-    exit, error) restarts the rank in place, where its snapshot memory is.
-    """
-    if planned:
-        return RecoveryAction.MIGRATE
-    if quarantined:
-        return RecoveryAction.QUARANTINE
-    if kind is FailureKind.NODE_LOST:
-        return RecoveryAction.REPLACE_NODE
-    return RecoveryAction.RESTART_IN_PLACE
-
-
-@dataclass(frozen=True, kw_only=True)
 class QuarantinePolicy:
     """A node that fails ``max_failures`` times within ``window_s`` seconds is quarantined."""
 
@@ -354,15 +295,49 @@ def place_replicas(
     return out
 
 
-def choose_tier(*, local_alive: bool, has_local: bool, peer_has: bool, durable_has: bool) -> Tier | None:
-    """Fastest tier holding a rank's restore step, or None if no tier has it."""
-    if local_alive and has_local:
-        return Tier.LOCAL
-    if peer_has:
-        return Tier.PEER
-    if durable_has:
-        return Tier.DURABLE
-    return None
+@dataclass(frozen=True, kw_only=True)
+class RestoreSource:
+    """Where one rank's restore step comes from: ``tier``, and for a memory tier the holder
+    ``node`` and the slots there (``kind``: ``"local"``, a rank's own -- a survivor's, for a
+    rescued step -- or ``"replica"``, a copy kept for a peer); None for the durable tier."""
+
+    tier: Tier
+    node: str | None = None
+    kind: str | None = None
+
+    @property
+    def fetch(self) -> bool:
+        """Whether the node playing the rank fetches the step into its memory first."""
+        return self.tier is Tier.PEER
+
+
+def restore_source(
+    *, target: str, holders: Sequence[tuple[str, str]], durable: bool = False
+) -> RestoreSource | None:
+    """Where a rank played on node ``target`` reads its restore step (pure, deterministic).
+
+    ``holders``: where memory holds the step for the rank, ``(node, "local" | "replica")`` --
+    the plan's inventory entry (:mod:`nonstop.policy.planning`), with a survivor's rescued step
+    for a missing rank given as its donor's ``(node, "local")`` (:func:`~nonstop.policy.rescue.with_rescue`).
+    ``durable``: a durable checkpoint may serve (the job has a durable tier).
+
+    * ``target`` holds it in the rank's own slots: :attr:`Tier.LOCAL`, nothing fetched;
+    * else a holder: :attr:`Tier.PEER`, fetched from the target's own replica first (a copy
+      within the node), then another node's replica, then another node's own slots (a node that
+      is alive, or a donor's rescue), by node name;
+    * held nowhere in memory: :attr:`Tier.DURABLE` if ``durable`` (the plan goes
+      ``FROM_DURABLE``: no step is common to every rank in memory, so every rank rolls back),
+      else None (nothing can restore the rank).
+
+    The coordinator (``coordinator/restore_sources.py``, ``plan_fetches``) fetches what this
+    says for every rank of a memory restore; the simulator asks it for a failed node's ranks.
+    """
+    if any(n == target and k == "local" for n, k in holders):
+        return RestoreSource(tier=Tier.LOCAL, node=target, kind="local")
+    if holders:
+        node, kind = sorted(holders, key=lambda h: (h[0] != target, h[1] != "replica", h[0]))[0]
+        return RestoreSource(tier=Tier.PEER, node=node, kind=kind)
+    return RestoreSource(tier=Tier.DURABLE) if durable else None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""Planning with the survivors' rescue snapshots (pure; the simulator asks the same questions).
+"""Planning with the survivors' rescue snapshots (pure; the simulator models the outcome).
 
 With ``--snapshot-every K`` (K > 1) the newest step every rank holds in memory can be up to
 K - 1 steps behind the survivors' live state. A data-parallel survivor whose failed step left its
@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
-__all__ = ["Report", "Rescue", "gather", "has_donors", "with_rescue"]
+__all__ = ["Report", "Rescue", "gather", "with_rescue"]
 
 # rank -> step -> [(node, "local" | "replica")]: where each rank's snapshots are in memory (the
 # nodes' inventories; planning.py plans with it too)
@@ -107,11 +107,3 @@ def with_rescue(
             given[rank] = donor
             out.setdefault(rank, {})[s] = [(rescue.holders[donor], "local")]
     return out, given
-
-
-def has_donors(snapshot_every: int, model_copies: int) -> bool:
-    """Whether a job's failures between two snapshots are rescued whole (the simulator's
-    question): with K > 1, a lost rank's shards survive in another model copy -- any rank of a
-    data-parallel job (``model_copies`` its ranks), a counterpart in another replica group of an
-    HSDP job -- so its replacement has a donor; with one copy (FSDP alone) it has none."""
-    return snapshot_every > 1 and model_copies >= 2

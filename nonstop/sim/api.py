@@ -26,8 +26,9 @@ import numpy as np
 import numpy.typing as npt
 
 from nonstop.errors import UsageError
-from nonstop.policy.decisions import RecoveryAction, Tier
+from nonstop.policy.decisions import Tier
 from nonstop.policy.reconfiguration import Stage
+from nonstop.sim.actions import RecoveryAction
 
 __all__ = [
     "DAY_S",

@@ -48,7 +48,7 @@ from typing import Protocol, TextIO
 
 import numpy as np
 
-from nonstop.policy.decisions import RecoveryAction
+from nonstop.sim.actions import RecoveryAction
 from nonstop.sim.api import (
     FAIL_SLOW,
     STEADY,

@@ -2,8 +2,9 @@
 
 A **cause** is what broke (a faulty GPU, a software bug, ...). Each cause carries the runtime's
 :class:`~nonstop.policy.decisions.FailureKind` (how the control plane sees it: a process exit, a
-hang, a lost node) and whether it is **planned** (maintenance with notice). The strategy then asks
-:func:`nonstop.policy.decisions.recovery_action` what to do about it, exactly as the runtime does.
+hang, a lost node) and whether it is **planned** (maintenance with notice). The strategy then
+classifies it with :func:`nonstop.sim.actions.recovery_action` (restart in place, replace the
+node, quarantine it, migrate).
 
 Sources of the numbers (see docs/simulator.md):
 

@@ -11,7 +11,7 @@ from nonstop.sim.api import JobSpec, require
 from nonstop.sim.calibrate import Calibration, rendezvous_s
 from nonstop.sim.strategies import DEFAULT_GROUP_NODES
 
-__all__ = ["default_replica_nodes", "detect_s", "swap_rebuild_s"]
+__all__ = ["default_replica_nodes", "detect_s", "has_donors", "swap_rebuild_s"]
 
 
 def default_replica_nodes(job: JobSpec) -> int:
@@ -48,3 +48,12 @@ def detect_s(cal: Calibration, kind: FailureKind) -> float:
     if kind is FailureKind.HANG:
         return cal.heartbeat_timeout_s + cal.detect_exit_s
     return cal.detect_exit_s
+
+
+def has_donors(snapshot_every: int, model_copies: int) -> bool:
+    """Whether a job's failures between two snapshots are rescued whole (the simulator's
+    question about :mod:`nonstop.policy.rescue`, which the runtime answers from the survivors'
+    reports): with K > 1, a lost rank's shards survive in another model copy -- any rank of a
+    data-parallel job (``model_copies`` its ranks), a counterpart in another replica group of an
+    HSDP job -- so its replacement has a donor; with one copy (FSDP alone) it has none."""
+    return snapshot_every > 1 and model_copies >= 2

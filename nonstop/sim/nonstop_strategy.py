@@ -1,18 +1,21 @@
 """nonstop's strategy, driven by the runtime's own pure policies.
 
 Every decision goes through :mod:`nonstop.policy.decisions`, called through the module so that the
-simulator and the runtime cannot disagree (a test monkeypatches them and sees the result change):
+simulator and the runtime cannot disagree (a test monkeypatches them and sees the result change);
+only the failure's class is the simulator's own (:func:`nonstop.sim.actions.recovery_action` --
+restart in place, replace the node, quarantine it, or migrate a planned event -- where the runtime
+grades what it saw of the failure):
 
-* :func:`~nonstop.policy.decisions.recovery_action` — restart in place, replace the node, quarantine
-  it, or migrate (planned events);
 * :class:`~nonstop.policy.decisions.QuarantinePolicy` — a node failing too often is vacated;
 * :func:`~nonstop.policy.decisions.place_replicas` — which nodes hold each node's snapshot replicas
   (asked on a window of the ring around the node: the same answer as on the whole ring, see
   :meth:`Nonstop.holders`, at O(window) cost instead of O(nodes^2));
 * :func:`~nonstop.policy.decisions.choose_replacements` — a hot spare (process spare on the node, or
   a spare node), a cold process in place, or a fresh node from the scheduler's pool;
-* :func:`~nonstop.policy.decisions.choose_tier` — restore from local memory, a peer's replica, or
-  the durable tier (then every rank rolls back to the newest persisted step).
+* :func:`~nonstop.policy.decisions.restore_source` — the coordinator's choice of where a rank
+  restores from, asked with what the plan's inventory would hold for the failed node's ranks
+  (:meth:`Nonstop.restore_tier`): local memory, a peer's replica or a survivor's rescued step
+  (fetched), or the durable tier (then every rank rolls back to the newest persisted step).
 
 Elasticity (``NonstopParams.min_world_size``) goes through :mod:`nonstop.policy.elastic` the same
 way: a lost node whose ranks no hot spare can take (they would wait for a fresh node from the
@@ -49,17 +52,11 @@ from typing import Any
 
 from nonstop.policy import decisions as policy
 from nonstop.policy.boundary_swap import SwapKind
-from nonstop.policy.decisions import (
-    FailureKind,
-    Placement,
-    RecoveryAction,
-    ReplacementSource,
-    Tier,
-)
+from nonstop.policy.decisions import FailureKind, Placement, ReplacementSource, Tier
 from nonstop.policy.elastic import ElasticAction, ElasticDecision
-from nonstop.policy.rescue import has_donors
 from nonstop.policy.survivors import SurvivorChoice, SurvivorCosts
-from nonstop.sim import recoverysim, swapsim
+from nonstop.sim import actions, recoverysim, swapsim
+from nonstop.sim.actions import RecoveryAction
 from nonstop.sim.api import (
     JobSpec,
     Recovery,
@@ -72,7 +69,7 @@ from nonstop.sim.api import (
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s
 from nonstop.sim.elasticsim import ElasticWorld
 from nonstop.sim.failures import Cause
-from nonstop.sim.nonstop_costs import default_replica_nodes, detect_s, swap_rebuild_s
+from nonstop.sim.nonstop_costs import default_replica_nodes, detect_s, has_donors, swap_rebuild_s
 from nonstop.sim.nonstop_params import NonstopParams
 from nonstop.sim.proactivesim import ProactiveMoves
 from nonstop.sim.recoverysim import RecoveryCosts
@@ -90,8 +87,10 @@ class Nonstop:
     A process failure (crash, hang, error) restarts the node's ranks in place from local memory,
     on a process spare if one is ready; a lost node is replaced by a spare node (or the pool) that
     restores from a peer replica; a node the quarantine policy flags is vacated the same way; a
-    planned event migrates live (one pause, nothing lost). When a lost node's replica holders are
-    all unavailable too, every rank rolls back to the newest durable checkpoint. Survivors keep
+    planned event migrates live (one pause, nothing lost). With rescues the replaced ranks restore
+    the survivors' rescued step instead, fetched from a donor on another node (as the runtime's
+    plan does). When no memory holds the step (no rescue, and a lost node's replica holders all
+    unavailable too), every rank rolls back to the newest durable checkpoint. Survivors keep
     their processes; the group is rebuilt in place (rendezvous law at the job's scale).
 
     Elastic (``min_world_size``): a lost node that only the scheduler's pool could replace is
@@ -249,6 +248,35 @@ class Nonstop:
                 self.proc_spare_at[pos] = back
         return cause, Recovery(pause=pause, replacement=joined, resize="grow")
 
+    def restore_tier(
+        self,
+        target: str,
+        node: int,
+        *,
+        alive: bool,
+        holders: list[int],
+        rescued: bool,
+        survivor: bool = False,
+    ) -> Tier:
+        """Where the ranks of node ``node``, played next on ``target``, restore from: the runtime's
+        :func:`~nonstop.policy.decisions.restore_source`, asked with what the plan's inventory
+        holds of their restore step -- the node's own slots if it is ``alive`` (or the ranks are a
+        ``survivor``'s, restoring their own), the replicas on the live ``holders``; or, when the
+        survivors ``rescued`` a step newer than any snapshot (:mod:`nonstop.policy.rescue`), only
+        their donor's rescue (a survivor on another node; a one-node job has none). Held nowhere
+        in memory: the durable tier, which always has the newest persisted step."""
+        name = f"n{node}"
+        where: list[tuple[str, str]]
+        if survivor:
+            where = [(name, "local")]
+        elif rescued and self.job.num_nodes > 1:
+            where = [(f"n{(node + 1) % self.job.num_nodes}", "local")]  # the donor's own slots
+        else:
+            where = ([(name, "local")] if alive else []) + [(f"n{h}", "replica") for h in holders]
+        src = policy.restore_source(target=target, holders=where, durable=True)
+        assert src is not None  # durable=True: the durable tier serves what memory does not
+        return src.tier
+
     def _lost(self, tier: Tier) -> float:
         """Progress rolled back on a restore from ``tier``: back to the newest snapshot boundary
         whose copy had landed where ``tier`` reads it (host memory ``capture`` after the boundary, a
@@ -272,7 +300,7 @@ class Nonstop:
         hist = self.history.setdefault(node, [])
         hist.append(now)
         quarantined = self.p.quarantine.should_quarantine(hist, now=now)
-        action = policy.recovery_action(cause.kind, quarantined=quarantined, planned=cause.planned)
+        action = actions.recovery_action(cause.kind, quarantined=quarantined, planned=cause.planned)
         alive = cause.kind is not FailureKind.NODE_LOST or cause.planned  # notice: still up
         stays = alive and action is RecoveryAction.RESTART_IN_PLACE  # the node keeps playing its ranks
         holders = [h for h in self.holders(node) if self.mem_back_at.get(h, 0.0) <= now]
@@ -326,14 +354,9 @@ class Nonstop:
             if decision.action is ElasticAction.SHRINK:
                 return self._shrink(now, node, cause, action, decision, waited, recovering)
             placement = Placement(node=POOL, spare=None)  # it waited for the pool node, or gave up
-        in_place = placement.node == name
-        tier = policy.choose_tier(
-            local_alive=alive and in_place,
-            has_local=True,
-            peer_has=bool(holders) or alive,
-            durable_has=True,
-        )
-        assert tier is not None  # the durable tier always has the newest persisted step
+        # a failure while training (not one during a recovery, nor a planned move) is rescued
+        rescued = self.rescues and not recovering and action is not RecoveryAction.MIGRATE
+        tier = self.restore_tier(placement.node, node, alive=alive, holders=holders, rescued=rescued)
         if action is RecoveryAction.MIGRATE:
             lost = 0.0
             if self.p.migration_pause_s is None:
@@ -425,8 +448,7 @@ class Nonstop:
         (``join_after_s``: a hot spare, shrink ``first``) the spare joins that long after the plan;
         ``keeps_machine``: the spare is a process on the node itself (its memory stays usable)."""
         cal = self.cal
-        tier = policy.choose_tier(local_alive=True, has_local=True, peer_has=True, durable_has=True)
-        assert tier is not None
+        tier = self.restore_tier(f"n{node}", node, alive=True, holders=[], rescued=False, survivor=True)
         lost = 0.0 if recovering and tier is not Tier.DURABLE else self._lost(tier)
         detect = detect_s(self.cal, cause.kind)
         # the wait for a spare is part of the planning

@@ -1,8 +1,8 @@
 """Baseline strategies: periodic checkpoint + full restart, and torchft-like replica healing.
 
-Both classify each failure with the runtime's :func:`nonstop.policy.decisions.recovery_action`
-(called through the module, so the simulator follows whatever the runtime's policy says), then
-apply their own mechanics. :mod:`nonstop.sim.nonstop_strategy` holds nonstop's own strategy.
+Both classify each failure with the simulator's :func:`nonstop.sim.actions.recovery_action`
+(called through the module, as nonstop's strategy does), then apply their own mechanics.
+:mod:`nonstop.sim.nonstop_strategy` holds nonstop's own strategy.
 
 A ``None`` cost parameter means "derive it from the calibration" (:mod:`nonstop.sim.calibrate`);
 ``describe()`` reports the value used and where it came from.
@@ -15,8 +15,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from nonstop.policy import decisions as policy
-from nonstop.policy.decisions import FailureKind, RecoveryAction, Tier
+from nonstop.policy.decisions import FailureKind, Tier
+from nonstop.sim import actions
+from nonstop.sim.actions import RecoveryAction
 from nonstop.sim.api import Charge, JobSpec, Recovery, RunContext, default_spare_nodes, require
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s, restart_s
 from nonstop.sim.failures import Cause
@@ -172,7 +173,7 @@ class CheckpointRestart:
 
     def on_failure(self, *, now: float, node: int, cause: Cause, recovering: bool) -> Recovery:
         del node
-        action = policy.recovery_action(cause.kind, planned=cause.planned)
+        action = actions.recovery_action(cause.kind, planned=cause.planned)
         if action is RecoveryAction.MIGRATE and not recovering:
             pause = [("plan", self.blocking + self.write)]  # save now, then restart
             lost = 0.0
@@ -324,7 +325,7 @@ class TorchftLike:
         return overhead
 
     def on_failure(self, *, now: float, node: int, cause: Cause, recovering: bool) -> Recovery:
-        action = policy.recovery_action(cause.kind, planned=cause.planned)
+        action = actions.recovery_action(cause.kind, planned=cause.planned)
         group = node // self.group_nodes
         gpus = self.group_nodes * self.job.gpus_per_node
         down = sum(1 for g, t in self.down_until.items() if t > now and g != group)
