@@ -14,8 +14,19 @@ __all__ = ["node_args", "node_config"]
 
 
 def node_args(p: argparse.ArgumentParser) -> None:
+    """Add the flags of a job's nodes to ``p``, in its group "many nodes" (the order ``--help``
+    lists them); their defaults are :class:`~nonstop.config.JobConfig`'s."""
     c = JobConfig(script="")
     g = p.add_argument_group("many nodes")
+    _where_args(g, c)
+    _replica_args(g, c)
+    _preempt_args(g, c)
+    _elastic_args(g, c)
+    _mesh_args(g, c)
+
+
+def _where_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
+    """Where the nodes meet: their count and ranks, the coordinator, the control store, leases."""
     g.add_argument(
         "--nnodes",
         type=nnodes_value,
@@ -58,6 +69,10 @@ def node_args(p: argparse.ArgumentParser) -> None:
         default=c.lease_ttl_s,
         help="seconds without a lease renewal after which a node is lost (default %(default)s)",
     )
+
+
+def _replica_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
+    """Peer replicas, the job secret, quarantine and joining."""
     g.add_argument(
         "--replicas",
         type=int,
@@ -74,6 +89,10 @@ def node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quarantine-failures", type=int, default=c.quarantine_failures)
     g.add_argument("--quarantine-window", type=float, default=c.quarantine_window_s, metavar="SECONDS")
     g.add_argument("--join-timeout", type=float, default=c.join_timeout_s, metavar="SECONDS")
+
+
+def _preempt_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
+    """Preemption notices: SIGTERM, a file in the job dir, or a polled endpoint."""
     g.add_argument(
         "--preempt-grace",
         type=float,
@@ -104,6 +123,10 @@ def node_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how often the notice endpoint is polled (default %(default)s)",
     )
+
+
+def _elastic_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
+    """Elasticity: shrinking without a spare, and what a shrunk job trains on."""
     g.add_argument(
         "--min-world-size",
         type=int,
@@ -147,6 +170,10 @@ def node_args(p: argparse.ArgumentParser) -> None:
         "size: the script's Session.shard_steps yields them; with M > 1 a shrunk job spreads a lost "
         "rank's shards over more ranks (default %(default)s)",
     )
+
+
+def _mesh_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
+    """A sharded job's mesh, its groups across generations, and how swaps move a step."""
     g.add_argument(
         "--swap-transfer",
         choices=SWAP_TRANSFERS,
