@@ -8,6 +8,7 @@ step 10,000.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import math
 import os
@@ -15,17 +16,24 @@ import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TypeVar
 
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
 from nonstop.policy.cadence import DEFAULT_BUDGET, MAX_AGE_S
 from nonstop.policy.decisions import DetectorConfig  # the detection policy's own config
 from nonstop.policy.straggler import StragglerConfig  # issue 21: fail-slow detection and action
+from nonstop.policy.survivors import SurvivorMode  # the elastic policy's own closed set
 
 __all__ = [
     "DetectorConfig",
     "JobConfig",
     "ProbeConfig",
+    "ShrinkBatch",
+    "SnapshotCopies",
+    "SnapshotMode",
+    "SurvivorMode",
+    "SwapTransfer",
     "WorkerEnv",
     "ENV",
     "SNAPSHOT_COPIES",
@@ -74,11 +82,54 @@ class ENV:
     ETCD_KEY = "NONSTOP_ETCD_KEY"
 
 
-SNAPSHOT_MODES = ("overlapped", "sync", "off")
-SNAPSHOT_COPIES = ("node", "rank")
-SWAP_TRANSFERS = ("auto", "delta", "whole")  # policy/migration.py: swap_as_delta
-SURVIVOR_MODES = ("auto", "wait", "continue")  # policy/survivors.py: SurvivorMode
-SHRINK_BATCHES = ("keep", "drop")  # policy/elastic.py: play_shards
+class SnapshotMode(enum.StrEnum):
+    """``--snapshot``: how each step's state is captured."""
+
+    OVERLAPPED = "overlapped"  # copied out while the next step runs
+    SYNC = "sync"  # copied out before the next step starts
+    OFF = "off"  # not captured
+
+
+class SnapshotCopies(enum.StrEnum):
+    """``--snapshot-copies``: where the state a node's ranks hold alike lives in its memory tier."""
+
+    NODE = "node"  # one copy per node (snapshot/nodecopy.py)
+    RANK = "rank"  # every rank its own whole copy
+
+
+class SwapTransfer(enum.StrEnum):
+    """``--swap-transfer``: how a live migration's swap brings the boundary step to the joiner
+    (policy/migration.py: swap_as_delta)."""
+
+    AUTO = "auto"  # a delta when the catch-up measured deltas faster
+    DELTA = "delta"
+    WHOLE = "whole"
+
+
+class ShrinkBatch(enum.StrEnum):
+    """``--shrink-batch``: what a shrunk job trains on (policy/elastic.py: play_shards)."""
+
+    KEEP = "keep"  # the global batch: the lost ranks' shards played by the others (bitwise)
+    DROP = "drop"  # the lost ranks' shares dropped until the job grows back (torchft's)
+
+
+# each closed set's values, in order: the flags' choices (and so their help and errors)
+SNAPSHOT_MODES = tuple(m.value for m in SnapshotMode)
+SNAPSHOT_COPIES = tuple(m.value for m in SnapshotCopies)
+SWAP_TRANSFERS = tuple(m.value for m in SwapTransfer)
+SURVIVOR_MODES = tuple(m.value for m in SurvivorMode)  # policy/survivors.py
+SHRINK_BATCHES = tuple(m.value for m in ShrinkBatch)
+
+_E = TypeVar("_E", bound=enum.StrEnum)
+
+
+def member(kind: type[_E], value: object, flag: str) -> _E:
+    """``value`` (a member or its string, as a flag, a TOML file or JSON gives it) as a member of
+    ``kind``; UsageError (one line naming ``flag`` and the values it takes) when it is none."""
+    try:
+        return kind(str(value))
+    except ValueError:
+        raise UsageError(f"{flag} must be one of {', '.join(kind)} (got {value!r})") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,7 +178,7 @@ class JobConfig:
     detector: DetectorConfig = field(default_factory=DetectorConfig)
     faults: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
-    snapshot: str = "overlapped"
+    snapshot: SnapshotMode = SnapshotMode.OVERLAPPED
     # steps between in-memory snapshots (1: every step). K > 1 trades the snapshot's cost per step
     # (1/K of it) for up to K - 1 steps redone after a failure; swaps' boundaries and the last
     # step are always snapshotted. `nonstop simulate --snapshot-every` and its advisor weigh it.
@@ -145,7 +196,7 @@ class JobConfig:
     # where the state a node's ranks hold alike (a DDP job's, an HSDP job's replica groups') lives
     # in its memory tier: "node" (one copy per node, snapshot/nodecopy.py) or "rank" (every rank
     # its own whole copy)
-    snapshot_copies: str = "node"
+    snapshot_copies: SnapshotCopies = SnapshotCopies.NODE
     persist_url: str | None = None  # None: <job_dir>/checkpoints
     persist_every: int = 100  # steps between lazy persists; 0: only on demand, SIGTERM and exit
     keep: int = 3
@@ -171,7 +222,7 @@ class JobConfig:
     preempt_headers: tuple[str, ...] = ()  # "Name: value" headers of that request
     preempt_poll_s: float = 2.0
     shards_per_rank: int = 1  # data shards (micro-batches) a rank plays per step at full size
-    swap_transfer: str = "auto"  # a migration's swap fetches the boundary: auto | delta | whole
+    swap_transfer: SwapTransfer = SwapTransfer.AUTO  # how a migration's swap fetches the boundary
     mesh: str | None = None  # replicate=R,shard=S,tp=T (nonstop/mesh.py); None: data-parallel DDP
     keep_groups: bool = True  # a new generation keeps the mesh groups nothing changed (train/meshgroups.py)
     # -- elasticity (policy/elastic.py) ---------------------------------------------------
@@ -179,10 +230,10 @@ class JobConfig:
     elastic_wait_s: float = 0.0  # wait this long for a spare before shrinking
     # a failure spares could replace: auto | wait (replace first) | continue (shrink first, then
     # grow with the spares): policy/survivors.py
-    survivors: str = "auto"
+    survivors: SurvivorMode = SurvivorMode.AUTO
     # a shrunk job: keep the global batch (the lost ranks' shards played by the others; bitwise)
     # or drop the lost ranks' shares of it until it grows back (torchft's; full speed per rank)
-    shrink_batch: str = "keep"
+    shrink_batch: ShrinkBatch = ShrinkBatch.KEEP
     # -- control store -----------------------------------------------------------------
     store: str = "embedded://"  # or etcd://HOST:PORT[,...] (etcds://: TLS): the coordinator may restart
     reconnect_s: float = 30.0  # store mode: how long agents and workers wait for a new coordinator
@@ -210,7 +261,7 @@ class JobConfig:
         ranks are one group; an HSDP job's are its shard coordinates when a node holds ranks of
         several replica groups (:meth:`MeshSpec.copy_groups_on_node`); 0: none (every rank
         keeps its own whole copy: --snapshot-copies rank, or no two ranks of a node alike)."""
-        if self.snapshot_copies != "node":
+        if self.snapshot_copies is not SnapshotCopies.NODE:
             return 0
         if self.mesh is None:
             return 1
@@ -230,6 +281,7 @@ class JobConfig:
         )
 
     def __post_init__(self) -> None:
+        self._enums()
         if self.persist_every < 0:
             raise UsageError(
                 f"--persist-every must be >= 0 (got {self.persist_every}); 0 persists only on demand"
@@ -238,13 +290,6 @@ class JobConfig:
             raise UsageError(f"--lossy-bits must be 4 or 8 (got {self.lossy_bits})")
         if self.keep < 1:
             raise UsageError(f"--keep must be >= 1 (got {self.keep})")
-        if self.snapshot not in SNAPSHOT_MODES:
-            raise UsageError(f"--snapshot must be one of {', '.join(SNAPSHOT_MODES)} (got {self.snapshot!r})")
-        if self.snapshot_copies not in SNAPSHOT_COPIES:
-            raise UsageError(
-                f"--snapshot-copies must be one of {', '.join(SNAPSHOT_COPIES)} "
-                f"(got {self.snapshot_copies!r})"
-            )
         if self.snapshot_every < 1:
             raise UsageError(
                 f"--snapshot-every must be >= 1 step (got {self.snapshot_every}); 1 snapshots every step"
@@ -343,11 +388,7 @@ class JobConfig:
                 )
             if self.min_world_size and self.min_world_size < self.world_size:
                 spec.check_elastic(min_world_size=self.min_world_size)
-        if self.survivors not in SURVIVOR_MODES:
-            raise UsageError(
-                f"--survivors must be one of {', '.join(SURVIVOR_MODES)} (got {self.survivors!r})"
-            )
-        if self.survivors == "continue":
+        if self.survivors is SurvivorMode.CONTINUE:
             if self.min_world >= self.world_size:
                 raise UsageError(
                     "--survivors continue needs an elastic job: set --min-world-size below the world "
@@ -358,19 +399,24 @@ class JobConfig:
                     f"--survivors continue needs replica groups to go on without (--mesh {self.mesh} "
                     "has none: a shrink reshards every rank); use --mesh replicate=R with R >= 2"
                 )
-        if self.shrink_batch not in SHRINK_BATCHES:
-            raise UsageError(
-                f"--shrink-batch must be one of {', '.join(SHRINK_BATCHES)} (got {self.shrink_batch!r})"
-            )
-        if self.shrink_batch == "drop" and self.min_world >= self.world_size:
+        if self.shrink_batch is ShrinkBatch.DROP and self.min_world >= self.world_size:
             raise UsageError(
                 "--shrink-batch drop says what a shrunk job trains on: set --min-world-size below the "
                 "world size too (the script must read its batches through session.shard_steps)"
             )
-        if self.swap_transfer not in SWAP_TRANSFERS:
-            raise UsageError(
-                f"--swap-transfer must be one of {', '.join(SWAP_TRANSFERS)} (got {self.swap_transfer!r})"
-            )
+
+    def _enums(self) -> None:
+        """Each closed set's field as its member (a caller, a TOML file or JSON may give the
+        string); UsageError, one line, for a value outside it."""
+        closed: tuple[tuple[str, type[enum.StrEnum], str], ...] = (
+            ("snapshot", SnapshotMode, "--snapshot"),
+            ("snapshot_copies", SnapshotCopies, "--snapshot-copies"),
+            ("survivors", SurvivorMode, "--survivors"),
+            ("shrink_batch", ShrinkBatch, "--shrink-batch"),
+            ("swap_transfer", SwapTransfer, "--swap-transfer"),
+        )
+        for name, kind, flag in closed:
+            object.__setattr__(self, name, member(kind, getattr(self, name), flag))
 
     def _check_security(self) -> None:
         from nonstop.control.tls import EtcdTLS, check_openssl

@@ -27,8 +27,12 @@ class NonstopError(Exception):
 class UsageError(NonstopError, ValueError):
     """A user mistake: bad flag, bad fault spec, unwritable job dir, busy port.
 
-    The message is a single line that tells the user what to do instead.
+    The message is a single line that tells the user what to do instead. ``reported``: the
+    launcher has the line and prints it (a worker's mistake that failed the job), so the process
+    that raised it prints nothing of its own (the line once, not once per rank).
     """
+
+    reported: bool = False
 
 
 class SnapshotError(NonstopError):

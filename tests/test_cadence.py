@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.cliargs import snapshot_args, snapshot_config
+from nonstop.cli.flags.snapshot import snapshot_args, snapshot_config
 from nonstop.config import ENV, JobConfig, WorkerEnv
 from nonstop.errors import UsageError
 from nonstop.policy.cadence import (

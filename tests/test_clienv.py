@@ -1,4 +1,4 @@
-"""torchrun's flags on ``nonstop run`` and flags from the environment (nonstop/clienv.py): the
+"""torchrun's flags on ``nonstop run`` and flags from the environment (nonstop/cli/env.py): the
 aliases and their mapping, the layers' precedence, bad values in one line naming the variable,
 and a script written for torchrun run with torchrun's flags."""
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.cli import _parser, _with_defaults
+from nonstop.cli import build_parser
+from nonstop.cli.run import with_defaults
 from nonstop.errors import UsageError
 
 NONSTOP = [sys.executable, "-m", "nonstop.cli"]
@@ -23,8 +24,8 @@ def _parse(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch
         monkeypatch.delenv(k)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    ap, run = _parser()
-    return _with_defaults(ap, run, ap.parse_args(["run", *argv]), ["run", *argv])
+    ap, parsers = build_parser()
+    return with_defaults(ap, parsers["run"], ap.parse_args(["run", *argv]), ["run", *argv])
 
 
 def test_torchrun_spellings_map_onto_nonstops_flags(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nonstop.agent.node import EXIT_NO_DEVICE, NodeAgent, NodeSpec
-from nonstop.clienv import _nproc
+from nonstop.cli.env import _nproc
 from nonstop.control.channel import Message
 from nonstop.coordinator.view import JobView, NodeRecord, Role
 from nonstop.devices.inventory import (

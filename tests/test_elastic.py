@@ -128,7 +128,7 @@ def test_elastic_placement_never_starts_a_cold_process_on_another_node() -> None
 
 
 def test_status_says_when_the_job_is_shrunk() -> None:
-    from nonstop.cli import _format_status
+    from nonstop.cli.status import format_status
 
     st = {
         "job_id": "j",
@@ -144,11 +144,11 @@ def test_status_says_when_the_job_is_shrunk() -> None:
         },
         "growing": {"to": 3, "boundary": 12},
     }
-    text = _format_status(st)
+    text = format_status(st)
     assert "rank 1: node 1, spawn 1, pid 2, step 9, shards [1, 2]" in text
     assert "elastic: shrunk to 2 of 3 ranks (minimum 2)" in text
     assert "growing to 3 ranks at step 12" in text
-    full = _format_status({**st, "world_size": 3, "growing": None})
+    full = format_status({**st, "world_size": 3, "growing": None})
     assert "shards" not in full and "shrunk" not in full
 
 

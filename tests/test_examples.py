@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from nonstop import cli
-from nonstop.cliconfig import load_config
+from nonstop.cli import build_parser
+from nonstop.cli.configfile import load_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -24,8 +24,8 @@ def test_the_sbatch_config_file_is_valid(tmp_path: Path) -> None:
     assert toml is not None
     path = tmp_path / "job.toml"
     path.write_text(toml.group(1).replace("$SHARED", "/shared").replace("$JOB_DIR", "/shared/1"))
-    _, run = cli._parser()
-    got = load_config(path, run)
+    _, parsers = build_parser()
+    got = load_config(path, parsers["run"])
     assert got["nproc_per_node"] == 4 and got["ranks_filter"] == "0"
 
 
@@ -35,7 +35,7 @@ def test_the_kubernetes_command_parses_and_its_grace_covers_preempt_grace() -> N
     assert args is not None
     words = shlex.split(" ".join(line.strip() for line in args.group(1).splitlines()))
     assert words[:3] == ["exec", "nonstop", "run"]
-    ap, _ = cli._parser()
+    ap, _ = build_parser()
     ns = ap.parse_args(["run", *[w.replace("$JOB_COMPLETION_INDEX", "1") for w in words[3:]]])
     grace = re.search(r"terminationGracePeriodSeconds: (\d+)", text)
     assert grace is not None and int(grace.group(1)) >= ns.preempt_grace

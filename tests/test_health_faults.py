@@ -108,7 +108,7 @@ def test_job_config_round_trips_the_straggler_config() -> None:
 def test_cli_health_flags() -> None:
     import argparse
 
-    from nonstop.cliargs import health, health_args
+    from nonstop.cli.flags.detection import health, health_args
 
     ap = argparse.ArgumentParser()
     health_args(ap)

@@ -325,7 +325,7 @@ def test_start_writes_a_private_token_file_and_hooks_the_coordinator(tmp_path: P
 def test_watch_redraws_until_the_job_is_gone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import io
 
-    from nonstop.climetrics import CLEAR, watch_status
+    from nonstop.cli.status import CLEAR, watch_status
     from nonstop.errors import UsageError
     from nonstop.launch import job_client as client
 

@@ -191,7 +191,7 @@ def test_probe_thread_is_not_the_callers() -> None:
 def test_job_config_cli_and_node_command_carry_the_probes(tmp_path: Path) -> None:
     import argparse
 
-    from nonstop.cliargs import probe_args, probes
+    from nonstop.cli.flags.detection import probe_args, probes
     from nonstop.config import JobConfig, job_config_from_json, job_config_to_json
     from nonstop.launch.local_nodes import node_command
 
@@ -205,8 +205,8 @@ def test_job_config_cli_and_node_command_carry_the_probes(tmp_path: Path) -> Non
     cmd = node_command(cfg, 1, "127.0.0.1:1")
     assert "--health-cmd=-x check" in cmd and "--probe-period=2.0" in cmd and "--health-timeout=3.0" in cmd
     # what a node's own `nonstop run` makes of them
-    from nonstop.cli import _parser
+    from nonstop.cli import build_parser
 
-    parser, _ = _parser()
+    parser, _ = build_parser()
     ns = parser.parse_args(cmd[cmd.index("run") :])
     assert probes(ns) == got

@@ -183,6 +183,8 @@ def test_a_job_whose_slots_do_not_fit_fails_at_start_with_exit_2(shm4: Path, tmp
     errors = [ln for ln in done.stderr.splitlines() if ln.startswith("nonstop: error:")]
     assert len(errors) == 1, done.stderr[-3000:]
     assert "snapshot memory: node 0 needs" in errors[0] and "--shm-dir DIR" in errors[0]
+    # once: not also by each rank, nor as the node agent's log line
+    assert (done.stdout + done.stderr).count("snapshot memory: node 0 needs") == 1, done.stdout + done.stderr
     assert not (tmp_path / "result.json").exists()
     assert not [p for p in shm4.iterdir() if p.name.startswith("nonstop-")]  # nothing left behind
     failed = [e for e in read_events(job_dir / "events.jsonl") if e["event"] == "job_failed"]

@@ -71,15 +71,16 @@ def test_several_tasks_per_node_are_refused() -> None:
 
 
 def _parsed(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> object:
-    from nonstop import cli
+    from nonstop.cli import build_parser
+    from nonstop.cli.run import with_defaults
 
     for k in list(os.environ):
         if k.startswith("SLURM_"):
             monkeypatch.delenv(k)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    ap, run = cli._parser()
-    return cli._with_defaults(ap, run, ap.parse_args(argv), argv)
+    ap, parsers = build_parser()
+    return with_defaults(ap, parsers["run"], ap.parse_args(argv), argv)
 
 
 def test_flags_and_the_config_file_win_over_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.cliargs import snapshot_args, snapshot_config
+from nonstop.cli.flags.snapshot import snapshot_args, snapshot_config
 from nonstop.config import ENV, JobConfig, WorkerEnv
 from nonstop.coordinator.view import JobView
 from nonstop.errors import UsageError

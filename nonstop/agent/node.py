@@ -319,7 +319,7 @@ class NodeAgent(DeviceSpawner):
         assert self.memory is not None
         error = self.memory.poll()
         if error is not None:
-            log.error("%s", error)
+            log.info("%s", error)  # the node's nonstop run exits 2 with the line (launch/launcher.py)
             self._send({"t": "fatal", "error": error})
 
     def _reader(self) -> None:

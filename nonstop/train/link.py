@@ -410,17 +410,19 @@ class CoordinatorLink:
             if msg["t"] == "abort":
                 raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
 
-    def await_abort(self, timeout_s: float) -> None:
+    def await_abort(self, timeout_s: float) -> str | None:
         """Wait up to ``timeout_s`` for the coordinator's ``abort`` (after this process reported
-        a mistake that fails the job: exiting first would look like a crash to recover from)."""
+        a mistake that fails the job: exiting first would look like a crash to recover from);
+        its error line, or None when none came."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:
                 msg = self._take(self._inbox.get(timeout=left))
             except queue.Empty:
-                return
+                return None
             if msg["t"] == "abort":
-                return
+                return str(msg.get("error", ""))
+        return None
 
     def _note(self, msg: Message) -> None:
         """What a message between steps changes: a swap's pause, its end, the snapshot cadence."""

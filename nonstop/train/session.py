@@ -534,17 +534,14 @@ class Session:
         )
 
     def _fail_usage(self, err: UsageError) -> None:
-        """Fail the job for the script's mistake ``err``: ``nonstop run`` exits 2 with its line."""
+        """Fail the job for the script's mistake ``err``: ``nonstop run`` exits 2 with its line
+        (``err.reported`` once the coordinator's abort carries it: this process prints nothing)."""
+        line = str(err)[:500]
         self._link.send_quietly(
-            {
-                "t": "fault",
-                "gen": self.generation,
-                "step": self._pos.step,
-                "error": str(err)[:500],
-                "usage": True,
-            }
+            {"t": "fault", "gen": self.generation, "step": self._pos.step, "error": line, "usage": True}
         )
-        self._link.await_abort(USAGE_ABORT_WAIT_S)
+        abort = self._link.await_abort(USAGE_ABORT_WAIT_S)
+        err.reported = abort is not None and abort.endswith(line)
 
     def close(self) -> None:
         """Leave the job: tear this generation's group down and close the control connection."""
@@ -576,6 +573,8 @@ def init(*, build: Build | None = None) -> Session:
 
 def _one_line_usage_errors(kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
     if isinstance(err, UsageError):
+        if err.reported:
+            return  # nonstop run prints the line
         print(f"nonstop: error: {err}", file=sys.stderr, flush=True)
     else:
         sys.__excepthook__(kind, err, tb)

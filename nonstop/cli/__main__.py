@@ -1,0 +1,7 @@
+"""``python -m nonstop.cli``: the ``nonstop`` command."""
+
+import sys
+
+from nonstop.cli import main
+
+sys.exit(main())
