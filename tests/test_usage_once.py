@@ -30,7 +30,7 @@ class _Link:
 
 def _fail(abort: str | None, err: UsageError) -> _Link:
     link = _Link(abort)
-    fake = SimpleNamespace(_link=link, generation=0, _step=3)
+    fake = SimpleNamespace(_link=link, generation=0, _pos=SimpleNamespace(step=3))
     Session._fail_usage(fake, err)  # type: ignore[arg-type]
     return link
 
