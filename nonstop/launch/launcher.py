@@ -254,31 +254,11 @@ def serve_coordinator(
             raise
     lock_fd, lock = hold_lock(shm_dir, job_id, job_dir)
     control = f"{server.address[0]}:{server.address[1]}"
-    worker_env = {
-        ENV.FAULTS: faults_to_json(faults),
-        ENV.HEARTBEAT_INTERVAL: str(config.detector.heartbeat_interval_s),
-        ENV.REBUILD_TIMEOUT: str(config.rebuild_timeout_s),
-        ENV.SNAPSHOT: config.snapshot,
-        ENV.SNAPSHOT_EVERY: str(config.snapshot_every),
-        ENV.SNAPSHOT_BUDGET: str(config.snapshot_budget),
-        ENV.RECONNECT: str(config.reconnect_s if jobs is not None else 0),
-        **({ENV.MESH: config.mesh} if config.mesh is not None else {}),
-        ENV.ELASTIC: "1" if config.min_world < config.world_size else "0",
-        ENV.KEEP_GROUPS: "1" if config.keep_groups else "0",
-        ENV.NODE_COPY: str(config.node_copy_groups),  # (WorkerEnv.node_copy: not "0")
-    }
+    worker_env = _worker_env(config, faults, store_mode=jobs is not None)
     codec = CodecConfig(lossy=config.lossy, lossy_bits=config.lossy_bits)
     persister: Persister | None = None
     if config.nnodes == 1 and jobs is None:  # the whole job's memory is in this process's node
-        persister = Persister(
-            durable=durable,
-            shm_dir=shm_dir,
-            job_id=local_store_id(job_id, "0"),
-            world_size=config.nproc_per_node,
-            codec=codec,
-            every=config.persist_every,
-            emit=events.emit,
-        )
+        persister = _node_persister(config, durable, shm_dir, job_id, codec, events)
     coordinator = Coordinator(
         config=config,
         server=server,
@@ -302,6 +282,7 @@ def serve_coordinator(
     node_stop = threading.Event()
     keep_memory = threading.Event()  # the local node frees its memory after the final persist
     node_thread: threading.Thread | None = None
+    node: NodeAgent | None = None
     if jobs is None:  # node 0's agent lives here; in store mode it is the launcher's
         node = NodeAgent(
             spec=_node_spec(config),
@@ -385,9 +366,42 @@ def serve_coordinator(
             if config.secret_file is None:
                 secret_file.unlink(missing_ok=True)
             (job_dir / JOB_INFO).unlink(missing_ok=True)
-    if node_thread is not None and node.memory is not None and node.memory.error is not None:
+    if node is not None and node.memory is not None and node.memory.error is not None:
         raise UsageError(node.memory.error)  # its memory tier is too small: exit 2 with the line
     return result
+
+
+def _worker_env(config: JobConfig, faults: list[FaultSpec], *, store_mode: bool) -> dict[str, str]:
+    """What every worker process of the job finds in its environment from the coordinator (the
+    settings it reads as :class:`~nonstop.config.WorkerEnv`), beside torchrun's variables."""
+    return {
+        ENV.FAULTS: faults_to_json(faults),
+        ENV.HEARTBEAT_INTERVAL: str(config.detector.heartbeat_interval_s),
+        ENV.REBUILD_TIMEOUT: str(config.rebuild_timeout_s),
+        ENV.SNAPSHOT: config.snapshot,
+        ENV.SNAPSHOT_EVERY: str(config.snapshot_every),
+        ENV.SNAPSHOT_BUDGET: str(config.snapshot_budget),
+        ENV.RECONNECT: str(config.reconnect_s if store_mode else 0),
+        **({ENV.MESH: config.mesh} if config.mesh is not None else {}),
+        ENV.ELASTIC: "1" if config.min_world < config.world_size else "0",
+        ENV.KEEP_GROUPS: "1" if config.keep_groups else "0",
+        ENV.NODE_COPY: str(config.node_copy_groups),  # (WorkerEnv.node_copy: not "0")
+    }
+
+
+def _node_persister(
+    config: JobConfig, durable: DurableStore, shm_dir: Path, job_id: str, codec: CodecConfig, events: EventLog
+) -> Persister:
+    """A job of one node: its memory is all in this process's node, persisted from here."""
+    return Persister(
+        durable=durable,
+        shm_dir=shm_dir,
+        job_id=local_store_id(job_id, "0"),
+        world_size=config.nproc_per_node,
+        codec=codec,
+        every=config.persist_every,
+        emit=events.emit,
+    )
 
 
 MAX_COORDINATOR_RESTARTS = 20
