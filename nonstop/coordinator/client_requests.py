@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from nonstop.control.channel import Channel, Message
 from nonstop.errors import ControlError
+from nonstop.protocol.base import kind_of
+from nonstop.protocol.client import AcceptedMsg, ErrorMsg, MigratedMsg, PersistedMsg, StatusMsg
 from nonstop.protocol.wire import Drain, Migrate, PersistRequest, StatusRequest, decode_client
 
 if TYPE_CHECKING:
@@ -39,26 +41,28 @@ class ClientRequests:
                 moves = [(req.rank, req.to)]
             else:
                 if req.node not in self.c.view.nodes:
-                    chan.send({"t": "migrated", "ok": False, "error": f"no node {req.node} in the job"})
+                    chan.send(
+                        MigratedMsg(rank=None, ok=False, error=f"no node {req.node} in the job").encode()
+                    )
                     return
                 moves = [(r, None) for r, n in sorted(self.c.view.rank_node.items()) if n == req.node]
             reason = "migrate" if isinstance(req, Migrate) else "drain"
             for rank, target in moves:
                 error = self.c.swaps.request_migration(rank, target, reason)
                 if error is not None:
-                    chan.send({"t": "migrated", "rank": rank, "ok": False, "error": error})
+                    chan.send(MigratedMsg(rank=rank, ok=False, error=error).encode())
                 else:
                     self.c.swaps.clients.setdefault(rank, []).append(chan)
-            chan.send({"t": "accepted", "ranks": [r for r, _ in moves]})
+            chan.send(AcceptedMsg(ranks=tuple(r for r, _ in moves)).encode())
         elif isinstance(req, StatusRequest):
-            chan.send({"t": "status", **self.status()})
+            chan.send(StatusMsg(status=self.status()).encode())
         elif isinstance(req, PersistRequest):
             if self.c.persister is None:
-                chan.send({"t": "persisted", "error": "this job has no durable tier on this node"})
+                chan.send(PersistedMsg(error="this job has no durable tier on this node").encode())
                 return
             self.tickets.append((chan, self.c.persister.request()))
         else:
-            chan.send({"t": "error", "error": f"unknown request {msg.get('t')!r}"})
+            chan.send(ErrorMsg(error=f"unknown request {kind_of(msg)!r}").encode())
 
     def status(self) -> dict[str, Any]:
         """What ``nonstop status`` shows (JSON types)."""
@@ -119,9 +123,12 @@ class ClientRequests:
                 pending.append((chan, ticket))
                 continue
             last = self.c.persister.last
-            reply: Message = {"t": "persisted", "error": self.c.persister.last_error}
-            if last is not None:
-                reply.update(step=last.step, url=self.c.persister.durable.url, stored_bytes=last.stored_bytes)
+            reply = PersistedMsg(
+                error=self.c.persister.last_error,
+                step=None if last is None else last.step,
+                url=None if last is None else self.c.persister.durable.url,
+                stored_bytes=None if last is None else last.stored_bytes,
+            ).encode()
             try:
                 chan.send(reply)
             except ControlError:

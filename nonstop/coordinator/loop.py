@@ -68,6 +68,7 @@ from nonstop.policy.decisions import QuarantinePolicy
 from nonstop.policy.elastic import ElasticPolicy
 from nonstop.policy.phase import TICK_S, Busy, JobPhase, Op, legal, may_start
 from nonstop.policy.survivors import SurvivorMode
+from nonstop.protocol.client import ErrorMsg
 from nonstop.snapshot.persist import Persister
 
 __all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
@@ -339,7 +340,7 @@ class Coordinator:
         self.events.emit(ev.ProtocolError(**who))
         if isinstance(tag, tuple) and tag[0] == "client":
             try:
-                chan.send({"t": "error", "error": f"malformed request: {what}"})
+                chan.send(ErrorMsg(error=f"malformed request: {what}").encode())
             except ControlError:
                 pass
         chan.close()

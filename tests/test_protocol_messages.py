@@ -1,0 +1,88 @@
+"""Every message of nonstop/protocol/ round-trips encode -> decode, encodes to the very bytes its
+sender put on the wire before the typed protocol (pinned literally: the channel's
+``json.dumps(msg, separators=(",", ":"))``), and a malformed one raises the typed
+:class:`~nonstop.protocol.base.WireError` its receiver turns into closing that sender only."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+
+from nonstop.protocol import client
+from nonstop.protocol.base import HealthMsg, MigrateMsg, WireError
+
+
+def wire(msg: Mapping[str, Any]) -> bytes:
+    """What :meth:`nonstop.control.channel.Channel.send` puts in a frame's JSON part."""
+    return json.dumps(msg, separators=(",", ":")).encode()
+
+
+# -- client channel -----------------------------------------------------------------------------
+CLIENT_PINNED: list[tuple[Any, bytes]] = [
+    (client.StatusRequestMsg(), b'{"t":"status"}'),
+    (client.PersistRequestMsg(), b'{"t":"persist"}'),
+    (MigrateMsg(gen=-1, rank=2, to=None), b'{"t":"migrate","rank":2,"to":null}'),
+    (client.DrainMsg(node="1"), b'{"t":"drain","node":"1"}'),
+    (client.AcceptedMsg(ranks=(0, 3)), b'{"t":"accepted","ranks":[0,3]}'),
+    (
+        client.MigratedMsg(rank=None, ok=False, error="no node 7 in the job"),
+        b'{"t":"migrated","ok":false,"error":"no node 7 in the job"}',
+    ),
+    (
+        client.MigratedMsg(rank=1, ok=True, error=None, info={"source": "1", "target": "0", "boundary": 9}),
+        b'{"t":"migrated","rank":1,"ok":true,"error":null,"source":"1","target":"0","boundary":9}',
+    ),
+    (client.PersistedMsg(error="no tier"), b'{"t":"persisted","error":"no tier"}'),
+    (
+        client.PersistedMsg(error=None, step=4, url="file:///d", stored_bytes=10),
+        b'{"t":"persisted","error":null,"step":4,"url":"file:///d","stored_bytes":10}',
+    ),
+    (client.ErrorMsg(error="unknown request 'x'"), b'{"t":"error","error":"unknown request \'x\'"}'),
+    (
+        client.StatusMsg(status={"job_id": "j", "generation": 2}),
+        b'{"t":"status","job_id":"j","generation":2}',
+    ),
+]
+
+
+@pytest.mark.parametrize(("msg", "pinned"), CLIENT_PINNED, ids=lambda x: type(x).__name__)
+def test_client_messages_keep_their_bytes_and_round_trip(msg: Any, pinned: bytes) -> None:
+    assert wire(msg.encode()) == pinned
+    decoded = json.loads(pinned)
+    if isinstance(msg, client.StatusRequestMsg | client.PersistRequestMsg | client.DrainMsg | MigrateMsg):
+        assert client.decode_client(decoded) == msg
+    else:
+        assert client.decode_client_answer(decoded) == msg
+
+
+def test_a_status_kind_is_a_request_one_way_and_an_answer_the_other() -> None:
+    assert client.decode_client({"t": "status"}) == client.StatusRequestMsg()
+    assert client.decode_client_answer({"t": "status", "state": "running"}) == client.StatusMsg(
+        status={"state": "running"}
+    )
+    assert client.decode_client({"t": "from-the-future"}) is None
+    assert client.decode_client_answer({"t": "from-the-future"}) is None
+
+
+MALFORMED: list[tuple[Callable[[Mapping[str, Any]], object], dict[str, Any]]] = [
+    (client.decode_client, {"t": "migrate", "to": "1"}),  # a client's migrate names its rank
+    (client.decode_client, {"t": "migrate", "rank": "one"}),
+    (client.decode_client, {"t": "drain"}),
+    (client.decode_client, {"t": "drain", "node": [1]}),
+    (client.decode_client_answer, {"t": "accepted"}),
+    (client.decode_client_answer, {"t": "accepted", "ranks": ["x"]}),
+    (client.decode_client_answer, {"t": "migrated", "rank": "x", "ok": True}),
+    (client.decode_client_answer, {"t": "persisted", "step": 1.5}),
+    (HealthMsg.decode, {"t": "health", "verdict": "fine"}),
+]
+
+
+@pytest.mark.parametrize(("decode", "raw"), MALFORMED, ids=lambda x: str(x)[:40])
+def test_a_malformed_message_is_a_wire_error(
+    decode: Callable[[Mapping[str, Any]], object], raw: dict[str, Any]
+) -> None:
+    with pytest.raises(WireError):
+        decode(raw)
