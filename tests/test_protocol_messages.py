@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from nonstop.protocol import client
+from nonstop.control.rdzv import KeyValueTable
+from nonstop.protocol import client, rendezvous
 from nonstop.protocol.base import HealthMsg, MigrateMsg, WireError
 
 
@@ -82,6 +83,87 @@ MALFORMED: list[tuple[Callable[[Mapping[str, Any]], object], dict[str, Any]]] = 
 
 @pytest.mark.parametrize(("decode", "raw"), MALFORMED, ids=lambda x: str(x)[:40])
 def test_a_malformed_message_is_a_wire_error(
+    decode: Callable[[Mapping[str, Any]], object], raw: dict[str, Any]
+) -> None:
+    with pytest.raises(WireError):
+        decode(raw)
+
+
+# -- rendezvous (kv) ------------------------------------------------------------------------------
+KV_PINNED: list[tuple[Any, bytes]] = [
+    (
+        rendezvous.KvRequestMsg(id=3, gen=1, op="set", key="k", value=b"ab"),
+        b'{"t":"kv","id":3,"gen":1,"op":"set","key":"k","value":"YWI="}',
+    ),
+    (
+        rendezvous.KvRequestMsg(id=4, gen=1, op="get", key="k", keys=("k",)),
+        b'{"t":"kv","id":4,"gen":1,"op":"get","key":"k","keys":["k"]}',
+    ),
+    (
+        rendezvous.KvRequestMsg(id=5, gen=1, op="add", key="n", amount=2),
+        b'{"t":"kv","id":5,"gen":1,"op":"add","key":"n","amount":2}',
+    ),
+    (
+        rendezvous.KvRequestMsg(id=6, gen=1, op="compare_set", key="k", expected=b"", desired=b"x"),
+        b'{"t":"kv","id":6,"gen":1,"op":"compare_set","key":"k","expected":"","desired":"eA=="}',
+    ),
+    (
+        rendezvous.KvRequestMsg(id=7, gen=1, op="wait", keys=("a", "b")),
+        b'{"t":"kv","id":7,"gen":1,"op":"wait","keys":["a","b"]}',
+    ),
+    (rendezvous.KvRequestMsg(id=8, gen=1, op="num_keys"), b'{"t":"kv","id":8,"gen":1,"op":"num_keys"}'),
+]
+
+
+@pytest.mark.parametrize(("msg", "pinned"), KV_PINNED, ids=lambda x: getattr(x, "op", "bytes"))
+def test_kv_requests_keep_their_bytes_and_round_trip(msg: Any, pinned: bytes) -> None:
+    assert wire(msg.encode()) == pinned
+    assert rendezvous.KvRequestMsg.decode(json.loads(pinned)) == msg
+
+
+@pytest.mark.parametrize(
+    ("msg", "pinned"),
+    [
+        (rendezvous.KvReplyMsg(id=3), b'{"t":"kv","id":3}'),
+        (rendezvous.KvReplyMsg(id=3, value=False), b'{"t":"kv","id":3,"value":false}'),
+        (rendezvous.KvReplyMsg(id=3, value=0), b'{"t":"kv","id":3,"value":0}'),
+        (rendezvous.KvReplyMsg(id=3, value="YWI="), b'{"t":"kv","id":3,"value":"YWI="}'),
+        (rendezvous.KvReplyMsg(id=-1, error="reconfigured"), b'{"t":"kv","id":-1,"error":"reconfigured"}'),
+    ],
+)
+def test_kv_replies_keep_their_bytes_and_round_trip(msg: Any, pinned: bytes) -> None:
+    assert wire(msg.encode()) == pinned
+    assert rendezvous.KvReplyMsg.decode(json.loads(pinned)) == msg
+
+
+def test_the_table_answers_a_malformed_kv_request_as_before() -> None:
+    table = KeyValueTable()
+
+    def answer(raw: dict[str, Any]) -> list[dict[str, Any]]:
+        return [m for _, m in table.handle(raw, lambda m: None)]
+
+    (bad_id,) = answer({"t": "kv", "id": "x", "gen": 0, "op": "set"})
+    assert wire(bad_id) == b'{"t":"kv","id":-1,"error":"malformed request id \'x\'"}'
+    (bad_value,) = answer({"t": "kv", "id": 2, "gen": 0, "op": "set", "key": "k", "value": "%%"})
+    assert bad_value["id"] == 2 and bad_value["error"].startswith("bad 'set' request: ")
+    assert answer({"t": "kv", "id": 3, "gen": 9, "op": "set", "key": "k", "value": ""}) == [
+        {"t": "kv", "id": 3, "error": "fenced: generation 9 is not current"}
+    ]
+    assert answer({"t": "kv", "id": 4, "gen": 0, "op": "num_keys"}) == [{"t": "kv", "id": 4, "value": 0}]
+    assert rendezvous.kv_refusal({"id": None}, "fenced") == {"t": "kv", "id": None, "error": "fenced"}
+
+
+@pytest.mark.parametrize(
+    ("decode", "raw"),
+    [
+        (rendezvous.KvRequestMsg.decode, {"t": "kv", "id": [1]}),
+        (rendezvous.KvRequestMsg.decode, {"t": "kv", "id": 1, "op": "add", "amount": "two"}),
+        (rendezvous.KvRequestMsg.decode, {"t": "kv", "id": 1, "op": "set", "value": "not base64!"}),
+        (rendezvous.KvReplyMsg.decode, {"t": "kv", "id": "x"}),
+        (rendezvous.KvReplyMsg.decode, {"t": "kv", "id": 1, "value": [1]}),
+    ],
+)
+def test_a_malformed_kv_message_is_a_wire_error(
     decode: Callable[[Mapping[str, Any]], object], raw: dict[str, Any]
 ) -> None:
     with pytest.raises(WireError):
