@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from nonstop.control.rdzv import KeyValueTable
-from nonstop.protocol import client, rendezvous
+from nonstop.protocol import client, dataplane, rendezvous
 from nonstop.protocol.base import HealthMsg, MigrateMsg, WireError
 
 
@@ -164,6 +164,72 @@ def test_the_table_answers_a_malformed_kv_request_as_before() -> None:
     ],
 )
 def test_a_malformed_kv_message_is_a_wire_error(
+    decode: Callable[[Mapping[str, Any]], object], raw: dict[str, Any]
+) -> None:
+    with pytest.raises(WireError):
+        decode(raw)
+
+
+# -- data plane -----------------------------------------------------------------------------------
+DATA_PINNED: list[tuple[Any, bytes]] = [
+    (
+        dataplane.RepMsg(rank=1, step=4, base=None, data_len=10, nchunks=2),
+        b'{"t":"rep","rank":1,"step":4,"base":null,"data_len":10,"nchunks":2}',
+    ),
+    (
+        dataplane.RepMsg(rank=1, step=4, key="L", base=3, data_len=10, nchunks=2),
+        b'{"t":"rep","rank":1,"step":4,"key":"L","base":3,"data_len":10,"nchunks":2}',
+    ),
+    (
+        dataplane.RepSharedMsg(gen=2, step=4, key="L", group=0, base=(2, 3), data_len=8, nchunks=1),
+        b'{"t":"rep_shared","gen":2,"step":4,"key":"L","group":0,"base":[2,3],"data_len":8,"nchunks":1}',
+    ),
+    (dataplane.ChunkMsg(info={"n": 1}), b'{"t":"chunk","info":{"n":1}}'),
+    (dataplane.RepAckMsg(ok=True, rank=1, step=4), b'{"t":"rep_ack","ok":true,"rank":1,"step":4}'),
+    (dataplane.RepAckMsg(ok=True, step=4), b'{"t":"rep_ack","ok":true,"step":4}'),
+    (
+        dataplane.RepAckMsg(ok=False, need_full=True, error="base not held"),
+        b'{"t":"rep_ack","ok":false,"need_full":true,"error":"base not held"}',
+    ),
+    (
+        dataplane.RepAckMsg(ok=False, need_shared=True, error="shared write not held"),
+        b'{"t":"rep_ack","ok":false,"need_shared":true,"error":"shared write not held"}',
+    ),
+    (
+        dataplane.FetchMsg(rank=0, step=5, kind="replica", node="1"),
+        b'{"t":"fetch","rank":0,"step":5,"kind":"replica","node":"1"}',
+    ),
+    (
+        dataplane.FetchMsg(rank=0, step=5, kind="local", node="1", base=4, track=True),
+        b'{"t":"fetch","rank":0,"step":5,"kind":"local","node":"1","base":4,"track":true}',
+    ),
+    (
+        dataplane.FetchBeginMsg(data_len=10, nchunks=2, base=None, capped=False),
+        b'{"t":"fetch_begin","data_len":10,"nchunks":2,"base":null,"capped":false}',
+    ),
+    (dataplane.FetchBeginMsg.failed("gone"), b'{"t":"fetch_begin","error":"gone"}'),
+]
+
+
+@pytest.mark.parametrize(("msg", "pinned"), DATA_PINNED, ids=lambda x: type(x).__name__)
+def test_data_plane_messages_keep_their_bytes_and_round_trip(msg: Any, pinned: bytes) -> None:
+    assert wire(msg.encode()) == pinned
+    assert type(msg).decode(json.loads(pinned)) == msg
+
+
+@pytest.mark.parametrize(
+    ("decode", "raw"),
+    [
+        (dataplane.RepMsg.decode, {"t": "rep", "rank": 1, "step": 4, "data_len": 1}),
+        (dataplane.RepMsg.decode, {"t": "rep", "rank": "one", "step": 4, "data_len": 1, "nchunks": 1}),
+        (dataplane.RepSharedMsg.decode, {"t": "rep_shared", "gen": 1, "step": 2, "key": "k", "base": [1]}),
+        (dataplane.ChunkMsg.decode, {"t": "rep", "info": {}}),
+        (dataplane.ChunkMsg.decode, {"t": "chunk", "info": 3}),
+        (dataplane.FetchMsg.decode, {"t": "fetch", "rank": 0}),
+        (dataplane.FetchBeginMsg.decode, {"t": "fetch_begin", "data_len": 1, "nchunks": "x"}),
+    ],
+)
+def test_a_malformed_data_plane_message_is_a_wire_error(
     decode: Callable[[Mapping[str, Any]], object], raw: dict[str, Any]
 ) -> None:
     with pytest.raises(WireError):

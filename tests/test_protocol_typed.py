@@ -64,8 +64,6 @@ REMAINING: dict[str, tuple[int, int]] = {
     "coordinator/workers.py": (0, 2),
     "policy/boundary_swap.py": (0, 9),
     "policy/cadence.py": (1, 0),
-    "replica/dataplane.py": (8, 20),
-    "replica/peer.py": (4, 18),
     "train/eventhooks.py": (0, 1),
     "train/heartbeat.py": (1, 2),
     "train/injection.py": (3, 0),
