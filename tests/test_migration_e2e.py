@@ -133,9 +133,11 @@ def test_status_and_drain_of_a_running_job(tmp_path: Path, reference_hash: str) 
     assert st["world_size"] == 3 and st["ranks"]["1"]["node"] == "1"
     assert st["nodes"]["1"]["idle_spares"] == 1 and st["migration"] is None
     assert main(["status", "--job-dir", str(job_dir)]) == 0
-    (answer,) = request_migration(job_dir, {"t": "drain", "node": "1"}, timeout=120)
-    assert answer["ok"], answer
-    assert answer["rank"] == 1 and answer["source"] == "1" and answer["target"] in ("0", "2")
+    from nonstop.protocol.client import DrainMsg
+
+    (answer,) = request_migration(job_dir, DrainMsg(node="1"), timeout=120)
+    assert answer.ok, answer
+    assert answer.rank == 1 and answer.source == "1" and answer.target in ("0", "2")
     t.join(timeout=300)
     run = box[0]
     assert run.out is not None, run.result.error

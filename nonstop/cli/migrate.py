@@ -29,22 +29,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(ns: argparse.Namespace) -> int:
     """Ask for the move (``ns.cmd``: migrate or drain); 0 when every rank moved, else 1."""
     from nonstop.launch.job_client import request_migration
+    from nonstop.protocol.base import MigrateMsg
+    from nonstop.protocol.client import DrainMsg
 
-    req: dict[str, object] = (
-        {"t": "migrate", "rank": ns.rank, "to": ns.to}
-        if ns.cmd == "migrate"
-        else {"t": "drain", "node": ns.node}
-    )
+    req = MigrateMsg(gen=-1, rank=ns.rank, to=ns.to) if ns.cmd == "migrate" else DrainMsg(node=ns.node)
     answers = request_migration(ns.job_dir, req, timeout=ns.timeout)
     failed = 0
     for a in answers:
-        if a.get("ok"):
-            ratio = a.get("pause_ratio")
+        if a.ok:
+            ratio = a.pause_ratio
             print(
-                f"nonstop: rank {a['rank']} moved {a.get('source')} -> {a.get('target')} at step "
-                f"{a.get('boundary')}" + (f", longest step gap {ratio:.2f}x the median step" if ratio else "")
+                f"nonstop: rank {a.rank} moved {a.source} -> {a.target} at step "
+                f"{a.boundary}" + (f", longest step gap {ratio:.2f}x the median step" if ratio else "")
             )
         else:
             failed += 1
-            print(f"nonstop: rank {a.get('rank', '?')} not moved: {a.get('error')}", file=sys.stderr)
+            rank = "?" if a.rank is None else a.rank
+            print(f"nonstop: rank {rank} not moved: {a.error}", file=sys.stderr)
     return 1 if failed or not answers else 0

@@ -28,8 +28,5 @@ def run(ns: argparse.Namespace) -> int:
         "nonstop persist: making the committed step durable",
         show=wanted(ns.progress),
     )
-    print(
-        f"nonstop persist: step {reply['step']} is durable at {reply['url']} "
-        f"({reply['stored_bytes']} bytes stored)"
-    )
+    print(f"nonstop persist: step {reply.step} is durable at {reply.url} ({reply.stored_bytes} bytes stored)")
     return 0

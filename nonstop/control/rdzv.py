@@ -18,30 +18,22 @@ parks the request until a ``set``). Worker side: :class:`ChannelStore`, a
 
 from __future__ import annotations
 
-import base64
 import datetime
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 from nonstop.errors import ControlError
+from nonstop.protocol.rendezvous import KvReplyMsg, KvRequestError, KvRequestMsg, b64
 
 __all__ = ["ChannelStore", "KeyValueTable", "KvWaiter"]
 
 Message = dict[str, Any]
 Reply = Callable[[Message], None]
-
-
-def _b64(value: bytes) -> str:
-    return base64.b64encode(value).decode()
-
-
-def _unb64(text: object) -> bytes:
-    return base64.b64decode(str(text).encode(), validate=True)
 
 
 @dataclass
@@ -71,72 +63,55 @@ class KeyValueTable:
         self.generation = generation
         self.data.clear()
         failed: list[tuple[Reply, Message]] = [
-            (w.reply, {"t": "kv", "id": w.req_id, "error": "reconfigured"}) for w in self.waiters
+            (w.reply, KvReplyMsg(id=w.req_id, error="reconfigured").encode()) for w in self.waiters
         ]
         self.waiters.clear()
         return failed
 
     def handle(
-        self, msg: Message, reply: Callable[[Message], None]
+        self, msg: Mapping[str, Any], reply: Callable[[Message], None]
     ) -> list[tuple[Callable[[Message], None], Message]]:
         """The replies to send for one request. A request that cannot be carried out (a
         malformed field, ``add`` on a key holding text) is answered with an error, which the
         caller's store raises, as torch's ``TCPStore`` does; it never raises here."""
         try:
-            req_id = int(msg.get("id", -1))
-        except (TypeError, ValueError):
-            return [(reply, {"t": "kv", "id": -1, "error": f"malformed request id {msg.get('id')!r}"})]
-        try:
-            return self._handle(msg, reply, req_id)
-        except (TypeError, ValueError) as e:  # binascii.Error is a ValueError
-            return [(reply, {"t": "kv", "id": req_id, "error": f"bad {msg.get('op')!r} request: {e}"})]
+            req = KvRequestMsg.decode(msg)
+        except KvRequestError as e:
+            return [(reply, KvReplyMsg(id=e.req_id, error=str(e)).encode())]
+        return [(to, answer.encode()) for to, answer in self._handle(req, reply)]
 
-    def _handle(
-        self, msg: Message, reply: Callable[[Message], None], req_id: int
-    ) -> list[tuple[Callable[[Message], None], Message]]:
-        out: list[tuple[Callable[[Message], None], Message]] = []
-        if int(msg.get("gen", -1)) != self.generation:
-            return [
-                (
-                    reply,
-                    {"t": "kv", "id": req_id, "error": f"fenced: generation {msg.get('gen')} is not current"},
-                )
-            ]
-        op = msg.get("op")
-        key = str(msg.get("key", ""))
+    def _handle(self, req: KvRequestMsg, reply: Reply) -> list[tuple[Reply, KvReplyMsg]]:
+        out: list[tuple[Reply, KvReplyMsg]] = []
+        req_id = req.id
+        if req.gen != self.generation:
+            return [(reply, KvReplyMsg(id=req_id, error=f"fenced: generation {req.gen} is not current"))]
+        op = req.op
+        key = "" if req.key is None else req.key
         if op == "set":
-            self.data[key] = _unb64(msg.get("value", ""))
-            out.append((reply, {"t": "kv", "id": req_id}))
+            self.data[key] = b"" if req.value is None else req.value
+            out.append((reply, KvReplyMsg(id=req_id)))
             out.extend(self._release())
         elif op == "add":
             held = self.data.get(key, b"0")
             try:
                 current = int(held)
             except ValueError:
-                return [
-                    (
-                        reply,
-                        {
-                            "t": "kv",
-                            "id": req_id,
-                            "error": f"add: key {key!r} holds {held[:32]!r}, not a counter",
-                        },
-                    )
-                ]
-            value = current + int(msg.get("amount", 0))
+                error = f"add: key {key!r} holds {held[:32]!r}, not a counter"
+                return [(reply, KvReplyMsg(id=req_id, error=error))]
+            value = current + (req.amount or 0)
             self.data[key] = str(value).encode()
-            out.append((reply, {"t": "kv", "id": req_id, "value": value}))
+            out.append((reply, KvReplyMsg(id=req_id, value=value)))
             out.extend(self._release())
         elif op == "compare_set":
             cur = self.data.get(key)
-            expected, desired = _unb64(msg.get("expected", "")), _unb64(msg.get("desired", ""))
+            expected, desired = req.expected or b"", req.desired or b""
             if (cur is None and expected == b"") or cur == expected:
                 self.data[key] = cur = desired
                 out.extend(self._release())
             result = cur if cur is not None else expected
-            out.append((reply, {"t": "kv", "id": req_id, "value": _b64(result)}))
+            out.append((reply, KvReplyMsg(id=req_id, value=b64(result))))
         elif op in ("get", "wait"):
-            keys = [str(k) for k in msg.get("keys", [key])]
+            keys = list(req.keys) if req.keys is not None else [key]
             waiter = KvWaiter(reply=reply, req_id=req_id, keys=keys, op=op)
             done = self._answer(waiter)
             if done is None:
@@ -144,25 +119,25 @@ class KeyValueTable:
             else:
                 out.append((reply, done))
         elif op == "check":
-            keys = [str(k) for k in msg.get("keys", [])]
-            out.append((reply, {"t": "kv", "id": req_id, "value": all(k in self.data for k in keys)}))
+            keys = list(req.keys or ())
+            out.append((reply, KvReplyMsg(id=req_id, value=all(k in self.data for k in keys))))
         elif op == "delete":
-            out.append((reply, {"t": "kv", "id": req_id, "value": self.data.pop(key, None) is not None}))
+            out.append((reply, KvReplyMsg(id=req_id, value=self.data.pop(key, None) is not None)))
         elif op == "num_keys":
-            out.append((reply, {"t": "kv", "id": req_id, "value": len(self.data)}))
+            out.append((reply, KvReplyMsg(id=req_id, value=len(self.data))))
         else:
-            out.append((reply, {"t": "kv", "id": req_id, "error": f"unknown kv op {op!r}"}))
+            out.append((reply, KvReplyMsg(id=req_id, error=f"unknown kv op {op!r}")))
         return out
 
-    def _answer(self, w: KvWaiter) -> Message | None:
+    def _answer(self, w: KvWaiter) -> KvReplyMsg | None:
         if not all(k in self.data for k in w.keys):
             return None
         if w.op == "get":
-            return {"t": "kv", "id": w.req_id, "value": _b64(self.data[w.keys[0]])}
-        return {"t": "kv", "id": w.req_id}
+            return KvReplyMsg(id=w.req_id, value=b64(self.data[w.keys[0]]))
+        return KvReplyMsg(id=w.req_id)
 
-    def _release(self) -> list[tuple[Reply, Message]]:
-        out: list[tuple[Reply, Message]] = []
+    def _release(self) -> list[tuple[Reply, KvReplyMsg]]:
+        out: list[tuple[Reply, KvReplyMsg]] = []
         keep: list[KvWaiter] = []
         for w in self.waiters:
             done = self._answer(w)
@@ -193,14 +168,16 @@ class ChannelStore(dist.Store):  # type: ignore[name-defined,misc]
         self._gen = generation
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[threading.Event, list[Message]]] = {}
+        self._pending: dict[int, tuple[threading.Event, list[KvReplyMsg]]] = {}
         self._aborted: str | None = None
 
-    def deliver(self, msg: Message) -> None:
+    def deliver(self, msg: Mapping[str, Any]) -> None:
+        """A ``kv`` reply from the coordinator (raises :class:`WireError` for a malformed one)."""
+        reply = KvReplyMsg.decode(msg)
         with self._lock:
-            got = self._pending.get(int(msg.get("id", -1)))
+            got = self._pending.get(reply.id)
         if got is not None:
-            got[1].append(msg)
+            got[1].append(reply)
             got[0].set()
 
     def abort(self, why: str) -> None:
@@ -208,56 +185,56 @@ class ChannelStore(dist.Store):  # type: ignore[name-defined,misc]
             self._aborted = why
             pending = list(self._pending.values())
         for ev, box in pending:
-            box.append({"error": why})
+            box.append(KvReplyMsg(id=-1, error=why))
             ev.set()
 
-    def _call(self, op: str, **fields: Any) -> Message:
+    def _call(self, op: str, **fields: Any) -> KvReplyMsg:
         ev: threading.Event = threading.Event()
-        box: list[Message] = []
+        box: list[KvReplyMsg] = []
         with self._lock:
             if self._aborted is not None:
                 raise ControlError(f"rendezvous aborted: {self._aborted}")
             req_id = next(_REQUEST_IDS)
             self._pending[req_id] = (ev, box)
         try:
-            self._send({"t": "kv", "id": req_id, "gen": self._gen, "op": op, **fields})
+            self._send(KvRequestMsg(id=req_id, gen=self._gen, op=op, **fields).encode())
             if not ev.wait(self._timeout_s):
                 raise ControlError(f"rendezvous {op} {fields.get('key', fields.get('keys'))} timed out")
         finally:
             with self._lock:
                 self._pending.pop(req_id, None)
         reply = box[0]
-        if reply.get("error"):
-            raise ControlError(f"rendezvous {op} failed: {reply['error']}")
+        if reply.error:
+            raise ControlError(f"rendezvous {op} failed: {reply.error}")
         return reply
 
     # -- torch.distributed.Store ------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
         raw = value.encode() if isinstance(value, str) else bytes(value)
-        self._call("set", key=key, value=_b64(raw))
+        self._call("set", key=key, value=raw)
 
     def get(self, key: str) -> bytes:
-        return _unb64(self._call("get", key=key, keys=[key])["value"])
+        return self._call("get", key=key, keys=(key,)).value_bytes()
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._call("add", key=key, amount=int(amount))["value"])
+        return int(self._call("add", key=key, amount=int(amount)).value or 0)
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         e = expected.encode() if isinstance(expected, str) else bytes(expected)
         d = desired.encode() if isinstance(desired, str) else bytes(desired)
-        return _unb64(self._call("compare_set", key=key, expected=_b64(e), desired=_b64(d))["value"])
+        return self._call("compare_set", key=key, expected=e, desired=d).value_bytes()
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        self._call("wait", keys=list(keys))
+        self._call("wait", keys=tuple(keys))
 
     def check(self, keys: list[str]) -> bool:
-        return bool(self._call("check", keys=list(keys))["value"])
+        return bool(self._call("check", keys=tuple(keys)).value)
 
     def delete_key(self, key: str) -> bool:
-        return bool(self._call("delete", key=key)["value"])
+        return bool(self._call("delete", key=key).value)
 
     def num_keys(self) -> int:
-        return int(self._call("num_keys")["value"])
+        return int(self._call("num_keys").value or 0)
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout_s = timeout.total_seconds()

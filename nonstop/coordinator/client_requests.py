@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from nonstop.control.channel import Channel, Message
 from nonstop.errors import ControlError
+from nonstop.protocol.base import kind_of
+from nonstop.protocol.client import AcceptedMsg, ErrorMsg, MigratedMsg, PersistedMsg, StatusMsg
 from nonstop.protocol.wire import Drain, Migrate, PersistRequest, StatusRequest, decode_client
 
 if TYPE_CHECKING:
@@ -97,7 +99,8 @@ class ClientRequests:
             else:
                 if req.node not in self.view.nodes:
                     self.io.answer(
-                        chan, {"t": "migrated", "ok": False, "error": f"no node {req.node} in the job"}
+                        chan,
+                        MigratedMsg(rank=None, ok=False, error=f"no node {req.node} in the job").encode(),
                     )
                     return
                 moves = [(r, None) for r, n in sorted(self.view.rank_node.items()) if n == req.node]
@@ -105,19 +108,19 @@ class ClientRequests:
             for rank, target in moves:
                 error = self.swaps.request_migration(rank, target, reason)
                 if error is not None:
-                    self.io.answer(chan, {"t": "migrated", "rank": rank, "ok": False, "error": error})
+                    self.io.answer(chan, MigratedMsg(rank=rank, ok=False, error=error).encode())
                 else:
                     self.swaps.clients.setdefault(rank, []).append(chan)
-            self.io.answer(chan, {"t": "accepted", "ranks": [r for r, _ in moves]})
+            self.io.answer(chan, AcceptedMsg(ranks=tuple(r for r, _ in moves)).encode())
         elif isinstance(req, StatusRequest):
-            self.io.answer(chan, {"t": "status", **self.status()})
+            self.io.answer(chan, StatusMsg(status=self.status()).encode())
         elif isinstance(req, PersistRequest):
             if self.persister is None:
-                self.io.answer(chan, {"t": "persisted", "error": "this job has no durable tier on this node"})
+                self.io.answer(chan, PersistedMsg(error="this job has no durable tier on this node").encode())
                 return
             self.tickets.append((chan, self.persister.request()))
         else:
-            self.io.answer(chan, {"t": "error", "error": f"unknown request {msg.get('t')!r}"})
+            self.io.answer(chan, ErrorMsg(error=f"unknown request {kind_of(msg)!r}").encode())
 
     def status(self) -> dict[str, Any]:
         """What ``nonstop status`` shows (JSON types)."""
@@ -178,9 +181,12 @@ class ClientRequests:
                 pending.append((chan, ticket))
                 continue
             last = self.persister.last
-            reply: Message = {"t": "persisted", "error": self.persister.last_error}
-            if last is not None:
-                reply.update(step=last.step, url=self.persister.durable.url, stored_bytes=last.stored_bytes)
+            reply = PersistedMsg(
+                error=self.persister.last_error,
+                step=None if last is None else last.step,
+                url=None if last is None else self.persister.durable.url,
+                stored_bytes=None if last is None else last.stored_bytes,
+            ).encode()
             try:
                 self.io.answer(chan, reply)
             except ControlError:

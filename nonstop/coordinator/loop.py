@@ -70,6 +70,7 @@ from nonstop.policy.decisions import QuarantinePolicy
 from nonstop.policy.elastic import ElasticPolicy
 from nonstop.policy.phase import TICK_S, JobPhase, Op
 from nonstop.policy.survivors import SurvivorMode
+from nonstop.protocol.client import ErrorMsg
 from nonstop.snapshot.persist import Persister
 
 __all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
@@ -395,7 +396,7 @@ class Coordinator:
         self.events.emit(ev.ProtocolError(**who))
         if isinstance(tag, tuple) and tag[0] == "client":
             try:
-                chan.send({"t": "error", "error": f"malformed request: {what}"})
+                chan.send(ErrorMsg(error=f"malformed request: {what}").encode())
             except ControlError:
                 pass
         chan.close()

@@ -37,6 +37,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from nonstop import events as ev
+from nonstop.protocol.client import StatusMsg
 
 log = logging.getLogger(__name__)
 
@@ -356,4 +357,6 @@ class JobMonitor:
         st = self.snapshot()
         if st is None:
             return None
-        return {"t": "status", **{k: v for k, v in st.items() if k not in ("step_s", "snap_s", "snap_bytes")}}
+        return StatusMsg(
+            status={k: v for k, v in st.items() if k not in ("step_s", "snap_s", "snap_bytes")}
+        ).encode()

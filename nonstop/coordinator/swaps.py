@@ -43,6 +43,7 @@ from nonstop.policy.boundary_swap import (
 )
 from nonstop.policy.migration import CatchUp, Transfer, choose_joiner, choose_target
 from nonstop.policy.phase import Busy, Op
+from nonstop.protocol.client import MigratedMsg
 from nonstop.protocol.wire import Fetched
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ class Swaps:
     def answer(self, rank: int, *, ok: bool, error: str | None = None, **info: Any) -> None:
         for chan in self.clients.pop(rank, []):
             try:
-                chan.send({"t": "migrated", "rank": rank, "ok": ok, "error": error, **info})
+                chan.send(MigratedMsg(rank=rank, ok=ok, error=error, info=info).encode())
             except ControlError:
                 pass
 

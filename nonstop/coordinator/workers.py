@@ -23,6 +23,7 @@ from nonstop.policy import reconfiguration as recovery
 from nonstop.policy.cadence import Cadence, CadenceTuner
 from nonstop.policy.phase import JobPhase
 from nonstop.protocol import wire
+from nonstop.protocol.rendezvous import kv_refusal
 from nonstop.protocol.wire import decode_worker
 
 if TYPE_CHECKING:
@@ -165,9 +166,7 @@ class WorkerProtocol:
             w.rescue = m.rescue  # (reported from the generation the plan being made is leaving)
         if m.gen != c.view.generation or w.rank is None or not c.view.is_member(w):
             if isinstance(m, wire.Raw):  # a rendezvous request: the caller must hear why
-                c.io.send(
-                    w, {"t": "kv", "id": msg.get("id"), "error": "fenced: not a member of this generation"}
-                )
+                c.io.send(w, kv_refusal(msg, "fenced: not a member of this generation"))
             return  # fenced: an older generation, or not (any more) a member
         rank, r = w.rank, c.gens.reconf
         if isinstance(m, wire.Ready) and m.layouts is not None and rank == 0:

@@ -15,6 +15,17 @@ from pathlib import Path
 from nonstop.control.channel import Channel, Message, connect
 from nonstop.control.secret import read_secret_file
 from nonstop.errors import ControlError, NonstopError, UsageError
+from nonstop.protocol.base import MigrateMsg
+from nonstop.protocol.client import (
+    AcceptedMsg,
+    DrainMsg,
+    MigratedMsg,
+    PersistedMsg,
+    PersistRequestMsg,
+    StatusMsg,
+    StatusRequestMsg,
+    decode_client_answer,
+)
 
 __all__ = ["request_migration", "request_persist", "request_status"]
 
@@ -33,7 +44,7 @@ def _job_address(job_dir: Path) -> tuple[tuple[str, int], bytes]:
     return (host, int(port)), secret
 
 
-def request_persist(job_dir: Path, *, timeout: float) -> Message:
+def request_persist(job_dir: Path, *, timeout: float) -> PersistedMsg:
     """Ask the job in ``job_dir`` to persist its committed step; wait for it to be durable."""
     addr, secret = _job_address(job_dir)
     try:
@@ -41,14 +52,14 @@ def request_persist(job_dir: Path, *, timeout: float) -> Message:
     except (ControlError, OSError) as e:
         raise UsageError(f"cannot reach the job in {str(job_dir)!r} ({e}); is it still running?") from None
     try:
-        chan.send({"t": "persist"})
+        chan.send(PersistRequestMsg().encode())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            reply = chan.recv()
-            if reply.get("t") == "persisted":
-                if reply.get("error") or "step" not in reply:
-                    raise NonstopError(f"persist failed: {reply.get('error') or 'nothing committed yet'}")
-                return reply
+            answer = decode_client_answer(chan.recv())
+            if isinstance(answer, PersistedMsg):
+                if answer.error or answer.step is None:
+                    raise NonstopError(f"persist failed: {answer.error or 'nothing committed yet'}")
+                return answer
         raise NonstopError(f"no answer within {timeout} s")
     finally:
         chan.close()
@@ -67,31 +78,34 @@ def request_status(job_dir: Path) -> Message:
     """The running job's ranks, nodes, spares, steps, tiers and any migration in progress."""
     chan = _connect(job_dir)
     try:
-        chan.send({"t": "status"})
-        return chan.recv()
+        chan.send(StatusRequestMsg().encode())
+        answer = decode_client_answer(chan.recv())
+        if not isinstance(answer, StatusMsg):
+            raise NonstopError(f"the job answered a status request with {answer!r}")
+        return dict(answer.status)
     finally:
         chan.close()
 
 
-def request_migration(job_dir: Path, request: Message, *, timeout: float) -> list[Message]:
+def request_migration(job_dir: Path, request: MigrateMsg | DrainMsg, *, timeout: float) -> list[MigratedMsg]:
     """Send a ``migrate {rank, to}`` or ``drain {node}`` request; wait until every rank it moves
     has moved (or failed to); one ``migrated {rank, ok, error, ...}`` answer per rank."""
     chan = _connect(job_dir, read_timeout=timeout)
     try:
-        chan.send(request)
+        chan.send(request.encode())
         deadline = time.monotonic() + timeout
         waiting: set[int] | None = None
-        answers: list[Message] = []
+        answers: list[MigratedMsg] = []
         while time.monotonic() < deadline and (waiting is None or waiting):
-            reply = chan.recv()
-            if reply.get("t") == "accepted":
-                waiting = {int(r) for r in reply["ranks"]} - {int(a["rank"]) for a in answers if "rank" in a}
-            elif reply.get("t") == "migrated":
-                answers.append(reply)
-                if "rank" not in reply:
+            answer = decode_client_answer(chan.recv())
+            if isinstance(answer, AcceptedMsg):
+                waiting = set(answer.ranks) - {a.rank for a in answers if a.rank is not None}
+            elif isinstance(answer, MigratedMsg):
+                answers.append(answer)
+                if answer.rank is None:
                     return answers  # the request itself was refused
                 if waiting is not None:
-                    waiting.discard(int(reply["rank"]))
+                    waiting.discard(answer.rank)
         if waiting is None or waiting:
             raise NonstopError(f"no answer for every rank within {timeout} s")
         return answers

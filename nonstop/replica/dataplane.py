@@ -26,9 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from nonstop.control.channel import BLOB, Channel, Message
+from nonstop.control.channel import Channel, Message
 from nonstop.control.listener import ControlServer
 from nonstop.errors import ControlError, SnapshotError, SnapshotMissingError
+from nonstop.protocol.base import kind_of
+from nonstop.protocol.dataplane import FetchBeginMsg, FetchMsg, RepAckMsg, RepMsg, RepSharedMsg
 from nonstop.replica.peer import (
     RAW_CODEC,
     REPLICA_SLOTS,
@@ -85,7 +87,7 @@ class DataPlane:
             host=host, port=port, secret=secret, on_refused=on_refused, purpose="data"
         )
         self.address = self._server.address
-        self._partial: dict[Channel, tuple[Message, list[Message]]] = {}
+        self._partial: dict[Channel, tuple[RepMsg | RepSharedMsg, list[Message]]] = {}
         self._nodes: dict[int, NodeCopy] = {}  # the shared writes held for other nodes, by copy group
         self._twin_scratch: np.ndarray | None = None
         self.twin_bytes = 0  # shared writes held from this node's own ranks' instead of the wire
@@ -116,32 +118,34 @@ class DataPlane:
                 log.warning("data plane: dropping %s after %s", chan.peer, e)
                 self._partial.pop(chan, None)
                 try:
-                    chan.send({"t": "rep_ack", "ok": False, "error": str(e)[:300]})
+                    chan.send(RepAckMsg(ok=False, error=str(e)[:300]).encode())
                 except ControlError:
                     pass
 
     def _on_message(self, chan: Channel, msg: Message) -> None:
-        t = msg.get("t")
+        t = kind_of(msg)
         if t in ("rep", "rep_shared"):
-            if int(msg["nchunks"]) == 0:
-                self._received(chan, msg, [])
+            head = RepMsg.decode(msg) if t == "rep" else RepSharedMsg.decode(msg)
+            if head.nchunks == 0:
+                self._received(chan, head, [])
             else:
-                self._partial[chan] = (msg, [])
+                self._partial[chan] = (head, [])
         elif t == "chunk":
             got = self._partial.get(chan)
             if got is None:
                 raise FetchError("chunk without a rep header")
             got[1].append(msg)  # its BLOB views a buffer of its own (one per received frame)
-            if len(got[1]) == int(got[0]["nchunks"]):
+            if len(got[1]) == got[0].nchunks:
                 del self._partial[chan]
                 self._received(chan, got[0], got[1])
         elif t == "fetch":
-            threading.Thread(target=self._serve_fetch, args=(chan, msg), daemon=True).start()
+            ask = FetchMsg.decode(msg)
+            threading.Thread(target=self._serve_fetch, args=(chan, ask), daemon=True).start()
         else:
             raise FetchError(f"unknown data-plane message {t!r}")
 
-    def _received(self, chan: Channel, head: Message, chunks: list[Message]) -> None:
-        if head.get("t") == "rep_shared":
+    def _received(self, chan: Channel, head: RepMsg | RepSharedMsg, chunks: list[Message]) -> None:
+        if isinstance(head, RepSharedMsg):
             self._install_shared(chan, head, chunks)
         else:
             self._install(chan, head, chunks)
@@ -159,13 +163,13 @@ class DataPlane:
             self._nodes[group] = node
         return node
 
-    def _install_shared(self, chan: Channel, head: Message, chunks: list[Message]) -> None:
-        gen, step, key = int(head["gen"]), int(head["step"]), str(head["key"])
-        group = int(head.get("group", 0))
+    def _install_shared(self, chan: Channel, head: RepSharedMsg, chunks: list[Message]) -> None:
+        gen, step, key = head.gen, head.step, head.key
+        group = head.group
         node = self._replica_node(self._replica(0), group)
         base_data = None
-        if head.get("base") is not None:
-            b_gen, b_step = (int(v) for v in head["base"])
+        if head.base is not None:
+            b_gen, b_step = head.base
             base_data = node.copy_data(SharedRef(b_gen, b_step, 0, group))
             if base_data is None:
                 _ask_whole(chan, "base not held")
@@ -177,22 +181,20 @@ class DataPlane:
         with self._lock:
             if not node.install(gen=gen, step=step, key=key, data=data):
                 raise FetchError(f"no slot free for step {step}'s shared write")
-        chan.send({"t": "rep_ack", "ok": True, "step": step})
+        chan.send(RepAckMsg(ok=True, step=step).encode())
 
-    def _install(self, chan: Channel, head: Message, chunks: list[Message]) -> None:
-        rank, step = int(head["rank"]), int(head["step"])
+    def _install(self, chan: Channel, head: RepMsg, chunks: list[Message]) -> None:
+        rank, step = head.rank, head.step
         store = self._replica(rank)
-        ref = ref_of(bytes(head.get(BLOB, b"")[:REF_HEAD]))
+        ref = ref_of(bytes(head.blob[:REF_HEAD]))
         if ref is not None and self._replica_node(store, ref.group).find(ref) is None:
-            if not self._from_twin(store, ref, head.get("key")):
-                chan.send(
-                    {"t": "rep_ack", "ok": False, "need_shared": True, "error": "shared write not held"}
-                )
+            if not self._from_twin(store, ref, head.key):
+                chan.send(RepAckMsg(ok=False, need_shared=True, error="shared write not held").encode())
                 return
         base_data = None
-        if head.get("base") is not None:
+        if head.base is not None:
             try:
-                base_data = store.copy_out(int(head["base"]), split=ref is not None).data
+                base_data = store.copy_out(head.base, split=ref is not None).data
             except SnapshotMissingError:
                 _ask_whole(chan, "base not held")
                 return
@@ -202,7 +204,7 @@ class DataPlane:
         meta, data = got
         with self._lock:
             store.write_raw(step, meta, data)
-        chan.send({"t": "rep_ack", "ok": True, "rank": rank, "step": step})
+        chan.send(RepAckMsg(ok=True, rank=rank, step=step).encode())
 
     def _from_twin(self, store: RankSnapshotStore, ref: SharedRef, key: object) -> bool:
         """Hold the shared write ``ref`` (layout ``key``) of another node's rank by copying this
@@ -228,7 +230,7 @@ class DataPlane:
             self.twin_bytes += len(data)
         return held
 
-    def _serve_fetch(self, chan: Channel, msg: Message) -> None:
+    def _serve_fetch(self, chan: Channel, msg: FetchMsg) -> None:
         """Answer one fetch; whatever goes wrong -- a missing step, a malformed request, a bug --
         the requester gets a ``fetch_begin`` with ``error`` (it never waits for nothing)."""
         try:
@@ -236,16 +238,16 @@ class DataPlane:
         except Exception as e:
             log.warning("data plane: fetch from %s failed: %s: %s", chan.peer, type(e).__name__, e)
             try:
-                chan.send({"t": "fetch_begin", "error": f"{type(e).__name__}: {e}"[:300]})
+                chan.send(FetchBeginMsg.failed(f"{type(e).__name__}: {e}"[:300]).encode())
             except ControlError:
                 pass
 
-    def _answer_fetch(self, chan: Channel, msg: Message) -> None:
-        rank, step, kind = int(msg["rank"]), int(msg["step"]), str(msg.get("kind", "replica"))
+    def _answer_fetch(self, chan: Channel, msg: FetchMsg) -> None:
+        rank, step, kind = msg.rank, msg.step, msg.kind
         if kind not in ("replica", "local"):
             raise FetchError(f"unknown snapshot kind {kind!r}")
-        track, want = bool(msg.get("track")), msg.get("base")
-        key = (str(msg.get("node", "")), rank, kind)
+        track, want = msg.track, msg.base
+        key = (msg.node, rank, kind)
         prev = self._sent.take(key)
         try:
             store = self._replica(rank) if kind == "replica" else self._local(rank)
@@ -259,16 +261,15 @@ class DataPlane:
             with Encoder(self._codec if base is not None else RAW_CODEC) as enc:
                 chunks = enc.encode(snap.data, segments_for(snap.entries(), len(snap.data)), base)
             capped = track and bool(self._bucket.rate)
-            head: Message = {"t": "fetch_begin", "data_len": len(snap.data), "nchunks": len(chunks)}
-            head.update(base=base_step, capped=capped)
+            head = FetchBeginMsg(data_len=len(snap.data), nchunks=len(chunks), base=base_step, capped=capped)
             if track:  # kept before the requester can see the step: its next fetch may ask for a delta
                 spare = prev.data if prev is not None else None
                 self._sent.put(key, TrackedBase(step=step, data=snap.data, spare=spare))
-            chan.send(head, snap.meta)
+            chan.send(head.encode(), snap.meta)
             _send_chunks(chan, chunks, self._bucket if capped else lambda n: None)
         except (SnapshotError, ControlError, OSError) as e:
             try:
-                chan.send({"t": "fetch_begin", "error": str(e)[:300]})
+                chan.send(FetchBeginMsg.failed(str(e)[:300]).encode())
             except ControlError:
                 pass
 
@@ -282,10 +283,12 @@ class DataPlane:
 
 def _ask_whole(chan: Channel, why: str) -> None:
     """Answer a replica sent as a delta: install nothing, send it whole instead."""
-    chan.send({"t": "rep_ack", "ok": False, "need_full": True, "error": why})
+    chan.send(RepAckMsg(ok=False, need_full=True, error=why).encode())
 
 
-def _decode(chan: Channel, head: Message, chunks: list[Message], base: Any) -> tuple[bytes, Any] | None:
+def _decode(
+    chan: Channel, head: RepMsg | RepSharedMsg, chunks: list[Message], base: Any
+) -> tuple[bytes, Any] | None:
     """(meta, data) that ``head`` and its ``chunks`` carry, decoded against ``base`` (None: sent
     whole). A delta that does not decode against this node's copy of its base (one that differs
     from the sender's) installs nothing: None, and the sender is asked for the whole."""

@@ -35,13 +35,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 from nonstop.control.channel import BLOB, Channel, Message, connect
 from nonstop.errors import ControlError, NonstopError, SnapshotError
+from nonstop.protocol.dataplane import (
+    ChunkMsg,
+    FetchBeginMsg,
+    FetchMsg,
+    RepAckMsg,
+    RepMsg,
+    RepSharedMsg,
+    SnapshotHead,
+)
 from nonstop.snapshot.codec import ChunkInfo, CodecConfig, Encoder, check_chunks, decode, segments_for
 from nonstop.snapshot.store import RankSnapshotStore, RawSnapshot
 from nonstop.snapshot.validate import RESIDUAL, alloc
@@ -99,27 +108,25 @@ def _send_chunks(chan: Channel, chunks: list[tuple[ChunkInfo, Any]], throttle: C
     wire = 0
     for info, payload in chunks:
         throttle(info.enc_len)
-        chan.send({"t": "chunk", "info": info.to_json()}, payload)
+        chan.send(ChunkMsg(info=info.to_json()).encode(), payload)
         wire += info.enc_len
     return wire
 
 
 def _recv_snapshot(
-    first: Message, next_msg: Callable[[], Message], base: Any, out: np.ndarray | None = None
+    first: SnapshotHead, next_msg: Callable[[], Message], base: Any, out: np.ndarray | None = None
 ) -> tuple[bytes, Any]:
     """Read the chunks announced by ``first`` and decode them (CRC-checked) against ``base``,
     into ``out`` (a uint8 array, reused when large enough) or a new bytearray."""
     try:
-        meta = bytes(first.get(BLOB, b""))
-        n, data_len = int(first["nchunks"]), int(first["data_len"])
+        meta = bytes(first.blob)
+        n, data_len = first.nchunks, first.data_len
         if n < 0 or data_len < 0:
             raise FetchError(f"bad snapshot header: {n} chunks, {data_len} bytes")
         chunks = []
         for _ in range(n):
-            msg = next_msg()
-            if msg.get("t") != "chunk":
-                raise FetchError(f"expected a chunk, got {msg.get('t')!r}")
-            chunks.append((ChunkInfo.from_json(msg["info"]), msg.get(BLOB, b"")))
+            chunk = ChunkMsg.decode(next_msg())
+            chunks.append((ChunkInfo.from_json(chunk.info), chunk.blob))
         check_chunks(chunks, data_len)  # before the buffer is allocated: no length trusted alone
         then = "nothing is installed"
         dest: Any = (
@@ -285,10 +292,10 @@ class Replicator:
         segments = segments_for(snap.shared_entries(), len(data))
         base = self._shared_bases.get((addr, ref.group))
         stats.raw_bytes += len(data)
-        head: Message = {"t": "rep_shared", "gen": ref.gen, "step": ref.step, "key": key, "group": ref.group}
+        head = RepSharedMsg(gen=ref.gen, step=ref.step, key=key, group=ref.group, data_len=0, nchunks=0)
         wire, ack, _ = self._offer(ch, head, None, data, segments, base)
-        if not ack.get("ok"):
-            raise FetchError(f"holder {addr} refused step {ref.step}'s shared write: {ack.get('error')}")
+        if not ack.ok:
+            raise FetchError(f"holder {addr} refused step {ref.step}'s shared write: {ack.error}")
         _keep_base(self._shared_bases, (addr, ref.group), [ref.gen, ref.step], data)
         return wire
 
@@ -306,28 +313,26 @@ class Replicator:
         """Send ``snap`` (whole, or a split snapshot's own part, with ``key``: its shared write's
         layout key); (wire bytes, whether the holder lacks the shared write it refers to: then
         nothing was installed)."""
-        head: Message = {"t": "rep", "rank": rank, "step": step}
-        if key is not None:
-            head["key"] = key
+        head = RepMsg(rank=rank, step=step, key=key, data_len=0, nchunks=0)
         base = self._bases.get((rank, addr))
         wire, ack, whole = self._offer(ch, head, snap.meta, snap.data, segments, base)
-        if ack.get("ok"):
+        if ack.ok:
             _keep_base(self._bases, (rank, addr), step, snap.data)
             stats.full = stats.full or whole
             return wire, False
-        if ack.get("need_shared") and snap.shared is not None:
+        if ack.need_shared and snap.shared is not None:
             return wire, True
-        raise FetchError(f"holder {addr} refused rank {rank} step {step}: {ack.get('error')}")
+        raise FetchError(f"holder {addr} refused rank {rank} step {step}: {ack.error}")
 
     def _offer(
         self,
         ch: Channel,
-        head: Message,
+        head: RepMsg | RepSharedMsg,
         meta: bytes | None,
         data: np.ndarray,
         segments: Any,
         base: tuple[Any, np.ndarray] | None,
-    ) -> tuple[int, Message, bool]:
+    ) -> tuple[int, RepAckMsg, bool]:
         """Send ``data`` (with ``meta``) under ``head``, as a delta against ``base`` (what this
         holder acknowledged last: its id, its bytes) when it has the same size, and once more
         whole when the holder no longer has that base (``need_full``). (wire bytes, the holder's
@@ -337,12 +342,15 @@ class Replicator:
         wire = 0
         while True:
             chunks = self._encoder.encode(data, segments, None if base is None else base[1])
-            msg: Message = {**head, "base": None if base is None else base[0]}
-            msg.update(data_len=len(data), nchunks=len(chunks))
-            ch.send(msg, meta)
+            ch.send(
+                replace(
+                    head, base=None if base is None else base[0], data_len=len(data), nchunks=len(chunks)
+                ).encode(),
+                meta,
+            )
             wire += _send_chunks(ch, chunks, self._bucket) + len(meta or b"")
-            ack = ch.recv()
-            if ack.get("need_full") and base is not None:
+            ack = RepAckMsg.decode(ch.recv())
+            if ack.need_full and base is not None:
                 base = None
                 continue
             return wire, ack, base is None
@@ -417,19 +425,17 @@ def fetch(
     except (ControlError, OSError) as e:
         raise FetchError(f"cannot reach {addr} to fetch rank {rank} step {step}: {e}") from e
     try:
-        ask: Message = {"t": "fetch", "rank": rank, "step": step, "kind": kind, "node": node}
-        if base is not None:
-            ask["base"] = base[0]
-        if track:
-            ask["track"] = True
-        ch.send(ask)
-        first = ch.recv()
-        if first.get("error"):
-            raise FetchError(f"{addr} cannot serve rank {rank} step {step}: {first['error']}")
-        got = first.get("base")
+        ask = FetchMsg(
+            rank=rank, step=step, kind=kind, node=node, base=None if base is None else base[0], track=track
+        )
+        ch.send(ask.encode())
+        first = FetchBeginMsg.decode(ch.recv())
+        if first.error:
+            raise FetchError(f"{addr} cannot serve rank {rank} step {step}: {first.error}")
+        got = first.base
         if got is not None and (base is None or int(got) != base[0]):
             raise FetchError(f"{addr} sent a delta against step {got}, which this node did not offer")
-        wire = [len(first.get(BLOB, b""))]
+        wire = [len(first.blob)]
 
         def next_chunk() -> Message:
             msg = ch.recv()
@@ -443,7 +449,7 @@ def fetch(
             data=data,
             base=None if got is None else int(got),
             wire_bytes=wire[0],
-            capped=bool(first.get("capped")),
+            capped=first.capped,
         )
     except _FETCH_FAILURES as e:
         raise FetchError(f"fetching rank {rank} step {step} from {addr} failed: {e}") from e
