@@ -139,8 +139,7 @@ class DataPlane:
                 del self._partial[chan]
                 self._received(chan, got[0], got[1])
         elif t == "fetch":
-            ask = FetchMsg.decode(msg)
-            threading.Thread(target=self._serve_fetch, args=(chan, ask), daemon=True).start()
+            threading.Thread(target=self._serve_fetch, args=(chan, msg), daemon=True).start()
         else:
             raise FetchError(f"unknown data-plane message {t!r}")
 
@@ -230,11 +229,12 @@ class DataPlane:
             self.twin_bytes += len(data)
         return held
 
-    def _serve_fetch(self, chan: Channel, msg: FetchMsg) -> None:
-        """Answer one fetch; whatever goes wrong -- a missing step, a malformed request, a bug --
-        the requester gets a ``fetch_begin`` with ``error`` (it never waits for nothing)."""
+    def _serve_fetch(self, chan: Channel, msg: Message) -> None:
+        """Answer one fetch; whatever goes wrong -- a missing step, a malformed request (a
+        :class:`~nonstop.protocol.base.WireError`), a bug -- the requester gets a ``fetch_begin``
+        with ``error`` (it never waits for nothing)."""
         try:
-            self._answer_fetch(chan, msg)
+            self._answer_fetch(chan, FetchMsg.decode(msg))
         except Exception as e:
             log.warning("data plane: fetch from %s failed: %s: %s", chan.peer, type(e).__name__, e)
             try:
