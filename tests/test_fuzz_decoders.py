@@ -590,3 +590,22 @@ def test_mutations_reach_the_decoders() -> None:
         decode_chunk(ChunkInfo.from_json(doc), bytes(bad), memoryview(bytearray(info.length)), None)
     state = decode_raw(_canonical(META_DOC), bytearray(META_DATA))
     assert torch.equal(state["model"]["w"], STATE["model"]["w"])
+
+
+def test_a_corrupt_trim_word_never_reaches_past_the_mapping(tmp_path: Path) -> None:
+    """Found by test_fuzz_slot_header_and_meta: a slot file whose trim word was scribbled past the
+    data area made the next trim ask madvise for more than the mapping (OverflowError in the
+    writer). The word reads as the whole data area: the trim gives back only what the slot has."""
+    import struct
+
+    from nonstop.snapshot.slot import TRIM_MIN, TRIM_OFFSET, Slot
+
+    slot = Slot(tmp_path / "nonstop-fz-r0-s0")
+    try:
+        slot.ensure_capacity(4 * TRIM_MIN, 100)
+        assert slot._mm is not None
+        struct.pack_into("<Q", slot._mm, TRIM_OFFSET, 1 << 62)
+        freed = slot.trim(16)
+        assert 0 < freed <= slot.data_cap
+    finally:
+        slot.close()

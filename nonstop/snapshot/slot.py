@@ -300,9 +300,11 @@ class Slot:
 
     # -- giving back pages (a slot that held more than it holds now) --------------------------
     def _trimmed(self) -> int:
-        """The data bytes still backed by pages after a trim (0: never trimmed: all of them)."""
+        """The data bytes still backed by pages after a trim (0: never trimmed: all of them). A
+        word past the data area (a corrupt header: the slot file is anyone's to scribble on) reads
+        as all of it, so a trim or a re-backing never reaches past the mapping."""
         assert self._mm is not None
-        return int(struct.unpack_from("<Q", self._mm, TRIM_OFFSET)[0])
+        return min(int(struct.unpack_from("<Q", self._mm, TRIM_OFFSET)[0]), self.data_cap)
 
     def trim(self, keep: int) -> int:
         """Give back the pages of the data area past ``keep`` bytes (``MADV_REMOVE``: on tmpfs the
