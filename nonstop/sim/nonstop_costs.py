@@ -6,12 +6,13 @@ from __future__ import annotations
 import math
 
 from nonstop.mesh import MeshSpec
-from nonstop.policy.decisions import FailureKind
+from nonstop.policy import decisions
+from nonstop.policy.decisions import FailureKind, Tier
 from nonstop.sim.api import JobSpec, require
 from nonstop.sim.calibrate import Calibration, rendezvous_s
 from nonstop.sim.strategies import DEFAULT_GROUP_NODES
 
-__all__ = ["default_replica_nodes", "detect_s", "has_donors", "swap_rebuild_s"]
+__all__ = ["default_replica_nodes", "detect_s", "has_donors", "restore_tier", "swap_rebuild_s"]
 
 
 def default_replica_nodes(job: JobSpec) -> int:
@@ -57,3 +58,34 @@ def has_donors(snapshot_every: int, model_copies: int) -> bool:
     data-parallel job (``model_copies`` its ranks), a counterpart in another replica group of an
     HSDP job -- so its replacement has a donor; with one copy (FSDP alone) it has none."""
     return snapshot_every > 1 and model_copies >= 2
+
+
+def restore_tier(
+    target: str,
+    node: int,
+    *,
+    num_nodes: int,
+    alive: bool,
+    holders: list[int],
+    rescued: bool,
+    survivor: bool = False,
+) -> Tier:
+    """Where the ranks of node ``node`` (of ``num_nodes``), played next on ``target``, restore
+    from: the runtime's :func:`~nonstop.policy.decisions.restore_source` (called through its
+    module: a test patches it), asked with what the plan's inventory holds of their restore step --
+    the node's own slots if it is ``alive`` (or the ranks are a ``survivor``'s, restoring their
+    own), the replicas on the live ``holders``; or, when the survivors ``rescued`` a step newer
+    than any snapshot (:mod:`nonstop.policy.rescue`), only their donor's rescue (a survivor on
+    another node; a one-node job has none). Held nowhere in memory: the durable tier, which always
+    has the newest persisted step."""
+    name = f"n{node}"
+    where: list[tuple[str, str]]
+    if survivor:
+        where = [(name, "local")]
+    elif rescued and num_nodes > 1:
+        where = [(f"n{(node + 1) % num_nodes}", "local")]  # the donor's own slots
+    else:
+        where = ([(name, "local")] if alive else []) + [(f"n{h}", "replica") for h in holders]
+    src = decisions.restore_source(target=target, holders=where, durable=True)
+    assert src is not None  # durable=True: the durable tier serves what memory does not
+    return src.tier

@@ -14,8 +14,9 @@ grades what it saw of the failure):
   a spare node), a cold process in place, or a fresh node from the scheduler's pool;
 * :func:`~nonstop.policy.decisions.restore_source` — the coordinator's choice of where a rank
   restores from, asked with what the plan's inventory would hold for the failed node's ranks
-  (:meth:`Nonstop.restore_tier`): local memory, a peer's replica or a survivor's rescued step
-  (fetched), or the durable tier (then every rank rolls back to the newest persisted step).
+  (:func:`~nonstop.sim.nonstop_costs.restore_tier`): local memory, a peer's replica or a
+  survivor's rescued step (fetched), or the durable tier (then every rank rolls back to the newest
+  persisted step).
 
 Elasticity (``NonstopParams.min_world_size``) goes through :mod:`nonstop.policy.elastic` the same
 way: a lost node whose ranks no hot spare can take (they would wait for a fresh node from the
@@ -69,7 +70,13 @@ from nonstop.sim.api import (
 from nonstop.sim.calibrate import Calibration, load_calibration, rendezvous_s
 from nonstop.sim.elasticsim import ElasticWorld
 from nonstop.sim.failures import Cause
-from nonstop.sim.nonstop_costs import default_replica_nodes, detect_s, has_donors, swap_rebuild_s
+from nonstop.sim.nonstop_costs import (
+    default_replica_nodes,
+    detect_s,
+    has_donors,
+    restore_tier,
+    swap_rebuild_s,
+)
 from nonstop.sim.nonstop_params import NonstopParams
 from nonstop.sim.proactivesim import ProactiveMoves
 from nonstop.sim.recoverysim import RecoveryCosts
@@ -248,35 +255,6 @@ class Nonstop:
                 self.proc_spare_at[pos] = back
         return cause, Recovery(pause=pause, replacement=joined, resize="grow")
 
-    def restore_tier(
-        self,
-        target: str,
-        node: int,
-        *,
-        alive: bool,
-        holders: list[int],
-        rescued: bool,
-        survivor: bool = False,
-    ) -> Tier:
-        """Where the ranks of node ``node``, played next on ``target``, restore from: the runtime's
-        :func:`~nonstop.policy.decisions.restore_source`, asked with what the plan's inventory
-        holds of their restore step -- the node's own slots if it is ``alive`` (or the ranks are a
-        ``survivor``'s, restoring their own), the replicas on the live ``holders``; or, when the
-        survivors ``rescued`` a step newer than any snapshot (:mod:`nonstop.policy.rescue`), only
-        their donor's rescue (a survivor on another node; a one-node job has none). Held nowhere
-        in memory: the durable tier, which always has the newest persisted step."""
-        name = f"n{node}"
-        where: list[tuple[str, str]]
-        if survivor:
-            where = [(name, "local")]
-        elif rescued and self.job.num_nodes > 1:
-            where = [(f"n{(node + 1) % self.job.num_nodes}", "local")]  # the donor's own slots
-        else:
-            where = ([(name, "local")] if alive else []) + [(f"n{h}", "replica") for h in holders]
-        src = policy.restore_source(target=target, holders=where, durable=True)
-        assert src is not None  # durable=True: the durable tier serves what memory does not
-        return src.tier
-
     def _lost(self, tier: Tier) -> float:
         """Progress rolled back on a restore from ``tier``: back to the newest snapshot boundary
         whose copy had landed where ``tier`` reads it (host memory ``capture`` after the boundary, a
@@ -356,7 +334,9 @@ class Nonstop:
             placement = Placement(node=POOL, spare=None)  # it waited for the pool node, or gave up
         # a failure while training (not one during a recovery, nor a planned move) is rescued
         rescued = self.rescues and not recovering and action is not RecoveryAction.MIGRATE
-        tier = self.restore_tier(placement.node, node, alive=alive, holders=holders, rescued=rescued)
+        tier = restore_tier(
+            placement.node, node, num_nodes=self.job.num_nodes, alive=alive, holders=holders, rescued=rescued
+        )
         if action is RecoveryAction.MIGRATE:
             lost = 0.0
             if self.p.migration_pause_s is None:
@@ -448,7 +428,15 @@ class Nonstop:
         (``join_after_s``: a hot spare, shrink ``first``) the spare joins that long after the plan;
         ``keeps_machine``: the spare is a process on the node itself (its memory stays usable)."""
         cal = self.cal
-        tier = self.restore_tier(f"n{node}", node, alive=True, holders=[], rescued=False, survivor=True)
+        tier = restore_tier(
+            f"n{node}",
+            node,
+            num_nodes=self.job.num_nodes,
+            alive=True,
+            holders=[],
+            rescued=False,
+            survivor=True,
+        )
         lost = 0.0 if recovering and tier is not Tier.DURABLE else self._lost(tier)
         detect = detect_s(self.cal, cause.kind)
         # the wait for a spare is part of the planning
