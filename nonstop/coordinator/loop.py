@@ -168,7 +168,15 @@ class Coordinator:
             exits_waiting=lambda sids: self.failures.waiting(sids),
         )
         # where restore steps come from: peers' memory (fetches) or the durable tier
-        self.sources = RestoreSources(self)
+        self.sources = RestoreSources(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            durable_url=durable_url,
+            elastic=self.elastic.enabled,
+            install_timeout_s=config.persist_timeout_s,
+        )
         # node agents: joins, leases, losses, quarantine, spares
         self.agents = NodeAgents(self)
         # live migrations and elastic grows: boundary swaps (policy/boundary_swap.py, coordinator/swaps.py)
@@ -212,6 +220,7 @@ class Coordinator:
             swaps=self.swaps,
             sources=self.sources,
         )
+        self.sources.bind(setup=self.gens, needs=self.resize)
         # clients (nonstop status / persist / migrate / drain)
         self.clients = ClientRequests(
             view=self.view,

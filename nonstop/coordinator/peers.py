@@ -17,9 +17,19 @@ if TYPE_CHECKING:
     from nonstop.coordinator.view import NodeRecord
     from nonstop.policy.decisions import FailureKind
     from nonstop.policy.grading import Graded
-    from nonstop.policy.reconfiguration import Failure
+    from nonstop.policy.reconfiguration import Failure, Reconfiguration, RecoveryEvent
 
-__all__ = ["FailureGrader", "Mover", "NodeHistory", "PersistAnswers", "Recovery", "SwapGuard", "UnderWay"]
+__all__ = [
+    "FailureGrader",
+    "Mover",
+    "NodeHistory",
+    "PersistAnswers",
+    "Recovery",
+    "SwapGuard",
+    "UnderWay",
+    "FetchWaiter",
+    "ReshardNeeds",
+]
 
 
 class UnderWay(Protocol):
@@ -96,4 +106,25 @@ class Recovery(Protocol):
 
     def rebuilding(self) -> set[int]:
         """The ranks still rebuilding their groups in the generation being set up."""
+        ...
+
+
+class FetchWaiter(Protocol):
+    """The generation being set up as the restore sources see it
+    (:mod:`nonstop.coordinator.generation_setup`): whose fetches count, and where one that
+    finished is reported."""
+
+    @property
+    def reconf(self) -> Reconfiguration | None:
+        """The generation being set up; None between setups."""
+        ...
+
+    def report(self, ev: RecoveryEvent) -> None: ...
+
+
+class ReshardNeeds(Protocol):
+    """The job's size as a reshard's fetches see it (:mod:`nonstop.coordinator.resizing`)."""
+
+    def needed_on(self, node: str, old_world: int) -> set[int]:
+        """The old ranks whose step ``node``'s ranks cut their new shards from."""
         ...
