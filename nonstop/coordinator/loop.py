@@ -49,6 +49,7 @@ from nonstop.coordinator.detector import FailureDetector
 from nonstop.coordinator.event_feed import EventFeed
 from nonstop.coordinator.executor import Executor
 from nonstop.coordinator.failures import Failures
+from nonstop.coordinator.generation_setup import GenerationSetup
 from nonstop.coordinator.generations import Generations
 from nonstop.coordinator.health import Health
 from nonstop.coordinator.job import JobLife
@@ -154,19 +155,6 @@ class Coordinator:
         )
         # store mode (--store etcd://): state saved in and restored from the control store
         self.store = StoreSync(self, jobs)
-        # generations: planning, launching and timing every membership change
-        self.gens = Generations(
-            self,
-            initial_step=initial_step,
-            asks=PlanAsks(
-                view=self.view,
-                io=self.io,
-                rescue_wait_s=config.rescue_wait_s,
-                mesh=self.mesh,
-                rescues=lambda: self.workers.rescues,
-            ),
-            exits_waiting=lambda sids: self.failures.waiting(sids),
-        )
         # where restore steps come from: peers' memory (fetches) or the durable tier
         self.sources = RestoreSources(
             view=self.view,
@@ -189,20 +177,6 @@ class Coordinator:
             quarantine=self.quarantine,
             mover=self.swaps,
         )
-        # process exits and hangs become failures, failures become a recovery
-        self.failures = Failures(
-            view=self.view,
-            io=self.io,
-            events=events,
-            life=self.life,
-            detector=self.detector,
-            max_restarts=config.max_restarts,
-            faults_dir=config.job_dir.resolve() / "faults",
-            swaps=self.swaps,
-            grader=self.health,
-            nodes=self.agents,
-            recovery=self.gens,
-        )
         # the job's size: data shards, shrinks, where a resharded generation reads
         self.resize = Resizing(
             view=self.view,
@@ -220,7 +194,55 @@ class Coordinator:
             swaps=self.swaps,
             sources=self.sources,
         )
-        self.sources.bind(setup=self.gens, needs=self.resize)
+        # generations: planning every membership change (generations.py), and carrying each
+        # planned one out: launch, stages, timing (generation_setup.py)
+        self.setup = GenerationSetup(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            detector=self.detector,
+            rebuild_timeout_s=config.rebuild_timeout_s,
+            shards=self.resize,
+            swaps=self.swaps,
+            spares=self.agents,
+        )
+        self.gens = Generations(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            asks=PlanAsks(
+                view=self.view,
+                io=self.io,
+                rescue_wait_s=config.rescue_wait_s,
+                mesh=self.mesh,
+                rescues=lambda: self.workers.rescues,
+            ),
+            setup=self.setup,
+            sources=self.sources,
+            sizes=self.resize,
+            elastic=self.elastic,
+            durable_url=durable_url,
+            initial_step=initial_step,
+            exits_waiting=lambda sids: self.failures.waiting(sids),
+            fences=(lambda _: self.replication.reset(), self._fence_rendezvous),
+        )
+        self.sources.bind(setup=self.setup, needs=self.resize)
+        # process exits and hangs become failures, failures become a recovery
+        self.failures = Failures(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            detector=self.detector,
+            max_restarts=config.max_restarts,
+            faults_dir=config.job_dir.resolve() / "faults",
+            swaps=self.swaps,
+            grader=self.health,
+            nodes=self.agents,
+            recovery=self.gens,
+        )
         # clients (nonstop status / persist / migrate / drain)
         self.clients = ClientRequests(
             view=self.view,
@@ -256,7 +278,7 @@ class Coordinator:
         events.subscribe(self.feed.on_event)
         # the workers' protocol: connections, heartbeats, step reports, rendezvous, stage reports
         self.workers = WorkerProtocol(self)
-        self.life.busy_from(self.gens.busy, self.swaps.busy, self.store.busy)
+        self.life.busy_from(self.setup.busy, self.swaps.busy, self.store.busy)
         self.life.before_finish(self.swaps.finish)
 
     def status(self) -> dict[str, Any]:
@@ -311,7 +333,7 @@ class Coordinator:
         self.failures.handle_exits()
         self.pump_events(0)
         self.failures.detect()
-        self.gens.check_timeouts()
+        self.setup.check_timeouts()
         if self.replication_on and self.may_start(Op.REPLICATE):
             self.replication.maybe_start(now=time.monotonic())
         self.persists.tick()
@@ -347,6 +369,15 @@ class Coordinator:
 
     def replication_stats(self) -> dict[str, Any]:
         return self.replication.stats()
+
+    def _fence_rendezvous(self, generation: int) -> None:
+        """Generation ``generation`` opened: the rendezvous drops the older keys and fails the
+        calls parked on them (a worker gone meanwhile is not told)."""
+        for reply, msg in self.kv.new_generation(generation):
+            try:
+                reply(msg)
+            except ControlError:
+                pass
 
     def set_phase(self, new: JobPhase) -> None:
         self.life.set_phase(new)
