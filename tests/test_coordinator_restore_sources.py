@@ -6,6 +6,7 @@ to the nodes, what it logs, and what it reports to the generation it serves."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from nonstop.coordinator.executor import Executor
 from nonstop.coordinator.job import JobLife
@@ -75,7 +76,7 @@ def _sources(
     view = JobView(job_id="j", world_size=world)
     view.phase = JobPhase.RECONFIGURING
     for i in range(nodes):
-        chan = FakeChannel({"role": "agent", "node": str(i)}, peer=f"agent-{i}")
+        chan: Any = FakeChannel({"role": "agent", "node": str(i)}, peer=f"agent-{i}")
         view.nodes[str(i)] = NodeRecord(
             name=str(i),
             chan=chan,
@@ -84,7 +85,7 @@ def _sources(
             domain=str(i),
             data_addr=f"addr-{i}",
             last_lease=0.0,
-        )  # type: ignore[arg-type]
+        )
     for rank in range(world):
         view.rank_node[rank] = str(rank % nodes)
     events = EventLog(tmp_path / "events.jsonl")
@@ -130,7 +131,7 @@ def test_a_rank_whose_node_lacks_its_step_fetches_it_from_the_holder(tmp_path: P
     sources, view, _ = _sources(tmp_path, reconf=r)
     # rank 0 is on node 0, which holds its step; rank 1's node 1 does not: node 0 holds a replica
     avail = {0: {5: [("0", "local")]}, 1: {5: [("0", "replica")]}}
-    fetches = sources.plan_fetches(r, 5, avail)  # type: ignore[arg-type]
+    fetches = sources.plan_fetches(r, 5, avail)
     assert fetches == {1: "0:replica"}
     [msg] = [m for m in _agent(view, "1").sent if m["t"] == "fetch"]
     assert msg["rank"] == 1 and msg["step"] == 5 and msg["addr"] == "addr-0" and msg["kind"] == "replica"
@@ -211,13 +212,13 @@ def test_a_reshard_fetches_what_a_node_lacks_into_its_replica_slots_and_waits_fo
     r = _gen(world=2)
     sources, view, setup = _sources(tmp_path, reconf=r, needed={"0": {0, 1}, "1": {1}})
     held = {0: {5: [("0", "local")]}, 1: {5: [("1", "local")]}}
-    where = sources.plan_reshard(r, 5, held, 2)  # type: ignore[arg-type]
+    where = sources.plan_reshard(r, 5, held, 2)
     assert where == {"0": {0: "local", 1: "replica"}, "1": {1: "local"}}
     [msg] = _agent(view, "0").sent
     assert msg["t"] == "fetch" and msg["rank"] == 1 and msg["into"] == "replica" and msg["addr"] == "addr-1"
     assert r.waiting_fetch == {0}  # node 0's ranks wait for its fetches
     sources.on_fetched(view.nodes["0"], _fetched(msg["id"]))
-    assert [(type(e), e.rank) for e in setup.reports] == [(FetchDone, 0)]  # type: ignore[attr-defined]
+    assert setup.reports == [FetchDone(0, setup.reports[0].t)]
 
 
 def test_the_newest_checkpoint_that_installs_everywhere_is_the_one_restored(tmp_path: Path) -> None:
