@@ -10,7 +10,8 @@ may start. I/O goes through one :class:`~nonstop.coordinator.executor.Executor`.
 =================================  ==========================================================
 ``agents`` (coordinator/node_agents.py)      nodes join, renew leases, are lost or quarantined; spares
 ``failures`` (coordinator/failures.py) exits and hangs become failures, failures a new generation
-``gens`` (coordinator/generations.py)  plan (pure ``plan_generation``), launch and time generations
+``gens`` (coordinator/generations.py)  plan generations (pure ``Pending``, ``plan_generation``)
+``setup`` (generation_setup.py)    launch and time a planned one (pure ``Reconfiguration``)
 ``swaps`` (coordinator/swaps.py)     live migrations and grows: the pure ``BoundarySwap`` machine
 ``replication`` (replication.py)   replication rounds to the peers' memory
 ``store`` (coordinator/store_sync.py)   store mode: lead, save the record, resume from it
