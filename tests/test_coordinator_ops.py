@@ -389,7 +389,7 @@ def test_memory_lost_with_its_node_falls_back_to_the_durable_tier(
 
     monkeypatch.setattr(durable, "DurableStore", _Durable)
     h = Harness(tmp_path, nnodes=2, nproc_per_node=1, spares=1, coordinator="127.0.0.1:0", lease_ttl_s=60.0)
-    h.coord.durable_url = str(tmp_path / "ckpt")
+    h.coord.durable_url = h.coord.sources.durable_url = str(tmp_path / "ckpt")  # (given at start)
     h.add_node("0", nproc=1, spares=1)
     h.add_node("1", nproc=1, spares=1)
     h.tick()

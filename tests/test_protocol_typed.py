@@ -52,7 +52,7 @@ REMAINING: dict[str, tuple[int, int]] = {
     "coordinator/event_feed.py": (1, 0),
     "coordinator/executor.py": (3, 7),
     "coordinator/failures.py": (1, 0),
-    "coordinator/generations.py": (2, 0),
+    "coordinator/generation_setup.py": (2, 0),
     "coordinator/job.py": (2, 0),
     "coordinator/loop.py": (1, 2),
     "coordinator/node_agents.py": (4, 0),

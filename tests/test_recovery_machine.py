@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from nonstop.coordinator.generations import Generations
+from nonstop.coordinator.generation_setup import GenerationSetup
 from nonstop.policy import reconfiguration as recovery
 from nonstop.policy.reconfiguration import (
     Failure,
@@ -164,13 +164,13 @@ def test_the_coordinator_carries_out_the_machines_actions(
     """A recovery on the coordinator (fake peers): the actions it executed are the machine's, in
     the order the simulator sees them for the same shape of recovery (a spare, no fetch)."""
     executed: list[str] = []
-    real = Generations._execute
+    real = GenerationSetup._execute
 
-    def spy(self: Generations, r: Reconfiguration, actions: list[recovery.Action]) -> None:
+    def spy(self: GenerationSetup, r: Reconfiguration, actions: list[recovery.Action]) -> None:
         executed.extend(type(a).__name__ for a in actions)
         real(self, r, actions)
 
-    monkeypatch.setattr(Generations, "_execute", spy)
+    monkeypatch.setattr(GenerationSetup, "_execute", spy)
     h = Harness(tmp_path, nnodes=2, nproc_per_node=1, spares=1, coordinator="127.0.0.1:0", lease_ttl_s=60.0)
     h.add_node("0", nproc=1, spares=1)
     h.add_node("1", nproc=1, spares=1)

@@ -10,7 +10,8 @@ may start. I/O goes through one :class:`~nonstop.coordinator.executor.Executor`.
 =================================  ==========================================================
 ``agents`` (coordinator/node_agents.py)      nodes join, renew leases, are lost or quarantined; spares
 ``failures`` (coordinator/failures.py) exits and hangs become failures, failures a new generation
-``gens`` (coordinator/generations.py)  plan (pure ``plan_generation``), launch and time generations
+``gens`` (coordinator/generations.py)  plan generations (pure ``Pending``, ``plan_generation``)
+``setup`` (generation_setup.py)    launch and time a planned one (pure ``Reconfiguration``)
 ``swaps`` (coordinator/swaps.py)     live migrations and grows: the pure ``BoundarySwap`` machine
 ``replication`` (replication.py)   replication rounds to the peers' memory
 ``store`` (coordinator/store_sync.py)   store mode: lead, save the record, resume from it
@@ -49,6 +50,7 @@ from nonstop.coordinator.detector import FailureDetector
 from nonstop.coordinator.event_feed import EventFeed
 from nonstop.coordinator.executor import Executor
 from nonstop.coordinator.failures import Failures
+from nonstop.coordinator.generation_setup import GenerationSetup
 from nonstop.coordinator.generations import Generations
 from nonstop.coordinator.health import Health
 from nonstop.coordinator.job import JobLife
@@ -154,21 +156,16 @@ class Coordinator:
         )
         # store mode (--store etcd://): state saved in and restored from the control store
         self.store = StoreSync(self, jobs)
-        # generations: planning, launching and timing every membership change
-        self.gens = Generations(
-            self,
-            initial_step=initial_step,
-            asks=PlanAsks(
-                view=self.view,
-                io=self.io,
-                rescue_wait_s=config.rescue_wait_s,
-                mesh=self.mesh,
-                rescues=lambda: self.workers.rescues,
-            ),
-            exits_waiting=lambda sids: self.failures.waiting(sids),
-        )
         # where restore steps come from: peers' memory (fetches) or the durable tier
-        self.sources = RestoreSources(self)
+        self.sources = RestoreSources(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            durable_url=durable_url,
+            elastic=self.elastic.enabled,
+            install_timeout_s=config.persist_timeout_s,
+        )
         # node agents: joins, leases, losses, quarantine, spares
         self.agents = NodeAgents(self)
         # live migrations and elastic grows: boundary swaps (policy/boundary_swap.py, coordinator/swaps.py)
@@ -180,20 +177,6 @@ class Coordinator:
             config=config.straggler,
             quarantine=self.quarantine,
             mover=self.swaps,
-        )
-        # process exits and hangs become failures, failures become a recovery
-        self.failures = Failures(
-            view=self.view,
-            io=self.io,
-            events=events,
-            life=self.life,
-            detector=self.detector,
-            max_restarts=config.max_restarts,
-            faults_dir=config.job_dir.resolve() / "faults",
-            swaps=self.swaps,
-            grader=self.health,
-            nodes=self.agents,
-            recovery=self.gens,
         )
         # the job's size: data shards, shrinks, where a resharded generation reads
         self.resize = Resizing(
@@ -211,6 +194,55 @@ class Coordinator:
             durable_url=durable_url,
             swaps=self.swaps,
             sources=self.sources,
+        )
+        # generations: planning every membership change (generations.py), and carrying each
+        # planned one out: launch, stages, timing (generation_setup.py)
+        self.setup = GenerationSetup(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            detector=self.detector,
+            rebuild_timeout_s=config.rebuild_timeout_s,
+            shards=self.resize,
+            swaps=self.swaps,
+            spares=self.agents,
+        )
+        self.gens = Generations(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            asks=PlanAsks(
+                view=self.view,
+                io=self.io,
+                rescue_wait_s=config.rescue_wait_s,
+                mesh=self.mesh,
+                rescues=lambda: self.workers.rescues,
+            ),
+            setup=self.setup,
+            sources=self.sources,
+            sizes=self.resize,
+            elastic=self.elastic,
+            durable_url=durable_url,
+            initial_step=initial_step,
+            exits_waiting=lambda sids: self.failures.waiting(sids),
+            fences=(lambda _: self.replication.reset(), self._fence_rendezvous),
+        )
+        self.sources.bind(setup=self.setup, needs=self.resize)
+        # process exits and hangs become failures, failures become a recovery
+        self.failures = Failures(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            detector=self.detector,
+            max_restarts=config.max_restarts,
+            faults_dir=config.job_dir.resolve() / "faults",
+            swaps=self.swaps,
+            grader=self.health,
+            nodes=self.agents,
+            recovery=self.gens,
         )
         # clients (nonstop status / persist / migrate / drain)
         self.clients = ClientRequests(
@@ -247,7 +279,7 @@ class Coordinator:
         events.subscribe(self.feed.on_event)
         # the workers' protocol: connections, heartbeats, step reports, rendezvous, stage reports
         self.workers = WorkerProtocol(self)
-        self.life.busy_from(self.gens.busy, self.swaps.busy, self.store.busy)
+        self.life.busy_from(self.setup.busy, self.swaps.busy, self.store.busy)
         self.life.before_finish(self.swaps.finish)
 
     def status(self) -> dict[str, Any]:
@@ -302,7 +334,7 @@ class Coordinator:
         self.failures.handle_exits()
         self.pump_events(0)
         self.failures.detect()
-        self.gens.check_timeouts()
+        self.setup.check_timeouts()
         if self.replication_on and self.may_start(Op.REPLICATE):
             self.replication.maybe_start(now=time.monotonic())
         self.persists.tick()
@@ -338,6 +370,15 @@ class Coordinator:
 
     def replication_stats(self) -> dict[str, Any]:
         return self.replication.stats()
+
+    def _fence_rendezvous(self, generation: int) -> None:
+        """Generation ``generation`` opened: the rendezvous drops the older keys and fails the
+        calls parked on them (a worker gone meanwhile is not told)."""
+        for reply, msg in self.kv.new_generation(generation):
+            try:
+                reply(msg)
+            except ControlError:
+                pass
 
     def set_phase(self, new: JobPhase) -> None:
         self.life.set_phase(new)

@@ -8,8 +8,8 @@ Threading: the coordinator's thread only, like the operations.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nonstop.policy.phase import Busy
 
@@ -17,9 +17,27 @@ if TYPE_CHECKING:
     from nonstop.coordinator.view import NodeRecord
     from nonstop.policy.decisions import FailureKind
     from nonstop.policy.grading import Graded
-    from nonstop.policy.reconfiguration import Failure
+    from nonstop.policy.planning import Inventory, Shrink
+    from nonstop.policy.reconfiguration import Failure, Reconfiguration, RecoveryEvent
+    from nonstop.policy.survivors import SurvivorChoice
 
-__all__ = ["FailureGrader", "Mover", "NodeHistory", "PersistAnswers", "Recovery", "SwapGuard", "UnderWay"]
+__all__ = [
+    "FailureGrader",
+    "Mover",
+    "NodeHistory",
+    "PersistAnswers",
+    "Recovery",
+    "SwapGuard",
+    "UnderWay",
+    "FetchWaiter",
+    "ReshardNeeds",
+    "Launcher",
+    "RestorePlans",
+    "ResizePlans",
+    "RankShards",
+    "SwapsDone",
+    "SpareSupply",
+]
 
 
 class UnderWay(Protocol):
@@ -97,3 +115,113 @@ class Recovery(Protocol):
     def rebuilding(self) -> set[int]:
         """The ranks still rebuilding their groups in the generation being set up."""
         ...
+
+
+class FetchWaiter(Protocol):
+    """The generation being set up as the restore sources see it
+    (:mod:`nonstop.coordinator.generation_setup`): whose fetches count, and where one that
+    finished is reported."""
+
+    @property
+    def reconf(self) -> Reconfiguration | None:
+        """The generation being set up; None between setups."""
+        ...
+
+    def report(self, event: RecoveryEvent) -> None: ...
+
+
+class ReshardNeeds(Protocol):
+    """The job's size as a reshard's fetches see it (:mod:`nonstop.coordinator.resizing`)."""
+
+    def needed_on(self, node: str, old_world: int) -> set[int]:
+        """The old ranks whose step ``node``'s ranks cut their new shards from."""
+        ...
+
+
+class Launcher(Protocol):
+    """The setup of a generation as its planner sees it
+    (:class:`~nonstop.coordinator.generation_setup.GenerationSetup`)."""
+
+    @property
+    def reconf(self) -> Reconfiguration | None:
+        """The generation being set up; None between setups."""
+        ...
+
+    def abandon(self) -> None:
+        """A newer generation opens: the one being set up is dropped."""
+        ...
+
+    def launch(self, r: Reconfiguration, *, tier: str, fetches: dict[int, str], **extra: Any) -> None:
+        """Log the planned generation ``r`` and start its setup."""
+        ...
+
+    def report(self, event: RecoveryEvent) -> None: ...
+
+    def in_training(self) -> bool: ...
+
+    def rebuilding(self) -> set[int]: ...
+
+
+class RestorePlans(Protocol):
+    """The restore sources as a generation's planner sees them
+    (:mod:`nonstop.coordinator.restore_sources`)."""
+
+    def new_generation(self, generation: int) -> None:
+        """Fence the older generations' fetches and install."""
+        ...
+
+    def restore_from_durable(self, done: Callable[[int | None], None]) -> None:
+        """Install the newest durable checkpoint that loads everywhere; ``done(step or None)``."""
+        ...
+
+    def plan_fetches(self, r: Reconfiguration, step: int, avail: Inventory) -> dict[int, str]:
+        """Fetch ``step`` to each node that plays a rank without holding it; rank -> whence."""
+        ...
+
+    def plan_reshard(
+        self, r: Reconfiguration, step: int, avail: Inventory, old_world: int
+    ) -> dict[str, dict[int, str]]:
+        """Gather every old rank's ``step`` a node's ranks reshard from; node -> old rank -> slots."""
+        ...
+
+
+class ResizePlans(Protocol):
+    """The job's size as a generation's planner sees it (:mod:`nonstop.coordinator.resizing`)."""
+
+    @property
+    def reshards(self) -> bool:
+        """A resize cuts every rank's shards anew (a sharded job without replicas)."""
+        ...
+
+    def survivor_choice(self, missing: Sequence[int]) -> SurvivorChoice: ...
+
+    def shrink(self, shrink: Shrink, why: str, *, shrink_first: bool = False) -> dict[int, int]:
+        """Apply a planned shrink to the view; new rank -> the old rank whose memory it restores."""
+        ...
+
+    def reshard_source(self, step: int | None, old_world: int) -> dict[str, Any] | None:
+        """Where a resharded generation reads the old ranks' state (None: the job has failed)."""
+        ...
+
+
+class RankShards(Protocol):
+    """What a rank is told of the job's size when it joins a generation
+    (:mod:`nonstop.coordinator.resizing`)."""
+
+    def shards_of(self, rank: int, world_size: int | None = None) -> dict[str, Any]: ...
+
+    def reshard_for(self, reshard: dict[str, Any], rank: int) -> dict[str, Any]: ...
+
+
+class SwapsDone(Protocol):
+    """The swaps as a generation's setup sees them (:mod:`nonstop.coordinator.swaps`): a swap
+    waits for the generation it opened to be set up."""
+
+    def on_generation_done(self, generation: int) -> None: ...
+
+
+class SpareSupply(Protocol):
+    """The node agents as a generation's setup sees them (:mod:`nonstop.coordinator.node_agents`):
+    the spares a generation used are replaced."""
+
+    def replenish_spares(self) -> None: ...

@@ -9,8 +9,15 @@
 * **durable tier**: every node installs its ranks of the newest checkpoint that loads (older
   ones on failure); a checkpoint of another world size serves an elastic job only.
 
-Threading: the coordinator's thread only. I/O goes through the coordinator's executor; the nodes'
-answers to an install are events, judged by :meth:`RestoreSources.install_tick`.
+Collaborators: the view, the executor (every request to a node), the event log, the job's life
+(a fetch that fails fails the job), the durable tier's URL and whether the job is elastic; and,
+bound late (:meth:`RestoreSources.bind`, since both are built with this operation as their peer),
+the generation being set up (a :class:`~nonstop.coordinator.peers.FetchWaiter`: its generation
+and where a finished fetch is reported) and the job's size (a
+:class:`~nonstop.coordinator.peers.ReshardNeeds`: which old ranks a node's ranks reshard from).
+
+Threading: the coordinator's thread only. I/O goes through the executor; the nodes' answers to an
+install are events, judged by :meth:`RestoreSources.install_tick`.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from nonstop import events as ev
 from nonstop.control.channel import Message
@@ -31,16 +38,64 @@ from nonstop.policy.reconfiguration import FetchDone, Reconfiguration
 from nonstop.protocol.wire import Fetched, Installed, Lost
 
 if TYPE_CHECKING:
-    from nonstop.coordinator.loop import Coordinator
+    from nonstop.coordinator.executor import Executor
+    from nonstop.coordinator.job import JobLife
+    from nonstop.coordinator.peers import FetchWaiter, ReshardNeeds
+    from nonstop.coordinator.view import JobView
+    from nonstop.events.log import EventLog
 
-__all__ = ["RestoreSources"]
+__all__ = ["DurableSteps", "RestoreSources"]
+
+
+class DurableSteps(Protocol):
+    """What the restore sources read of a durable tier (a
+    :class:`~nonstop.snapshot.durable.DurableStore`); each may raise ``NonstopError``."""
+
+    def steps(self) -> list[int]: ...
+
+    def latest_step(self) -> int | None: ...
+
+    def world_size_at(self, step: int) -> int: ...
+
+
+def open_durable(url: str) -> DurableSteps:
+    """The durable tier at ``url`` (imported here: the tier's backends load only when used)."""
+    from nonstop.snapshot.durable import DurableStore
+
+    return DurableStore(url)
 
 
 class RestoreSources:
-    """Fetches in flight (``waiting_fetch``), early boundary fetches (``early``), durable installs."""
+    """Fetches in flight (``waiting_fetch``), early boundary fetches (``early``), durable installs.
 
-    def __init__(self, c: Coordinator) -> None:
-        self.c = c
+    ``durable_url``: the durable tier (None: none configured); ``elastic``: the job may change
+    size, so a checkpoint of another world size serves it; ``install_timeout_s``: how long an
+    install waits for every node's answer (``--persist-timeout``); ``durable``: opens the tier
+    at a URL (a fake in a test). :meth:`bind` must be called before the first generation."""
+
+    setup: FetchWaiter
+    needs: ReshardNeeds
+
+    def __init__(
+        self,
+        *,
+        view: JobView,
+        io: Executor,
+        events: EventLog,
+        life: JobLife,
+        durable_url: str | None,
+        elastic: bool,
+        install_timeout_s: float,
+        durable: Callable[[str], DurableSteps] = open_durable,
+    ) -> None:
+        self.view = view
+        self.io = io
+        self.events = events
+        self.life = life
+        self.durable_url = durable_url
+        self.elastic = elastic
+        self.install_timeout_s = install_timeout_s
+        self.durable = durable
         self.waiting_fetch: dict[int, tuple[int, int]] = {}  # request id -> (rank, generation)
         # fetches asked for before their generation (a swap's boundary): request id -> (rank, ok),
         # ok None while in flight; the generation adopts them (``fetch_for(early=...)``)
@@ -48,6 +103,21 @@ class RestoreSources:
         self.installing: _Install | None = None  # a durable checkpoint being installed
         # a reshard's fetches to one node: request id -> (the node's shared barrier, the old rank)
         self.barriers: dict[int, tuple[_Barrier, int]] = {}
+
+    def bind(self, *, setup: FetchWaiter, needs: ReshardNeeds) -> None:
+        """The peers built after this operation (each is given it): the generation being set up,
+        which waits for the fetches, and the job's size, which says what a reshard needs. A late
+        bind breaks the cycles (setup -> sizes -> sources -> setup) without a request type."""
+        self.setup = setup
+        self.needs = needs
+
+    def new_generation(self, generation: int) -> None:
+        """Generation ``generation`` opened: the install in progress is abandoned, and the
+        fetches of older generations are forgotten (a late answer is ignored)."""
+        self.cancel_install()
+        for req in [q for q, (_, gen) in self.waiting_fetch.items() if gen < generation]:
+            del self.waiting_fetch[req]
+            self.io.done(req)
 
     def drop_early(self, req: int) -> None:
         """A swap that asked for boundary fetch ``req`` ended: a late answer is ignored."""
@@ -78,7 +148,7 @@ class RestoreSources:
                     r.waiting_fetch.add(rank)
                 return f"{source}:{kind}"
         src = rank if src_rank is None else src_rank
-        req = self.c.io.fetch(self.c.view.rank_node[rank], src, step, source, kind, as_rank=rank, base=base)
+        req = self.io.fetch(self.view.rank_node[rank], src, step, source, kind, as_rank=rank, base=base)
         self.waiting_fetch[req] = (rank, r.generation)
         r.waiting_fetch.add(rank)
         return f"{source}:{kind}"
@@ -89,7 +159,7 @@ class RestoreSources:
         """A swap's boundary fetch asked for as soon as the source rank completed the step, before
         its generation exists (the other ranks are still finishing theirs); a request id for
         ``_fetch_for(early=...)``."""
-        req = self.c.io.fetch(target, rank, step, source, "local", as_rank=as_rank, base=base)
+        req = self.io.fetch(target, rank, step, source, "local", as_rank=as_rank, base=base)
         self.early[req] = (as_rank, None)
         return req
 
@@ -97,8 +167,8 @@ class RestoreSources:
         """Have each node that will play a rank without holding ``step`` of it fetch it from the
         holder :func:`~nonstop.policy.decisions.restore_source` names (the simulator's choice too)."""
         out: dict[int, str] = {}
-        for rank in range(self.c.view.world_size):
-            target = self.c.view.rank_node[rank]
+        for rank in range(self.view.world_size):
+            target = self.view.rank_node[rank]
             src = restore_source(target=target, holders=avail.get(rank, {}).get(step, []))
             assert src is not None, f"rank {rank} holds step {step} nowhere in memory"  # the plan's step
             if not src.fetch:
@@ -118,17 +188,17 @@ class RestoreSources:
         ``replica``, where the node's ranks read them; its ranks are told their generation once
         all its fetches are done."""
         where: dict[str, dict[int, str]] = {}
-        view = self.c.view
+        view = self.view
         for node in sorted({view.rank_node[rank] for rank in range(view.world_size)}):
             mine: dict[int, str] = {}
             reqs: dict[int, int] = {}  # request -> old rank
-            for old in sorted(self.c.resize.needed_on(node, old_world)):
+            for old in sorted(self.needs.needed_on(node, old_world)):
                 holders = [(str(n), str(k)) for n, k in avail.get(old, {}).get(step, [])]
                 if (node, "local") in holders or (node, "replica") in holders:
                     mine[old] = "local" if (node, "local") in holders else "replica"
                     continue
                 src_node, kind = sorted(holders, key=lambda h: (h[1] != "local", h[0]))[0]
-                req = self.c.io.fetch(node, old, step, src_node, kind, into="replica")
+                req = self.io.fetch(node, old, step, src_node, kind, into="replica")
                 self.waiting_fetch[req] = (-1, r.generation)  # (dropped with its generation)
                 reqs[req] = old
                 mine[old] = "replica"
@@ -149,74 +219,70 @@ class RestoreSources:
         if entry is not None:  # one of a reshard's fetches to this node
             barrier, old = entry
             _, gen = self.waiting_fetch.pop(req, (-1, -1))
-            self.c.io.done(req)
-            self.c.events.emit(
+            self.io.done(req)
+            self.events.emit(
                 ev.Fetched(node=node.name, rank=old, ok=msg.ok, seconds=msg.seconds, error=msg.error)
             )
-            r = self.c.gens.reconf
+            r = self.setup.reconf
             if r is None or gen != r.generation:
                 return
             if not msg.ok:
-                self.c.fail(f"old rank {old}'s step could not be fetched to node {node.name}: {msg.error}")
+                self.life.fail(f"old rank {old}'s step could not be fetched to node {node.name}: {msg.error}")
                 return
             barrier.left.discard(req)
             if not barrier.left:
                 for rank in sorted(barrier.ranks):
-                    self.c.gens.report(FetchDone(rank, time.time()))
+                    self.setup.report(FetchDone(rank, time.time()))
             return
         if req in self.early:  # arrived before the swap adopted it: nothing waits on it yet
             rank = self.early[req][0]
             self.early[req] = (rank, msg.ok)
-            self.c.io.done(req)
-            self.c.events.emit(
+            self.io.done(req)
+            self.events.emit(
                 ev.Fetched(
                     node=node.name, rank=rank, ok=msg.ok, seconds=msg.seconds, error=msg.error, early=True
                 )
             )
             return
         rank, gen = self.waiting_fetch.pop(req, (-1, -1))
-        self.c.io.done(req)
-        r = self.c.gens.reconf
-        self.c.events.emit(
+        self.io.done(req)
+        r = self.setup.reconf
+        self.events.emit(
             ev.Fetched(node=node.name, rank=rank, ok=msg.ok, seconds=msg.seconds, error=msg.error)
         )
         if r is None or gen != r.generation:
             return
         if not msg.ok:
-            self.c.fail(f"rank {rank} could not be fetched to node {node.name}: {msg.error}")
+            self.life.fail(f"rank {rank} could not be fetched to node {node.name}: {msg.error}")
             return
-        self.c.gens.report(FetchDone(rank, time.time()))
+        self.setup.report(FetchDone(rank, time.time()))
 
     def newest_durable(self) -> tuple[int, int] | None:
         """(step, world size) of the newest durable checkpoint, or None (none, or no tier)."""
-        if self.c.durable_url is None:
+        if self.durable_url is None:
             return None
-        from nonstop.snapshot.durable import DurableStore
-
         try:
-            store = DurableStore(self.c.durable_url)
+            store = self.durable(self.durable_url)
             step = store.latest_step()
             return None if step is None else (step, store.world_size_at(step))
         except NonstopError as e:
-            self.c.events.emit(ev.DurableUnavailable(error=str(e)))
+            self.events.emit(ev.DurableUnavailable(error=str(e)))
             return None
 
     def restore_from_durable(self, done: Callable[[int | None], None]) -> None:
         """Have every node install its ranks from the newest durable checkpoint that loads (older
         ones when it does not); ``done(step)`` once one is installed everywhere, ``done(None)``
         when none is. The nodes' answers are events (:meth:`install_tick`)."""
-        if self.c.durable_url is None:
+        if self.durable_url is None:
             done(None)
             return
-        from nonstop.snapshot.durable import DurableStore
-
         try:
-            steps = DurableStore(self.c.durable_url).steps()
+            steps = self.durable(self.durable_url).steps()
         except NonstopError as e:
-            self.c.events.emit(ev.DurableUnavailable(error=str(e)))
+            self.events.emit(ev.DurableUnavailable(error=str(e)))
             done(None)
             return
-        self.install_durable(sorted(steps, reverse=True), self.c.view.placement(), self.c.durable_url, done,
+        self.install_durable(sorted(steps, reverse=True), self.view.placement(), self.durable_url, done,
                              recovery=True)  # fmt: skip
 
     def install_durable(
@@ -242,37 +308,35 @@ class RestoreSources:
         inst, self.installing = self.installing, None
         if inst is not None:
             for req in inst.reqs:
-                self.c.io.replies.pop(req, None)
-                self.c.io.done(req)
+                self.io.replies.pop(req, None)
+                self.io.done(req)
 
     def _next_install(self) -> None:
-        from nonstop.snapshot.durable import DurableStore
-
         inst = self.installing
         assert inst is not None
         while inst.steps:
             step = inst.steps.pop(0)
             try:
-                written = DurableStore(inst.url).world_size_at(step)
+                written = self.durable(inst.url).world_size_at(step)
             except NonstopError as e:
-                self.c.events.emit(ev.DurableInstallFailed(step=step, errors=[str(e)]))
+                self.events.emit(ev.DurableInstallFailed(step=step, errors=[str(e)]))
                 continue
             sources: dict[int, int] = {}
-            world = self.c.view.world_size
+            world = self.view.world_size
             if written != world:
-                if not self.c.elastic.enabled:
+                if not self.elastic:
                     errors: list[str | None] = [f"the checkpoint has {written} ranks, the job {world}"]
-                    self.c.events.emit(ev.DurableInstallFailed(step=step, errors=errors))
+                    self.events.emit(ev.DurableInstallFailed(step=step, errors=errors))
                     continue
                 sources = {r: s for r, s in resume_sources(written, world).items() if r != s}
             inst.step, inst.t0 = step, time.monotonic()
-            inst.deadline = inst.t0 + self.c.config.persist_timeout_s
+            inst.deadline = inst.t0 + self.install_timeout_s
             inst.reqs = []
             for n, ranks in inst.placement.items():
                 msg: Message = {"t": "install_durable", "url": inst.url, "step": step, "ranks": ranks}
                 if any(r in sources for r in ranks):
                     msg["from"] = {str(r): sources[r] for r in ranks if r in sources}
-                inst.reqs.append(self.c.io.request(self.c.view.nodes[n], msg))
+                inst.reqs.append(self.io.request(self.view.nodes[n], msg))
             return
         self.installing = None
         inst.done(None)
@@ -283,25 +347,25 @@ class RestoreSources:
         inst = self.installing
         if inst is None or inst.step is None:
             return
-        replies = self.c.io.replies
+        replies = self.io.replies
         if any(r not in replies for r in inst.reqs) and time.monotonic() < inst.deadline:
             return
         got = {r: replies.pop(r) for r in inst.reqs if r in replies}
         for r in inst.reqs:
-            self.c.io.done(r)
+            self.io.done(r)
         bad = [
             m.error if isinstance(m, Installed | Lost) else f"{type(m).__name__} answer"
             for m in got.values()
             if not isinstance(m, Installed) or not m.ok
         ]
         if bad or len(got) < len(inst.reqs):
-            self.c.events.emit(ev.DurableInstallFailed(step=inst.step, errors=bad or ["timed out"]))
+            self.events.emit(ev.DurableInstallFailed(step=inst.step, errors=bad or ["timed out"]))
             self._next_install()
             return
         self.installing = None
         if inst.recovery:
             seconds = time.monotonic() - inst.t0
-            self.c.events.emit(ev.RestoreFromDurable(step=inst.step, url=inst.url, seconds=seconds))
+            self.events.emit(ev.RestoreFromDurable(step=inst.step, url=inst.url, seconds=seconds))
         inst.done(inst.step)
 
 
