@@ -60,6 +60,7 @@ from nonstop.coordinator.replication import ReplicationRounds
 from nonstop.coordinator.resizing import Resizing
 from nonstop.coordinator.restore_sources import RestoreSources
 from nonstop.coordinator.store_sync import StoreSync
+from nonstop.coordinator.swap_actions import SwapActions
 from nonstop.coordinator.swaps import Swaps
 from nonstop.coordinator.view import JobView, NodeRecord
 from nonstop.coordinator.workers import WorkerProtocol
@@ -172,7 +173,19 @@ class Coordinator:
         # node agents: joins, leases, losses, quarantine, spares
         self.agents = NodeAgents(self)
         # live migrations and elastic grows: boundary swaps (policy/boundary_swap.py, coordinator/swaps.py)
-        self.swaps = Swaps(self)
+        self.swaps = Swaps(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            actions=SwapActions(view=self.view, io=self.io, events=events, sources=self.sources),
+            elastic=self.elastic,
+            detector=self.detector,
+            full_world_size=config.world_size,
+            rebuild_timeout_s=config.rebuild_timeout_s,
+            swap_transfer=config.swap_transfer,
+            persist=self.rounds,
+        )
         # issue 21: fail-slow ranks, graded failures, probe verdicts, proactive moves (healthops.py)
         self.health = Health(
             view=self.view,
@@ -247,6 +260,9 @@ class Coordinator:
         events.subscribe(self.feed.on_event)
         # the workers' protocol: connections, heartbeats, step reports, rendezvous, stage reports
         self.workers = WorkerProtocol(self)
+        # the peers that call back into the swaps, built after them
+        self.swaps.actions.bind(gens=self.gens, resize=self.resize)
+        self.swaps.bind(resize=self.resize, nodes=self.agents)
         self.life.busy_from(self.gens.busy, self.swaps.busy, self.store.busy)
         self.life.before_finish(self.swaps.finish)
 
