@@ -113,7 +113,6 @@ class Coordinator:
         jobs: JobStore | None = None,
     ) -> None:
         self.config = config
-        self.job_id = job_id
         self.worker_env = worker_env
         # one node: a Persister over the node's memory; several: rounds across the nodes
         self.persister = persister
@@ -153,8 +152,6 @@ class Coordinator:
             replicas=config.replicas,
             mesh=self.mesh,
         )
-        # store mode (--store etcd://): state saved in and restored from the control store
-        self.store = StoreSync(self, jobs)
         # generations: planning, launching and timing every membership change
         self.gens = Generations(
             self,
@@ -185,6 +182,20 @@ class Coordinator:
             rebuild_timeout_s=config.rebuild_timeout_s,
             swap_transfer=config.swap_transfer,
             persist=self.rounds,
+        )
+        # store mode (--store etcd://): state saved in and restored from the control store
+        self.store = StoreSync(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            jobs=jobs,
+            address=server.address,
+            lease_ttl_s=config.lease_ttl_s,
+            reconnect_s=config.reconnect_s,
+            store_url=config.store,
+            gens=self.gens,
+            swaps=self.swaps,
         )
         # issue 21: fail-slow ranks, graded failures, probe verdicts, proactive moves (healthops.py)
         self.health = Health(
@@ -260,9 +271,10 @@ class Coordinator:
         events.subscribe(self.feed.on_event)
         # the workers' protocol: connections, heartbeats, step reports, rendezvous, stage reports
         self.workers = WorkerProtocol(self)
-        # the peers that call back into the swaps, built after them
+        # the peers that call back into the swaps and the store sync, built after them
         self.swaps.actions.bind(gens=self.gens, resize=self.resize)
         self.swaps.bind(resize=self.resize, nodes=self.agents)
+        self.store.bind(nodes=self.agents, workers=self.workers)
         self.life.busy_from(self.gens.busy, self.swaps.busy, self.store.busy)
         self.life.before_finish(self.swaps.finish)
 
@@ -270,10 +282,10 @@ class Coordinator:
         """What ``nonstop status`` shows (JSON types)."""
         return self.clients.status()
 
-    def adopt_view(self, view: JobView) -> None:
-        """Take the state of ``view`` (a coordinator restarted from its record): every operation
-        holds the one view, which adopts it in place."""
-        self.view.adopt(view)
+    @property
+    def job_id(self) -> str:
+        """The job's id: the view's (a restarted coordinator's is its record's)."""
+        return self.view.job_id
 
     @property
     def error(self) -> str | None:

@@ -29,10 +29,13 @@ __all__ = [
     "SwapGuard",
     "UnderWay",
     "BoundarySources",
+    "CadenceResume",
     "GrowJoiners",
     "NodeLoss",
     "PersistNow",
+    "Resync",
     "SwapGenerations",
+    "SwapRecord",
     "SwapShards",
 ]
 
@@ -196,3 +199,30 @@ class SwapGenerations(Protocol):
     ) -> Reconfiguration: ...
 
     def launch(self, r: Reconfiguration, *, tier: str, fetches: dict[int, str], **extra: Any) -> None: ...
+
+
+class Resync(Protocol):
+    """The generations as a restarted coordinator sees them: a recovery interrupted by the
+    restart is redone from the nodes' inventories (:meth:`~nonstop.coordinator.generations.
+    Generations.begin`)."""
+
+    def begin(self, failures: list[Failure], *, inventory_needed: bool = False) -> None: ...
+
+
+class CadenceResume(Protocol):
+    """The workers' protocol as a reconnected member's resume point reaches it
+    (:meth:`~nonstop.coordinator.workers.WorkerProtocol.resumed_cadence`)."""
+
+    def resumed_cadence(self, said: object) -> None: ...
+
+
+class SwapRecord(Protocol):
+    """The swaps as the store's record sees them (:mod:`nonstop.coordinator.swaps`)."""
+
+    def record(self) -> dict[str, Any]:
+        """The migration queue and the swap in flight (JSON types)."""
+        ...
+
+    def requeue(self, rec: dict[str, Any], now: float) -> None:
+        """Queue again the migrations a dead coordinator's record had queued."""
+        ...
