@@ -62,6 +62,7 @@ from nonstop.coordinator.replication import ReplicationRounds
 from nonstop.coordinator.resizing import Resizing
 from nonstop.coordinator.restore_sources import RestoreSources
 from nonstop.coordinator.store_sync import StoreSync
+from nonstop.coordinator.swap_actions import SwapActions
 from nonstop.coordinator.swaps import Swaps
 from nonstop.coordinator.view import JobView, NodeRecord
 from nonstop.coordinator.workers import WorkerProtocol
@@ -114,7 +115,6 @@ class Coordinator:
         jobs: JobStore | None = None,
     ) -> None:
         self.config = config
-        self.job_id = job_id
         self.worker_env = worker_env
         # one node: a Persister over the node's memory; several: rounds across the nodes
         self.persister = persister
@@ -154,8 +154,6 @@ class Coordinator:
             replicas=config.replicas,
             mesh=self.mesh,
         )
-        # store mode (--store etcd://): state saved in and restored from the control store
-        self.store = StoreSync(self, jobs)
         # where restore steps come from: peers' memory (fetches) or the durable tier
         self.sources = RestoreSources(
             view=self.view,
@@ -169,7 +167,19 @@ class Coordinator:
         # node agents: joins, leases, losses, quarantine, spares
         self.agents = NodeAgents(self)
         # live migrations and elastic grows: boundary swaps (policy/boundary_swap.py, coordinator/swaps.py)
-        self.swaps = Swaps(self)
+        self.swaps = Swaps(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            actions=SwapActions(view=self.view, io=self.io, events=events, sources=self.sources),
+            elastic=self.elastic,
+            detector=self.detector,
+            full_world_size=config.world_size,
+            rebuild_timeout_s=config.rebuild_timeout_s,
+            swap_transfer=config.swap_transfer,
+            persist=self.rounds,
+        )
         # issue 21: fail-slow ranks, graded failures, probe verdicts, proactive moves (healthops.py)
         self.health = Health(
             view=self.view,
@@ -230,6 +240,20 @@ class Coordinator:
             fences=(lambda _: self.replication.reset(), self._fence_rendezvous),
         )
         self.sources.bind(setup=self.setup, needs=self.resize)
+        # store mode (--store etcd://): state saved in and restored from the control store
+        self.store = StoreSync(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            jobs=jobs,
+            address=server.address,
+            lease_ttl_s=config.lease_ttl_s,
+            reconnect_s=config.reconnect_s,
+            store_url=config.store,
+            gens=self.gens,
+            swaps=self.swaps,
+        )
         # process exits and hangs become failures, failures become a recovery
         self.failures = Failures(
             view=self.view,
@@ -279,6 +303,10 @@ class Coordinator:
         events.subscribe(self.feed.on_event)
         # the workers' protocol: connections, heartbeats, step reports, rendezvous, stage reports
         self.workers = WorkerProtocol(self)
+        # the peers that call back into the swaps and the store sync, built after them
+        self.swaps.actions.bind(gens=self.gens, resize=self.resize)
+        self.swaps.bind(resize=self.resize, nodes=self.agents)
+        self.store.bind(nodes=self.agents, workers=self.workers)
         self.life.busy_from(self.setup.busy, self.swaps.busy, self.store.busy)
         self.life.before_finish(self.swaps.finish)
 
@@ -286,10 +314,10 @@ class Coordinator:
         """What ``nonstop status`` shows (JSON types)."""
         return self.clients.status()
 
-    def adopt_view(self, view: JobView) -> None:
-        """Take the state of ``view`` (a coordinator restarted from its record): every operation
-        holds the one view, which adopts it in place."""
-        self.view.adopt(view)
+    @property
+    def job_id(self) -> str:
+        """The job's id: the view's (a restarted coordinator's is its record's)."""
+        return self.view.job_id
 
     @property
     def error(self) -> str | None:

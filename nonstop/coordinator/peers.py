@@ -8,13 +8,14 @@ Threading: the coordinator's thread only, like the operations.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nonstop.policy.phase import Busy
 
 if TYPE_CHECKING:
     from nonstop.coordinator.view import NodeRecord
+    from nonstop.policy.boundary_swap import Joiner
     from nonstop.policy.decisions import FailureKind
     from nonstop.policy.grading import Graded
     from nonstop.policy.planning import Inventory, Shrink
@@ -37,6 +38,15 @@ __all__ = [
     "RankShards",
     "SwapsDone",
     "SpareSupply",
+    "BoundarySources",
+    "CadenceResume",
+    "GrowJoiners",
+    "NodeLoss",
+    "PersistNow",
+    "Resync",
+    "SwapGenerations",
+    "SwapRecord",
+    "SwapShards",
 ]
 
 
@@ -225,3 +235,114 @@ class SpareSupply(Protocol):
     the spares a generation used are replaced."""
 
     def replenish_spares(self) -> None: ...
+
+
+class NodeLoss(Protocol):
+    """The node agents as an operation that ends a node sees them (:mod:`nonstop.coordinator.
+    node_agents`): a drained node released, a node whose lease ended lost."""
+
+    def lose_node(
+        self, node: NodeRecord, why: str, *, quarantine: bool = False, failure: bool = True
+    ) -> None: ...
+
+
+class PersistNow(Protocol):
+    """A job of several nodes' persist rounds as a preempted node asks for one
+    (:class:`~nonstop.coordinator.persistence.ClusterPersister`)."""
+
+    def request(self) -> int:
+        """Ask for a persist of the newest committed step; a ticket."""
+        ...
+
+
+class GrowJoiners(Protocol):
+    """The job's size as a grow that starts sees it (:mod:`nonstop.coordinator.resizing`)."""
+
+    @property
+    def reshards(self) -> bool:
+        """A resize cuts every rank's shards anew (so no joiner fetches one source's boundary)."""
+        ...
+
+    def joiners(self, idle: Mapping[int, str], target: int) -> list[Joiner]:
+        """The idle spares (spawn id -> node) a grow to ``target`` ranks brings in."""
+        ...
+
+
+class SwapShards(Protocol):
+    """The job's size as a swap's joiners and its generation see it (:mod:`nonstop.coordinator.
+    resizing`)."""
+
+    def shards_of(self, rank: int, world_size: int | None = None) -> dict[str, Any]: ...
+
+    def data_shards(self, world_size: int) -> tuple[tuple[int, ...], ...]: ...
+
+    def reshard_at_boundary(self, r: Reconfiguration, step: int, old_world: int) -> None: ...
+
+
+class BoundarySources(Protocol):
+    """Where a swap's joiners read their boundary (:mod:`nonstop.coordinator.restore_sources`)."""
+
+    def fetch_early(
+        self, target: str, rank: int, step: int, source: str, *, as_rank: int, base: int | None = None
+    ) -> int:
+        """A boundary fetch asked before the swap's generation exists; its request id."""
+        ...
+
+    def fetch_for(
+        self,
+        r: Reconfiguration,
+        rank: int,
+        step: int,
+        source: str,
+        kind: str,
+        *,
+        src_rank: int | None = None,
+        base: int | None = None,
+        early: int | None = None,
+    ) -> str:
+        """A fetch generation ``r`` waits for before ``rank`` restores (``early``: adopt that one)."""
+        ...
+
+    def drop_early(self, req: int) -> None:
+        """A swap that asked for boundary fetch ``req`` ended: a late answer is ignored."""
+        ...
+
+
+class SwapGenerations(Protocol):
+    """The generations as a swap sees them (:mod:`nonstop.coordinator.generations`): the swap
+    opens its generation, builds it at the boundary and launches it."""
+
+    def open_generation(self) -> None: ...
+
+    def boundary_generation(
+        self, step: int, replacements: dict[int, str], *, fresh: set[int] | None = None
+    ) -> Reconfiguration: ...
+
+    def launch(self, r: Reconfiguration, *, tier: str, fetches: dict[int, str], **extra: Any) -> None: ...
+
+
+class Resync(Protocol):
+    """The generations as a restarted coordinator sees them: a recovery interrupted by the
+    restart is redone from the nodes' inventories (:meth:`~nonstop.coordinator.generations.
+    Generations.begin`)."""
+
+    def begin(self, failures: list[Failure], *, inventory_needed: bool = False) -> None: ...
+
+
+class CadenceResume(Protocol):
+    """The workers' protocol as a reconnected member's resume point reaches it
+    (:meth:`~nonstop.coordinator.workers.WorkerProtocol.resumed_cadence`)."""
+
+    def resumed_cadence(self, said: object) -> None: ...
+
+
+class SwapRecord(Protocol):
+    """The swaps as the store's record sees them (:mod:`nonstop.coordinator.swaps`)."""
+
+    def record(self) -> dict[str, Any]:
+        """The migration queue and the swap in flight (JSON types)."""
+        ...
+
+    def requeue(self, rec: dict[str, Any], now: float) -> None:
+        """Queue again the migrations a dead coordinator's record had queued."""
+        ...

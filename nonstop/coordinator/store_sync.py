@@ -18,7 +18,8 @@ saves its record there every loop, and a restarted coordinator resumes from it.
   RecordWriter` thread, so the loop that acknowledges the nodes never waits on the store; the
   leader lease is ``leader_ttl`` long, the stall the coordinator rides through.
 
-Threading: the coordinator's thread only (the lease keeper and the watch have their own).
+Threading: the coordinator's thread only (the lease keeper and the watch have their own); sends,
+kills and spawns through its executor.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ from nonstop.errors import ControlError
 from nonstop.policy.phase import Busy, JobPhase
 
 if TYPE_CHECKING:
-    from nonstop.coordinator.loop import Coordinator
+    from nonstop.coordinator.executor import Executor
+    from nonstop.coordinator.job import JobLife
+    from nonstop.coordinator.peers import CadenceResume, NodeLoss, Resync, SwapRecord
+    from nonstop.events.log import EventLog
 
 __all__ = ["EXIT_NOT_LEADER", "StoreSync"]
 
@@ -69,10 +73,46 @@ def leader_ttl(lease_ttl_s: float) -> float:
 
 class StoreSync:
     """The coordinator's side of the control store (see the module docstring); inert when the
-    job has no store (``jobs`` None)."""
+    job has no store (``jobs`` None).
 
-    def __init__(self, c: Coordinator, jobs: JobStore | None) -> None:
-        self.c = c
+    ``address``: the coordinator's control server, as the leader key names it;
+    ``lease_ttl_s``: the nodes' leases (``--lease-ttl``); ``reconnect_s``: how long a node may be
+    away (``--reconnect``); ``store_url``: ``--store``, as errors name it. ``gens``: a restored
+    recovery is redone through them; ``swaps``: their part of the record.
+
+    The node agents (a node whose lease ended is lost) and the workers' protocol (a member's
+    resume point) come late, by :meth:`bind`: both call back into the store sync (a node
+    reattaches, its lease is revoked; a worker resumes), so they are built after it; :meth:`bind`
+    is called once, before :meth:`open`."""
+
+    nodes: NodeLoss
+    workers: CadenceResume
+
+    def __init__(
+        self,
+        *,
+        view: JobView,
+        io: Executor,
+        events: EventLog,
+        life: JobLife,
+        jobs: JobStore | None,
+        address: tuple[str, int],
+        lease_ttl_s: float,
+        reconnect_s: float,
+        store_url: str,
+        gens: Resync,
+        swaps: SwapRecord,
+    ) -> None:
+        self.view = view
+        self.io = io
+        self.events = events
+        self.life = life
+        self.address = address
+        self.lease_ttl_s = lease_ttl_s
+        self.reconnect_s = reconnect_s
+        self.store_url = store_url
+        self.gens = gens
+        self.swaps = swaps
         self.jobs = jobs
         self.leader: LeaseKeeper | None = None
         self.node_watch: Watch | None = None
@@ -85,6 +125,11 @@ class StoreSync:
         self.interrupted: dict[str, dict[str, Any]] = {}
         self.continue_on_resume: set[int] = set()
 
+    def bind(self, *, nodes: NodeLoss, workers: CadenceResume) -> None:
+        """The peers that are built after the store sync (see the class docstring)."""
+        self.nodes = nodes
+        self.workers = workers
+
     def busy(self) -> set[Busy]:
         """Restored nodes not reconnected yet hold back what needs every node."""
         return {Busy.RESYNCING} if self.awaiting else set()
@@ -93,9 +138,9 @@ class StoreSync:
         """Lead the job (waiting out a dead predecessor's lease), restore its record if there is
         one, and watch the nodes' leases."""
         assert self.jobs is not None
-        addr = f"{self.c.server.address[0]}:{self.c.server.address[1]}"
+        addr = f"{self.address[0]}:{self.address[1]}"
         t0 = time.monotonic()
-        ttl = leader_ttl(self.c.config.lease_ttl_s)
+        ttl = leader_ttl(self.lease_ttl_s)
         self.leader = self.jobs.lead(
             addr,
             ttl,
@@ -106,23 +151,23 @@ class StoreSync:
             # The predecessor is gone, maybe only just: its nodes may still be playing their
             # ranks until they notice (FENCE_AT of a lease TTL). Which leases live is read a TTL
             # after it died -- at least this process's age ago (it was started after).
-            time.sleep(max(0.0, self.c.config.lease_ttl_s - process_age_s()))
+            time.sleep(max(0.0, self.lease_ttl_s - process_age_s()))
         live, rev = self.jobs.live_nodes()
         self.node_watch = self.jobs.watch_nodes(rev + 1)
         record = self.jobs.load()
         self.writer = RecordWriter(self.jobs)
         if record is None:
-            self.c.events.emit(ev.CoordinatorLeads(address=addr, waited_s=time.monotonic() - t0))
+            self.events.emit(ev.CoordinatorLeads(address=addr, waited_s=time.monotonic() - t0))
             return
         self.restore(record, live)
-        self.c.events.emit(
+        self.events.emit(
             ev.CoordinatorResumed(
                 address=addr,
                 waited_s=time.monotonic() - t0,
-                generation=self.c.view.generation,
-                state=str(self.c.view.phase),
+                generation=self.view.generation,
+                state=str(self.view.phase),
                 nodes=sorted(self.awaiting),
-                lost=sorted(n for n, r in self.c.view.nodes.items() if not r.alive),
+                lost=sorted(n for n, r in self.view.nodes.items() if not r.alive),
             )
         )
 
@@ -131,7 +176,7 @@ class StoreSync:
             return
         if self.writer is not None:
             self.writer.save(self.record())
-            if not self.writer.close(timeout=max(5.0, self.c.config.lease_ttl_s)):
+            if not self.writer.close(timeout=max(5.0, self.lease_ttl_s)):
                 log.warning("the final job record did not reach the control store")
         if self.node_watch is not None:
             self.node_watch.cancel()
@@ -152,43 +197,43 @@ class StoreSync:
             try:
                 change = self.node_watch.get(timeout=0)
             except ControlError as e:
-                self.c.fail(f"lost the watch on the nodes' leases in {self.c.config.store}: {e}")
+                self.life.fail(f"lost the watch on the nodes' leases in {self.store_url}: {e}")
                 return
             if change is None:
                 break
-            node = self.c.view.nodes.get(self.jobs.node_name(change.key))
+            node = self.view.nodes.get(self.jobs.node_name(change.key))
             if node is None or not node.alive:
                 continue
             if change.kind == "delete":
                 self.on_lease_ended(node)
             elif node.name in self.lapsed:
                 since = self.lapsed.pop(node.name)
-                self.c.events.emit(ev.NodeLeaseRenewed(node=node.name, lapsed_s=time.monotonic() - since))
+                self.events.emit(ev.NodeLeaseRenewed(node=node.name, lapsed_s=time.monotonic() - since))
         now = time.monotonic()
         for name, since in list(self.lapsed.items()):
-            node = self.c.view.nodes[name]
+            node = self.view.nodes[name]
             if not node.alive:
                 del self.lapsed[name]
             elif not self.hears(node, now):
                 del self.lapsed[name]
                 self.awaiting.pop(name, None)
-                self.c.agents.lose_node(
+                self.nodes.lose_node(
                     node, f"its lease in the control store ended {now - since:.1f}s ago and it is not heard"
                 )
-        for node in self.c.view.nodes.values():
+        for node in self.view.nodes.values():
             gone_since = self.awaiting.get(node.name, node.disconnected_at)
-            if node.alive and gone_since is not None and now - gone_since > self.c.config.reconnect_s:
+            if node.alive and gone_since is not None and now - gone_since > self.reconnect_s:
                 if node.lease_id:
                     self.revoke(node)  # its agent fences; the delete event then loses the node
                 else:
                     self.awaiting.pop(node.name, None)
-                    self.c.agents.lose_node(node, f"did not reconnect within {self.c.config.reconnect_s:g}s")
+                    self.nodes.lose_node(node, f"did not reconnect within {self.reconnect_s:g}s")
         if self.interrupted and not self.awaiting:
             self.end_interrupted()
-        if self.resync and not self.awaiting and self.c.view.phase is not JobPhase.FAILED:
+        if self.resync and not self.awaiting and self.view.phase is not JobPhase.FAILED:
             self.resync = False
-            if self.c.view.members:
-                self.c.gens.begin([], inventory_needed=True)
+            if self.view.members:
+                self.gens.begin([], inventory_needed=True)
         assert self.writer is not None
         self.writer.save(self.record())
 
@@ -197,7 +242,7 @@ class StoreSync:
         return (
             node.chan is not None
             and node.disconnected_at is None
-            and now - node.last_lease <= self.c.config.lease_ttl_s
+            and now - node.last_lease <= self.lease_ttl_s
         )
 
     def on_lease_ended(self, node: NodeRecord) -> None:
@@ -206,10 +251,10 @@ class StoreSync:
         if self.hears(node, now) and not node.quarantined:
             if node.name not in self.lapsed:
                 self.lapsed[node.name] = now
-                self.c.events.emit(ev.NodeLeaseLapsed(node=node.name, heard_s_ago=now - node.last_lease))
+                self.events.emit(ev.NodeLeaseLapsed(node=node.name, heard_s_ago=now - node.last_lease))
             return
         self.awaiting.pop(node.name, None)
-        self.c.agents.lose_node(node, "its lease in the control store ended")
+        self.nodes.lose_node(node, "its lease in the control store ended")
 
     def end_interrupted(self) -> None:
         """A migration or grow the previous coordinator had in flight (every node is back now):
@@ -218,10 +263,10 @@ class StoreSync:
         go on; one that had swapped is finished by the resync generation (its joiners are
         members). Queued migrations were queued again by ``restore``."""
         why = "the coordinator restarted"
-        v = self.c.view
+        v = self.view
         for kind, op in sorted(self.interrupted.items()):
             if op.get("swapped"):
-                self.c.events.emit(ev.OperationResumed(operation=kind, generation=v.generation))
+                self.events.emit(ev.OperationResumed(operation=kind, generation=v.generation))
                 continue
             told = {int(sid) for sid in op.get("told", [])}
             for sid in (int(s) for s in op.get("joiners", [])):
@@ -230,21 +275,21 @@ class StoreSync:
                     continue
                 if sid in told:
                     w.role, w.rank = Role.RETIRED, None
-                    self.c.io.kill(sid, signal.SIGKILL)
+                    self.io.kill(sid, signal.SIGKILL)
                     node = v.nodes.get(w.node)
                     if node is not None and node.alive:
-                        self.c.io.spawn(node.name, Role.SPARE, None)
+                        self.io.spawn(node.name, Role.SPARE, None)
                 else:
                     w.role, w.rank = Role.SPARE, None
             self.continue_on_resume |= set(v.members.values())
             for sid in list(self.continue_on_resume):
                 if v.workers[sid].chan is not None:
-                    self.c.io.send(v.workers[sid], {"t": "continue"})
+                    self.io.send(v.workers[sid], {"t": "continue"})
                     self.continue_on_resume.discard(sid)
             if kind == "migration":
-                self.c.events.emit(ev.MigrationAborted(rank=op.get("rank"), phase=op.get("phase"), error=why))
+                self.events.emit(ev.MigrationAborted(rank=op.get("rank"), phase=op.get("phase"), error=why))
             else:
-                self.c.events.emit(ev.GrowAborted(boundary=None, error=why))
+                self.events.emit(ev.GrowAborted(boundary=None, error=why))
         self.interrupted = {}
 
     def revoke(self, node: NodeRecord) -> None:
@@ -255,7 +300,9 @@ class StoreSync:
         node.lease_id = 0
 
     def reattach(self, node: NodeRecord, chan: Channel) -> None:
-        """A node's agent reconnected (to a restarted coordinator, or after its channel broke)."""
+        """A node's agent reconnected (to a restarted coordinator, or after its channel broke): it
+        is welcomed on ``chan`` (a channel that broke meanwhile raises
+        :class:`~nonstop.errors.ControlError`, as a new node's welcome does)."""
         chan.tag = ("node", node.name)
         node.chan = chan
         node.disconnected_at = None
@@ -263,61 +310,60 @@ class StoreSync:
         node.lease_id = int(chan.hello.get("lease_id", node.lease_id))
         node.data_addr = str(chan.hello.get("data_addr", node.data_addr))
         self.awaiting.pop(node.name, None)
-        chan.send(
+        self.io.answer(
+            chan,
             {
                 "t": "welcome",
-                "job_id": self.c.job_id,
+                "job_id": self.view.job_id,
                 "resumed": True,
-                "lease_ttl_s": self.c.config.lease_ttl_s,
-            }
+                "lease_ttl_s": self.lease_ttl_s,
+            },
         )
-        self.c.events.emit(ev.NodeReconnected(node=node.name))
+        self.events.emit(ev.NodeReconnected(node=node.name))
 
     def on_worker_resumed(self, w: WorkerRecord, resume: dict[str, Any]) -> None:
         """A worker reconnected after the coordinator restarted: take its progress."""
         rank = w.rank
-        member = rank is not None and self.c.view.members.get(rank) == w.spawn_id
-        if member and rank is not None and int(resume.get("gen", -1)) == self.c.view.generation:
+        member = rank is not None and self.view.members.get(rank) == w.spawn_id
+        if member and rank is not None and int(resume.get("gen", -1)) == self.view.generation:
             step = int(resume.get("step", 0))
-            self.c.view.latest_step[rank] = max(self.c.view.latest_step.get(rank, 0), step)
+            self.view.latest_step[rank] = max(self.view.latest_step.get(rank, 0), step)
             if resume.get("done"):
-                self.c.view.done_ranks.add(rank)
-            self.c.workers.resumed_cadence(resume.get("cadence"))
+                self.view.done_ranks.add(rank)
+            self.workers.resumed_cadence(resume.get("cadence"))
         if w.spawn_id in self.continue_on_resume:  # paused for an operation that was aborted
             self.continue_on_resume.discard(w.spawn_id)
-            self.c.io.send(w, {"t": "continue"})
-        if self.c.view.phase is JobPhase.FINISHING:
-            self.c.io.send(w, {"t": "finish"})  # it may have missed it
-        elif self.c.view.phase is JobPhase.RUNNING and self.c.view.all_done():
-            self.c.finish()
+            self.io.send(w, {"t": "continue"})
+        if self.view.phase is JobPhase.FINISHING:
+            self.io.send(w, {"t": "finish"})  # it may have missed it
+        elif self.view.phase is JobPhase.RUNNING and self.view.all_done():
+            self.life.finish()
 
     def record(self) -> dict[str, Any]:
         """What a restarted coordinator needs to carry on (saved in the store; JSON types): the
         whole view, and the operations in flight."""
         return {
-            **self.c.view.to_record(),
+            **self.view.to_record(),
             # operations in flight: a restarted coordinator ends them cleanly (end_interrupted)
-            **self.c.swaps.record(),
+            **self.swaps.record(),
         }
 
     def restore(self, rec: dict[str, Any], live: set[str]) -> None:
         """Take over from a dead coordinator's record; ``live``: nodes whose lease is alive."""
         now = time.monotonic()
-        grace = now + min(self.c.config.reconnect_s, 10.0)  # workers reconnect before they count as hung
-        self.c.adopt_view(JobView.from_record(rec, now=now, grace_until=grace))
-        self.c.job_id = self.c.view.job_id
-        for name, node in self.c.view.nodes.items():
+        grace = now + min(self.reconnect_s, 10.0)  # workers reconnect before they count as hung
+        self.view.adopt(JobView.from_record(rec, now=now, grace_until=grace))  # the job's id too
+        for name, node in self.view.nodes.items():
             if node.alive:
                 self.awaiting[name] = now
         self.interrupted = {k: rec[k] for k in ("migration", "grow") if rec.get(k)}
-        for rank, target, reason in rec.get("migrate_queue", []):
-            self.c.swaps.queue.append((int(rank), target, str(reason), now))
-        state = self.c.view.phase  # as the record had it
-        self.c.view.phase = JobPhase.RUNNING if state is JobPhase.RECONFIGURING else state
-        self.resync = state in (JobPhase.RECONFIGURING, JobPhase.STARTING) and bool(self.c.view.members)
+        self.swaps.requeue(rec, now)
+        state = self.view.phase  # as the record had it
+        self.view.phase = JobPhase.RUNNING if state is JobPhase.RECONFIGURING else state
+        self.resync = state in (JobPhase.RECONFIGURING, JobPhase.STARTING) and bool(self.view.members)
         if self.resync:
-            self.c.view.phase = JobPhase.RECONFIGURING
+            self.view.phase = JobPhase.RECONFIGURING
         for name in sorted(self.awaiting):
             if name not in live:  # its lease ended while no coordinator was watching
                 self.awaiting.pop(name)
-                self.c.agents.lose_node(self.c.view.nodes[name], "its lease in the control store ended")
+                self.nodes.lose_node(self.view.nodes[name], "its lease in the control store ended")
