@@ -401,7 +401,7 @@ class Generations:
         for rank, sid in self.c.view.members.items():
             if self.c.view.workers[sid].chan is None:  # still starting (e.g. launched by a re-plan)
                 r.waiting_launch.add(rank)
-        r.timeout_s = self.c.config.rebuild_timeout_s
+        r.timeout_s = self.c.config.detection.rebuild_timeout_s
         self._execute(r, r.start(time.time()))
 
     def report(self, ev: RecoveryEvent) -> None:

@@ -130,26 +130,26 @@ class Coordinator:
         # a sharded job comes and goes by whole replica groups (nonstop/mesh.py)
         self.mesh = MeshSpec.parse(config.mesh) if config.mesh is not None else None
         mesh = self.mesh
-        self.num_shards = mesh.dp_size if mesh else config.world_size * config.shards_per_rank
-        self.survivor_mode = SurvivorMode(config.survivors)  # policy/survivors.py
+        self.num_shards = mesh.dp_size if mesh else config.world_size * config.elastic.shards_per_rank
+        self.survivor_mode = SurvivorMode(config.elastic.survivors)  # policy/survivors.py
         self.elastic = ElasticPolicy(
             full_world_size=config.world_size,
             min_world_size=config.min_world,
-            wait_s=config.elastic_wait_s,
+            wait_s=config.elastic.wait_s,
             unit=mesh.group_size if mesh else 1,
         )
         # replicating: the held replicated step, the one a round is sending, the newest, one to write
-        self.num_slots = 4 if config.replicas > 0 and config.nnodes > 1 else 2
-        self.detector = FailureDetector(config.detector)
+        self.num_slots = 4 if config.replication.replicas > 0 and config.nnodes > 1 else 2
+        self.detector = FailureDetector(config.detection.detector)
         self.quarantine = QuarantinePolicy(
-            max_failures=config.quarantine_failures, window_s=config.quarantine_window_s
+            max_failures=config.detection.quarantine_failures, window_s=config.detection.quarantine_window_s
         )
         self.kv = KeyValueTable()
         self.replication = ReplicationRounds(
             view=self.view,
             io=self.io,
             events=events,
-            replicas=config.replicas,
+            replicas=config.replication.replicas,
             mesh=self.mesh,
         )
         # store mode (--store etcd://): state saved in and restored from the control store
@@ -161,7 +161,7 @@ class Coordinator:
             asks=PlanAsks(
                 view=self.view,
                 io=self.io,
-                rescue_wait_s=config.rescue_wait_s,
+                rescue_wait_s=config.snapshot.rescue_wait_s,
                 mesh=self.mesh,
                 rescues=lambda: self.workers.rescues,
             ),
@@ -177,7 +177,7 @@ class Coordinator:
         self.health = Health(
             view=self.view,
             events=events,
-            config=config.straggler,
+            config=config.detection.straggler,
             quarantine=self.quarantine,
             mover=self.swaps,
         )
@@ -207,7 +207,7 @@ class Coordinator:
             detector=self.detector,
             num_shards=self.num_shards,
             full_world_size=config.world_size,
-            drop_batch=config.shrink_batch == "drop",
+            drop_batch=config.elastic.shrink_batch == "drop",
             durable_url=durable_url,
             swaps=self.swaps,
             sources=self.sources,
@@ -223,7 +223,7 @@ class Coordinator:
                 num_shards=self.num_shards,
                 full_world_size=config.world_size,
                 min_world_size=self.elastic.min_world_size,
-                store=config.store,
+                store=config.control.store,
             ),
             persister=persister,
             rounds=self.rounds,
@@ -236,7 +236,7 @@ class Coordinator:
             view=self.view,
             life=self.life,
             rounds=self.rounds,
-            timeout_s=config.persist_timeout_s,
+            timeout_s=config.persist.timeout_s,
             store=self.store,
             clients=self.clients,
         )
@@ -278,7 +278,7 @@ class Coordinator:
 
     @property
     def replication_on(self) -> bool:
-        return self.config.replicas > 0 and self.config.nnodes > 1
+        return self.config.replication.replicas > 0 and self.config.nnodes > 1
 
     def run(self, stop: threading.Event) -> JobResult:
         if self.store.jobs is not None:

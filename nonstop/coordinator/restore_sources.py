@@ -266,7 +266,7 @@ class RestoreSources:
                     continue
                 sources = {r: s for r, s in resume_sources(written, world).items() if r != s}
             inst.step, inst.t0 = step, time.monotonic()
-            inst.deadline = inst.t0 + self.c.config.persist_timeout_s
+            inst.deadline = inst.t0 + self.c.config.persist.timeout_s
             inst.reqs = []
             for n, ranks in inst.placement.items():
                 msg: Message = {"t": "install_durable", "url": inst.url, "step": step, "ranks": ranks}

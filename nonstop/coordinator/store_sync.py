@@ -95,7 +95,7 @@ class StoreSync:
         assert self.jobs is not None
         addr = f"{self.c.server.address[0]}:{self.c.server.address[1]}"
         t0 = time.monotonic()
-        ttl = leader_ttl(self.c.config.lease_ttl_s)
+        ttl = leader_ttl(self.c.config.detection.lease_ttl_s)
         self.leader = self.jobs.lead(
             addr,
             ttl,
@@ -106,7 +106,7 @@ class StoreSync:
             # The predecessor is gone, maybe only just: its nodes may still be playing their
             # ranks until they notice (FENCE_AT of a lease TTL). Which leases live is read a TTL
             # after it died -- at least this process's age ago (it was started after).
-            time.sleep(max(0.0, self.c.config.lease_ttl_s - process_age_s()))
+            time.sleep(max(0.0, self.c.config.detection.lease_ttl_s - process_age_s()))
         live, rev = self.jobs.live_nodes()
         self.node_watch = self.jobs.watch_nodes(rev + 1)
         record = self.jobs.load()
@@ -131,7 +131,7 @@ class StoreSync:
             return
         if self.writer is not None:
             self.writer.save(self.record())
-            if not self.writer.close(timeout=max(5.0, self.c.config.lease_ttl_s)):
+            if not self.writer.close(timeout=max(5.0, self.c.config.detection.lease_ttl_s)):
                 log.warning("the final job record did not reach the control store")
         if self.node_watch is not None:
             self.node_watch.cancel()
@@ -152,7 +152,7 @@ class StoreSync:
             try:
                 change = self.node_watch.get(timeout=0)
             except ControlError as e:
-                self.c.fail(f"lost the watch on the nodes' leases in {self.c.config.store}: {e}")
+                self.c.fail(f"lost the watch on the nodes' leases in {self.c.config.control.store}: {e}")
                 return
             if change is None:
                 break
@@ -177,12 +177,14 @@ class StoreSync:
                 )
         for node in self.c.view.nodes.values():
             gone_since = self.awaiting.get(node.name, node.disconnected_at)
-            if node.alive and gone_since is not None and now - gone_since > self.c.config.reconnect_s:
+            if node.alive and gone_since is not None and now - gone_since > self.c.config.control.reconnect_s:
                 if node.lease_id:
                     self.revoke(node)  # its agent fences; the delete event then loses the node
                 else:
                     self.awaiting.pop(node.name, None)
-                    self.c.agents.lose_node(node, f"did not reconnect within {self.c.config.reconnect_s:g}s")
+                    self.c.agents.lose_node(
+                        node, f"did not reconnect within {self.c.config.control.reconnect_s:g}s"
+                    )
         if self.interrupted and not self.awaiting:
             self.end_interrupted()
         if self.resync and not self.awaiting and self.c.view.phase is not JobPhase.FAILED:
@@ -197,7 +199,7 @@ class StoreSync:
         return (
             node.chan is not None
             and node.disconnected_at is None
-            and now - node.last_lease <= self.c.config.lease_ttl_s
+            and now - node.last_lease <= self.c.config.detection.lease_ttl_s
         )
 
     def on_lease_ended(self, node: NodeRecord) -> None:
@@ -268,7 +270,7 @@ class StoreSync:
                 "t": "welcome",
                 "job_id": self.c.job_id,
                 "resumed": True,
-                "lease_ttl_s": self.c.config.lease_ttl_s,
+                "lease_ttl_s": self.c.config.detection.lease_ttl_s,
             }
         )
         self.c.events.emit(ev.NodeReconnected(node=node.name))
@@ -303,7 +305,9 @@ class StoreSync:
     def restore(self, rec: dict[str, Any], live: set[str]) -> None:
         """Take over from a dead coordinator's record; ``live``: nodes whose lease is alive."""
         now = time.monotonic()
-        grace = now + min(self.c.config.reconnect_s, 10.0)  # workers reconnect before they count as hung
+        grace = now + min(
+            self.c.config.control.reconnect_s, 10.0
+        )  # workers reconnect before they count as hung
         self.c.adopt_view(JobView.from_record(rec, now=now, grace_until=grace))
         self.c.job_id = self.c.view.job_id
         for name, node in self.c.view.nodes.items():

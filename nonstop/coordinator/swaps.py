@@ -181,7 +181,7 @@ class Swaps:
                 now = time.monotonic()
                 for sid in self.c.view.members.values():  # a rank waiting at the boundary is not hung
                     self.c.view.workers[sid].last_progress = now
-            self._run(a.tick(time.time(), self.c.config.rebuild_timeout_s))
+            self._run(a.tick(time.time(), self.c.config.detection.rebuild_timeout_s))
             return
         if self.queue and self.c.may_start(Op.MIGRATE):
             self._start_migration(*self.queue.pop(0))
@@ -201,7 +201,7 @@ class Swaps:
             )
         joiner = choose_joiner(target, idle) if target is not None and target in alive else None
         if target is None or joiner is None:
-            if time.monotonic() - asked < self.c.config.rebuild_timeout_s:
+            if time.monotonic() - asked < self.c.config.detection.rebuild_timeout_s:
                 # Spares may still be starting (importing torch) or being replaced: ask again later.
                 self.queue.append((rank, wanted, reason, asked))
                 return
@@ -223,7 +223,7 @@ class Swaps:
             reason=reason,
             leaver_sid=v.members[rank],
             catch=CatchUp(),
-            swap_mode=self.c.config.swap_transfer,
+            swap_mode=self.c.config.operations.swap_transfer,
         )
         self._run(self.active.start())
 
