@@ -32,7 +32,7 @@ from nonstop import events as ev
 from nonstop.agent.gc import hold_lock, release_lock
 from nonstop.agent.node import NodeAgent, NodeSpec
 from nonstop.agent.notice import NoticePoller, parse_headers
-from nonstop.config import ENV, JobConfig, job_config_to_json, security_environ
+from nonstop.config import ENV, JobConfig, PersistConfig, job_config_to_json, security_environ
 from nonstop.control.jobstore import JobStore
 from nonstop.control.listener import ControlServer
 from nonstop.control.secret import SECRET_FILE, coordinator_secret, node_secret, write_secret
@@ -233,7 +233,7 @@ def serve_coordinator(
     if resume is not None and config.persist.resume is not None:
         declare_resume(durable, config.persist.resume, resume.step)
     shm_dir = config.snapshot.shm_dir or default_shm_dir()
-    secret = coordinator_secret(config)
+    secret = coordinator_secret(config.control)
     events = EventLog(job_dir / "events.jsonl")
     host, port = config.coordinator_addr
     try:  # bind first: a busy port must leave no secret file behind
@@ -267,7 +267,9 @@ def serve_coordinator(
         events=events,
         job_id=job_id,
         worker_env=worker_env,
-        persister=persister if persister is not None else _cluster_persister(config, durable, codec, events),
+        persister=persister
+        if persister is not None
+        else _cluster_persister(config.persist, durable, codec, events),
         durable_url=durable.url,
         initial_step=resume.step if resume is not None else None,
         jobs=jobs,
@@ -418,7 +420,7 @@ def run_store_node0(
     DurableStore(config.checkpoint_url, keep=config.persist.keep)  # a bad URL fails here
     if config.persist.resume:
         load_resume(config)
-    secret = coordinator_secret(config)
+    secret = coordinator_secret(config.control)
     try:
         open_store(config.control.store, secret=secret.decode()).close()  # reachable, credentials good
     except ControlError as e:
@@ -478,14 +480,14 @@ def _supervise_coordinator(spec: Path, log_path: Path, result_file: Path, stop: 
 
 
 def _cluster_persister(
-    config: JobConfig, durable: DurableStore, codec: CodecConfig, events: EventLog
+    persist: PersistConfig, durable: DurableStore, codec: CodecConfig, events: EventLog
 ) -> ClusterPersister:
     """Persist rounds across the nodes (the coordinator attaches itself to send them)."""
     return ClusterPersister(
         durable=durable,
         codec=codec,
-        every=config.persist.every,
-        timeout_s=config.persist.timeout_s,
+        every=persist.every,
+        timeout_s=persist.timeout_s,
         emit=events.emit,
     )
 
