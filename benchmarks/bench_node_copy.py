@@ -123,7 +123,7 @@ def _sampled(cfg: Any, what: str) -> tuple[Path, int]:
     sampler = Sampler(shm)
     sampler.start()
     try:
-        res = run_job(replace(cfg, shm_dir=shm), redirect_output=True)
+        res = run_job(replace(cfg, snapshot=replace(cfg.snapshot, shm_dir=shm)), redirect_output=True)
     finally:
         peak = sampler.stop()
     if res.state is not JobState.DONE or not (job_dir / "result.json").exists():

@@ -8,7 +8,7 @@ import queue
 from pathlib import Path
 from typing import Any
 
-from nonstop.config import JobConfig
+from nonstop.config import job_config_from_flat
 from nonstop.control.jobstore import JobStore
 from nonstop.coordinator.loop import Coordinator
 from nonstop.errors import ControlError
@@ -59,7 +59,7 @@ class Harness:
     def __init__(self, job_dir: Path, *, jobs: JobStore | None = None, **cfg: Any) -> None:
         cfg.setdefault("script", "train.py")
         job_dir.mkdir(parents=True, exist_ok=True)
-        self.config = JobConfig(job_dir=job_dir, **cfg)
+        self.config = job_config_from_flat({"job_dir": job_dir, **cfg})
         self.server = FakeServer()
         self.log = EventLog(job_dir / "events.jsonl")
         self.coord = Coordinator(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from nonstop.config import JobConfig
+from nonstop.config import DetectionConfig, JobConfig
 from nonstop.coordinator.loop import JobState
 from nonstop.launch.local_nodes import run_local_nodes
 from tests.conftest import LEASE_TTL_S
@@ -65,7 +65,7 @@ def run_env_dump_job(tmp_path: Path, keys: tuple[str, ...]) -> tuple[Dumps, Dump
         job_dir=tmp_path / "job",
         faults=("kill:rank=1,step=4",),
         coordinator="127.0.0.1:0",
-        lease_ttl_s=LEASE_TTL_S,
+        detection=DetectionConfig(lease_ttl_s=LEASE_TTL_S),
     )
     result = run_local_nodes(config, redirect_output=True)
     assert result.state is JobState.DONE, result.error

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from nonstop.cli.flags.snapshot import snapshot_args, snapshot_config
-from nonstop.config import ENV, JobConfig, WorkerEnv
+from nonstop.config import ENV, JobConfig, SnapshotConfig, WorkerEnv
 from nonstop.errors import UsageError
 from nonstop.policy.cadence import (
     DEFAULT_BUDGET,
@@ -176,7 +176,7 @@ def test_what_a_reconnecting_rank_says_is_checked_before_it_is_taken_up() -> Non
 
     emitted: list[object] = []
     c = SimpleNamespace(
-        config=JobConfig(script="x", snapshot_budget=0.01),
+        config=JobConfig(script="x", snapshot=SnapshotConfig(budget=0.01)),
         mesh=None,
         events=SimpleNamespace(emit=emitted.append),
     )
@@ -216,16 +216,16 @@ def test_the_worker_switches_at_the_announced_step(tmp_path: Path) -> None:
 def test_a_budget_reaches_the_config_and_a_bad_one_fails_at_start() -> None:
     p = argparse.ArgumentParser()
     snapshot_args(p)
-    cfg = JobConfig(script="x", **snapshot_config(p.parse_args(["--snapshot-budget", "0.002"])))  # type: ignore[arg-type]
-    assert cfg.snapshot_budget == 0.002 and cfg.snapshot_max_age_s == 600.0
+    cfg = JobConfig(script="x", snapshot=snapshot_config(p.parse_args(["--snapshot-budget", "0.002"])))
+    assert cfg.snapshot.budget == 0.002 and cfg.snapshot.max_age_s == 600.0
     aged = snapshot_config(p.parse_args(["--snapshot-budget", "0.002", "--snapshot-max-age", "60"]))
-    assert JobConfig(script="x", **aged).snapshot_max_age_s == 60.0  # type: ignore[arg-type]
+    assert JobConfig(script="x", snapshot=aged).snapshot.max_age_s == 60.0
     for age in (0.0, -1.0, float("inf")):
         with pytest.raises(UsageError, match="--snapshot-max-age must be > 0 seconds"):
-            JobConfig(script="x", snapshot_max_age_s=age)
+            JobConfig(script="x", snapshot=SnapshotConfig(max_age_s=age))
     for bad in (-0.1, 1.0):
         with pytest.raises(UsageError, match="--snapshot-budget must be a fraction"):
-            JobConfig(script="x", snapshot_budget=bad)
+            JobConfig(script="x", snapshot=SnapshotConfig(budget=bad))
 
 
 @pytest.mark.slow
@@ -252,7 +252,7 @@ def test_a_budget_widens_the_interval_and_a_kill_after_it_is_rescued_bitwise(tmp
     since = int(cadence["since"])
     # the widest interval whose steps take at most the default --snapshot-max-age (600 s)
     widest = choose_every(
-        cadence["stall_s"], cadence["step_s"], budget=1e-6, max_age_s=JobConfig(script="x").snapshot_max_age_s
+        cadence["stall_s"], cadence["step_s"], budget=1e-6, max_age_s=JobConfig(script="x").snapshot.max_age_s
     )
     assert cadence["every"] == widest > 34 and SKIP + WINDOW <= since < 34, cadence
     assert cadence["stall_s"] > 0 and cadence["step_s"] > 0

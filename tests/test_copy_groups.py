@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nonstop.config import JobConfig
+from nonstop.config import JobConfig, SnapshotConfig
 from nonstop.mesh import MeshSpec
 from nonstop.snapshot import RankSnapshotStore
 from nonstop.snapshot.nodecopy import NodeCopy, SharedRef, node_slots
@@ -51,7 +51,12 @@ def test_a_node_keeps_a_copy_per_group_only_where_it_holds_twins(mesh: str, npro
     job = JobConfig(script="x.py", nnodes=nnodes, nproc_per_node=nproc, mesh=mesh, coordinator="127.0.0.1:0")
     assert job.node_copy_groups == groups
     assert JobConfig(script="x.py", nproc_per_node=nproc).node_copy_groups == 1  # DDP: one group
-    assert JobConfig(script="x.py", nproc_per_node=nproc, snapshot_copies="rank").node_copy_groups == 0
+    assert (
+        JobConfig(
+            script="x.py", nproc_per_node=nproc, snapshot=SnapshotConfig(copies="rank")
+        ).node_copy_groups
+        == 0
+    )
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from nonstop.config import JobConfig
+from nonstop.config import ElasticConfig, JobConfig
 from nonstop.errors import UsageError
 from nonstop.policy.decisions import choose_replacements
 from nonstop.policy.elastic import (
@@ -97,16 +97,25 @@ def test_bad_policy_and_config_fail_at_start() -> None:
     with pytest.raises(ValueError):
         ElasticPolicy(full_world_size=3, min_world_size=2, wait_s=-1)
     with pytest.raises(UsageError, match="--min-world-size"):
-        JobConfig(script="x.py", nproc_per_node=2, min_world_size=3)
+        JobConfig(script="x.py", nproc_per_node=2, elastic=ElasticConfig(min_world_size=3))
     with pytest.raises(UsageError, match="--elastic-wait"):
-        JobConfig(script="x.py", elastic_wait_s=-1)
+        JobConfig(script="x.py", elastic=ElasticConfig(wait_s=-1))
     with pytest.raises(UsageError, match="--shrink-batch must be one of keep, drop"):
-        JobConfig(script="x.py", nproc_per_node=4, min_world_size=2, shrink_batch="halve")
+        JobConfig(
+            script="x.py", nproc_per_node=4, elastic=ElasticConfig(min_world_size=2, shrink_batch="halve")
+        )
     with pytest.raises(UsageError, match=r"--shrink-batch drop .* --min-world-size"):
-        JobConfig(script="x.py", nproc_per_node=4, shrink_batch="drop")  # a job that never shrinks
-    assert JobConfig(script="x.py", nproc_per_node=4, min_world_size=2, shrink_batch="drop").min_world == 2
+        JobConfig(
+            script="x.py", nproc_per_node=4, elastic=ElasticConfig(shrink_batch="drop")
+        )  # a job that never shrinks
+    assert (
+        JobConfig(
+            script="x.py", nproc_per_node=4, elastic=ElasticConfig(min_world_size=2, shrink_batch="drop")
+        ).min_world
+        == 2
+    )
     assert JobConfig(script="x.py", nproc_per_node=4).min_world == 4  # 0: never shrink
-    assert JobConfig(script="x.py", nproc_per_node=4, min_world_size=2).min_world == 2
+    assert JobConfig(script="x.py", nproc_per_node=4, elastic=ElasticConfig(min_world_size=2)).min_world == 2
 
 
 def test_elastic_placement_never_starts_a_cold_process_on_another_node() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.config import JobConfig
+from nonstop.config import job_config_from_flat
 from nonstop.control.etcd import EtcdStore
 from nonstop.control.store import open_store
 from nonstop.control.tls import EtcdTLS
@@ -157,9 +157,11 @@ def test_bad_tls_settings_fail_at_start_in_one_line(tls_etcd: TLSEtcd, tmp_path:
     ]
     for extra, message in cases:
         with pytest.raises(UsageError, match=message) as e:
-            JobConfig(**base, **extra)  # type: ignore[arg-type]
+            job_config_from_flat({**base, **extra})
         assert "\n" not in str(e.value)
-    JobConfig(**base, store=tls_etcd.url, etcd_ca=f.ca, etcd_cert=f.cert, etcd_key=f.key)  # type: ignore[arg-type]
+    job_config_from_flat(
+        {**base, "store": tls_etcd.url, "etcd_ca": f.ca, "etcd_cert": f.cert, "etcd_key": f.key}
+    )
 
 
 def test_cli_refuses_etcds_without_a_ca(tmp_path: Path) -> None:

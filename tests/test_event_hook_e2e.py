@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.config import DetectorConfig, JobConfig
+from nonstop.config import DetectionConfig, DetectorConfig, JobConfig
 from nonstop.events.log import read_events
 from nonstop.launch.launcher import run_job
 
@@ -78,7 +78,7 @@ def test_tensorboard_gets_the_jobs_failure_and_recovery(tmp_path: Path) -> None:
         spares=1,
         job_dir=job_dir,
         faults=("kill:rank=1,step=15",),
-        detector=DetectorConfig(),
+        detection=DetectionConfig(detector=DetectorConfig()),
     )
     result = run_job(config, redirect_output=True)
     assert result.state.name == "DONE", result.error

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.config import DetectorConfig, JobConfig, WorkerEnv
+from nonstop.config import DetectorConfig, WorkerEnv, job_config_from_flat
 from nonstop.errors import UsageError
 from nonstop.faults import FaultInjector, FaultSpec, parse_fault
 from nonstop.policy.decisions import (
@@ -81,7 +81,7 @@ def test_recovery_phase_fault_fires_at_or_after_step(tmp_path: Path) -> None:
 )
 def test_job_config_rejects_bad_values(kwargs: dict[str, int], match: str) -> None:
     with pytest.raises(UsageError, match=match):
-        JobConfig(script="x.py", **kwargs)  # type: ignore[arg-type]
+        job_config_from_flat({"script": "x.py", **kwargs})
 
 
 def test_detector_config_rejects_timeout_below_interval() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from nonstop.config import JobConfig, job_config_from_json, job_config_to_json
+from nonstop.config import DetectionConfig, JobConfig, job_config_from_json, job_config_to_json
 from nonstop.errors import UsageError
 from nonstop.faults import FaultInjector, parse_fault
 from nonstop.policy.straggler import StragglerConfig
@@ -101,8 +101,11 @@ def test_step_report_carries_wait_and_length() -> None:
 
 
 def test_job_config_round_trips_the_straggler_config() -> None:
-    cfg = JobConfig(script="x.py", straggler=StragglerConfig(mode="migrate", factor=2.0, on_degraded="drain"))
-    assert job_config_from_json(job_config_to_json(cfg)).straggler == cfg.straggler
+    cfg = JobConfig(
+        script="x.py",
+        detection=DetectionConfig(straggler=StragglerConfig(mode="migrate", factor=2.0, on_degraded="drain")),
+    )
+    assert job_config_from_json(job_config_to_json(cfg)).detection.straggler == cfg.detection.straggler
 
 
 def test_cli_health_flags() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nonstop.config import JobConfig
+from nonstop.config import ElasticConfig, JobConfig
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
 
@@ -58,7 +58,7 @@ def test_a_mesh_the_job_cannot_run_fails_at_start() -> None:
     with pytest.raises(UsageError, match="unknown dim"):
         JobConfig(script="t.py", nproc_per_node=2, mesh="dp=2")
     with pytest.raises(UsageError, match="has neither"):  # elastic: replica or shard groups to drop
-        JobConfig(script="t.py", nproc_per_node=2, mesh="tp=2", min_world_size=1)
+        JobConfig(script="t.py", nproc_per_node=2, mesh="tp=2", elastic=ElasticConfig(min_world_size=1))
 
 
 def test_a_moved_rank_changes_only_the_groups_it_is_in() -> None:

@@ -290,12 +290,14 @@ def test_slow_clients_hold_no_slot_for_long(served_tight: tuple[StatusServer, st
 def test_start_writes_a_private_token_file_and_hooks_the_coordinator(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from nonstop.config import JobConfig
+    from nonstop.config import JobConfig, OperationsConfig
     from nonstop.coordinator.status_server import TOKEN_FILE, start_status_server
 
     events = EventLog(tmp_path / "events.jsonl")
     c = SimpleNamespace(
-        config=JobConfig(script="x", metrics_port=0), status=lambda: dict(STATUS), monitor=None
+        config=JobConfig(script="x", operations=OperationsConfig(metrics_port=0)),
+        status=lambda: dict(STATUS),
+        monitor=None,
     )
     assert (
         start_status_server(

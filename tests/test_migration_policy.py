@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nonstop.config import JobConfig
+from nonstop.config import JobConfig, OperationsConfig
 from nonstop.errors import UsageError
 from nonstop.policy.migration import (
     CATCHUP_ROUNDS,
@@ -64,4 +64,4 @@ def test_swap_fetches_a_delta_only_when_deltas_measured_faster() -> None:
 
 def test_a_wrong_swap_transfer_fails_at_start() -> None:
     with pytest.raises(UsageError, match="--swap-transfer must be one of auto, delta, whole"):
-        JobConfig(script="x.py", swap_transfer="fast")
+        JobConfig(script="x.py", operations=OperationsConfig(swap_transfer="fast"))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from nonstop.agent.notice import NoticePoller, parse_headers, parse_notice
-from nonstop.config import JobConfig
+from nonstop.config import JobConfig, OperationsConfig
 from nonstop.demo.runner import demo_job_config
 from nonstop.errors import UsageError
 from tests.conftest import LEASE_TTL_S, NodesInBackground, events_named
@@ -58,9 +58,11 @@ def test_headers_and_bad_config_fail_at_start() -> None:
     with pytest.raises(ValueError):
         parse_headers(["no colon"])
     with pytest.raises(UsageError, match="--preempt-url"):
-        JobConfig(script="x.py", preempt_url="file:///etc/passwd")
+        JobConfig(script="x.py", operations=OperationsConfig(preempt_url="file:///etc/passwd"))
     with pytest.raises(UsageError, match="--preempt-header"):
-        JobConfig(script="x.py", preempt_url="http://h/x", preempt_headers=(": v",))
+        JobConfig(
+            script="x.py", operations=OperationsConfig(preempt_url="http://h/x", preempt_headers=(": v",))
+        )
     with pytest.raises(ValueError):
         NoticePoller("ftp://x", headers={}, interval_s=1, default_grace_s=1)
 

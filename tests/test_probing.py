@@ -15,7 +15,7 @@ import pytest
 
 from nonstop.agent.probe_thread import MAX_DETAIL, ProbeThread, health_message, node_probes
 from nonstop.agent.probes import OUTPUT_TAIL, CommandProbe, ProbeResult
-from nonstop.config import ProbeConfig
+from nonstop.config import DetectionConfig, ProbeConfig
 from nonstop.errors import UsageError
 from nonstop.protocol import wire
 
@@ -200,8 +200,14 @@ def test_job_config_cli_and_node_command_carry_the_probes(tmp_path: Path) -> Non
     assert probes(ap.parse_args([])) == ProbeConfig()
     got = probes(ap.parse_args(["--probe-period", "2", "--health-cmd", "-x check", "--health-timeout", "3"]))
     assert got == ProbeConfig(period_s=2.0, command="-x check", timeout_s=3.0)
-    cfg = JobConfig(script="x.py", nnodes=2, coordinator="127.0.0.1:1", job_dir=tmp_path, probes=got)
-    assert job_config_from_json(job_config_to_json(cfg)).probes == got
+    cfg = JobConfig(
+        script="x.py",
+        nnodes=2,
+        coordinator="127.0.0.1:1",
+        job_dir=tmp_path,
+        detection=DetectionConfig(probes=got),
+    )
+    assert job_config_from_json(job_config_to_json(cfg)).detection.probes == got
     cmd = node_command(cfg, 1, "127.0.0.1:1")
     assert "--health-cmd=-x check" in cmd and "--probe-period=2.0" in cmd and "--health-timeout=3.0" in cmd
     # what a node's own `nonstop run` makes of them

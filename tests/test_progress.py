@@ -70,11 +70,13 @@ def test_resume_shows_a_spinner_while_it_loads_on_a_terminal(
     before the job starts: on a terminal a spinner says so; the checkpoint is the same either way."""
     import sys
 
-    from nonstop.config import JobConfig
+    from nonstop.config import JobConfig, PersistConfig
     from nonstop.launch.jobfiles import load_resume
 
     persist(DurableStore(tmp_path / "ck"), 10, [make_rank(1), make_rank(2)])
-    config = JobConfig(script="train.py", nproc_per_node=2, resume=str(tmp_path / "ck"))
+    config = JobConfig(
+        script="train.py", nproc_per_node=2, persist=PersistConfig(resume=str(tmp_path / "ck"))
+    )
     plain = load_resume(config)
     err = Tty()
     monkeypatch.setenv("TERM", "xterm")

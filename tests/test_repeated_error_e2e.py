@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.config import DetectorConfig, JobConfig
+from nonstop.config import DetectionConfig, DetectorConfig, JobConfig
 from nonstop.coordinator.loop import JobState
 from nonstop.events.log import read_events
 from nonstop.launch.launcher import run_job
@@ -52,9 +52,7 @@ def test_the_same_error_at_the_same_step_fails_the_job_after_three_generations(t
         spares=1,
         job_dir=tmp_path / "job",
         max_restarts=10,
-        # not a test of detection: on a saturated machine a heartbeat 1 s late would kill the
-        # survivor this test follows, or a rank waiting to be told to raise
-        detector=DetectorConfig(heartbeat_timeout_s=3.0, hang_min_s=60.0),
+        detection=DetectionConfig(detector=DetectorConfig(heartbeat_timeout_s=3.0, hang_min_s=60.0)),
     )
     result = run_job(config, redirect_output=True)
     assert result.state is JobState.FAILED, result

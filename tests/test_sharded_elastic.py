@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from nonstop.config import JobConfig
+from nonstop.config import ElasticConfig, JobConfig, job_config_from_flat
 from nonstop.coordinator.loop import JobState
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
@@ -66,16 +66,16 @@ def test_surviving_groups_play_the_dropped_groups_batches() -> None:
 
 def test_elastic_meshes_are_checked_at_start() -> None:
     base = {"script": "t.py", "nproc_per_node": 2, "nnodes": 2, "coordinator": "127.0.0.1:0"}
-    assert JobConfig(mesh="replicate=2,shard=2", min_world_size=2, **base).min_world == 2
-    assert JobConfig(mesh="shard=4", min_world_size=2, **base).min_world == 2  # resharded
+    assert job_config_from_flat({"mesh": "replicate=2,shard=2", "min_world_size": 2, **base}).min_world == 2
+    assert job_config_from_flat({"mesh": "shard=4", "min_world_size": 2, **base}).min_world == 2  # resharded
     with pytest.raises(UsageError, match="has neither"):
-        JobConfig(script="t.py", nproc_per_node=4, mesh="tp=4", min_world_size=2)
+        JobConfig(script="t.py", nproc_per_node=4, mesh="tp=4", elastic=ElasticConfig(min_world_size=2))
     with pytest.raises(UsageError, match="whole number of replica groups of 2"):
-        JobConfig(mesh="replicate=2,shard=2", min_world_size=3, **base)
+        job_config_from_flat({"mesh": "replicate=2,shard=2", "min_world_size": 3, **base})
     with pytest.raises(UsageError, match="whole number of tensor-parallel groups of 2"):
-        JobConfig(mesh="shard=2,tp=2", min_world_size=3, **base)
+        job_config_from_flat({"mesh": "shard=2,tp=2", "min_world_size": 3, **base})
     with pytest.raises(UsageError, match="--shards-per-rank is not supported with --mesh"):
-        JobConfig(mesh="replicate=2,shard=2", shards_per_rank=2, **base)
+        job_config_from_flat({"mesh": "replicate=2,shard=2", "shards_per_rank": 2, **base})
 
 
 def test_the_policy_grows_by_whole_groups() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nonstop.cli.flags.snapshot import snapshot_args, snapshot_config
-from nonstop.config import ENV, JobConfig, WorkerEnv
+from nonstop.config import ENV, JobConfig, SnapshotConfig, WorkerEnv
 from nonstop.coordinator.view import JobView
 from nonstop.errors import UsageError
 from nonstop.protocol import wire
@@ -29,7 +29,7 @@ def _worker_env(tmp_path: Path, every: str | None) -> dict[str, str]:
 
 def test_a_bad_interval_fails_at_start_with_one_line(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="--snapshot-every must be >= 1"):
-        JobConfig(script="x", snapshot_every=0)
+        JobConfig(script="x", snapshot=SnapshotConfig(every=0))
     for bad in ("0", "-3", "four"):
         with pytest.raises(UsageError, match="NONSTOP_SNAPSHOT_EVERY"):
             WorkerEnv.from_environ(_worker_env(tmp_path, bad))
@@ -41,12 +41,15 @@ def test_the_command_line_reaches_the_config() -> None:
     p = argparse.ArgumentParser()
     snapshot_args(p)
     assert (
-        JobConfig(script="x", **snapshot_config(p.parse_args(["--snapshot-every", "5"]))).snapshot_every == 5
-    )  # type: ignore[arg-type]
-    assert snapshot_config(p.parse_args([]))["snapshot_every"] == 1
-    assert snapshot_config(p.parse_args(["--rescue-wait", "5"]))["rescue_wait_s"] == 5.0
+        JobConfig(
+            script="x", snapshot=snapshot_config(p.parse_args(["--snapshot-every", "5"]))
+        ).snapshot.every
+        == 5
+    )
+    assert snapshot_config(p.parse_args([])).every == 1
+    assert snapshot_config(p.parse_args(["--rescue-wait", "5"])).rescue_wait_s == 5.0
     with pytest.raises(UsageError, match="--rescue-wait must be between 0 and 60"):
-        JobConfig(script="x", rescue_wait_s=-1.0)
+        JobConfig(script="x", snapshot=SnapshotConfig(rescue_wait_s=-1.0))
 
 
 def test_due_steps_are_the_kth_the_last_and_a_boundary(tmp_path: Path) -> None:

@@ -50,7 +50,7 @@ def test_a_store_stall_of_3s_fences_nothing_while_the_coordinator_hears_every_no
 ) -> None:
     job_dir = tmp_path / "job"
     config = _on_etcd(job_dir, etcd_server)
-    assert config.lease_ttl_s == 1.0  # the defaults are what is tested
+    assert config.detection.lease_ttl_s == 1.0  # the defaults are what is tested
     job = NodesInBackground(config)
     job.wait_replicated(2)
     with frozen(etcd_server):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nonstop.config import JobConfig
+from nonstop.config import job_config_from_flat
 from nonstop.errors import UsageError
 from nonstop.policy.elastic import assign_shards, play_shards
 from nonstop.policy.survivors import SurvivorCosts, SurvivorMode, choose, costs_from_reports, shrunk_rate
@@ -82,11 +82,13 @@ def test_costs_come_from_the_newest_replacement_and_the_swaps_measured() -> None
 
 def test_continue_needs_an_elastic_job_that_can_go_on_without_a_group(tmp_path) -> None:  # type: ignore[no-untyped-def]
     base = dict(script="-m x", job_dir=tmp_path, nproc_per_node=4)
-    JobConfig(**base, survivors="continue", min_world_size=2)  # type: ignore[arg-type]
+    job_config_from_flat({**base, "survivors": "continue", "min_world_size": 2})
     with pytest.raises(UsageError, match=r"--survivors continue needs an elastic job.*--min-world-size"):
-        JobConfig(**base, survivors="continue")  # type: ignore[arg-type]
+        job_config_from_flat({**base, "survivors": "continue"})
     with pytest.raises(UsageError, match="--survivors must be one of auto, wait, continue"):
-        JobConfig(**base, survivors="sometimes")  # type: ignore[arg-type]
+        job_config_from_flat({**base, "survivors": "sometimes"})
     with pytest.raises(UsageError, match="needs replica groups"):
-        JobConfig(**base, survivors="continue", mesh="shard=4", min_world_size=2)  # type: ignore[arg-type]
-    JobConfig(**base, survivors="continue", mesh="replicate=2,shard=2", min_world_size=2)  # type: ignore[arg-type]
+        job_config_from_flat({**base, "survivors": "continue", "mesh": "shard=4", "min_world_size": 2})
+    job_config_from_flat(
+        {**base, "survivors": "continue", "mesh": "replicate=2,shard=2", "min_world_size": 2}
+    )

@@ -77,7 +77,7 @@ class Injector:
 
     def __init__(self, ep: Episode, watch: JobWatch, *, etcd: Etcd | None, netns: Netns | None) -> None:
         self.ep, self.watch, self.etcd, self.netns = ep, watch, etcd, netns
-        self.root = Path(ep.config.persist_url or ep.job_dir / "checkpoints")
+        self.root = Path(ep.config.persist.url or ep.job_dir / "checkpoints")
 
     def inject(self, p: Planned, status: dict[str, Any], timeout: float) -> Injected:
         return getattr(self, f"_{p.kind}")(p, status, timeout)  # type: ignore[no-any-return]

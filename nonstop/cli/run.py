@@ -14,12 +14,13 @@ from pathlib import Path
 
 from nonstop.cli.configfile import load_config
 from nonstop.cli.env import add_torchrun_args, env_defaults, nproc_value, resolve_torchrun
-from nonstop.cli.flags.detection import detector, detector_args, health, health_args, probe_args, probes
+from nonstop.cli.flags.detection import detection_config, detector_args, health_args, probe_args
 from nonstop.cli.flags.logs import add_level_arg, add_log_args, log_config
 from nonstop.cli.flags.metrics import add_metrics_args
-from nonstop.cli.flags.nodes import node_args, node_config
-from nonstop.cli.flags.security import add_security_args, security_config
-from nonstop.cli.flags.snapshot import snapshot_args, snapshot_config
+from nonstop.cli.flags.nodes import elastic_config, node_args, node_config, replication_config
+from nonstop.cli.flags.operations import operations_config
+from nonstop.cli.flags.security import add_security_args, control_config
+from nonstop.cli.flags.snapshot import persist_config, resume_arg, snapshot_args, snapshot_config
 from nonstop.config import JobConfig
 from nonstop.errors import JobFailedError, UsageError
 from nonstop.slurm import slurm_defaults
@@ -61,12 +62,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_metrics_args(run)
     add_log_args(run)
     add_level_arg(run)
-    run.add_argument(
-        "--resume",
-        default=None,
-        metavar="URL",
-        help="restart the whole job from the newest good checkpoint here",
-    )
+    resume_arg(run)
     add_torchrun_args(run)  # after every flag it gives an underscore spelling
     run.add_argument("script", nargs="?", default=None)
     run.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -95,8 +91,9 @@ def with_defaults(
 
 
 def job_config(ns: argparse.Namespace) -> JobConfig:
-    """The job's config from ``nonstop run``'s flags (after :func:`with_defaults`); UsageError
-    (one line) for a bad value."""
+    """The job's config from ``nonstop run``'s flags (after :func:`with_defaults`): the job's own
+    fields and one part per component, each built from its flags (``nonstop/cli/flags/``) and
+    validated alone, then the whole; UsageError (one line) for a bad value."""
     return JobConfig(
         script=f"-m {ns.script}" if ns.module else ns.script,
         script_args=tuple(ns.script_args),
@@ -107,15 +104,15 @@ def job_config(ns: argparse.Namespace) -> JobConfig:
         port=ns.port,
         max_restarts=ns.max_restarts,
         faults=tuple(ns.fail),
-        detector=detector(ns),
-        straggler=health(ns),
-        probes=probes(ns),  # issue 21: each agent's health probes
-        resume=ns.resume,
-        metrics_port=ns.metrics_port,
         extra_env=tuple(log_config(ns).to_env().items()),
-        **snapshot_config(ns),  # type: ignore[arg-type]
         **node_config(ns),  # type: ignore[arg-type]
-        **security_config(ns),  # type: ignore[arg-type]
+        detection=detection_config(ns),  # first, as the detector's flags were checked before
+        snapshot=snapshot_config(ns),
+        persist=persist_config(ns),
+        replication=replication_config(ns),
+        elastic=elastic_config(ns),
+        control=control_config(ns),
+        operations=operations_config(ns),
     )
 
 

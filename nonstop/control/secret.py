@@ -15,7 +15,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from nonstop.config import ENV, JobConfig
+from nonstop.config import ENV, ControlConfig, JobConfig
 from nonstop.control.channel import MIN_SECRET_BYTES, new_secret
 from nonstop.errors import UsageError
 
@@ -93,10 +93,10 @@ def write_secret(path: Path, secret: bytes) -> None:
         raise UsageError(f"cannot write the job secret to {path}: {e.strerror or e}") from None
 
 
-def coordinator_secret(config: JobConfig) -> bytes:
+def coordinator_secret(control: ControlConfig) -> bytes:
     """Node 0's secret: ``--secret-file``, else ``$NONSTOP_SECRET``, else a fresh one."""
-    if config.secret_file is not None:
-        return read_secret_file(config.secret_file, what="--secret-file")
+    if control.secret_file is not None:
+        return read_secret_file(control.secret_file, what="--secret-file")
     env = os.environ.get(ENV.SECRET)
     if env:
         return check_secret(env.encode(), f"${ENV.SECRET}")
@@ -107,8 +107,8 @@ def node_secret(config: JobConfig, job_dir: Path) -> tuple[bytes, Path]:
     """Another node's secret and the file its workers read it from: ``--secret-file``; else
     ``$NONSTOP_SECRET``, written to this node's private ``JOB_DIR/.secret-node-N``; else node 0's
     ``JOB_DIR/secret`` (a shared job dir)."""
-    if config.secret_file is not None:
-        return read_secret_file(config.secret_file, what="--secret-file"), config.secret_file
+    if config.control.secret_file is not None:
+        return read_secret_file(config.control.secret_file, what="--secret-file"), config.control.secret_file
     env = os.environ.get(ENV.SECRET)
     if env:
         secret = check_secret(env.encode(), f"${ENV.SECRET}")

@@ -132,26 +132,26 @@ class Coordinator:
         # a sharded job comes and goes by whole replica groups (nonstop/mesh.py)
         self.mesh = MeshSpec.parse(config.mesh) if config.mesh is not None else None
         mesh = self.mesh
-        self.num_shards = mesh.dp_size if mesh else config.world_size * config.shards_per_rank
-        self.survivor_mode = SurvivorMode(config.survivors)  # policy/survivors.py
+        self.num_shards = mesh.dp_size if mesh else config.world_size * config.elastic.shards_per_rank
+        self.survivor_mode = SurvivorMode(config.elastic.survivors)  # policy/survivors.py
         self.elastic = ElasticPolicy(
             full_world_size=config.world_size,
             min_world_size=config.min_world,
-            wait_s=config.elastic_wait_s,
+            wait_s=config.elastic.wait_s,
             unit=mesh.group_size if mesh else 1,
         )
         # replicating: the held replicated step, the one a round is sending, the newest, one to write
-        self.num_slots = 4 if config.replicas > 0 and config.nnodes > 1 else 2
-        self.detector = FailureDetector(config.detector)
+        self.num_slots = 4 if config.replication.replicas > 0 and config.nnodes > 1 else 2
+        self.detector = FailureDetector(config.detection.detector)
         self.quarantine = QuarantinePolicy(
-            max_failures=config.quarantine_failures, window_s=config.quarantine_window_s
+            max_failures=config.detection.quarantine_failures, window_s=config.detection.quarantine_window_s
         )
         self.kv = KeyValueTable()
         self.replication = ReplicationRounds(
             view=self.view,
             io=self.io,
             events=events,
-            replicas=config.replicas,
+            replicas=config.replication.replicas,
             mesh=self.mesh,
         )
         # where restore steps come from: peers' memory (fetches) or the durable tier
@@ -162,7 +162,7 @@ class Coordinator:
             life=self.life,
             durable_url=durable_url,
             elastic=self.elastic.enabled,
-            install_timeout_s=config.persist_timeout_s,
+            install_timeout_s=config.persist.timeout_s,
         )
         # node agents: joins, leases, losses, quarantine, spares
         self.agents = NodeAgents(self)
@@ -176,15 +176,15 @@ class Coordinator:
             elastic=self.elastic,
             detector=self.detector,
             full_world_size=config.world_size,
-            rebuild_timeout_s=config.rebuild_timeout_s,
-            swap_transfer=config.swap_transfer,
+            rebuild_timeout_s=config.detection.rebuild_timeout_s,
+            swap_transfer=config.operations.swap_transfer,
             persist=self.rounds,
         )
         # issue 21: fail-slow ranks, graded failures, probe verdicts, proactive moves (healthops.py)
         self.health = Health(
             view=self.view,
             events=events,
-            config=config.straggler,
+            config=config.detection.straggler,
             quarantine=self.quarantine,
             mover=self.swaps,
         )
@@ -200,7 +200,7 @@ class Coordinator:
             detector=self.detector,
             num_shards=self.num_shards,
             full_world_size=config.world_size,
-            drop_batch=config.shrink_batch == "drop",
+            drop_batch=config.elastic.shrink_batch == "drop",
             durable_url=durable_url,
             swaps=self.swaps,
             sources=self.sources,
@@ -213,7 +213,7 @@ class Coordinator:
             events=events,
             life=self.life,
             detector=self.detector,
-            rebuild_timeout_s=config.rebuild_timeout_s,
+            rebuild_timeout_s=config.detection.rebuild_timeout_s,
             shards=self.resize,
             swaps=self.swaps,
             spares=self.agents,
@@ -226,7 +226,7 @@ class Coordinator:
             asks=PlanAsks(
                 view=self.view,
                 io=self.io,
-                rescue_wait_s=config.rescue_wait_s,
+                rescue_wait_s=config.snapshot.rescue_wait_s,
                 mesh=self.mesh,
                 rescues=lambda: self.workers.rescues,
             ),
@@ -248,9 +248,9 @@ class Coordinator:
             life=self.life,
             jobs=jobs,
             address=server.address,
-            lease_ttl_s=config.lease_ttl_s,
-            reconnect_s=config.reconnect_s,
-            store_url=config.store,
+            lease_ttl_s=config.detection.lease_ttl_s,
+            reconnect_s=config.control.reconnect_s,
+            store_url=config.control.store,
             gens=self.gens,
             swaps=self.swaps,
         )
@@ -279,7 +279,7 @@ class Coordinator:
                 num_shards=self.num_shards,
                 full_world_size=config.world_size,
                 min_world_size=self.elastic.min_world_size,
-                store=config.store,
+                store=config.control.store,
             ),
             persister=persister,
             rounds=self.rounds,
@@ -292,7 +292,7 @@ class Coordinator:
             view=self.view,
             life=self.life,
             rounds=self.rounds,
-            timeout_s=config.persist_timeout_s,
+            timeout_s=config.persist.timeout_s,
             store=self.store,
             clients=self.clients,
         )
@@ -338,7 +338,7 @@ class Coordinator:
 
     @property
     def replication_on(self) -> bool:
-        return self.config.replicas > 0 and self.config.nnodes > 1
+        return self.config.replication.replicas > 0 and self.config.nnodes > 1
 
     def run(self, stop: threading.Event) -> JobResult:
         if self.store.jobs is not None:

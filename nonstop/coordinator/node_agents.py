@@ -67,7 +67,7 @@ class NodeAgents:
                 n: list(range(i * self.c.config.nproc_per_node, (i + 1) * self.c.config.nproc_per_node))
                 for i, n in enumerate(nodes)
             }
-            url = self.c.config.resume or self.c.durable_url
+            url = self.c.config.persist.resume or self.c.durable_url
             step = self.c.gens.initial_step
             if url is None:
                 self.c.fail(f"could not install the resumed checkpoint step {step}: no durable tier")
@@ -157,12 +157,12 @@ class NodeAgents:
             {
                 "t": "welcome",
                 "job_id": self.c.job_id,
-                "lease_ttl_s": self.c.config.lease_ttl_s,
+                "lease_ttl_s": self.c.config.detection.lease_ttl_s,
                 "num_slots": self.c.num_slots,
-                "replicas": self.c.config.replicas if self.c.replication_on else 0,
+                "replicas": self.c.config.replication.replicas if self.c.replication_on else 0,
                 "env": self.c.worker_env,
-                "store": self.c.config.store if self.c.store.jobs is not None else None,
-                "reconnect_s": self.c.config.reconnect_s,
+                "store": self.c.config.control.store if self.c.store.jobs is not None else None,
+                "reconnect_s": self.c.config.control.reconnect_s,
             }
         )
         self.c.events.emit(
@@ -224,7 +224,11 @@ class NodeAgents:
             return  # store mode: leases live in the store (_store_tick)
         now = time.monotonic()
         for node in list(self.c.view.nodes.values()):
-            if node.alive and not node.in_process and now - node.last_lease > self.c.config.lease_ttl_s:
+            if (
+                node.alive
+                and not node.in_process
+                and now - node.last_lease > self.c.config.detection.lease_ttl_s
+            ):
                 self.lose_node(node, f"lease expired ({now - node.last_lease:.2f}s without renewal)")
 
     def lose_node(

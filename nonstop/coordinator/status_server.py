@@ -231,7 +231,7 @@ def start_status_server(
 ) -> StatusServer | None:
     """With ``--metrics-port``: hook a :class:`JobMonitor` into ``c`` and its event log, write
     the token file, serve. None without the flag. UsageError for a port that cannot be bound."""
-    port = c.config.metrics_port
+    port = c.config.operations.metrics_port
     if port is None:
         return None
     monitor = JobMonitor(c.status)

@@ -41,12 +41,12 @@ class WorkerProtocol:
         # --snapshot-budget: the snapshot interval tuned to the stall measured (policy/cadence.py)
         self.cadence = (
             CadenceTuner(
-                budget=cfg.snapshot_budget,
-                floor=cfg.snapshot_every,
-                max_age_s=cfg.snapshot_max_age_s,
+                budget=cfg.snapshot.budget,
+                floor=cfg.snapshot.every,
+                max_age_s=cfg.snapshot.max_age_s,
                 copy_group=c.mesh.copy_group if c.mesh is not None else None,
             )
-            if cfg.snapshot_budget > 0 and cfg.snapshot != "off"
+            if cfg.snapshot.budget > 0 and cfg.snapshot.mode != "off"
             else None
         )
 
@@ -56,7 +56,7 @@ class WorkerProtocol:
         their last completed step (policy/rescue.py): ``--snapshot-every`` above 1, or an
         interval a ``--snapshot-budget`` widened (announced: the ranks rescue from then on)."""
         tuned = self.cadence is not None and self.cadence.current.every > 1
-        return self.c.config.snapshot_every > 1 or tuned
+        return self.c.config.snapshot.every > 1 or tuned
 
     def resumed_cadence(self, said: object) -> None:
         """A member reconnected to this restarted coordinator saying the interval it snapshots

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nonstop.config import DetectorConfig, JobConfig
+from nonstop.config import DetectorConfig, JobConfig, job_config_from_flat
 from nonstop.coordinator.loop import JobResult, JobState
 from nonstop.errors import JobFailedError, UsageError
 from nonstop.events.log import read_events
@@ -80,13 +80,14 @@ def demo_job_config(
     """A job that runs the demo training script (``nonstop.demo.train``) for ``steps`` steps of
     ``model``; rank 0 writes its result JSON (final loss and weights hash) to ``result``.
     ``batch`` None keeps the script's default; ``script_extra`` are more script flags;
-    ``config`` goes to :class:`JobConfig` (``job_dir``, ``nproc_per_node``, faults, ...)."""
+    ``config`` are the job's settings by their flat names (``job_dir``, ``nproc_per_node``,
+    ``faults``, ``snapshot_every``, ...: :data:`nonstop.config.FLAT`), each put in its part."""
     args = ["--steps", str(steps), "--model", model]
     if batch is not None:
         args += ["--batch", str(batch)]
     args += ["--result", str(result), *script_extra]
     script = "-m nonstop.demo.train_sharded" if config.get("mesh") else "-m nonstop.demo.train"
-    return JobConfig(script=script, script_args=tuple(args), **config)
+    return job_config_from_flat({"script": script, "script_args": tuple(args), **config})
 
 
 def _one_run(opts: DemoOptions, job_dir: Path, faults: tuple[str, ...]) -> tuple[JobResult, dict[str, Any]]:

@@ -28,9 +28,9 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     config = job_config_from_json(spec["config"])
     job_id = str(spec["job_id"])
-    assert config.secret_file is not None  # required with a store (JobConfig checks it)
-    secret = read_secret_file(config.secret_file, what="--secret-file")
-    store = open_store(config.store, secret=secret.decode())
+    assert config.control.secret_file is not None  # required with a store (JobConfig checks it)
+    secret = read_secret_file(config.control.secret_file, what="--secret-file")
+    store = open_store(config.control.store, secret=secret.decode())
     try:
         result = serve_coordinator(
             config,

@@ -79,20 +79,21 @@ def load_resume(config: JobConfig) -> LoadedCheckpoint:
     elastic job (``--min-world-size``, its ranks data-parallel replicas) resumes a checkpoint of
     any size (``elastic.resume_sources``), a sharded job (``--mesh``) too (its workers reshard
     it: ``Generations.reshard``); any other job needs the size it was written at."""
-    assert config.resume is not None
+    resume = config.persist.resume
+    assert resume is not None
     from nonstop.progress import wait_with_status, wanted
 
     try:
         ckpt = wait_with_status(
-            DurableStore(config.resume, keep=config.keep).load,
-            f"--resume: loading and verifying the newest checkpoint at {config.resume}",
+            DurableStore(resume, keep=config.persist.keep).load,
+            f"--resume: loading and verifying the newest checkpoint at {resume}",
             show=wanted(None),
         )
     except SnapshotMissingError as e:
-        raise UsageError(f"--resume {config.resume}: no loadable checkpoint ({e})") from None
-    if ckpt.world_size != config.world_size and not config.min_world_size and config.mesh is None:
+        raise UsageError(f"--resume {resume}: no loadable checkpoint ({e})") from None
+    if ckpt.world_size != config.world_size and not config.elastic.min_world_size and config.mesh is None:
         raise UsageError(
-            f"--resume {config.resume}: checkpoint step {ckpt.step} has {ckpt.world_size} ranks but this "
+            f"--resume {resume}: checkpoint step {ckpt.step} has {ckpt.world_size} ranks but this "
             f"job has {config.world_size}; run {ckpt.world_size} ranks (--nnodes x --nproc-per-node, e.g. "
             f"--nproc-per-node {ckpt.world_size} on one node) or, when the ranks are data-parallel "
             "replicas, pass --min-world-size N (elastic: ranks beyond the checkpoint's start from its rank 0)"

@@ -32,7 +32,7 @@ from nonstop import events as ev
 from nonstop.agent.gc import hold_lock, release_lock
 from nonstop.agent.node import NodeAgent, NodeSpec
 from nonstop.agent.notice import NoticePoller, parse_headers
-from nonstop.config import ENV, JobConfig, job_config_to_json, security_environ
+from nonstop.config import ENV, JobConfig, PersistConfig, job_config_to_json, security_environ
 from nonstop.control.jobstore import JobStore
 from nonstop.control.listener import ControlServer
 from nonstop.control.secret import SECRET_FILE, coordinator_secret, node_secret, write_secret
@@ -154,9 +154,9 @@ def _node_spec(config: JobConfig) -> NodeSpec:
         spares=config.spares,
         domain=config.domain or name,
         data_host=host,
-        replica_bandwidth_mb_s=config.replica_bandwidth_mb_s,
+        replica_bandwidth_mb_s=config.replication.bandwidth_mb_s,
         devices=_node_devices(config),
-        probes=config.probes,  # issue 21: the agent's health probes
+        probes=config.detection.probes,  # issue 21: the agent's health probes
     )
 
 
@@ -180,7 +180,9 @@ def run_job(
     reported its own mistake (a :class:`UsageError` in ``Session.steps``/``run``: a bad
     ``state=`` object, a loop body outside ``with step:``), with that script's line.
     """
-    with security_environ(config):  # --tls, --etcd-*: every process and thread of the job inherits them
+    with security_environ(
+        config.control
+    ):  # --tls, --etcd-*: every process and thread of the job inherits them
         result = _run_job(config, redirect_output=redirect_output, stop=stop)
     if result.usage_error and result.error:
         raise UsageError(result.error)  # the training script's mistake: exit 2 with its line
@@ -198,7 +200,7 @@ def _run_job(config: JobConfig, *, redirect_output: bool, stop: threading.Event 
         return _run_node(config, command=command, job_dir=job_dir, stop=stop, redirect_output=redirect_output)
     with hold_job(job_dir, config.checkpoint_url):
         _prepare_job_dir(job_dir, owner=True)
-        if config.uses_store:
+        if config.control.uses_store:
             return run_store_node0(
                 config, command=command, job_dir=job_dir, stop=stop, redirect_output=redirect_output
             )
@@ -226,12 +228,12 @@ def serve_coordinator(
     (embedded store), or alone (``jobs``: the control store holds the job's state, node 0's agent
     runs in the launcher and this process may be restarted)."""
     job_dir = config.job_dir.resolve()
-    durable = DurableStore(config.checkpoint_url, keep=config.keep)  # a bad URL fails here
-    resume = load_resume(config) if config.resume else None
-    if resume is not None and config.resume is not None:
-        declare_resume(durable, config.resume, resume.step)
-    shm_dir = config.shm_dir or default_shm_dir()
-    secret = coordinator_secret(config)
+    durable = DurableStore(config.checkpoint_url, keep=config.persist.keep)  # a bad URL fails here
+    resume = load_resume(config) if config.persist.resume else None
+    if resume is not None and config.persist.resume is not None:
+        declare_resume(durable, config.persist.resume, resume.step)
+    shm_dir = config.snapshot.shm_dir or default_shm_dir()
+    secret = coordinator_secret(config.control)
     events = EventLog(job_dir / "events.jsonl")
     host, port = config.coordinator_addr
     try:  # bind first: a busy port must leave no secret file behind
@@ -244,8 +246,8 @@ def serve_coordinator(
     except BaseException:
         events.close()
         raise
-    secret_file = config.secret_file or job_dir / SECRET_FILE
-    if config.secret_file is None:
+    secret_file = config.control.secret_file or job_dir / SECRET_FILE
+    if config.control.secret_file is None:
         try:
             write_secret(secret_file, secret)
         except BaseException:
@@ -255,7 +257,7 @@ def serve_coordinator(
     lock_fd, lock = hold_lock(shm_dir, job_id, job_dir)
     control = f"{server.address[0]}:{server.address[1]}"
     worker_env = _worker_env(config, faults, store_mode=jobs is not None)
-    codec = CodecConfig(lossy=config.lossy, lossy_bits=config.lossy_bits)
+    codec = CodecConfig(lossy=config.persist.lossy, lossy_bits=config.persist.lossy_bits)
     persister: Persister | None = None
     if config.nnodes == 1 and jobs is None:  # the whole job's memory is in this process's node
         persister = _node_persister(config, durable, shm_dir, job_id, codec, events)
@@ -265,7 +267,9 @@ def serve_coordinator(
         events=events,
         job_id=job_id,
         worker_env=worker_env,
-        persister=persister if persister is not None else _cluster_persister(config, durable, codec, events),
+        persister=persister
+        if persister is not None
+        else _cluster_persister(config.persist, durable, codec, events),
         durable_url=durable.url,
         initial_step=resume.step if resume is not None else None,
         jobs=jobs,
@@ -273,7 +277,7 @@ def serve_coordinator(
     if resume is not None:
         events.emit(
             ev.Resume(
-                url=config.resume,
+                url=config.persist.resume,
                 step=resume.step,
                 world_size=config.world_size,
                 checkpoint_world_size=resume.world_size,
@@ -304,7 +308,7 @@ def serve_coordinator(
         server.close()
         events.close()
         release_lock(lock_fd, lock)
-        if config.secret_file is None:
+        if config.control.secret_file is None:
             secret_file.unlink(missing_ok=True)
         raise
     write_job_info(
@@ -339,7 +343,7 @@ def serve_coordinator(
             # Before exit (done, failed, SIGTERM): make the committed step durable while the
             # snapshot memory still exists.
             if persister is not None:
-                done = persister.flush(config.persist_timeout_s)
+                done = persister.flush(config.persist.timeout_s)
                 if done is None and persister.last_error:
                     log.warning("final persist failed: %s", persister.last_error)
                 persister.stop()
@@ -363,7 +367,7 @@ def serve_coordinator(
             events.close()
             restore_handlers()
             release_lock(lock_fd, lock)
-            if config.secret_file is None:
+            if config.control.secret_file is None:
                 secret_file.unlink(missing_ok=True)
             (job_dir / JOB_INFO).unlink(missing_ok=True)
     if node is not None and node.memory is not None and node.memory.error is not None:
@@ -376,12 +380,12 @@ def _worker_env(config: JobConfig, faults: list[FaultSpec], *, store_mode: bool)
     settings it reads as :class:`~nonstop.config.WorkerEnv`), beside torchrun's variables."""
     return {
         ENV.FAULTS: faults_to_json(faults),
-        ENV.HEARTBEAT_INTERVAL: str(config.detector.heartbeat_interval_s),
-        ENV.REBUILD_TIMEOUT: str(config.rebuild_timeout_s),
-        ENV.SNAPSHOT: config.snapshot,
-        ENV.SNAPSHOT_EVERY: str(config.snapshot_every),
-        ENV.SNAPSHOT_BUDGET: str(config.snapshot_budget),
-        ENV.RECONNECT: str(config.reconnect_s if store_mode else 0),
+        ENV.HEARTBEAT_INTERVAL: str(config.detection.detector.heartbeat_interval_s),
+        ENV.REBUILD_TIMEOUT: str(config.detection.rebuild_timeout_s),
+        ENV.SNAPSHOT: config.snapshot.mode,
+        ENV.SNAPSHOT_EVERY: str(config.snapshot.every),
+        ENV.SNAPSHOT_BUDGET: str(config.snapshot.budget),
+        ENV.RECONNECT: str(config.control.reconnect_s if store_mode else 0),
         **({ENV.MESH: config.mesh} if config.mesh is not None else {}),
         ENV.ELASTIC: "1" if config.min_world < config.world_size else "0",
         ENV.KEEP_GROUPS: "1" if config.keep_groups else "0",
@@ -399,7 +403,7 @@ def _node_persister(
         job_id=local_store_id(job_id, "0"),
         world_size=config.nproc_per_node,
         codec=codec,
-        every=config.persist_every,
+        every=config.persist.every,
         emit=events.emit,
     )
 
@@ -413,14 +417,14 @@ def run_store_node0(
     """Node 0 with ``--store etcd://``: the coordinator runs as its own process (restarted here
     when it dies, resuming from the store), node 0's agent runs in this process like any
     other node's. Returns the coordinator's result."""
-    DurableStore(config.checkpoint_url, keep=config.keep)  # a bad URL fails here
-    if config.resume:
+    DurableStore(config.checkpoint_url, keep=config.persist.keep)  # a bad URL fails here
+    if config.persist.resume:
         load_resume(config)
-    secret = coordinator_secret(config)
+    secret = coordinator_secret(config.control)
     try:
-        open_store(config.store, secret=secret.decode()).close()  # reachable, credentials good
+        open_store(config.control.store, secret=secret.decode()).close()  # reachable, credentials good
     except ControlError as e:
-        raise UsageError(f"--store {config.store}: {e}") from None
+        raise UsageError(f"--store {config.control.store}: {e}") from None
     job_id = uuid.uuid4().hex[:12]
     spec = job_dir / COORDINATOR_SPEC
     spec.write_text(json.dumps({"job_id": job_id, "config": job_config_to_json(config)}))
@@ -447,7 +451,7 @@ def run_store_node0(
         stop=stop,
         redirect_output=redirect_output,
     )
-    supervisor.join(timeout=config.persist_timeout_s + 60.0)
+    supervisor.join(timeout=config.persist.timeout_s + 60.0)
     try:
         return result_from_json(result_file.read_text())
     except (OSError, ValueError, KeyError) as e:
@@ -476,14 +480,14 @@ def _supervise_coordinator(spec: Path, log_path: Path, result_file: Path, stop: 
 
 
 def _cluster_persister(
-    config: JobConfig, durable: DurableStore, codec: CodecConfig, events: EventLog
+    persist: PersistConfig, durable: DurableStore, codec: CodecConfig, events: EventLog
 ) -> ClusterPersister:
     """Persist rounds across the nodes (the coordinator attaches itself to send them)."""
     return ClusterPersister(
         durable=durable,
         codec=codec,
-        every=config.persist_every,
-        timeout_s=config.persist_timeout_s,
+        every=persist.every,
+        timeout_s=persist.timeout_s,
         emit=events.emit,
     )
 
@@ -494,7 +498,7 @@ def _run_node(
     """A node other than 0: run its agent until the job ends or the node is fenced."""
     _prepare_job_dir(job_dir, owner=False)
     secret, secret_file = node_secret(config, job_dir)  # from $NONSTOP_SECRET: a private file
-    shm_dir = config.shm_dir or default_shm_dir()
+    shm_dir = config.snapshot.shm_dir or default_shm_dir()
     spec = _node_spec(config)
     node = NodeAgent(
         spec=spec,
@@ -507,13 +511,13 @@ def _run_node(
         shm_dir=shm_dir,
         redirect_output=redirect_output,
     )
-    node.preempt_grace_s = config.preempt_grace_s
-    if config.preempt_url is not None and config.node_rank != 0:
+    node.preempt_grace_s = config.operations.preempt_grace_s
+    if config.operations.preempt_url is not None and config.node_rank != 0:
         node.notice = NoticePoller(
-            config.preempt_url.replace("{node}", str(config.node_rank)),
-            headers=parse_headers(config.preempt_headers),
-            interval_s=config.preempt_poll_s,
-            default_grace_s=config.preempt_grace_s,
+            config.operations.preempt_url.replace("{node}", str(config.node_rank)),
+            headers=parse_headers(config.operations.preempt_headers),
+            interval_s=config.operations.preempt_poll_s,
+            default_grace_s=config.operations.preempt_grace_s,
         )
     on_term = node.preempt_signal.set if config.node_rank != 0 else None  # node 0 hosts the coordinator
     restore_handlers = _install_signal_handlers(stop, on_term=on_term)

@@ -33,30 +33,37 @@ __all__ = ["LocalNodesJob", "node_command", "run_local_nodes"]
 def node_command(config: JobConfig, node_rank: int, coordinator: str) -> list[str]:
     """The ``nonstop run`` command line of node ``node_rank`` of ``config``'s job."""
     c = config
+    det, ctl, ops = c.detection, c.control, c.operations
     cmd = [sys.executable, "-m", "nonstop.cli", "run"]
     cmd += ["--nnodes", str(c.nnodes), "--node-rank", str(node_rank), "--coordinator", coordinator]
     cmd += ["--nproc-per-node", str(c.nproc_per_node), "--spares", str(c.spares), "--job-dir", str(c.job_dir)]
-    cmd += ["--lease-ttl", str(c.lease_ttl_s), "--replicas", str(c.replicas), "--snapshot", c.snapshot]
-    cmd += ["--heartbeat-timeout", str(c.detector.heartbeat_timeout_s)]
-    if c.replica_bandwidth_mb_s:
-        cmd += ["--replica-bandwidth", str(c.replica_bandwidth_mb_s)]
-    if c.secret_file is not None:
-        cmd += ["--secret-file", str(c.secret_file)]
-    if c.uses_store:
-        cmd += ["--store", c.store, "--reconnect", str(c.reconnect_s)]
-    for flag, path in (("--etcd-ca", c.etcd_ca), ("--etcd-cert", c.etcd_cert), ("--etcd-key", c.etcd_key)):
+    cmd += ["--lease-ttl", str(det.lease_ttl_s), "--replicas", str(c.replication.replicas)]
+    cmd += ["--snapshot", c.snapshot.mode]
+    cmd += ["--heartbeat-timeout", str(det.detector.heartbeat_timeout_s)]
+    if c.replication.bandwidth_mb_s:
+        cmd += ["--replica-bandwidth", str(c.replication.bandwidth_mb_s)]
+    if ctl.secret_file is not None:
+        cmd += ["--secret-file", str(ctl.secret_file)]
+    if ctl.uses_store:
+        cmd += ["--store", ctl.store, "--reconnect", str(ctl.reconnect_s)]
+    for flag, path in (
+        ("--etcd-ca", ctl.etcd_ca),
+        ("--etcd-cert", ctl.etcd_cert),
+        ("--etcd-key", ctl.etcd_key),
+    ):
         if path is not None:
             cmd += [flag, str(path)]
-    if c.tls:
+    if ctl.tls:
         cmd += ["--tls"]
-    cmd += ["--preempt-grace", str(c.preempt_grace_s)]
+    cmd += ["--preempt-grace", str(ops.preempt_grace_s)]
     # issue 21: every node runs the job's health probes ('=': a command may start with '-')
-    cmd += [f"--probe-period={c.probes.period_s}", f"--health-timeout={c.probes.timeout_s}"]
-    if c.probes.command is not None:
-        cmd += [f"--health-cmd={c.probes.command}"]
-    if c.preempt_url is not None:
-        cmd += ["--preempt-url", c.preempt_url, "--preempt-poll", str(c.preempt_poll_s)]
-        for h in c.preempt_headers:
+    probes = det.probes
+    cmd += [f"--probe-period={probes.period_s}", f"--health-timeout={probes.timeout_s}"]
+    if probes.command is not None:
+        cmd += [f"--health-cmd={probes.command}"]
+    if ops.preempt_url is not None:
+        cmd += ["--preempt-url", ops.preempt_url, "--preempt-poll", str(ops.preempt_poll_s)]
+        for h in ops.preempt_headers:
             cmd += ["--preempt-header", h]
     logs = LogConfig.from_env(dict(c.extra_env))  # the CLI's log flags travel in extra_env
     cmd += ["--log-prefix", logs.prefix]

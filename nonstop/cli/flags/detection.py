@@ -1,16 +1,28 @@
 """The failure-detection flags of ``nonstop run`` and ``demo`` and the configs they become: the
 hang detector (``--heartbeat-timeout``, ...), fail-slow ranks and degraded nodes (``--straggler``,
-``--on-degraded``) and each node agent's health probes (``--probe-period``, ``--health-cmd``).
-Each ``*_args`` adds flags to a parser; the function named after its config reads them back."""
+``--on-degraded``), each node agent's health probes (``--probe-period``, ``--health-cmd``), node
+leases (``--lease-ttl``) and quarantine (``--quarantine-*``). Each ``*_args`` adds flags to a
+parser; the function named after its config reads them back; :func:`detection_config` composes
+them into the job's :class:`~nonstop.config.DetectionConfig`."""
 
 from __future__ import annotations
 
 import argparse
 
-from nonstop.config import DetectorConfig, ProbeConfig
+from nonstop.config import DetectionConfig, DetectorConfig, ProbeConfig
 from nonstop.policy.straggler import DEGRADED_ACTIONS, STRAGGLER_MODES, StragglerConfig
 
-__all__ = ["detector", "detector_args", "health", "health_args", "probe_args", "probes"]
+__all__ = [
+    "detection_config",
+    "detector",
+    "detector_args",
+    "health",
+    "health_args",
+    "lease_arg",
+    "probe_args",
+    "probes",
+    "quarantine_args",
+]
 
 
 def detector_args(p: argparse.ArgumentParser) -> None:
@@ -133,3 +145,32 @@ def probe_args(p: argparse.ArgumentParser) -> None:
 
 def probes(ns: argparse.Namespace) -> ProbeConfig:
     return ProbeConfig(period_s=ns.probe_period, command=ns.health_cmd, timeout_s=ns.health_timeout)
+
+
+def lease_arg(g: argparse._ArgumentGroup) -> None:
+    """``--lease-ttl`` (in ``nonstop run``'s group "many nodes")."""
+    g.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=DetectionConfig().lease_ttl_s,
+        help="seconds without a lease renewal after which a node is lost (default %(default)s)",
+    )
+
+
+def quarantine_args(g: argparse._ArgumentGroup) -> None:
+    """``--quarantine-failures``, ``--quarantine-window`` (in the group "many nodes")."""
+    d = DetectionConfig()
+    g.add_argument("--quarantine-failures", type=int, default=d.quarantine_failures)
+    g.add_argument("--quarantine-window", type=float, default=d.quarantine_window_s, metavar="SECONDS")
+
+
+def detection_config(ns: argparse.Namespace) -> DetectionConfig:
+    """The job's detection part from the flags above."""
+    return DetectionConfig(
+        detector=detector(ns),
+        straggler=health(ns),
+        probes=probes(ns),
+        lease_ttl_s=ns.lease_ttl,
+        quarantine_failures=ns.quarantine_failures,
+        quarantine_window_s=ns.quarantine_window,
+    )

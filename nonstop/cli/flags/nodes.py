@@ -1,31 +1,36 @@
 """The flags of ``nonstop run`` for the nodes of a job (``--nnodes``, ``--coordinator``, the control
 store, replication, quarantine, preemption, elasticity, ``--mesh``): :func:`node_args` adds them to
-a parser, in the group "many nodes"; :func:`node_config` reads them back as the job config's values."""
+a parser, in the group "many nodes" (the control store's, the leases' and quarantine's, and the
+preemption notices' flags are defined beside the parts they fill: :mod:`.security`,
+:mod:`.detection`, :mod:`.operations`); :func:`node_config` reads back the job's own fields,
+:func:`replication_config` and :func:`elastic_config` their parts."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from nonstop.cli.env import nnodes_value
-from nonstop.config import SHRINK_BATCHES, SURVIVOR_MODES, SWAP_TRANSFERS, JobConfig
+from nonstop.cli.flags.detection import lease_arg, quarantine_args
+from nonstop.cli.flags.operations import preempt_args, swap_transfer_arg
+from nonstop.cli.flags.security import secret_arg, store_args
+from nonstop.config import SHRINK_BATCHES, SURVIVOR_MODES, ElasticConfig, JobConfig, ReplicationConfig
 
-__all__ = ["node_args", "node_config"]
+__all__ = ["elastic_config", "node_args", "node_config", "replication_config"]
 
 
 def node_args(p: argparse.ArgumentParser) -> None:
     """Add the flags of a job's nodes to ``p``, in its group "many nodes" (the order ``--help``
-    lists them); their defaults are :class:`~nonstop.config.JobConfig`'s."""
+    lists them); their defaults are :class:`~nonstop.config.JobConfig`'s and its parts'."""
     c = JobConfig(script="")
     g = p.add_argument_group("many nodes")
-    _where_args(g, c)
+    _where_args(g)
     _replica_args(g, c)
-    _preempt_args(g, c)
-    _elastic_args(g, c)
+    preempt_args(g)
+    _elastic_args(g, c.elastic)
     _mesh_args(g, c)
 
 
-def _where_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
+def _where_args(g: argparse._ArgumentGroup) -> None:
     """Where the nodes meet: their count and ranks, the coordinator, the control store, leases."""
     g.add_argument(
         "--nnodes",
@@ -42,33 +47,14 @@ def _where_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
     g.add_argument(
         "--domain", default=None, help="this node's failure domain (rack, zone); replicas avoid it"
     )
-    g.add_argument(
-        "--store",
-        default=c.store,
-        help="control store: embedded:// (default; the coordinator lives in node 0's process) or "
-        "etcd://HOST:PORT (job state and node leases in etcd: the coordinator runs as its own process "
-        "and may restart without stopping the job; needs --secret-file, the etcd password); "
-        "etcds://HOST:PORT: the same over TLS (--etcd-ca, --etcd-cert, --etcd-key)",
-    )
-    g.add_argument(
-        "--reconnect",
-        type=float,
-        default=c.reconnect_s,
-        help="with --store etcd: seconds agents and workers wait for a restarted coordinator "
-        "(default %(default)s)",
-    )
+    store_args(g)
     g.add_argument(
         "--data-host",
         default=None,
         help="address this node's data plane (peer replicas) binds and advertises "
         "(default: node 0 the coordinator's host; others the local address that reaches it)",
     )
-    g.add_argument(
-        "--lease-ttl",
-        type=float,
-        default=c.lease_ttl_s,
-        help="seconds without a lease renewal after which a node is lost (default %(default)s)",
-    )
+    lease_arg(g)
 
 
 def _replica_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
@@ -76,56 +62,16 @@ def _replica_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
     g.add_argument(
         "--replicas",
         type=int,
-        default=c.replicas,
+        default=c.replication.replicas,
         help="peer copies of each rank's snapshot (default %(default)s)",
     )
     g.add_argument("--replica-bandwidth", type=float, default=None, metavar="MB/S", help="cap on replication")
-    g.add_argument(
-        "--secret-file",
-        type=Path,
-        default=None,
-        help="job secret (default: JOB_DIR/secret, written by node 0)",
-    )
-    g.add_argument("--quarantine-failures", type=int, default=c.quarantine_failures)
-    g.add_argument("--quarantine-window", type=float, default=c.quarantine_window_s, metavar="SECONDS")
+    secret_arg(g)
+    quarantine_args(g)
     g.add_argument("--join-timeout", type=float, default=c.join_timeout_s, metavar="SECONDS")
 
 
-def _preempt_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
-    """Preemption notices: SIGTERM, a file in the job dir, or a polled endpoint."""
-    g.add_argument(
-        "--preempt-grace",
-        type=float,
-        default=c.preempt_grace_s,
-        metavar="SECONDS",
-        help="SIGTERM to a node (not node 0) is a preemption notice: its ranks move live to other nodes "
-        "within this grace; also JOB_DIR/preempt-node-N appearing (content: grace seconds)",
-    )
-    g.add_argument(
-        "--preempt-url",
-        default=None,
-        metavar="URL",
-        help="poll this HTTP endpoint for a preemption notice (a cloud metadata service, e.g. AWS "
-        ".../spot/instance-action, GCP .../instance/preempted, Azure scheduled events); '{node}' is "
-        "replaced by the node rank",
-    )
-    g.add_argument(
-        "--preempt-header",
-        action="append",
-        default=[],
-        metavar="'NAME: VALUE'",
-        help="header of the notice request (e.g. 'Metadata-Flavor: Google'); repeatable",
-    )
-    g.add_argument(
-        "--preempt-poll",
-        type=float,
-        default=c.preempt_poll_s,
-        metavar="SECONDS",
-        help="how often the notice endpoint is polled (default %(default)s)",
-    )
-
-
-def _elastic_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
+def _elastic_args(g: argparse._ArgumentGroup, c: ElasticConfig) -> None:
     """Elasticity: shrinking without a spare, and what a shrunk job trains on."""
     g.add_argument(
         "--min-world-size",
@@ -139,7 +85,7 @@ def _elastic_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
     g.add_argument(
         "--elastic-wait",
         type=float,
-        default=c.elastic_wait_s,
+        default=c.wait_s,
         metavar="SECONDS",
         help="elastic: wait this long for a spare before shrinking (default %(default)s)",
     )
@@ -174,14 +120,7 @@ def _elastic_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
 
 def _mesh_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
     """A sharded job's mesh, its groups across generations, and how swaps move a step."""
-    g.add_argument(
-        "--swap-transfer",
-        choices=SWAP_TRANSFERS,
-        default=c.swap_transfer,
-        help="how a live migration's swap brings the boundary step to the joiner's node: as a delta "
-        "against the step its catch-up fetched, the whole step, or auto: a delta when the catch-up "
-        "measured deltas faster (a slow link) (default %(default)s)",
-    )
+    swap_transfer_arg(g)
     g.add_argument(
         "--mesh",
         default=c.mesh,
@@ -199,31 +138,30 @@ def _mesh_args(g: argparse._ArgumentGroup, c: JobConfig) -> None:
 
 
 def node_config(ns: argparse.Namespace) -> dict[str, object]:
+    """The job's own fields of the flags above (its nodes, where they meet, its mesh)."""
     return {
         "nnodes": ns.nnodes,
         "node_rank": ns.node_rank,
         "coordinator": ns.coordinator,
         "domain": ns.domain,
         "data_host": ns.data_host,
-        "store": ns.store,
-        "reconnect_s": ns.reconnect,
-        "lease_ttl_s": ns.lease_ttl,
-        "replicas": ns.replicas,
-        "replica_bandwidth_mb_s": ns.replica_bandwidth,
-        "secret_file": ns.secret_file,
-        "quarantine_failures": ns.quarantine_failures,
-        "quarantine_window_s": ns.quarantine_window,
         "join_timeout_s": ns.join_timeout,
-        "preempt_grace_s": ns.preempt_grace,
-        "preempt_url": ns.preempt_url,
-        "preempt_headers": tuple(ns.preempt_header),
-        "preempt_poll_s": ns.preempt_poll,
-        "min_world_size": ns.min_world_size,
-        "elastic_wait_s": ns.elastic_wait,
-        "survivors": ns.survivors,
-        "shrink_batch": ns.shrink_batch,
-        "swap_transfer": ns.swap_transfer,
-        "shards_per_rank": ns.shards_per_rank,
         "mesh": ns.mesh,
         "keep_groups": not ns.rebuild_all_groups,
     }
+
+
+def replication_config(ns: argparse.Namespace) -> ReplicationConfig:
+    """The job's replication part (``--replicas``, ``--replica-bandwidth``)."""
+    return ReplicationConfig(replicas=ns.replicas, bandwidth_mb_s=ns.replica_bandwidth)
+
+
+def elastic_config(ns: argparse.Namespace) -> ElasticConfig:
+    """The job's elastic part (``--min-world-size``, ``--elastic-wait``, ``--survivors``, ...)."""
+    return ElasticConfig(
+        min_world_size=ns.min_world_size,
+        wait_s=ns.elastic_wait,
+        survivors=ns.survivors,
+        shrink_batch=ns.shrink_batch,
+        shards_per_rank=ns.shards_per_rank,
+    )
