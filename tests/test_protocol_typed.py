@@ -43,12 +43,6 @@ NOT_MESSAGES = {
 
 # file (relative to nonstop/) -> (message literals, string-keyed message accesses) still there
 REMAINING: dict[str, tuple[int, int]] = {
-    "agent/data_path.py": (8, 32),
-    "agent/lease.py": (2, 0),
-    "agent/node.py": (3, 26),
-    "agent/probe_thread.py": (1, 0),
-    "agent/silence.py": (1, 0),
-    "agent/spawn.py": (4, 4),
     "coordinator/event_feed.py": (1, 0),
     "coordinator/failures.py": (1, 0),
     "coordinator/generations.py": (2, 0),
