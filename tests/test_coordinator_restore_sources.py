@@ -16,6 +16,7 @@ from nonstop.errors import NonstopError
 from nonstop.events.log import EventLog, read_events
 from nonstop.policy.phase import JobPhase
 from nonstop.policy.reconfiguration import FetchDone, Reconfiguration, RecoveryEvent
+from nonstop.protocol.agent import FetchedBytes
 from nonstop.protocol.wire import Fetched, Installed
 from tests.coord_fakes import FakeChannel
 
@@ -117,9 +118,8 @@ def _gen(generation: int = 1, world: int = 2) -> Reconfiguration:
 
 
 def _fetched(req: int, *, ok: bool = True, error: str | None = None) -> Fetched:
-    return Fetched(
-        id=req, ok=ok, error=error, seconds=0.1, raw_bytes=10, wire_bytes=10, delta=False, capped=False
-    )
+    moved = FetchedBytes(raw_bytes=10, wire_bytes=10, delta=False, capped=False)
+    return Fetched(id=req, ok=ok, error=error, seconds=0.1, moved=moved)
 
 
 def _events(tmp_path: Path, kind: str) -> list[dict[str, object]]:

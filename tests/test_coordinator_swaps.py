@@ -22,6 +22,7 @@ from nonstop.policy.boundary_swap import BoundarySwap, Continue, Joiner, Pause, 
 from nonstop.policy.elastic import ElasticPolicy
 from nonstop.policy.phase import Busy, JobPhase
 from nonstop.policy.reconfiguration import Reconfiguration
+from nonstop.protocol.agent import FetchedBytes
 from nonstop.protocol.wire import Fetched
 from tests.coord_fakes import FakeChannel
 
@@ -210,10 +211,7 @@ def _fetched(req: int, *, ok: bool = True) -> Fetched:
         ok=ok,
         error=None if ok else "no",
         seconds=0.1,
-        raw_bytes=10,
-        wire_bytes=10,
-        delta=False,
-        capped=False,
+        moved=FetchedBytes(raw_bytes=10, wire_bytes=10, delta=False, capped=False),
     )
 
 

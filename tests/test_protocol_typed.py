@@ -43,22 +43,13 @@ NOT_MESSAGES = {
 
 # file (relative to nonstop/) -> (message literals, string-keyed message accesses) still there
 REMAINING: dict[str, tuple[int, int]] = {
-    "agent/data_path.py": (8, 32),
-    "agent/lease.py": (2, 0),
-    "agent/node.py": (3, 26),
-    "agent/probe_thread.py": (1, 0),
-    "agent/silence.py": (1, 0),
-    "agent/spawn.py": (4, 4),
     "coordinator/event_feed.py": (1, 0),
-    "coordinator/executor.py": (3, 7),
     "coordinator/failures.py": (1, 0),
     "coordinator/generation_setup.py": (2, 0),
     "coordinator/job.py": (2, 0),
     "coordinator/loop.py": (1, 2),
     "coordinator/node_agents.py": (4, 0),
-    "coordinator/persistence.py": (1, 7),
-    "coordinator/plan_asks.py": (2, 0),
-    "coordinator/replication.py": (2, 0),
+    "coordinator/plan_asks.py": (1, 0),
     "coordinator/restore_sources.py": (1, 1),
     "coordinator/store_sync.py": (4, 2),
     "coordinator/swap_actions.py": (3, 0),

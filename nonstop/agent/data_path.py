@@ -1,7 +1,7 @@
 """A node agent's data path: inventories, replication, fetches, installs and persists.
 
 :class:`NodeWork` carries out the commands of the coordinator that move snapshot
-bytes (the protocol is in :mod:`nonstop.agent.node`): ``inventory``,
+bytes (their messages are in :mod:`nonstop.protocol.agent`): ``inventory``,
 ``replicate``, ``install_durable``, ``forget``, ``committed``, ``fetch`` and
 ``persist``. The :class:`~nonstop.agent.node.NodeAgent` owns one, made once the
 coordinator has welcomed the node, and hands it these commands with :meth:`NodeWork.submit`.
@@ -45,15 +45,33 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from nonstop.agent.processes import Agent, ranks_with_segments
 from nonstop.control.channel import Message
 from nonstop.errors import NonstopError
+from nonstop.protocol.agent import (
+    DATA_COMMANDS,
+    CommittedMsg,
+    FetchedBytes,
+    FetchedMsg,
+    FetchRequestMsg,
+    ForgetMsg,
+    InstallDurableMsg,
+    InstalledMsg,
+    InventoryMsg,
+    InventoryRequestMsg,
+    PersistRanksMsg,
+    RanksPersistedMsg,
+    ReplicatedMsg,
+    ReplicateMsg,
+    decode_command,
+    request_id,
+)
+from nonstop.protocol.base import kind_of
 from nonstop.replica.dataplane import FETCH_SETTLE_S, DataPlane
 from nonstop.replica.peer import (
     TRACK_TTL_S,
@@ -79,10 +97,8 @@ SETTLE_S = 2.0  # longest an inventory waits for a live writer to finish its sna
 class NodeWork:
     """The data-path commands of one node, on four threads of their own (module docstring)."""
 
-    COMMANDS = frozenset(
-        ("inventory", "replicate", "install_durable", "forget", "committed", "fetch", "persist")
-    )
-    """The command types :meth:`submit` takes."""
+    COMMANDS = DATA_COMMANDS
+    """The command kinds :meth:`submit` takes (:data:`nonstop.protocol.agent.DATA_COMMANDS`)."""
 
     def __init__(
         self,
@@ -125,14 +141,16 @@ class NodeWork:
         threading.Thread(target=self._replicate_worker, name="nonstop-agent-replicate", daemon=True).start()
 
     def submit(self, msg: Message) -> None:
-        """Queue one command of :data:`COMMANDS` for its thread."""
-        t = msg.get("t")
-        if t == "fetch":  # never queued behind a replication round: a recovery or a swap waits on it
+        """Queue one command of :data:`COMMANDS` for its thread, as it came: each thread decodes
+        its own (a command it cannot read is logged, or for a persist answered as failed, like
+        any other failing command)."""
+        t = kind_of(msg)
+        if t == FetchRequestMsg.T:  # never behind a replication round: a recovery or a swap waits on it
             self._fetch_work.put(msg)
-        elif t == "persist":
+        elif t == PersistRanksMsg.T:
             self._persist_work.put(msg)
-        elif t in ("replicate", "forget"):  # never ahead of a recovery's inventory or install
-            if t == "replicate":
+        elif t in (ReplicateMsg.T, ForgetMsg.T):  # never ahead of a recovery's inventory or install
+            if t == ReplicateMsg.T:
                 self._rounds_queued += 1
                 if self._round_running:  # superseded (module docstring): stop waiting on it
                     self.replicator.abandon()
@@ -167,16 +185,16 @@ class NodeWork:
             msg = self._work.get()
             if msg is None:
                 return
-            t = msg.get("t")
             try:
-                if t == "inventory":
-                    self._send(self._inventory(int(msg["id"])))
-                elif t == "install_durable":
-                    self._install_durable(msg)
-                elif t == "committed":
-                    self._keep(msg.get("step"))
+                cmd = decode_command(msg)
+                if isinstance(cmd, InventoryRequestMsg):
+                    self._send(self._inventory(cmd.id))
+                elif isinstance(cmd, InstallDurableMsg):
+                    self._install_durable(cmd)
+                elif isinstance(cmd, CommittedMsg):
+                    self._keep(cmd.step)
             except Exception as e:  # report, never die: the coordinator decides
-                log.warning("node %s: %s failed: %s", self.node, t, e)
+                log.warning("node %s: %s failed: %s", self.node, kind_of(msg), e)
 
     def _replicate_worker(self) -> None:
         preload()
@@ -185,12 +203,12 @@ class NodeWork:
             if msg is None:
                 return
             try:
-                if msg.get("t") == "replicate":
+                if kind_of(msg) == ReplicateMsg.T:
                     self._replicate(msg)
                 else:
-                    self.replicator.forget(int(msg["rank"]))
+                    self.replicator.forget(ForgetMsg.decode(msg).rank)
             except Exception as e:  # report, never die: the coordinator decides
-                log.warning("node %s: %s failed: %s", self.node, msg.get("t"), e)
+                log.warning("node %s: %s failed: %s", self.node, kind_of(msg), e)
 
     def _persister(self) -> None:
         """Writes this node's ranks of a persist round (module docstring of
@@ -201,17 +219,17 @@ class NodeWork:
             if msg is None:
                 break
             try:
-                self._send(self._persist(msg))
+                self._send(self._persist(PersistRanksMsg.decode(msg)).encode())
             except Exception as e:  # report, never die: the coordinator fails the round
                 log.warning("node %s: persist failed: %s", self.node, e)
-                self._send({"t": "persisted", "id": msg.get("id"), "ok": False, "error": str(e)[:300]})
+                self._send(RanksPersistedMsg(id=request_id(msg), ok=False, error=str(e)[:300]).encode())
         for enc in self._encoders.values():
             enc.close()
 
-    def _persist(self, msg: Message) -> Message:
-        step, ranks = int(msg["step"]), [int(r) for r in msg["ranks"]]
-        lossy, bits = bool(msg.get("lossy")), int(msg.get("lossy_bits", 8))
-        key = (str(msg["url"]), lossy, bits)
+    def _persist(self, cmd: PersistRanksMsg) -> RanksPersistedMsg:
+        step, ranks = cmd.step, list(cmd.ranks)
+        lossy, bits = cmd.lossy, cmd.lossy_bits
+        key = (cmd.url, lossy, bits)
         enc = self._encoders.get(key)
         if enc is None:
             enc = self._encoders[key] = RankEncoder(CodecConfig(lossy=lossy, lossy_bits=bits))
@@ -219,28 +237,27 @@ class NodeWork:
         t0 = time.monotonic()
         snaps = [self._local(r).copy_out(step, out=enc.scratch(r)) for r in ranks]
         durable = DurableStore(key[0])
-        writer = durable.contribute(step, int(msg["world_size"]), enc.codec.describe())
+        writer = durable.contribute(step, cmd.world_size, enc.codec.describe())
         try:
             raw, stored, full = enc.write(writer, snaps)
         except BaseException:
             enc.reset()  # a base may be what went wrong: the next write is full
             writer.abort()
             raise
-        return {
-            "t": "persisted",
-            "id": msg["id"],
-            "ok": True,
-            "records": [writer.record(r) for r in ranks],
-            "raw": raw,
-            "stored": stored,
-            "full": full,
-            "seconds": time.monotonic() - t0,
-        }
+        return RanksPersistedMsg(
+            id=cmd.id,
+            ok=True,
+            records=tuple(writer.record(r) for r in ranks),
+            raw=raw,
+            stored=stored,
+            full=full,
+            seconds=time.monotonic() - t0,
+        )
 
-    def _keep(self, step: object) -> None:
+    def _keep(self, step: int | None) -> None:
         """Hold the replicated (committed) step in this node's memory, its ranks' and its replicas';
         release older holds. Until a newer round commits, every rank can return to it."""
-        steps = set() if step is None else {int(str(step))}
+        steps = set() if step is None else {step}
         local = local_store_id(self.job_id, self.node)
         for rank in ranks_with_segments(self.shm_dir, local):
             self._local(rank).keep_only(steps)
@@ -248,75 +265,69 @@ class NodeWork:
             self._replica(rank).keep_only(steps)
 
     def _inventory(self, req_id: int) -> Message:
+        """The answer to inventory request ``req_id``, encoded: what this node's memory holds."""
         deadline = time.monotonic() + SETTLE_S
         while self.agent.unsettled() and time.monotonic() < deadline:
             time.sleep(0.002)
         local = self.agent.complete_steps()
         rep_id = replica_store_id(self.job_id, self.node)
         replicas = {r: self._replica(r).complete_steps() for r in ranks_with_segments(self.shm_dir, rep_id)}
-        return {
-            "t": "inventory",
-            "id": req_id,
-            "local": {str(r): s for r, s in local.items() if s},
-            "replicas": {str(r): s for r, s in replicas.items() if s},
-        }
+        return InventoryMsg(
+            id=req_id,
+            local={r: tuple(s) for r, s in local.items() if s},
+            replicas={r: tuple(s) for r, s in replicas.items() if s},
+        ).encode()
 
     def _replicate(self, msg: Message) -> None:
-        step = int(msg["step"])
+        """One replication round (``msg``: the ``replicate`` command as it came)."""
+        cmd = ReplicateMsg.decode(msg)
         self._rounds_taken += 1
         mine = self._rounds_taken
         self._round_running = True
         try:
-            self._replicate_ranks(step, dict(msg["ranks"]), superseded=lambda: self._rounds_queued > mine)
+            self._replicate_ranks(cmd.step, cmd.ranks, superseded=lambda: self._rounds_queued > mine)
         finally:
             self._round_running = False
 
-    def _replicate_ranks(self, step: int, ranks: dict[str, Any], *, superseded: Callable[[], bool]) -> None:
-        for rank_s, holders in ranks.items():
-            rank = int(rank_s)
+    def _replicate_ranks(
+        self, step: int, ranks: Mapping[int, tuple[str, ...]], *, superseded: Callable[[], bool]
+    ) -> None:
+        for rank, holders in ranks.items():
             if superseded():
                 log.info("node %s: replication of step %d superseded by a newer round", self.node, step)
                 return
             try:
-                st = self.replicator.replicate(rank, step, [str(a) for a in holders])
-                self._send(
-                    {
-                        "t": "replicated",
-                        "step": step,
-                        "rank": rank,
-                        "ok": True,
-                        "raw": st.raw_bytes,
-                        "wire": st.wire_bytes,
-                        "seconds": st.seconds,
-                        "full": st.full,
-                    }
-                )
+                st = self.replicator.replicate(rank, step, list(holders))
+                done = ReplicatedMsg(
+                    step=step, rank=rank, ok=True, raw=st.raw_bytes, wire=st.wire_bytes, seconds=st.seconds,
+                    full=st.full,
+                )  # fmt: skip
+                self._send(done.encode())
             except (NonstopError, OSError) as e:
                 if superseded():  # abandoned: the coordinator expects nothing of this round
                     return
-                self._send(
-                    {"t": "replicated", "step": step, "rank": rank, "ok": False, "error": str(e)[:300]}
-                )
+                self._send(ReplicatedMsg(step=step, rank=rank, ok=False, error=str(e)[:300]).encode())
 
     def _fetch(self, msg: Message) -> None:
         """Copy a rank's snapshot into this node's slots of ``as_rank`` (from its own stores, or
         from a peer). ``track``: keep the data as the base of a catch-up; ``base``: the step of
         the kept base the peer may send a delta against (see :mod:`nonstop.replica.peer`)."""
-        rank, step, kind, addr = int(msg["rank"]), int(msg["step"]), str(msg["kind"]), str(msg["addr"])
-        dest = int(msg.get("as_rank", rank))  # a world-size change: another rank number here
-        into = self._replica if msg.get("into") == "replica" else self._local  # replica: to reshard
-        track, want = bool(msg.get("track")), msg.get("base")
+        cmd = FetchRequestMsg.decode(msg)
+        rank, step, kind, addr = cmd.rank, cmd.step, cmd.kind, cmd.addr
+        dest = cmd.dest  # a world-size change: another rank number here
+        into = self._replica if cmd.into == "replica" else self._local  # replica: to reshard
+        track, want = cmd.track, cmd.base
         t0 = time.monotonic()
         held = self._tracks.take(dest)
         if held is not None and held.source != (addr, rank, kind):
             held = None
-        info: Message = {"t": "fetched", "id": msg["id"], "rank": rank}
+        moved: FetchedBytes | None = None
         try:
             if addr == self.data.addr:  # this node holds it: copy between its own stores
                 src = self._replica(rank) if kind == "replica" else self._local(rank)
                 snap = src.copy_out(step, settle_s=FETCH_SETTLE_S)
                 into(dest).write_raw(step, snap.meta, snap.data.data)
-                info.update(raw_bytes=len(snap.data), wire_bytes=0, delta=False)
+                moved = FetchedBytes(raw_bytes=len(snap.data), wire_bytes=0, delta=False)
             else:
                 base = (held.step, held.data) if held is not None and want == held.step else None
                 got = fetch(
@@ -331,7 +342,7 @@ class NodeWork:
                     out=held.spare if held is not None and track else None,
                 )
                 into(dest).write_raw(step, got.meta, got.data)
-                info.update(
+                moved = FetchedBytes(
                     raw_bytes=len(got.data),
                     wire_bytes=got.wire_bytes,
                     delta=got.base is not None,
@@ -341,21 +352,20 @@ class NodeWork:
                     data = np.frombuffer(got.data, dtype=np.uint8)
                     spare = held.data if held is not None else None
                     self._tracks.put(dest, TrackedBase(step, data, spare, source=(addr, rank, kind)))
-            self._send({**info, "ok": True, "seconds": time.monotonic() - t0})
+            done = FetchedMsg(id=cmd.id, rank=rank, ok=True, seconds=time.monotonic() - t0, moved=moved)
+            self._send(done.encode())
         except Exception as e:  # whatever failed, the coordinator hears of it (it waits on this fetch)
-            self._send({**info, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]})
+            error = f"{type(e).__name__}: {e}"[:300]
+            self._send(FetchedMsg(id=cmd.id, rank=rank, ok=False, error=error, moved=moved).encode())
 
-    def _install_durable(self, msg: Message) -> None:
-        step = int(msg["step"])
+    def _install_durable(self, cmd: InstallDurableMsg) -> None:
+        step = cmd.step
         t0 = time.monotonic()
         try:
-            durable = DurableStore(str(msg["url"]))
-            sources = {int(k): int(v) for k, v in dict(msg.get("from", {})).items()}
-            for rank in msg["ranks"]:
-                meta, data = durable.load_rank(step, sources.get(int(rank), int(rank)))
-                self._local(int(rank)).write_raw(step, meta, data)
-            self._send({"t": "installed", "id": msg["id"], "ok": True, "seconds": time.monotonic() - t0})
+            durable = DurableStore(cmd.url)
+            for rank in cmd.ranks:
+                meta, data = durable.load_rank(step, cmd.sources.get(rank, rank))
+                self._local(rank).write_raw(step, meta, data)
+            self._send(InstalledMsg(id=cmd.id, ok=True, seconds=time.monotonic() - t0).encode())
         except Exception as e:  # whatever failed, the coordinator hears of it
-            self._send(
-                {"t": "installed", "id": msg["id"], "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
-            )
+            self._send(InstalledMsg(id=cmd.id, ok=False, error=f"{type(e).__name__}: {e}"[:300]).encode())

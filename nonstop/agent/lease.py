@@ -25,6 +25,7 @@ from nonstop.control.channel import Message
 from nonstop.control.jobstore import JobStore
 from nonstop.control.store import LeaseKeeper, open_store
 from nonstop.errors import ControlError
+from nonstop.protocol.agent import RegisteredMsg
 
 if TYPE_CHECKING:
     from nonstop.agent.processes import Agent
@@ -66,7 +67,7 @@ class NodeLease:
         lease = cls(JobStore(open_store(url, secret=secret.decode()), job_id), node=node,
                     data_addr=data_addr, ttl=ttl, send=send)  # fmt: skip
         lease.keeper = lease.jobs.register_node(node, data_addr, ttl)
-        send({"t": "registered", "lease_id": lease.keeper.lease.id})
+        send(RegisteredMsg(lease_id=lease.keeper.lease.id).encode())
         return lease
 
     @property
@@ -108,7 +109,7 @@ class NodeLease:
                     return
                 self.keeper = keeper
             log.warning("node %s: its lease had lapsed; registered a new one", self.node)
-            self._send({"t": "registered", "lease_id": keeper.lease.id})
+            self._send(RegisteredMsg(lease_id=keeper.lease.id).encode())
             return
 
     def close(self, *, revoke: bool) -> None:

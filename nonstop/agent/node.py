@@ -6,7 +6,8 @@ replicas it holds for other nodes and its data plane
 (:class:`~nonstop.replica.DataPlane`). It obeys the coordinator's commands
 and reports what only it can see (process exits, what memory holds).
 
-Protocol on the agent's control channel (JSON, authenticated)::
+Protocol on the agent's control channel (JSON, authenticated; each message a class of
+:mod:`nonstop.protocol.agent`, encoded by its sender and decoded by its receiver)::
 
     agent -> coordinator   hello {role: agent, node, nproc, spares, domain, data_addr, pid, in_process,
                                   devices, device_type}
@@ -68,10 +69,9 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from nonstop.agent import silence
 from nonstop.agent.data_path import NodeWork
@@ -89,6 +89,25 @@ from nonstop.devices.inventory import DeviceInventory, Devices
 from nonstop.devices.nccl import nccl_env
 from nonstop.errors import ControlError, NonstopError, SnapshotMissingError
 from nonstop.faults import preempt_notice_path
+from nonstop.protocol.agent import (
+    DATA_COMMANDS,
+    AgentHelloMsg,
+    ExitMsg,
+    FatalMsg,
+    FencedMsg,
+    KillMsg,
+    LeaseMsg,
+    LeaseOkMsg,
+    NodeFinishMsg,
+    NodeRefusedMsg,
+    NodeWelcomeMsg,
+    PreemptMsg,
+    ReleaseMsg,
+    SpawnMsg,
+    decode_command,
+    decode_welcome,
+)
+from nonstop.protocol.base import kind_of
 from nonstop.protocol.torchrun import without_rank_vars
 from nonstop.replica.dataplane import DataPlane, shm_stores
 from nonstop.replica.peer import (
@@ -201,9 +220,9 @@ class NodeAgent(DeviceSpawner):
         )
         try:
             self._chan = connect(self.coordinator, self.secret, self._hello())
-            welcome = self._chan.recv()
-            if welcome.get("t") != "welcome":
-                raise NonstopError(f"coordinator refused node {self.spec.node}: {welcome.get('error')}")
+            welcome = decode_welcome(self._chan.recv())
+            if isinstance(welcome, NodeRefusedMsg):
+                raise NonstopError(f"coordinator refused node {self.spec.node}: {welcome.error}")
             self._setup(welcome)
             threading.Thread(target=self._reader, name="nonstop-agent-reader", daemon=True).start()
             assert self._data_work is not None
@@ -211,7 +230,7 @@ class NodeAgent(DeviceSpawner):
             if self.notice is not None:
                 self.notice.start()
             self._start_probes()
-            return self._loop(stop, float(welcome["lease_ttl_s"]))
+            return self._loop(stop, welcome.lease_ttl_s)
         finally:
             if self.agent is not None:
                 self.agent.wait_all(0.5)
@@ -220,38 +239,35 @@ class NodeAgent(DeviceSpawner):
 
     def _hello(self, *, resume: bool = False) -> Message:
         assert self.data is not None
-        hello: Message = {
-            "role": "agent",
-            "node": self.spec.node,
-            "nproc": self.spec.nproc,
-            "spares": self.spec.spares,
-            "domain": self.spec.domain,
-            "data_addr": self.data.addr,
-            "pid": os.getpid(),
-            "in_process": self.in_process,
-            "devices": self.spec.devices.count,
-            "device_type": self.spec.devices.type,
-        }
-        if resume:
-            hello["resume"] = True
-            hello["lease_id"] = self._lease.lease_id if self._lease is not None else 0
-        return hello
+        return AgentHelloMsg(
+            node=self.spec.node,
+            nproc=self.spec.nproc,
+            spares=self.spec.spares,
+            domain=self.spec.domain,
+            data_addr=self.data.addr,
+            pid=os.getpid(),
+            in_process=self.in_process,
+            devices=self.spec.devices.count,
+            device_type=self.spec.devices.type,
+            resume=resume,
+            lease_id=(self._lease.lease_id if self._lease is not None else 0) if resume else None,
+        ).encode()
 
-    def _setup(self, welcome: Message) -> None:
-        self.job_id = str(welcome["job_id"])
-        if welcome.get("store"):
-            self._register(str(welcome["store"]), float(welcome["lease_ttl_s"]))
-            self.reconnect_s = float(welcome.get("reconnect_s", 30.0))
+    def _setup(self, welcome: NodeWelcomeMsg) -> None:
+        self.job_id = welcome.job_id
+        if welcome.store:
+            self._register(welcome.store, welcome.lease_ttl_s)
+            self.reconnect_s = welcome.reconnect_s
         self._lock = hold_lock(self.shm_dir, local_store_id(self.job_id, self.spec.node), self.job_dir)
-        self.num_slots = int(welcome.get("num_slots", 2))
+        self.num_slots = welcome.num_slots
         self.memory = NodeMemory.open(
             node=self.spec.node, job_id=self.job_id, job_dir=self.job_dir, shm_dir=self.shm_dir,
-            nproc=self.spec.nproc, num_slots=self.num_slots, replicas=int(welcome.get("replicas", 0)),
+            nproc=self.spec.nproc, num_slots=self.num_slots, replicas=welcome.replicas,
             pinned=pins_slots(self.spec.devices),  # issue 20: its ranks page-lock slots: RLIMIT_MEMLOCK
-            copy_groups=_copy_groups(dict(welcome.get("env", {}))),
+            copy_groups=_copy_groups(welcome.env),
         )  # fmt: skip
         env = without_rank_vars(self.base_env)  # a spare has no RANK, a rank only the coordinator's
-        env.update({str(k): str(v) for k, v in dict(welcome.get("env", {})).items()})
+        env.update(welcome.env)
         env.update(
             {
                 ENV.JOB_ID: local_store_id(self.job_id, self.spec.node),
@@ -320,7 +336,7 @@ class NodeAgent(DeviceSpawner):
         error = self.memory.poll()
         if error is not None:
             log.info("%s", error)  # the node's nonstop run exits 2 with the line (launch/launcher.py)
-            self._send({"t": "fatal", "error": error})
+            self._send(FatalMsg(error=error).encode())
 
     def _reader(self) -> None:
         assert self._chan is not None
@@ -346,19 +362,19 @@ class NodeAgent(DeviceSpawner):
                 return
             except ControlError:
                 pass
-        if self._lease is not None and msg.get("t") == "exit":
+        if self._lease is not None and kind_of(msg) == ExitMsg.T:
             self._outbox.append(msg)  # the restarted coordinator must learn of it
 
     def _reconnect(self) -> bool:
         """Store mode: try once to reach the (restarted) coordinator; True when back."""
         try:
             chan = connect(self.coordinator, self.secret, self._hello(resume=True), timeout=1.0)
-            welcome = chan.recv()
+            welcome = decode_welcome(chan.recv())
         except (ControlError, OSError, ValueError):
             return False
-        if welcome.get("t") != "welcome":
+        if isinstance(welcome, NodeRefusedMsg):
             chan.close()
-            raise NonstopError(f"the coordinator refused node {self.spec.node}: {welcome.get('error')}")
+            raise NonstopError(f"the coordinator refused node {self.spec.node}: {welcome.error}")
         self._chan = chan
         threading.Thread(target=self._reader, name="nonstop-agent-reader", daemon=True).start()
         pending, self._outbox = self._outbox, []
@@ -389,7 +405,7 @@ class NodeAgent(DeviceSpawner):
             if now >= next_renew and away_since is None:
                 seq += 1
                 sent_at[seq] = now
-                self._send({"t": "lease", "seq": seq})
+                self._send(LeaseMsg(seq=seq).encode())
                 next_renew = now + renew_every
             self._report_exits()
             # Read what arrived before judging the lease: after a stall of this process the
@@ -409,9 +425,11 @@ class NodeAgent(DeviceSpawner):
                     away_since = away_since or time.monotonic()
                 elif msg is None:
                     return self._fence("lost the connection to the coordinator")
-                elif msg.get("t") == "lease_ok":
-                    acked_sent_at = max(acked_sent_at, sent_at.pop(int(msg["seq"]), acked_sent_at))
-                    for old in [k for k in sent_at if k < int(msg["seq"])]:
+                elif kind_of(msg) == LeaseOkMsg.T:
+                    acked = LeaseOkMsg.decode(msg).seq
+                    assert acked is not None  # (the decode requires a number)
+                    acked_sent_at = max(acked_sent_at, sent_at.pop(acked, acked_sent_at))
+                    for old in [k for k in sent_at if k < acked]:
                         del sent_at[old]
                 else:
                     code = self._on_command(msg)
@@ -456,34 +474,35 @@ class NodeAgent(DeviceSpawner):
             return
         self._preempt_deadline = now + grace
         log.warning("node %s: preemption notice, %.1fs of grace; draining", self.spec.node, grace)
-        self._send({"t": "preempt", "grace_s": grace})
+        self._send(PreemptMsg(grace_s=grace).encode())
 
     def _on_command(self, msg: Message) -> int | None:
         """Carry out one coordinator command; an exit code when the agent is to stop."""
         assert self.agent is not None
-        t = msg.get("t")
-        if t == "release":  # drained (preemption): nothing of the job runs here any more
+        if kind_of(msg) in DATA_COMMANDS:  # the data path, on threads of its own (decoded there)
+            assert self._data_work is not None
+            self._data_work.submit(msg)
+            return None
+        cmd = decode_command(msg)
+        if isinstance(cmd, ReleaseMsg):  # drained (preemption): nothing of the job runs here any more
             for sid in list(self.agent.procs):
                 self.agent.kill(sid, signal.SIGKILL)
             self.agent.wait_all(5.0)
             return 0
-        if t == "spawn":
-            self._spawn(msg)
-        elif t == "kill":
-            sid, sig = int(msg["spawn_id"]), int(msg.get("sig", signal.SIGKILL))
-            if msg.get("unless_moving"):  # silent: killed only if stuck (agent/silence.py)
+        if isinstance(cmd, SpawnMsg):
+            self._spawn(cmd)
+        elif isinstance(cmd, KillMsg):
+            sid = cmd.spawn_id
+            if cmd.unless_moving:  # silent: killed only if stuck (agent/silence.py)
                 kill = functools.partial(self._kill, sig=signal.SIGKILL)
                 silence.kill_unless_moving(sid, self.agent.pid(sid), send=self._send, kill=kill)
             else:
-                self._kill(sid, sig)
-        elif t == "finish":
+                self._kill(sid, cmd.sig)
+        elif isinstance(cmd, NodeFinishMsg):
             self.agent.wait_all(10.0)
-            return 1 if msg.get("failed") else 0
-        elif t == "fenced":
-            return self._fence(str(msg.get("error", "fenced by the coordinator")))
-        elif t in NodeWork.COMMANDS:  # the data path, on threads of its own
-            assert self._data_work is not None
-            self._data_work.submit(msg)
+            return 1 if cmd.failed else 0
+        elif isinstance(cmd, FencedMsg):
+            return self._fence(cmd.error)
         return None
 
     def _kill(self, sid: int, sig: int) -> None:
@@ -522,7 +541,7 @@ class NodeAgent(DeviceSpawner):
             release_lock(*self._lock)  # the file goes while still held: gc never sees it orphaned
 
 
-def _copy_groups(env: dict[str, Any]) -> int:
+def _copy_groups(env: Mapping[str, str]) -> int:
     """The node copies' groups the coordinator's worker env names (config.node_copy_groups; at
     least 1: the plan counts them only when the ranks keep node copies)."""
     try:

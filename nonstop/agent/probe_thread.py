@@ -27,6 +27,7 @@ from typing import Any
 
 from nonstop.agent.probes import CommandProbe, ProbeResult, _Clock, host_probe, nvml_probe, run_probes
 from nonstop.config import ProbeConfig
+from nonstop.protocol.base import HealthMsg
 
 __all__ = ["MAX_DETAIL", "Probe", "ProbeThread", "health_message", "node_probes"]
 
@@ -56,12 +57,11 @@ def node_probes(config: ProbeConfig, *, env: Mapping[str, str] | None = None) ->
 
 def health_message(result: ProbeResult) -> dict[str, Any]:
     """The agent's ``health`` message for ``result`` (its detail cut to :data:`MAX_DETAIL`)."""
-    return {
-        "t": "health",
-        "verdict": result.verdict,
-        "probe": None if result.probe == "none" else result.probe,  # "none": every probe healthy
-        "detail": result.detail[:MAX_DETAIL] or None,
-    }
+    return HealthMsg(
+        verdict=result.verdict,
+        probe=None if result.probe == "none" else result.probe,  # "none": every probe healthy
+        detail=result.detail[:MAX_DETAIL] or None,
+    ).encode()
 
 
 class ProbeThread:

@@ -29,6 +29,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from nonstop.protocol.agent import JudgedMsg
 
 __all__ = ["MOVED_NS", "WINDOW_S", "Motion", "Verdict", "judge", "kill_unless_moving", "motion"]
 
@@ -113,7 +116,7 @@ def judge(pid: int, *, window_s: float = WINDOW_S, proc: str = "/proc") -> Verdi
 
 
 def kill_unless_moving(
-    sid: int, pid: int | None, *, send: Callable[[dict[str, object]], None], kill: Callable[[int], None]
+    sid: int, pid: int | None, *, send: Callable[[dict[str, Any]], None], kill: Callable[[int], None]
 ) -> None:
     """The agent's side of ``kill ... unless_moving``: on a thread of its own, judge process ``sid``
     (``pid``; None: not running here), ``send`` the verdict (``judged``), then ``kill(sid)`` if it
@@ -121,7 +124,7 @@ def kill_unless_moving(
 
     def run() -> None:
         verdict = judge(pid) if pid is not None else Verdict("unknown", "not running")
-        send({"t": "judged", "spawn_id": sid, "hung": verdict.hung, "detail": verdict.detail})
+        send(JudgedMsg(spawn_id=sid, hung=verdict.hung, detail=verdict.detail).encode())
         if verdict.hung:
             kill(sid)
 

@@ -18,6 +18,7 @@ from nonstop.agent.processes import Agent
 from nonstop.control.channel import Message
 from nonstop.devices.inventory import DeviceInventory, NoFreeDeviceError, worker_device_env
 from nonstop.faults import fired_at
+from nonstop.protocol.agent import ExitMsg, SpawnedMsg, SpawnMsg
 
 __all__ = ["EXIT_NO_DEVICE", "KILL_WAIT_S", "TICK_S", "DeviceSpawner"]
 
@@ -48,28 +49,28 @@ class DeviceSpawner:
             self._killed.discard(sid)
             pid = self.agent.exited_pids.get(sid)
             fault_at = fired_at(self.job_dir / "faults", pid) if pid is not None else None
-            self._send({"t": "exit", "spawn_id": sid, "rc": rc, "pid": pid, "fault_at": fault_at})
+            self._send(ExitMsg(spawn_id=sid, rc=rc, pid=pid, fault_at=fault_at).encode())
 
-    def _spawn(self, msg: Message) -> None:
-        """Start the process ``msg`` asks for on a free device of this node (the module
+    def _spawn(self, cmd: SpawnMsg) -> None:
+        """Start the process ``cmd`` asks for on a free device of this node (the module
         docstring); with none free, refuse it: ``spawned`` with the error, then its ``exit``."""
         assert self.agent is not None
-        sid, rank = int(msg["spawn_id"]), msg.get("rank")
+        sid = cmd.spawn_id
         try:
             device = self._acquire(sid)
         except NoFreeDeviceError as e:
             log.error("node %s: %s", self.spec.node, e)
-            self._send({"t": "spawned", "spawn_id": sid, "pid": None, "error": str(e)})
-            self._send({"t": "exit", "spawn_id": sid, "rc": EXIT_NO_DEVICE, "pid": None, "fault_at": None})
+            self._send(SpawnedMsg(spawn_id=sid, pid=None, error=str(e)).encode())
+            self._send(ExitMsg(spawn_id=sid, rc=EXIT_NO_DEVICE, pid=None, fault_at=None).encode())
             return
-        env = {str(k): str(v) for k, v in dict(msg.get("env", {})).items()}
+        env = dict(cmd.env or {})
         env.update(worker_device_env(self.spec.devices, device))  # LOCAL_RANK = its device, for life
         try:
-            self.agent.spawn(str(msg["role"]), sid, rank=None if rank is None else int(rank), env=env)
+            self.agent.spawn(cmd.role, sid, rank=cmd.rank, env=env)
         except BaseException:
             self.devices.release(sid)
             raise
-        self._send({"t": "spawned", "spawn_id": sid, "pid": self.agent.pid(sid), "device": device})
+        self._send(SpawnedMsg(spawn_id=sid, pid=self.agent.pid(sid), device=device).encode())
 
     def _acquire(self, sid: int) -> int | None:
         """A free device for process ``sid``. The coordinator replaces a process in place by

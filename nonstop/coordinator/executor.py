@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import signal
 import time
+from collections.abc import Mapping
 
 from nonstop import events as ev
 from nonstop.control.channel import Channel, Message
@@ -20,7 +21,15 @@ from nonstop.coordinator.torch_env import rank_env
 from nonstop.coordinator.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.errors import ControlError
 from nonstop.events.log import EventLog
-from nonstop.protocol.wire import Installed, Inventory, Lost
+from nonstop.protocol.agent import (
+    AgentRequestMsg,
+    FetchRequestMsg,
+    InstalledMsg,
+    InventoryMsg,
+    KillMsg,
+    LostMsg,
+    SpawnMsg,
+)
 
 __all__ = ["Executor"]
 
@@ -35,7 +44,7 @@ class Executor:
         self.view = view
         self.events = events
         self._req = itertools.count()
-        self.replies: dict[int, Inventory | Installed | Lost] = {}
+        self.replies: dict[int, InventoryMsg | InstalledMsg | LostMsg] = {}
         self.pending: dict[int, str] = {}
 
     # -- channels ----------------------------------------------------------------------------------
@@ -79,11 +88,12 @@ class Executor:
     def spawn(self, node: str, role: Role, rank: int | None) -> int:
         """Have ``node``'s agent start a process (``rank``: it plays that rank); its spawn id."""
         sid = self.view.add_worker(node, role, rank, time.monotonic()).spawn_id
-        msg: Message = {"t": "spawn", "spawn_id": sid, "role": str(role)}
-        if rank is not None:
-            msg["rank"] = rank  # the agent labels the process's output with it (workerlog.py)
-            msg["env"] = rank_env(self.view, sid, rank)  # torchrun's, before the script starts
-        self.send_node(self.view.nodes[node], msg)
+        # a rank: the agent labels the process's output with it (workerlog.py); env: torchrun's,
+        # before the script starts
+        env = None if rank is None else rank_env(self.view, sid, rank)
+        self.send_node(
+            self.view.nodes[node], SpawnMsg(spawn_id=sid, role=str(role), rank=rank, env=env).encode()
+        )
         self.events.emit(ev.Spawn(spawn_id=sid, role=str(role), rank=rank, node=node))
         return sid
 
@@ -92,20 +102,18 @@ class Executor:
         it stuck, and answer either way (``judged``: ``agent/silence.py``)."""
         node = self.view.nodes.get(self.view.node_of(sid))
         if node is not None:
-            msg: Message = {"t": "kill", "spawn_id": sid, "sig": int(sig)}
-            if unless_moving:
-                msg["unless_moving"] = True
-            self.send_node(node, msg)
+            self.send_node(node, KillMsg(spawn_id=sid, sig=int(sig), unless_moving=unless_moving).encode())
 
     # -- requests to nodes -------------------------------------------------------------------------
-    def request(self, node: NodeRecord, msg: Message) -> int:
-        """Send ``msg`` with a fresh request id; a node already lost is answered at once."""
+    def request(self, node: NodeRecord, ask: AgentRequestMsg | Message) -> int:
+        """Send ``ask`` with a fresh request id (its ``id``, last on the wire); a node already
+        lost is answered at once. (A dict ``ask`` is a request not typed yet: the id is added.)"""
         req = next(self._req)
         if not node.alive:  # nobody is there to answer
-            self.replies[req] = Lost(id=req, error=f"node {node.name} lost")
+            self.replies[req] = LostMsg(id=req, error=f"node {node.name} lost")
             return req
         self.pending[req] = node.name
-        self.send_node(node, {**msg, "id": req})
+        self.send_node(node, {**ask, "id": req} if isinstance(ask, Mapping) else ask.with_id(req).encode())
         return req
 
     def fetch(
@@ -127,29 +135,24 @@ class Executor:
         ``track`` / ``base``: a catch-up (the step comes as a delta against ``base``, which the
         last tracked fetch brought). ``into="replica"``: into the replica slots it keeps of
         ``rank`` instead (an old rank's step for a reshard, read there by the new ranks)."""
-        msg: Message = {
-            "t": "fetch",
-            "rank": rank,
-            "step": step,
-            "addr": self.view.nodes[source].data_addr,
-            "kind": kind,
-        }
-        if as_rank is not None and as_rank != rank:
-            msg["as_rank"] = as_rank
-        if base is not None:
-            msg["base"] = base
-        if track:
-            msg["track"] = True
-        if into != "local":
-            msg["into"] = into
-        return self.request(self.view.nodes[target], msg)
+        ask = FetchRequestMsg(
+            rank=rank,
+            step=step,
+            addr=self.view.nodes[source].data_addr,
+            kind=kind,
+            as_rank=as_rank if as_rank != rank else None,
+            base=base,
+            track=track,
+            into=into,
+        )
+        return self.request(self.view.nodes[target], ask)
 
     def node_lost(self, name: str, *, keep: set[int]) -> None:
         """Node ``name`` is gone: its requests in flight are answered as lost, except ``keep``
         (fetches, which end with their generation)."""
         for req, n in list(self.pending.items()):
             if n == name and req not in keep:
-                self.replies.setdefault(req, Lost(id=req, error=f"node {name} lost"))
+                self.replies.setdefault(req, LostMsg(id=req, error=f"node {name} lost"))
 
     def done(self, req: int) -> None:
         """Request ``req`` is answered or abandoned."""

@@ -35,14 +35,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nonstop.control.channel import Message
 from nonstop.errors import NonstopError
 from nonstop.events import Event, Persist, PersistFailed
 from nonstop.policy.phase import Busy, JobPhase, Op
+from nonstop.protocol.agent import PersistRanksMsg, RanksPersistedMsg
 from nonstop.snapshot.codec import CodecConfig
 from nonstop.snapshot.durable import CheckpointWriter, DurableStore
 from nonstop.snapshot.persist import PersistResult
@@ -157,31 +158,34 @@ class ClusterPersister:
         )
         self.round = rd
         for node, ranks in rd.nodes.items():
-            msg: Message = {
-                "t": "persist",
-                "id": rd.id,
-                "step": step,
-                "url": self.durable.url,
-                "world_size": world_size,
-                "ranks": ranks,
-                "lossy": self.codec.lossy,
-                "lossy_bits": self.codec.lossy_bits,
-            }
-            if not self._send(node, msg):
+            ask = PersistRanksMsg(
+                id=rd.id,
+                step=step,
+                url=self.durable.url,
+                world_size=world_size,
+                ranks=tuple(ranks),
+                lossy=self.codec.lossy,
+                lossy_bits=self.codec.lossy_bits,
+            )
+            if not self._send(node, ask.encode()):
                 self.abort(f"node {node} is gone")
                 return False
         return True
 
-    def on_reply(self, node: str, msg: Message) -> None:
-        """A node's ``persisted`` answer."""
+    def on_reply(self, node: str, msg: Mapping[str, Any]) -> None:
+        """A node's ``persisted`` answer, as it came (:class:`RanksPersistedMsg`; a malformed one
+        raises :class:`~nonstop.protocol.base.WireError`: its node broke the protocol)."""
         rd = self.round
-        if rd is None or msg.get("id") != rd.id or node not in rd.pending:
+        if rd is None:
             return
-        if not msg.get("ok"):
-            self.abort(f"node {node}: {msg.get('error')}")
+        reply = RanksPersistedMsg.decode(msg)
+        if reply.id != rd.id or node not in rd.pending:
+            return
+        if not reply.ok:
+            self.abort(f"node {node}: {reply.error}")
             return
         try:
-            adopted = {rd.writer.adopt(doc) for doc in list(msg.get("records", []))}
+            adopted = {rd.writer.adopt(doc) for doc in reply.records}
         except (NonstopError, OSError, TypeError, ValueError) as e:
             self.abort(f"node {node}: {e}")
             return
@@ -189,9 +193,9 @@ class ClusterPersister:
             self.abort(f"node {node} wrote ranks {sorted(adopted)}, not {rd.nodes[node]}")
             return
         rd.pending.discard(node)
-        rd.raw += int(msg.get("raw", 0))
-        rd.stored += int(msg.get("stored", 0))
-        rd.full = rd.full or bool(msg.get("full"))
+        rd.raw += reply.raw
+        rd.stored += reply.stored
+        rd.full = rd.full or reply.full
         if not rd.pending:
             self._commit(rd)
 

@@ -26,6 +26,7 @@ from nonstop.policy.planning import (
 )
 from nonstop.policy.rescue import Report, Rescue, gather
 from nonstop.protocol import wire
+from nonstop.protocol.agent import InventoryRequestMsg
 
 if TYPE_CHECKING:
     from nonstop.coordinator.executor import Executor
@@ -63,7 +64,7 @@ class PlanAsks:
         """Ask the live nodes' inventories (and the present ranks' rescues) for ``p``."""
         view = self.view
         nodes = view.alive_nodes()
-        self.inventory_reqs = {self.io.request(view.nodes[n], {"t": "inventory"}): n for n in nodes}
+        self.inventory_reqs = {self.io.request(view.nodes[n], InventoryRequestMsg()): n for n in nodes}
         rescues = p.rescue and bool(p.failures) and self.rescues_on() and self.rescue_wait_s > 0
         out = p.ask(
             set(nodes),

@@ -23,7 +23,7 @@ from nonstop.coordinator.view import JobView
 from nonstop.events.log import EventLog
 from nonstop.mesh import MeshSpec
 from nonstop.policy.decisions import place_replicas
-from nonstop.protocol.wire import Replicated
+from nonstop.protocol.agent import CommittedMsg, ReplicatedMsg, ReplicateMsg
 
 __all__ = ["ReplicationRounds"]
 
@@ -79,16 +79,16 @@ class ReplicationRounds:
         groups, positions = self._groups()
         domains = {n: v.nodes[n].domain for n in alive}
         holders = place_replicas(alive, domains, self.replicas, groups, positions)
-        per_node: dict[str, dict[str, list[str]]] = {}
+        per_node: dict[str, dict[int, tuple[str, ...]]] = {}
         for rank in range(v.world_size):
             node = v.rank_node[rank]
-            addrs = [v.nodes[h].data_addr for h in holders.get(node, [])]
+            addrs = tuple(v.nodes[h].data_addr for h in holders.get(node, []))
             if not addrs:
                 return  # not enough live nodes to hold a replica
-            per_node.setdefault(node, {})[str(rank)] = addrs
+            per_node.setdefault(node, {})[rank] = addrs
         self.round = _Round(step=step, pending=set(range(v.world_size)), started=now)
         for node, ranks in per_node.items():
-            self.io.send_node(v.nodes[node], {"t": "replicate", "step": step, "ranks": ranks})
+            self.io.send_node(v.nodes[node], ReplicateMsg(step=step, ranks=ranks).encode())
 
     def _groups(self) -> tuple[dict[str, int] | None, dict[str, int] | None]:
         """Node -> the replica group (``replicate`` index) of its ranks, when there are several,
@@ -106,7 +106,7 @@ class ReplicationRounds:
                 first[node] = min(first.get(node, rank), rank)
         return out, {node: mesh.copy_group(rank) for node, rank in first.items()}
 
-    def on_replicated(self, node: str, msg: Replicated) -> None:
+    def on_replicated(self, node: str, msg: ReplicatedMsg) -> None:
         """A node's answer for one rank of the round."""
         rd = self.round
         if rd is None or msg.step != rd.step:
@@ -150,4 +150,4 @@ class ReplicationRounds:
     def broadcast_committed(self) -> None:
         """Tell every live node the replicated step (it releases older replicas' holds)."""
         for name in self.view.alive_nodes():
-            self.io.send_node(self.view.nodes[name], {"t": "committed", "step": self.view.replicated_step})
+            self.io.send_node(self.view.nodes[name], CommittedMsg(step=self.view.replicated_step).encode())
