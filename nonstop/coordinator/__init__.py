@@ -10,10 +10,11 @@ Where a change goes:
   roles and progress every operation reads.
 * :mod:`.executor` -- the coordinator's I/O: sends, spawns and kills through node agents.
 * the operations, one module each: :mod:`.workers` (the workers' protocol), :mod:`.node_agents`
-  (node agents: admission, leases, loss), :mod:`.job_start`, :mod:`.failures`, :mod:`.generations` (every membership
-  change, planned and launched), :mod:`.plan_asks`, :mod:`.restore_sources`, :mod:`.resizing`,
-  :mod:`.swaps` (live migrations and grows), :mod:`.replication`, :mod:`.persistence`,
-  :mod:`.health`, :mod:`.client_requests`, :mod:`.event_feed`, :mod:`.store_sync`.
+  (node agents: admission, leases, loss), :mod:`.job_start` (the job's start), :mod:`.failures`,
+  :mod:`.generations` (every membership change, planned and launched), :mod:`.plan_asks`,
+  :mod:`.restore_sources`, :mod:`.resizing`, :mod:`.swaps` (live migrations and grows),
+  :mod:`.replication`, :mod:`.persistence`, :mod:`.health`, :mod:`.client_requests`,
+  :mod:`.event_feed`, :mod:`.store_sync`.
 * what the coordinator serves or computes for others: :mod:`.detector`, :mod:`.metrics`,
   :mod:`.status_server`, :mod:`.torch_env`.
 
