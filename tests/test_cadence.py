@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -172,15 +173,21 @@ def test_a_restarted_coordinator_takes_up_the_interval_its_ranks_run() -> None:
 def test_what_a_reconnecting_rank_says_is_checked_before_it_is_taken_up() -> None:
     from types import SimpleNamespace
 
-    from nonstop.coordinator.workers import WorkerProtocol
+    from nonstop.coordinator.workers import WorkerProtocol, cadence_tuner
 
     emitted: list[object] = []
-    c = SimpleNamespace(
-        config=JobConfig(script="x", snapshot=SnapshotConfig(budget=0.01)),
-        mesh=None,
-        events=SimpleNamespace(emit=emitted.append),
+    unused: Any = SimpleNamespace()  # (collaborators a reconnect's cadence does not touch)
+    workers = WorkerProtocol(
+        view=unused,
+        io=unused,
+        events=SimpleNamespace(emit=emitted.append),  # type: ignore[arg-type]
+        life=unused,
+        cadence=cadence_tuner(JobConfig(script="x", snapshot=SnapshotConfig(budget=0.01)), None),
+        snapshot_every=1,
+        start=unused,
+        setup=unused,
+        resumes=unused,
     )
-    workers = WorkerProtocol(c)  # type: ignore[arg-type]
     assert workers.cadence is not None and not workers.rescues
     for bad in (None, "8", {"every": "8", "since": 3}, {"every": 0, "since": 3}, {"every": True, "since": 3},
                 {"every": 8, "since": -1}, {"every": 8}, {"every": 10**6, "since": 3}):  # fmt: skip

@@ -103,10 +103,9 @@ class Parts:
             lease_ttl_s=TTL,
             reconnect_s=60.0,
             store_url="etcd://127.0.0.1:1",
-            gens=self.gens,
             swaps=self.swaps,
         )
-        self.store.bind(nodes=self.nodes, workers=self.workers)
+        self.store.bind(nodes=self.nodes, workers=self.workers, gens=self.gens)
 
     def _worker(self, node: str, role: Role, rank: int | None) -> int:
         w = self.view.add_worker(node, role, rank, 0.0)

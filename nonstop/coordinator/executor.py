@@ -76,6 +76,14 @@ class Executor:
         :class:`~nonstop.errors.ControlError`: the caller decides what that costs."""
         chan.send(msg)
 
+    def tell(self, chan: Channel, msg: Message) -> None:
+        """Send ``msg`` on ``chan``, a channel no live record holds (a peer refused at its hello,
+        a node being lost); like the record sends, a broken channel drops it."""
+        try:
+            chan.send(msg)
+        except ControlError:
+            pass
+
     def close(self, chan: Channel) -> None:
         """Close ``chan`` (its peer's loss then follows as its close event)."""
         chan.close()
@@ -153,6 +161,10 @@ class Executor:
         for req, n in list(self.pending.items()):
             if n == name and req not in keep:
                 self.replies.setdefault(req, LostMsg(id=req, error=f"node {name} lost"))
+
+    def on_reply(self, reply: InventoryMsg | InstalledMsg) -> None:
+        """A node answered request ``reply.id``: kept in ``replies`` for whoever asked."""
+        self.replies[reply.id] = reply
 
     def done(self, req: int) -> None:
         """Request ``req`` is answered or abandoned."""

@@ -160,6 +160,11 @@ class Generations:
         return self.setup.rebuilding()
 
     # -- planning ---------------------------------------------------------------------------------
+    def reshard_first(self, source: dict[str, Any]) -> None:
+        """The job resumes from a checkpoint of another size (``source``: its ``url``, ``step``
+        and ``world``): the first generation's ranks reshard from it, nothing is installed."""
+        self.reshard = source
+
     def replan_tick(self) -> None:
         """Re-plan a generation waiting for a spare (one appeared, or the wait is over)."""
         p = self.pending

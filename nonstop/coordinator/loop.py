@@ -8,7 +8,8 @@ progress) in a :class:`~nonstop.policy.phase.JobPhase`, which decides which back
 may start. I/O goes through one :class:`~nonstop.coordinator.executor.Executor`. The operations:
 
 =================================  ==========================================================
-``agents`` (coordinator/node_agents.py)      nodes join, renew leases, are lost or quarantined; spares
+``start`` (coordinator/job_start.py)   the nodes joined: a resumed checkpoint installed, the first processes
+``agents`` (coordinator/node_agents.py)      nodes are admitted, renew leases, are lost or quarantined; spares
 ``failures`` (coordinator/failures.py) exits and hangs become failures, failures a new generation
 ``gens`` (coordinator/generations.py)  plan generations (pure ``Pending``, ``plan_generation``)
 ``setup`` (generation_setup.py)    launch and time a planned one (pure ``Reconfiguration``)
@@ -20,28 +21,26 @@ may start. I/O goes through one :class:`~nonstop.coordinator.executor.Executor`.
                                    rendezvous ``kv``, stage reports (fenced by generation)
 =================================  ==========================================================
 
-This module keeps the loop, the routing of the control server's events, the committed step and
-the job's end.
+This module keeps the loop, the committed step and the job's end; which operation handles each
+event of the control server and each decoded message is one table, ``routes``
+(:mod:`nonstop.coordinator.routing`).
 
 Fencing: every message from a worker carries the generation it was sent in;
 ``restored``/``ready``/``step``/``done``/``fault``/``kv`` from an older generation, from a
 process that is no longer a member, or from a lost node are ignored or refused, so two
 processes never play one rank in one generation. A message its authenticated sender built wrong
-fails that sender only (:meth:`Coordinator._dispatch`).
+fails that sender only (:meth:`Routes.dispatch <nonstop.coordinator.routing.Routes.dispatch>`).
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nonstop import events as ev
 from nonstop.config import JobConfig
-from nonstop.control.channel import Channel, Message
 from nonstop.control.jobstore import JobStore
 from nonstop.control.listener import ControlServer
 from nonstop.control.rdzv import KeyValueTable
@@ -54,18 +53,20 @@ from nonstop.coordinator.generation_setup import GenerationSetup
 from nonstop.coordinator.generations import Generations
 from nonstop.coordinator.health import Health
 from nonstop.coordinator.job import JobLife
+from nonstop.coordinator.job_start import JobStart
 from nonstop.coordinator.metrics import JobMonitor
-from nonstop.coordinator.node_agents import NodeAgents
+from nonstop.coordinator.node_agents import AgentTerms, NodeAgents
 from nonstop.coordinator.persistence import ClusterPersister, PersistOps
 from nonstop.coordinator.plan_asks import PlanAsks
 from nonstop.coordinator.replication import ReplicationRounds
 from nonstop.coordinator.resizing import Resizing
 from nonstop.coordinator.restore_sources import RestoreSources
+from nonstop.coordinator.routing import Routes
 from nonstop.coordinator.store_sync import StoreSync
 from nonstop.coordinator.swap_actions import SwapActions
 from nonstop.coordinator.swaps import Swaps
 from nonstop.coordinator.view import JobView, NodeRecord
-from nonstop.coordinator.workers import WorkerProtocol
+from nonstop.coordinator.workers import WorkerProtocol, cadence_tuner
 from nonstop.errors import ControlError
 from nonstop.events.log import EventLog
 from nonstop.mesh import MeshSpec
@@ -73,13 +74,9 @@ from nonstop.policy.decisions import QuarantinePolicy
 from nonstop.policy.elastic import ElasticPolicy
 from nonstop.policy.phase import TICK_S, JobPhase, Op
 from nonstop.policy.survivors import SurvivorMode
-from nonstop.protocol.client import ErrorMsg
 from nonstop.snapshot.persist import Persister
 
 __all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
-
-log = logging.getLogger(__name__)
-
 
 JobState = JobPhase  # the name the launcher, the CLI and the tests know
 
@@ -164,8 +161,6 @@ class Coordinator:
             elastic=self.elastic.enabled,
             install_timeout_s=config.persist.timeout_s,
         )
-        # node agents: joins, leases, losses, quarantine, spares
-        self.agents = NodeAgents(self)
         # live migrations and elastic grows: boundary swaps (policy/boundary_swap.py, coordinator/swaps.py)
         self.swaps = Swaps(
             view=self.view,
@@ -179,6 +174,19 @@ class Coordinator:
             rebuild_timeout_s=config.detection.rebuild_timeout_s,
             swap_transfer=config.operations.swap_transfer,
             persist=self.rounds,
+        )
+        # store mode (--store etcd://): state saved in and restored from the control store
+        self.store = StoreSync(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            jobs=jobs,
+            address=server.address,
+            lease_ttl_s=config.detection.lease_ttl_s,
+            reconnect_s=config.control.reconnect_s,
+            store_url=config.control.store,
+            swaps=self.swaps,
         )
         # issue 21: fail-slow ranks, graded failures, probe verdicts, proactive moves (healthops.py)
         self.health = Health(
@@ -204,6 +212,28 @@ class Coordinator:
             durable_url=durable_url,
             swaps=self.swaps,
             sources=self.sources,
+        )
+        # node agents: admission, leases, losses, quarantine, spares
+        self.agents = NodeAgents(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            terms=AgentTerms(
+                nproc_per_node=config.nproc_per_node,
+                lease_ttl_s=config.detection.lease_ttl_s,
+                num_slots=self.num_slots,
+                replicas=config.replication.replicas if self.replication_on else 0,
+                worker_env=worker_env,
+                store_mode=jobs is not None,
+                store=config.control.store if jobs is not None else None,
+                reconnect_s=config.control.reconnect_s,
+                elastic=self.elastic.enabled,
+            ),
+            quarantine=self.quarantine,
+            store=self.store,
+            fetches=self.sources,
+            rounds=self.replication,
         )
         # generations: planning every membership change (generations.py), and carrying each
         # planned one out: launch, stages, timing (generation_setup.py)
@@ -240,19 +270,21 @@ class Coordinator:
             fences=(lambda _: self.replication.reset(), self._fence_rendezvous),
         )
         self.sources.bind(setup=self.setup, needs=self.resize)
-        # store mode (--store etcd://): state saved in and restored from the control store
-        self.store = StoreSync(
+        # the job's start: the nodes joined, a resumed checkpoint installed, the first processes
+        self.start = JobStart(
             view=self.view,
             io=self.io,
             events=events,
             life=self.life,
-            jobs=jobs,
-            address=server.address,
-            lease_ttl_s=config.detection.lease_ttl_s,
-            reconnect_s=config.control.reconnect_s,
-            store_url=config.control.store,
-            gens=self.gens,
-            swaps=self.swaps,
+            nnodes=config.nnodes,
+            nproc_per_node=config.nproc_per_node,
+            join_timeout_s=config.join_timeout_s,
+            world_size=config.world_size,
+            resume_url=config.persist.resume or durable_url,
+            sharded=config.mesh is not None,
+            since=time.monotonic(),
+            generations=self.gens,
+            installer=self.sources,
         )
         # process exits and hangs become failures, failures become a recovery
         self.failures = Failures(
@@ -302,11 +334,43 @@ class Coordinator:
         self.feed = EventFeed()
         events.subscribe(self.feed.on_event)
         # the workers' protocol: connections, heartbeats, step reports, rendezvous, stage reports
-        self.workers = WorkerProtocol(self)
-        # the peers that call back into the swaps and the store sync, built after them
+        self.workers = WorkerProtocol(
+            view=self.view,
+            io=self.io,
+            events=events,
+            life=self.life,
+            cadence=cadence_tuner(config, self.mesh),
+            snapshot_every=config.snapshot.every,
+            start=self.start,
+            setup=self.setup,
+            resumes=self.store,
+        )
+        # the peers that call back into the swaps, the store sync and the node agents, built after them
         self.swaps.actions.bind(gens=self.gens, resize=self.resize)
         self.swaps.bind(resize=self.resize, nodes=self.agents)
-        self.store.bind(nodes=self.agents, workers=self.workers)
+        self.store.bind(nodes=self.agents, workers=self.workers, gens=self.gens)
+        self.agents.bind(exits=self.failures)
+        # which operation handles each event of the control server and each message (routing.py)
+        self.routes = Routes(
+            view=self.view,
+            io=self.io,
+            events=events,
+            agents=self.agents,
+            workers=self.workers,
+            clients=self.clients,
+            failures=self.failures,
+            health=self.health,
+            swaps=self.swaps,
+            sources=self.sources,
+            replication=self.replication,
+            rounds=self.rounds,
+            setup=self.setup,
+            resize=self.resize,
+            kv=self.kv,
+            feed=self.feed,
+            detector=self.detector,
+            monitor=lambda: self.monitor,
+        )
         self.life.busy_from(self.setup.busy, self.swaps.busy, self.store.busy)
         self.life.before_finish(self.swaps.finish)
 
@@ -356,9 +420,9 @@ class Coordinator:
         """One turn of the loop: handle the events that arrived (waiting up to ``wait_s`` for
         the first), then every periodic check. Tests drive a coordinator through this."""
         self.pump_events(wait_s)
-        self.agents.check_leases()
+        self.agents.check_leases(time.monotonic())
         self.store.tick()
-        self.agents.check_join()
+        self.start.check_join(time.monotonic())
         self.failures.handle_exits()
         self.pump_events(0)
         self.failures.detect()
@@ -425,80 +489,11 @@ class Coordinator:
         except queue.Empty:
             return
         while True:
-            self._dispatch(kind, chan, msg)
+            self.routes.dispatch(kind, chan, msg)
             try:
                 kind, chan, msg = self.server.events.get_nowait()
             except queue.Empty:
                 return
-
-    def _dispatch(self, kind: str, chan: Channel, msg: Message | None) -> None:
-        """Handle one event from the control server. A message its (authenticated) sender built
-        wrong -- a missing or mistyped field -- fails that sender only: a client gets an error, a
-        worker's channel is closed (the detector then recovers its rank), an agent's node is lost.
-        The coordinator goes on either way."""
-        try:
-            self._on_event(kind, chan, msg)
-        except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
-            self._protocol_error(chan, msg, e)
-
-    def _protocol_error(self, chan: Channel, msg: Message | None, e: Exception) -> None:
-        what = f"{type(e).__name__}: {e}"
-        t = msg.get("t") if isinstance(msg, dict) else None
-        log.warning("malformed %r message from %s: %s", t, chan.peer, what, exc_info=True)
-        tag = chan.tag
-        who: dict[str, Any] = {"peer": chan.peer, "message": t, "error": what}
-        if isinstance(tag, tuple) and tag[0] == "node" and tag[1] in self.view.nodes:
-            who["node"] = tag[1]
-            self.events.emit(ev.ProtocolError(**who))
-            node = self.view.nodes[tag[1]]
-            if node.alive and node.chan is chan:
-                self.agents.lose_node(node, f"its agent broke the protocol ({what})")
-            return
-        if isinstance(tag, int) and tag in self.view.workers:
-            w = self.view.workers[tag]
-            who.update(spawn_id=tag, rank=w.rank)
-            self.events.emit(ev.ProtocolError(**who))
-            if w.chan is chan:  # the detector fails it once the channel has been closed a moment
-                w.chan_closed_at = time.monotonic()
-            chan.close()
-            return
-        self.events.emit(ev.ProtocolError(**who))
-        if isinstance(tag, tuple) and tag[0] == "client":
-            try:
-                chan.send(ErrorMsg(error=f"malformed request: {what}").encode())
-            except ControlError:
-                pass
-        chan.close()
-
-    def _on_event(self, kind: str, chan: Channel, msg: Message | None) -> None:
-        role = chan.hello.get("role")
-        if kind == "open" and role == "client":
-            chan.tag = ("client", len(self.clients.channels))
-            self.clients.channels[len(self.clients.channels)] = chan
-            self.events.emit(ev.Client(peer=chan.peer))
-            return
-        if kind == "open" and role == "agent":
-            self.agents.on_open(chan)
-            return
-        tag = chan.tag
-        if isinstance(tag, tuple) and tag[0] == "client":
-            if kind == "msg" and msg is not None:
-                self.clients.on_request(chan, msg)
-            return
-        if isinstance(tag, tuple) and tag[0] == "node":
-            node = self.view.nodes.get(tag[1])
-            if node is None or node.chan is not chan:
-                return
-            if kind == "msg" and msg is not None:
-                self.agents.on_message(node, msg)
-            elif kind == "close" and node.alive:
-                if self.store.jobs is None:
-                    self.agents.lose_node(node, "its agent's connection closed")
-                else:  # lost when its lease in the store ends; until then it may reconnect
-                    node.disconnected_at = time.monotonic()
-                    self.events.emit(ev.NodeDisconnected(node=node.name))
-            return
-        self.workers.on_event(kind, chan, msg)
 
     # -- requests to nodes, the committed step ---------------------------------------------------
     def committed(self) -> int:

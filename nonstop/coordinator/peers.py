@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from nonstop.policy.phase import Busy
 
 if TYPE_CHECKING:
-    from nonstop.coordinator.view import NodeRecord
+    from nonstop.control.channel import Channel
+    from nonstop.coordinator.failures import Exit
+    from nonstop.coordinator.view import NodeRecord, WorkerRecord
     from nonstop.policy.boundary_swap import Joiner
     from nonstop.policy.decisions import FailureKind
     from nonstop.policy.grading import Graded
@@ -47,6 +49,15 @@ __all__ = [
     "SwapGenerations",
     "SwapRecord",
     "SwapShards",
+    "ExitSink",
+    "NodeStore",
+    "FetchesInFlight",
+    "RoundReset",
+    "ResumePoint",
+    "DurableInstall",
+    "LaunchWatch",
+    "FirstConnects",
+    "WorkerResumes",
 ]
 
 
@@ -346,3 +357,99 @@ class SwapRecord(Protocol):
     def requeue(self, rec: dict[str, Any], now: float) -> None:
         """Queue again the migrations a dead coordinator's record had queued."""
         ...
+
+
+class ExitSink(Protocol):
+    """The failures as the node agents see them (:mod:`nonstop.coordinator.failures`): a process
+    ended (its agent said so, or its node was lost); handled at the failures' next tick."""
+
+    def on_exit(self, ex: Exit) -> None: ...
+
+
+class NodeStore(Protocol):
+    """Store mode as the node agents see it (:mod:`nonstop.coordinator.store_sync`): an agent
+    reattaching to a restarted coordinator, and a quarantined node's lease ended in the store."""
+
+    def reattach(self, node: NodeRecord, chan: Channel) -> None: ...
+
+    def revoke(self, node: NodeRecord) -> None: ...
+
+
+class FetchesInFlight(Protocol):
+    """The restore fetches in flight (:mod:`nonstop.coordinator.restore_sources`), which a node's
+    loss does not answer as lost: they end with their generation."""
+
+    @property
+    def waiting_fetch(self) -> Collection[int]:
+        """The request ids of the fetches in flight."""
+        ...
+
+
+class RoundReset(Protocol):
+    """The replication rounds as a node's loss sees them (:mod:`nonstop.coordinator.replication`):
+    its holders or senders may be gone, so the round starts over."""
+
+    def reset(self) -> None: ...
+
+
+class ResumePoint(Protocol):
+    """The generations as the job's start sees them (:mod:`nonstop.coordinator.generations`): the
+    resumed checkpoint to install first, a resumed checkpoint of another size the first
+    generation reshards from, and the first generation's beginning."""
+
+    @property
+    def initial_step(self) -> int | None:
+        """The resumed durable checkpoint's step (None: a fresh start, or it is installed)."""
+        ...
+
+    def reshard_first(self, source: dict[str, Any]) -> None:
+        """The first generation's ranks cut their shards out of ``source`` (``url``, ``step``,
+        ``world``: a checkpoint of another size); nothing is installed on the nodes."""
+        ...
+
+    def begin(self, failures: list[Failure]) -> None:
+        """Open the next generation and plan it (the first: ``failures`` empty)."""
+        ...
+
+
+class DurableInstall(Protocol):
+    """The restore sources as the job's start sees them (:mod:`nonstop.coordinator.restore_sources`)."""
+
+    def install_durable(
+        self,
+        steps: list[int],
+        placement: dict[str, list[int]],
+        url: str,
+        done: Callable[[int | None], None],
+    ) -> None:
+        """Install the first of ``steps`` that loads on every node (``placement``: node -> its
+        ranks) from ``url``; ``done(step or None)`` once it is known."""
+        ...
+
+
+class LaunchWatch(Protocol):
+    """The generation being set up as the workers' protocol sees it
+    (:mod:`nonstop.coordinator.generations`): what a connecting process and a joining rank
+    report to it."""
+
+    @property
+    def reconf(self) -> Reconfiguration | None:
+        """The generation being set up; None between setups."""
+        ...
+
+    def report(self, event: RecoveryEvent) -> None: ...
+
+
+class FirstConnects(Protocol):
+    """The job's start as the workers' protocol sees it (:mod:`nonstop.coordinator.job_start`)."""
+
+    def connected(self) -> None:
+        """A first process connected: the first generation begins once every member has."""
+        ...
+
+
+class WorkerResumes(Protocol):
+    """Store mode as the workers' protocol sees it (:mod:`nonstop.coordinator.store_sync`): a
+    worker reconnected to a restarted coordinator, saying where it is."""
+
+    def on_worker_resumed(self, w: WorkerRecord, resume: dict[str, Any]) -> None: ...

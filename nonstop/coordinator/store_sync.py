@@ -77,16 +77,18 @@ class StoreSync:
 
     ``address``: the coordinator's control server, as the leader key names it;
     ``lease_ttl_s``: the nodes' leases (``--lease-ttl``); ``reconnect_s``: how long a node may be
-    away (``--reconnect``); ``store_url``: ``--store``, as errors name it. ``gens``: a restored
-    recovery is redone through them; ``swaps``: their part of the record.
+    away (``--reconnect``); ``store_url``: ``--store``, as errors name it. ``swaps``: their part
+    of the record.
 
-    The node agents (a node whose lease ended is lost) and the workers' protocol (a member's
-    resume point) come late, by :meth:`bind`: both call back into the store sync (a node
-    reattaches, its lease is revoked; a worker resumes), so they are built after it; :meth:`bind`
-    is called once, before :meth:`open`."""
+    The node agents (a node whose lease ended is lost), the workers' protocol (a member's resume
+    point) and the generations (a restored recovery is redone through them) come late, by
+    :meth:`bind`: the first two call back into the store sync (a node reattaches, its lease is
+    revoked; a worker resumes), and the generations are built after the node agents, so all
+    three are built after it; :meth:`bind` is called once, before :meth:`open`."""
 
     nodes: NodeLoss
     workers: CadenceResume
+    gens: Resync
 
     def __init__(
         self,
@@ -100,7 +102,6 @@ class StoreSync:
         lease_ttl_s: float,
         reconnect_s: float,
         store_url: str,
-        gens: Resync,
         swaps: SwapRecord,
     ) -> None:
         self.view = view
@@ -111,7 +112,6 @@ class StoreSync:
         self.lease_ttl_s = lease_ttl_s
         self.reconnect_s = reconnect_s
         self.store_url = store_url
-        self.gens = gens
         self.swaps = swaps
         self.jobs = jobs
         self.leader: LeaseKeeper | None = None
@@ -125,10 +125,11 @@ class StoreSync:
         self.interrupted: dict[str, dict[str, Any]] = {}
         self.continue_on_resume: set[int] = set()
 
-    def bind(self, *, nodes: NodeLoss, workers: CadenceResume) -> None:
+    def bind(self, *, nodes: NodeLoss, workers: CadenceResume, gens: Resync) -> None:
         """The peers that are built after the store sync (see the class docstring)."""
         self.nodes = nodes
         self.workers = workers
+        self.gens = gens
 
     def busy(self) -> set[Busy]:
         """Restored nodes not reconnected yet hold back what needs every node."""
