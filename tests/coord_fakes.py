@@ -11,6 +11,7 @@ from typing import Any
 from nonstop.config import job_config_from_flat
 from nonstop.control.jobstore import JobStore
 from nonstop.coordinator.loop import Coordinator
+from nonstop.coordinator.view import JobView, Role, WorkerRecord
 from nonstop.errors import ControlError
 from nonstop.events.log import EventLog, read_events
 
@@ -43,6 +44,34 @@ class FakeChannel:
 
     def last(self, kind: str) -> Message:
         return next(m for m in reversed(self.sent) if m.get("t") == kind)
+
+
+def logged(path: Path, kind: str) -> list[dict[str, Any]]:
+    """The events of ``kind`` in the event log at ``path``, in order."""
+    return [e for e in read_events(path) if e["event"] == kind]
+
+
+def add_member(view: JobView, node: str, role: Role, rank: int | None) -> WorkerRecord:
+    """A process on ``node`` in ``view``; one with a rank is that rank's member."""
+    w = view.add_worker(node, role, rank, 0.0)
+    if rank is not None:
+        view.members[rank] = w.spawn_id
+        view.rank_node[rank] = node
+    return w
+
+
+def agent_chan(view: JobView, node: str) -> FakeChannel:
+    """The fake channel of ``node``'s agent in ``view``."""
+    chan = view.nodes[node].chan
+    assert isinstance(chan, FakeChannel)
+    return chan
+
+
+def worker_chan(view: JobView, sid: int) -> FakeChannel:
+    """The fake channel of process ``sid`` in ``view``."""
+    chan = view.workers[sid].chan
+    assert isinstance(chan, FakeChannel)
+    return chan
 
 
 class FakeServer:
@@ -221,4 +250,4 @@ class Harness:
         self.tick()
 
     def events(self, name: str) -> list[dict[str, Any]]:
-        return [e for e in read_events(self.log.path) if e["event"] == name]
+        return logged(self.log.path, name)

@@ -19,7 +19,7 @@ from nonstop.coordinator.generations import Generations
 from nonstop.coordinator.job import JobLife
 from nonstop.coordinator.plan_asks import PlanAsks
 from nonstop.coordinator.view import JobView, NodeRecord, Role
-from nonstop.events.log import EventLog, read_events
+from nonstop.events.log import EventLog
 from nonstop.policy.elastic import ElasticPolicy
 from nonstop.policy.phase import Busy, JobPhase
 from nonstop.policy.planning import Inventory, Shrink
@@ -36,7 +36,7 @@ from nonstop.policy.reconfiguration import (
 )
 from nonstop.policy.survivors import SurvivorChoice
 from nonstop.protocol.wire import Inventory as InventoryReply
-from tests.coord_fakes import FakeChannel
+from tests.coord_fakes import FakeChannel, add_member, agent_chan, logged, worker_chan
 
 
 # -- the parts both are built from ------------------------------------------------------------------
@@ -53,22 +53,13 @@ def _job(tmp_path: Path, *, world: int = 2, nodes: int = 2) -> tuple[JobView, Ex
 
 
 def _worker(view: JobView, node: str, role: Role, rank: int | None) -> FakeChannel:
-    w = view.add_worker(node, role, rank, 0.0)
+    w = add_member(view, node, role, rank)
     w.chan = FakeChannel({"role": str(role)}, peer=f"worker-{w.spawn_id}")  # type: ignore[assignment]
-    if rank is not None:
-        view.members[rank] = w.spawn_id
-        view.rank_node[rank] = node
-    return w.chan  # type: ignore[return-value]
-
-
-def _agent(view: JobView, node: str) -> FakeChannel:
-    chan = view.nodes[node].chan
-    assert isinstance(chan, FakeChannel)
-    return chan
+    return worker_chan(view, w.spawn_id)
 
 
 def _events(tmp_path: Path, kind: str) -> list[dict[str, Any]]:
-    return [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == kind]
+    return logged(tmp_path / "events.jsonl", kind)
 
 
 def _failure(rank: int, sid: int) -> Failure:
@@ -177,10 +168,10 @@ def test_a_stage_that_overruns_has_its_laggards_killed(tmp_path: Path) -> None:
     setup.report(Restored(0, time.time()))
     setup.check_timeouts()  # the stage's deadline is set on the first tick
     setup.report(Tick(time.time() + 6.0))
-    [kill] = [m for m in _agent(view, "1").sent if m["t"] == "kill"]
+    [kill] = [m for m in agent_chan(view, "1").sent if m["t"] == "kill"]
     assert kill["spawn_id"] == view.members[1]
     assert view.workers[view.members[1]].killed_for_hang == "stage restore timed out"
-    assert [m["t"] for m in _agent(view, "0").sent] == []
+    assert [m["t"] for m in agent_chan(view, "0").sent] == []
 
 
 def test_an_abandoned_generation_hears_nothing_more(tmp_path: Path) -> None:
@@ -300,7 +291,7 @@ class Planner:
 
     def answer_inventories(self, held: dict[int, tuple[int, ...]]) -> None:
         for node in ("0", "1"):
-            ask = _agent(self.view, node).last("inventory")
+            ask = agent_chan(self.view, node).last("inventory")
             local = {r: st for r, st in held.items() if self.view.rank_node.get(r) == node}
             self.io.replies[ask["id"]] = InventoryReply(id=ask["id"], local=local, replicas={})
         self.gens.inventory_tick()
@@ -313,7 +304,7 @@ def test_a_first_generation_is_opened_fenced_and_launched_at_once(tmp_path: Path
     assert p.view.generation == 1 and p.log == ["abandon", "sources 1", "fence 1"]
     [(r, tier, fetches, _)] = p.setup.launched
     assert r.generation == 1 and r.restore_step is None and tier == "memory" and fetches == {}
-    assert _agent(p.view, "0").kinds() == []  # nothing to ask: no restore
+    assert agent_chan(p.view, "0").kinds() == []  # nothing to ask: no restore
 
 
 def test_a_failure_asks_the_nodes_then_a_spare_takes_the_rank_at_the_step_all_hold(tmp_path: Path) -> None:
@@ -322,7 +313,7 @@ def test_a_failure_asks_the_nodes_then_a_spare_takes_the_rank_at_the_step_all_ho
     failure = p.lose_rank(1)
     p.gens.recover([failure])
     assert p.view.phase is JobPhase.RECONFIGURING and p.setup.launched == []  # waits for answers
-    assert [_agent(p.view, n).kinds() for n in ("0", "1")] == [["inventory"], ["inventory"]]
+    assert [agent_chan(p.view, n).kinds() for n in ("0", "1")] == [["inventory"], ["inventory"]]
     p.answer_inventories({0: (2, 4), 1: (2, 4)})
     [(r, tier, _, _)] = p.setup.launched
     assert r.restore_step == 4 and tier == "memory" and r.failures == [failure]
@@ -366,7 +357,7 @@ def test_without_a_spare_a_cold_process_is_started_for_the_rank(tmp_path: Path) 
     p = Planner(tmp_path, spares=False)
     p.gens.recover([p.lose_rank(1)])
     p.answer_inventories({0: (4,), 1: (4,)})
-    [spawn] = [m for m in _agent(p.view, "1").sent if m["t"] == "spawn"]
+    [spawn] = [m for m in agent_chan(p.view, "1").sent if m["t"] == "spawn"]
     [(r, _, _, _)] = p.setup.launched
     assert spawn["rank"] == 1 and r.waiting_launch == {1} and r.replacements == {1: "cold"}
     assert p.view.members[1] == spawn["spawn_id"]

@@ -25,7 +25,7 @@ from nonstop.policy.phase import JobPhase
 from nonstop.policy.reconfiguration import Failure
 from nonstop.protocol.agent import ExitMsg, FatalMsg, LeaseMsg, RegisteredMsg, SpawnedMsg
 from nonstop.protocol.wire import Lost
-from tests.coord_fakes import FakeChannel
+from tests.coord_fakes import FakeChannel, add_member, logged
 
 
 # -- fakes of the peers ----------------------------------------------------------------------------
@@ -115,14 +115,11 @@ class Agents:
         return [str(e["event"]) for e in read_events(self.path) if e["event"] != "eventlog"]
 
     def events_of(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in read_events(self.path) if e["event"] == kind]
+        return logged(self.path, kind)
 
     def worker(self, node: str, rank: int | None, role: Role = Role.WORKER) -> FakeChannel:
-        w = self.view.add_worker(node, role, rank, 0.0)
+        w = add_member(self.view, node, role, rank)
         w.chan = FakeChannel({"role": str(role), "spawn_id": w.spawn_id})  # type: ignore[assignment]
-        if rank is not None:
-            self.view.members[rank] = w.spawn_id
-            self.view.rank_node[rank] = node
         return w.chan  # type: ignore[return-value]
 
 

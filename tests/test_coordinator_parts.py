@@ -30,7 +30,7 @@ from nonstop.policy.phase import Busy, JobPhase, Op
 from nonstop.policy.planning import Pending
 from nonstop.policy.reconfiguration import Failure
 from nonstop.policy.straggler import StragglerConfig
-from tests.coord_fakes import FakeChannel
+from tests.coord_fakes import FakeChannel, agent_chan
 
 
 # -- the parts every operation is built from --------------------------------------------------------
@@ -59,9 +59,7 @@ def _kinds(tmp_path: Path) -> list[str]:
 
 
 def _agent(view: JobView, node: str = "0") -> FakeChannel:
-    chan = view.nodes[node].chan
-    assert isinstance(chan, FakeChannel)
-    return chan
+    return agent_chan(view, node)
 
 
 # -- JobLife ------------------------------------------------------------------------------------------

@@ -13,12 +13,12 @@ from nonstop.coordinator.job import JobLife
 from nonstop.coordinator.restore_sources import RestoreSources
 from nonstop.coordinator.view import JobView, NodeRecord
 from nonstop.errors import NonstopError
-from nonstop.events.log import EventLog, read_events
+from nonstop.events.log import EventLog
 from nonstop.policy.phase import JobPhase
 from nonstop.policy.reconfiguration import FetchDone, Reconfiguration, RecoveryEvent
 from nonstop.protocol.agent import FetchedBytes
 from nonstop.protocol.wire import Fetched, Installed
-from tests.coord_fakes import FakeChannel
+from tests.coord_fakes import FakeChannel, agent_chan, logged
 
 
 class FakeSetup:
@@ -107,12 +107,6 @@ def _sources(
     return sources, view, setup
 
 
-def _agent(view: JobView, node: str) -> FakeChannel:
-    chan = view.nodes[node].chan
-    assert isinstance(chan, FakeChannel)
-    return chan
-
-
 def _gen(generation: int = 1, world: int = 2) -> Reconfiguration:
     return Reconfiguration(generation=generation, world_size=world, failures=[], restore_step=5)
 
@@ -123,7 +117,7 @@ def _fetched(req: int, *, ok: bool = True, error: str | None = None) -> Fetched:
 
 
 def _events(tmp_path: Path, kind: str) -> list[dict[str, object]]:
-    return [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == kind]
+    return logged(tmp_path / "events.jsonl", kind)
 
 
 def test_a_rank_whose_node_lacks_its_step_fetches_it_from_the_holder(tmp_path: Path) -> None:
@@ -133,9 +127,9 @@ def test_a_rank_whose_node_lacks_its_step_fetches_it_from_the_holder(tmp_path: P
     avail = {0: {5: [("0", "local")]}, 1: {5: [("0", "replica")]}}
     fetches = sources.plan_fetches(r, 5, avail)
     assert fetches == {1: "0:replica"}
-    [msg] = [m for m in _agent(view, "1").sent if m["t"] == "fetch"]
+    [msg] = [m for m in agent_chan(view, "1").sent if m["t"] == "fetch"]
     assert msg["rank"] == 1 and msg["step"] == 5 and msg["addr"] == "addr-0" and msg["kind"] == "replica"
-    assert _agent(view, "0").sent == []
+    assert agent_chan(view, "0").sent == []
     assert r.waiting_fetch == {1} and sources.waiting_fetch == {msg["id"]: (1, 1)}
 
 
@@ -193,7 +187,7 @@ def test_an_early_boundary_fetch_done_before_its_generation_is_adopted_without_a
     r = _gen(2)
     assert sources.fetch_for(r, 1, 5, "0", "local", early=req) == "0:local"
     assert r.waiting_fetch == set()  # nothing to wait for
-    assert [m["t"] for m in _agent(view, "1").sent] == ["fetch"]  # asked once
+    assert [m["t"] for m in agent_chan(view, "1").sent] == ["fetch"]  # asked once
 
 
 def test_an_early_fetch_that_failed_is_asked_again_and_one_in_flight_is_waited_for(tmp_path: Path) -> None:
@@ -202,7 +196,7 @@ def test_an_early_fetch_that_failed_is_asked_again_and_one_in_flight_is_waited_f
     sources.on_fetched(view.nodes["1"], _fetched(failed, ok=False, error="x"))
     r = _gen(2)
     sources.fetch_for(r, 1, 5, "0", "local", early=failed)
-    assert [m["t"] for m in _agent(view, "1").sent] == ["fetch", "fetch"] and r.waiting_fetch == {1}
+    assert [m["t"] for m in agent_chan(view, "1").sent] == ["fetch", "fetch"] and r.waiting_fetch == {1}
     in_flight = sources.fetch_early("0", 1, 5, "1", as_rank=0)
     sources.fetch_for(r, 0, 5, "1", "local", early=in_flight)
     assert sources.waiting_fetch[in_flight] == (0, 2) and r.waiting_fetch == {0, 1}
@@ -214,7 +208,7 @@ def test_a_reshard_fetches_what_a_node_lacks_into_its_replica_slots_and_waits_fo
     held = {0: {5: [("0", "local")]}, 1: {5: [("1", "local")]}}
     where = sources.plan_reshard(r, 5, held, 2)
     assert where == {"0": {0: "local", 1: "replica"}, "1": {1: "local"}}
-    [msg] = _agent(view, "0").sent
+    [msg] = agent_chan(view, "0").sent
     assert msg["t"] == "fetch" and msg["rank"] == 1 and msg["into"] == "replica" and msg["addr"] == "addr-1"
     assert r.waiting_fetch == {0}  # node 0's ranks wait for its fetches
     sources.on_fetched(view.nodes["0"], _fetched(msg["id"]))
@@ -226,14 +220,14 @@ def test_the_newest_checkpoint_that_installs_everywhere_is_the_one_restored(tmp_
     sources, view, _ = _sources(tmp_path, durable=durable)
     done: list[int | None] = []
     sources.restore_from_durable(done.append)
-    asks = {n: _agent(view, n).last("install_durable") for n in ("0", "1")}
+    asks = {n: agent_chan(view, n).last("install_durable") for n in ("0", "1")}
     assert {n: (m["step"], m["ranks"]) for n, m in asks.items()} == {"0": (4, [0]), "1": (4, [1])}
     sources.io.replies[asks["0"]["id"]] = Installed(id=asks["0"]["id"], ok=True, error=None)
     sources.io.replies[asks["1"]["id"]] = Installed(id=asks["1"]["id"], ok=False, error="corrupt")
     sources.install_tick()  # step 4 failed on node 1: the older one is asked for
     assert [e["step"] for e in _events(tmp_path, "durable_install_failed")] == [4] and done == []
     for n in ("0", "1"):
-        m = _agent(view, n).last("install_durable")
+        m = agent_chan(view, n).last("install_durable")
         assert m["step"] == 2
         sources.io.replies[m["id"]] = Installed(id=m["id"], ok=True, error=None)
     sources.install_tick()
@@ -253,7 +247,7 @@ def test_a_checkpoint_of_another_size_serves_only_an_elastic_job(tmp_path: Path)
     )
     elastic, view, _ = _sources(tmp_path, durable=durable, elastic=True)
     elastic.restore_from_durable(done.append)
-    m = _agent(view, "1").last("install_durable")
+    m = agent_chan(view, "1").last("install_durable")
     assert m["step"] == 4 and m["from"] == {"1": 0}  # rank 1 loads the only rank written
 
 

@@ -20,10 +20,10 @@ from nonstop.coordinator.executor import Executor
 from nonstop.coordinator.job import JobLife
 from nonstop.coordinator.store_sync import StoreSync
 from nonstop.coordinator.view import JobView, NodeRecord, Role
-from nonstop.events.log import EventLog, read_events
+from nonstop.events.log import EventLog
 from nonstop.policy.phase import Busy, JobPhase
 from nonstop.policy.reconfiguration import Failure
-from tests.coord_fakes import FakeChannel
+from tests.coord_fakes import FakeChannel, agent_chan, logged, worker_chan
 
 TTL = 30.0  # the nodes' leases: nothing lapses on its own during a test
 
@@ -113,17 +113,13 @@ class Parts:
         return w.spawn_id
 
     def chan(self, sid: int) -> FakeChannel:
-        chan = self.view.workers[sid].chan
-        assert isinstance(chan, FakeChannel)
-        return chan
+        return worker_chan(self.view, sid)
 
     def agent(self, node: str) -> FakeChannel:
-        chan = self.view.nodes[node].chan
-        assert isinstance(chan, FakeChannel)
-        return chan
+        return agent_chan(self.view, node)
 
     def events_named(self, name: str) -> list[dict[str, Any]]:
-        return [e for e in read_events(self.tmp_path / "events.jsonl") if e["event"] == name]
+        return logged(self.tmp_path / "events.jsonl", name)
 
 
 @pytest.fixture

@@ -17,14 +17,14 @@ from nonstop.coordinator.job import JobLife
 from nonstop.coordinator.swap_actions import SwapActions
 from nonstop.coordinator.swaps import Swaps
 from nonstop.coordinator.view import JobView, NodeRecord, Role
-from nonstop.events.log import EventLog, read_events
+from nonstop.events.log import EventLog
 from nonstop.policy.boundary_swap import BoundarySwap, Continue, Joiner, Pause, Retire, SwapKind, SwapNow
 from nonstop.policy.elastic import ElasticPolicy
 from nonstop.policy.phase import Busy, JobPhase
 from nonstop.policy.reconfiguration import Reconfiguration
 from nonstop.protocol.agent import FetchedBytes
 from nonstop.protocol.wire import Fetched
-from tests.coord_fakes import FakeChannel
+from tests.coord_fakes import FakeChannel, agent_chan, logged, worker_chan
 
 
 # -- fakes of the peers -----------------------------------------------------------------------------
@@ -192,17 +192,13 @@ class Parts:
         return w.spawn_id
 
     def chan(self, sid: int) -> FakeChannel:
-        chan = self.view.workers[sid].chan
-        assert isinstance(chan, FakeChannel)
-        return chan
+        return worker_chan(self.view, sid)
 
     def agent(self, node: str) -> FakeChannel:
-        chan = self.view.nodes[node].chan
-        assert isinstance(chan, FakeChannel)
-        return chan
+        return agent_chan(self.view, node)
 
     def events_named(self, name: str) -> list[dict[str, Any]]:
-        return [e for e in read_events(self.tmp_path / "events.jsonl") if e["event"] == name]
+        return logged(self.tmp_path / "events.jsonl", name)
 
 
 def _fetched(req: int, *, ok: bool = True) -> Fetched:

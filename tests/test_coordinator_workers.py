@@ -13,13 +13,13 @@ from nonstop.coordinator.executor import Executor
 from nonstop.coordinator.job import JobLife
 from nonstop.coordinator.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.coordinator.workers import WorkerProtocol, cadence_tuner
-from nonstop.events.log import EventLog, read_events
+from nonstop.events.log import EventLog
 from nonstop.policy.cadence import Cadence
 from nonstop.policy.phase import JobPhase
 from nonstop.policy.reconfiguration import Joined, Launched, Reconfiguration, RecoveryEvent, Stepped
 from nonstop.protocol.base import RawMsg
 from nonstop.protocol.worker import DoneMsg, FaultMsg, HeartbeatMsg, InjectedMsg, ReadyMsg, StepMsg
-from tests.coord_fakes import FakeChannel
+from tests.coord_fakes import FakeChannel, add_member, logged
 
 
 class FakeStart:
@@ -94,11 +94,7 @@ class Workers:
         )
 
     def process(self, rank: int | None, role: Role = Role.WORKER) -> WorkerRecord:
-        w = self.view.add_worker("n0", role, rank, 0.0)
-        if rank is not None:
-            self.view.members[rank] = w.spawn_id
-            self.view.rank_node[rank] = "n0"
-        return w
+        return add_member(self.view, "n0", role, rank)
 
     def connect(self, w: WorkerRecord, **hello: Any) -> FakeChannel:
         chan = FakeChannel({"role": str(w.role), "spawn_id": w.spawn_id, **hello})
@@ -106,7 +102,7 @@ class Workers:
         return chan
 
     def events_of(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in read_events(self.path) if e["event"] == kind]
+        return logged(self.path, kind)
 
 
 # -- connections --------------------------------------------------------------------------------------
