@@ -409,7 +409,7 @@ class Coordinator:
             self.store.open()
         while self.view.phase not in (JobState.DONE, JobState.FAILED):
             if stop.is_set():
-                self.fail("stopped by signal")
+                self.life.fail("stopped by signal")
                 break
             self.tick(TICK_S)
         while not self.persists.final_tick():  # the job ended: its last step is made durable
@@ -427,7 +427,7 @@ class Coordinator:
         self.pump_events(0)
         self.failures.detect()
         self.setup.check_timeouts()
-        if self.replication_on and self.may_start(Op.REPLICATE):
+        if self.replication_on and self.life.may_start(Op.REPLICATE):
             self.replication.maybe_start(now=time.monotonic())
         self.persists.tick()
         self.swaps.tick()
@@ -439,7 +439,7 @@ class Coordinator:
         if self.monitor is not None:
             self.monitor.tick()
         self.feed.tick(
-            committed=self.committed(), generation=self.generation, world_size=self.view.world_size
+            committed=self.life.committed(), generation=self.generation, world_size=self.view.world_size
         )
 
     def _close(self) -> JobResult:
@@ -472,16 +472,6 @@ class Coordinator:
             except ControlError:
                 pass
 
-    def set_phase(self, new: JobPhase) -> None:
-        self.life.set_phase(new)
-
-    def may_start(self, op: Op) -> bool:
-        return self.life.may_start(op)
-
-    def fail(self, error: str, *, usage: bool = False) -> None:
-        """End the job as failed with ``error`` (``usage``: the script's mistake, exit 2)."""
-        self.life.fail(error, usage=usage)
-
     # -- events ------------------------------------------------------------------------------
     def pump_events(self, timeout: float) -> None:
         try:
@@ -494,13 +484,3 @@ class Coordinator:
                 kind, chan, msg = self.server.events.get_nowait()
             except queue.Empty:
                 return
-
-    # -- requests to nodes, the committed step ---------------------------------------------------
-    def committed(self) -> int:
-        """The committed step: what is replicated to peers (with replication), else in memory."""
-        return self.life.committed()
-
-    # -- the end -----------------------------------------------------------------------------------
-    def finish(self) -> None:
-        """Every rank has the final step snapshotted: release members and spares."""
-        self.life.finish()
