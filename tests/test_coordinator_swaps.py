@@ -275,6 +275,32 @@ def test_the_prepare_fetch_answered_tells_the_joiner_its_rank(tmp_path: Path) ->
     assert told["shards"] == [0] and told["recovery"] is False  # the job's sizes answered for it
 
 
+def test_a_catch_up_answered_as_a_delta_is_logged_and_counted_as_one(tmp_path: Path) -> None:
+    """The agent's answer reaches the swap's machine with its measure (its delta, its sizes)."""
+    p = Parts(tmp_path)
+    p.view.latest_step[0] = 7
+    p.swaps.request_migration(0, "1", "migrate")
+    p.swaps.tick()
+    p.swaps.on_fetched(_fetched(p.agent("1").last("fetch")["id"]))
+    p.view.latest_step[0] = 9  # the job went on while the joiner restored step 7
+    assert p.swaps.on_restored(p.view.workers[p.spares[0]]) is not False
+    catchup = p.agent("1").last("fetch")
+    assert (catchup["step"], catchup["base"]) == (9, 7)
+    p.swaps.on_fetched(
+        Fetched(
+            id=catchup["id"],
+            ok=True,
+            seconds=0.2,
+            moved=FetchedBytes(raw_bytes=100, wire_bytes=30, delta=True, capped=False),
+        )
+    )
+    [round_] = p.events_named("catchup")
+    assert round_["ok"] and round_["delta"] and (round_["raw_bytes"], round_["wire_bytes"]) == (100, 30)
+    m = p.swaps.migration
+    assert m is not None and m.catch is not None and m.catch.held == 9
+    assert [t.wire_bytes for t in m.catch.catchups] == [30]
+
+
 def test_no_spare_within_the_timeout_refuses_the_migration_and_answers_its_client(tmp_path: Path) -> None:
     p = Parts(tmp_path, nodes=1, timeout_s=0.0)
     client = FakeChannel({"role": "client"})

@@ -57,13 +57,11 @@ def test_a_migration_from_start_to_done() -> None:
     [c1] = out
     assert isinstance(c1, Fetch) and c1.purpose == "catchup" and c1.base == 9 and c1.step == 11
     delta = Transfer(raw_bytes=100, wire_bytes=50, seconds=0.5)
-    out = m.on_catchup_fetched(
-        True, delta, {"delta": True, "wire_bytes": 50}, latest=LATEST, committed=12, now=103
-    )
+    out = m.on_catchup_fetched(True, delta, delta=True, latest=LATEST, committed=12, now=103)
     c2 = out[-1]  # the second round fetches the whole step (a measure of the link)
     assert kinds(out) == ["catchup", "Fetch"] and isinstance(c2, Fetch) and c2.base is None and c2.step == 12
     whole = Transfer(raw_bytes=100, wire_bytes=100, seconds=0.1)
-    out = m.on_catchup_fetched(True, whole, {"wire_bytes": 100}, latest=LATEST, committed=13, now=104)
+    out = m.on_catchup_fetched(True, whole, latest=LATEST, committed=13, now=104)
     assert kinds(out) == ["catchup", "migration_pause", "Pause"]  # CATCHUP_ROUNDS reached
     assert m.catch is not None and m.catch.rounds == CATCHUP_ROUNDS and m.catch.held == 12
     boundary = m.boundary

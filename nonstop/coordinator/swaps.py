@@ -16,7 +16,6 @@ Threading: the coordinator's thread only; I/O through its executor.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
@@ -310,7 +309,11 @@ class Swaps:
             self._run(a.on_prepare_fetched(sid, msg.ok, msg.error, time.time()))
         else:
             t = Transfer(raw_bytes=msg.raw_bytes, wire_bytes=msg.wire_bytes, seconds=msg.seconds or 0.0)
-            self._run(a.on_catchup_fetched(msg.ok, t, dataclasses.asdict(msg), **self._progress()))
+            self._run(
+                a.on_catchup_fetched(
+                    msg.ok, t, delta=msg.delta, capped=msg.capped, error=msg.error, **self._progress()
+                )
+            )
 
     def on_restored(self, w: WorkerRecord) -> bool:
         """A joiner restored its prepare step; False: not a joiner of the active swap."""

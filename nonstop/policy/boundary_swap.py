@@ -288,13 +288,17 @@ class BoundarySwap:
         self,
         ok: bool,
         transfer: Transfer,
-        reply: Mapping[str, Any],
         *,
+        delta: bool = False,
+        capped: bool = False,
+        error: str | None = None,
         latest: Mapping[int, int],
         committed: int,
         now: float,
     ) -> list[Action]:
-        """A migration's catch-up fetch answered (``reply``: the agent's measurement fields)."""
+        """A migration's catch-up fetch answered: ``ok`` with what it moved (``transfer``),
+        whether as a ``delta`` against the step the target held and under the bandwidth cap
+        (``capped``), or failed with ``error``."""
         c = self.catch
         if c is None or self.phase is not SwapPhase.PREPARE:
             return []
@@ -303,11 +307,11 @@ class BoundarySwap:
         if ok:
             c.held = c.catchup_step
             self.marks["caught_up"] = now
-            if reply.get("capped"):
+            if capped:
                 pass  # it measures the bandwidth cap, not what an uncapped swap would take
-            elif reply.get("delta"):
+            elif delta:
                 c.catchups.append(transfer)
-            elif reply.get("wire_bytes"):
+            elif transfer.wire_bytes:
                 c.full = transfer
         else:
             c.held = None  # the target lost its base: the swap fetches the whole step
@@ -317,12 +321,12 @@ class BoundarySwap:
                 "rank": self.rank,
                 "step": c.catchup_step,
                 "ok": ok,
-                "delta": bool(reply.get("delta")),
-                "raw_bytes": reply.get("raw_bytes"),
-                "wire_bytes": reply.get("wire_bytes"),
-                "seconds": reply.get("seconds"),
-                "capped": bool(reply.get("capped")),
-                "error": reply.get("error"),
+                "delta": delta,
+                "raw_bytes": transfer.raw_bytes if ok else None,
+                "wire_bytes": transfer.wire_bytes if ok else None,
+                "seconds": transfer.seconds if ok else None,
+                "capped": capped,
+                "error": error,
             },
         )
         return [emit, *self._maybe_pause(latest=latest, committed=committed, now=now)]

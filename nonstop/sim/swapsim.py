@@ -199,5 +199,5 @@ class _SimExecutor:
         else:  # a catch-up: its measure feeds swap_as_delta as the runtime's does
             wire = seconds / k.fetch_s if k.fetch_s > 0 else 1.0
             t = Transfer(raw_bytes=1_000_000, wire_bytes=max(1, int(1_000_000 * wire)), seconds=seconds)
-            reply = {"delta": a.base is not None, "wire_bytes": t.wire_bytes}
-            self._at(self.t + seconds, lambda: m.on_catchup_fetched(True, t, reply, **self._progress()))
+            delta = a.base is not None
+            self._at(self.t + seconds, lambda: m.on_catchup_fetched(True, t, delta=delta, **self._progress()))
