@@ -56,7 +56,6 @@ REMAINING: dict[str, tuple[int, int]] = {
     "coordinator/swap_actions.py": (3, 0),
     "coordinator/swaps.py": (1, 0),
     "coordinator/workers.py": (0, 2),
-    "policy/boundary_swap.py": (0, 9),
     "policy/cadence.py": (1, 0),
     "train/eventhooks.py": (0, 1),
     "train/heartbeat.py": (1, 2),
