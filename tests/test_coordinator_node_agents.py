@@ -23,7 +23,15 @@ from nonstop.events.log import EventLog, read_events
 from nonstop.policy.decisions import QuarantinePolicy
 from nonstop.policy.phase import JobPhase
 from nonstop.policy.reconfiguration import Failure
-from nonstop.protocol.agent import ExitMsg, FatalMsg, LeaseMsg, RegisteredMsg, SpawnedMsg
+from nonstop.protocol.agent import (
+    ExitMsg,
+    FatalMsg,
+    FetchRequestMsg,
+    InventoryRequestMsg,
+    LeaseMsg,
+    RegisteredMsg,
+    SpawnedMsg,
+)
 from nonstop.protocol.wire import Lost
 from tests.coord_fakes import FakeChannel, add_member, logged
 
@@ -268,8 +276,8 @@ def test_a_node_silent_past_its_lease_is_lost_with_every_process_on_it(tmp_path:
     agent = a.hello("n0")
     node = a.view.nodes["n0"]
     w0, w1 = a.worker("n0", 0), a.worker("n0", 1)
-    fetch = a.io.request(node, {"t": "fetch"})
-    inventory = a.io.request(node, {"t": "inventory"})
+    fetch = a.io.request(node, FetchRequestMsg(rank=0, step=1, addr=node.data_addr, kind="local"))
+    inventory = a.io.request(node, InventoryRequestMsg())
     a.fetches.waiting_fetch[fetch] = (0, 1)
     node.last_lease = 100.0
     a.agents.check_leases(now=104.0)  # within its TTL

@@ -74,6 +74,7 @@ from nonstop.policy.decisions import QuarantinePolicy
 from nonstop.policy.elastic import ElasticPolicy
 from nonstop.policy.phase import TICK_S, JobPhase, Op
 from nonstop.policy.survivors import SurvivorMode
+from nonstop.protocol.agent import NodeFinishMsg
 from nonstop.snapshot.persist import Persister
 
 __all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
@@ -445,7 +446,7 @@ class Coordinator:
     def _close(self) -> JobResult:
         """The job ended (and its last step is persisted): release the nodes, the result."""
         for node in self.view.nodes.values():
-            self.io.send_node(node, {"t": "finish", "failed": self.view.phase is JobState.FAILED})
+            self.io.send_node(node, NodeFinishMsg(failed=self.view.phase is JobState.FAILED).encode())
         self.store.close()
         self.feed.close()
         final = min(self.view.latest_step.values()) if self.view.latest_step else 0

@@ -33,6 +33,7 @@ from nonstop.control.channel import Channel
 from nonstop.coordinator.failures import Exit
 from nonstop.coordinator.view import NodeRecord, Role
 from nonstop.policy.phase import JobPhase
+from nonstop.protocol.agent import FencedMsg, LeaseOkMsg, NodeRefusedMsg, NodeWelcomeMsg
 
 if TYPE_CHECKING:
     from nonstop.coordinator.executor import Executor
@@ -119,7 +120,7 @@ class NodeAgents:
 
         def refuse(why: str) -> None:
             self.events.emit(ev.Refused(peer=chan.peer, node=name, reason=why))
-            self.io.tell(chan, {"t": "refused", "error": why})
+            self.io.tell(chan, NodeRefusedMsg(error=why).encode())
             self.io.close(chan)
 
         if not name:
@@ -162,16 +163,15 @@ class NodeAgents:
         self.view.nodes[name] = node
         self.io.answer(
             chan,
-            {
-                "t": "welcome",
-                "job_id": self.view.job_id,
-                "lease_ttl_s": self.terms.lease_ttl_s,
-                "num_slots": self.terms.num_slots,
-                "replicas": self.terms.replicas,
-                "env": self.terms.worker_env,
-                "store": self.terms.store,
-                "reconnect_s": self.terms.reconnect_s,
-            },
+            NodeWelcomeMsg(
+                job_id=self.view.job_id,
+                lease_ttl_s=self.terms.lease_ttl_s,
+                num_slots=self.terms.num_slots,
+                replicas=self.terms.replicas,
+                env=self.terms.worker_env,
+                store=self.terms.store,
+                reconnect_s=self.terms.reconnect_s,
+            ).encode(),
         )
         self.events.emit(
             ev.NodeJoin(node=name, domain=node.domain, data=node.data_addr, rejoin=old is not None)
@@ -199,7 +199,7 @@ class NodeAgents:
     def on_lease(self, node: NodeRecord, m: LeaseMsg) -> None:
         """``node``'s agent renewed its lease: noted, and acknowledged."""
         node.last_lease = time.monotonic()
-        self.io.send_node(node, {"t": "lease_ok", "seq": m.seq})
+        self.io.send_node(node, LeaseOkMsg(seq=m.seq).encode())
 
     def on_registered(self, node: NodeRecord, m: RegisteredMsg) -> None:
         """Store mode: ``node``'s lease in the store has this id (a quarantine revokes it)."""
@@ -251,7 +251,7 @@ class NodeAgents:
         if quarantine:
             node.quarantined = True
             if node.chan is not None:
-                self.io.tell(node.chan, {"t": "fenced", "error": why})
+                self.io.tell(node.chan, FencedMsg(error=why).encode())
             if self.terms.store_mode and node.lease_id:
                 self.store.revoke(node)  # in store mode its agent fences when its lease is gone
         if node.chan is not None:

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from nonstop import events as ev
-from nonstop.control.channel import Message
 from nonstop.coordinator.view import NodeRecord
 from nonstop.errors import NonstopError
 from nonstop.policy.decisions import restore_source
 from nonstop.policy.elastic import resume_sources
 from nonstop.policy.planning import Inventory
 from nonstop.policy.reconfiguration import FetchDone, Reconfiguration
+from nonstop.protocol.agent import InstallDurableMsg
 from nonstop.protocol.wire import Fetched, Installed, Lost
 
 if TYPE_CHECKING:
@@ -333,10 +333,13 @@ class RestoreSources:
             inst.deadline = inst.t0 + self.install_timeout_s
             inst.reqs = []
             for n, ranks in inst.placement.items():
-                msg: Message = {"t": "install_durable", "url": inst.url, "step": step, "ranks": ranks}
-                if any(r in sources for r in ranks):
-                    msg["from"] = {str(r): sources[r] for r in ranks if r in sources}
-                inst.reqs.append(self.io.request(self.view.nodes[n], msg))
+                ask = InstallDurableMsg(
+                    url=inst.url,
+                    step=step,
+                    ranks=tuple(ranks),
+                    sources={r: sources[r] for r in ranks if r in sources},
+                )
+                inst.reqs.append(self.io.request(self.view.nodes[n], ask))
             return
         self.installing = None
         inst.done(None)
