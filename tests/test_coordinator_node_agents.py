@@ -14,7 +14,7 @@ import pytest
 
 from nonstop.control.channel import Channel
 from nonstop.coordinator.executor import Executor
-from nonstop.coordinator.failures import Exit
+from nonstop.coordinator.failures import ProcessEnd
 from nonstop.coordinator.job import JobLife
 from nonstop.coordinator.job_start import JobStart
 from nonstop.coordinator.node_agents import AgentTerms, NodeAgents
@@ -64,9 +64,9 @@ class FakeRounds:
 
 class FakeExits:
     def __init__(self) -> None:
-        self.exits: list[Exit] = []
+        self.exits: list[ProcessEnd] = []
 
-    def on_exit(self, ex: Exit) -> None:
+    def on_exit(self, ex: ProcessEnd) -> None:
         self.exits.append(ex)
 
 
@@ -250,7 +250,7 @@ def test_an_exit_goes_to_the_failures_once(tmp_path: Path) -> None:
     a.agents.on_exited(ExitMsg(spawn_id=sid, rc=1, pid=10, fault_at=None))
     a.agents.on_exited(ExitMsg(spawn_id=sid, rc=1, pid=10, fault_at=None))  # (reported twice)
     a.agents.on_exited(ExitMsg(spawn_id=99, rc=1, pid=None, fault_at=None))  # (not a process of ours)
-    assert a.exits.exits == [Exit(sid=sid, rc=1, pid=10, fault_at=None)]
+    assert a.exits.exits == [ProcessEnd(sid=sid, rc=1, pid=10, fault_at=None)]
     assert not a.view.workers[sid].live
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from nonstop import events as ev
 from nonstop.control.channel import Channel
-from nonstop.coordinator.failures import Exit
+from nonstop.coordinator.failures import ProcessEnd
 from nonstop.coordinator.view import NodeRecord, Role
 from nonstop.policy.phase import JobPhase
 from nonstop.protocol.agent import FencedMsg, LeaseOkMsg, NodeRefusedMsg, NodeWelcomeMsg
@@ -222,7 +222,7 @@ class NodeAgents:
         w = self.view.workers.get(m.spawn_id)
         if w is not None and w.live:
             w.live = False
-            self.exits.on_exit(Exit(sid=m.spawn_id, rc=m.rc, pid=m.pid, fault_at=m.fault_at))
+            self.exits.on_exit(ProcessEnd(sid=m.spawn_id, rc=m.rc, pid=m.pid, fault_at=m.fault_at))
 
     def on_fatal(self, node: NodeRecord, m: FatalMsg) -> None:
         """``node`` cannot play its part (its agent says why): the job fails."""
@@ -262,7 +262,9 @@ class NodeAgents:
             w.live = False
             if w.chan is not None:
                 self.io.close(w.chan)
-            self.exits.on_exit(Exit(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why))
+            self.exits.on_exit(
+                ProcessEnd(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why)
+            )
         self.io.node_lost(node.name, keep=set(self.fetches.waiting_fetch))  # fetches end with the generation
         self.rounds.reset()  # its holders or senders may be gone: start over
 
