@@ -33,7 +33,7 @@ from nonstop.protocol.agent import (
     SpawnedMsg,
 )
 from nonstop.protocol.wire import Lost
-from tests.coord_fakes import FakeChannel, add_member, logged
+from tests.coord_fakes import FakeChannel, FakeClock, add_member, logged
 
 
 # -- fakes of the peers ----------------------------------------------------------------------------
@@ -92,6 +92,7 @@ class Agents:
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.path = tmp_path / "events.jsonl"
         self.view = JobView(job_id="job-7", world_size=2)
+        self.clock = FakeClock()
         self.events = EventLog(self.path)
         self.io = Executor(self.view, self.events)
         self.life = JobLife(view=self.view, events=self.events, io=self.io, replicating=False)
@@ -111,6 +112,7 @@ class Agents:
             store=self.store,
             fetches=self.fetches,
             rounds=self.rounds,
+            clock=self.clock,
         )
         self.agents.bind(exits=self.exits)
 
@@ -521,3 +523,20 @@ def test_the_first_generation_begins_once_every_member_connected(tmp_path: Path)
     members[-1].chan = FakeChannel({})  # type: ignore[assignment]
     s.start.connected()
     assert s.gens.begun == [[]]
+
+
+def test_a_lease_is_judged_on_the_clock_the_node_agents_were_given(tmp_path: Path) -> None:
+    """Issue 46, the clock comes in: a welcome and each renewal stamp the node on the operation's
+    clock, so a fake one drives the lease past its TTL (5 s here) without a sleep."""
+    a = Agents(tmp_path)
+    a.hello("n0")
+    node = a.view.nodes["n0"]
+    assert node.last_lease == a.clock.monotonic()
+    a.clock.advance(4.0)
+    a.agents.on_lease(node, LeaseMsg(seq=1))
+    a.clock.advance(4.0)
+    a.agents.check_leases(a.clock.monotonic())  # 4 s since the renewal: kept
+    assert node.alive
+    a.clock.advance(1.5)
+    a.agents.check_leases(a.clock.monotonic())
+    assert not node.alive and node.failure_times == [a.clock.monotonic()]

@@ -43,6 +43,7 @@ from nonstop.config import JobConfig
 from nonstop.control.jobstore import JobStore
 from nonstop.control.rdzv import KeyValueTable
 from nonstop.coordinator.client_requests import ClientRequests, JobFacts
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.detector import FailureDetector
 from nonstop.coordinator.event_feed import EventFeed
 from nonstop.coordinator.executor import Executor
@@ -131,6 +132,7 @@ class _Core:
     detector: FailureDetector
     kv: KeyValueTable
     rounds: ClusterPersister | None  # persist rounds of a job of several nodes
+    clock: Clock  # what the operations that take a clock read the time through (clock.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,10 +201,12 @@ def assemble(
     initial_step: int | None,
     jobs: JobStore | None,
     monitor: Callable[[], JobMonitor | None],
+    clock: Clock = SYSTEM_CLOCK,
 ) -> Operations:
     """Build and wire one job's operations (the order and the late binds: the module docstring).
     ``address``: the control server's (the store's leader key names it); ``monitor``: the
-    metrics hook as it is when an event is routed (set after assembly, ``--metrics-port``)."""
+    metrics hook as it is when an event is routed (set after assembly, ``--metrics-port``);
+    ``clock``: what the operations that take one read the time through (:mod:`.clock`)."""
     job = _Job(
         config=config,
         job_id=job_id,
@@ -214,7 +218,7 @@ def assemble(
         jobs=jobs,
     )
     shape = job_shape(config)
-    core = _core(job, events, shape)
+    core = _core(job, events, shape, clock)
     replication, sources = _data(core, shape, job)
     swaps, store, health, resize = _moves(core, shape, job, sources)
     agents = _node_agents(core, shape, job, store=store, sources=sources, replication=replication)
@@ -267,7 +271,7 @@ def assemble(
 
 
 # -- 1. the core -------------------------------------------------------------------------------------
-def _core(job: _Job, events: EventLog, shape: JobShape) -> _Core:
+def _core(job: _Job, events: EventLog, shape: JobShape, clock: Clock) -> _Core:
     """The view, the executor, JobLife (the phase, what may start, the committed step, failing
     and finishing), the detector, the rendezvous table; persist rounds send through the executor."""
     config = job.config
@@ -279,7 +283,14 @@ def _core(job: _Job, events: EventLog, shape: JobShape) -> _Core:
         rounds.attach(io.send_to)
     detector = FailureDetector(config.detection.detector)
     return _Core(
-        view=view, io=io, events=events, life=life, detector=detector, kv=KeyValueTable(), rounds=rounds
+        view=view,
+        io=io,
+        events=events,
+        life=life,
+        detector=detector,
+        kv=KeyValueTable(),
+        rounds=rounds,
+        clock=clock,
     )
 
 
@@ -313,6 +324,7 @@ def _data(core: _Core, shape: JobShape, job: _Job) -> tuple[ReplicationRounds, R
         durable_url=job.durable_url,
         elastic=shape.elastic.enabled,
         install_timeout_s=config.persist.timeout_s,
+        clock=core.clock,
     )
     return replication, sources
 
@@ -406,6 +418,7 @@ def _node_agents(
         store=store,
         fetches=sources,
         rounds=replication,
+        clock=core.clock,
     )
 
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nonstop import events as ev
 from nonstop.control.channel import Channel
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.failures import ProcessEnd
 from nonstop.coordinator.view import NodeRecord, Role
 from nonstop.policy.phase import JobPhase
@@ -88,6 +88,7 @@ class NodeAgents:
         store: NodeStore,
         fetches: FetchesInFlight,
         rounds: RoundReset,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.view = view
         self.io = io
@@ -98,6 +99,7 @@ class NodeAgents:
         self.store = store
         self.fetches = fetches
         self.rounds = rounds
+        self.clock = clock
         self._exits: ExitSink | None = None
 
     def bind(self, *, exits: ExitSink) -> None:
@@ -153,7 +155,7 @@ class NodeAgents:
             spares=int(h.get("spares", 0)),
             domain=str(h.get("domain") or name),
             data_addr=str(h.get("data_addr", "")),
-            last_lease=time.monotonic(),
+            last_lease=self.clock.monotonic(),
             failure_times=old.failure_times if old is not None else [],
             in_process=bool(h.get("in_process", False)),
             lease_id=int(h.get("lease_id", 0)),
@@ -192,13 +194,13 @@ class NodeAgents:
         if not self.terms.store_mode:
             self.lose_node(node, "its agent's connection closed")
         else:
-            node.disconnected_at = time.monotonic()
+            node.disconnected_at = self.clock.monotonic()
             self.events.emit(ev.NodeDisconnected(node=node.name))
 
     # -- what an agent reports ----------------------------------------------------------------------
     def on_lease(self, node: NodeRecord, m: LeaseMsg) -> None:
         """``node``'s agent renewed its lease: noted, and acknowledged."""
-        node.last_lease = time.monotonic()
+        node.last_lease = self.clock.monotonic()
         self.io.send_node(node, LeaseOkMsg(seq=m.seq).encode())
 
     def on_registered(self, node: NodeRecord, m: RegisteredMsg) -> None:
@@ -247,7 +249,7 @@ class NodeAgents:
         ``quarantine``: its agent is told it is fenced (and, in store mode, its lease revoked)."""
         node.alive = False
         if failure:
-            node.failure_times.append(time.monotonic())
+            node.failure_times.append(self.clock.monotonic())
         if quarantine:
             node.quarantined = True
             if node.chan is not None:
@@ -273,7 +275,7 @@ class NodeAgents:
         node = self.view.nodes.get(name)
         if node is None or not node.alive:
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         node.failure_times.append(now)
         others = len([n for n in self.view.alive_nodes() if n != name])
         if self.quarantine.should_quarantine(node.failure_times, now=now, others_usable=others):
