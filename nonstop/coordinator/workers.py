@@ -178,7 +178,7 @@ class WorkerProtocol:
     # -- unfenced messages ---------------------------------------------------------------------------
     def on_heartbeat(self, w: WorkerRecord, m: HeartbeatMsg, now: float) -> None:
         """``w`` is alive, and says where it is (in a collective, idle, moving)."""
-        w.last_hb, w.coll, w.idle_s, w.moving, w.at = now, m.coll, m.idle_s, m.moving, m.at
+        w.last_hb, w.coll, w.idle_s, w.moving, w.at = now, m.coll, m.idle_s, m.moving is True, m.at
         w.excused = False  # (it speaks again: a later silence is judged afresh)
 
     def on_injected(self, w: WorkerRecord, m: InjectedMsg) -> None:
