@@ -17,6 +17,7 @@ import pytest
 from nonstop.train import link as link_mod
 from nonstop.train.group import GenerationGroup
 from nonstop.train.link import CoordinatorLink, severs
+from tests.worker_fakes import order
 
 
 class FakeDeviceBackend:
@@ -49,7 +50,7 @@ def _reader_reacts(group: GenerationGroup, *, sever: bool) -> None:
     link = SimpleNamespace(
         _sever=group.sever, _settle_store=None, _can_interrupt=True, _main_ident=threading.main_thread().ident
     )
-    msg = {"t": "reconfigure", "gen": 2, **({"recovery": True} if sever else {"live": True})}
+    msg = order({"t": "reconfigure", "gen": 2, **({"recovery": True} if sever else {"live": True})})
     reader = threading.Thread(target=CoordinatorLink._leave_step_now, args=(link, msg))
     reader.start()
     reader.join()
@@ -89,10 +90,11 @@ def test_every_reconfigure_but_a_live_swaps_severs_a_rank_found_in_a_step() -> N
     """A re-plan's peers leave wherever they are, and a sharded job's peer that left at a boundary
     parks its mesh groups with their sockets open: a rank blocked in the next step's all-gather
     would wait on it until the stage timed out (an HSDP job under a CPU load), so it severs too."""
-    assert severs({"t": "reconfigure", "recovery": True})
-    assert severs({"t": "reconfigure", "recovery": False})  # a re-plan (a resync, a replan)
-    assert severs({"t": "reconfigure", "recovery": False, "prepare": True})  # a joiner: no group yet
-    assert not severs({"t": "reconfigure", "recovery": False, "live": True})  # every rank paused
+    assert severs(order({"t": "reconfigure", "recovery": True}))
+    assert severs(order({"t": "reconfigure", "recovery": False}))  # a re-plan (a resync, a replan)
+    assert severs(order({"t": "reconfigure", "recovery": False, "prepare": True}))  # a joiner: no group yet
+    assert not severs(order({"t": "reconfigure", "recovery": False, "live": True}))  # every rank paused
+    assert severs(order({"t": "leave", "gen": 2, "recovery": True}))  # a failure's leave
 
 
 def test_a_reconfigure_stuck_behind_a_step_severs_it_after_the_dump(

@@ -21,6 +21,7 @@ from nonstop.policy.cadence import (
     CadenceTuner,
     choose_every,
 )
+from nonstop.protocol.worker import ResumeMsg
 from nonstop.train.snapshots import LoopSnapshots
 from tests.conftest import events_named, run_nodes_job
 
@@ -45,7 +46,6 @@ def test_a_cadence_counts_from_its_first_step() -> None:
     c = Cadence(every=5, since=23)
     assert [s for s in range(23, 40) if c.due(s)] == [23, 28, 33, 38]
     assert [s for s in range(1, 13) if Cadence(every=4).due(s)] == [4, 8, 12]  # --snapshot-every 4
-    assert c.message() == {"t": "cadence", "every": 5, "since": 23}
     with pytest.raises(ValueError):
         Cadence(every=0)
 
@@ -191,9 +191,9 @@ def test_what_a_reconnecting_rank_says_is_checked_before_it_is_taken_up() -> Non
     assert workers.cadence is not None and not workers.rescues
     for bad in (None, "8", {"every": "8", "since": 3}, {"every": 0, "since": 3}, {"every": True, "since": 3},
                 {"every": 8, "since": -1}, {"every": 8}, {"every": 10**6, "since": 3}):  # fmt: skip
-        workers.resumed_cadence(bad)
+        workers.resumed_cadence(ResumeMsg.decode({"cadence": bad}).cadence)
     assert workers.cadence.current == Cadence(every=1) and emitted == []
-    workers.resumed_cadence({"every": 8, "since": 3})
+    workers.resumed_cadence(ResumeMsg.decode({"cadence": {"every": 8, "since": 3}}).cadence)
     assert workers.rescues and workers.cadence.current == Cadence(every=8, since=3)
     (said,) = emitted
     assert (said.every, said.since, said.stall_s) == (8, 3, None)  # type: ignore[attr-defined]

@@ -23,6 +23,7 @@ from nonstop.coordinator.view import JobView, NodeRecord, Role
 from nonstop.events.log import EventLog
 from nonstop.policy.phase import Busy, JobPhase
 from nonstop.policy.reconfiguration import Failure
+from nonstop.protocol.worker import CadenceMsg, ResumeMsg
 from tests.coord_fakes import FakeChannel, agent_chan, logged, worker_chan
 
 TTL = 30.0  # the nodes' leases: nothing lapses on its own during a test
@@ -223,9 +224,11 @@ def test_a_resumed_member_brings_its_progress_and_cadence_and_may_end_the_job(tm
     p.view.done_ranks.add(1)
     w = p.view.workers[p.members[0]]
     p.store.continue_on_resume.add(w.spawn_id)
-    p.store.on_worker_resumed(w, {"gen": 0, "step": 9, "done": True, "cadence": {"every": 2}})
+    p.store.on_worker_resumed(
+        w, ResumeMsg.decode({"gen": 0, "step": 9, "done": True, "cadence": {"every": 2, "since": 4}})
+    )
     assert p.view.latest_step[0] == 9 and 0 in p.view.done_ranks
-    assert p.workers.cadences == [{"every": 2}]
+    assert p.workers.cadences == [CadenceMsg(every=2, since=4)]
     assert p.chan(w.spawn_id).kinds() == ["continue", "finish"]  # told to go on, then every rank is done
     assert p.view.phase is JobPhase.FINISHING and p.events_named("finish")
 
@@ -233,7 +236,7 @@ def test_a_resumed_member_brings_its_progress_and_cadence_and_may_end_the_job(tm
 def test_a_stale_resume_point_is_ignored(tmp_path: Path) -> None:
     p = Parts(tmp_path)
     w = p.view.workers[p.members[0]]
-    p.store.on_worker_resumed(w, {"gen": 7, "step": 9, "cadence": {"every": 2}})
+    p.store.on_worker_resumed(w, ResumeMsg.decode({"gen": 7, "step": 9, "cadence": {"every": 2}}))
     assert 0 not in p.view.latest_step and p.workers.cadences == [] and p.chan(w.spawn_id).sent == []
 
 

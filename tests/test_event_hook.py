@@ -20,6 +20,7 @@ from nonstop.errors import ControlError, UsageError
 from nonstop.events.hook import Committed
 from nonstop.loggers import EventTally, TensorBoardHook, WandbHook, event_record
 from nonstop.protocol import wire
+from nonstop.protocol.worker import EventMsg
 from nonstop.train.eventhooks import EventHooks
 
 RECOVERY = ev.Recovery(
@@ -125,8 +126,8 @@ def test_subscribe_message_is_typed_at_the_edge() -> None:
 
 
 # -- the worker's queue and delivery -----------------------------------------------------------------
-def _msg(e: ev.Event) -> Message:
-    return {"t": "event", "event": e.to_json()}
+def _msg(e: ev.Event) -> EventMsg:
+    return EventMsg(event=e.to_json())
 
 
 def test_thread_delivery_in_order_and_a_slow_callback_never_blocks_the_reader() -> None:

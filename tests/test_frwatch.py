@@ -112,10 +112,10 @@ def test_the_heartbeat_says_coll_while_the_recorder_shows_a_started_collective()
     beat = HeartbeatWords(Position(step=3))
     beat.watch_collectives(sync=None, clock=None, frwatch=FlightRecorderWatch(dump=lambda: dumps.pop(0)))
     beat.stepped(time.monotonic() - 10.0, 0.5)  # ten seconds without a step
-    assert beat.message()["coll"] is True  # an FSDP2 reduce-scatter waits on a peer
-    assert beat.message()["coll"] is False  # only its own kernels queued: blamed
+    assert beat.message().encode()["coll"] is True  # an FSDP2 reduce-scatter waits on a peer
+    assert beat.message().encode()["coll"] is False  # only its own kernels queued: blamed
     beat.progressed()  # a step just completed: no dump (the fake has none left)
-    assert beat.message()["coll"] is False
+    assert beat.message().encode()["coll"] is False
 
 
 REAL = textwrap.dedent(

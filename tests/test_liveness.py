@@ -135,7 +135,7 @@ def test_a_pending_device_event_is_coll_in_the_heartbeat_and_spares_the_rank() -
     assert sync.in_collective()
     # the heartbeat of a rank whose host has run ahead (it sits in loss.item(), in its own frames)
     stub = _words(sync=sync, step=7, since_step_s=100.0)
-    msg = stub.message()
+    msg = stub.message().encode()
     assert msg["coll"] is True and msg["idle"] == 0.0  # waiting on a peer: not idle in its own code
     hb = decode_worker(msg)
     assert isinstance(hb, Heartbeat) and hb.coll
@@ -144,7 +144,7 @@ def test_a_pending_device_event_is_coll_in_the_heartbeat_and_spares_the_rank() -
     hung = find_hung_ranks({0: _seen(now, hb), 1: _seen(now, None)}, now=now, median_step_s=0.1, config=CFG)
     assert list(hung) == [1]
     make.made[1].done = True  # the allreduce completed
-    assert not stub.message()["coll"]
+    assert not stub.message().encode()["coll"]
 
 
 def _words(
@@ -160,7 +160,7 @@ def _words(
 
 
 def _beat(stub: HeartbeatWords) -> Heartbeat:
-    hb = decode_worker(stub.message())
+    hb = decode_worker(stub.message().encode())
     assert isinstance(hb, Heartbeat)
     return hb
 
@@ -232,14 +232,14 @@ def test_the_heartbeat_says_whether_the_training_thread_moves_and_where_it_is() 
             return words
 
         s = stub(stuck)
-        s.message()
+        s.message().encode()
         time.sleep(0.05)
-        msg = s.message()
+        msg = s.message().encode()
         assert msg["moving"] is False and msg["at"].endswith("_asleep_in_a_lock"), msg
         b = stub(busy)
-        b.message()
+        b.message().encode()
         time.sleep(0.05)
-        assert b.message()["moving"] is True
+        assert b.message().encode()["moving"] is True
         hb = decode_worker({**msg, "moving": True, "at": "x" * 1000})
         assert isinstance(hb, Heartbeat) and hb.moving and hb.at == "x" * 200
     finally:

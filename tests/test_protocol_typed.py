@@ -42,28 +42,7 @@ NOT_MESSAGES = {
 }
 
 # file (relative to nonstop/) -> (message literals, string-keyed message accesses) still there
-REMAINING: dict[str, tuple[int, int]] = {
-    "coordinator/event_feed.py": (1, 0),
-    "coordinator/failures.py": (1, 0),
-    "coordinator/generation_setup.py": (2, 0),
-    "coordinator/job.py": (2, 0),
-    "coordinator/plan_asks.py": (1, 0),
-    "coordinator/routing.py": (0, 2),
-    "coordinator/store_sync.py": (3, 0),
-    "coordinator/swap_actions.py": (3, 0),
-    "coordinator/workers.py": (0, 2),
-    "policy/cadence.py": (1, 0),
-    "train/eventhooks.py": (0, 1),
-    "train/heartbeat.py": (1, 2),
-    "train/injection.py": (3, 0),
-    "train/link.py": (2, 29),
-    "train/membership.py": (0, 6),
-    "train/rejoin.py": (5, 16),
-    "train/restore.py": (0, 8),
-    "train/reports.py": (1, 0),
-    "train/session.py": (2, 3),
-    "train/settle.py": (0, 2),
-}
+REMAINING: dict[str, tuple[int, int]] = {}
 
 
 def _name(node: ast.expr) -> str | None:

@@ -13,7 +13,7 @@ from nonstop.train.membership import Membership
 from nonstop.train.position import Position
 from nonstop.train.rejoin import Rejoin
 from nonstop.train.rescue import StepRescue
-from tests.worker_fakes import FakeFaults, FakeGroup, FakeLink, FakeSlots, FakeTrainee
+from tests.worker_fakes import FakeFaults, FakeGroup, FakeLink, FakeSlots, FakeTrainee, order
 
 
 class _Parts:
@@ -26,7 +26,7 @@ class _Parts:
         self.trainee = FakeTrainee(fail)
         self.faults = FakeFaults()
         self.members = Membership(None)
-        self.members.apply({"rank": 1, "world_size": 2})
+        self.members.apply(order({"t": "reconfigure", "rank": 1, "world_size": 2}))
         self.pos = Position(generation=1, step=7)
         self.rejoin = Rejoin(
             cast(Any, SimpleEnv()),
@@ -52,7 +52,7 @@ def test_between_steps_it_hands_over_a_reconfigure_or_a_leave() -> None:
     p = _Parts()
     assert p.rejoin.between_steps() is None
     p.link.inbox.append({"t": "reconfigure", "gen": 2})
-    assert p.rejoin.between_steps() == {"t": "reconfigure", "gen": 2}
+    assert p.rejoin.between_steps() == order({"t": "reconfigure", "gen": 2})
     p.link.leave_gen = 1
     with pytest.raises(PeerFailed):
         p.rejoin.between_steps()
@@ -64,7 +64,7 @@ def test_at_a_swaps_boundary_it_snapshots_the_step_pauses_and_keeps_its_live_sta
     swap = {"t": "reconfigure", "gen": 2, "rank": 1, "world_size": 2, "restore_step": 7, "live": True}
     p = _Parts([swap])
     p.link.pause_at = 7
-    assert p.rejoin.between_steps() == swap
+    assert p.rejoin.between_steps() == order(swap)
     assert [w.step for w in p.slots.takes] == [7]  # step 7 went unsnapshotted: taken for the joiner
     p.slots.takes[0].complete()
     assert p.link.quiet == [{"t": "step", "gen": 1, "step": 7, "step_s": 0.0, "again": True}]
@@ -79,7 +79,7 @@ def test_at_a_swaps_boundary_it_snapshots_the_step_pauses_and_keeps_its_live_sta
 def test_a_step_error_tears_the_group_down_reports_it_and_follows_the_answer() -> None:
     p = _Parts([{"t": "reconfigure", "gen": 2, "failed": [0]}, {"t": "raise"}])
     reply = p.rejoin.on_step_error(RuntimeError("allreduce timed out"))
-    assert reply["gen"] == 2 and p.group.destroyed == [False] and p.link.settled[-1][1] == 2
+    assert reply.gen == 2 and p.group.destroyed == [False] and p.link.settled[-1][1] == 2
     (fault,) = p.link.sent
     assert fault == {"t": "fault", "gen": 1, "step": 7, "error": "RuntimeError: allreduce timed out"}
     err = ValueError("the script's own bug")
@@ -92,7 +92,7 @@ def test_a_fresh_jobs_first_generation_joins_and_writes_step_0() -> None:
     first = {"t": "reconfigure", "gen": 1, "rank": 0, "world_size": 3, "shards": [0, 2], "divisor": 3}
     p = _Parts([{"t": "rebuild", "gen": 1}])
     p.pos.generation, p.pos.step = 0, 0
-    module = p.rejoin.reconfigure(first, None)
+    module = p.rejoin.reconfigure(order(first), None)
     assert module is p.trainee.model
     assert (p.pos.generation, p.pos.step, p.members.rank, p.members.shards) == (1, 0, 0, (0, 2))
     assert p.slots.opened == [0]  # renumbered 1 -> 0: its slots are rank 0's
@@ -117,7 +117,7 @@ def test_a_recovery_fires_its_fault_restores_and_redoes_the_join_after_a_failure
     )
     p.rejoin.live_at = 7  # paused after step 7: its live state is restored as it is
     p.slots.held[7] = p.trainee.capture.state(7)
-    p.rejoin.reconfigure(msg, None)
+    p.rejoin.reconfigure(order(msg), None)
     assert [e for e in p.slots.events if e.startswith("read")] == ["read 7"]  # the second time only
     assert p.faults.asked == [("recovery", 1, 7, 2), ("recovery", 1, 7, 3)]
     assert p.link.kinds() == ["restored", "fault", "restored", "ready"]
@@ -130,6 +130,6 @@ def test_a_recovery_fires_its_fault_restores_and_redoes_the_join_after_a_failure
 def test_a_reconfigure_while_waiting_for_the_rebuild_starts_over() -> None:
     later = {"t": "reconfigure", "gen": 3, "rank": 1, "world_size": 2}
     p = _Parts([later, {"t": "rebuild", "gen": 3}])
-    p.rejoin.reconfigure({**later, "gen": 2}, None)
+    p.rejoin.reconfigure(order({**later, "gen": 2}), None)
     assert p.link.kinds() == ["restored", "restored", "ready"] and p.pos.generation == 3
     assert len(p.trainee.joins) == 1 and p.trainee.joins[0]["generation"] == 3

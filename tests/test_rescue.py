@@ -4,6 +4,7 @@ pieces (policy/rescue.py, the plan, the wait) and the worker's head (train/rescu
 
 from __future__ import annotations
 
+import queue
 import random
 
 import pytest
@@ -13,6 +14,8 @@ from nonstop.policy.elastic import ElasticPolicy
 from nonstop.policy.planning import Answered, Pending, PlanAction, PlanNow, Reported, Waited, plan_generation
 from nonstop.policy.rescue import Rescue, gather, with_rescue
 from nonstop.protocol import wire
+from nonstop.protocol.base import WireError
+from nonstop.protocol.worker import LeaveMsg, ResumeMsg, decode_order
 from nonstop.snapshot import StateCapture
 from nonstop.train.rescue import StepHead, digest
 
@@ -186,7 +189,8 @@ def _leaving_link(gen: int, *, in_step: bool) -> tuple[object, list[object]]:
 
     severed: list[object] = []
     link = CoordinatorLink.__new__(CoordinatorLink)  # _on_leave needs only these
-    link._resume = lambda: {"gen": gen, "step": 8, "done": False}
+    link._resume = lambda: ResumeMsg(gen=gen, step=8, done=False)
+    link._inbox = queue.Queue()
     link._sever = lambda lost: severed.append(lost) or []  # type: ignore[func-returns-value]
     link._settle_store = None
     link._can_interrupt = False
@@ -199,15 +203,20 @@ def test_a_leave_severs_a_rank_in_its_step_and_marks_one_between_steps() -> None
     from nonstop.train.link import CoordinatorLink
 
     link, severed = _leaving_link(3, in_step=True)
-    CoordinatorLink._on_leave(link, {"t": "leave", "gen": 4, "recovery": True, "lost": [2]})  # type: ignore[arg-type]
+    CoordinatorLink._on_leave(link, LeaveMsg(gen=4, recovery=True, lost=(2,)))  # type: ignore[arg-type]
     assert severed == [[2]] and link.leaving(3) and not link.leaving(4)  # type: ignore[attr-defined]
     link, severed = _leaving_link(3, in_step=False)
-    CoordinatorLink._on_leave(link, {"t": "leave", "gen": 4, "recovery": True, "lost": [2]})  # type: ignore[arg-type]
+    CoordinatorLink._on_leave(link, LeaveMsg(gen=4, recovery=True, lost=(2,)))  # type: ignore[arg-type]
     assert severed == [] and link.leaving(3)  # type: ignore[attr-defined]  # the loop leaves before its next step
-    for stale in ({"t": "leave", "gen": 3}, {"t": "leave", "gen": "x"}, {"t": "leave"}):
+    link, severed = _leaving_link(3, in_step=True)
+    CoordinatorLink._on_leave(link, LeaveMsg(gen=3))  # type: ignore[arg-type]
+    assert severed == [] and not link.leaving(3)  # type: ignore[attr-defined]  # stale
+    for bad in ({"t": "leave", "gen": "x"}, {"t": "leave"}):  # the reader drops one it cannot read
+        with pytest.raises(WireError) as e:
+            decode_order(bad)
         link, severed = _leaving_link(3, in_step=True)
-        CoordinatorLink._on_leave(link, stale)  # type: ignore[arg-type]
-        assert severed == [] and not link.leaving(3)  # type: ignore[attr-defined]
+        CoordinatorLink._malformed(link, "leave", e.value)  # type: ignore[arg-type]
+        assert severed == [] and not link.leaving(3) and link._inbox.empty()  # type: ignore[attr-defined]
 
 
 def test_the_rescue_keeps_the_hyperparameters_of_the_steps_start() -> None:
@@ -252,14 +261,15 @@ def test_the_loops_rescue_writes_the_step_its_failed_successor_left_untouched() 
     rescue.arm(capture, 1)  # step 2 begins; step 1 went unsnapshotted
     model(torch.randn(4, 3)).sum().backward()  # it failed after its backward
     report = rescue.rescue(capture, 1)
-    assert report == {"rescued": 1, "rest": report["rest"]} and len(report["rest"]) == 32
+    assert report is not None and report[0] == 1 and report[1] is not None and len(report[1]) == 32
     assert slots.drained == 1 and [s for s, _ in slots.written] == [1] and slots.taken == 1
-    assert rescue.rescue(capture, 1)["rescued"] == 1  # disarmed: the live state as it is, now
+    again = rescue.rescue(capture, 1)
+    assert again is not None and again[0] == 1  # disarmed: the live state as it is, now
     assert len(slots.written) == 1  # already in the slots: not written again
     rescue.arm(capture, 1)
     model(torch.randn(4, 3)).sum().backward()
     opt.step()  # this time the step wrote the state
-    assert rescue.rescue(capture, 1) == {"rescued": None}
+    assert rescue.rescue(capture, 1) == (None, None)
 
 
 def test_no_rescue_when_every_step_is_snapshotted_snapshots_are_off_or_no_model_is_built() -> None:
@@ -272,8 +282,8 @@ def test_no_rescue_when_every_step_is_snapshotted_snapshots_are_off_or_no_model_
     every = _Slots(may_skip=False, taken=1)
     rescue = StepRescue(cast(Any, every), snapshot="overlapped")
     rescue.arm(None, 1)  # (not asked for a capture: a sharded model may have none yet)
-    assert not rescue.enabled and rescue.rescue(capture, 1) == {} and every.written == []
+    assert not rescue.enabled and rescue.rescue(capture, 1) is None and every.written == []
     off = StepRescue(cast(Any, _Slots(may_skip=True, taken=None)), snapshot="off")
-    assert not off.enabled and off.rescue(capture, 1) == {}
+    assert not off.enabled and off.rescue(capture, 1) is None
     built_later = StepRescue(cast(Any, _Slots(may_skip=True, taken=None)), snapshot="sync")
-    assert built_later.rescue(None, 1) == {}
+    assert built_later.rescue(None, 1) is None

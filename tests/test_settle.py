@@ -17,9 +17,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nonstop.mesh import MeshSpec
+from nonstop.protocol.base import WireError
 from nonstop.train.group import GenerationGroup
 from nonstop.train.meshgroups import GroupClaim, OpenGroup, registry_supported
 from nonstop.train.settle import Settling, Verdict, lost_ranks, post, verdict
+from tests.worker_fakes import order
 
 
 @pytest.mark.parametrize(
@@ -38,11 +40,16 @@ def test_verdict(own: int, posted: list[int | None], expected: Verdict) -> None:
 
 
 def test_only_a_recovery_that_names_its_lost_ranks_settles() -> None:
-    assert lost_ranks({"recovery": True, "lost": [3, 1]}) == [3, 1]
-    assert lost_ranks({"recovery": True}) is None  # (an older coordinator): sever everything
-    assert lost_ranks({"recovery": False, "lost": [1]}) is None  # a re-plan
-    assert lost_ranks({"recovery": True, "lost": ["1"]}) is None
-    assert lost_ranks({"recovery": True, "lost": [True]}) is None
+    def reconfigure(**fields: Any) -> Any:
+        return order({"t": "reconfigure", **fields})
+
+    assert lost_ranks(reconfigure(recovery=True, lost=[3, 1])) == [3, 1]
+    assert lost_ranks(reconfigure(recovery=True)) is None  # (an older coordinator): sever everything
+    assert lost_ranks(reconfigure(recovery=False, lost=[1])) is None  # a re-plan
+    assert lost_ranks(order({"t": "leave", "gen": 2, "recovery": True, "lost": [0]})) == [0]
+    for bad in (["1"], [True]):  # a malformed list: the order is malformed (train/link.py)
+        with pytest.raises(WireError):
+            reconfigure(recovery=True, lost=bad)
 
 
 class _Fake:

@@ -21,6 +21,7 @@ from nonstop.control.jobstore import JobStore, RecordWriter
 from nonstop.control.store import Lease, LeaseKeeper
 from nonstop.coordinator.store_sync import leader_ttl
 from nonstop.errors import ControlError
+from nonstop.protocol.worker import ResumeMsg
 from tests.coord_fakes import Harness
 
 TTL = 0.4
@@ -246,8 +247,8 @@ def test_a_reconnecting_worker_reports_its_newest_step_not_the_one_when_the_link
 
     step = {"now": 6}
 
-    def resume() -> dict[str, Any]:
-        return {"gen": 1, "step": step["now"], "done": step["now"] >= 16}
+    def resume() -> ResumeMsg:
+        return ResumeMsg(gen=1, step=step["now"], done=step["now"] >= 16)
 
     hellos: list[dict[str, Any]] = []
 
@@ -269,7 +270,7 @@ def test_a_reconnecting_worker_reports_its_newest_step_not_the_one_when_the_link
     link.closing = False
     assert link._reconnect()
     assert hellos[0]["resume"]["step"] == 6
-    assert hellos[-1]["resume"] == {"gen": 1, "step": 16, "done": True}
+    assert hellos[-1]["resume"] == {"gen": 1, "step": 16, "done": True, "cadence": None}
 
 
 def test_a_worker_that_finishes_while_its_hello_is_on_the_way_says_done_again(
@@ -283,7 +284,7 @@ def test_a_worker_that_finishes_while_its_hello_is_on_the_way_says_done_again(
 
     from nonstop.train import link as link_mod
 
-    state = {"step": 15, "done": False}
+    state: dict[str, Any] = {"step": 15, "done": False}
     sent: list[dict[str, Any]] = []
 
     def connect(addr: Any, secret: Any, hello: dict[str, Any], timeout: float) -> object:
@@ -295,7 +296,7 @@ def test_a_worker_that_finishes_while_its_hello_is_on_the_way_says_done_again(
     link.env = SimpleNamespace(
         reconnect_s=30.0, control_addr=("127.0.0.1", 1), secret=b"x", role="worker", spawn_id=3
     )  # type: ignore[assignment]
-    link._resume = lambda: {"gen": 2, **state}
+    link._resume = lambda: ResumeMsg(gen=2, **state)
     link._subscription = None
     link.closing = False
     assert link._reconnect()

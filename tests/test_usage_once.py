@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from nonstop.errors import UsageError
+from nonstop.protocol.worker import AbortMsg, CadenceMsg
 from nonstop.train.session import Session, _one_line_usage_errors
 
 
@@ -63,7 +64,7 @@ def test_await_abort_returns_the_aborts_line_or_none() -> None:
     from nonstop.train.link import CoordinatorLink
 
     fake = SimpleNamespace(_inbox=queue.Queue(), _take=lambda m: m)
-    fake._inbox.put({"t": "cadence", "every": 1, "since": 0})
-    fake._inbox.put({"t": "abort", "error": "rank 0: the line"})
+    fake._inbox.put(CadenceMsg(every=1, since=0))
+    fake._inbox.put(AbortMsg(error="rank 0: the line"))
     assert CoordinatorLink.await_abort(fake, 1.0) == "rank 0: the line"  # type: ignore[arg-type]
     assert CoordinatorLink.await_abort(fake, 0.05) is None  # type: ignore[arg-type]

@@ -10,7 +10,18 @@ from typing import Any
 import torch
 
 from nonstop.control.channel import Message
+from nonstop.protocol.worker import WorkerOrder, decode_order
 from nonstop.snapshot import StateCapture
+
+
+def order(msg: Message) -> Any:
+    """``msg`` as the worker's reader decodes it; a reconfigure given without a rank or a world
+    size (fields a test does not care for) plays rank 0 of 1 in generation 0."""
+    if msg.get("t") == "reconfigure":
+        msg = {"gen": 0, "rank": 0, "world_size": 1, **msg}
+    decoded = decode_order(msg)
+    assert decoded is not None, msg
+    return decoded
 
 
 class FakeLink:
@@ -34,13 +45,13 @@ class FakeLink:
     def send_quietly(self, msg: Message) -> None:
         self.quiet.append(msg)
 
-    def wait_for(self, *kinds: str) -> Message:
-        msg = self.replies.pop(0)
-        assert msg["t"] in kinds, (msg, kinds)
-        return msg
+    def wait_for(self, *kinds: type[Any]) -> WorkerOrder:
+        msg = order(self.replies.pop(0))
+        assert type(msg) in kinds, (msg, kinds)
+        return msg  # type: ignore[no-any-return]
 
-    def poll_reconfigure(self) -> Message | None:
-        return self.inbox.pop(0) if self.inbox else None
+    def poll_reconfigure(self) -> Any:
+        return order(self.inbox.pop(0)) if self.inbox else None
 
     def leaving(self, generation: int) -> bool:
         return self.leave_gen == generation

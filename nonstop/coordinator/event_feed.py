@@ -34,6 +34,7 @@ from nonstop import events as ev
 from nonstop.control.channel import Message
 from nonstop.errors import ControlError
 from nonstop.events.hook import Committed
+from nonstop.protocol.worker import EventMsg
 
 __all__ = ["EventFeed"]
 
@@ -123,7 +124,7 @@ class EventFeed:
         subs = self._subs  # read once: replaced whole on change
         if not subs:
             return
-        line: Message = {"t": "event", "event": event.to_json()}
+        line: Message = EventMsg(event=event.to_json()).encode()
         with self._cv:
             for sid, sub in subs.items():
                 if not sub.wants(event.event):

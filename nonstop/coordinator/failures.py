@@ -29,6 +29,7 @@ from nonstop.policy.decisions import JOB_STALL_FACTOR, FailureKind, classify_exi
 from nonstop.policy.grading import Grade
 from nonstop.policy.phase import JobPhase
 from nonstop.policy.reconfiguration import Failure
+from nonstop.protocol.worker import RaiseMsg
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -321,4 +322,4 @@ class Failures:
         for sid in verdicts.reraise:
             w = self.view.workers[sid]
             w.told_to_raise_at = time.monotonic()  # tell it once; its exit is its failure
-            self.io.send(w, {"t": "raise"})
+            self.io.send(w, RaiseMsg().encode())

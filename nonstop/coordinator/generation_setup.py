@@ -38,6 +38,7 @@ from nonstop.policy.reconfiguration import (
     StageEnded,
     Tick,
 )
+from nonstop.protocol.worker import RebuildMsg, ReconfigureMsg
 
 if TYPE_CHECKING:
     from nonstop.coordinator.detector import FailureDetector
@@ -148,7 +149,7 @@ class GenerationSetup:
                 )
             elif isinstance(a, Rebuild):
                 for sid in v.members.values():
-                    self.io.send(v.workers[sid], {"t": "rebuild", "gen": r.generation})
+                    self.io.send(v.workers[sid], RebuildMsg(gen=r.generation).encode())
             elif isinstance(a, Resumed):
                 self.life.set_phase(JobPhase.RUNNING)
                 now_m = time.monotonic()
@@ -172,25 +173,27 @@ class GenerationSetup:
             return
         w.stepped, w.coll, w.idle_s, w.fault_report = False, False, None, None
         w.told_to_raise_at, w.rescue, w.told_gen = None, None, r.generation
+        shards = self.shards.shards_of(rank)
         self.io.send(
             w,
-            {
-                "t": "reconfigure",
-                "gen": r.generation,
-                "rank": rank,
-                "world_size": v.world_size,
-                "env": rank_env(v, w.spawn_id, rank),  # torchrun's (coordinator/torch_env.py)
-                "restore_step": r.restore_step,
-                "recovery": bool(r.failures),
+            ReconfigureMsg(
+                gen=r.generation,
+                rank=rank,
+                world_size=v.world_size,
+                env=rank_env(v, w.spawn_id, rank),  # torchrun's (coordinator/torch_env.py)
+                restore_step=r.restore_step,
+                recovery=bool(r.failures),
                 # the failed ranks, numbered as in the generation the survivors are leaving: a
                 # survivor keeps the mesh groups none of them was in (nonstop/train/settle.py)
-                **({"lost": sorted({f.rank for f in r.failures})} if r.failures else {}),
-                **self.shards.shards_of(rank),
-                **({"from_rank": r.from_rank[rank]} if rank in r.from_rank else {}),
-                **({"fresh": True} if rank in r.fresh else {}),
-                **({"live": True} if r.live else {}),
-                **({"reshard": self.shards.reshard_for(r.reshard, rank)} if r.reshard is not None else {}),
-            },
+                lost=tuple(sorted({f.rank for f in r.failures})) if r.failures else None,
+                shards=tuple(shards["shards"]) if "shards" in shards else None,
+                num_shards=shards.get("num_shards"),
+                divisor=shards.get("divisor"),
+                from_rank=r.from_rank.get(rank),
+                fresh=rank in r.fresh,
+                live=r.live,
+                reshard=self.shards.reshard_for(r.reshard, rank) if r.reshard is not None else None,
+            ).encode(),
         )
 
     def _finished(self, r: Reconfiguration, a: Finished) -> None:

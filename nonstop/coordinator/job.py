@@ -17,6 +17,7 @@ from nonstop.coordinator.executor import Executor
 from nonstop.coordinator.view import JobView
 from nonstop.events.log import EventLog
 from nonstop.policy.phase import Busy, JobPhase, Op, legal, may_start
+from nonstop.protocol.worker import AbortMsg, FinishMsg
 
 __all__ = ["JobLife"]
 
@@ -78,7 +79,7 @@ class JobLife:
         self.set_phase(JobPhase.FAILED)
         self.events.emit(ev.JobFailed(error=error))
         for w in self.view.workers.values():
-            self.io.send(w, {"t": "abort", "error": error})
+            self.io.send(w, AbortMsg(error=error).encode())
 
     def finish(self) -> None:
         """Every rank has the final step snapshotted: release members and spares."""
@@ -89,4 +90,4 @@ class JobLife:
             ev.Finish(step=min(self.view.latest_step.values(), default=0), generation=self.view.generation)
         )
         for w in self.view.workers.values():
-            self.io.send(w, {"t": "finish"})
+            self.io.send(w, FinishMsg().encode())

@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nonstop.policy.phase import Busy
+from nonstop.protocol.worker import CadenceMsg, ResumeMsg
 
 if TYPE_CHECKING:
     from nonstop.control.channel import Channel
@@ -344,7 +345,7 @@ class CadenceResume(Protocol):
     """The workers' protocol as a reconnected member's resume point reaches it
     (:meth:`~nonstop.coordinator.workers.WorkerProtocol.resumed_cadence`)."""
 
-    def resumed_cadence(self, said: object) -> None: ...
+    def resumed_cadence(self, said: CadenceMsg | None) -> None: ...
 
 
 class SwapRecord(Protocol):
@@ -452,4 +453,4 @@ class WorkerResumes(Protocol):
     """Store mode as the workers' protocol sees it (:mod:`nonstop.coordinator.store_sync`): a
     worker reconnected to a restarted coordinator, saying where it is."""
 
-    def on_worker_resumed(self, w: WorkerRecord, resume: dict[str, Any]) -> None: ...
+    def on_worker_resumed(self, w: WorkerRecord, resume: ResumeMsg) -> None: ...

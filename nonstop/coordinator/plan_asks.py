@@ -27,6 +27,7 @@ from nonstop.policy.planning import (
 from nonstop.policy.rescue import Report, Rescue, gather
 from nonstop.protocol import wire
 from nonstop.protocol.agent import InventoryRequestMsg
+from nonstop.protocol.worker import LeaveMsg
 
 if TYPE_CHECKING:
     from nonstop.coordinator.executor import Executor
@@ -80,12 +81,9 @@ class PlanAsks:
         """Ask every present rank that has not reported its fault to leave its step now and
         report what it rescued: one blocked in a collective on a survivor (a sharded job's group
         that a survivor parked, train/settle.py) would otherwise never report."""
-        msg = {
-            "t": "leave",
-            "gen": self.view.generation,
-            "recovery": True,
-            "lost": sorted({f.rank for f in p.failures}),
-        }
+        msg = LeaveMsg(
+            gen=self.view.generation, recovery=True, lost=tuple(sorted({f.rank for f in p.failures}))
+        ).encode()
         for sid in self.view.members.values():
             w = self.view.workers.get(sid)
             if w is not None and w.chan is not None and w.rescue is None:

@@ -48,7 +48,7 @@ from nonstop.protocol.agent import (
     SpawnedMsg,
     decode_agent,
 )
-from nonstop.protocol.base import HealthMsg, MigrateMsg, RawMsg
+from nonstop.protocol.base import HealthMsg, MigrateMsg, RawMsg, kind_of, role_of
 from nonstop.protocol.client import ErrorMsg
 from nonstop.protocol.worker import (
     DoneMsg,
@@ -148,7 +148,7 @@ class Routes:
             self.protocol_error(chan, msg, e)
 
     def on_event(self, kind: str, chan: Channel, msg: Message | None) -> None:
-        role = chan.hello.get("role")
+        role = role_of(chan.hello)
         if kind == "open" and role == "client":
             chan.tag = ("client", len(self.clients.channels))
             self.clients.channels[len(self.clients.channels)] = chan
@@ -186,7 +186,7 @@ class Routes:
         """``chan``'s peer sent ``msg``, which raised ``e``: an agent's node is lost, a worker's
         channel closed (its rank then recovered), a client answered an error; logged either way."""
         what = f"{type(e).__name__}: {e}"
-        t = msg.get("t") if isinstance(msg, dict) else None
+        t = kind_of(msg) if msg is not None else None
         log.warning("malformed %r message from %s: %s", t, chan.peer, what, exc_info=True)
         tag = chan.tag
         who: dict[str, Any] = {"peer": chan.peer, "message": t, "error": what}

@@ -38,6 +38,7 @@ from nonstop.coordinator.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.errors import ControlError
 from nonstop.policy.phase import Busy, JobPhase
 from nonstop.protocol.agent import AgentHelloMsg, NodeWelcomeMsg
+from nonstop.protocol.worker import ContinueMsg, FinishMsg, ResumeMsg
 
 if TYPE_CHECKING:
     from nonstop.coordinator.executor import Executor
@@ -286,7 +287,7 @@ class StoreSync:
             self.continue_on_resume |= set(v.members.values())
             for sid in list(self.continue_on_resume):
                 if v.workers[sid].chan is not None:
-                    self.io.send(v.workers[sid], {"t": "continue"})
+                    self.io.send(v.workers[sid], ContinueMsg().encode())
                     self.continue_on_resume.discard(sid)
             if kind == "migration":
                 self.events.emit(ev.MigrationAborted(rank=op.get("rank"), phase=op.get("phase"), error=why))
@@ -319,21 +320,20 @@ class StoreSync:
         self.io.answer(chan, welcome.encode())
         self.events.emit(ev.NodeReconnected(node=node.name))
 
-    def on_worker_resumed(self, w: WorkerRecord, resume: dict[str, Any]) -> None:
+    def on_worker_resumed(self, w: WorkerRecord, resume: ResumeMsg) -> None:
         """A worker reconnected after the coordinator restarted: take its progress."""
         rank = w.rank
         member = rank is not None and self.view.members.get(rank) == w.spawn_id
-        if member and rank is not None and int(resume.get("gen", -1)) == self.view.generation:
-            step = int(resume.get("step", 0))
-            self.view.latest_step[rank] = max(self.view.latest_step.get(rank, 0), step)
-            if resume.get("done"):
+        if member and rank is not None and resume.gen == self.view.generation:
+            self.view.latest_step[rank] = max(self.view.latest_step.get(rank, 0), resume.step)
+            if resume.done:
                 self.view.done_ranks.add(rank)
-            self.workers.resumed_cadence(resume.get("cadence"))
+            self.workers.resumed_cadence(resume.cadence)
         if w.spawn_id in self.continue_on_resume:  # paused for an operation that was aborted
             self.continue_on_resume.discard(w.spawn_id)
-            self.io.send(w, {"t": "continue"})
+            self.io.send(w, ContinueMsg().encode())
         if self.view.phase is JobPhase.FINISHING:
-            self.io.send(w, {"t": "finish"})  # it may have missed it
+            self.io.send(w, FinishMsg().encode())  # it may have missed it
         elif self.view.phase is JobPhase.RUNNING and self.view.all_done():
             self.life.finish()
 

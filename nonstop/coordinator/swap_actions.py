@@ -33,6 +33,7 @@ from nonstop.policy.boundary_swap import (
     SwapKind,
     SwapNow,
 )
+from nonstop.protocol.worker import ContinueMsg, PauseMsg, ReconfigureMsg
 
 if TYPE_CHECKING:
     from nonstop.coordinator.executor import Executor
@@ -99,9 +100,9 @@ class SwapActions:
         elif isinstance(act, Prepare):
             self._send_prepare(act.sid, act.rank, act.world_size, act.step)
         elif isinstance(act, Pause):
-            self.io.send_members({"t": "pause", "at": act.at})
+            self.io.send_members(PauseMsg(at=act.at).encode())
         elif isinstance(act, Continue):
-            self.io.send_members({"t": "continue"})
+            self.io.send_members(ContinueMsg().encode())
         elif isinstance(act, Retire):
             w = v.workers.get(act.sid)
             if w is not None and w.live and not v.is_member(w):
@@ -187,17 +188,19 @@ class SwapActions:
     def _send_prepare(self, sid: int, rank: int, world_size: int, step: int | None) -> None:
         """Tell a joiner (a migration's or a grow's) its rank: it restores ``step``, which its node
         holds, and warms up while the job trains; it is no member until the swap."""
+        shards = self.resize.shards_of(rank, world_size)
         self.io.send(
             self.view.workers[sid],
-            {
-                "t": "reconfigure",
-                "gen": self.view.generation,
-                "rank": rank,
-                "world_size": world_size,
-                "env": rank_env(self.view, sid, rank, world_size),  # its node's, if the swap happens
-                "restore_step": step,
-                "recovery": False,
-                "prepare": True,
-                **self.resize.shards_of(rank, world_size),
-            },
+            ReconfigureMsg(
+                gen=self.view.generation,
+                rank=rank,
+                world_size=world_size,
+                env=rank_env(self.view, sid, rank, world_size),  # its node's, if the swap happens
+                restore_step=step,
+                recovery=False,
+                prepare=True,
+                shards=tuple(shards["shards"]) if "shards" in shards else None,
+                num_shards=shards.get("num_shards"),
+                divisor=shards.get("divisor"),
+            ).encode(),
         )

@@ -26,9 +26,10 @@ from nonstop.coordinator.view import Role, WorkerRecord
 from nonstop.policy import reconfiguration as recovery
 from nonstop.policy.cadence import Cadence, CadenceTuner
 from nonstop.policy.phase import JobPhase
-from nonstop.protocol.base import MigrateMsg, RawMsg
+from nonstop.protocol.base import Json, MigrateMsg, RawMsg
 from nonstop.protocol.rendezvous import kv_refusal
 from nonstop.protocol.worker import (
+    CadenceMsg,
     DoneMsg,
     FaultMsg,
     HeartbeatMsg,
@@ -37,6 +38,7 @@ from nonstop.protocol.worker import (
     ReadyMsg,
     RestoredMsg,
     StepMsg,
+    WorkerHelloMsg,
 )
 
 if TYPE_CHECKING:
@@ -106,26 +108,24 @@ class WorkerProtocol:
         tuned = self.cadence is not None and self.cadence.current.every > 1
         return self.snapshot_every > 1 or tuned
 
-    def resumed_cadence(self, said: object) -> None:
+    def resumed_cadence(self, said: CadenceMsg | None) -> None:
         """A member reconnected to this restarted coordinator saying the interval it snapshots
-        at (``{every, since}``, its resume point): the tuner takes it up, arming the rescues
-        (:meth:`~nonstop.policy.cadence.CadenceTuner.adopt`). Malformed: ignored."""
-        if self.cadence is None or not isinstance(said, dict):
+        at (its resume point's): the tuner takes it up, arming the rescues
+        (:meth:`~nonstop.policy.cadence.CadenceTuner.adopt`). None (none, or malformed: the
+        decode drops it): ignored."""
+        if self.cadence is None or said is None:
             return
-        every, since = said.get("every"), said.get("since")
-        if not (type(every) is int and type(since) is int and every >= 1 and since >= 0):
-            return
-        if self.cadence.adopt(Cadence(every=every, since=since)):
+        if self.cadence.adopt(Cadence(every=said.every, since=said.since)):
             self._announced(self.cadence.current)  # (not measured here: stall_s and step_s None)
 
     # -- connections ----------------------------------------------------------------------------------
     def on_open(self, chan: Channel) -> None:
         """A worker's hello on ``chan``: accepted for a spawn id launched on a live node and not
         connected yet (or reconnecting with ``resume``); otherwise refused and closed."""
-        sid = int(chan.hello.get("spawn_id", -1))
+        hello = WorkerHelloMsg.decode(chan.hello)
+        sid, resume = hello.spawn_id, hello.resume
         w = self.view.workers.get(sid)
         node = self.view.nodes.get(self.view.node_of(sid))
-        resume = chan.hello.get("resume")
         reconnect = resume is not None and w is not None and (w.chan is None or w.chan.closed)
         if w is None or (w.chan is not None and not reconnect) or node is None or not node.alive:
             self.events.emit(
@@ -137,7 +137,7 @@ class WorkerProtocol:
         w.chan = chan
         w.last_hb = time.monotonic()
         self.events.emit(ev.Connect(spawn_id=sid, role=w.role, rank=w.rank, resumed=resume is not None))
-        if isinstance(resume, dict):
+        if resume is not None:
             self.resumes.on_worker_resumed(w, resume)
         else:
             self.on_connect(w)
@@ -178,7 +178,7 @@ class WorkerProtocol:
     # -- unfenced messages ---------------------------------------------------------------------------
     def on_heartbeat(self, w: WorkerRecord, m: HeartbeatMsg, now: float) -> None:
         """``w`` is alive, and says where it is (in a collective, idle, moving)."""
-        w.last_hb, w.coll, w.idle_s, w.moving, w.at = now, m.coll, m.idle_s, m.moving, m.at
+        w.last_hb, w.coll, w.idle_s, w.moving, w.at = now, m.coll, m.idle_s, m.moving is True, m.at
         w.excused = False  # (it speaks again: a later silence is judged afresh)
 
     def on_injected(self, w: WorkerRecord, m: InjectedMsg) -> None:
@@ -235,7 +235,7 @@ class WorkerProtocol:
             self.view.latest_step.setdefault(rank, 0)
         self.setup.report(recovery.Joined(rank, time.time()))
         if self.cadence is not None and self.cadence.current.since > 0:  # (one it has not heard)
-            self.io.send(w, self.cadence.current.message())
+            self.io.send(w, _cadence(self.cadence.current))
         if m.groups is not None:
             self.events.emit(groups_joined(m, rank, m.groups))
 
@@ -271,7 +271,7 @@ class WorkerProtocol:
         if tuner.refusal is not None and refused is None:  # (said once)
             self._announced(tuner.current, refused=tuner.refusal)
         if new is not None:
-            self.io.send_members(new.message())
+            self.io.send_members(_cadence(new))
             self._announced(new)
 
     def _announced(self, cadence: Cadence, *, refused: str | None = None) -> None:
@@ -295,3 +295,8 @@ class WorkerProtocol:
 def groups_joined(m: ReadyMsg, rank: int, groups: tuple[int, int, float]) -> ev.GroupsJoined:
     kept, built, mesh_s = groups
     return ev.GroupsJoined(gen=m.gen, rank=rank, kept=kept, built=built, mesh_s=mesh_s, rebuild_s=m.rebuild_s)
+
+
+def _cadence(c: Cadence) -> Json:
+    """The order that tells the ranks snapshot interval ``c``."""
+    return CadenceMsg(every=c.every, since=c.since).encode()

@@ -77,9 +77,6 @@ class Cadence:
         """Whether the state after ``step`` is snapshotted (``step >= since``)."""
         return (step - self.since) % self.every == 0
 
-    def message(self) -> dict[str, int | str]:
-        return {"t": "cadence", "every": self.every, "since": self.since}
-
 
 def choose_every(
     stall_s: float,

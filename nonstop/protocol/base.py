@@ -29,6 +29,7 @@ __all__ = [
     "opt_int",
     "opt_num",
     "opt_str",
+    "role_of",
     "steps_by_rank",
 ]
 
@@ -43,6 +44,12 @@ class WireError(ValueError):
 def kind_of(m: Mapping[str, Any]) -> Any:
     """The message's kind (``t``), or None: never raises (a receiver's dispatch)."""
     return m.get("t") if isinstance(m, Mapping) else None
+
+
+def role_of(hello: Mapping[str, Any]) -> Any:
+    """Which kind of peer a handshake's hello says it is (``role``: client, agent, worker, spare),
+    or None: never raises (the control server's first dispatch)."""
+    return hello.get("role") if isinstance(hello, Mapping) else None
 
 
 def need(m: Mapping[str, Any], key: str) -> Any:

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from nonstop import events as ev
-from nonstop.control.channel import Message
 from nonstop.errors import UsageError
 from nonstop.events import hook as _hook  # noqa: F401  (registers the hook's kinds)
+from nonstop.protocol.worker import EventMsg
 
 __all__ = ["DELIVERY", "FLUSH_S", "EventCallback", "EventHooks"]
 
@@ -60,7 +60,7 @@ class EventHooks:
 
     def __init__(self) -> None:
         self._hooks: tuple[_Hook, ...] = ()
-        self._queue: collections.deque[Message] = collections.deque()
+        self._queue: collections.deque[EventMsg] = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._busy = False
@@ -103,7 +103,7 @@ class EventHooks:
         return sorted(set().union(*(h.kinds or () for h in self._hooks)))
 
     # -- the reader thread -------------------------------------------------------------------
-    def put(self, msg: Message) -> None:
+    def put(self, msg: EventMsg) -> None:
         """Queue one ``event`` message; drops the oldest when the queue is full. Never blocks."""
         with self._cv:
             if len(self._queue) >= self.max_pending:
@@ -153,11 +153,8 @@ class EventHooks:
                 self._busy = True
             self._call(msg)
 
-    def _call(self, msg: Message) -> None:
-        line = msg.get("event")
-        if not isinstance(line, dict):
-            return
-        event = ev.decode(line)
+    def _call(self, msg: EventMsg) -> None:
+        event = ev.decode(dict(msg.event))
         for hook in self._hooks:
             if hook.kinds is not None and event.event not in hook.kinds:
                 continue

@@ -32,7 +32,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from nonstop.control.channel import Message
+from nonstop.protocol.worker import HeartbeatMsg
 from nonstop.train.collectives import in_collective
 from nonstop.train.threadprogress import ThreadProgress
 
@@ -86,7 +86,7 @@ class HeartbeatWords:
         """A step that took ``step_s`` completed at ``at`` (monotonic)."""
         self.progress_at, self.last_step_s = at, step_s
 
-    def message(self) -> Message:
+    def message(self) -> HeartbeatMsg:
         """The heartbeat to send now (the heartbeat thread's)."""
         sync, clock = self.sync, self.clock
         # the sync's allreduce in flight: pending on the host, or on a device (train/liveness.py);
@@ -111,16 +111,15 @@ class HeartbeatWords:
             clock.inside_at if clock is not None else None
         )
         idle = round(now - max(self.progress_at, self._coll_at, left or 0.0), 3)
-        msg: Message = {"t": "hb", "coll": coll, "step": self._position.step, "idle": idle}
+        moved: bool | None = None
+        at: str | None = None
         if self.thread is not None:
             # moving: the training thread ran, or waited for a CPU, since the last heartbeat
             # (slow on a starved machine, not stuck: the detector's longer limit; a thread asleep
             # or blocked does neither)
             moved = self.thread_progress.moved()
-            if moved is not None:
-                msg["moving"] = moved
             frame = sys._current_frames().get(self.thread)
             if frame is not None and not coll:  # where it is, for the failure's record if blamed
                 where = "/".join(frame.f_code.co_filename.split("/")[-2:])
-                msg["at"] = f"{where}:{frame.f_lineno} {frame.f_code.co_name}"
-        return msg
+                at = f"{where}:{frame.f_lineno} {frame.f_code.co_name}"
+        return HeartbeatMsg(coll=coll, step=self._position.step, idle_s=idle, moving=moved, at=at)

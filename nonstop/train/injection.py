@@ -19,6 +19,8 @@ import time
 
 from nonstop.config import WorkerEnv
 from nonstop.faults import FaultInjector, preempt_notice_path
+from nonstop.protocol.base import HealthMsg, MigrateMsg
+from nonstop.protocol.worker import InjectedMsg
 from nonstop.snapshot.slot import rank_slot_paths
 from nonstop.train.link import CoordinatorLink
 
@@ -70,22 +72,15 @@ class WorkerFaults:
             return
         if fault.kind == "degrade":  # the node's health verdict, as a probe would send it
             self.link.send(
-                {"t": "health", "verdict": "degraded", "probe": "fault", "detail": f"degrade at step {step}"}
+                HealthMsg(verdict="degraded", probe="fault", detail=f"degrade at step {step}").encode()
             )
             return
         if fault.kind == "migrate":  # a planned event, not a fault: ask and go on training
             to = None if fault.to < 0 else str(fault.to)
-            self.link.send({"t": "migrate", "gen": generation, "rank": rank, "to": to})
+            self.link.send(MigrateMsg(gen=generation, rank=rank, to=to).encode())
             return
         self.link.send(
-            {
-                "t": "injected",
-                "index": index,
-                "kind": fault.kind,
-                "rank": rank,
-                "step": step,
-                "ts": time.time(),
-            }
+            InjectedMsg(index=index, kind=fault.kind, rank=rank, step=step, ts=time.time()).encode()
         )
 
         def wipe() -> None:  # the rank's snapshot memory is lost with it

@@ -62,6 +62,23 @@ from nonstop.control.channel import Channel, Message, connect
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import ControlError, JobFailedError
 from nonstop.policy.cadence import Cadence
+from nonstop.protocol.base import RawMsg, WireError, kind_of
+from nonstop.protocol.worker import (
+    AbortMsg,
+    CadenceMsg,
+    ContinueMsg,
+    DoneMsg,
+    EventMsg,
+    HeartbeatMsg,
+    LeaveMsg,
+    PauseMsg,
+    ReconfigureMsg,
+    ResumeMsg,
+    SubscribeMsg,
+    WorkerHelloMsg,
+    WorkerOrder,
+    decode_order,
+)
 from nonstop.train.meshgroups import GroupClaim, OpenGroup
 from nonstop.train.settle import Settling, lost_ranks, post
 
@@ -86,11 +103,11 @@ def uninterruptible(fn: F) -> F:
     return fn
 
 
-def severs(reconfigure: Message) -> bool:
-    """Whether a reconfigure that finds the main thread in a step severs the generation's group
-    first (:meth:`CoordinatorLink._leave_step_now`): every one but a live swap's -- a recovery's,
-    and a re-plan's, whose peers leave wherever they are."""
-    return bool(reconfigure.get("recovery")) or not reconfigure.get("live")
+def severs(order: ReconfigureMsg | LeaveMsg) -> bool:
+    """Whether a reconfigure (or a leave) that finds the main thread in a step severs the
+    generation's group first (:meth:`CoordinatorLink._leave_step_now`): every one but a live
+    swap's -- a recovery's, and a re-plan's, whose peers leave wherever they are."""
+    return order.recovery or not (isinstance(order, ReconfigureMsg) and order.live)
 
 
 class PeerFailed(BaseException):
@@ -104,6 +121,12 @@ class CoordinatorLink:
 
     ``heartbeat()`` returns the heartbeat message to send; ``resume()`` what a reconnecting
     worker tells a restarted coordinator about where it is (the hello's ``resume``).
+
+    Every order is decoded once, by the reader (:func:`~nonstop.protocol.worker.decode_order`);
+    the inbox holds them typed. One that is malformed is queued as its
+    :class:`~nonstop.protocol.base.WireError`, raised in the main thread where it takes it (the
+    training loop handles it as any error there); a ``leave`` or an ``event`` that cannot be read
+    is dropped (the reader ignored such a leave, and the event hook such an event, before).
     """
 
     def __init__(
@@ -111,8 +134,8 @@ class CoordinatorLink:
         env: WorkerEnv,
         *,
         timeout: float,
-        heartbeat: Callable[[], Message],
-        resume: Callable[[], Message],
+        heartbeat: Callable[[], HeartbeatMsg],
+        resume: Callable[[], ResumeMsg],
         sever: Callable[[Collection[int] | None], Sequence[OpenGroup]] | None = None,
     ) -> None:
         self.env = env
@@ -121,7 +144,7 @@ class CoordinatorLink:
         self.settling: Settling | None = None
         self._heartbeat_msg = heartbeat
         self._resume = resume
-        self._inbox: queue.Queue[Message] = queue.Queue()
+        self._inbox: queue.Queue[WorkerOrder | WireError] = queue.Queue()
         self._arrived = 0  # reconfigures the reader put in the inbox (reader thread writes)
         self._stuck_since: float | None = None  # since when one has waited (heartbeat thread)
         self._dumped = False  # the stacks of a stuck main thread are written once per process
@@ -135,14 +158,14 @@ class CoordinatorLink:
         self.in_step = False
         # Session.on_event: the reader hands each ``event`` message here (it must not block),
         # and a reconnect to a restarted coordinator repeats the subscription
-        self.on_feed: Callable[[Message], None] | None = None
-        self._subscription: Message | None = None
+        self.on_feed: Callable[[EventMsg], None] | None = None
+        self._subscription: SubscribeMsg | None = None
         self._can_interrupt = threading.current_thread() is threading.main_thread()
         self._main_ident = threading.main_thread().ident or 0
         if self._can_interrupt:
             self._start_redelivery()
             signal.signal(signal.SIGUSR1, self._on_interrupt)
-        self.chan: Channel = connect(env.control_addr, env.secret, self._hello(), timeout=timeout)
+        self.chan: Channel = connect(env.control_addr, env.secret, self._hello().encode(), timeout=timeout)
         threading.Thread(target=self._reader, name="nonstop-reader", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="nonstop-heartbeat", daemon=True).start()
 
@@ -156,8 +179,8 @@ class CoordinatorLink:
                     os._exit(EXIT_COORDINATOR_LOST)
                 return
 
-    def _hello(self) -> Message:
-        return {"role": self.env.role, "spawn_id": self.env.spawn_id, "pid": os.getpid()}
+    def _hello(self, resume: ResumeMsg | None = None) -> WorkerHelloMsg:
+        return WorkerHelloMsg(role=self.env.role, spawn_id=self.env.spawn_id, pid=os.getpid(), resume=resume)
 
     def _reconnect(self) -> bool:
         """Store mode: the coordinator restarts; reach the new one (same address) within
@@ -167,18 +190,18 @@ class CoordinatorLink:
             # where this rank is *now*: it trains on while the coordinator is away, and what it
             # sends meanwhile (steps, done) is lost -- a resume point taken when the connection
             # broke would leave the new coordinator waiting for steps already taken
-            hello = self._hello()
-            hello["resume"] = said = self._resume()
+            said = self._resume()
+            hello = self._hello(said).encode()
             try:
                 self.chan = connect(self.env.control_addr, self.env.secret, hello, timeout=1.0)
                 log.info("reconnected to the coordinator")
                 if self._subscription is not None:
-                    self.send_quietly(self._subscription)
+                    self.send_quietly(self._subscription.encode())
                 now = self._resume()
-                if now.get("done") and not said.get("done"):
+                if now.done and not said.done:
                     # it finished while the hello was on its way, and sent its done to the dead
                     # connection: the coordinator would wait for it forever (a repeat is harmless)
-                    self.send_quietly({"t": "done", "gen": now["gen"], "step": now["step"]})
+                    self.send_quietly(DoneMsg(gen=now.gen, step=now.step).encode())
                 return True
             except (ControlError, OSError):
                 time.sleep(0.2)
@@ -188,32 +211,54 @@ class CoordinatorLink:
         """Deliver the coordinator's messages until the connection ends."""
         try:
             while True:
-                msg = self.chan.recv()
-                if msg.get("t") == "event":
+                raw = self.chan.recv()
+                try:
+                    msg = decode_order(raw)
+                except WireError as e:
+                    self._malformed(kind_of(raw), e)
+                    continue
+                if msg is None:  # a kind this worker does not know: ignored
+                    continue
+                if isinstance(msg, EventMsg):
                     feed = self.on_feed
                     if feed is not None:
                         feed(msg)
                     continue
-                if msg.get("t") == "kv":
+                if isinstance(msg, RawMsg):  # a rendezvous kv reply
                     for store in (self.rdzv, self._settle_store):  # (each takes its own replies)
                         if store is not None:
-                            store.deliver(msg)
+                            store.deliver(msg.msg)
                     continue
-                rdzv, settle = self.rdzv, self._settle_store  # read once: the main thread may drop them
-                for store in (rdzv, settle) if msg.get("t") in ("reconfigure", "abort") else ():
-                    if store is not None:
-                        store.abort("a newer generation started")  # unblock a rendezvous in progress
-                if msg.get("t") == "leave":
+                if isinstance(msg, ReconfigureMsg | AbortMsg):
+                    self._abort_stores()
+                if isinstance(msg, LeaveMsg):
                     self._on_leave(msg)  # (and to the inbox: a rank paused at a swap's boundary leaves too)
                 self._inbox.put(msg)
-                if msg.get("t") == "reconfigure":
+                if isinstance(msg, ReconfigureMsg):
                     self._arrived += 1  # before in_step is read: see enter_step
-                if msg.get("t") == "reconfigure" and self.in_step:
-                    self._leave_step_now(msg)
+                    if self.in_step:
+                        self._leave_step_now(msg)
         except (ControlError, OSError, ValueError):
             return
 
-    def _leave_step_now(self, msg: Message) -> None:
+    def _abort_stores(self) -> None:
+        rdzv, settle = self.rdzv, self._settle_store  # read once: the main thread may drop them
+        for store in (rdzv, settle):
+            if store is not None:
+                store.abort("a newer generation started")  # unblock a rendezvous in progress
+
+    def _malformed(self, kind: Any, err: WireError) -> None:
+        """Reader thread: an order that breaks the protocol. A leave or an event is dropped; any
+        other goes to the inbox as its error, which the main thread raises where it takes it (a
+        reconfigure's or an abort's still ends the rendezvous in progress)."""
+        if kind in (LeaveMsg.T, EventMsg.T):
+            log.warning("ignored a malformed %r message: %s", kind, err)
+            return
+        if kind in (ReconfigureMsg.T, AbortMsg.T):
+            self._abort_stores()
+        self._inbox.put(err)
+
+    def _leave_step_now(self, msg: ReconfigureMsg | LeaveMsg) -> None:
         """Reader thread: a reconfigure arrived while the main thread is in a step. Abort first,
         then interrupt: every reconfigure but a live swap's (:func:`severs`) severs the
         generation's group (gloo: sockets shut for reading; NCCL: communicators aborted), so a
@@ -236,23 +281,20 @@ class CoordinatorLink:
         if severs(msg) and self._sever is not None:
             left = self._sever(lost_ranks(msg) if self._settle_store is None else None)
             if left:
-                self.settling = Settling(self._settling_store(int(msg["gen"])), left, lambda: self.in_step)
+                self.settling = Settling(self._settling_store(msg.gen), left, lambda: self.in_step)
         if self._can_interrupt:
             signal.pthread_kill(self._main_ident, signal.SIGUSR1)
 
-    def _on_leave(self, msg: Message) -> None:
-        """Reader thread: the coordinator plans generation ``msg["gen"]`` after a failure and
+    def _on_leave(self, msg: LeaveMsg) -> None:
+        """Reader thread: the coordinator plans generation ``msg.gen`` after a failure and
         asks the survivors to leave their step now, so that each reports what it rescued
         (:mod:`nonstop.train.rescue`) before the plan: one still in a step is severed and
         interrupted as a recovery's reconfigure would (a sharded job's groups without a lost rank
         settled); one between steps leaves before its next (``leave_gen``, read by
         :meth:`enter_step` and the loop). A leave for a generation this rank is in already is
-        stale: ignored."""
-        try:
-            gen = int(msg["gen"])
-        except (KeyError, TypeError, ValueError):
-            return
-        if gen <= int(self._resume()["gen"]):
+        stale: ignored (one that cannot be read is dropped by the reader)."""
+        gen = msg.gen
+        if gen <= self._resume().gen:
             return
         self.leave_gen = gen  # before in_step is read: see enter_step
         if self.in_step:
@@ -335,7 +377,7 @@ class CoordinatorLink:
             self._dump_if_stuck()
             msg = self._heartbeat_msg()
             try:
-                self.chan.send(msg)
+                self.chan.send(msg.encode())
             except ControlError:
                 if self.env.reconnect_s <= 0:
                     return  # the reader ends the process
@@ -373,8 +415,8 @@ class CoordinatorLink:
     def subscribe(self, kinds: list[str] | None) -> None:
         """Ask the coordinator for the job's events of ``kinds`` (None: all), now and after
         every reconnect; they arrive through :attr:`on_feed`."""
-        self._subscription = {"t": "subscribe", "kinds": kinds}
-        self.send(self._subscription)
+        self._subscription = SubscribeMsg(kinds=None if kinds is None else tuple(kinds))
+        self.send(self._subscription.encode())
 
     def send_quietly(self, msg: Message) -> None:
         """Send from a helper thread: a lost coordinator is the reader thread's business."""
@@ -384,8 +426,11 @@ class CoordinatorLink:
             pass
 
     # -- the inbox (main thread) -----------------------------------------------------------
-    def _take(self, msg: Message) -> Message:
-        if msg["t"] == "reconfigure":
+    def _take(self, msg: WorkerOrder | WireError) -> WorkerOrder:
+        """An order out of the inbox; a malformed one raises its error here (the main thread)."""
+        if isinstance(msg, WireError):
+            raise msg
+        if isinstance(msg, ReconfigureMsg):
             self._taken += 1
         return msg
 
@@ -397,18 +442,22 @@ class CoordinatorLink:
         reader counts a reconfigure before it reads ``in_step``, this sets ``in_step`` before it
         reads the count: one of the two sees the other.)"""
         self.in_step = True
-        left = self.leaving(int(self._resume()["gen"]))
+        left = self.leaving(self._resume().gen)
         if (self._arrived > self._taken or left) and self._can_interrupt:
             _thread.interrupt_main(signal.SIGUSR1)  # raised in the step's body (see uninterruptible)
 
-    def wait_for(self, *kinds: str) -> Message:
+    def wait_for(self, *kinds: type[Any]) -> WorkerOrder:
+        """The next order of one of ``kinds`` (the classes); those that come first are noted
+        (:meth:`_note`), and an abort raises :class:`~nonstop.errors.JobFailedError`."""
         while True:
             msg = self._take(self._inbox.get())
-            if msg["t"] in kinds:
+            if type(msg) in kinds:
                 return msg
             self._note(msg)
-            if msg["t"] == "abort":
-                raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
+            if isinstance(msg, AbortMsg):
+                raise JobFailedError(
+                    msg.error if msg.error is not None else "the coordinator aborted the job"
+                )
 
     def await_abort(self, timeout_s: float) -> str | None:
         """Wait up to ``timeout_s`` for the coordinator's ``abort`` (after this process reported
@@ -420,20 +469,20 @@ class CoordinatorLink:
                 msg = self._take(self._inbox.get(timeout=left))
             except queue.Empty:
                 return None
-            if msg["t"] == "abort":
-                return str(msg.get("error", ""))
+            if isinstance(msg, AbortMsg):
+                return msg.error if msg.error is not None else ""
         return None
 
-    def _note(self, msg: Message) -> None:
+    def _note(self, msg: WorkerOrder) -> None:
         """What a message between steps changes: a swap's pause, its end, the snapshot cadence."""
-        if msg["t"] == "pause":
-            self.pause_at = int(msg["at"])
-        elif msg["t"] == "continue":
+        if isinstance(msg, PauseMsg):
+            self.pause_at = msg.at
+        elif isinstance(msg, ContinueMsg):
             self.pause_at = None
-        elif msg["t"] == "cadence" and self.on_cadence is not None:
-            self.on_cadence(Cadence(every=int(msg["every"]), since=int(msg["since"])))
+        elif isinstance(msg, CadenceMsg) and self.on_cadence is not None:
+            self.on_cadence(Cadence(every=msg.every, since=msg.since))
 
-    def poll_reconfigure(self) -> Message | None:
+    def poll_reconfigure(self) -> ReconfigureMsg | None:
         """A reconfigure that arrived between steps, if any (newest wins)."""
         found = None
         while True:
@@ -441,11 +490,13 @@ class CoordinatorLink:
                 msg = self._take(self._inbox.get_nowait())
             except queue.Empty:
                 return found
-            if msg["t"] == "reconfigure":
+            if isinstance(msg, ReconfigureMsg):
                 found = msg
             self._note(msg)
-            if msg["t"] == "abort":
-                raise JobFailedError(str(msg.get("error", "the coordinator aborted the job")))
+            if isinstance(msg, AbortMsg):
+                raise JobFailedError(
+                    msg.error if msg.error is not None else "the coordinator aborted the job"
+                )
 
     # -- the rendezvous store --------------------------------------------------------------
     def open_rdzv(self, gen: int, timeout_s: float) -> ChannelStore:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import os
 
-from nonstop.control.channel import Message
 from nonstop.devices.inventory import DEVICE
 from nonstop.mesh import MeshSpec
+from nonstop.protocol.worker import ReconfigureMsg
 from nonstop.workerlog import announce_rank
 
 __all__ = ["Membership"]
@@ -40,17 +40,17 @@ class Membership:
         # shards_played micro-batches of the global batch
         self.shards_played = 0
 
-    def apply(self, msg: Message) -> None:
+    def apply(self, msg: ReconfigureMsg) -> None:
         """Take the rank, world size and data shards of the generation ``msg`` (a reconfigure)
         starts, and set this process's environment to match."""
-        self.rank = int(msg["rank"])
-        self.world_size = int(msg["world_size"])
-        self.shards = tuple(int(k) for k in msg.get("shards", (self.rank,)))
-        self.num_shards = int(msg.get("num_shards", self.world_size))
-        self.shards_played = int(msg.get("divisor", self.num_shards))
+        self.rank = msg.rank
+        self.world_size = msg.world_size
+        self.shards = msg.shards if msg.shards is not None else (self.rank,)
+        self.num_shards = msg.num_shards if msg.num_shards is not None else self.world_size
+        self.shards_played = msg.divisor if msg.divisor is not None else self.num_shards
         # torchrun's variables as the coordinator computed them (coordinator/torch_env.py); a message
         # without them (an older coordinator) still sets the rank and the world size
-        env = {str(k): str(v) for k, v in dict(msg.get("env", {})).items()}
+        env = dict(msg.env)
         env.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size))
         device = os.environ.get(DEVICE)
         if device is not None:  # a device node: LOCAL_RANK is this process's device, for life

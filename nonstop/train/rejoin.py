@@ -21,13 +21,24 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from nonstop.config import WorkerEnv
-from nonstop.control.channel import Message
 from nonstop.control.rdzv import ChannelStore
+from nonstop.protocol.worker import (
+    ContinueMsg,
+    FaultMsg,
+    LeaveMsg,
+    PausedMsg,
+    RaiseMsg,
+    ReadyMsg,
+    RebuildMsg,
+    ReconfigureMsg,
+    RestoredMsg,
+    StepMsg,
+)
+from nonstop.reshardplan import TensorLayout
 from nonstop.snapshot import StateCapture
 from nonstop.train.group import GenerationGroup
 from nonstop.train.injection import WorkerFaults
@@ -85,7 +96,7 @@ class Rejoin:
         assert capture is not None, "the model is built once the generation's group is joined"
         return capture
 
-    def take_membership(self, msg: Message) -> None:
+    def take_membership(self, msg: ReconfigureMsg) -> None:
         """The rank, world size and shards of the generation ``msg`` starts; the gradient sync
         divides by the shards played."""
         self._members.apply(msg)
@@ -111,7 +122,7 @@ class Rejoin:
             model.zero_grad(set_to_none=True)
         log.info("warm-up step took %.3fs", time.monotonic() - t0)
 
-    def between_steps(self) -> Message | None:
+    def between_steps(self) -> ReconfigureMsg | None:
         """Before a step: the reconfigure that ends this generation -- sent by the coordinator,
         or the one a migration's boundary pause ended with (:meth:`pause`) -- or None (train on).
         :class:`~nonstop.train.link.PeerFailed` when the coordinator asked the survivors to
@@ -125,7 +136,7 @@ class Rejoin:
             raise PeerFailed("the coordinator asked the survivors to leave their step")
         return pending
 
-    def pause(self) -> Message | None:
+    def pause(self) -> ReconfigureMsg | None:
         """Live migration: stop after the boundary step (its snapshot complete, for the joiner to
         fetch) until the coordinator swaps the rank (a reconfigure, returned) or gives up
         (continue: None)."""
@@ -134,24 +145,24 @@ class Rejoin:
             # the boundary came after this step was reported unsnapshotted (--snapshot-every):
             # snapshot it now, for the joiner to fetch; the report says only that much
             snap = self._snaps.take(pos.step, self._capture(), pos.generation)
-            again = {"t": "step", "gen": pos.generation, "step": pos.step, "step_s": 0.0, "again": True}
+            again = StepMsg(gen=pos.generation, step=pos.step, step_s=0.0, again=True).encode()
             if snap is not None:
                 snap.on_complete(functools.partial(link.send_quietly, again))
         self._snaps.live.drain()
         link.pause_at = None
         self.live_at = pos.step  # until the next step starts, the live state is that of this step
-        link.send({"t": "paused", "gen": pos.generation, "step": pos.step})
-        reply = link.wait_for("reconfigure", "continue", "leave")
-        while reply["t"] == "leave" and not link.leaving(pos.generation):  # (a stale one)
-            reply = link.wait_for("reconfigure", "continue", "leave")
-        if reply["t"] == "leave":  # a failure while paused: report the boundary (train/rescue.py)
+        link.send(PausedMsg(gen=pos.generation, step=pos.step).encode())
+        reply = link.wait_for(ReconfigureMsg, ContinueMsg, LeaveMsg)
+        while isinstance(reply, LeaveMsg) and not link.leaving(pos.generation):  # (a stale one)
+            reply = link.wait_for(ReconfigureMsg, ContinueMsg, LeaveMsg)
+        if isinstance(reply, LeaveMsg):  # a failure while paused: report the boundary (train/rescue.py)
             raise PeerFailed("the coordinator asked the survivors to leave")
-        if reply["t"] == "reconfigure":
+        if isinstance(reply, ReconfigureMsg):
             return reply
         self.live_at = None
         return None
 
-    def on_step_error(self, err: BaseException) -> Message:
+    def on_step_error(self, err: BaseException) -> ReconfigureMsg:
         """Tear down the group at once (so blocked peers fail fast), report the fault (with its
         rescue) and return the reconfigure the coordinator answers; re-raise ``err`` when it
         answers ``raise`` (a failure no recovery can fix)."""
@@ -160,25 +171,24 @@ class Rejoin:
         destroy_group(self._link, self._group)
         pos = self._pos
         self._link.send(
-            {
-                "t": "fault",
-                "gen": pos.generation,
-                "step": pos.step,
-                "error": f"{type(err).__name__}: {err}"[:500],
-                **self._rescue.rescue(self._trainee.capture, pos.step),
-            }
+            FaultMsg(
+                gen=pos.generation,
+                step=pos.step,
+                error=f"{type(err).__name__}: {err}"[:500],
+                rescue=self._rescue.rescue(self._trainee.capture, pos.step),
+            ).encode()
         )
-        reply = self._link.wait_for("reconfigure", "raise")
-        if reply["t"] == "raise":
+        reply = self._link.wait_for(ReconfigureMsg, RaiseMsg)
+        if not isinstance(reply, ReconfigureMsg):
             raise err
         # mesh groups parked unsevered: keep those without a lost rank (nonstop/train/settle.py)
-        self._link.post_settled(self._group.settle(lost_ranks(reply)), int(reply["gen"]))
+        self._link.post_settled(self._group.settle(lost_ranks(reply)), reply.gen)
         return reply
 
     def _inject(self, phase: str, step: int) -> None:
         self._faults.maybe_fire(phase, rank=self._members.rank, step=step, generation=self._pos.generation)
 
-    def reconfigure(self, msg: Message, warm_up: TrainStep | None) -> torch.nn.Module:
+    def reconfigure(self, msg: ReconfigureMsg, warm_up: TrainStep | None) -> torch.nn.Module:
         """Restore the committed step, then rebuild the process group for a new generation;
         return the module the steps of the generation train.
 
@@ -187,19 +197,19 @@ class Rejoin:
         restore stage and copied into the fresh model once it is built."""
         trainee, link, snaps, pos, members = self._trainee, self._link, self._snaps, self._pos, self._members
         while True:
-            gen = int(msg["gen"])
-            restore_step = msg.get("restore_step")
+            gen = msg.gen
+            restore_step = msg.restore_step
             pos.generation = gen
             link.pause_at = None  # a new generation ends any migration's pause
             # here the last step is complete (a failed one tore its groups down already)
             destroy_group(link, self._group, at_boundary=True)
-            if restore_step is not None and msg.get("recovery"):
-                self._inject("recovery", int(restore_step))
-            elif restore_step is not None and msg.get("prepare"):
-                self._inject("prepare", int(restore_step))
+            if restore_step is not None and msg.recovery:
+                self._inject("recovery", restore_step)
+            elif restore_step is not None and msg.prepare:
+                self._inject("prepare", restore_step)
             snaps.live.drain()  # never restore under a copy still writing into the slots
-            if int(msg["rank"]) != members.rank:  # renumbered (elastic): snapshot under the new number
-                snaps.open(int(msg["rank"]))
+            if msg.rank != members.rank:  # renumbered (elastic): snapshot under the new number
+                snaps.open(msg.rank)
             self.take_membership(msg)
             store = snaps.live
             t0 = time.monotonic()
@@ -215,18 +225,18 @@ class Rejoin:
             )
             self.live_at = None
             bare = trainee.bare
-            if msg.get("prepare") and restore_step is not None and bare is not None and warm_up is not None:
+            if msg.prepare and restore_step is not None and bare is not None and warm_up is not None:
                 snaps.prefault(self._capture(), pos.step)  # before the warm-up changes the state
                 self.warm_up(warm_up, bare)
-            link.send({"t": "restored", "gen": gen, "step": pos.step, "restore_s": time.monotonic() - t0})
-            reply = link.wait_for("rebuild", "reconfigure")
-            if reply["t"] == "reconfigure" or int(reply["gen"]) != gen:
+            link.send(RestoredMsg(gen=gen, step=pos.step, restore_s=time.monotonic() - t0).encode())
+            reply = link.wait_for(RebuildMsg, ReconfigureMsg)
+            if isinstance(reply, ReconfigureMsg) or not isinstance(reply, RebuildMsg) or reply.gen != gen:
                 if pending is not None:
                     pending.close()  # (the next generation reads its own)
-                if reply["t"] == "reconfigure":
+                if isinstance(reply, ReconfigureMsg):
                     msg = reply
                 continue
-            fresh = bool(msg.get("fresh")) and restore_step is not None
+            fresh = msg.fresh and restore_step is not None
             if fresh and not trainee.restore_in_group:
                 # Every rank has restored (the rebuild says so): what this rank number's slots hold
                 # was written under another numbering. Start them over with the restored step.
@@ -255,13 +265,13 @@ class Rejoin:
                 snaps.write(0, self._capture(), gen)
             sharded = trainee.restore_in_group
             layouts = self._layouts() if sharded and members.rank == 0 else None
-            link.send(_ready(gen, time.monotonic() - t1, self._group if sharded else None, layouts))
+            link.send(_ready(gen, time.monotonic() - t1, self._group if sharded else None, layouts).encode())
             return module
 
-    def _layouts(self) -> list[Any] | None:
+    def _layouts(self) -> tuple[TensorLayout, ...] | None:
         """The model's DTensor layouts, which the coordinator plans a later reshard's fetches by
         (:mod:`nonstop.reshardplan`); None when it cannot plan by them."""
-        from nonstop.reshardplan import encode_layouts, layouts_of
+        from nonstop.reshardplan import layouts_of
 
         try:
             found = layouts_of(self._capture().model.state_dict().values())
@@ -270,7 +280,7 @@ class Rejoin:
                 "the model's layouts could not be read; a reshard will gather every old rank", exc_info=True
             )
             return None
-        return encode_layouts(found) if found else None
+        return tuple(found) if found else None
 
     def _join_group(self, gen: int, *, restored: bool) -> torch.nn.Module:
         # Rendezvous through the coordinator (authenticated, fenced by generation, abortable).
@@ -314,14 +324,15 @@ def _resharded_everywhere(store: ChannelStore | None, world_size: int) -> None:
 
 
 def _ready(
-    gen: int, rebuild_s: float, sharded: GenerationGroup | None, layouts: list[Any] | None = None
-) -> Message:
+    gen: int,
+    rebuild_s: float,
+    sharded: GenerationGroup | None,
+    layouts: tuple[TensorLayout, ...] | None = None,
+) -> ReadyMsg:
     """The message that says this rank joined generation ``gen``; a sharded job's says which of
     its mesh groups it kept, and rank 0's how its model's tensors are laid out."""
-    out: Message = {"t": "ready", "gen": gen, "rebuild_s": rebuild_s}
+    groups = None
     if sharded is not None:
         g = sharded.mesh_groups
-        out["groups"] = [g.kept, g.built, g.build_s]
-    if layouts is not None:
-        out["layouts"] = layouts
-    return out
+        groups = (g.kept, g.built, g.build_s)
+    return ReadyMsg(gen=gen, rebuild_s=rebuild_s, groups=groups, layouts=layouts)

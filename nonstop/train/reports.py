@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 import time
 
-from nonstop.control.channel import Message
 from nonstop.policy import cadence
+from nonstop.protocol.worker import StepMsg
 from nonstop.snapshot import StateCapture
 from nonstop.train.link import CoordinatorLink
 from nonstop.train.rescue import rest_digest
@@ -62,24 +62,24 @@ class StepReports:
         # Stall: time the loop spent on this snapshot now, plus what the step just run
         # waited for the previous snapshot's background copy.
         stall_s = time.monotonic() - since + snaps.waited_s()
-        report: Message = {
-            "t": "step",
-            "gen": generation,
-            "step": step,
-            "step_s": step_s,
+        rest = None
+        if self._budget > 0 and step >= cadence.SKIP and self._rest_gen != generation:
+            rest = rest_digest(capture.head())  # once a generation (policy/cadence.py)
+            self._rest_gen = generation
+        report = StepMsg(
+            gen=generation,
+            step=step,
+            step_s=step_s,
             # issue 21: seconds of the step spent waiting in the gradient allreduce (step_s minus
             # this is the rank's own compute: the coordinator's fail-slow detection compares it)
-            "wait_s": round(wait_s, 6),
-            "snap_s": stall_s,
-            "of": num_steps,  # issue 21: the run's length (the proactive policy's remaining steps)
-            "bytes": snap.nbytes if snap is not None else 0,
-            "loss": loss,
-        }
-        if not due:
-            report["snapped"] = False  # progress only: the committed step stays where it is
-        if self._budget > 0 and step >= cadence.SKIP and self._rest_gen != generation:
-            report["rest"] = rest_digest(capture.head())  # once a generation (policy/cadence.py)
-            self._rest_gen = generation
+            wait_s=round(wait_s, 6),
+            snap_s=stall_s,
+            of=num_steps,  # issue 21: the run's length (the proactive policy's remaining steps)
+            nbytes=snap.nbytes if snap is not None else 0,
+            loss=loss,
+            snapped=due,  # not: progress only, the committed step stays where it is
+            rest=rest,
+        ).encode()
         # with overlapped capture the snapshot is complete when the background copy finishes
         if snap is None:
             link.send(report)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from nonstop.policy.rescue import Report
 from nonstop.snapshot import StateCapture
 
 if TYPE_CHECKING:
@@ -124,29 +125,31 @@ class StepRescue:
         """The step completed: nothing to rescue from its start."""
         self._head.disarm()
 
-    def rescue(self, capture: StateCapture | None, step: int) -> dict[str, Any]:
+    def rescue(self, capture: StateCapture | None, step: int) -> Report | None:
         """A step failed, or the coordinator asked this rank to leave (a ``leave``, before or
         in a step): have the state after the last completed step (``step``) in this rank's slots
         -- the live tensors with the step's head if the failed step left them untouched, or as
         they are if no step began (:func:`now`) -- written unless that step was snapshotted;
-        what the fault report says of it (nothing when rescues are off or no model is built
-        yet). A rescue that fails costs nothing but the rescue."""
+        what the fault report says of it (:class:`~nonstop.protocol.worker.FaultMsg`'s
+        ``rescue``: the step rescued, None when it could not be, and its head's digest; None
+        when rescues are off or no model is built yet). A rescue that fails costs nothing but the
+        rescue."""
         if not self.enabled or capture is None:
-            return {}
+            return None
         try:
             found = self._head.rescue(capture, step) if self._head.armed else now(capture, step)
             if found is None:
-                return {"rescued": None}
+                return (None, None)
             t0 = time.monotonic()
             self._snaps.live.drain()
             if self._snaps.taken != found.step:
                 self._snaps.live.write(found.step, found.state)
                 self._snaps.taken = found.step
                 log.info("rescued step %d into memory in %.3fs", found.step, time.monotonic() - t0)
-            return {"rescued": found.step, "rest": found.digest}
+            return (found.step, found.digest)
         except Exception:
             log.warning("the rescue snapshot failed; recovery restores the last snapshot", exc_info=True)
-            return {"rescued": None}
+            return (None, None)
         finally:
             self._head.disarm()
 

@@ -16,14 +16,14 @@ durable tier (no process group needed), and applied once a sharded model is buil
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from nonstop.config import WorkerEnv
-from nonstop.control.channel import Message
 from nonstop.errors import SnapshotError
 from nonstop.mesh import MeshSpec
+from nonstop.protocol.worker import ReconfigureMsg
 from nonstop.reshardplan import TensorLayout, needed_old_ranks
 from nonstop.snapshot import RankSnapshotStore, StateCapture
 from nonstop.snapshot.capture import restore_resharded
@@ -106,7 +106,7 @@ class InGroup:
 
 
 def read_restore(
-    msg: Message,
+    msg: ReconfigureMsg,
     *,
     env: WorkerEnv,
     store: RankSnapshotStore,
@@ -121,19 +121,19 @@ def read_restore(
     step this rank is at, and for a sharded model (``in_group``) what to apply once it is built.
     ``live_at``: the step this rank paused after (a boundary swap keeps that live state);
     ``mesh``: this generation's (a resume from the durable tier reads only what it reshards from)."""
-    restore_step = msg.get("restore_step")
-    if restore_step is None:
+    own_step = msg.restore_step
+    if own_step is None:
         return 0, None
-    if in_group and msg.get("reshard") is not None:
-        old = read_to_reshard(msg["reshard"], env, rank=int(msg["rank"]), mesh=mesh)
-        return int(msg["reshard"]["step"]), InGroup(old_ranks=old)
-    own_step = int(restore_step)
+    if in_group and msg.reshard is not None:
+        info = msg.reshard
+        old = read_to_reshard(info, env, rank=msg.rank, mesh=mesh)
+        return int(info["step"]), InGroup(old_ranks=old)
     if in_group:
-        held = read_own(env, store, msg.get("from_rank"), own_step)
+        held = read_own(env, store, msg.from_rank, own_step)
         return int(held["step"]), InGroup(held=held)
-    if msg.get("live") and live_at == own_step:
+    if msg.live and live_at == own_step:
         return step, None  # paused after exactly that step: the live state is the snapshot, bit for bit
-    return capture().restore(read_own(env, store, msg.get("from_rank"), own_step)), None
+    return capture().restore(read_own(env, store, msg.from_rank, own_step)), None
 
 
 def open_store(env: WorkerEnv, rank: int) -> RankSnapshotStore:
@@ -154,7 +154,7 @@ def read_own(env: WorkerEnv, store: RankSnapshotStore, from_rank: int | None, st
 
 
 def read_to_reshard(
-    info: dict[str, Any],
+    info: Mapping[str, Any],
     env: WorkerEnv,
     *,
     copy: bool = False,

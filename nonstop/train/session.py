@@ -60,10 +60,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.config import WorkerEnv
-from nonstop.control.channel import Message
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
+from nonstop.protocol.worker import CadenceMsg, DoneMsg, FaultMsg, FinishMsg, ReconfigureMsg, ResumeMsg
 from nonstop.train.backend import set_current_device, worker_device
 from nonstop.train.ddp import CanonicalGradSync
 from nonstop.train.eventhooks import FLUSH_S, EventCallback, EventHooks
@@ -108,8 +108,8 @@ class RunResult:
 
 
 class _Reconfigure(Exception):
-    def __init__(self, msg: Message) -> None:
-        super().__init__(f"reconfigure to generation {msg['gen']}")
+    def __init__(self, msg: ReconfigureMsg) -> None:
+        super().__init__(f"reconfigure to generation {msg.gen}")
         self.msg = msg
 
 
@@ -173,11 +173,11 @@ class Session:
             env, prewarm, warm_build, device_type=self.device.type, link=self._link
         )
         self.prewarm_s: float | None = self._warmed.took_s if self._warmed is not None else None
-        first = self._link.wait_for("reconfigure", "finish")
-        if first["t"] == "finish":  # the job ended while this process waited as a spare
+        first = self._link.wait_for(ReconfigureMsg, FinishMsg)
+        if not isinstance(first, ReconfigureMsg):  # the job ended while this process waited as a spare
             self._link.close()
             raise SystemExit(0)
-        self._pending_reconfigure: Message | None = first
+        self._pending_reconfigure: ReconfigureMsg | None = first
         self._members.apply(first)
 
     # -- what a script reads: the rank's place in its generation (train/membership.py) --------
@@ -300,12 +300,12 @@ class Session:
         return self._hooks.dropped
 
     # -- what the link's reader thread reports (read-only on the session) ---------------------
-    def _resume_point(self) -> Message:
+    def _resume_point(self) -> ResumeMsg:
         # the interval this rank snapshots at: a restarted coordinator's tuner takes it up
         heard = self._snaps.announced()
-        cadence = {"every": heard.every, "since": heard.since}
+        cadence = CadenceMsg(every=heard.every, since=heard.since)
         pos = self._pos
-        return {"gen": pos.generation, "step": pos.step, "done": pos.done, "cadence": cadence}
+        return ResumeMsg(gen=pos.generation, step=pos.step, done=pos.done, cadence=cadence)
 
     # -- the training loop -----------------------------------------------------------------
     def run(
@@ -473,9 +473,9 @@ class Session:
                         self._stepped(time.monotonic() - t0, loss, num_steps)
                     self._snaps.live.drain()  # the last snapshot is complete before we report done
                     pos.done = True
-                    link.send({"t": "done", "gen": pos.generation, "step": pos.step})
-                    reply = link.wait_for("finish", "reconfigure")
-                    if reply["t"] == "finish":
+                    link.send(DoneMsg(gen=pos.generation, step=pos.step).encode())
+                    reply = link.wait_for(FinishMsg, ReconfigureMsg)
+                    if not isinstance(reply, ReconfigureMsg):
                         link.closing = True
                         if self._hooks.active:
                             self._hooks.flush(FLUSH_S)
@@ -538,7 +538,7 @@ class Session:
         (``err.reported`` once the coordinator's abort carries it: this process prints nothing)."""
         line = str(err)[:500]
         self._link.send_quietly(
-            {"t": "fault", "gen": self.generation, "step": self._pos.step, "error": line, "usage": True}
+            FaultMsg(gen=self.generation, step=self._pos.step, error=line, usage=True).encode()
         )
         abort = self._link.await_abort(USAGE_ABORT_WAIT_S)
         err.reported = abort is not None and abort.endswith(line)

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nonstop.protocol.worker import LeaveMsg, ReconfigureMsg
 from nonstop.train.meshgroups import GroupClaim, OpenGroup
 
 __all__ = ["SETTLE_S", "Settling", "Verdict", "lost_ranks", "post", "verdict"]
@@ -57,15 +58,13 @@ def verdict(own: int, posted: Sequence[int | None]) -> Verdict:
     return Verdict.WAIT
 
 
-def lost_ranks(reconfigure: dict[str, Any]) -> list[int] | None:
-    """The ranks a recovery's reconfigure says failed (in the numbering of the generation the
-    survivors are in), or None: not a recovery that names them (sever everything)."""
-    lost = reconfigure.get("lost")
-    if not reconfigure.get("recovery") or not isinstance(lost, list):
+def lost_ranks(order: ReconfigureMsg | LeaveMsg) -> list[int] | None:
+    """The ranks a recovery's reconfigure (or a failure's leave) says failed (in the numbering of
+    the generation the survivors are in), or None: not a recovery that names them (sever
+    everything)."""
+    if not order.recovery or order.lost is None:
         return None
-    if not all(isinstance(r, int) and not isinstance(r, bool) for r in lost):
-        return None
-    return list(lost)
+    return list(order.lost)
 
 
 def _key(token: str, position: int) -> str:
