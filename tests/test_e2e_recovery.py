@@ -41,7 +41,9 @@ def test_killed_worker_recovers_from_spare_bitwise(tmp_path: Path, reference_has
     # Killed as step 5 begins: snapshot 5 (state after step 4's compute) may still have been in
     # its overlapped copy, then step 4 is restored; either way no *reported* step is redone.
     assert f["restore_step"] in (4, 5) and f["lost_steps"] == 0
-    assert f["detect_s"] < 0.5  # a process exit is seen at once
+    # a process exit is seen as one (its signal), not waited out as a silence: no wall-clock bound
+    # here (0.97 s under a load of 13 on 2 cores; bench_mttr measures detection)
+    assert f["detail"] == "signal SIGKILL" and f["detect_s"] is not None and f["detect_s"] >= 0
 
 
 def test_survivor_that_abandons_a_step_does_not_leave_peers_waiting(
