@@ -43,6 +43,10 @@ Contract of :meth:`Session.run`:
   with every step and restored with it. A mistake in the arguments (an object without those
   methods) is a :class:`~nonstop.errors.UsageError` that fails the whole job at once: ``nonstop
   run`` exits 2 with its line.
+
+The :class:`Session` joins the job and holds the worker's collaborators; the loop that
+:meth:`Session.steps` returns is a :class:`~nonstop.train.loop.TrainingLoop` of its own, made
+for the script's trainee from those collaborators.
 """
 
 from __future__ import annotations
