@@ -74,6 +74,24 @@ def worker_chan(view: JobView, sid: int) -> FakeChannel:
     return chan
 
 
+class FakeClock:
+    """A :class:`~nonstop.coordinator.clock.Clock` a test moves by hand (:meth:`advance`)."""
+
+    def __init__(self, monotonic: float = 1000.0, wall: float = 1.7e9) -> None:
+        self.now = monotonic
+        self.unix = wall
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.unix
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.unix += seconds
+
+
 class FakeServer:
     """What the coordinator uses of a ``ControlServer``: its event queue and address."""
 

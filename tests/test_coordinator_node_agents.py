@@ -14,7 +14,7 @@ import pytest
 
 from nonstop.control.channel import Channel
 from nonstop.coordinator.executor import Executor
-from nonstop.coordinator.failures import Exit
+from nonstop.coordinator.failures import ProcessEnd
 from nonstop.coordinator.job import JobLife
 from nonstop.coordinator.job_start import JobStart
 from nonstop.coordinator.node_agents import AgentTerms, NodeAgents
@@ -23,9 +23,17 @@ from nonstop.events.log import EventLog, read_events
 from nonstop.policy.decisions import QuarantinePolicy
 from nonstop.policy.phase import JobPhase
 from nonstop.policy.reconfiguration import Failure
-from nonstop.protocol.agent import ExitMsg, FatalMsg, LeaseMsg, RegisteredMsg, SpawnedMsg
+from nonstop.protocol.agent import (
+    ExitMsg,
+    FatalMsg,
+    FetchRequestMsg,
+    InventoryRequestMsg,
+    LeaseMsg,
+    RegisteredMsg,
+    SpawnedMsg,
+)
 from nonstop.protocol.wire import Lost
-from tests.coord_fakes import FakeChannel, add_member, logged
+from tests.coord_fakes import FakeChannel, FakeClock, add_member, logged
 
 
 # -- fakes of the peers ----------------------------------------------------------------------------
@@ -56,9 +64,9 @@ class FakeRounds:
 
 class FakeExits:
     def __init__(self) -> None:
-        self.exits: list[Exit] = []
+        self.exits: list[ProcessEnd] = []
 
-    def on_exit(self, ex: Exit) -> None:
+    def on_exit(self, ex: ProcessEnd) -> None:
         self.exits.append(ex)
 
 
@@ -84,6 +92,7 @@ class Agents:
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.path = tmp_path / "events.jsonl"
         self.view = JobView(job_id="job-7", world_size=2)
+        self.clock = FakeClock()
         self.events = EventLog(self.path)
         self.io = Executor(self.view, self.events)
         self.life = JobLife(view=self.view, events=self.events, io=self.io, replicating=False)
@@ -103,6 +112,7 @@ class Agents:
             store=self.store,
             fetches=self.fetches,
             rounds=self.rounds,
+            clock=self.clock,
         )
         self.agents.bind(exits=self.exits)
 
@@ -242,7 +252,7 @@ def test_an_exit_goes_to_the_failures_once(tmp_path: Path) -> None:
     a.agents.on_exited(ExitMsg(spawn_id=sid, rc=1, pid=10, fault_at=None))
     a.agents.on_exited(ExitMsg(spawn_id=sid, rc=1, pid=10, fault_at=None))  # (reported twice)
     a.agents.on_exited(ExitMsg(spawn_id=99, rc=1, pid=None, fault_at=None))  # (not a process of ours)
-    assert a.exits.exits == [Exit(sid=sid, rc=1, pid=10, fault_at=None)]
+    assert a.exits.exits == [ProcessEnd(sid=sid, rc=1, pid=10, fault_at=None)]
     assert not a.view.workers[sid].live
 
 
@@ -268,8 +278,8 @@ def test_a_node_silent_past_its_lease_is_lost_with_every_process_on_it(tmp_path:
     agent = a.hello("n0")
     node = a.view.nodes["n0"]
     w0, w1 = a.worker("n0", 0), a.worker("n0", 1)
-    fetch = a.io.request(node, {"t": "fetch"})
-    inventory = a.io.request(node, {"t": "inventory"})
+    fetch = a.io.request(node, FetchRequestMsg(rank=0, step=1, addr=node.data_addr, kind="local"))
+    inventory = a.io.request(node, InventoryRequestMsg())
     a.fetches.waiting_fetch[fetch] = (0, 1)
     node.last_lease = 100.0
     a.agents.check_leases(now=104.0)  # within its TTL
@@ -513,3 +523,20 @@ def test_the_first_generation_begins_once_every_member_connected(tmp_path: Path)
     members[-1].chan = FakeChannel({})  # type: ignore[assignment]
     s.start.connected()
     assert s.gens.begun == [[]]
+
+
+def test_a_lease_is_judged_on_the_clock_the_node_agents_were_given(tmp_path: Path) -> None:
+    """Issue 46, the clock comes in: a welcome and each renewal stamp the node on the operation's
+    clock, so a fake one drives the lease past its TTL (5 s here) without a sleep."""
+    a = Agents(tmp_path)
+    a.hello("n0")
+    node = a.view.nodes["n0"]
+    assert node.last_lease == a.clock.monotonic()
+    a.clock.advance(4.0)
+    a.agents.on_lease(node, LeaseMsg(seq=1))
+    a.clock.advance(4.0)
+    a.agents.check_leases(a.clock.monotonic())  # 4 s since the renewal: kept
+    assert node.alive
+    a.clock.advance(1.5)
+    a.agents.check_leases(a.clock.monotonic())
+    assert not node.alive and node.failure_times == [a.clock.monotonic()]

@@ -17,7 +17,7 @@ from nonstop.config import DetectorConfig
 from nonstop.coordinator.client_requests import ClientRequests, JobFacts
 from nonstop.coordinator.detector import FailureDetector
 from nonstop.coordinator.executor import Executor
-from nonstop.coordinator.failures import Exit, Failures
+from nonstop.coordinator.failures import Failures, ProcessEnd
 from nonstop.coordinator.health import Health
 from nonstop.coordinator.job import JobLife
 from nonstop.coordinator.persistence import PersistOps
@@ -191,7 +191,7 @@ def test_a_members_exit_is_graded_recorded_and_handed_to_the_recovery(tmp_path: 
     _member(view, 0)
     _member(view, 1)
     sid = view.members[1]
-    failures.on_exit(Exit(sid=sid, rc=-9, pid=None, fault_at=None))
+    failures.on_exit(ProcessEnd(sid=sid, rc=-9, pid=None, fault_at=None))
     assert failures.waiting({sid}) and not failures.waiting({view.members[0]})
     failures.handle_exits()
     assert not failures.waiting({sid})
@@ -207,7 +207,7 @@ def test_past_the_restart_budget_the_job_fails_instead_of_recovering(tmp_path: P
     failures, view, _, _, _, recovery = _failures(tmp_path, max_restarts=0)
     view.phase = JobPhase.RUNNING
     _member(view, 0)
-    failures.on_exit(Exit(sid=view.members[0], rc=1, pid=None, fault_at=None))
+    failures.on_exit(ProcessEnd(sid=view.members[0], rc=1, pid=None, fault_at=None))
     failures.handle_exits()
     assert recovery.recovered == [] and view.phase is JobPhase.FAILED
 
@@ -216,7 +216,7 @@ def test_a_failure_graded_fail_job_ends_the_job(tmp_path: Path) -> None:
     failures, view, _, _, _, recovery = _failures(tmp_path, grade=Grade.FAIL_JOB)
     view.phase = JobPhase.RUNNING
     _member(view, 0)
-    failures.on_exit(Exit(sid=view.members[0], rc=1, pid=None, fault_at=None))
+    failures.on_exit(ProcessEnd(sid=view.members[0], rc=1, pid=None, fault_at=None))
     failures.handle_exits()
     assert recovery.recovered == [] and view.phase is JobPhase.FAILED
 
@@ -226,7 +226,7 @@ def test_a_spares_exit_costs_a_new_spare_and_no_recovery(tmp_path: Path) -> None
     view.phase = JobPhase.RUNNING
     spare = view.add_worker("0", Role.SPARE, None, 0.0)
     spare.chan = FakeChannel({"role": "worker"})  # type: ignore[assignment]
-    failures.on_exit(Exit(sid=spare.spawn_id, rc=1, pid=None, fault_at=None))
+    failures.on_exit(ProcessEnd(sid=spare.spawn_id, rc=1, pid=None, fault_at=None))
     failures.handle_exits()
     assert recovery.recovered == [] and _agent(view).kinds() == ["spawn"]
 

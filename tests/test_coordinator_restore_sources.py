@@ -18,7 +18,7 @@ from nonstop.policy.phase import JobPhase
 from nonstop.policy.reconfiguration import FetchDone, Reconfiguration, RecoveryEvent
 from nonstop.protocol.agent import FetchedBytes
 from nonstop.protocol.wire import Fetched, Installed
-from tests.coord_fakes import FakeChannel, agent_chan, logged
+from tests.coord_fakes import FakeChannel, FakeClock, agent_chan, logged
 
 
 class FakeSetup:
@@ -73,6 +73,7 @@ def _sources(
     elastic: bool = False,
     reconf: Reconfiguration | None = None,
     needed: dict[str, set[int]] | None = None,
+    clock: FakeClock | None = None,
 ) -> tuple[RestoreSources, JobView, FakeSetup]:
     view = JobView(job_id="j", world_size=world)
     view.phase = JobPhase.RECONFIGURING
@@ -101,6 +102,7 @@ def _sources(
         elastic=elastic,
         install_timeout_s=30.0,
         **({"durable": durable} if durable is not None else {}),
+        **({"clock": clock} if clock is not None else {}),
     )
     setup = FakeSetup(reconf)
     sources.bind(setup=setup, needs=FakeNeeds(needed or {}))
@@ -262,3 +264,33 @@ def test_no_durable_tier_or_an_unreachable_one_restores_nothing(tmp_path: Path) 
     assert len(_events(tmp_path, "durable_unavailable")) == 2
     ok, _, _ = _sources(tmp_path, durable=FakeDurable({3: 2, 6: 4}))
     assert ok.newest_durable() == (6, 4)
+
+
+def test_an_install_a_node_never_answers_times_out_on_the_clock_it_was_given(tmp_path: Path) -> None:
+    """Issue 46, the clock comes in: the install's deadline is read on the operation's clock, so
+    a fake one drives it past ``install_timeout_s`` (30 s here) without a sleep."""
+    clock = FakeClock()
+    durable = FakeDurable({2: 2, 4: 2})
+    sources, view, _ = _sources(tmp_path, durable=durable, clock=clock)
+    done: list[int | None] = []
+    sources.restore_from_durable(done.append)
+    asks = {n: agent_chan(view, n).last("install_durable") for n in ("0", "1")}
+    assert {m["step"] for m in asks.values()} == {4}
+    sources.io.replies[asks["0"]["id"]] = Installed(id=asks["0"]["id"], ok=True, error=None)  # node 1: silent
+    clock.advance(29.9)
+    sources.install_tick()  # within the timeout: still waiting
+    assert (
+        _events(tmp_path, "durable_install_failed") == []
+        and agent_chan(view, "1").last("install_durable") == asks["1"]
+    )
+    clock.advance(0.2)
+    sources.install_tick()  # past it: step 4 timed out, the older one is asked for
+    [failed] = _events(tmp_path, "durable_install_failed")
+    assert failed["step"] == 4 and failed["errors"] == ["timed out"]
+    for n in ("0", "1"):
+        m = agent_chan(view, n).last("install_durable")
+        assert m["step"] == 2
+        sources.io.replies[m["id"]] = Installed(id=m["id"], ok=True, error=None)
+    clock.advance(5.0)
+    sources.install_tick()
+    assert done == [2] and sources.installing is None

@@ -220,3 +220,16 @@ def test_the_fields_of_every_emit_call_are_those_of_its_kind() -> None:
                 assert required <= named, f"{where}: misses {sorted(required - named)}"
             checked += 1
     assert checked >= 2
+
+
+def test_renamed_events_keep_their_kinds_and_first_names() -> None:
+    """Issue 46: one name per vocabulary. The ``exit`` and ``stage`` events are ProcessExited and
+    ReconfigurationStage (not the wire's ExitMsg, the failures' ProcessEnd, the policy's Stage);
+    their kinds, so events.jsonl, are what they were, and the first names still import."""
+    from nonstop import events
+    from nonstop.events import job, recovery
+
+    assert events.REGISTRY["exit"] is events.ProcessExited is events.Exit is job.Exit
+    assert events.REGISTRY["stage"] is events.ReconfigurationStage is events.Stage is recovery.Stage
+    line = events.ReconfigurationStage(generation=2, stage="restore", seconds=0.5).to_json()
+    assert line == {"event": "stage", "generation": 2, "stage": "restore", "seconds": 0.5}

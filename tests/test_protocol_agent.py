@@ -310,6 +310,75 @@ def test_any_other_answer_to_a_hello_is_a_refusal() -> None:
     assert agent.decode_welcome({"t": "error"}) == agent.NodeRefusedMsg(error=None)
 
 
+# -- the coordinator's sends that were dict literals: the same bytes from the classes --------------
+_WHY = "node 1 is quarantined after 3 failures"
+_ENV = {"NONSTOP_X": "1"}
+COORDINATOR_LITERALS: list[tuple[Any, dict[str, Any]]] = [
+    # node_agents.py: a refusal, a welcome, a lease's acknowledgement, a quarantine
+    (agent.NodeRefusedMsg(error=_WHY), {"t": "refused", "error": _WHY}),
+    (
+        agent.NodeWelcomeMsg(
+            job_id="j", lease_ttl_s=10.0, num_slots=2, replicas=1, env=_ENV, store=None, reconnect_s=30.0
+        ),
+        {
+            "t": "welcome",
+            "job_id": "j",
+            "lease_ttl_s": 10.0,
+            "num_slots": 2,
+            "replicas": 1,
+            "env": _ENV,
+            "store": None,
+            "reconnect_s": 30.0,
+        },
+    ),
+    (agent.LeaseOkMsg(seq=7), {"t": "lease_ok", "seq": 7}),
+    (agent.LeaseOkMsg(seq=None), {"t": "lease_ok", "seq": None}),  # echoed as it came
+    (agent.FencedMsg(error=_WHY), {"t": "fenced", "error": _WHY}),
+    # store_sync.py: the welcome of a node that reconnects
+    (
+        agent.NodeWelcomeMsg(job_id="j", resumed=True, lease_ttl_s=10.0),
+        {"t": "welcome", "job_id": "j", "resumed": True, "lease_ttl_s": 10.0},
+    ),
+    # restore_sources.py: a durable install (its id added last by the executor), with a resize's ranks
+    (
+        agent.InstallDurableMsg(url="file:///d", step=4, ranks=(0, 1), id=2),
+        {"t": "install_durable", "url": "file:///d", "step": 4, "ranks": [0, 1], "id": 2},
+    ),
+    (
+        agent.InstallDurableMsg(url="file:///d", step=4, ranks=(2, 3), sources={3: 1, 2: 0}, id=2),
+        {
+            "t": "install_durable",
+            "url": "file:///d",
+            "step": 4,
+            "ranks": [2, 3],
+            "from": {"3": 1, "2": 0},
+            "id": 2,
+        },
+    ),
+    # swaps.py: a drained node released; loop.py: the job's end
+    (agent.ReleaseMsg(), {"t": "release"}),
+    (agent.NodeFinishMsg(failed=False), {"t": "finish", "failed": False}),
+    (agent.NodeFinishMsg(failed=True), {"t": "finish", "failed": True}),
+]
+
+
+@pytest.mark.parametrize(("msg", "literal"), COORDINATOR_LITERALS, ids=lambda x: type(x).__name__)
+def test_the_coordinators_typed_sends_keep_the_bytes_of_its_literals(
+    msg: Any, literal: dict[str, Any]
+) -> None:
+    assert wire(msg.encode()) == wire(literal)
+
+
+def test_a_reconnecting_hello_is_read_as_the_store_sync_always_read_it() -> None:
+    """What :meth:`StoreSync.reattach <nonstop.coordinator.store_sync.StoreSync.reattach>` takes
+    from a reconnect: the lease id and data address when the hello has them."""
+    resumed = agent.AgentHelloMsg(**{**HELLO.__dict__, "resume": True, "lease_id": 7})
+    h = agent.AgentHelloMsg.decode(json.loads(wire(resumed.encode())))
+    assert (h.lease_id, h.data_addr) == (7, "127.0.0.1:9000")
+    bare = agent.AgentHelloMsg.decode({"role": "agent", "node": "1", "resume": True})
+    assert (bare.lease_id, bare.data_addr) == (None, None)  # absent: the node keeps what it had
+
+
 # -- the coordinator's executor sends them as before ----------------------------------------------
 class _Chan:
     closed = False
@@ -334,7 +403,7 @@ def test_the_executor_puts_a_requests_id_last_as_before(tmp_path: Path) -> None:
     assert io.request(view.nodes["0"], agent.InventoryRequestMsg()) == 0
     io.fetch("0", 1, 5, "1", "replica", as_rank=1, base=4, track=True)
     io.fetch("0", 1, 5, "1", "local", as_rank=0, into="replica")
-    io.request(view.nodes["0"], {"t": "install_durable", "url": "u", "step": 1, "ranks": [0]})  # a dict still
+    io.request(view.nodes["0"], agent.InstallDurableMsg(url="u", step=1, ranks=(0,)))
     sid = io.spawn("0", Role.SPARE, None)
     io.kill(sid, signal.SIGKILL, unless_moving=True)
     assert [wire(m) for m in chan.sent] == [

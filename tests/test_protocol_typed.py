@@ -42,13 +42,7 @@ NOT_MESSAGES = {
 }
 
 # file (relative to nonstop/) -> (message literals, string-keyed message accesses) still there
-REMAINING: dict[str, tuple[int, int]] = {
-    "coordinator/loop.py": (1, 0),
-    "coordinator/node_agents.py": (4, 0),
-    "coordinator/restore_sources.py": (1, 1),
-    "coordinator/store_sync.py": (1, 2),
-    "coordinator/swaps.py": (1, 0),
-}
+REMAINING: dict[str, tuple[int, int]] = {}
 
 
 def _name(node: ast.expr) -> str | None:

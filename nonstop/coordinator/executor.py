@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import signal
 import time
-from collections.abc import Mapping
 
 from nonstop import events as ev
 from nonstop.control.channel import Channel, Message
@@ -113,15 +112,15 @@ class Executor:
             self.send_node(node, KillMsg(spawn_id=sid, sig=int(sig), unless_moving=unless_moving).encode())
 
     # -- requests to nodes -------------------------------------------------------------------------
-    def request(self, node: NodeRecord, ask: AgentRequestMsg | Message) -> int:
+    def request(self, node: NodeRecord, ask: AgentRequestMsg) -> int:
         """Send ``ask`` with a fresh request id (its ``id``, last on the wire); a node already
-        lost is answered at once. (A dict ``ask`` is a request not typed yet: the id is added.)"""
+        lost is answered at once."""
         req = next(self._req)
         if not node.alive:  # nobody is there to answer
             self.replies[req] = LostMsg(id=req, error=f"node {node.name} lost")
             return req
         self.pending[req] = node.name
-        self.send_node(node, {**ask, "id": req} if isinstance(ask, Mapping) else ask.with_id(req).encode())
+        self.send_node(node, ask.with_id(req).encode())
         return req
 
     def fetch(

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from nonstop.coordinator.view import JobView
     from nonstop.events.log import EventLog
 
-__all__ = ["Exit", "Failures"]
+__all__ = ["ProcessEnd", "Failures"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ MAX_ERROR_DETAIL = 300
 
 
 @dataclass
-class Exit:
+class ProcessEnd:
     """A process's end as reported: its agent's exit code, or its node's loss."""
 
     sid: int
@@ -92,9 +92,9 @@ class Failures:
         self.grader = grader
         self.nodes = nodes
         self.recovery = recovery
-        self.exits: list[Exit] = []
+        self.exits: list[ProcessEnd] = []
 
-    def on_exit(self, ex: Exit) -> None:
+    def on_exit(self, ex: ProcessEnd) -> None:
         """A process's end, reported: handled at the next :meth:`handle_exits`."""
         self.exits.append(ex)
 
@@ -117,7 +117,7 @@ class Failures:
             if w.judging_since is not None and ex.node_lost is None:  # it exited before its verdict came
                 self._judged(w, hung=True, detail=f"it exited ({describe_exit(rc)}) before it was judged")
             self.events.emit(
-                ev.Exit(
+                ev.ProcessExited(
                     spawn_id=sid, role=w.role, rank=w.rank, returncode=rc, how=describe_exit(rc), node=node
                 )
             )

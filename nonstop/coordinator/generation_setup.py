@@ -144,7 +144,9 @@ class GenerationSetup:
             if isinstance(a, Reconfigure):
                 self._reconfigure(r, a.rank)
             elif isinstance(a, StageEnded):
-                self.events.emit(ev.Stage(generation=r.generation, stage=a.stage.value, seconds=a.seconds))
+                self.events.emit(
+                    ev.ReconfigurationStage(generation=r.generation, stage=a.stage.value, seconds=a.seconds)
+                )
             elif isinstance(a, Rebuild):
                 for sid in v.members.values():
                     self.io.send(v.workers[sid], RebuildMsg(gen=r.generation).encode())

@@ -21,9 +21,10 @@ may start. I/O goes through one :class:`~nonstop.coordinator.executor.Executor`.
                                    rendezvous ``kv``, stage reports (fenced by generation)
 =================================  ==========================================================
 
-This module keeps the loop, the committed step and the job's end; which operation handles each
-event of the control server and each decoded message is one table, ``routes``
-(:mod:`nonstop.coordinator.routing`).
+This module keeps the loop, the committed step and the job's end; every operation is built and
+wired, in its order and with its late binds, by :func:`~nonstop.coordinator.assembly.assemble`
+(:mod:`nonstop.coordinator.assembly`); which operation handles each event of the control server
+and each decoded message is one table, ``routes`` (:mod:`nonstop.coordinator.routing`).
 
 Fencing: every message from a worker carries the generation it was sent in;
 ``restored``/``ready``/``step``/``done``/``fault``/``kv`` from an older generation, from a
@@ -43,37 +44,13 @@ from typing import Any
 from nonstop.config import JobConfig
 from nonstop.control.jobstore import JobStore
 from nonstop.control.listener import ControlServer
-from nonstop.control.rdzv import KeyValueTable
-from nonstop.coordinator.client_requests import ClientRequests, JobFacts
-from nonstop.coordinator.detector import FailureDetector
-from nonstop.coordinator.event_feed import EventFeed
-from nonstop.coordinator.executor import Executor
-from nonstop.coordinator.failures import Failures
-from nonstop.coordinator.generation_setup import GenerationSetup
-from nonstop.coordinator.generations import Generations
-from nonstop.coordinator.health import Health
-from nonstop.coordinator.job import JobLife
-from nonstop.coordinator.job_start import JobStart
+from nonstop.coordinator.assembly import assemble
 from nonstop.coordinator.metrics import JobMonitor
-from nonstop.coordinator.node_agents import AgentTerms, NodeAgents
-from nonstop.coordinator.persistence import ClusterPersister, PersistOps
-from nonstop.coordinator.plan_asks import PlanAsks
-from nonstop.coordinator.replication import ReplicationRounds
-from nonstop.coordinator.resizing import Resizing
-from nonstop.coordinator.restore_sources import RestoreSources
-from nonstop.coordinator.routing import Routes
-from nonstop.coordinator.store_sync import StoreSync
-from nonstop.coordinator.swap_actions import SwapActions
-from nonstop.coordinator.swaps import Swaps
-from nonstop.coordinator.view import JobView, NodeRecord
-from nonstop.coordinator.workers import WorkerProtocol, cadence_tuner
-from nonstop.errors import ControlError
+from nonstop.coordinator.persistence import ClusterPersister
+from nonstop.coordinator.view import NodeRecord
 from nonstop.events.log import EventLog
-from nonstop.mesh import MeshSpec
-from nonstop.policy.decisions import QuarantinePolicy
-from nonstop.policy.elastic import ElasticPolicy
 from nonstop.policy.phase import TICK_S, JobPhase, Op
-from nonstop.policy.survivors import SurvivorMode
+from nonstop.protocol.agent import NodeFinishMsg
 from nonstop.snapshot.persist import Persister
 
 __all__ = ["Coordinator", "JobResult", "JobState", "NodeRecord"]
@@ -112,267 +89,45 @@ class Coordinator:
         jobs: JobStore | None = None,
     ) -> None:
         self.config = config
-        self.worker_env = worker_env
-        # one node: a Persister over the node's memory; several: rounds across the nodes
-        self.persister = persister
-        self.rounds = persister if isinstance(persister, ClusterPersister) else None
-        self.durable_url = durable_url
         self.server = server
         self.events = events
-        self.view = JobView(job_id=job_id, world_size=config.world_size)
-        self.io = Executor(self.view, events)
-        # the phase, what may start, the committed step, failing and finishing (coordinator/job.py)
-        self.life = JobLife(view=self.view, events=events, io=self.io, replicating=self.replication_on)
-        if self.rounds is not None:
-            self.rounds.attach(self.io.send_to)
-        # elastic (policy/elastic.py): the data-parallel shards stay those of the full-size job;
-        # a sharded job comes and goes by whole replica groups (nonstop/mesh.py)
-        self.mesh = MeshSpec.parse(config.mesh) if config.mesh is not None else None
-        mesh = self.mesh
-        self.num_shards = mesh.dp_size if mesh else config.world_size * config.elastic.shards_per_rank
-        self.survivor_mode = SurvivorMode(config.elastic.survivors)  # policy/survivors.py
-        self.elastic = ElasticPolicy(
-            full_world_size=config.world_size,
-            min_world_size=config.min_world,
-            wait_s=config.elastic.wait_s,
-            unit=mesh.group_size if mesh else 1,
-        )
-        # replicating: the held replicated step, the one a round is sending, the newest, one to write
-        self.num_slots = 4 if config.replication.replicas > 0 and config.nnodes > 1 else 2
-        self.detector = FailureDetector(config.detection.detector)
-        self.quarantine = QuarantinePolicy(
-            max_failures=config.detection.quarantine_failures, window_s=config.detection.quarantine_window_s
-        )
-        self.kv = KeyValueTable()
-        self.replication = ReplicationRounds(
-            view=self.view,
-            io=self.io,
-            events=events,
-            replicas=config.replication.replicas,
-            mesh=self.mesh,
-        )
-        # where restore steps come from: peers' memory (fetches) or the durable tier
-        self.sources = RestoreSources(
-            view=self.view,
-            io=self.io,
-            events=events,
-            life=self.life,
-            durable_url=durable_url,
-            elastic=self.elastic.enabled,
-            install_timeout_s=config.persist.timeout_s,
-        )
-        # live migrations and elastic grows: boundary swaps (policy/boundary_swap.py, coordinator/swaps.py)
-        self.swaps = Swaps(
-            view=self.view,
-            io=self.io,
-            events=events,
-            life=self.life,
-            actions=SwapActions(view=self.view, io=self.io, events=events, sources=self.sources),
-            elastic=self.elastic,
-            detector=self.detector,
-            full_world_size=config.world_size,
-            rebuild_timeout_s=config.detection.rebuild_timeout_s,
-            swap_transfer=config.operations.swap_transfer,
-            persist=self.rounds,
-        )
-        # store mode (--store etcd://): state saved in and restored from the control store
-        self.store = StoreSync(
-            view=self.view,
-            io=self.io,
-            events=events,
-            life=self.life,
-            jobs=jobs,
-            address=server.address,
-            lease_ttl_s=config.detection.lease_ttl_s,
-            reconnect_s=config.control.reconnect_s,
-            store_url=config.control.store,
-            swaps=self.swaps,
-        )
-        # issue 21: fail-slow ranks, graded failures, probe verdicts, proactive moves (healthops.py)
-        self.health = Health(
-            view=self.view,
-            events=events,
-            config=config.detection.straggler,
-            quarantine=self.quarantine,
-            mover=self.swaps,
-        )
-        # the job's size: data shards, shrinks, where a resharded generation reads
-        self.resize = Resizing(
-            view=self.view,
-            io=self.io,
-            events=events,
-            life=self.life,
-            mesh=self.mesh,
-            elastic=self.elastic,
-            survivor_mode=self.survivor_mode,
-            detector=self.detector,
-            num_shards=self.num_shards,
-            full_world_size=config.world_size,
-            drop_batch=config.elastic.shrink_batch == "drop",
-            durable_url=durable_url,
-            swaps=self.swaps,
-            sources=self.sources,
-        )
-        # node agents: admission, leases, losses, quarantine, spares
-        self.agents = NodeAgents(
-            view=self.view,
-            io=self.io,
-            events=events,
-            life=self.life,
-            terms=AgentTerms(
-                nproc_per_node=config.nproc_per_node,
-                lease_ttl_s=config.detection.lease_ttl_s,
-                num_slots=self.num_slots,
-                replicas=config.replication.replicas if self.replication_on else 0,
-                worker_env=worker_env,
-                store_mode=jobs is not None,
-                store=config.control.store if jobs is not None else None,
-                reconnect_s=config.control.reconnect_s,
-                elastic=self.elastic.enabled,
-            ),
-            quarantine=self.quarantine,
-            store=self.store,
-            fetches=self.sources,
-            rounds=self.replication,
-        )
-        # generations: planning every membership change (generations.py), and carrying each
-        # planned one out: launch, stages, timing (generation_setup.py)
-        self.setup = GenerationSetup(
-            view=self.view,
-            io=self.io,
-            events=events,
-            life=self.life,
-            detector=self.detector,
-            rebuild_timeout_s=config.detection.rebuild_timeout_s,
-            shards=self.resize,
-            swaps=self.swaps,
-            spares=self.agents,
-        )
-        self.gens = Generations(
-            view=self.view,
-            io=self.io,
-            events=events,
-            life=self.life,
-            asks=PlanAsks(
-                view=self.view,
-                io=self.io,
-                rescue_wait_s=config.snapshot.rescue_wait_s,
-                mesh=self.mesh,
-                rescues=lambda: self.workers.rescues,
-            ),
-            setup=self.setup,
-            sources=self.sources,
-            sizes=self.resize,
-            elastic=self.elastic,
-            durable_url=durable_url,
-            initial_step=initial_step,
-            exits_waiting=lambda sids: self.failures.waiting(sids),
-            fences=(lambda _: self.replication.reset(), self._fence_rendezvous),
-        )
-        self.sources.bind(setup=self.setup, needs=self.resize)
-        # the job's start: the nodes joined, a resumed checkpoint installed, the first processes
-        self.start = JobStart(
-            view=self.view,
-            io=self.io,
-            events=events,
-            life=self.life,
-            nnodes=config.nnodes,
-            nproc_per_node=config.nproc_per_node,
-            join_timeout_s=config.join_timeout_s,
-            world_size=config.world_size,
-            resume_url=config.persist.resume or durable_url,
-            sharded=config.mesh is not None,
-            since=time.monotonic(),
-            generations=self.gens,
-            installer=self.sources,
-        )
-        # process exits and hangs become failures, failures become a recovery
-        self.failures = Failures(
-            view=self.view,
-            io=self.io,
-            events=events,
-            life=self.life,
-            detector=self.detector,
-            max_restarts=config.max_restarts,
-            faults_dir=config.job_dir.resolve() / "faults",
-            swaps=self.swaps,
-            grader=self.health,
-            nodes=self.agents,
-            recovery=self.gens,
-        )
-        # clients (nonstop status / persist / migrate / drain)
-        self.clients = ClientRequests(
-            view=self.view,
-            io=self.io,
-            life=self.life,
-            facts=JobFacts(
-                job_id=job_id,
-                durable_url=durable_url,
-                num_shards=self.num_shards,
-                full_world_size=config.world_size,
-                min_world_size=self.elastic.min_world_size,
-                store=config.control.store,
-            ),
-            persister=persister,
-            rounds=self.rounds,
-            swaps=self.swaps,
-            health=self.health,
-            resize=self.resize,
-        )
-        # persist rounds of a job of several nodes
-        self.persists = PersistOps(
-            view=self.view,
-            life=self.life,
-            rounds=self.rounds,
-            timeout_s=config.persist.timeout_s,
-            store=self.store,
-            clients=self.clients,
-        )
+        self.durable_url = durable_url
         # --metrics-port: step reports and status snapshots for the metrics server (metrics.py)
         self.monitor: JobMonitor | None = None
-        # Session.on_event: the job's events to the workers that subscribed (eventfeed.py)
-        self.feed = EventFeed()
-        events.subscribe(self.feed.on_event)
-        # the workers' protocol: connections, heartbeats, step reports, rendezvous, stage reports
-        self.workers = WorkerProtocol(
-            view=self.view,
-            io=self.io,
+        # every operation, built and wired in its order (coordinator/assembly.py)
+        self.ops = ops = assemble(
+            config=config,
             events=events,
-            life=self.life,
-            cadence=cadence_tuner(config, self.mesh),
-            snapshot_every=config.snapshot.every,
-            start=self.start,
-            setup=self.setup,
-            resumes=self.store,
-        )
-        # the peers that call back into the swaps, the store sync and the node agents, built after them
-        self.swaps.actions.bind(gens=self.gens, resize=self.resize)
-        self.swaps.bind(resize=self.resize, nodes=self.agents)
-        self.store.bind(nodes=self.agents, workers=self.workers, gens=self.gens)
-        self.agents.bind(exits=self.failures)
-        # which operation handles each event of the control server and each message (routing.py)
-        self.routes = Routes(
-            view=self.view,
-            io=self.io,
-            events=events,
-            agents=self.agents,
-            workers=self.workers,
-            clients=self.clients,
-            failures=self.failures,
-            health=self.health,
-            swaps=self.swaps,
-            sources=self.sources,
-            replication=self.replication,
-            rounds=self.rounds,
-            setup=self.setup,
-            resize=self.resize,
-            kv=self.kv,
-            feed=self.feed,
-            detector=self.detector,
+            job_id=job_id,
+            address=server.address,
+            worker_env=worker_env,
+            persister=persister,
+            durable_url=durable_url,
+            initial_step=initial_step,
+            jobs=jobs,
             monitor=lambda: self.monitor,
         )
-        self.life.busy_from(self.setup.busy, self.swaps.busy, self.store.busy)
-        self.life.before_finish(self.swaps.finish)
+        # the operations under the names the loop, the launcher, the status server and the tests use
+        self.view = ops.view
+        self.io = ops.io
+        self.life = ops.life
+        self.detector = ops.detector
+        self.replication = ops.replication
+        self.sources = ops.sources
+        self.swaps = ops.swaps
+        self.store = ops.store
+        self.health = ops.health
+        self.resize = ops.resize
+        self.agents = ops.agents
+        self.setup = ops.setup
+        self.gens = ops.gens
+        self.start = ops.start
+        self.failures = ops.failures
+        self.clients = ops.clients
+        self.persists = ops.persists
+        self.feed = ops.feed
+        self.workers = ops.workers
+        self.routes = ops.routes
 
     def status(self) -> dict[str, Any]:
         """What ``nonstop status`` shows (JSON types)."""
@@ -402,7 +157,7 @@ class Coordinator:
 
     @property
     def replication_on(self) -> bool:
-        return self.config.replication.replicas > 0 and self.config.nnodes > 1
+        return self.ops.shape.replicating
 
     def run(self, stop: threading.Event) -> JobResult:
         if self.store.jobs is not None:
@@ -445,7 +200,7 @@ class Coordinator:
     def _close(self) -> JobResult:
         """The job ended (and its last step is persisted): release the nodes, the result."""
         for node in self.view.nodes.values():
-            self.io.send_node(node, {"t": "finish", "failed": self.view.phase is JobState.FAILED})
+            self.io.send_node(node, NodeFinishMsg(failed=self.view.phase is JobState.FAILED).encode())
         self.store.close()
         self.feed.close()
         final = min(self.view.latest_step.values()) if self.view.latest_step else 0
@@ -462,15 +217,6 @@ class Coordinator:
 
     def replication_stats(self) -> dict[str, Any]:
         return self.replication.stats()
-
-    def _fence_rendezvous(self, generation: int) -> None:
-        """Generation ``generation`` opened: the rendezvous drops the older keys and fails the
-        calls parked on them (a worker gone meanwhile is not told)."""
-        for reply, msg in self.kv.new_generation(generation):
-            try:
-                reply(msg)
-            except ControlError:
-                pass
 
     # -- events ------------------------------------------------------------------------------
     def pump_events(self, timeout: float) -> None:

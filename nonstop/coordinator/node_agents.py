@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nonstop import events as ev
 from nonstop.control.channel import Channel
-from nonstop.coordinator.failures import Exit
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
+from nonstop.coordinator.failures import ProcessEnd
 from nonstop.coordinator.view import NodeRecord, Role
 from nonstop.policy.phase import JobPhase
+from nonstop.protocol.agent import FencedMsg, LeaseOkMsg, NodeRefusedMsg, NodeWelcomeMsg
 
 if TYPE_CHECKING:
     from nonstop.coordinator.executor import Executor
@@ -87,6 +88,7 @@ class NodeAgents:
         store: NodeStore,
         fetches: FetchesInFlight,
         rounds: RoundReset,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.view = view
         self.io = io
@@ -97,6 +99,7 @@ class NodeAgents:
         self.store = store
         self.fetches = fetches
         self.rounds = rounds
+        self.clock = clock
         self._exits: ExitSink | None = None
 
     def bind(self, *, exits: ExitSink) -> None:
@@ -119,7 +122,7 @@ class NodeAgents:
 
         def refuse(why: str) -> None:
             self.events.emit(ev.Refused(peer=chan.peer, node=name, reason=why))
-            self.io.tell(chan, {"t": "refused", "error": why})
+            self.io.tell(chan, NodeRefusedMsg(error=why).encode())
             self.io.close(chan)
 
         if not name:
@@ -152,7 +155,7 @@ class NodeAgents:
             spares=int(h.get("spares", 0)),
             domain=str(h.get("domain") or name),
             data_addr=str(h.get("data_addr", "")),
-            last_lease=time.monotonic(),
+            last_lease=self.clock.monotonic(),
             failure_times=old.failure_times if old is not None else [],
             in_process=bool(h.get("in_process", False)),
             lease_id=int(h.get("lease_id", 0)),
@@ -162,16 +165,15 @@ class NodeAgents:
         self.view.nodes[name] = node
         self.io.answer(
             chan,
-            {
-                "t": "welcome",
-                "job_id": self.view.job_id,
-                "lease_ttl_s": self.terms.lease_ttl_s,
-                "num_slots": self.terms.num_slots,
-                "replicas": self.terms.replicas,
-                "env": self.terms.worker_env,
-                "store": self.terms.store,
-                "reconnect_s": self.terms.reconnect_s,
-            },
+            NodeWelcomeMsg(
+                job_id=self.view.job_id,
+                lease_ttl_s=self.terms.lease_ttl_s,
+                num_slots=self.terms.num_slots,
+                replicas=self.terms.replicas,
+                env=self.terms.worker_env,
+                store=self.terms.store,
+                reconnect_s=self.terms.reconnect_s,
+            ).encode(),
         )
         self.events.emit(
             ev.NodeJoin(node=name, domain=node.domain, data=node.data_addr, rejoin=old is not None)
@@ -192,14 +194,14 @@ class NodeAgents:
         if not self.terms.store_mode:
             self.lose_node(node, "its agent's connection closed")
         else:
-            node.disconnected_at = time.monotonic()
+            node.disconnected_at = self.clock.monotonic()
             self.events.emit(ev.NodeDisconnected(node=node.name))
 
     # -- what an agent reports ----------------------------------------------------------------------
     def on_lease(self, node: NodeRecord, m: LeaseMsg) -> None:
         """``node``'s agent renewed its lease: noted, and acknowledged."""
-        node.last_lease = time.monotonic()
-        self.io.send_node(node, {"t": "lease_ok", "seq": m.seq})
+        node.last_lease = self.clock.monotonic()
+        self.io.send_node(node, LeaseOkMsg(seq=m.seq).encode())
 
     def on_registered(self, node: NodeRecord, m: RegisteredMsg) -> None:
         """Store mode: ``node``'s lease in the store has this id (a quarantine revokes it)."""
@@ -222,7 +224,7 @@ class NodeAgents:
         w = self.view.workers.get(m.spawn_id)
         if w is not None and w.live:
             w.live = False
-            self.exits.on_exit(Exit(sid=m.spawn_id, rc=m.rc, pid=m.pid, fault_at=m.fault_at))
+            self.exits.on_exit(ProcessEnd(sid=m.spawn_id, rc=m.rc, pid=m.pid, fault_at=m.fault_at))
 
     def on_fatal(self, node: NodeRecord, m: FatalMsg) -> None:
         """``node`` cannot play its part (its agent says why): the job fails."""
@@ -247,11 +249,11 @@ class NodeAgents:
         ``quarantine``: its agent is told it is fenced (and, in store mode, its lease revoked)."""
         node.alive = False
         if failure:
-            node.failure_times.append(time.monotonic())
+            node.failure_times.append(self.clock.monotonic())
         if quarantine:
             node.quarantined = True
             if node.chan is not None:
-                self.io.tell(node.chan, {"t": "fenced", "error": why})
+                self.io.tell(node.chan, FencedMsg(error=why).encode())
             if self.terms.store_mode and node.lease_id:
                 self.store.revoke(node)  # in store mode its agent fences when its lease is gone
         if node.chan is not None:
@@ -262,7 +264,9 @@ class NodeAgents:
             w.live = False
             if w.chan is not None:
                 self.io.close(w.chan)
-            self.exits.on_exit(Exit(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why))
+            self.exits.on_exit(
+                ProcessEnd(sid=sid, rc=-signal.SIGKILL, pid=None, fault_at=None, node_lost=why)
+            )
         self.io.node_lost(node.name, keep=set(self.fetches.waiting_fetch))  # fetches end with the generation
         self.rounds.reset()  # its holders or senders may be gone: start over
 
@@ -271,7 +275,7 @@ class NodeAgents:
         node = self.view.nodes.get(name)
         if node is None or not node.alive:
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         node.failure_times.append(now)
         others = len([n for n in self.view.alive_nodes() if n != name])
         if self.quarantine.should_quarantine(node.failure_times, now=now, others_usable=others):

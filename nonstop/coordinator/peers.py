@@ -16,7 +16,7 @@ from nonstop.protocol.worker import CadenceMsg, ResumeMsg
 
 if TYPE_CHECKING:
     from nonstop.control.channel import Channel
-    from nonstop.coordinator.failures import Exit
+    from nonstop.coordinator.failures import ProcessEnd
     from nonstop.coordinator.view import NodeRecord, WorkerRecord
     from nonstop.policy.boundary_swap import Joiner
     from nonstop.policy.decisions import FailureKind
@@ -364,7 +364,7 @@ class ExitSink(Protocol):
     """The failures as the node agents see them (:mod:`nonstop.coordinator.failures`): a process
     ended (its agent said so, or its node was lost); handled at the failures' next tick."""
 
-    def on_exit(self, ex: Exit) -> None: ...
+    def on_exit(self, ex: ProcessEnd) -> None: ...
 
 
 class NodeStore(Protocol):

@@ -22,19 +22,19 @@ install are events, judged by :meth:`RestoreSources.install_tick`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from nonstop import events as ev
-from nonstop.control.channel import Message
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.view import NodeRecord
 from nonstop.errors import NonstopError
 from nonstop.policy.decisions import restore_source
 from nonstop.policy.elastic import resume_sources
 from nonstop.policy.planning import Inventory
 from nonstop.policy.reconfiguration import FetchDone, Reconfiguration
+from nonstop.protocol.agent import InstallDurableMsg
 from nonstop.protocol.wire import Fetched, Installed, Lost
 
 if TYPE_CHECKING:
@@ -87,6 +87,7 @@ class RestoreSources:
         elastic: bool,
         install_timeout_s: float,
         durable: Callable[[str], DurableSteps] = open_durable,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.view = view
         self.io = io
@@ -96,6 +97,7 @@ class RestoreSources:
         self.elastic = elastic
         self.install_timeout_s = install_timeout_s
         self.durable = durable
+        self.clock = clock
         self.waiting_fetch: dict[int, tuple[int, int]] = {}  # request id -> (rank, generation)
         # fetches asked for before their generation (a swap's boundary): request id -> (rank, ok),
         # ok None while in flight; the generation adopts them (``fetch_for(early=...)``)
@@ -232,7 +234,7 @@ class RestoreSources:
             barrier.left.discard(req)
             if not barrier.left:
                 for rank in sorted(barrier.ranks):
-                    self.setup.report(FetchDone(rank, time.time()))
+                    self.setup.report(FetchDone(rank, self.clock.wall()))
             return
         if req in self.early:  # arrived before the swap adopted it: nothing waits on it yet
             rank = self.early[req][0]
@@ -255,7 +257,7 @@ class RestoreSources:
         if not msg.ok:
             self.life.fail(f"rank {rank} could not be fetched to node {node.name}: {msg.error}")
             return
-        self.setup.report(FetchDone(rank, time.time()))
+        self.setup.report(FetchDone(rank, self.clock.wall()))
 
     def newest_durable(self) -> tuple[int, int] | None:
         """(step, world size) of the newest durable checkpoint, or None (none, or no tier)."""
@@ -329,14 +331,17 @@ class RestoreSources:
                     self.events.emit(ev.DurableInstallFailed(step=step, errors=errors))
                     continue
                 sources = {r: s for r, s in resume_sources(written, world).items() if r != s}
-            inst.step, inst.t0 = step, time.monotonic()
+            inst.step, inst.t0 = step, self.clock.monotonic()
             inst.deadline = inst.t0 + self.install_timeout_s
             inst.reqs = []
             for n, ranks in inst.placement.items():
-                msg: Message = {"t": "install_durable", "url": inst.url, "step": step, "ranks": ranks}
-                if any(r in sources for r in ranks):
-                    msg["from"] = {str(r): sources[r] for r in ranks if r in sources}
-                inst.reqs.append(self.io.request(self.view.nodes[n], msg))
+                ask = InstallDurableMsg(
+                    url=inst.url,
+                    step=step,
+                    ranks=tuple(ranks),
+                    sources={r: sources[r] for r in ranks if r in sources},
+                )
+                inst.reqs.append(self.io.request(self.view.nodes[n], ask))
             return
         self.installing = None
         inst.done(None)
@@ -348,7 +353,7 @@ class RestoreSources:
         if inst is None or inst.step is None:
             return
         replies = self.io.replies
-        if any(r not in replies for r in inst.reqs) and time.monotonic() < inst.deadline:
+        if any(r not in replies for r in inst.reqs) and self.clock.monotonic() < inst.deadline:
             return
         got = {r: replies.pop(r) for r in inst.reqs if r in replies}
         for r in inst.reqs:
@@ -364,7 +369,7 @@ class RestoreSources:
             return
         self.installing = None
         if inst.recovery:
-            seconds = time.monotonic() - inst.t0
+            seconds = self.clock.monotonic() - inst.t0
             self.events.emit(ev.RestoreFromDurable(step=inst.step, url=inst.url, seconds=seconds))
         inst.done(inst.step)
 

@@ -37,6 +37,7 @@ from nonstop.control.store import LeaseKeeper, Watch
 from nonstop.coordinator.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.errors import ControlError
 from nonstop.policy.phase import Busy, JobPhase
+from nonstop.protocol.agent import AgentHelloMsg, NodeWelcomeMsg
 from nonstop.protocol.worker import ContinueMsg, FinishMsg, ResumeMsg
 
 if TYPE_CHECKING:
@@ -309,18 +310,14 @@ class StoreSync:
         node.chan = chan
         node.disconnected_at = None
         node.last_lease = time.monotonic()
-        node.lease_id = int(chan.hello.get("lease_id", node.lease_id))
-        node.data_addr = str(chan.hello.get("data_addr", node.data_addr))
+        hello = AgentHelloMsg.decode(chan.hello)
+        if hello.lease_id is not None:
+            node.lease_id = hello.lease_id
+        if hello.data_addr is not None:
+            node.data_addr = hello.data_addr
         self.awaiting.pop(node.name, None)
-        self.io.answer(
-            chan,
-            {
-                "t": "welcome",
-                "job_id": self.view.job_id,
-                "resumed": True,
-                "lease_ttl_s": self.lease_ttl_s,
-            },
-        )
+        welcome = NodeWelcomeMsg(job_id=self.view.job_id, resumed=True, lease_ttl_s=self.lease_ttl_s)
+        self.io.answer(chan, welcome.encode())
         self.events.emit(ev.NodeReconnected(node=node.name))
 
     def on_worker_resumed(self, w: WorkerRecord, resume: ResumeMsg) -> None:

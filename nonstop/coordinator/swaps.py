@@ -35,6 +35,7 @@ from nonstop.policy.boundary_swap import (
 )
 from nonstop.policy.migration import CatchUp, Transfer, choose_joiner, choose_target
 from nonstop.policy.phase import Busy, Op
+from nonstop.protocol.agent import ReleaseMsg
 from nonstop.protocol.client import MigratedMsg
 from nonstop.protocol.wire import Fetched
 
@@ -217,7 +218,7 @@ class Swaps:
                 continue
             if any(n == node.name for n in self.view.rank_node.values()):
                 continue
-            self.io.send_node(node, {"t": "release"})
+            self.io.send_node(node, ReleaseMsg().encode())
             self.events.emit(ev.NodeReleased(node=node.name))
             self.nodes.lose_node(node, "released after draining", failure=False)
 

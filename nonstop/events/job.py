@@ -24,6 +24,7 @@ __all__ = [
     "NodeReconnected",
     "NodeReleased",
     "NodesJoined",
+    "ProcessExited",
     "ProtocolError",
     "Refused",
     "Resume",
@@ -230,7 +231,10 @@ class Connect(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Exit(Event):
+class ProcessExited(Event):
+    """Process ``spawn_id`` (a ``role``, playing ``rank``) ended with ``returncode``; ``how``: what
+    ended it."""
+
     kind: ClassVar[str] = "exit"
     spawn_id: int | None
     role: str
@@ -238,6 +242,9 @@ class Exit(Event):
     returncode: int | None
     how: str
     node: str | None
+
+
+Exit = ProcessExited  # its first name, kept for code that imports it
 
 
 @dataclass(frozen=True, kw_only=True)

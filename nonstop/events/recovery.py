@@ -26,6 +26,7 @@ __all__ = [
     "RestoreFromDurable",
     "SilenceExcused",
     "Stage",
+    "ReconfigurationStage",
 ]
 
 
@@ -131,13 +132,16 @@ class NewGeneration(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Stage(Event):
+class ReconfigurationStage(Event):
     """A stage of ``generation``'s reconfiguration ended; it took ``seconds``."""
 
     kind: ClassVar[str] = "stage"
     generation: int | None
     stage: str
     seconds: float | None
+
+
+Stage = ReconfigurationStage  # its first name, kept for code that imports it (not the policy's Stage)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
@@ -39,7 +40,7 @@ from nonstop.control.secret import SECRET_FILE, coordinator_secret, node_secret,
 from nonstop.control.store import open_store
 from nonstop.coordinator.loop import Coordinator, JobResult, JobState
 from nonstop.coordinator.persistence import ClusterPersister
-from nonstop.coordinator.status_server import start_status_server
+from nonstop.coordinator.status_server import StatusServer, start_status_server
 from nonstop.devices.inventory import Devices, check_fits, detect_devices
 from nonstop.devices.nccl import device_groups_mode
 from nonstop.errors import ControlError, JobFailedError, UsageError
@@ -226,41 +227,26 @@ def serve_coordinator(
 ) -> JobResult:
     """Run the job's coordinator to the end: in this process with node 0's agent on a thread
     (embedded store), or alone (``jobs``: the control store holds the job's state, node 0's agent
-    runs in the launcher and this process may be restarted)."""
+    runs in the launcher and this process may be restarted).
+
+    In phases: the durable tier and a resume checked; the control server bound and its secret
+    written (:func:`_open_control`); the job's lock; the coordinator built; node 0's agent made
+    (:func:`_local_node`); the status server; the job's info, the signal handlers and the start
+    logged; then the run, and everything closed again in the reverse order (:func:`_wind_down`)."""
     job_dir = config.job_dir.resolve()
     durable = DurableStore(config.checkpoint_url, keep=config.persist.keep)  # a bad URL fails here
     resume = load_resume(config) if config.persist.resume else None
     if resume is not None and config.persist.resume is not None:
         declare_resume(durable, config.persist.resume, resume.step)
     shm_dir = config.snapshot.shm_dir or default_shm_dir()
-    secret = coordinator_secret(config.control)
-    events = EventLog(job_dir / "events.jsonl")
-    host, port = config.coordinator_addr
-    try:  # bind first: a busy port must leave no secret file behind
-        server = ControlServer(
-            host=host,
-            port=port,
-            secret=secret,
-            on_refused=lambda peer, why: events.emit(ev.Refused(peer=peer, reason=why)),
-        )
-    except BaseException:
-        events.close()
-        raise
-    secret_file = config.control.secret_file or job_dir / SECRET_FILE
-    if config.control.secret_file is None:
-        try:
-            write_secret(secret_file, secret)
-        except BaseException:
-            server.close()
-            events.close()
-            raise
-    lock_fd, lock = hold_lock(shm_dir, job_id, job_dir)
-    control = f"{server.address[0]}:{server.address[1]}"
+    serving = _open_control(config, job_dir)
+    events, server = serving.events, serving.server
+    serving.lock_fd, serving.lock = hold_lock(shm_dir, job_id, job_dir)
     worker_env = _worker_env(config, faults, store_mode=jobs is not None)
     codec = CodecConfig(lossy=config.persist.lossy, lossy_bits=config.persist.lossy_bits)
-    persister: Persister | None = None
     if config.nnodes == 1 and jobs is None:  # the whole job's memory is in this process's node
-        persister = _node_persister(config, durable, shm_dir, job_id, codec, events)
+        serving.persister = _node_persister(config, durable, shm_dir, job_id, codec, events)
+    persister = serving.persister
     coordinator = Coordinator(
         config=config,
         server=server,
@@ -283,41 +269,26 @@ def serve_coordinator(
                 checkpoint_world_size=resume.world_size,
             )
         )
-    node_stop = threading.Event()
-    keep_memory = threading.Event()  # the local node frees its memory after the final persist
-    node_thread: threading.Thread | None = None
     node: NodeAgent | None = None
     if jobs is None:  # node 0's agent lives here; in store mode it is the launcher's
-        node = NodeAgent(
-            spec=_node_spec(config),
-            coordinator=server.address,
-            secret=secret,
-            secret_file=secret_file,
-            command=command,
-            env=_node_env(config, host),
-            job_dir=job_dir,
-            shm_dir=shm_dir,
-            redirect_output=redirect_output,
-            in_process=True,
-        )
-        node.release = keep_memory
-        node_thread = threading.Thread(target=node.run, args=(node_stop,), name="nonstop-node", daemon=True)
+        node = _local_node(config, serving, command=command, shm_dir=shm_dir, redirect_output=redirect_output)
     try:
-        metrics = start_status_server(coordinator, events=events, secret=secret, job_dir=job_dir)
+        serving.metrics = start_status_server(
+            coordinator, events=events, secret=serving.secret, job_dir=job_dir
+        )
     except BaseException:  # a busy --metrics-port: nothing of the job stays behind
         server.close()
         events.close()
-        release_lock(lock_fd, lock)
-        if config.control.secret_file is None:
-            secret_file.unlink(missing_ok=True)
+        serving.release_lock()
+        serving.remove_secret()
         raise
     write_job_info(
         job_dir,
         job_id=job_id,
         control=server.address,
         checkpoints=durable.url,
-        secret_file=secret_file,
-        metrics=metrics,
+        secret_file=serving.secret_file,
+        metrics=serving.metrics,
     )
     restore_handlers = _install_signal_handlers(stop)
     events.emit(
@@ -326,7 +297,7 @@ def serve_coordinator(
             nnodes=config.nnodes,
             nproc=config.nproc_per_node,
             spares=config.spares,
-            control=control,
+            control=f"{server.address[0]}:{server.address[1]}",
             command=command,
             faults=[f.to_text() for f in faults],
         )
@@ -334,45 +305,143 @@ def serve_coordinator(
     t0 = time.monotonic()
     if persister is not None:
         persister.start()
-    if node_thread is not None:
-        node_thread.start()
+    if serving.node_thread is not None:
+        serving.node_thread.start()
     try:
         result = coordinator.run(stop)
     finally:
-        try:
-            # Before exit (done, failed, SIGTERM): make the committed step durable while the
-            # snapshot memory still exists.
-            if persister is not None:
-                done = persister.flush(config.persist.timeout_s)
-                if done is None and persister.last_error:
-                    log.warning("final persist failed: %s", persister.last_error)
-                persister.stop()
-        finally:
-            keep_memory.set()
-            node_stop.set()
-            if node_thread is not None:
-                node_thread.join(timeout=30.0)
-            server.close()
-            if metrics is not None:
-                metrics.close(job_dir)
-            events.emit(
-                ev.JobEnd(
-                    state=str(coordinator.state),
-                    seconds=time.monotonic() - t0,
-                    generation=coordinator.generation,
-                    error=coordinator.error,
-                    replication=coordinator.replication_stats(),
-                )
-            )
-            events.close()
-            restore_handlers()
-            release_lock(lock_fd, lock)
-            if config.control.secret_file is None:
-                secret_file.unlink(missing_ok=True)
-            (job_dir / JOB_INFO).unlink(missing_ok=True)
+        _wind_down(serving, coordinator, t0=t0, restore_handlers=restore_handlers)
     if node is not None and node.memory is not None and node.memory.error is not None:
         raise UsageError(node.memory.error)  # its memory tier is too small: exit 2 with the line
     return result
+
+
+@dataclass
+class _Serving:
+    """What :func:`serve_coordinator` opened and must close: the event log, the control server,
+    the secret (``secret_file``, removed at the end unless the user gave it: ``own_secret``), the
+    job's lock, one node's persister, node 0's agent's thread and what it waits on, the status
+    server."""
+
+    config: JobConfig
+    job_dir: Path
+    events: EventLog
+    server: ControlServer
+    secret: bytes
+    secret_file: Path
+    own_secret: bool
+    lock_fd: int = -1
+    lock: Path | None = None
+    persister: Persister | None = None
+    node_stop: threading.Event = field(default_factory=threading.Event)
+    keep_memory: threading.Event = field(default_factory=threading.Event)  # freed after the final persist
+    node_thread: threading.Thread | None = None
+    metrics: StatusServer | None = None
+
+    def release_lock(self) -> None:
+        if self.lock is not None:
+            release_lock(self.lock_fd, self.lock)
+
+    def remove_secret(self) -> None:
+        if self.own_secret:
+            self.secret_file.unlink(missing_ok=True)
+
+
+def _open_control(config: JobConfig, job_dir: Path) -> _Serving:
+    """The coordinator's secret, the event log and the control server, bound first: a busy port
+    must leave no secret file behind; then the secret written (unless the user gave its file)."""
+    secret = coordinator_secret(config.control)
+    events = EventLog(job_dir / "events.jsonl")
+    host, port = config.coordinator_addr
+    try:
+        server = ControlServer(
+            host=host,
+            port=port,
+            secret=secret,
+            on_refused=lambda peer, why: events.emit(ev.Refused(peer=peer, reason=why)),
+        )
+    except BaseException:
+        events.close()
+        raise
+    own_secret = config.control.secret_file is None
+    secret_file = config.control.secret_file or job_dir / SECRET_FILE
+    if own_secret:
+        try:
+            write_secret(secret_file, secret)
+        except BaseException:
+            server.close()
+            events.close()
+            raise
+    return _Serving(
+        config=config,
+        job_dir=job_dir,
+        events=events,
+        server=server,
+        secret=secret,
+        secret_file=secret_file,
+        own_secret=own_secret,
+    )
+
+
+def _local_node(
+    config: JobConfig, serving: _Serving, *, command: list[str], shm_dir: Path, redirect_output: bool
+) -> NodeAgent:
+    """Node 0's agent, in this process (its thread made, started with the run): its memory is
+    kept until ``serving.keep_memory`` is set, after the final persist."""
+    node = NodeAgent(
+        spec=_node_spec(config),
+        coordinator=serving.server.address,
+        secret=serving.secret,
+        secret_file=serving.secret_file,
+        command=command,
+        env=_node_env(config, config.coordinator_addr[0]),
+        job_dir=serving.job_dir,
+        shm_dir=shm_dir,
+        redirect_output=redirect_output,
+        in_process=True,
+    )
+    node.release = serving.keep_memory
+    serving.node_thread = threading.Thread(
+        target=node.run, args=(serving.node_stop,), name="nonstop-node", daemon=True
+    )
+    return node
+
+
+def _wind_down(
+    serving: _Serving, coordinator: Coordinator, *, t0: float, restore_handlers: Callable[[], None]
+) -> None:
+    """Before exit (done, failed, SIGTERM): make the committed step durable while the snapshot
+    memory still exists; then stop node 0's agent, close the servers, log the job's end and give
+    back the lock, the secret and the job's info."""
+    config, persister, job_dir = serving.config, serving.persister, serving.job_dir
+    try:
+        if persister is not None:
+            done = persister.flush(config.persist.timeout_s)
+            if done is None and persister.last_error:
+                log.warning("final persist failed: %s", persister.last_error)
+            persister.stop()
+    finally:
+        serving.keep_memory.set()
+        serving.node_stop.set()
+        if serving.node_thread is not None:
+            serving.node_thread.join(timeout=30.0)
+        serving.server.close()
+        if serving.metrics is not None:
+            serving.metrics.close(job_dir)
+        serving.events.emit(
+            ev.JobEnd(
+                state=str(coordinator.state),
+                seconds=time.monotonic() - t0,
+                generation=coordinator.generation,
+                error=coordinator.error,
+                replication=coordinator.replication_stats(),
+            )
+        )
+        serving.events.close()
+        restore_handlers()
+        serving.release_lock()
+        serving.remove_secret()
+        (job_dir / JOB_INFO).unlink(missing_ok=True)
 
 
 def _worker_env(config: JobConfig, faults: list[FaultSpec], *, store_mode: bool) -> dict[str, str]:

@@ -101,6 +101,12 @@ def _job_args(p: argparse.ArgumentParser, *, days: float) -> None:
 
 def add_parsers(sub: Any) -> None:
     """Add ``simulate`` and ``advise`` to an ``argparse`` subparsers object."""
+    _add_simulate(sub)
+    _add_advise(sub)
+
+
+def _add_simulate(sub: Any) -> None:
+    """``simulate``: the job and its failures, the strategies compared, then nonstop's settings."""
     sim = sub.add_parser("simulate", help="simulate a cluster-scale job through failures, per strategy")
     _job_args(sim, days=54.0)
     sim.add_argument(
@@ -121,6 +127,16 @@ def add_parsers(sub: Any) -> None:
         "--ckpt-interval-s", type=float, default=None, help="checkpoint-restart interval (default: optimal)"
     )
     sim.add_argument("--group-nodes", type=int, default=None, help="torchft replica-group size in nodes")
+    _nonstop_snapshots(sim)
+    _nonstop_elastic(sim)
+    _nonstop_groups(sim)
+    progress = sim.add_mutually_exclusive_group()
+    progress.add_argument("--progress", dest="progress", action="store_true", default=None)
+    progress.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def _nonstop_snapshots(sim: argparse.ArgumentParser) -> None:
+    """``simulate``'s nonstop settings: replicas, the snapshot cadence, spares, persists, quarantine."""
     sim.add_argument("--replicas", type=int, default=1, help="nonstop peer replicas (default %(default)s)")
     sim.add_argument("--snapshot-every", type=int, default=1, help="nonstop snapshot interval, steps")
     sim.add_argument(
@@ -151,6 +167,10 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument(
         "--quarantine", default="3/600", help="nonstop quarantine: FAILURES/WINDOW_S (default %(default)s)"
     )
+
+
+def _nonstop_elastic(sim: argparse.ArgumentParser) -> None:
+    """``simulate``'s nonstop elastic settings: shrinking, its batch, waiting, survivors."""
     sim.add_argument(
         "--min-world-size",
         type=int,
@@ -191,6 +211,10 @@ def add_parsers(sub: Any) -> None:
         "with this job's costs at scale), wait (replace first), continue (shrink first, the spare "
         "joins by a grow) (default %(default)s)",
     )
+
+
+def _nonstop_groups(sim: argparse.ArgumentParser) -> None:
+    """``simulate``'s nonstop layout: replica groups, what a failure rebuilds, rescues."""
     sim.add_argument(
         "--replica-nodes",
         type=int,
@@ -217,10 +241,10 @@ def add_parsers(sub: Any) -> None:
         "completed step on a failure and a lost rank takes another model copy's, as the runtime "
         "does (policy/rescue.py): only the step in flight is lost (default: on)",
     )
-    progress = sim.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=None)
-    progress.add_argument("--no-progress", dest="progress", action="store_false")
 
+
+def _add_advise(sub: Any) -> None:
+    """``advise``: the cluster, the candidates' draws, proactive migration, the goal."""
     adv = sub.add_parser(
         "advise", help="choose nonstop's settings for a cluster and show the goodput frontier"
     )

@@ -43,7 +43,7 @@ __all__ = ["EVENTS_FILE", "build_timeline", "load_events", "load_timeline"]
 
 EVENTS_FILE = "events.jsonl"
 # Events shown only through what follows them (no row, no "other events" tick).
-SILENT = (ev.JobStart, ev.Spawned, ev.Connect, ev.Exit, ev.HangDetected)
+SILENT = (ev.JobStart, ev.Spawned, ev.Connect, ev.ProcessExited, ev.HangDetected)
 TIER_MARKS: dict[type[ev.Event], str] = {
     ev.Replicated: "replicated",
     ev.ReplicationFailed: "replication_failed",
@@ -236,7 +236,7 @@ class _Reader:
                 self.ranks.takes_over(e.rank, e.spawn_id)
         elif isinstance(e, ev.NewGeneration):
             self.generation(e, t)
-        elif isinstance(e, ev.Stage):
+        elif isinstance(e, ev.ReconfigurationStage):
             self.stage(e, t)
         elif isinstance(e, ev.FaultInjected):
             self.injected[(e.rank, e.spawn_id)] = t
@@ -298,7 +298,7 @@ class _Reader:
         self.shrinks.decided(t, "replaced")  # a wait a shrink did not end: spares took its ranks
         self.gens.append(_Gen(g, t, e, members, nodes))
 
-    def stage(self, e: ev.Stage, t: float) -> None:
+    def stage(self, e: ev.ReconfigurationStage, t: float) -> None:
         b = self.ranks
         g = e.generation or b.generation
         sec = max(e.seconds or 0.0, 0.0)
