@@ -6,8 +6,9 @@ What is built, in this order (each group by a function of its own):
 1. **the core** (:func:`_core`): the :class:`~nonstop.coordinator.view.JobView`, the one
    :class:`~nonstop.coordinator.executor.Executor`, :class:`~nonstop.coordinator.job.JobLife`, the
    failure detector, the rendezvous table; persist rounds (a job of several nodes) attached to the
-   executor's sends. With it **the job's shape** (:func:`job_shape`, job_shape.py): pure policies and sizes the
-   config fixes (mesh, data shards, elastic policy, survivors, snapshot slots, quarantine);
+   executor's sends. With it **the job's shape** (:func:`job_shape`, job_shape.py): pure policies
+   and sizes the config fixes (mesh, data shards, elastic policy, survivors, snapshot slots,
+   quarantine);
 2. **the data** (:func:`_data`): replication rounds and the restore sources;
 3. **the moves** (:func:`_moves`): the swaps (live migrations, grows) with their actions, the
    store sync (it records the swaps), the health (it moves through the swaps) and the resizing;
