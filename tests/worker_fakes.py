@@ -1,5 +1,5 @@
 """Fakes of a worker session's collaborators for unit tests of the others (train/rejoin.py,
-train/reports.py): a coordinator link that records what is sent and answers from a script, a
+train/reports.py, train/loop.py): a coordinator link that records what is sent and answers from a script, a
 rank's snapshot slots, a process group and a trainee."""
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ class FakeLink:
         self.leave_gen: int | None = None
         self.rdzv: Any = None
         self.opened: list[tuple[int, float]] = []
+        self.in_step = False
+        self.entered = 0  # enter_step calls
+        self.closing = False
 
     def send(self, msg: Message) -> None:
         self.sent.append(msg)
@@ -66,6 +69,10 @@ class FakeLink:
 
     def drop_rdzv(self, why: str) -> None:
         self.rdzv = None
+
+    def enter_step(self) -> None:
+        self.in_step = True
+        self.entered += 1
 
     def kinds(self) -> list[str]:
         return [m["t"] for m in self.sent]
@@ -134,11 +141,15 @@ class FakeSlots:
     def clear(self) -> None:
         self.events.append("clear")
 
+    def close(self) -> None:
+        self.events.append("close")
+
 
 class FakeGroup:
     def __init__(self) -> None:
         self.destroyed: list[bool] = []
         self.settles: list[Any] = []
+        self.severed = False
 
     def destroy(self, *, at_boundary: bool = False) -> list[Any]:
         self.destroyed.append(at_boundary)
@@ -163,6 +174,7 @@ class FakeTrainee:
         self.bare = self.model
         self.joins: list[dict[str, Any]] = []
         self.fail = fail
+        self.closed = False
 
     def join(self, group: Any, store: Any, **kw: Any) -> torch.nn.Module:
         self.joins.append(kw)
@@ -171,10 +183,21 @@ class FakeTrainee:
             raise err
         return self.model
 
+    def close(self) -> None:
+        self.closed = True
+
 
 class FakeFaults:
     def __init__(self) -> None:
         self.asked: list[tuple[str, int, int, int]] = []
+        self.stretched = 0
+        self.observed: list[float] = []
 
     def maybe_fire(self, phase: str, *, rank: int, step: int, generation: int) -> None:
         self.asked.append((phase, rank, step, generation))
+
+    def stretch(self) -> None:
+        self.stretched += 1
+
+    def observe(self, compute_s: float) -> None:
+        self.observed.append(compute_s)

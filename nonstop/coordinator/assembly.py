@@ -6,8 +6,9 @@ What is built, in this order (each group by a function of its own):
 1. **the core** (:func:`_core`): the :class:`~nonstop.coordinator.view.JobView`, the one
    :class:`~nonstop.coordinator.executor.Executor`, :class:`~nonstop.coordinator.job.JobLife`, the
    failure detector, the rendezvous table; persist rounds (a job of several nodes) attached to the
-   executor's sends. With it **the job's shape** (:func:`job_shape`): pure policies and sizes the
-   config fixes (mesh, data shards, elastic policy, survivors, snapshot slots, quarantine);
+   executor's sends. With it **the job's shape** (:func:`job_shape`, job_shape.py): pure policies
+   and sizes the config fixes (mesh, data shards, elastic policy, survivors, snapshot slots,
+   quarantine);
 2. **the data** (:func:`_data`): replication rounds and the restore sources;
 3. **the moves** (:func:`_moves`): the swaps (live migrations, grows) with their actions, the
    store sync (it records the swaps), the health (it moves through the swaps) and the resizing;
@@ -52,6 +53,7 @@ from nonstop.coordinator.generation_setup import GenerationSetup
 from nonstop.coordinator.generations import Generations
 from nonstop.coordinator.health import Health
 from nonstop.coordinator.job import JobLife
+from nonstop.coordinator.job_shape import JobShape, job_shape, replicates
 from nonstop.coordinator.job_start import JobStart
 from nonstop.coordinator.metrics import JobMonitor
 from nonstop.coordinator.node_agents import AgentTerms, NodeAgents
@@ -60,65 +62,16 @@ from nonstop.coordinator.plan_asks import PlanAsks
 from nonstop.coordinator.replication import ReplicationRounds
 from nonstop.coordinator.resizing import Resizing
 from nonstop.coordinator.restore_sources import RestoreSources
-from nonstop.coordinator.routing import Routes
+from nonstop.coordinator.routing import Routes, fence_rendezvous
 from nonstop.coordinator.store_sync import StoreSync
 from nonstop.coordinator.swap_actions import SwapActions
 from nonstop.coordinator.swaps import Swaps
 from nonstop.coordinator.view import JobView
 from nonstop.coordinator.workers import WorkerProtocol, cadence_tuner
-from nonstop.errors import ControlError
 from nonstop.events.log import EventLog
-from nonstop.mesh import MeshSpec
-from nonstop.policy.decisions import QuarantinePolicy
-from nonstop.policy.elastic import ElasticPolicy
-from nonstop.policy.survivors import SurvivorMode
 from nonstop.snapshot.persist import Persister
 
-__all__ = ["JobShape", "Operations", "assemble", "job_shape", "replicates"]
-
-
-def replicates(config: JobConfig) -> bool:
-    """Whether the job replicates snapshots to peers' memory (replicas, and another node)."""
-    return config.replication.replicas > 0 and config.nnodes > 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class JobShape:
-    """What the config fixes about the job, as the operations take it (pure policies, sizes).
-
-    ``num_shards``: the data-parallel shards, those of the full-size job (an elastic job keeps
-    them; a sharded one comes and goes by whole replica groups, :mod:`nonstop.mesh`);
-    ``num_slots``: snapshot slots per rank -- replicating, the held replicated step, the one a
-    round is sending, the newest and one to write (4), else 2."""
-
-    mesh: MeshSpec | None
-    num_shards: int
-    survivor_mode: SurvivorMode
-    elastic: ElasticPolicy
-    num_slots: int
-    quarantine: QuarantinePolicy
-    replicating: bool
-
-
-def job_shape(config: JobConfig) -> JobShape:
-    """The job's :class:`JobShape` from its config."""
-    mesh = MeshSpec.parse(config.mesh) if config.mesh is not None else None
-    return JobShape(
-        mesh=mesh,
-        num_shards=mesh.dp_size if mesh else config.world_size * config.elastic.shards_per_rank,
-        survivor_mode=SurvivorMode(config.elastic.survivors),  # policy/survivors.py
-        elastic=ElasticPolicy(
-            full_world_size=config.world_size,
-            min_world_size=config.min_world,
-            wait_s=config.elastic.wait_s,
-            unit=mesh.group_size if mesh else 1,
-        ),
-        num_slots=4 if replicates(config) else 2,
-        quarantine=QuarantinePolicy(
-            max_failures=config.detection.quarantine_failures, window_s=config.detection.quarantine_window_s
-        ),
-        replicating=replicates(config),
-    )
+__all__ = ["JobShape", "Operations", "assemble", "job_shape", "replicates"]  # the shape: job_shape.py
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,20 +245,6 @@ def _core(job: _Job, events: EventLog, shape: JobShape, clock: Clock) -> _Core:
         rounds=rounds,
         clock=clock,
     )
-
-
-def fence_rendezvous(kv: KeyValueTable) -> Callable[[int], None]:
-    """What a new generation does to the rendezvous: drop the older keys and fail the calls
-    parked on them (a worker gone meanwhile is not told)."""
-
-    def fence(generation: int) -> None:
-        for reply, msg in kv.new_generation(generation):
-            try:
-                reply(msg)
-            except ControlError:
-                pass
-
-    return fence
 
 
 # -- 2. the data: replication, where restore steps come from --------------------------------------------

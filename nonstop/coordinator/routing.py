@@ -83,7 +83,7 @@ if TYPE_CHECKING:
     from nonstop.coordinator.workers import Fenced, WorkerProtocol
     from nonstop.events.log import EventLog
 
-__all__ = ["Routes"]
+__all__ = ["Routes", "fence_rendezvous"]
 
 log = logging.getLogger(__name__)
 
@@ -314,3 +314,17 @@ class Routes:
                 reply(out)
             except ControlError:
                 pass
+
+
+def fence_rendezvous(kv: KeyValueTable) -> Callable[[int], None]:
+    """What a new generation does to the rendezvous: drop the older keys and fail the calls
+    parked on them (a worker gone meanwhile is not told)."""
+
+    def fence(generation: int) -> None:
+        for reply, msg in kv.new_generation(generation):
+            try:
+                reply(msg)
+            except ControlError:
+                pass
+
+    return fence

@@ -16,9 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,21 +25,18 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 
 from nonstop import events as ev
 from nonstop.agent.gc import hold_lock, release_lock
-from nonstop.agent.node import NodeAgent, NodeSpec
-from nonstop.agent.notice import NoticePoller, parse_headers
+from nonstop.agent.node import NodeAgent
 from nonstop.config import ENV, JobConfig, PersistConfig, job_config_to_json, security_environ
 from nonstop.control.jobstore import JobStore
 from nonstop.control.listener import ControlServer
-from nonstop.control.secret import SECRET_FILE, coordinator_secret, node_secret, write_secret
+from nonstop.control.secret import SECRET_FILE, coordinator_secret, write_secret
 from nonstop.control.store import open_store
 from nonstop.coordinator.loop import Coordinator, JobResult, JobState
 from nonstop.coordinator.persistence import ClusterPersister
 from nonstop.coordinator.status_server import StatusServer, start_status_server
-from nonstop.devices.inventory import Devices, check_fits, detect_devices
 from nonstop.devices.nccl import device_groups_mode
 from nonstop.errors import ControlError, JobFailedError, UsageError
 from nonstop.events.log import EventLog
@@ -56,6 +51,15 @@ from nonstop.launch.jobfiles import (
     result_from_json,
     write_job_info,
 )
+from nonstop.launch.node_run import (
+    default_shm_dir,
+    install_signal_handlers,
+    node_devices,
+    node_env,
+    node_spec,
+    prepare_job_dir,
+    run_node,
+)
 from nonstop.policy.decisions import describe_exit
 from nonstop.replica.peer import local_store_id
 from nonstop.snapshot.codec import CodecConfig
@@ -67,11 +71,6 @@ log = logging.getLogger(__name__)
 __all__ = ["default_shm_dir", "run_job", "worker_command"]
 
 
-def default_shm_dir() -> Path:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path("/tmp")
-
-
 def worker_command(script: str, args: tuple[str, ...]) -> list[str]:
     """The command line of a worker: ``-m module`` or a script path."""
     if script.startswith("-m "):
@@ -80,25 +79,6 @@ def worker_command(script: str, args: tuple[str, ...]) -> list[str]:
     if not path.is_file():
         raise UsageError(f"training script {script!r} not found: give the path of a Python file")
     return [sys.executable, "-u", str(path), *args]
-
-
-def _prepare_job_dir(job_dir: Path, *, owner: bool) -> None:
-    """Create (0700) and check the job dir; the owner (node 0), holding the job dir's lock, also
-    clears the fault markers."""
-    try:
-        job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        probe = job_dir / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise UsageError(
-            f"job dir {str(job_dir)!r} is not writable ({e.strerror or e}): choose another with --job-dir"
-        ) from None
-    if owner:
-        shutil.rmtree(job_dir / "faults", ignore_errors=True)
-        (job_dir / "faults").mkdir()
-    else:
-        (job_dir / "faults").mkdir(exist_ok=True)
 
 
 def check_faults(config: JobConfig) -> list[FaultSpec]:
@@ -116,57 +96,6 @@ def check_faults(config: JobConfig) -> list[FaultSpec]:
                 f"fault {f.to_text()!r} names rank {f.rank}, but the job has ranks 0..{config.world_size - 1}"
             )
     return faults
-
-
-def _route_to(addr: tuple[str, int]) -> str:
-    """The local address this machine uses to reach ``addr`` (no packet is sent)."""
-    family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(addr)
-            return str(s.getsockname()[0])
-    except OSError as e:
-        raise UsageError(
-            f"no route to the coordinator {addr[0]}:{addr[1]} ({e}); pass --data-host ADDRESS"
-        ) from None
-
-
-def _node_devices(config: JobConfig) -> Devices:
-    """This node's accelerators (devices/inventory.py); UsageError (exit 2, one line) when its ranks
-    and spares are more processes than it has devices."""
-    devices = detect_devices({**os.environ, **dict(config.extra_env)})
-    check_fits(nproc=config.nproc_per_node, spares=config.spares, devices=devices)
-    return devices
-
-
-def _node_spec(config: JobConfig) -> NodeSpec:
-    name = str(config.node_rank)
-    if config.data_host is not None:
-        host = config.data_host
-    elif config.nnodes == 1:
-        host = config.host
-    elif config.node_rank == 0:
-        host = config.coordinator_addr[0]
-    else:
-        host = _route_to(config.coordinator_addr)
-    return NodeSpec(
-        node=name,
-        nproc=config.nproc_per_node,
-        spares=config.spares,
-        domain=config.domain or name,
-        data_host=host,
-        replica_bandwidth_mb_s=config.replication.bandwidth_mb_s,
-        devices=_node_devices(config),
-        probes=config.detection.probes,  # issue 21: the agent's health probes
-    )
-
-
-def _node_env(config: JobConfig, host: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(dict(config.extra_env))
-    if host in ("127.0.0.1", "localhost", "::1"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    return env
 
 
 def run_job(
@@ -193,14 +122,14 @@ def run_job(
 def _run_job(config: JobConfig, *, redirect_output: bool, stop: threading.Event | None) -> JobResult:
     command = worker_command(config.script, config.script_args)
     faults = check_faults(config)
-    _node_devices(config)  # an oversubscribed device node fails here, before anything starts
+    node_devices(config)  # an oversubscribed device node fails here, before anything starts
     device_groups_mode({**os.environ, **dict(config.extra_env)})  # so does a bad group mode
     job_dir = config.job_dir.resolve()
     stop = stop or threading.Event()
     if config.node_rank != 0:
-        return _run_node(config, command=command, job_dir=job_dir, stop=stop, redirect_output=redirect_output)
+        return run_node(config, command=command, job_dir=job_dir, stop=stop, redirect_output=redirect_output)
     with hold_job(job_dir, config.checkpoint_url):
-        _prepare_job_dir(job_dir, owner=True)
+        prepare_job_dir(job_dir, owner=True)
         if config.control.uses_store:
             return run_store_node0(
                 config, command=command, job_dir=job_dir, stop=stop, redirect_output=redirect_output
@@ -290,7 +219,7 @@ def serve_coordinator(
         secret_file=serving.secret_file,
         metrics=serving.metrics,
     )
-    restore_handlers = _install_signal_handlers(stop)
+    restore_handlers = install_signal_handlers(stop)
     events.emit(
         ev.JobStart(
             job_id=job_id,
@@ -389,12 +318,12 @@ def _local_node(
     """Node 0's agent, in this process (its thread made, started with the run): its memory is
     kept until ``serving.keep_memory`` is set, after the final persist."""
     node = NodeAgent(
-        spec=_node_spec(config),
+        spec=node_spec(config),
         coordinator=serving.server.address,
         secret=serving.secret,
         secret_file=serving.secret_file,
         command=command,
-        env=_node_env(config, config.coordinator_addr[0]),
+        env=node_env(config, config.coordinator_addr[0]),
         job_dir=serving.job_dir,
         shm_dir=shm_dir,
         redirect_output=redirect_output,
@@ -513,7 +442,7 @@ def run_store_node0(
         if not supervisor.is_alive() or time.monotonic() > deadline:
             raise JobFailedError(f"the coordinator did not start; see {job_dir / 'logs' / 'coordinator.log'}")
         time.sleep(0.02)
-    node = _run_node(
+    node = run_node(
         config,
         command=command,
         job_dir=job_dir,
@@ -559,72 +488,3 @@ def _cluster_persister(
         timeout_s=persist.timeout_s,
         emit=events.emit,
     )
-
-
-def _run_node(
-    config: JobConfig, *, command: list[str], job_dir: Path, stop: threading.Event, redirect_output: bool
-) -> JobResult:
-    """A node other than 0: run its agent until the job ends or the node is fenced."""
-    _prepare_job_dir(job_dir, owner=False)
-    secret, secret_file = node_secret(config, job_dir)  # from $NONSTOP_SECRET: a private file
-    shm_dir = config.snapshot.shm_dir or default_shm_dir()
-    spec = _node_spec(config)
-    node = NodeAgent(
-        spec=spec,
-        coordinator=config.coordinator_addr,
-        secret=secret,
-        secret_file=secret_file,
-        command=command,
-        env=_node_env(config, spec.data_host),
-        job_dir=job_dir,
-        shm_dir=shm_dir,
-        redirect_output=redirect_output,
-    )
-    node.preempt_grace_s = config.operations.preempt_grace_s
-    if config.operations.preempt_url is not None and config.node_rank != 0:
-        node.notice = NoticePoller(
-            config.operations.preempt_url.replace("{node}", str(config.node_rank)),
-            headers=parse_headers(config.operations.preempt_headers),
-            interval_s=config.operations.preempt_poll_s,
-            default_grace_s=config.operations.preempt_grace_s,
-        )
-    on_term = node.preempt_signal.set if config.node_rank != 0 else None  # node 0 hosts the coordinator
-    restore_handlers = _install_signal_handlers(stop, on_term=on_term)
-    try:
-        rc = node.run(stop)
-    except (ControlError, OSError) as e:
-        raise UsageError(
-            f"node {config.node_rank}: cannot join the job at {config.coordinator}: {e}"
-        ) from None
-    finally:
-        restore_handlers()
-    if node.memory is not None and node.memory.error is not None:
-        raise UsageError(node.memory.error)  # its memory tier is too small: exit 2 with the line
-    state = JobState.DONE if rc == 0 else JobState.FAILED
-    error = None if rc == 0 else (node.fenced or "the job failed (see node 0's events)")
-    return JobResult(state=state, generation=0, final_step=0, error=error)
-
-
-def _install_signal_handlers(
-    stop: threading.Event, *, on_term: Callable[[], None] | None = None
-) -> Callable[[], None]:
-    """SIGINT and SIGTERM stop (``on_term``: what the first SIGTERM does instead, e.g. a node's
-    preemption notice; a second one stops)."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    terms = [0]
-
-    def handler(signum: int, _frame: FrameType | None) -> None:
-        if signum == signal.SIGTERM and on_term is not None and terms[0] == 0:
-            terms[0] += 1
-            on_term()
-            return
-        stop.set()
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def restore() -> None:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-    return restore

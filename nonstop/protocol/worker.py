@@ -234,7 +234,7 @@ class StepMsg:
     gen: int
     step: int
     step_s: float
-    snap_s: float = 0.0  # the loop's stall on this step's snapshot (train/session.py)
+    snap_s: float = 0.0  # the loop's stall on this step's snapshot (train/reports.py)
     nbytes: int = 0  # the snapshot's bytes
     wait_s: float = 0.0  # of step_s, waiting in the gradient allreduce (issue 21: fail-slow)
     of: int | None = None  # the run's number of steps, when the worker says (issue 21)

@@ -43,6 +43,10 @@ Contract of :meth:`Session.run`:
   with every step and restored with it. A mistake in the arguments (an object without those
   methods) is a :class:`~nonstop.errors.UsageError` that fails the whole job at once: ``nonstop
   run`` exits 2 with its line.
+
+The :class:`Session` joins the job and holds the worker's collaborators; the loop that
+:meth:`Session.steps` returns is a :class:`~nonstop.train.loop.TrainingLoop` of its own, made
+for the script's trainee from those collaborators.
 """
 
 from __future__ import annotations
@@ -50,9 +54,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -63,27 +65,25 @@ from nonstop.config import WorkerEnv
 from nonstop.control.rdzv import ChannelStore
 from nonstop.errors import UsageError
 from nonstop.mesh import MeshSpec
-from nonstop.protocol.worker import CadenceMsg, DoneMsg, FaultMsg, FinishMsg, ReconfigureMsg, ResumeMsg
+from nonstop.protocol.worker import CadenceMsg, FaultMsg, FinishMsg, ReconfigureMsg, ResumeMsg
 from nonstop.train.backend import set_current_device, worker_device
-from nonstop.train.ddp import CanonicalGradSync
-from nonstop.train.eventhooks import FLUSH_S, EventCallback, EventHooks
-from nonstop.train.frwatch import flight_recorder_watch
+from nonstop.train.eventhooks import EventCallback, EventHooks
 from nonstop.train.group import GenerationGroup
 from nonstop.train.heartbeat import HeartbeatWords
 from nonstop.train.injection import WorkerFaults
 from nonstop.train.link import EXIT_COORDINATOR_LOST as EXIT_COORDINATOR_LOST
-from nonstop.train.link import CoordinatorLink, PeerFailed, uninterruptible
+from nonstop.train.link import CoordinatorLink
+from nonstop.train.loop import RunResult, TrainingLoop
 from nonstop.train.membership import Membership
 from nonstop.train.position import Position
 from nonstop.train.prewarm import Warmed, prepare_spare
-from nonstop.train.rejoin import Rejoin, TrainStep, destroy_group
+from nonstop.train.rejoin import TrainStep, destroy_group
 from nonstop.train.reports import StepReports
 from nonstop.train.rescue import StepRescue
 from nonstop.train.snapshots import LoopSnapshots
 from nonstop.train.steps import Step
 from nonstop.train.threadprogress import ThreadProgress
 from nonstop.train.trainee import Build, Sharded, Trainee, accumulate, trainee_for
-from nonstop.train.waitclock import CollectiveWaits
 
 __all__ = ["RunResult", "Session", "init"]
 
@@ -98,37 +98,25 @@ PREWARM_MODULES = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.algo
 USAGE_ABORT_WAIT_S = 10.0  # a worker that failed the job waits this long for the abort, then exits
 
 
-@dataclass(frozen=True)
-class RunResult:
-    """What :meth:`Session.run` returns on every rank once the job finished."""
-
-    step: int
-    last_loss: float | None
-    generation: int
-
-
-class _Reconfigure(Exception):
-    def __init__(self, msg: ReconfigureMsg) -> None:
-        super().__init__(f"reconfigure to generation {msg.gen}")
-        self.msg = msg
-
-
 class Session:
     """A worker's connection to its job. Create it with :func:`init`.
 
-    The session runs the training loop on the main thread and holds its collaborators, each an
-    object of its own: the control connection and its threads
+    The session joins the job, answers what a script reads (its rank's place, the store, the
+    event hook) and starts the training loop on the main thread; it holds the collaborators,
+    each an object of its own: the control connection and its threads
     (:class:`~nonstop.train.link.CoordinatorLink`), the process group of the current generation
     (:class:`~nonstop.train.group.GenerationGroup`), the rank's place in the generation
     (:class:`~nonstop.train.membership.Membership`) and in the job
     (:class:`~nonstop.train.position.Position`), the heartbeat's words
     (:class:`~nonstop.train.heartbeat.HeartbeatWords`), the snapshot slots and their schedule
     (:class:`~nonstop.train.snapshots.LoopSnapshots`), rescues
-    (:class:`~nonstop.train.rescue.StepRescue`), injected faults
+    (:class:`~nonstop.train.rescue.StepRescue`), step reports
+    (:class:`~nonstop.train.reports.StepReports`), injected faults
     (:class:`~nonstop.train.injection.WorkerFaults`), the event hook
     (:class:`~nonstop.train.eventhooks.EventHooks`) and, once :meth:`steps` has started, the
-    model side (:class:`~nonstop.train.trainee.Trainee`) and the generation change
-    (:class:`~nonstop.train.rejoin.Rejoin`).
+    loop (:class:`~nonstop.train.loop.TrainingLoop`: the model side,
+    :class:`~nonstop.train.trainee.Trainee`, and its generation change,
+    :class:`~nonstop.train.rejoin.Rejoin`).
     """
 
     def __init__(
@@ -148,8 +136,6 @@ class Session:
         self._members = Membership(env.mesh)
         self._pos = Position()
         self._beat = HeartbeatWords(self._pos)
-        self._sync: CanonicalGradSync | None = None  # the trainee's (train/ddp.py)
-        self._waits: CollectiveWaits | None = None  # from the loop's start (train/waitclock.py)
         self._group = GenerationGroup(keep_groups=env.keep_groups)
         self.result: RunResult | None = None  # once the job finished (run() returns it too)
         self._snaps = LoopSnapshots(env)  # (before the link: a reconnect's resume point reads it)
@@ -165,7 +151,7 @@ class Session:
         self._hooks = EventHooks()  # on_event's callbacks (train/eventhooks.py)
         self._rescue = StepRescue(self._snaps, snapshot=env.snapshot)
         self._reports = StepReports(link=self._link, snaps=self._snaps, snapshot_budget=env.snapshot_budget)
-        self._rejoin: Rejoin | None = None  # from the loop's start (it needs the trainee)
+        self._training: TrainingLoop | None = None  # from steps(): the trainee's (train/loop.py)
         # A spare waits here, imported, connected and (a sharded job's) warmed up, until it is
         # given a rank (its warm-up is adopted at its first join); ``prewarm_s``: seconds the
         # warm-up took (None: none, it failed or was interrupted)
@@ -233,7 +219,7 @@ class Session:
     def warming_up(self) -> bool:
         """True during a migration's joiner's sandboxed warm-up step: a script skips its side
         effects (logs, counters) then (:meth:`Rejoin.warm_up <nonstop.train.rejoin.Rejoin.warm_up>`)."""
-        return self._rejoin is not None and self._rejoin.warming_up
+        return self._training is not None and self._training.rejoin.warming_up
 
     def shard_steps(self, model: torch.nn.Module) -> Iterator[int]:
         """The data shards this rank plays in this step, for gradient accumulation::
@@ -251,7 +237,7 @@ class Session:
         elastic data-parallel job the mean is bitwise the same at every world size
         (:mod:`nonstop.train.exactsum`): each shard's gradient is kept apart and the shards are
         summed in their order."""
-        sync = self._sync
+        sync = self._training.sync if self._training is not None else None
         if sync is not None and sync.exact and isinstance(model, DistributedDataParallel):
             return sync.accumulate(model)
         return accumulate(model, self._members.shards)
@@ -391,29 +377,21 @@ class Session:
                 device_type=self.device.type,
                 warmed=self._warmed,
             )
-            self._start(trainee)
+            loop = self._start(trainee)
         except UsageError as e:
             self._fail_usage(e)
             raise
-        return self._loop(num_steps, warm_up)
+        return loop.steps(num_steps, warm_up, self._first_reconfigure)
 
-    def _start(self, trainee: Trainee) -> None:
-        """Train ``trainee`` from here (the loop's thread: this one)."""
-        self.trainee = trainee
+    def _start(self, trainee: Trainee) -> TrainingLoop:
+        """The loop that trains ``trainee`` from here (the loop's thread: this one)."""
         if isinstance(trainee, Sharded):
             self._warmed = None  # (adopted at its first join)
-        self._sync = trainee.sync
-        if self._waits is not None:
-            self._waits.close()
-        self._waits = waits = CollectiveWaits(self._sync, threading.get_ident())  # issue 21
-        frwatch = flight_recorder_watch(self.device.type)  # None on the CPU
-        self._beat.watch_collectives(sync=self._sync, clock=waits.clock, frwatch=frwatch)
-        if self._sync is not None:
-            self._sync.exact = self.env.elastic
-            self._sync.set_shards(self.shards, self.shards_played)
-        self._rejoin = Rejoin(
+        if self._training is not None:
+            self._training.stop_clock()
+        self._training = loop = TrainingLoop(
             self.env,
-            trainee=self.trainee,
+            trainee,
             link=self._link,
             group=self._group,
             snaps=self._snaps,
@@ -421,117 +399,29 @@ class Session:
             faults=self._faults,
             members=self._members,
             position=self._pos,
+            beat=self._beat,
+            hooks=self._hooks,
+            reports=self._reports,
+            device_type=self.device.type,
+            fail_usage=self._fail_usage,
+            finished=self._finished,
         )
-        self._snaps.open(self.rank)
-        self._beat.progressed()
+        return loop
 
-    def _loop(self, num_steps: int, warm_up: TrainStep | None) -> Iterator[Step]:
-        loss: float | None = None
-        module: torch.nn.Module | None = None
-        new_generation = False
-        msg = self._pending_reconfigure
-        self._pending_reconfigure = None
-        rejoin, link, pos = self._rejoin, self._link, self._pos
-        assert rejoin is not None, "_start made it"
-        try:
-            while True:
-                if msg is not None:
-                    module = rejoin.reconfigure(msg, warm_up)
-                    msg, new_generation = None, True
-                    self._beat.progressed()
-                try:
-                    while pos.step < num_steps:
-                        self._hooks.deliver_pending()  # on_event(deliver="step")
-                        pending = rejoin.between_steps()
-                        if pending is not None:
-                            raise _Reconfigure(pending)
-                        assert module is not None
-                        step = Step(
-                            pos.step,
-                            model=module,
-                            generation=pos.generation,
-                            new_generation=new_generation,
-                            enter=self._enter_step,
-                            leave=self._leave_step,
-                        )
-                        t0 = time.monotonic()
-                        self._take_wait_s()  # issue 21: this step's wait starts at 0
-                        link.enter_step()  # a recovery interrupts a fault injected here
-                        self._faults.maybe_fire(
-                            "step", rank=self.rank, step=pos.step, generation=pos.generation
-                        )
-                        self._faults.stretch()  # issue 21: a slowdown fault's longer compute
-                        link.in_step = False
-                        self._rescue.arm(self.trainee.capture, pos.step)
-                        yield step
-                        error = step.outcome()
-                        if error is not None:
-                            raise error
-                        if self._group.severed:  # ran on aborted collectives: never snapshot it
-                            raise PeerFailed("the generation's group was aborted during the step")
-                        new_generation, loss = False, step.loss
-                        self._stepped(time.monotonic() - t0, loss, num_steps)
-                    self._snaps.live.drain()  # the last snapshot is complete before we report done
-                    pos.done = True
-                    link.send(DoneMsg(gen=pos.generation, step=pos.step).encode())
-                    reply = link.wait_for(FinishMsg, ReconfigureMsg)
-                    if not isinstance(reply, ReconfigureMsg):
-                        link.closing = True
-                        if self._hooks.active:
-                            self._hooks.flush(FLUSH_S)
-                        self.result = RunResult(step=pos.step, last_loss=loss, generation=pos.generation)
-                        return
-                    msg = reply
-                except _Reconfigure as r:
-                    msg = r.msg
-                except PeerFailed as e:
-                    msg = rejoin.on_step_error(e)
-                except UsageError as e:  # the script's mistake: no recovery can fix it
-                    self._fail_usage(e)
-                    raise
-                except Exception as e:  # a collective failed, or the user's code raised
-                    link.in_step = False
-                    msg = rejoin.on_step_error(e)
-        finally:
-            self.trainee.close()
-            self._snaps.live.close()
-            if self._waits is not None:
-                self._waits.close()
-                self._waits = self._beat.clock = None
+    def _first_reconfigure(self) -> ReconfigureMsg | None:
+        """The reconfigure that made this process a rank (once: the loop starts with it)."""
+        msg, self._pending_reconfigure = self._pending_reconfigure, None
+        return msg
 
-    def _take_wait_s(self) -> float:
-        return self._waits.take_wait_s() if self._waits is not None else 0.0
+    def _finished(self, result: RunResult) -> None:
+        self.result = result
 
-    @uninterruptible
-    def _enter_step(self) -> None:
-        self._link.enter_step()  # from here a recovery interrupts the step
-
-    @uninterruptible
-    def _leave_step(self) -> None:
-        self._link.in_step = False
-
-    def _stepped(self, step_s: float, loss: float | None, num_steps: int | None = None) -> None:
-        """The step in flight completed in ``step_s``: count it, then snapshot the state after it
-        when due and report it (:class:`~nonstop.train.reports.StepReports`)."""
-        pos = self._pos
-        pos.step += 1
-        self._rescue.disarm()
-        t1 = time.monotonic()
-        self._beat.stepped(t1, step_s)
-        wait_s = self._take_wait_s()  # issue 21
-        self._faults.observe(step_s - wait_s)  # a slowdown fault stretches the own compute
-        capture = self.trainee.capture
-        assert capture is not None, "the model is built once the generation's group is joined"
-        self._reports.completed(
-            pos.step,
-            generation=pos.generation,
-            capture=capture,
-            step_s=step_s,
-            wait_s=wait_s,
-            loss=loss,
-            num_steps=num_steps,
-            since=t1,
-        )
+    @property
+    def trainee(self) -> Trainee:
+        """The model side of the loop :meth:`steps` started (:mod:`nonstop.train.trainee`)."""
+        if self._training is None:
+            raise AttributeError("the trainee exists once Session.steps() has started")
+        return self._training.trainee
 
     def _fail_usage(self, err: UsageError) -> None:
         """Fail the job for the script's mistake ``err``: ``nonstop run`` exits 2 with its line
