@@ -12,12 +12,14 @@
 # COMPAT_TORCH, in a second venv .venv-compat/ (2.14.1 installs from this disk in ~1-2 min, ~6 GB).
 # COMPAT_TESTS=tests make test-compat runs the whole suite there.
 COMPAT_TORCH ?= 2.14.1
-COMPAT_TESTS ?= tests/test_meshgroups.py tests/test_snapshot_sharded.py tests/test_snapshot.py \
-  tests/test_collectives.py tests/test_sever.py tests/test_exactsum.py tests/test_mesh.py \
-  tests/test_e2e_recovery.py::test_killed_worker_recovers_from_spare_bitwise \
-  tests/test_e2e_recovery.py::test_hung_worker_is_detected_killed_and_replaced \
-  tests/test_sharded_e2e.py::test_fsdp2_survives_a_kill_and_a_stuck_rank_bitwise \
-  tests/test_sharded_e2e.py::test_an_hsdp_migration_keeps_the_mesh_groups_it_did_not_touch_bitwise
+COMPAT_TESTS ?= tests/train/test_meshgroups.py tests/snapshot/test_snapshot_sharded.py \
+  tests/snapshot/test_snapshot.py \
+  tests/train/test_collectives.py tests/train/test_sever.py tests/train/test_exactsum.py \
+  tests/toplevel/test_mesh.py \
+  tests/e2e/test_e2e_recovery.py::test_killed_worker_recovers_from_spare_bitwise \
+  tests/e2e/test_e2e_recovery.py::test_hung_worker_is_detected_killed_and_replaced \
+  tests/e2e/test_sharded_e2e.py::test_fsdp2_survives_a_kill_and_a_stuck_rank_bitwise \
+  tests/e2e/test_sharded_e2e.py::test_an_hsdp_migration_keeps_the_mesh_groups_it_did_not_touch_bitwise
 
 demo:
 	scripts/setup.sh

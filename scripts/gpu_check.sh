@@ -3,7 +3,7 @@
 # build of torch; nothing can be installed there from the network):
 #   scripts/gpu_check.sh OUTDIR
 # 1. the machine: GPUs, torch/CUDA/NCCL versions, locked-memory limit, /dev/shm;
-# 2. the GPU-only tests (pytest -m gpu: tests/test_gpu.py, tests/test_capture_gpu.py) and the
+# 2. the GPU-only tests (pytest -m gpu: tests/e2e/test_gpu.py, tests/snapshot/test_capture_gpu.py) and the
 #    fake-CUDA capture tests, on the real driver;
 # 3. benchmarks/bench_gpu_capture.py: D2H bandwidth of a snapshot vs the pinned floor, and what an
 #    every-step snapshot adds to a real training step (nonstop vs torch's DCP staging), each step's
@@ -41,7 +41,7 @@ step() {  # name, seconds, command...: one stage, bounded, its output kept
   echo "=== $name: rc $rc in $((SECONDS - t0)) s"
 }
 step pytest 180 python3 -m pytest -q -p no:cacheprovider -s --timeout 200 \
-  tests/test_capture_gpu.py tests/test_gpu.py tests/test_capture_device.py
+  tests/snapshot/test_capture_gpu.py tests/e2e/test_gpu.py tests/snapshot/test_capture_device.py
 step bench 150 python3 benchmarks/bench_gpu_capture.py --out "$out/gpu_capture.json"
 # the same with more hardware queues: with CUDA's default 8, two streams can share one and run
 # in submission order (a false dependency) -- one candidate for the paced snapshot's steps that

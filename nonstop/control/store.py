@@ -164,7 +164,7 @@ class Watch:
 @runtime_checkable
 class ControlStore(Protocol):
     """What the coordinator and node agents need from a control store. See the module docstring
-    for revisions, leases and watches; both backends pass ``tests/test_control_store.py``."""
+    for revisions, leases and watches; both backends pass ``tests/control/test_control_store.py``."""
 
     @property
     def url(self) -> str:

@@ -2,7 +2,7 @@
 
 Nothing here does I/O or reads a clock: callers pass ``now`` and observations,
 and get decisions back. The runtime and the simulator call the same
-functions, so they cannot disagree (``tests/test_policy_callers.py``: every name
+functions, so they cannot disagree (``tests/structure/test_policy_callers.py``: every name
 exported here has a caller in the runtime).
 """
 

@@ -4,7 +4,7 @@
 which it builds; this module is how a device node does the building, severing and reuse, where
 gloo's socket tricks do not reach the device communicators. **Untested on a GPU**: no GPU
 machine has been lent to this project's tasks. Every rule below is checked on CPU with fakes
-(``tests/test_devicegroups.py``); the figures wait for a device.
+(``tests/train/test_devicegroups.py``); the figures wait for a device.
 
 **Two ways to build, chosen by** ``NONSTOP_DEVICE_GROUPS`` (:func:`mode`):
 

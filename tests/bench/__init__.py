@@ -1,0 +1,1 @@
+"""Smoke runs of the benchmarks/ scripts (marker bench: make test-bench)."""

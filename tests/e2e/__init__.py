@@ -1,0 +1,1 @@
+"""Real-process end-to-end tests: whole jobs with real workers, kills and recoveries."""

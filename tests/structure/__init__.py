@@ -1,0 +1,1 @@
+"""Tests of the code base's shape: layering, docs, tiers, typed protocol, policy callers."""

@@ -1,0 +1,1 @@
+"""Tests of nonstop/'s top-level modules (mesh.py, slurm.py, workerlog.py, ...)."""
