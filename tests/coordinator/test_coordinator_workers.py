@@ -18,7 +18,7 @@ from nonstop.policy.cadence import Cadence
 from nonstop.policy.phase import JobPhase
 from nonstop.policy.reconfiguration import Joined, Launched, Reconfiguration, RecoveryEvent, Stepped
 from nonstop.protocol.base import RawMsg
-from nonstop.protocol.worker import DoneMsg, FaultMsg, HeartbeatMsg, InjectedMsg, ReadyMsg, StepMsg
+from nonstop.protocol.worker import DoneMsg, FaultMsg, HeartbeatMsg, InjectedMsg, ReadyMsg, ResumeMsg, StepMsg
 from tests.coord_fakes import FakeChannel, add_member, logged
 
 
@@ -41,9 +41,9 @@ class FakeSetup:
 
 class FakeResumes:
     def __init__(self) -> None:
-        self.resumed: list[tuple[int, dict[str, Any]]] = []
+        self.resumed: list[tuple[int, ResumeMsg]] = []
 
-    def on_worker_resumed(self, w: WorkerRecord, resume: dict[str, Any]) -> None:
+    def on_worker_resumed(self, w: WorkerRecord, resume: ResumeMsg) -> None:
         self.resumed.append((w.spawn_id, resume))
 
 
@@ -141,7 +141,7 @@ def test_a_worker_reconnecting_to_a_restarted_coordinator_is_handed_to_store_mod
     old = s.connect(w)
     old.closed = True
     chan = s.connect(w, resume={"gen": 3, "step": 9})
-    assert w.chan is chan and s.resumes.resumed == [(w.spawn_id, {"gen": 3, "step": 9})]
+    assert w.chan is chan and s.resumes.resumed == [(w.spawn_id, ResumeMsg(gen=3, step=9))]
     assert s.start.connects == 1 and s.events_of("connect")[-1]["resumed"] is True
 
 
