@@ -36,7 +36,6 @@ exits (:class:`_Later`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -118,6 +117,7 @@ class Operations:
     feed: EventFeed
     workers: WorkerProtocol
     routes: Routes
+    clock: Clock  # what the operations read the time through (clock.py); the loop's too
 
 
 class _Later:
@@ -220,6 +220,7 @@ def assemble(
         feed=feed,
         workers=workers,
         routes=routes,
+        clock=core.clock,
     )
 
 
@@ -229,7 +230,7 @@ def _core(job: _Job, events: EventLog, shape: JobShape, clock: Clock) -> _Core:
     and finishing), the detector, the rendezvous table; persist rounds send through the executor."""
     config = job.config
     view = JobView(job_id=job.job_id, world_size=config.world_size)
-    io = Executor(view, events)
+    io = Executor(view, events, clock=clock)
     life = JobLife(view=view, events=events, io=io, replicating=shape.replicating)
     rounds = job.persister if isinstance(job.persister, ClusterPersister) else None
     if rounds is not None:
@@ -253,7 +254,12 @@ def _data(core: _Core, shape: JobShape, job: _Job) -> tuple[ReplicationRounds, R
     or the durable tier."""
     config = job.config
     replication = ReplicationRounds(
-        view=core.view, io=core.io, events=core.events, replicas=config.replication.replicas, mesh=shape.mesh
+        view=core.view,
+        io=core.io,
+        events=core.events,
+        replicas=config.replication.replicas,
+        mesh=shape.mesh,
+        clock=core.clock,
     )
     sources = RestoreSources(
         view=core.view,
@@ -281,13 +287,14 @@ def _moves(
         io=io,
         events=events,
         life=life,
-        actions=SwapActions(view=view, io=io, events=events, sources=sources),
+        actions=SwapActions(view=view, io=io, events=events, sources=sources, clock=core.clock),
         elastic=shape.elastic,
         detector=core.detector,
         full_world_size=config.world_size,
         rebuild_timeout_s=config.detection.rebuild_timeout_s,
         swap_transfer=config.operations.swap_transfer,
         persist=core.rounds,
+        clock=core.clock,
     )
     store = StoreSync(
         view=view,
@@ -300,9 +307,15 @@ def _moves(
         reconnect_s=config.control.reconnect_s,
         store_url=config.control.store,
         swaps=swaps,
+        clock=core.clock,
     )
     health = Health(
-        view=view, events=events, config=config.detection.straggler, quarantine=shape.quarantine, mover=swaps
+        view=view,
+        events=events,
+        config=config.detection.straggler,
+        quarantine=shape.quarantine,
+        mover=swaps,
+        clock=core.clock,
     )
     resize = Resizing(
         view=view,
@@ -401,7 +414,7 @@ def _recovery(
         world_size=config.world_size,
         resume_url=config.persist.resume or job.durable_url,
         sharded=config.mesh is not None,
-        since=time.monotonic(),
+        since=core.clock.monotonic(),
         generations=gens,
         installer=sources,
     )
@@ -417,6 +430,7 @@ def _recovery(
         grader=health,
         nodes=agents,
         recovery=gens,
+        clock=core.clock,
     )
     return setup, gens, start, failures
 
@@ -447,6 +461,7 @@ def _generations(
         shards=resize,
         swaps=swaps,
         spares=agents,
+        clock=core.clock,
     )
     asks = PlanAsks(
         view=view,
@@ -469,6 +484,7 @@ def _generations(
         initial_step=job.initial_step,
         exits_waiting=lambda sids: later.failures.waiting(sids),
         fences=(lambda _: replication.reset(), fence_rendezvous(core.kv)),
+        clock=core.clock,
     )
     sources.bind(setup=setup, needs=resize)
     return setup, gens
@@ -518,8 +534,9 @@ def _observers(
         timeout_s=config.persist.timeout_s,
         store=store,
         clients=clients,
+        clock=core.clock,
     )
-    feed = EventFeed()
+    feed = EventFeed(clock=core.clock)
     core.events.subscribe(feed.on_event)
     workers = WorkerProtocol(
         view=view,
@@ -531,6 +548,7 @@ def _observers(
         start=start,
         setup=setup,
         resumes=store,
+        clock=core.clock,
     )
     return clients, persists, feed, workers
 
@@ -592,4 +610,5 @@ def _routes(
         feed=feed,
         detector=core.detector,
         monitor=monitor,
+        clock=core.clock,
     )

@@ -5,8 +5,13 @@ fake one (``tests/coord_fakes.FakeClock``) and no sleep.
 ``monotonic()`` is for durations and deadlines (:func:`time.monotonic`); ``wall()`` for times
 other processes compare with ours, such as a stage's end logged against workers' reports
 (:func:`time.time`). The coordinator's assembly (:mod:`nonstop.coordinator.assembly`) gives each
-operation that takes one the same :data:`SYSTEM_CLOCK`; operations not converted yet still call
-:mod:`time`.
+operation the same :data:`SYSTEM_CLOCK`, and the loop (:mod:`.loop`) reads it too. Every
+operation reads it but these, which keep :mod:`time`: the status server's threads
+(:mod:`.status_server`) and the status board they share with the loop (:class:`.metrics.StatusBoard`:
+real waits between threads), :meth:`.event_feed.EventFeed.flush` (a real wait for its sender thread)
+and the persist rounds' :class:`.persistence.ClusterPersister` (it takes a clock, but the launcher
+builds it before the assembly: the system one). :class:`.view.WorkerRecord`'s times are whatever
+clock made them (no default reads :mod:`time`).
 """
 
 from __future__ import annotations

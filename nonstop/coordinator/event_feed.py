@@ -26,12 +26,13 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 from nonstop import events as ev
 from nonstop.control.channel import Message
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.errors import ControlError
 from nonstop.events.hook import Committed
 from nonstop.protocol.worker import EventMsg
@@ -62,18 +63,20 @@ class _Subscription:
 class EventFeed:
     """Forwards events to subscribed workers (see the module docstring). ``max_pending``: events
     queued for the sender thread at most; ``committed_every_s``: the least time between two
-    ``committed`` events; ``clock``: monotonic seconds (tests give their own)."""
+    ``committed`` events; ``clock``: what that interval and those events' times are read through
+    (:mod:`.clock`; tests give a fake one). :meth:`flush` waits on the real clock (a wait for the
+    sender thread)."""
 
     def __init__(
         self,
         *,
         max_pending: int = 4096,
         committed_every_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.max_pending = max_pending
         self.committed_every_s = committed_every_s
-        self._clock = clock
+        self.clock = clock
         self._subs: dict[int, _Subscription] = {}  # spawn id -> its subscription
         self._queue: collections.deque[tuple[int, _Subscription, Message]] = collections.deque()
         self._cv = threading.Condition()
@@ -111,11 +114,13 @@ class EventFeed:
         """The committed step now: a ``committed`` event when it moved and the interval passed."""
         if not self._subs or (committed, generation) == self._last_committed:
             return
-        now = self._clock()
+        now = self.clock.monotonic()
         if now - self._committed_at < self.committed_every_s:
             return
         self._committed_at, self._last_committed = now, (committed, generation)
-        self.on_event(Committed(ts=time.time(), step=committed, generation=generation, world_size=world_size))
+        self.on_event(
+            Committed(ts=self.clock.wall(), step=committed, generation=generation, world_size=world_size)
+        )
 
     # -- any thread --------------------------------------------------------------------------
     def on_event(self, event: ev.Event) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import itertools
 import signal
-import time
 
 from nonstop import events as ev
 from nonstop.control.channel import Channel, Message
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.torch_env import rank_env
 from nonstop.coordinator.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.errors import ControlError
@@ -39,7 +39,8 @@ class Executor:
     ``replies`` holds the answers to requests that arrived (``inventory``, ``installed``, a
     node's loss); ``pending`` maps a request in flight to the node asked."""
 
-    def __init__(self, view: JobView, events: EventLog) -> None:
+    def __init__(self, view: JobView, events: EventLog, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
         self.view = view
         self.events = events
         self._req = itertools.count()
@@ -94,7 +95,7 @@ class Executor:
     # -- processes ---------------------------------------------------------------------------------
     def spawn(self, node: str, role: Role, rank: int | None) -> int:
         """Have ``node``'s agent start a process (``rank``: it plays that rank); its spawn id."""
-        sid = self.view.add_worker(node, role, rank, time.monotonic()).spawn_id
+        sid = self.view.add_worker(node, role, rank, self.clock.monotonic()).spawn_id
         # a rank: the agent labels the process's output with it (workerlog.py); env: torchrun's,
         # before the script starts
         env = None if rank is None else rank_env(self.view, sid, rank)

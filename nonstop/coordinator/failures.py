@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nonstop import events as ev
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.view import Role, WorkerRecord
 from nonstop.faults import fired_at
 from nonstop.policy.decisions import JOB_STALL_FACTOR, FailureKind, classify_exit, describe_exit
@@ -78,9 +78,11 @@ class Failures:
         grader: FailureGrader,
         nodes: NodeHistory,
         recovery: Recovery,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """``max_restarts``: the restart budget (``--max-restarts``); ``faults_dir``: where
         injected faults record when they fired (a failure's detection time counts from there)."""
+        self.clock = clock
         self.view = view
         self.io = io
         self.events = events
@@ -190,7 +192,7 @@ class Failures:
                     rank=w.rank,
                     spawn_id=sid,
                     detail=detail,
-                    detected_at=time.time(),
+                    detected_at=self.clock.wall(),
                     fault_at=fault_at,
                     step=self.view.reached(w.rank),  # snapshotted or not (--snapshot-every)
                     # the grade points at the node (not lost): its spare is the last choice
@@ -298,7 +300,7 @@ class Failures:
         in_training = self.recovery.in_training()
         rebuilding = self.recovery.rebuilding()
         verdicts = self.detector.scan(
-            now=time.monotonic(),
+            now=self.clock.monotonic(),
             members={rank: self.view.workers[sid] for rank, sid in self.view.members.items()},
             everyone=list(self.view.workers.values()),
             alive=self.view.live,
@@ -306,7 +308,7 @@ class Failures:
             rebuilding=rebuilding,
             recovering=self.view.phase is JobPhase.RECONFIGURING and not in_training,
         )
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for sid, reason in verdicts.kill.items():
             w = self.view.workers[sid]
             if w.killed_for_hang:
@@ -321,5 +323,5 @@ class Failures:
         self._unanswered(now)
         for sid in verdicts.reraise:
             w = self.view.workers[sid]
-            w.told_to_raise_at = time.monotonic()  # tell it once; its exit is its failure
+            w.told_to_raise_at = self.clock.monotonic()  # tell it once; its exit is its failure
             self.io.send(w, RaiseMsg().encode())

@@ -19,10 +19,10 @@ Threading: the coordinator's thread only.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 from nonstop import events as ev
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.torch_env import rank_env
 from nonstop.policy.phase import Busy, JobPhase
 from nonstop.policy.reconfiguration import (
@@ -67,7 +67,9 @@ class GenerationSetup:
         shards: RankShards,
         swaps: SwapsDone,
         spares: SpareSupply,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        self.clock = clock
         self.view = view
         self.io = io
         self.events = events
@@ -98,7 +100,7 @@ class GenerationSetup:
     def check_timeouts(self) -> None:
         """A stage that overran ``rebuild_timeout_s`` has its laggards killed (the machine says who)."""
         if self.view.phase is JobPhase.RECONFIGURING:
-            self.report(Tick(time.time()))
+            self.report(Tick(self.clock.wall()))
 
     def abandon(self) -> None:
         """A newer generation opens: the one being set up (if any) is dropped unfinished; the
@@ -129,7 +131,7 @@ class GenerationSetup:
             if v.workers[sid].chan is None:  # still starting (e.g. launched by a re-plan)
                 r.waiting_launch.add(rank)
         r.timeout_s = self.rebuild_timeout_s
-        self._execute(r, r.start(time.time()))
+        self._execute(r, r.start(self.clock.wall()))
 
     def report(self, event: RecoveryEvent) -> None:
         """What a rank reported (or a clock tick), for the generation being set up."""
@@ -152,7 +154,7 @@ class GenerationSetup:
                     self.io.send(v.workers[sid], RebuildMsg(gen=r.generation).encode())
             elif isinstance(a, Resumed):
                 self.life.set_phase(JobPhase.RUNNING)
-                now_m = time.monotonic()
+                now_m = self.clock.monotonic()
                 for member in v.members.values():
                     v.workers[member].last_progress = now_m
             elif isinstance(a, KillLaggards):

@@ -33,11 +33,11 @@ Threading: the coordinator's thread only. I/O goes through the executor.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nonstop import events as ev
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.view import Role
 from nonstop.policy.phase import JobPhase
 from nonstop.policy.planning import (
@@ -86,6 +86,7 @@ class Generations:
         initial_step: int | None,
         exits_waiting: Callable[[set[int]], bool],
         fences: Sequence[Callable[[int], None]] = (),
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """``exits_waiting``: whether any of these spawn ids' exits is reported but not handled
         yet (:meth:`Failures.waiting <nonstop.coordinator.failures.Failures.waiting>`);
@@ -93,6 +94,7 @@ class Generations:
         each new generation, in order, after this operation's own fencing (the replication round,
         the rendezvous's parked calls); ``durable_url``: named in the error when no tier holds a
         step."""
+        self.clock = clock
         self.view = view
         self.io = io
         self.events = events
@@ -170,7 +172,7 @@ class Generations:
         p = self.pending
         if p is None or p.replan_at is None:
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         ev = SpareIdle(now) if self.view.idle_spares() else Waited(now)
         if p.on_event(ev):  # [Replan]
             self.pending = None
@@ -190,7 +192,7 @@ class Generations:
                 self._deferral_logged = self.view.generation
                 self.events.emit(ev.ReplanDeferred(generation=self.view.generation))
             return
-        out = self.asks.events(p, time.monotonic())
+        out = self.asks.events(p, self.clock.monotonic())
         for a in out:
             if isinstance(a, PlanNow):
                 self.asks.drop()
@@ -223,7 +225,7 @@ class Generations:
             failures=failures, replans=replans, replacements=dict(replacements or {}), rescue=rescue
         )
         if failures or self.initial_step is not None or inventory_needed:
-            out = self.asks.ask(p, time.monotonic())
+            out = self.asks.ask(p, self.clock.monotonic())
         else:
             out = [PlanNow(None)]
         for a in out:
@@ -234,7 +236,7 @@ class Generations:
         p = self.pending
         assert p is not None
         failures, replans, replacements = p.failures, p.replans, p.replacements
-        now = time.time()
+        now = self.clock.wall()
         if self.reshard is not None and not failures:  # the first generation: every rank is present
             self.pending = None
             plan = Plan(action=PlanAction.REPLACE)
@@ -270,7 +272,7 @@ class Generations:
             for sid in self.view.members.values():  # their fault reports are answered after the wait
                 self.view.workers[sid].fault_report = None
                 self.view.workers[sid].told_to_raise_at = None
-            p.wait_for_spare(time.monotonic() + plan.wait_s)
+            p.wait_for_spare(self.clock.monotonic() + plan.wait_s)
             self.events.emit(ev.ElasticWait(ranks=list(plan.unplaced), wait_s=plan.wait_s))
             return
         from_rank: dict[int, int] = {}
@@ -373,12 +375,12 @@ class Generations:
             if p.spare is not None:
                 w = self.view.workers[p.spare]
                 w.rank, w.role = rank, Role.WORKER
-                w.last_progress, w.stepped = time.monotonic(), False
+                w.last_progress, w.stepped = self.clock.monotonic(), False
                 self.view.members[rank] = p.spare
             else:
                 self.io.spawn(p.node, Role.WORKER, rank)
                 r.waiting_launch.add(rank)
-        r.marks["plan"] = time.time()
+        r.marks["plan"] = self.clock.wall()
         if reshard is not None and "memory" in reshard:
             assert restore_step is not None
             reshard["memory"] = self.sources.plan_reshard(r, restore_step, avail, int(reshard["world"]))
@@ -419,6 +421,6 @@ class Generations:
             fresh=fresh or set(),
             live=True,
         )
-        r.marks["detect"] = r.marks["plan"] = time.time()
+        r.marks["detect"] = r.marks["plan"] = self.clock.wall()
         self.view.rewind(step)
         return r

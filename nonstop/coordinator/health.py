@@ -26,10 +26,10 @@ which for ``migration_done`` is the coordinator's).
 from __future__ import annotations
 
 import collections
-import time
 from typing import TYPE_CHECKING, Any
 
 from nonstop import events as ev
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.view import WorkerRecord
 from nonstop.policy.decisions import FailureKind
 from nonstop.policy.grading import FailureSignal, Graded, RepeatedErrors, grade_failure
@@ -62,9 +62,11 @@ class Health:
         config: StragglerConfig,
         quarantine: QuarantinePolicy,
         mover: Mover,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """``config``: ``--straggler-*``; ``quarantine``: the nodes' failure history policy a
         grade weighs; ``mover``: where a proactive migration is asked for."""
+        self.clock = clock
         self.view = view
         self.events = events
         self.config = config
@@ -228,7 +230,7 @@ class Health:
         failure is added here), log it and keep it for ``status``. ``step``: the step its rank
         had reached (an exception raised at the same step generation after generation fails the
         job: :class:`~nonstop.policy.grading.RepeatedErrors`)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         same = 1
         if exception is not None and step is not None:
             same = self.repeated.count(exception=exception, step=step, generation=self.view.generation)

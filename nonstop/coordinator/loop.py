@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,15 +174,15 @@ class Coordinator:
         """One turn of the loop: handle the events that arrived (waiting up to ``wait_s`` for
         the first), then every periodic check. Tests drive a coordinator through this."""
         self.pump_events(wait_s)
-        self.agents.check_leases(time.monotonic())
+        self.agents.check_leases(self.ops.clock.monotonic())
         self.store.tick()
-        self.start.check_join(time.monotonic())
+        self.start.check_join(self.ops.clock.monotonic())
         self.failures.handle_exits()
         self.pump_events(0)
         self.failures.detect()
         self.setup.check_timeouts()
         if self.replication_on and self.life.may_start(Op.REPLICATE):
-            self.replication.maybe_start(now=time.monotonic())
+            self.replication.maybe_start(now=self.ops.clock.monotonic())
         self.persists.tick()
         self.swaps.tick()
         self.health.tick()  # issue 21: stragglers judged, a proactive move asked

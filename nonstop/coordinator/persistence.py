@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nonstop.control.channel import Message
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.errors import NonstopError
 from nonstop.events import Event, Persist, PersistFailed
 from nonstop.policy.phase import Busy, JobPhase, Op
@@ -90,7 +90,9 @@ class ClusterPersister:
         every: int,
         timeout_s: float,
         emit: Callable[[Event], None],
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        self.clock = clock
         if every < 0:
             raise ValueError("every must be >= 0 (0: only on demand)")
         self.durable = durable
@@ -127,7 +129,7 @@ class ClusterPersister:
     # -- driving -------------------------------------------------------------------------------
     def wanted(self, committed: int | None) -> bool:
         """Whether a round of ``committed`` should start now."""
-        if self.round is not None or committed is None or time.monotonic() < self._retry_at:
+        if self.round is not None or committed is None or self.clock.monotonic() < self._retry_at:
             return False
         if self.last_step is not None and committed <= self.last_step:
             self._served = self._requested  # nothing newer to persist: requests are answered
@@ -152,7 +154,7 @@ class ClusterPersister:
             step=step,
             writer=writer,
             pending=set(placement),
-            started=time.monotonic(),
+            started=self.clock.monotonic(),
             tickets=tickets,
             nodes={n: sorted(r) for n, r in placement.items()},
         )
@@ -207,7 +209,7 @@ class ClusterPersister:
         lost = sorted(rd.pending - alive)
         if lost:
             self.abort(f"node(s) {', '.join(lost)} lost during the persist")
-        elif time.monotonic() - rd.started > self.timeout_s:
+        elif self.clock.monotonic() - rd.started > self.timeout_s:
             self.abort(f"no answer from node(s) {', '.join(sorted(rd.pending))} in {self.timeout_s:g}s")
 
     def abort(self, why: str) -> None:
@@ -230,7 +232,7 @@ class ClusterPersister:
             self.abort(f"committing it: {e}")  # still the round in flight
             return
         self.round = None
-        seconds = time.monotonic() - rd.started
+        seconds = self.clock.monotonic() - rd.started
         self.last_step = rd.step
         self.last = PersistResult(
             step=rd.step, raw_bytes=rd.raw, stored_bytes=rd.stored, seconds=seconds, full=rd.full
@@ -252,7 +254,7 @@ class ClusterPersister:
     def _failed(self, error: str, tickets: int) -> None:
         self.last_error = error
         self._served = max(self._served, tickets)
-        self._retry_at = time.monotonic() + RETRY_S
+        self._retry_at = self.clock.monotonic() + RETRY_S
         log.warning("persist failed: %s", error)
         self._emit(PersistFailed(error=error))
 
@@ -269,7 +271,9 @@ class PersistOps:
         timeout_s: float,
         store: UnderWay,
         clients: PersistAnswers,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        self.clock = clock
         self.view = view
         self.life = life
         self.rounds = rounds
@@ -303,10 +307,10 @@ class PersistOps:
             if step is None:
                 return self._end_final()
             self._final_step = step
-            self._final_deadline = time.monotonic() + self.timeout_s
+            self._final_deadline = self.clock.monotonic() + self.timeout_s
         assert rounds is not None
         rounds.check(set(self.view.alive_nodes()))
-        if rounds.round is not None and time.monotonic() < self._final_deadline:
+        if rounds.round is not None and self.clock.monotonic() < self._final_deadline:
             return False
         if rounds.round is not None:
             rounds.abort(f"the final persist did not finish in {self.timeout_s:g}s")

@@ -13,11 +13,11 @@ coordinator) and run one at a time. I/O goes through the coordinator's
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from nonstop import events as ev
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.executor import Executor
 from nonstop.coordinator.view import JobView
 from nonstop.events.log import EventLog
@@ -46,8 +46,16 @@ class ReplicationRounds:
     """Starts, tracks and accounts replication rounds (see the module docstring)."""
 
     def __init__(
-        self, *, view: JobView, io: Executor, events: EventLog, replicas: int, mesh: MeshSpec | None = None
+        self,
+        *,
+        view: JobView,
+        io: Executor,
+        events: EventLog,
+        replicas: int,
+        mesh: MeshSpec | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        self.clock = clock
         self.view, self.io, self.events = view, io, events
         self.replicas = replicas
         self.mesh = mesh  # with several replica groups, a rank's replica goes to another group's node
@@ -114,7 +122,7 @@ class ReplicationRounds:
         if not msg.ok:
             self.totals["failed_rounds"] += 1
             self.broadcast_committed()  # release the failed round's holds
-            self._retry_at = time.monotonic() + ROUND_RETRY_S
+            self._retry_at = self.clock.monotonic() + ROUND_RETRY_S
             if self.totals["failed_rounds"] <= 3 or self.totals["failed_rounds"] % 100 == 0:
                 self.events.emit(
                     ev.ReplicationFailed(
@@ -134,7 +142,7 @@ class ReplicationRounds:
         self.totals["rounds"] += 1
         self.totals["raw_bytes"] += rd.raw
         self.totals["wire_bytes"] += rd.wire
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now - self._event_at >= REPLICATED_EVENT_EVERY_S:
             self._event_at = now
             self.events.emit(

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nonstop import events as ev
 from nonstop.control.channel import Channel, Message
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.view import NodeRecord, WorkerRecord
 from nonstop.errors import ControlError
 from nonstop.policy import reconfiguration as recovery
@@ -118,7 +118,9 @@ class Routes:
         feed: EventFeed,
         detector: FailureDetector,
         monitor: Callable[[], JobMonitor | None],
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        self.clock = clock
         self.view = view
         self.io = io
         self.events = events
@@ -202,7 +204,7 @@ class Routes:
             who.update(spawn_id=tag, rank=w.rank)
             self.events.emit(ev.ProtocolError(**who))
             if w.chan is chan:  # the detector fails it once the channel has been closed a moment
-                w.chan_closed_at = time.monotonic()
+                w.chan_closed_at = self.clock.monotonic()
             self.io.close(chan)
             return
         self.events.emit(ev.ProtocolError(**who))
@@ -248,7 +250,7 @@ class Routes:
         subscriptions, a usage fault and a joiner's preparation count from any of its processes;
         everything else only from a member of the current generation (the fence)."""
         m = decode_worker(msg)
-        now = time.monotonic()
+        now = self.clock.monotonic()
         match m:
             case HeartbeatMsg():
                 self.workers.on_heartbeat(w, m, now)
@@ -286,13 +288,13 @@ class Routes:
                 self.detector.record_step(m.step_s)
                 self.swaps.on_step(rank, m.step)
                 self.health.on_step(w, rank, m)  # issue 21: compute time (step_s - wait_s) for fail-slow
-                self.setup.report(recovery.Stepped(rank, time.time()))
+                self.setup.report(recovery.Stepped(rank, self.clock.wall()))
                 monitor = self.monitor()
                 if monitor is not None:
                     monitor.on_step(rank, m.step_s, m.snap_s, m.nbytes)
                 self.workers.tune(m, rank)
             case RestoredMsg():
-                self.setup.report(recovery.Restored(rank, time.time()))
+                self.setup.report(recovery.Restored(rank, self.clock.wall()))
             case DoneMsg():
                 self.workers.on_done(rank, m)
             case MigrateMsg():

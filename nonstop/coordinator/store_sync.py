@@ -34,6 +34,7 @@ from nonstop import events as ev
 from nonstop.control.channel import Channel
 from nonstop.control.jobstore import JobStore, RecordWriter
 from nonstop.control.store import LeaseKeeper, Watch
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.view import JobView, NodeRecord, Role, WorkerRecord
 from nonstop.errors import ControlError
 from nonstop.policy.phase import Busy, JobPhase
@@ -105,7 +106,9 @@ class StoreSync:
         reconnect_s: float,
         store_url: str,
         swaps: SwapRecord,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        self.clock = clock
         self.view = view
         self.io = io
         self.events = events
@@ -142,7 +145,7 @@ class StoreSync:
         one, and watch the nodes' leases."""
         assert self.jobs is not None
         addr = f"{self.address[0]}:{self.address[1]}"
-        t0 = time.monotonic()
+        t0 = self.clock.monotonic()
         ttl = leader_ttl(self.lease_ttl_s)
         self.leader = self.jobs.lead(
             addr,
@@ -160,13 +163,13 @@ class StoreSync:
         record = self.jobs.load()
         self.writer = RecordWriter(self.jobs)
         if record is None:
-            self.events.emit(ev.CoordinatorLeads(address=addr, waited_s=time.monotonic() - t0))
+            self.events.emit(ev.CoordinatorLeads(address=addr, waited_s=self.clock.monotonic() - t0))
             return
         self.restore(record, live)
         self.events.emit(
             ev.CoordinatorResumed(
                 address=addr,
-                waited_s=time.monotonic() - t0,
+                waited_s=self.clock.monotonic() - t0,
                 generation=self.view.generation,
                 state=str(self.view.phase),
                 nodes=sorted(self.awaiting),
@@ -211,8 +214,8 @@ class StoreSync:
                 self.on_lease_ended(node)
             elif node.name in self.lapsed:
                 since = self.lapsed.pop(node.name)
-                self.events.emit(ev.NodeLeaseRenewed(node=node.name, lapsed_s=time.monotonic() - since))
-        now = time.monotonic()
+                self.events.emit(ev.NodeLeaseRenewed(node=node.name, lapsed_s=self.clock.monotonic() - since))
+        now = self.clock.monotonic()
         for name, since in list(self.lapsed.items()):
             node = self.view.nodes[name]
             if not node.alive:
@@ -250,7 +253,7 @@ class StoreSync:
 
     def on_lease_ended(self, node: NodeRecord) -> None:
         """``node``'s key in the store was deleted (its lease expired or was revoked)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if self.hears(node, now) and not node.quarantined:
             if node.name not in self.lapsed:
                 self.lapsed[node.name] = now
@@ -309,7 +312,7 @@ class StoreSync:
         chan.tag = ("node", node.name)
         node.chan = chan
         node.disconnected_at = None
-        node.last_lease = time.monotonic()
+        node.last_lease = self.clock.monotonic()
         hello = AgentHelloMsg.decode(chan.hello)
         if hello.lease_id is not None:
             node.lease_id = hello.lease_id
@@ -348,7 +351,7 @@ class StoreSync:
 
     def restore(self, rec: dict[str, Any], live: set[str]) -> None:
         """Take over from a dead coordinator's record; ``live``: nodes whose lease is alive."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         grace = now + min(self.reconnect_s, 10.0)  # workers reconnect before they count as hung
         self.view.adopt(JobView.from_record(rec, now=now, grace_until=grace))  # the job's id too
         for name, node in self.view.nodes.items():

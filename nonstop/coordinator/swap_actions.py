@@ -14,10 +14,10 @@ Threading: the coordinator's thread only; I/O through its executor.
 from __future__ import annotations
 
 import signal
-import time
 from typing import TYPE_CHECKING
 
 from nonstop import events as ev
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.torch_env import rank_env
 from nonstop.coordinator.view import Role
 from nonstop.policy.boundary_swap import (
@@ -55,7 +55,16 @@ class SwapActions:
     gens: SwapGenerations
     resize: SwapShards
 
-    def __init__(self, *, view: JobView, io: Executor, events: EventLog, sources: BoundarySources) -> None:
+    def __init__(
+        self,
+        *,
+        view: JobView,
+        io: Executor,
+        events: EventLog,
+        sources: BoundarySources,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.clock = clock
         self.view = view
         self.io = io
         self.events = events
@@ -150,7 +159,7 @@ class SwapActions:
         a.generation = v.generation
         old_world = v.world_size
         v.world_size = s.world_size
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for rank, (sid, node) in s.ranks.items():
             w = v.workers[sid]
             w.role, w.rank = Role.WORKER, rank

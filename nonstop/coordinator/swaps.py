@@ -16,12 +16,12 @@ Threading: the coordinator's thread only; I/O through its executor.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from nonstop import events as ev
 from nonstop.control.channel import Channel
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.view import NodeRecord, Role, WorkerRecord
 from nonstop.errors import ControlError
 from nonstop.policy.boundary_swap import (
@@ -86,7 +86,9 @@ class Swaps:
         rebuild_timeout_s: float,
         swap_transfer: str,
         persist: PersistNow | None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        self.clock = clock
         self.view = view
         self.io = io
         self.events = events
@@ -181,7 +183,7 @@ class Swaps:
         m = self.migration
         if any(q[0] == rank for q in self.queue) or (m is not None and m.rank == rank):
             return f"rank {rank} is already being moved"
-        self.queue.append((rank, target, reason, time.monotonic()))
+        self.queue.append((rank, target, reason, self.clock.monotonic()))
         self.events.emit(ev.MigrationRequested(rank=rank, target=target, reason=reason))
         return None
 
@@ -229,15 +231,15 @@ class Swaps:
         a = self.active
         if a is not None:
             if a.phase in (SwapPhase.PAUSE, SwapPhase.SWAP):
-                now = time.monotonic()
+                now = self.clock.monotonic()
                 for sid in self.view.members.values():  # a rank waiting at the boundary is not hung
                     self.view.workers[sid].last_progress = now
-            self._run(a.tick(time.time(), self.rebuild_timeout_s))
+            self._run(a.tick(self.clock.wall(), self.rebuild_timeout_s))
             return
         if self.queue and self.life.may_start(Op.MIGRATE):
             self._start_migration(*self.queue.pop(0))
         elif self.view.world_size < self.full_world_size and self.life.may_start(Op.GROW):
-            if time.monotonic() >= self._grow_retry_at:
+            if self.clock.monotonic() >= self._grow_retry_at:
                 self._maybe_grow()
 
     def _start_migration(self, rank: int, wanted: str | None, reason: str, asked: float) -> None:
@@ -252,7 +254,7 @@ class Swaps:
             )
         joiner = choose_joiner(target, idle) if target is not None and target in alive else None
         if target is None or joiner is None:
-            if time.monotonic() - asked < self.rebuild_timeout_s:
+            if self.clock.monotonic() - asked < self.rebuild_timeout_s:
                 # Spares may still be starting (importing torch) or being replaced: ask again later.
                 self.queue.append((rank, wanted, reason, asked))
                 return
@@ -270,7 +272,7 @@ class Swaps:
             source_rank=rank,
             source_node=leaver_node,
             prepare_step=self.life.committed(),  # held in the leaver node's memory until a newer one commits
-            started=time.time(),
+            started=self.clock.wall(),
             reason=reason,
             leaver_sid=v.members[rank],
             catch=CatchUp(),
@@ -295,7 +297,7 @@ class Swaps:
             source_rank=0,
             source_node=v.rank_node[0],
             prepare_step=self.life.committed(),  # held in rank 0's node until a newer one commits
-            started=time.time(),
+            started=self.clock.wall(),
             fetch_boundary=not self.resize.reshards,
         )
         self._run(self.active.start())
@@ -307,7 +309,7 @@ class Swaps:
         if a is None or a.joiner(sid) is None:
             return  # the swap it was for has ended
         if purpose == "prepare":
-            self._run(a.on_prepare_fetched(sid, msg.ok, msg.error, time.time()))
+            self._run(a.on_prepare_fetched(sid, msg.ok, msg.error, self.clock.wall()))
         else:
             t = Transfer(raw_bytes=msg.raw_bytes, wire_bytes=msg.wire_bytes, seconds=msg.seconds or 0.0)
             self._run(
@@ -326,11 +328,11 @@ class Swaps:
 
     def on_paused(self, rank: int, step: int) -> None:
         if self.active is not None:
-            self._run(self.active.on_paused(rank, step, time.time()))
+            self._run(self.active.on_paused(rank, step, self.clock.wall()))
 
     def on_step(self, rank: int, step: int) -> None:
         """Step report timing: the gap each rank saw across a swap's boundary."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         prev = self._step_at.get(rank)
         self._step_at[rank] = (step, now)
         if self.active is not None:
@@ -339,7 +341,7 @@ class Swaps:
     def on_generation_done(self, generation: int) -> None:
         a = self.active
         if a is not None and a.generation == generation:
-            self._run(a.on_generation_done(median_step_s=self.detector.median_step_s, now=time.time()))
+            self._run(a.on_generation_done(median_step_s=self.detector.median_step_s, now=self.clock.wall()))
 
     def on_exit(self, sid: int, *, member: bool, how: str) -> None:
         """Process ``sid`` exited: a joiner's death aborts the swap it was preparing."""
@@ -369,7 +371,7 @@ class Swaps:
     def _progress(self) -> dict[str, Any]:
         v = self.view  # a boundary goes past the newest step completed, snapshotted or not
         latest = {r: v.reached(r) for r in v.latest_step}
-        return {"latest": latest, "committed": self.life.committed(), "now": time.time()}
+        return {"latest": latest, "committed": self.life.committed(), "now": self.clock.wall()}
 
     # -- actions ----------------------------------------------------------------------------------
     def _run(self, actions: list[Action]) -> None:
@@ -397,7 +399,7 @@ class Swaps:
                 self.done.append(dict(f.info))
             self.answer(a.rank, ok=f.ok, error=f.error, **{k: v for k, v in f.info.items() if k != "rank"})
         elif not f.ok:
-            self._grow_retry_at = time.monotonic() + GROW_RETRY_S
+            self._grow_retry_at = self.clock.monotonic() + GROW_RETRY_S
 
 
 def swaps_status(s: Swaps) -> dict[str, Any]:

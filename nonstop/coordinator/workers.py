@@ -17,11 +17,11 @@ Threading: the coordinator's thread only. I/O through the executor.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, TypeAlias
 
 from nonstop import events as ev
 from nonstop.control.channel import Channel, Message
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.view import Role, WorkerRecord
 from nonstop.policy import reconfiguration as recovery
 from nonstop.policy.cadence import Cadence, CadenceTuner
@@ -89,7 +89,9 @@ class WorkerProtocol:
         start: FirstConnects,
         setup: LaunchWatch,
         resumes: WorkerResumes,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        self.clock = clock
         self.view = view
         self.io = io
         self.events = events
@@ -135,7 +137,7 @@ class WorkerProtocol:
             return
         chan.tag = sid
         w.chan = chan
-        w.last_hb = time.monotonic()
+        w.last_hb = self.clock.monotonic()
         self.events.emit(ev.Connect(spawn_id=sid, role=w.role, rank=w.rank, resumed=resume is not None))
         if resume is not None:
             self.resumes.on_worker_resumed(w, resume)
@@ -149,7 +151,7 @@ class WorkerProtocol:
 
     def on_close(self, w: WorkerRecord) -> None:
         """``w``'s channel closed: the detector fails it once it has been closed a moment."""
-        w.chan_closed_at = time.monotonic()
+        w.chan_closed_at = self.clock.monotonic()
 
     def on_connect(self, w: WorkerRecord) -> None:
         """A worker connected (not a reconnect): the job may start, a spare may take a rank."""
@@ -173,7 +175,7 @@ class WorkerProtocol:
                     ev.SpareTakesOver(rank=rank, spawn_id=w.spawn_id, cold_spawn_id=cold.spawn_id)
                 )
         if r is not None and w.rank is not None and w.rank in r.waiting_launch:
-            self.setup.report(recovery.Launched(w.rank, time.time()))
+            self.setup.report(recovery.Launched(w.rank, self.clock.wall()))
 
     # -- unfenced messages ---------------------------------------------------------------------------
     def on_heartbeat(self, w: WorkerRecord, m: HeartbeatMsg, now: float) -> None:
@@ -216,7 +218,7 @@ class WorkerProtocol:
     # -- a member's reports ------------------------------------------------------------------------------
     def on_step(self, w: WorkerRecord, rank: int, m: StepMsg, now: float) -> None:
         """``rank`` completed step ``m.step`` (committed only once its snapshot is complete)."""
-        w.last_progress, w.stepped, w.last_step_wall = now, True, time.time()
+        w.last_progress, w.stepped, w.last_step_wall = now, True, self.clock.wall()
         if m.snapped:  # a step counts as committed only once its snapshot is complete
             self.view.latest_step[rank] = m.step
         self.view.reached_step[rank] = max(self.view.reached_step.get(rank, 0), m.step)
@@ -233,7 +235,7 @@ class WorkerProtocol:
         w.last_progress = now
         if r.restore_step is None:  # a fresh start: step 0 is snapshotted (replicable)
             self.view.latest_step.setdefault(rank, 0)
-        self.setup.report(recovery.Joined(rank, time.time()))
+        self.setup.report(recovery.Joined(rank, self.clock.wall()))
         if self.cadence is not None and self.cadence.current.since > 0:  # (one it has not heard)
             self.io.send(w, _cadence(self.cadence.current))
         if m.groups is not None:
@@ -243,7 +245,7 @@ class WorkerProtocol:
         """``rank`` has its final step snapshotted; the job finishes when every rank has."""
         self.view.latest_step[rank] = m.step
         self.view.done_ranks.add(rank)
-        self.setup.report(recovery.Stepped(rank, time.time()))
+        self.setup.report(recovery.Stepped(rank, self.clock.wall()))
         if self.view.phase is JobPhase.RUNNING and self.view.all_done():
             self.life.finish()
 

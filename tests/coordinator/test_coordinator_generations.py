@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.config import DetectorConfig
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.detector import FailureDetector
 from nonstop.coordinator.executor import Executor
 from nonstop.coordinator.generation_setup import GenerationSetup
@@ -36,7 +37,7 @@ from nonstop.policy.reconfiguration import (
 )
 from nonstop.policy.survivors import SurvivorChoice
 from nonstop.protocol.wire import Inventory as InventoryReply
-from tests.coord_fakes import FakeChannel, add_member, agent_chan, logged, worker_chan
+from tests.coord_fakes import FakeChannel, FakeClock, add_member, agent_chan, logged, worker_chan
 
 
 # -- the parts both are built from ------------------------------------------------------------------
@@ -92,7 +93,7 @@ class FakeSpares:
 
 
 def _setup(
-    tmp_path: Path, *, timeout_s: float = 0.0
+    tmp_path: Path, *, timeout_s: float = 0.0, clock: Clock = SYSTEM_CLOCK
 ) -> tuple[GenerationSetup, JobView, FakeSwapsDone, FakeSpares, list[FakeChannel]]:
     view, io, events, life = _job(tmp_path)
     chans = [_worker(view, str(rank), Role.WORKER, rank) for rank in range(2)]
@@ -108,6 +109,7 @@ def _setup(
         shards=FakeShards(),
         swaps=swaps,
         spares=spares,
+        clock=clock,
     )
     return setup, view, swaps, spares, chans
 
@@ -172,6 +174,22 @@ def test_a_stage_that_overruns_has_its_laggards_killed(tmp_path: Path) -> None:
     assert kill["spawn_id"] == view.members[1]
     assert view.workers[view.members[1]].killed_for_hang == "stage restore timed out"
     assert [m["t"] for m in agent_chan(view, "0").sent] == []
+
+
+def test_a_stage_times_out_on_the_setups_clock_with_no_sleep(tmp_path: Path) -> None:
+    clock = FakeClock()
+    setup, view, _, _, _ = _setup(tmp_path, timeout_s=5.0, clock=clock)
+    setup.launch(_planned(view), tier="memory", fetches={})
+    setup.report(Restored(0, clock.wall()))
+    setup.check_timeouts()  # the stage's deadline is set on the first tick
+    clock.advance(4.0)
+    setup.check_timeouts()  # within the timeout: nobody is killed
+    assert [m for m in agent_chan(view, "1").sent if m["t"] == "kill"] == []
+    clock.advance(2.0)
+    setup.check_timeouts()
+    [kill] = [m for m in agent_chan(view, "1").sent if m["t"] == "kill"]
+    assert kill["spawn_id"] == view.members[1]
+    assert view.workers[view.members[1]].killed_for_hang == "stage restore timed out"
 
 
 def test_an_abandoned_generation_hears_nothing_more(tmp_path: Path) -> None:

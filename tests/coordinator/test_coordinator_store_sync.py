@@ -16,6 +16,7 @@ import pytest
 
 from nonstop.control.embedded import EmbeddedStore
 from nonstop.control.jobstore import JobStore
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.executor import Executor
 from nonstop.coordinator.job import JobLife
 from nonstop.coordinator.store_sync import StoreSync
@@ -24,7 +25,7 @@ from nonstop.events.log import EventLog
 from nonstop.policy.phase import Busy, JobPhase
 from nonstop.policy.reconfiguration import Failure
 from nonstop.protocol.worker import CadenceMsg, ResumeMsg
-from tests.coord_fakes import FakeChannel, agent_chan, logged, worker_chan
+from tests.coord_fakes import FakeChannel, FakeClock, agent_chan, logged, worker_chan
 
 TTL = 30.0  # the nodes' leases: nothing lapses on its own during a test
 
@@ -72,7 +73,7 @@ class Parts:
     """Two nodes (0 plays rank 0 and holds a spare; 1 plays rank 1), the job running, and the store
     sync built from fakes (``jobs``: store mode)."""
 
-    def __init__(self, tmp_path: Path, *, jobs: JobStore | None = None) -> None:
+    def __init__(self, tmp_path: Path, *, jobs: JobStore | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.tmp_path = tmp_path
         self.view = view = JobView(job_id="j", world_size=2)
@@ -105,6 +106,7 @@ class Parts:
             reconnect_s=60.0,
             store_url="etcd://127.0.0.1:1",
             swaps=self.swaps,
+            clock=clock,
         )
         self.store.bind(nodes=self.nodes, workers=self.workers, gens=self.gens)
 
@@ -172,6 +174,29 @@ def test_a_coordinator_resumed_mid_recovery_resyncs_once_its_nodes_are_back(
             q.store.reattach(q.view.nodes[name], FakeChannel({"role": "agent", "node": name}))  # type: ignore[arg-type]
         q.store.tick()
         assert q.gens.begun == [([], True)] and not q.store.resync and q.store.busy() == set()
+    finally:
+        q.store.close()
+        for k in keepers:
+            k.stop(revoke=True)
+
+
+def test_a_resumed_coordinator_loses_a_node_that_does_not_reconnect_within_the_window(
+    tmp_path: Path, jobs: JobStore
+) -> None:
+    keepers = [jobs.register_node(name, "a", ttl=TTL) for name in ("0", "1")]
+    assert jobs.save(Parts(tmp_path).store.record())  # the dead coordinator's last record
+    clock = FakeClock()
+    q = Parts(tmp_path / "restarted", jobs=jobs, clock=clock)
+    q.store.open()
+    try:
+        assert set(q.store.awaiting) == {"0", "1"}
+        q.store.reattach(q.view.nodes["0"], FakeChannel({"role": "agent", "node": "0"}))  # type: ignore[arg-type]
+        clock.advance(59.0)
+        q.store.tick()  # within reconnect_s (60 s): node 1 is still awaited
+        assert q.nodes.lost == [] and set(q.store.awaiting) == {"1"}
+        clock.advance(2.0)
+        q.store.tick()
+        assert q.nodes.lost == [("1", "did not reconnect within 60s")] and not q.store.awaiting
     finally:
         q.store.close()
         for k in keepers:

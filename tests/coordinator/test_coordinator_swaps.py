@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.config import DetectorConfig
+from nonstop.coordinator.clock import SYSTEM_CLOCK, Clock
 from nonstop.coordinator.detector import FailureDetector
 from nonstop.coordinator.executor import Executor
 from nonstop.coordinator.job import JobLife
@@ -24,7 +25,7 @@ from nonstop.policy.phase import Busy, JobPhase
 from nonstop.policy.reconfiguration import Reconfiguration
 from nonstop.protocol.agent import FetchedBytes
 from nonstop.protocol.wire import Fetched
-from tests.coord_fakes import FakeChannel, agent_chan, logged, worker_chan
+from tests.coord_fakes import FakeChannel, FakeClock, agent_chan, logged, worker_chan
 
 
 # -- fakes of the peers -----------------------------------------------------------------------------
@@ -145,6 +146,7 @@ class Parts:
         full: int | None = None,
         nodes: int = 2,
         timeout_s: float = 30.0,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.tmp_path = tmp_path
         tmp_path.mkdir(parents=True, exist_ok=True)
@@ -183,6 +185,7 @@ class Parts:
             rebuild_timeout_s=timeout_s,
             swap_transfer="auto",
             persist=self.persist,
+            clock=clock,
         )
         self.swaps.bind(resize=self.resize, nodes=self.nodes)
 
@@ -308,6 +311,24 @@ def test_no_spare_within_the_timeout_refuses_the_migration_and_answers_its_clien
     p.swaps.clients[0] = [client]  # type: ignore[list-item]
     p.swaps.tick()
     assert p.swaps.active is None and not p.swaps.queue
+    assert p.events_named("migration_refused")[0]["reason"] == "no node has an idle spare"
+    assert client.sent == [{"t": "migrated", "rank": 0, "ok": False, "error": "no node has an idle spare"}]
+
+
+def test_a_migration_waits_for_a_spare_until_the_swaps_clock_passes_the_timeout(tmp_path: Path) -> None:
+    clock = FakeClock()
+    p = Parts(tmp_path, nodes=1, timeout_s=30.0, clock=clock)
+    client = FakeChannel({"role": "client"})
+    p.swaps.request_migration(0, None, "drain")
+    p.swaps.clients[0] = [client]  # type: ignore[list-item]
+    p.swaps.tick()
+    clock.advance(29.0)
+    p.swaps.tick()  # no spare yet, but within the timeout: asked again later
+    assert p.swaps.active is None and [q[0] for q in p.swaps.queue] == [0]
+    assert not p.events_named("migration_refused") and client.sent == []
+    clock.advance(2.0)
+    p.swaps.tick()
+    assert not p.swaps.queue
     assert p.events_named("migration_refused")[0]["reason"] == "no node has an idle spare"
     assert client.sent == [{"t": "migrated", "rank": 0, "ok": False, "error": "no node has an idle spare"}]
 

@@ -22,6 +22,7 @@ from nonstop.loggers import EventTally, TensorBoardHook, WandbHook, event_record
 from nonstop.protocol import wire
 from nonstop.protocol.worker import EventMsg
 from nonstop.train.eventhooks import EventHooks
+from tests.coord_fakes import FakeClock
 
 RECOVERY = ev.Recovery(
     ts=100.0, failure_kind="kill", rank=1, step=15, detail="", detect_s=0.05,
@@ -98,21 +99,22 @@ def test_a_subscriber_that_does_not_read_never_holds_the_coordinator() -> None:
 
 
 def test_committed_is_sent_when_it_moves_at_most_once_per_interval() -> None:
-    now = [0.0]
-    feed = EventFeed(committed_every_s=1.0, clock=lambda: now[0])
+    clock = FakeClock(monotonic=0.0)
+    feed = EventFeed(committed_every_s=1.0, clock=clock)
     chan = FakeChan()
     feed.tick(committed=3, generation=1, world_size=2)  # no subscriber: nothing
     feed.subscribe(1, chan, ["committed"])
     feed.tick(committed=3, generation=1, world_size=2)
-    now[0] = 0.5
+    clock.now = 0.5
     feed.tick(committed=5, generation=1, world_size=2)  # too soon
-    now[0] = 1.1
+    clock.now = 1.1
     feed.tick(committed=5, generation=1, world_size=2)
-    now[0] = 3.0
+    clock.now = 3.0
     feed.tick(committed=5, generation=1, world_size=2)  # did not move
     assert feed.flush(5)
     got = [ev.decode(m["event"]) for m in chan.sent]
     assert [(c.step, c.world_size) for c in got if isinstance(c, Committed)] == [(3, 2), (5, 2)]
+    assert {c.ts for c in got if isinstance(c, Committed)} == {clock.unix}  # the clock's wall time
     feed.close()
 
 
