@@ -255,15 +255,16 @@ def test_view_counts_room_per_device_node_and_keeps_local_rank_in_its_record() -
 
 
 def test_membership_keeps_the_device_as_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nonstop.protocol.worker import ReconfigureMsg
     from nonstop.train.membership import Membership
 
     monkeypatch.setenv("NONSTOP_DEVICE", "2")
     monkeypatch.setenv("LOCAL_RANK", "2")
     m = Membership(None)
-    m.apply({"rank": 1, "world_size": 4, "env": {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}})
+    m.apply(ReconfigureMsg(gen=0, rank=1, world_size=4, env={"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}))
     assert os.environ["LOCAL_RANK"] == "2" and os.environ["RANK"] == "1"
     monkeypatch.delenv("NONSTOP_DEVICE")
-    m.apply({"rank": 1, "world_size": 4, "env": {"LOCAL_RANK": "1"}})
+    m.apply(ReconfigureMsg(gen=0, rank=1, world_size=4, env={"LOCAL_RANK": "1"}))
     assert os.environ["LOCAL_RANK"] == "1"  # a CPU node: the coordinator's number, as before
 
 
