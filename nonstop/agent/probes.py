@@ -21,7 +21,7 @@ The verdict logic (:func:`memory_verdict`, :func:`parse_command_output`, :func:`
 the readers take their input through arguments so tests need no special host.
 
 Each node agent runs these on a period, on a thread of its own
-(:mod:`~nonstop.agent.probes`), and sends each verdict change as ``{"t": "health", ...}``
+(:mod:`~nonstop.agent.probes`), and sends each verdict change as a ``HealthMsg``
 (the worker's ``degrade`` fault sends the same message); the coordinator's
 :class:`~nonstop.coordinator.health.Health` grades and drains on it.
 """

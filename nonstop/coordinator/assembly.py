@@ -56,6 +56,7 @@ from nonstop.coordinator.job_shape import JobShape, job_shape, replicates
 from nonstop.coordinator.job_start import JobStart
 from nonstop.coordinator.metrics import JobMonitor
 from nonstop.coordinator.node_agents import AgentTerms, NodeAgents
+from nonstop.coordinator.operations import Operations
 from nonstop.coordinator.persistence import ClusterPersister, PersistOps
 from nonstop.coordinator.plan_asks import PlanAsks
 from nonstop.coordinator.replication import ReplicationRounds
@@ -85,39 +86,6 @@ class _Core:
     kv: KeyValueTable
     rounds: ClusterPersister | None  # persist rounds of a job of several nodes
     clock: Clock  # what the operations that take a clock read the time through (clock.py)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Operations:
-    """One job's coordinator: its shape, the core, and every operation, wired (see the module
-    docstring). ``persister``: one node's Persister, or the rounds of a job of several nodes."""
-
-    shape: JobShape
-    view: JobView
-    io: Executor
-    events: EventLog
-    life: JobLife
-    detector: FailureDetector
-    kv: KeyValueTable
-    persister: Persister | ClusterPersister | None
-    rounds: ClusterPersister | None
-    replication: ReplicationRounds
-    sources: RestoreSources
-    swaps: Swaps
-    store: StoreSync
-    health: Health
-    resize: Resizing
-    agents: NodeAgents
-    setup: GenerationSetup
-    gens: Generations
-    start: JobStart
-    failures: Failures
-    clients: ClientRequests
-    persists: PersistOps
-    feed: EventFeed
-    workers: WorkerProtocol
-    routes: Routes
-    clock: Clock  # what the operations read the time through (clock.py); the loop's too
 
 
 class _Later:

@@ -16,7 +16,7 @@ state), as CheckFreq tunes its checkpoint frequency to an overhead budget.
 Every rank must snapshot the same steps (a recovery restores the newest step *every* rank holds),
 so the interval changes only at a step announced ahead: a :class:`Cadence` says "from step
 ``since`` on, every ``every``-th step counting from ``since``". The coordinator sends the new one to
-every member ``{"t": "cadence", "every": K, "since": S}`` with ``S`` a few steps beyond the newest
+every member a ``CadenceMsg(every=K, since=S)`` with ``S`` a few steps beyond the newest
 step any rank reported, and to each rank that joins later; a rank applies it at the first step
 ``>= S`` (:meth:`Cadence.due`). A rank that heard it late snapshots a few steps under the old
 interval: recoveries then find a slightly older common step, never a wrong one.
